@@ -1,0 +1,18 @@
+import os
+
+import pytest
+import torch
+
+# Triton kernels run on CPU tensors through the interpreter when there is no GPU. The variable must be
+# set before triton is first imported, hence here rather than in a fixture.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
