@@ -1,0 +1,55 @@
+"""The attention backend: the one interface through which the engine writes and reads the paged KV cache.
+
+Two implementations share the signatures of `epdserve.kernels.reference`:
+    "torch"  the PyTorch reference (the CPU execution path; also runs on CUDA)
+    "triton" the Triton kernels (CUDA; on CPU only under the Triton interpreter, for tests)
+Triton is imported only when the Triton backend is chosen, so this module imports without it.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from epdserve.kernels import reference
+
+BACKEND_NAMES = ("auto", "triton", "torch")
+
+
+class AttentionBackend(NamedTuple):
+    """Which implementation runs, and its two entry points (reference signatures)."""
+
+    name: str  # "triton" or "torch", never "auto"
+    write_kv: Callable[..., None]  # kv_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    attend: Callable[..., torch.Tensor]  # paged_attention(query, key_cache, ..., scale, sliding_window, out)
+
+
+def select_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """Return the backend called `name` for tensors on `device`.
+
+    "auto" is Triton on CUDA and the PyTorch reference elsewhere. "triton" on a non-CUDA device is
+    allowed only when Triton's interpreter is on (TRITON_INTERPRET=1 before triton is first imported).
+    Raises ValueError for an unknown name and RuntimeError when Triton cannot serve the device.
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")
+    device = torch.device(device)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return AttentionBackend("torch", reference.kv_cache_write, reference.paged_attention)
+    return _triton_backend(device)
+
+
+def _triton_backend(device: torch.device) -> AttentionBackend:
+    try:
+        from epdserve.kernels.kv_cache_write import kv_cache_write
+        from epdserve.kernels.paged_attention import INTERPRETED, paged_attention
+    except ImportError as exc:
+        raise RuntimeError(f"the triton attention backend needs the triton package: {exc}") from exc
+    if device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(
+            f"the triton attention backend needs a CUDA device, got {device}; on CPU it runs only under "
+            "the Triton interpreter (TRITON_INTERPRET=1 set before triton is first imported), else use 'torch'"
+        )
+    return AttentionBackend("triton", kv_cache_write, paged_attention)
