@@ -16,3 +16,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# Tests share two cores with other processes; more intra-op threads than free cores makes torch's OpenMP
+# workers spin against each other. One thread is also what makes runs reproducible.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    """SmolLM2-135M-Instruct as an HF folder, converted from the packaged GGUF on first use."""
+    from epdserve.shared.default_model import prepare_default_model
+
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_paths(tmp_path_factory, default_model_path):
+    """Random tiny Llama and Qwen2 checkpoints built by the project's own script (fixed seed)."""
+    from epdserve.shared.tiny_models import TINY_CONFIGS, build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: str(build_tiny_model(arch, root / arch, default_model_path)) for arch in TINY_CONFIGS}

@@ -1,0 +1,169 @@
+"""The KV block pool: allocation, reference counts and the prefix cache.
+
+Prefix caching is a chained hash over *full* blocks: a block's hash covers its parent's hash, its token
+ids and its extra keys (multimodal item hashes overlapping it; the request's `cache_salt` on the first
+block), so equal hashes mean equal prefixes. A hit is also verified against the block's stored token ids.
+Free blocks wait in one LRU queue (an OrderedDict: O(1) removal from the middle when a cached block is
+hit again); a cached block keeps its content until it is popped for reuse, which is the eviction.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import Sequence
+
+from epdserve.shared.request import Request
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Set while the block holds a full, registered block of some prefix; None otherwise.
+        self.block_hash: bytes | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()) -> bytes:
+    """Stable across processes (unlike `hash()` of strings), so peers can compare prefixes."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash or b"\0" * 16)
+    h.update(array("q", token_ids).tobytes())
+    for key in extra_keys:
+        h.update(b"\x1f" + key.encode())
+    return h.digest()
+
+
+class BlockManager:
+    """Sole owner of the blocks, the free queue and the hash map; writes `request.block_ids`."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Least recently used first; never-filled and hashless blocks go to the front.
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached_blocks: dict[bytes, KVBlock] = {}
+        # request_id -> how many of its full blocks are registered in `cached_blocks` already.
+        self._num_registered: dict[str, int] = {}
+        # Prefix-cache statistics in tokens, as vLLM counts them.
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -------------------------------------------------------------------------------
+    def _update_block_hashes(self, request: Request) -> None:
+        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs], self._extra_keys(request, i)))
+
+    def _extra_keys(self, request: Request, block_index: int) -> tuple[str, ...]:
+        start, end = block_index * self.block_size, (block_index + 1) * self.block_size
+        keys = [p.mm_hash for p in request.mm_placeholders if p.offset < end and p.offset + p.length > start]
+        if block_index == 0 and request.cache_salt:
+            keys.insert(0, "salt:" + request.cache_salt)
+        return tuple(keys)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request, in whole blocks; never its last token (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        bs, tokens = self.block_size, request.all_token_ids
+        hits: list[KVBlock] = []
+        for i in range((request.num_tokens - 1) // bs):
+            block = self.cached_blocks.get(request.block_hashes[i])
+            if block is None or block.token_ids != tuple(tokens[i * bs:(i + 1) * bs]):
+                break
+            hits.append(block)
+        self.num_prefix_queries += request.num_tokens
+        self.num_prefix_hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    # -- allocation ---------------------------------------------------------------------------------
+    def _num_new_blocks(self, request: Request, num_new_tokens: int, num_computed_blocks: int) -> int:
+        num_computed = request.num_computed_tokens or num_computed_blocks * self.block_size
+        return self.num_blocks_for(num_computed + num_new_tokens) - len(request.block_ids) - num_computed_blocks
+
+    def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
+        # Hit blocks that sit in the free queue leave it when touched, so they count against it too.
+        num_reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        needed = self._num_new_blocks(request, num_new_tokens, len(computed_blocks))
+        return needed + num_reclaimed <= self.num_free_blocks
+
+    def allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> None:
+        """Give `request` blocks for `num_new_tokens` more tokens, after its `computed_blocks` prefix hits."""
+        assert self.can_allocate(request, num_new_tokens, computed_blocks)
+        num_new = self._num_new_blocks(request, num_new_tokens, len(computed_blocks))
+        for block in computed_blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+            request.block_ids.append(block.block_id)
+        if computed_blocks:
+            self._num_registered[request.request_id] = len(computed_blocks)
+        for _ in range(max(num_new, 0)):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:  # evict its cached content
+                if self.cached_blocks.get(block.block_hash) is block:
+                    del self.cached_blocks[block.block_hash]
+                block.block_hash, block.token_ids = None, ()
+            block.ref_cnt = 1
+            request.block_ids.append(block.block_id)
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_registered.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        bs, tokens = self.block_size, request.all_token_ids
+        for i in range(start, num_full):
+            block_hash = request.block_hashes[i]
+            if block_hash in self.cached_blocks:
+                continue  # another request computed the same block first; ours stays private
+            block = self.blocks[request.block_ids[i]]
+            block.block_hash, block.token_ids = block_hash, tuple(tokens[i * bs:(i + 1) * bs])
+            self.cached_blocks[block_hash] = block
+        self._num_registered[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references. Cached blocks join the LRU tail, last block first, so a prefix's
+        tail is evicted before its head; blocks without content join the front, to be reused first."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block_id} freed twice"
+            if block.ref_cnt == 0:
+                self.free_queue[block_id] = block
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block_id, last=False)
+        request.block_ids = []
+        self._num_registered.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; only possible while no block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash, block.token_ids = None, ()
+        self.cached_blocks.clear()
+        return True

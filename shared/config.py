@@ -1,0 +1,159 @@
+"""Engine configuration: frozen dataclasses built once at the entry point and passed down.
+
+Nothing below the entry point reads the environment or the model folder again; it reads these.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+        raise ValueError(f"unsupported dtype {dtype}; choose one of {sorted(_DTYPES)}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What the model code needs from an HF `config.json`, normalised across Llama/Mistral/Qwen2."""
+
+    path: str
+    architecture: str
+    dtype: torch.dtype
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    # HF `rope_parameters` / `rope_scaling` without rope_theta; None for plain RoPE.
+    rope_scaling: dict[str, Any] | None
+    max_model_len: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    model_id: str = ""
+
+    @staticmethod
+    def from_pretrained(path: str | Path, dtype: str | torch.dtype = "float32",
+                        max_model_len: int | None = None) -> ModelConfig:
+        folder = Path(path)
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no model at {str(path)!r}: expected an HF folder with config.json")
+        raw = json.loads(config_file.read_text())
+        raw = raw.get("text_config", raw)
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs}; supported: {list(SUPPORTED_ARCHITECTURES)}")
+        num_heads = raw["num_attention_heads"]
+        head_size = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        model_len = raw.get("max_position_embeddings", 2048)
+        if max_model_len is not None:
+            if max_model_len <= 0:
+                raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+            model_len = min(model_len, max_model_len)
+        use_sliding = raw.get("use_sliding_window", arch == "MistralForCausalLM")
+        eos = raw.get("eos_token_id")
+        generation_config = folder / "generation_config.json"
+        if generation_config.is_file():
+            eos = json.loads(generation_config.read_text()).get("eos_token_id", eos)
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return ModelConfig(
+            path=str(folder),
+            architecture=arch,
+            dtype=parse_dtype(dtype),
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_size=head_size,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_model_len=model_len,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            o_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            sliding_window=raw.get("sliding_window") if use_sliding else None,
+            eos_token_ids=eos_ids,
+            model_id=raw.get("_name_or_path") or folder.name,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    # Size of the KV pool; `num_blocks` wins over the byte budget when both are given.
+    kv_cache_memory_bytes: int = 2 << 30
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+
+    def resolve_num_blocks(self, model: ModelConfig) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        num = self.kv_cache_memory_bytes // (model.kv_bytes_per_token * self.block_size)
+        if num <= 0:
+            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds no block of this model")
+        return int(num)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    # Tokens computed per step, prefill chunks and decodes together.
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self):
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    seed: int = 0

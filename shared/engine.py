@@ -1,0 +1,124 @@
+"""The engine core: add requests, step, abort. Everything a service or `LLM` runs sits on this."""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import NamedTuple
+
+from epdserve.shared.block_manager import BlockManager
+from epdserve.shared.config import EngineConfig
+from epdserve.shared.model_runner import ModelRunner
+from epdserve.shared.output_processor import OutputProcessor
+from epdserve.shared.outputs import RequestOutput
+from epdserve.shared.request import MultiModalPlaceholder, Request, RequestStatus
+from epdserve.shared.sampling_params import SamplingParams
+from epdserve.shared.scheduler import Scheduler
+from epdserve.shared.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+class EngineStats(NamedTuple):
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self.model_config = config.model
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.path)
+        num_blocks = config.cache.resolve_num_blocks(config.model)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.runner = ModelRunner(config, num_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer.fast if self.tokenizer else None)
+        logger.info("engine ready: %s (%s), %d KV blocks of %d tokens, attention backend %s",
+                    config.model.model_id, config.model.dtype, num_blocks, config.cache.block_size,
+                    self.runner.attention_backend)
+
+    # -- requests -----------------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                     arrival_time: float | None = None, cache_salt: str | None = None,
+                     mm_placeholders: tuple[MultiModalPlaceholder, ...] = ()) -> Request:
+        """Validate and tokenize; raises ValueError naming the problem. Changes no engine state."""
+        params = params or SamplingParams()
+        text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        params = replace(params, eos_token_ids=self.model_config.eos_token_ids)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string")
+        return Request(request_id, token_ids, params, self.model_config.max_model_len, arrival_time,
+                       cache_salt, mm_placeholders, text)
+
+    def add_request(self, request_id: str, prompt: PromptType | Request, params: SamplingParams | None = None,
+                    **kwargs) -> Request:
+        request = prompt if isinstance(prompt, Request) else self.make_request(request_id, prompt, params, **kwargs)
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request)
+        return request
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompt_token_ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        max_len = self.model_config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; this model takes fewer than {max_len}")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Stop requests wherever they are; every block they held returns to the pool."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        aborted = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        return [out for r in aborted if (out := self.output_processor.make_output(r)) is not None]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return the outputs that are due."""
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched.scheduled)
+        outputs = []
+        for request in self.scheduler.update_from_output(sched, result.token_ids):
+            stop = self.output_processor.process_token(request, result.logprobs.get(request.request_id))
+            if stop is not None and not request.is_finished:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+                request.stop_reason = stop
+            out = self.output_processor.make_output(request)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_free_blocks,
+                           bm.num_blocks, bm.usage, bm.num_prefix_queries, bm.num_prefix_hits,
+                           self.scheduler.num_preemptions)

@@ -1,0 +1,91 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`, as in vLLM."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Sequence
+
+from epdserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from epdserve.shared.engine import LLMEngine, PromptType
+from epdserve.shared.outputs import RequestOutput
+from epdserve.shared.sampling_params import RequestOutputKind, SamplingParams
+
+
+def build_engine_config(
+    model: str,
+    dtype: str = "float32",
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int = 128,
+    max_num_batched_tokens: int = 2048,
+    kv_cache_memory_bytes: int = 2 << 30,
+    num_kv_blocks: int | None = None,
+    max_model_len: int | None = None,
+    attention_backend: str = "auto",
+    device: str = "cpu",
+    seed: int = 0,
+) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig.from_pretrained(model, dtype, max_model_len),
+        cache=CacheConfig(block_size, kv_cache_memory_bytes, num_kv_blocks, enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+        device=device,
+        attention_backend=attention_backend,
+        seed=seed,
+    )
+
+
+class LLM:
+    """Offline batched generation. Keyword arguments are those of `build_engine_config`:
+    model, dtype ("float32" | "bfloat16"), block_size, enable_prefix_caching, max_num_seqs,
+    max_num_batched_tokens, kv_cache_memory_bytes or num_kv_blocks, max_model_len, attention_backend
+    ("auto" | "torch" | "triton"), device, seed."""
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = LLMEngine(build_engine_config(model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (a string, token ids, or {"prompt_token_ids": [...]}); outputs in order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        # Validate everything before adding anything, so a bad prompt leaves the engine untouched.
+        requests = [self.engine.make_request(str(next(self._ids)), p, sp) for p, sp in zip(prompts, params)]
+        return self._run(requests)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, formatted by the tokenizer's chat template."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": tokenizer.encode_chat(c, add_generation_prompt, **(chat_template_kwargs or {}))}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * n
+        if len(sampling_params) != n:
+            raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
+        return [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in sampling_params]
+
+    def _run(self, requests) -> list[RequestOutput]:
+        for request in requests:
+            self.engine.add_request(request.request_id, request)
+        finals: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        return [finals[r.request_id] for r in requests]

@@ -1,0 +1,106 @@
+"""Runs one scheduled step on the model: builds the varlen batch, runs the forward pass, samples.
+
+Owns the model weights and the KV cache tensor
+    kv_cache: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_size]
+whose per-layer K and V views the attention layers write and read. A block of every layer is
+`kv_cache[:, :, block_id]`, the unit the transport moves between engines.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from epdserve.kernels.backend import select_attention_backend
+from epdserve.shared.config import EngineConfig
+from epdserve.shared.layers.attention import AttentionMetadata
+from epdserve.shared.models import MODEL_CLASSES
+from epdserve.shared.sampler import Sampler, TokenLogprobs
+from epdserve.shared.scheduler import ScheduledRequest
+from epdserve.shared.weights import iterate_weights
+
+
+class ModelRunnerOutput(NamedTuple):
+    # Only requests whose computed tokens reached their length this step get a token.
+    token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+
+
+def load_model(config: EngineConfig) -> torch.nn.Module:
+    model_config = config.model
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        with torch.device(config.device):
+            model = MODEL_CLASSES[model_config.architecture](model_config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.load_weights(iterate_weights(model_config.path))
+    return model.eval().requires_grad_(False)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        m = config.model
+        self.model = load_model(config)
+        self.kv_cache = torch.zeros(m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_size,
+                                    dtype=m.dtype, device=self.device)
+        backend = select_attention_backend(config.attention_backend, self.device)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.key_cache, attn.value_cache, attn.backend = self.kv_cache[i, 0], self.kv_cache[i, 1], backend
+        self.attention_backend = backend.name
+        self.sampler = Sampler(config.seed)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
+        if not scheduled:
+            return ModelRunnerOutput({}, {})
+        input_ids, positions, meta, sample_rows, sample_requests = self._prepare(scheduled)
+        hidden = self.model(input_ids, positions, meta)
+        if not sample_requests:
+            return ModelRunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[sample_rows]).cpu()
+        out = self.sampler(logits, sample_requests)
+        ids = {r.request_id: t for r, t in zip(sample_requests, out.token_ids)}
+        logprobs = {r.request_id: lp for r, lp in zip(sample_requests, out.logprobs) if lp is not None}
+        return ModelRunnerOutput(ids, logprobs)
+
+    def _prepare(self, scheduled: list[ScheduledRequest]):
+        bs = self.block_size
+        token_ids: list[int] = []
+        starts: list[int] = []
+        q_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_requests = []
+        for request, num_new in scheduled:
+            start = request.num_computed_tokens
+            end = start + num_new
+            token_ids.extend(request.all_token_ids[start:end])
+            starts.append(start)
+            q_lens.append(num_new)
+            tables.append(request.block_ids)
+            if end == request.num_tokens:
+                sample_rows.append(len(token_ids) - 1)
+                sample_requests.append(request)
+        num_seqs = len(scheduled)
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
+        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
+        torch.cumsum(q_lens_t, 0, out=query_start_loc[1:])
+        seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
+        # Position of each new token = its sequence's computed count + its index within the chunk.
+        positions = torch.tensor(starts, dtype=torch.long)[seq_idx] + (
+            torch.arange(len(token_ids)) - query_start_loc[:-1].long()[seq_idx])
+        slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+        seq_lens = torch.tensor(starts, dtype=torch.int32) + q_lens_t
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping.to(dev), block_tables.to(dev), seq_lens.to(dev), query_start_loc.to(dev))
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        return input_ids, positions.to(dev), meta, torch.tensor(sample_rows, device=dev), sample_requests

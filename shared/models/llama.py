@@ -1,0 +1,160 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over the paged KV cache.
+
+Numerics follow HF transformers (float32 RMSNorm, rotate-half RoPE, residuals in the model dtype), so
+greedy float32 output matches `generate` token for token. Q/K/V and gate/up projections are fused into
+one matmul each: on CPU a batch-64 decode step is a handful of small matmuls per layer, and fewer, larger
+ones run closer to the machine's peak.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epdserve.shared.config import ModelConfig
+from epdserve.shared.layers.attention import Attention, AttentionMetadata
+from epdserve.shared.layers.rms_norm import RMSNorm
+from epdserve.shared.layers.rotary_embedding import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_size = config.num_heads, config.num_kv_heads, config.head_size
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_size, config.sliding_window)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_size)
+        k = k.view(-1, self.num_kv_heads, self.head_size)
+        v = v.view(-1, self.num_kv_heads, self.head_size)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, meta)
+        return self.o_proj(o.view(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # One RoPE table shared by all layers.
+        rotary = RotaryEmbedding(config.head_size, config.max_model_len, config.rope_theta,
+                                 config.rope_scaling, config.dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Our fused parameter <- the HF parameters stacked into it, in order.
+    STACKED = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, inputs_embeds)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Logits in the model dtype, then float32, as HF generate takes them.
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into our parameters; every parameter must be written exactly once."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        pending = {name for name in params if not (self.config.tie_word_embeddings and name == "lm_head.weight")}
+        # Pieces of fused parameters: (fused name, HF piece name) -> row offset.
+        pieces: dict[str, tuple[str, int]] = {}
+        for name, param in params.items():
+            for fused, parts in self.STACKED.items():
+                if f".{fused}." in name:
+                    sizes = self._piece_sizes(fused)
+                    offset = 0
+                    for part, size in zip(parts, sizes):
+                        pieces[name.replace(fused, part)] = (name, offset)
+                        offset += size
+        written: dict[str, int] = {}
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if hf_name in pieces:
+                target, offset = pieces[hf_name]
+                param = params[target]
+                rows = tensor.shape[0]
+                if offset + rows > param.shape[0] or tensor.shape[1:] != param.shape[1:]:
+                    raise ValueError(f"weight {hf_name} has shape {tuple(tensor.shape)}, does not fit {target}")
+                param.data[offset:offset + rows].copy_(tensor)
+                written[target] = written.get(target, 0) + rows
+                if written[target] == param.shape[0]:
+                    pending.discard(target)
+            elif hf_name in params:
+                param = params[hf_name]
+                if tensor.shape != param.shape:
+                    raise ValueError(f"weight {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                param.data.copy_(tensor)
+                pending.discard(hf_name)
+            else:
+                raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+        if pending:
+            raise ValueError(f"checkpoint lacks weights: {sorted(pending)[:8]}")
+
+    def _piece_sizes(self, fused: str) -> tuple[int, ...]:
+        c = self.config
+        if fused == "qkv_proj":
+            return c.num_heads * c.head_size, c.num_kv_heads * c.head_size, c.num_kv_heads * c.head_size
+        return c.intermediate_size, c.intermediate_size

@@ -1,0 +1,92 @@
+"""Turns engine progress into `RequestOutput`s: detokenization, stop strings, logprobs, output kinds."""
+from __future__ import annotations
+
+import time
+
+from tokenizers import Tokenizer
+
+from epdserve.shared.detokenizer import IncrementalDetokenizer
+from epdserve.shared.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from epdserve.shared.request import Request
+from epdserve.shared.sampler import TokenLogprobs
+from epdserve.shared.sampling_params import RequestOutputKind
+
+
+class _RequestState:
+    __slots__ = ("detokenizer", "logprobs", "cumulative_logprob", "num_sent_tokens", "num_sent_chars", "metrics")
+
+    def __init__(self, detokenizer: IncrementalDetokenizer | None, arrival_time: float) -> None:
+        self.detokenizer = detokenizer
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.cumulative_logprob = 0.0
+        self.num_sent_tokens = 0  # for DELTA outputs
+        self.num_sent_chars = 0
+        self.metrics = RequestMetrics(arrival_time)
+
+
+class OutputProcessor:
+    """Owns the per-request output state; the engine tells it about new tokens and endings."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        # tokenizer: the fast `tokenizers.Tokenizer`; None = no text (token ids only).
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}
+
+    def add_request(self, request: Request) -> None:
+        sp = request.sampling_params
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, sp.stop, sp.include_stop_str_in_output,
+                                           sp.skip_special_tokens)
+        self.states[request.request_id] = _RequestState(detok, request.arrival_time)
+
+    def process_token(self, request: Request, logprobs: TokenLogprobs | None) -> str | None:
+        """Account for the request's newest token; return a stop string it completed, if any."""
+        state = self.states[request.request_id]
+        token_id = request.output_token_ids[-1]
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = time.monotonic()
+            state.metrics.first_scheduled_time = request.first_scheduled_time
+        if logprobs is not None:
+            state.cumulative_logprob += logprobs.logprob
+            entry = {tid: Logprob(lp, rank + 1, self._decode_one(tid)) for rank, (tid, lp) in enumerate(logprobs.top)}
+            entry[token_id] = Logprob(logprobs.logprob, logprobs.rank, self._decode_one(token_id))
+            state.logprobs.append(entry)
+        if state.detokenizer is None:
+            return None
+        return state.detokenizer.add_token(token_id)
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def make_output(self, request: Request) -> RequestOutput | None:
+        """The output to deliver now for this request, by its output kind; None if nothing is due."""
+        state = self.states[request.request_id]
+        sp = request.sampling_params
+        finished = request.is_finished
+        if sp.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        text = state.detokenizer.visible_text(finished) if state.detokenizer else ""
+        token_ids = request.output_token_ids
+        logprobs = state.logprobs if sp.logprobs is not None else None
+        if sp.output_kind == RequestOutputKind.DELTA:
+            start_tok, start_chr = state.num_sent_tokens, state.num_sent_chars
+            if len(token_ids) == start_tok and len(text) == start_chr and not finished:
+                return None
+            state.num_sent_tokens, state.num_sent_chars = len(token_ids), len(text)
+            token_ids, text = token_ids[start_tok:], text[start_chr:]
+            logprobs = logprobs[start_tok:] if logprobs is not None else None
+        else:
+            token_ids = list(token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob if sp.logprobs is not None else None,
+            logprobs=logprobs,
+            finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
+        )
+        if finished:
+            state.metrics.finished_time = time.monotonic()
+            del self.states[request.request_id]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
+                             finished, max(request.num_cached_tokens, 0), state.metrics)

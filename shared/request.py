@@ -1,0 +1,130 @@
+"""A request inside the engine: its tokens, its progress and its block table."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import torch
+
+from epdserve.shared.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalPlaceholder:
+    """`length` prompt positions from `offset` on are filled by the embeddings of item `mm_hash`."""
+
+    offset: int
+    length: int
+    mm_hash: str
+
+
+class Request:
+    """Owned by the scheduler; `block_ids` and `block_hashes` are changed only by the block manager.
+
+    There are no prefill/decode phases: `num_computed_tokens` (tokens whose KV is in the cache) catches up
+    with `num_tokens`. A chunked prefill, a prefix-cache hit and KV pulled from another engine are all the
+    same thing: an increase of `num_computed_tokens`.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_model_len: int,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        mm_placeholders: tuple[MultiModalPlaceholder, ...] = (),
+        prompt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+        self.mm_placeholders = mm_placeholders
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache when the request was first scheduled.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+
+        limit = max_model_len - len(prompt_token_ids)
+        self.max_output_tokens = limit if sampling_params.max_tokens is None else min(
+            sampling_params.max_tokens, limit)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids) | (
+            frozenset() if sampling_params.ignore_eos else frozenset(sampling_params.eos_token_ids))
+        # Seeded requests draw from their own generator, so the same seed gives the same tokens
+        # whatever else shares the batch.
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        # [(token_id, logprob, rank, [(top_id, top_logprob), ...])] per output token, when asked.
+        self.logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] = []
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """Sets a finished status if the last token ends the request (token stops; strings are the engine's)."""
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= self.sampling_params.min_tokens and last in self.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = None if last in self.sampling_params.eos_token_ids and \
+                last not in self.sampling_params.stop_token_ids else last
+            return True
+        if self.num_output_tokens >= self.max_output_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,98 @@
+"""Per-request sampling parameters, shaped like vLLM's so that user scripts carry over."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+# Temperatures below this are greedy (argmax), as in vLLM.
+GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries all text/tokens so far
+    DELTA = 1  # every output carries only what is new since the last one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to the model's length
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-N alternatives per generated token (plus the sampled one)
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled in by the engine: the model's EOS ids, which also count as stops unless ignore_eos.
+    eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(f"invalid sampling parameters: {msg}")
+
+        if self.n != 1:
+            fail(f"n must be 1, got {self.n}")
+        if not self.temperature >= 0.0:
+            fail(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            fail(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            fail(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not self.repetition_penalty > 0.0:
+            fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop must be a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids must be non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return ids

@@ -1,0 +1,145 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+Each step has a token budget (`max_num_batched_tokens`) shared by decodes (one token each) and prefill
+chunks; running requests go first, in arrival order, then waiting ones. When the pool runs out of blocks,
+the most recently started running request is preempted: its blocks are freed (its full blocks stay in
+the prefix cache, so the recompute is mostly hits) and it goes back to the front of the queue.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Iterable, NamedTuple
+
+from epdserve.shared.block_manager import BlockManager
+from epdserve.shared.config import SchedulerConfig
+from epdserve.shared.request import Request, RequestStatus
+
+
+class ScheduledRequest(NamedTuple):
+    request: Request
+    num_new_tokens: int
+
+
+class SchedulerOutput(NamedTuple):
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted: list[Request]
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        # A request that could not fit even alone would be preempted forever.
+        needed = self.block_manager.num_blocks_for(request.num_prompt_tokens + request.max_output_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {needed} KV blocks (prompt {request.num_prompt_tokens} + up to "
+                f"{request.max_output_tokens} new tokens) but the cache has {self.block_manager.num_blocks}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not bm.can_allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                bm.allocate(request, num_new)
+                scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        # New requests join only in a step that preempted nobody: the pool is tight otherwise.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_cached = bm.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not bm.can_allocate(request, num_new, computed_blocks):
+                break
+            bm.allocate(request, num_new, computed_blocks)
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted)
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Advance counters after a step; append sampled tokens; return requests that have a new token."""
+        with_new_token: list[Request] = []
+        for request, num_new in output.scheduled:
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(request)
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk that did not reach the end yet
+            request.append_output_token(sampled_token_ids[request.request_id])
+            with_new_token.append(request)
+            if request.check_stop():
+                self._remove(request)
+        return with_new_token
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside (abort, stop string); frees everything they hold."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            request.status = status
+            self._remove(request)
+            finished.append(request)
+        return finished
+
+    def _remove(self, request: Request) -> None:
+        assert request.is_finished
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        del self.requests[request.request_id]

@@ -1,0 +1,35 @@
+"""Reads HF checkpoints: `config.json` plus `*.safetensors`, one file or sharded with an index."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    folder = Path(folder)
+    index = folder / SHARD_INDEX
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {str(folder)!r}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"checkpoint shards missing: {missing}")
+    return files
+
+
+def iterate_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of the checkpoint, one shard open at a time."""
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
