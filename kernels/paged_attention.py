@@ -6,10 +6,11 @@ each K/V tile read from the cache serves all GROUP query heads that share it (GQ
 the sequence's cached prefix and new tokens through its block table with an online softmax in float32,
 stopping at the tile's last causal position and starting at the sliding window's first one.
 
-Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads). Sequence s owns the tiles starting at
-`query_start_loc[s] // BLOCK_Q + s`; that start is strictly increasing in s, so each program finds its
-sequence by binary search over query_start_loc and the launcher never reads lengths back from the device.
-Programs past a sequence's last tile exit at once.
+Grid: (num_tokens // BLOCK_Q + num_seqs, num_kv_heads), or (num_tokens, num_kv_heads) with one-token
+tiles. Sequence s owns the tiles starting at `query_start_loc[s] // BLOCK_Q + s` (at `query_start_loc[s]`
+with one-token tiles); that start never decreases with s, so each program finds its sequence by binary
+search over query_start_loc and the launcher never reads lengths back from the device. Programs past a
+sequence's last tile exit at once.
 """
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ from triton.runtime.interpreter import InterpretedFunction
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _first_tile(q_start, seq, BLOCK_Q: tl.constexpr):
+    # Index of sequence `seq`'s first query tile. A sequence's tiles can straddle BLOCK_Q boundaries of the
+    # concatenated tokens: the +seq slack gives each one ceil(q_len / BLOCK_Q) tiles. One-token tiles cannot.
+    if BLOCK_Q == 1:
+        return q_start
+    else:
+        return q_start // BLOCK_Q + seq
 
 
 # num_seqs == 1 must not become a constexpr: it seeds the binary search's loop-carried bound.
@@ -59,7 +70,7 @@ def _paged_attention_kernel(
     hi = num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        mid_first_tile = tl.load(query_start_loc_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        mid_first_tile = _first_tile(tl.load(query_start_loc_ptr + mid).to(tl.int32), mid, BLOCK_Q)
         owned = mid_first_tile <= tile_id
         lo = tl.where(owned, mid, lo)
         hi = tl.where(owned, hi, mid - 1)
@@ -67,7 +78,7 @@ def _paged_attention_kernel(
 
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
     q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
-    q_tile = tile_id - (q_start // BLOCK_Q + seq)
+    q_tile = tile_id - _first_tile(q_start, seq, BLOCK_Q)
     if q_tile * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
@@ -205,7 +216,7 @@ def paged_attention(
     # A pure decode batch wastes nothing with one token per tile.
     block_q = 1 if num_tokens <= num_seqs else max(1, 64 // group_pad)
     tile_n = 64 if head_pad <= 64 else 32
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    grid = (num_tokens if block_q == 1 else num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         float(scale) * _LOG2E, num_seqs, 0 if sliding_window is None else int(sliding_window),

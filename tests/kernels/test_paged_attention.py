@@ -189,6 +189,12 @@ def test_random_batches(data, group, num_kv_heads, block_size, sliding_window, s
     check_batch(batch, sliding_window=sliding_window)
 
 
+@pytest.mark.parametrize("specs", [[(1, 5), (0, 7), (1, 9), (0, 3)], [(0, 4), (2, 6), (0, 4), (0, 3)]])
+def test_idle_sequences_with_one_token_tiles(specs):
+    """No more new tokens than sequences selects one-token tiles; idle (q_len 0) sequences are skipped."""
+    check_batch(make_batch(specs, 4, 2, 64, 8, torch.float32, seed=8))
+
+
 def test_strided_query_out_and_cache():
     """Query sliced from a fused QKV output, out a strided view, caches interleaved per layer."""
     specs = [(1, 19), (9, 9), (5, 33)]
