@@ -101,7 +101,10 @@ def _attend(
     mask = visible.unsqueeze(1).expand(num_seqs, group, q_len, max_len).reshape(num_seqs, 1, group * q_len, max_len)
     scores.masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    o = torch.matmul(probs, v)  # [S, Hkv, G*q_len, head_size]
+    # Slots past a sequence's end (the tail of its last block, padding) may hold anything, NaN included,
+    # and 0 * NaN is NaN: clear them rather than trust a zero probability.
+    beyond = key_pos.view(1, 1, -1, 1) >= seq_lens.view(-1, 1, 1, 1)
+    o = torch.matmul(probs, v.masked_fill_(beyond, 0.0))  # [S, Hkv, G*q_len, head_size]
     return o.view(num_seqs, num_kv_heads, group, q_len, head_size).permute(0, 3, 1, 2, 4).reshape(
         num_seqs, q_len, num_heads, head_size
     )
@@ -124,8 +127,8 @@ def dense_causal_attention(
     k = key.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, ctx, D]
     v = value.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.einsum("qhd,hkd->hqk", query.float(), k) * scale
-    qpos = torch.arange(ctx - q_len, ctx).unsqueeze(1)
-    kpos = torch.arange(ctx).unsqueeze(0)
+    qpos = torch.arange(ctx - q_len, ctx, device=query.device).unsqueeze(1)
+    kpos = torch.arange(ctx, device=query.device).unsqueeze(0)
     visible = kpos <= qpos
     if sliding_window is not None:
         visible &= kpos > qpos - sliding_window

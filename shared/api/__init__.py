@@ -5,11 +5,25 @@ The offline API mirrors vLLM's:
     from epdserve import LLM, SamplingParams
     llm = LLM(model="/path/to/hf-folder")
     outputs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+
+Names are imported on first use, so `import epdserve.transport` (say) does not load the engine.
 """
-from epdserve.shared.async_llm import AsyncLLM
-from epdserve.shared.llm import LLM
-from epdserve.shared.outputs import CompletionOutput, RequestOutput
-from epdserve.shared.sampling_params import RequestOutputKind, SamplingParams
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind"]
+
+_EXPORTS = {
+    "LLM": "epdserve.shared.llm",
+    "AsyncLLM": "epdserve.shared.async_llm",
+    "SamplingParams": "epdserve.shared.sampling_params",
+    "RequestOutputKind": "epdserve.shared.sampling_params",
+    "RequestOutput": "epdserve.shared.outputs",
+    "CompletionOutput": "epdserve.shared.outputs",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'epdserve' has no attribute {name!r}")

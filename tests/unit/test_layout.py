@@ -7,9 +7,14 @@ PACKAGE_FOLDERS = ("shared", "kernels", "transport", "services")
 SKIP_DIRS = {"__pycache__", ".venv", ".git", "results"}
 
 
+def _skipped(path: Path) -> bool:
+    parts = path.relative_to(ROOT).parts
+    return bool(SKIP_DIRS.intersection(parts)) or any(p.startswith(".venv") for p in parts)
+
+
 def _python_dirs(top: Path):
     for path in [top, *top.rglob("*")]:
-        if path.is_dir() and not SKIP_DIRS.intersection(path.relative_to(ROOT).parts):
+        if path.is_dir() and not _skipped(path):
             if any(path.glob("*.py")):
                 yield path
 
@@ -30,7 +35,7 @@ BARE_IMPORT = re.compile(r"^\s*(from|import)\s+(kernels|shared|transport|service
 def test_no_bare_imports_of_top_level_folders():
     offenders = []
     for path in ROOT.rglob("*.py"):
-        if SKIP_DIRS.intersection(path.relative_to(ROOT).parts):
+        if _skipped(path):
             continue
         if BARE_IMPORT.search(path.read_text(encoding="utf-8")):
             offenders.append(str(path.relative_to(ROOT)))
