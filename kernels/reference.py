@@ -14,28 +14,30 @@ cached or new token at or before that position (within `sliding_window`, if give
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def kv_cache_write(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], any strides
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int; -1 = padding, skipped
 ) -> None:
-    num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
+    block_size = key_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping
     if not bool(valid.all()):
         slots, key, value = slot_mapping[valid], key[valid], value[valid]
     slots = slots.long()
-    key_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slots, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slots, value.to(value_cache.dtype))
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
 
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], any strides
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq]
     seq_lens: torch.Tensor,  # [num_seqs]
@@ -46,9 +48,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V (cached prefix + new tokens).
 
-    The gather is done once per batch (decodes) or once per prefilling sequence, never per token:
-    single-token queries are stacked into one batched matmul, which is what batch decode spends on.
-    Softmax is computed in float32; the result has the query's dtype.
+    K/V are gathered once per batch (all single-token queries together: a decode batch is one gather and
+    one attention call) or once per prefilling sequence, never per token. Computed in float32; the result
+    has the query's dtype. Block-table entries past a sequence's blocks must be valid block ids, and the
+    slots they and the tail of its last block cover must hold finite values (they get zero weight, but
+    0 * NaN is NaN): the engine pads tables with the sequence's own blocks and zeroes blocks it allocates.
     """
     if out is None:
         out = torch.empty_like(query)
@@ -70,6 +74,24 @@ def paged_attention(
     return out
 
 
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """The K (or V) of each sequence, contiguous: [num_seqs, num_kv_heads, num_blocks * block_size, head_size].
+
+    When the cache is stored head-major ([num_blocks, num_kv_heads, block_size, head_size] memory, seen
+    through a transposed view) one head of one block is a contiguous run, so a single index_select lands
+    the result in its final layout; any other layout takes a gather plus a transposing copy.
+    """
+    total_blocks, block_size, num_kv_heads, head_size = cache.shape
+    num_seqs = block_tables.shape[0]
+    table = block_tables[:, :num_blocks].long()
+    head_major = cache.transpose(1, 2)
+    if head_major.is_contiguous():
+        rows = (table.unsqueeze(1) * num_kv_heads + torch.arange(num_kv_heads, device=cache.device).view(1, -1, 1))
+        flat = head_major.view(total_blocks * num_kv_heads, block_size * head_size)
+        return flat.index_select(0, rows.flatten()).view(num_seqs, num_kv_heads, num_blocks * block_size, head_size)
+    return cache[table].flatten(1, 2).transpose(1, 2).contiguous()
+
+
 def _attend(
     query: torch.Tensor,  # [num_seqs, q_len, num_heads, head_size] (same q_len for all)
     key_cache: torch.Tensor,
@@ -79,35 +101,20 @@ def _attend(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:  # [num_seqs, q_len, num_heads, head_size], float32
-    num_seqs, q_len, num_heads, head_size = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    max_len = int(seq_lens.max())
-    num_blocks = -(-max_len // block_size)
-    table = block_tables[:, :num_blocks].long()
-    # [num_seqs, num_kv_heads, ctx, head_size]: the sequence's K/V gathered from its blocks.
-    k = key_cache[table].flatten(1, 2)[:, :max_len].permute(0, 2, 1, 3).float()
-    v = value_cache[table].flatten(1, 2)[:, :max_len].permute(0, 2, 1, 3).float()
-    # [num_seqs, num_kv_heads, group * q_len, head_size]: query heads of one KV head side by side.
-    q = query.float().view(num_seqs, q_len, num_kv_heads, group, head_size)
-    q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group * q_len, head_size)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # [S, Hkv, G*q_len, ctx]
-
-    key_pos = torch.arange(max_len, device=query.device)
+    num_seqs, q_len = query.shape[:2]
+    block_size = key_cache.shape[1]
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    ctx = num_blocks * block_size
+    k = gather_kv(key_cache, block_tables, num_blocks).float()
+    v = gather_kv(value_cache, block_tables, num_blocks).float()
+    key_pos = torch.arange(ctx, device=query.device)
     query_pos = (seq_lens.long() - q_len).unsqueeze(1) + torch.arange(q_len, device=query.device)
     visible = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # [S, q_len, ctx]
     if sliding_window is not None:
         visible &= key_pos.view(1, 1, -1) > query_pos.unsqueeze(-1) - sliding_window
-    mask = visible.unsqueeze(1).expand(num_seqs, group, q_len, max_len).reshape(num_seqs, 1, group * q_len, max_len)
-    scores.masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    # Slots past a sequence's end (the tail of its last block, padding) may hold anything, NaN included,
-    # and 0 * NaN is NaN: clear them rather than trust a zero probability.
-    beyond = key_pos.view(1, 1, -1, 1) >= seq_lens.view(-1, 1, 1, 1)
-    o = torch.matmul(probs, v.masked_fill_(beyond, 0.0))  # [S, Hkv, G*q_len, head_size]
-    return o.view(num_seqs, num_kv_heads, group, q_len, head_size).permute(0, 3, 1, 2, 4).reshape(
-        num_seqs, q_len, num_heads, head_size
-    )
+    o = F.scaled_dot_product_attention(query.float().transpose(1, 2), k, v, attn_mask=visible.unsqueeze(1),
+                                       scale=scale, enable_gqa=True)
+    return o.transpose(1, 2)
 
 
 def dense_causal_attention(

@@ -48,6 +48,9 @@ class BlockManager:
         # Least recently used first; never-filled and hashless blocks go to the front.
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached_blocks: dict[bytes, KVBlock] = {}
+        # Blocks handed out fresh since the last `take_new_block_ids`: the model runner zeroes them, so
+        # the unwritten tail of a request's last block never holds another request's leftovers.
+        self.new_block_ids: list[int] = []
         # request_id -> how many of its full blocks are registered in `cached_blocks` already.
         self._num_registered: dict[str, int] = {}
         # Prefix-cache statistics in tokens, as vLLM counts them.
@@ -125,6 +128,11 @@ class BlockManager:
                 block.block_hash, block.token_ids = None, ()
             block.ref_cnt = 1
             request.block_ids.append(block.block_id)
+            self.new_block_ids.append(block.block_id)
+
+    def take_new_block_ids(self) -> list[int]:
+        ids, self.new_block_ids = self.new_block_ids, []
+        return ids
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly computed full blocks in the prefix cache."""

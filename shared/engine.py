@@ -105,7 +105,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return the outputs that are due."""
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched.scheduled)
+        result = self.runner.execute(sched.scheduled, sched.new_block_ids)
         outputs = []
         for request in self.scheduler.update_from_output(sched, result.token_ids):
             stop = self.output_processor.process_token(request, result.logprobs.get(request.request_id))

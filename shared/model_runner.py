@@ -1,9 +1,11 @@
 """Runs one scheduled step on the model: builds the varlen batch, runs the forward pass, samples.
 
-Owns the model weights and the KV cache tensor
-    kv_cache: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_size]
-whose per-layer K and V views the attention layers write and read. A block of every layer is
-`kv_cache[:, :, block_id]`, the unit the transport moves between engines.
+Owns the model weights and the KV cache, one tensor stored head-major:
+    kv_cache: [num_layers, 2 (K, V), num_blocks, num_kv_heads, block_size, head_size]
+Attention layers see per-layer K and V as transposed views with the kernels' logical shape
+[num_blocks, block_size, num_kv_heads, head_size]; head-major memory makes one head of one block a
+contiguous run, which is what lets the CPU path gather a whole decode batch with one index_select.
+A block of every layer is `kv_cache[:, :, block_id]`, the unit the transport moves between engines.
 """
 from __future__ import annotations
 
@@ -46,16 +48,20 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         m = config.model
         self.model = load_model(config)
-        self.kv_cache = torch.zeros(m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_size,
+        self.kv_cache = torch.zeros(m.num_layers, 2, num_blocks, m.num_kv_heads, self.block_size, m.head_size,
                                     dtype=m.dtype, device=self.device)
         backend = select_attention_backend(config.attention_backend, self.device)
         for i, attn in enumerate(self.model.attention_layers()):
-            attn.key_cache, attn.value_cache, attn.backend = self.kv_cache[i, 0], self.kv_cache[i, 1], backend
+            attn.key_cache = self.kv_cache[i, 0].transpose(1, 2)
+            attn.value_cache = self.kv_cache[i, 1].transpose(1, 2)
+            attn.backend = backend
         self.attention_backend = backend.name
         self.sampler = Sampler(config.seed)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
+    def execute(self, scheduled: list[ScheduledRequest], new_block_ids: list[int] = ()) -> ModelRunnerOutput:
+        if new_block_ids:
+            self.kv_cache.index_fill_(2, torch.tensor(new_block_ids, device=self.device), 0)
         if not scheduled:
             return ModelRunnerOutput({}, {})
         input_ids, positions, meta, sample_rows, sample_requests = self._prepare(scheduled)
@@ -88,9 +94,9 @@ class ModelRunner:
                 sample_requests.append(request)
         num_seqs = len(scheduled)
         max_blocks = max(len(t) for t in tables)
-        block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        # Rows are padded with the sequence's own last block: padding is never attended to, but a kernel
+        # that gathers whole rows then reads only this request's data.
+        block_tables = torch.tensor([t + t[-1:] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
         q_lens_t = torch.tensor(q_lens, dtype=torch.int32)
         query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
         torch.cumsum(q_lens_t, 0, out=query_start_loc[1:])

@@ -25,6 +25,7 @@ class SchedulerOutput(NamedTuple):
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     preempted: list[Request]
+    new_block_ids: list[int]  # blocks allocated fresh this step (to be zeroed before use)
 
 
 class Scheduler:
@@ -97,7 +98,8 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
 
-        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted)
+        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted,
+                               bm.take_new_block_ids())
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)

@@ -15,6 +15,7 @@ from torch import nn
 
 from epdserve.shared.config import ModelConfig
 from epdserve.shared.layers.attention import Attention, AttentionMetadata
+from epdserve.shared.layers.linear import Linear
 from epdserve.shared.layers.rms_norm import RMSNorm
 from epdserve.shared.layers.rotary_embedding import RotaryEmbedding
 
@@ -25,8 +26,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_size = config.num_heads, config.num_kv_heads, config.head_size
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_size, config.sliding_window)
 
@@ -44,8 +45,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -94,7 +95,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -152,6 +153,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
         if pending:
             raise ValueError(f"checkpoint lacks weights: {sorted(pending)[:8]}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
 
     def _piece_sizes(self, fused: str) -> tuple[int, ...]:
         c = self.config
