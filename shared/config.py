@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# The language model inside a multimodal checkpoint (LLaVA's `text_config`) is named by its model_type.
+_TEXT_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -60,7 +62,9 @@ class ModelConfig:
         if not config_file.is_file():
             raise FileNotFoundError(f"no model at {str(path)!r}: expected an HF folder with config.json")
         raw = json.loads(config_file.read_text())
-        raw = raw.get("text_config", raw)
+        if "text_config" in raw:  # multimodal (LLaVA layout): the engine runs its language model
+            raw = {"tie_word_embeddings": raw.get("tie_word_embeddings", False), **raw["text_config"]}
+            raw.setdefault("architectures", [_TEXT_MODEL_TYPES.get(raw.get("model_type"), raw.get("model_type"))])
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

@@ -48,16 +48,18 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                      arrival_time: float | None = None, cache_salt: str | None = None,
-                     mm_placeholders: tuple[MultiModalPlaceholder, ...] = ()) -> Request:
+                     mm_placeholders: tuple[MultiModalPlaceholder, ...] = (),
+                     mm_embeddings: dict | None = None) -> Request:
         """Validate and tokenize; raises ValueError naming the problem. Changes no engine state."""
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
+        self._check_multimodal(len(token_ids), mm_placeholders, mm_embeddings or {})
         params = replace(params, eos_token_ids=self.model_config.eos_token_ids)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         return Request(request_id, token_ids, params, self.model_config.max_model_len, arrival_time,
-                       cache_salt, mm_placeholders, text)
+                       cache_salt, tuple(mm_placeholders), text, mm_embeddings)
 
     def add_request(self, request_id: str, prompt: PromptType | Request, params: SamplingParams | None = None,
                     **kwargs) -> Request:
@@ -91,6 +93,18 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+
+    def _check_multimodal(self, num_tokens: int, placeholders, embeddings: dict) -> None:
+        end = 0
+        for ph in sorted(placeholders, key=lambda p: p.offset):
+            if ph.offset < end or ph.length <= 0 or ph.offset + ph.length > num_tokens:
+                raise ValueError(f"multimodal placeholder ({ph.offset}, {ph.length}) overlaps another or "
+                                 f"lies outside the {num_tokens}-token prompt")
+            end = ph.offset + ph.length
+            emb = embeddings.get(ph.mm_hash)
+            if emb is None or tuple(emb.shape) != (ph.length, self.model_config.hidden_size):
+                raise ValueError(f"item {ph.mm_hash!r} needs embeddings of shape "
+                                 f"({ph.length}, {self.model_config.hidden_size})")
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests wherever they are; every block they held returns to the pool."""

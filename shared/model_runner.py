@@ -19,7 +19,7 @@ from epdserve.shared.layers.attention import AttentionMetadata
 from epdserve.shared.models import MODEL_CLASSES
 from epdserve.shared.sampler import Sampler, TokenLogprobs
 from epdserve.shared.scheduler import ScheduledRequest
-from epdserve.shared.weights import iterate_weights
+from epdserve.shared.weights import iterate_weights, language_model_weights
 
 
 class ModelRunnerOutput(NamedTuple):
@@ -37,7 +37,7 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
             model = MODEL_CLASSES[model_config.architecture](model_config)
     finally:
         torch.set_default_dtype(default_dtype)
-    model.load_weights(iterate_weights(model_config.path))
+    model.load_weights(language_model_weights(iterate_weights(model_config.path)))
     return model.eval().requires_grad_(False)
 
 
@@ -65,7 +65,7 @@ class ModelRunner:
         if not scheduled:
             return ModelRunnerOutput({}, {})
         input_ids, positions, meta, sample_rows, sample_requests = self._prepare(scheduled)
-        hidden = self.model(input_ids, positions, meta)
+        hidden = self.model(input_ids, positions, meta, self._multimodal_embeds(scheduled, input_ids))
         if not sample_requests:
             return ModelRunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[sample_rows]).cpu()
@@ -73,6 +73,24 @@ class ModelRunner:
         ids = {r.request_id: t for r, t in zip(sample_requests, out.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(sample_requests, out.logprobs) if lp is not None}
         return ModelRunnerOutput(ids, logprobs)
+
+    def _multimodal_embeds(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Token embeddings with encoder outputs written over the image placeholders this step computes;
+        None when the step covers no placeholder (the model then embeds input_ids itself)."""
+        embeds = None
+        row = 0
+        for request, num_new in scheduled:
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+            for ph in request.mm_placeholders:
+                lo, hi = max(start, ph.offset), min(end, ph.offset + ph.length)
+                if lo >= hi:
+                    continue
+                if embeds is None:
+                    embeds = self.model.embed(input_ids)
+                source = request.mm_embeddings[ph.mm_hash]  # [ph.length, hidden_size]
+                embeds[row + lo - start:row + hi - start] = source[lo - ph.offset:hi - ph.offset].to(embeds)
+            row += num_new
+        return embeds
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
         bs = self.block_size

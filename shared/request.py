@@ -61,6 +61,7 @@ class Request:
         cache_salt: str | None = None,
         mm_placeholders: tuple[MultiModalPlaceholder, ...] = (),
         prompt: str | None = None,
+        mm_embeddings: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -69,6 +70,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
         self.mm_placeholders = mm_placeholders
+        # mm_hash -> encoder output [length, hidden_size] for each placeholder; needed while the
+        # placeholder's positions are (re)computed, so kept until the request ends (preemption recomputes).
+        self.mm_embeddings = mm_embeddings or {}
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
 

@@ -33,3 +33,22 @@ def iterate_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+# Where a multimodal checkpoint keeps its language model (older and newer transformers layouts), and the
+# parts that belong to the encoder instead.
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_ENCODER_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
+
+
+def language_model_weights(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The language model's tensors under causal-LM names; encoder tensors are left out."""
+    for name, tensor in weights:
+        if name.startswith(_ENCODER_PREFIXES):
+            continue
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        yield name, tensor
