@@ -7,19 +7,23 @@ responsive while a step runs.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+import time
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from epdserve.shared.engine import LLMEngine, PromptType
 from epdserve.shared.llm import build_engine_config
 from epdserve.shared.outputs import RequestOutput
 from epdserve.shared.request import Request
 from epdserve.shared.sampling_params import SamplingParams
+from epdserve.shared.scheduler import RemoteKVReservation
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -59,24 +63,65 @@ class AsyncLLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def make_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                     request_id: str | None = None, **kwargs) -> Request:
+        """Validate and tokenize (raises ValueError); touches no engine state, so any thread may call it."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return self.engine.make_request(request_id, prompt, sampling_params, **kwargs)
+
     async def generate(self, prompt: PromptType | Request, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
         """Yield outputs as the request progresses (by its `output_kind`); the last one has finished=True.
 
         Leaving the iteration early (break, cancellation, client gone) aborts the request.
         """
+        request = prompt if isinstance(prompt, Request) else self.make_request(prompt, sampling_params,
+                                                                               request_id, **kwargs)
+        stream = self._open_stream(request.request_id)
+        self._commands.put(("add", request))
+        async for out in self._drain(request.request_id, stream):
+            yield out
+
+    async def generate_prefilled(self, request: Request, first_token_id: int,
+                                 fill_kv: Callable[[RemoteKVReservation], Awaitable[None]],
+                                 wait_timeout: float = 30.0) -> AsyncIterator[RequestOutput]:
+        """Continue a request whose prompt a peer engine computed: reserve blocks (waiting up to
+        `wait_timeout` seconds for room), let `fill_kv` write the missing ones into `engine.runner.kv_cache`,
+        then decode from `first_token_id`. Yields outputs like `generate`, without the first token."""
+        stream = self._open_stream(request.request_id)
+        try:
+            deadline = time.monotonic() + wait_timeout
+            while (reservation := await self.call(lambda e: e.reserve_remote_kv(request))) is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no KV blocks free for request {request.request_id} after {wait_timeout}s")
+                await asyncio.sleep(0.01)
+            await fill_kv(reservation)
+        except BaseException:
+            self._streams.pop(request.request_id, None)
+            self._commands.put(("abort", request.request_id))
+            raise
+        self._commands.put(("add_prefilled", (request, first_token_id)))
+        async for out in self._drain(request.request_id, stream):
+            yield out
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread, between steps, and return its result."""
         if self._dead is not None:
             raise EngineDeadError("the engine loop has stopped") from self._dead
-        if isinstance(prompt, Request):
-            request = prompt
-        else:
-            request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-            request = self.engine.make_request(request_id, prompt, sampling_params, **kwargs)
-        if request.request_id in self._streams:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", (fn, future)))
+        return await asyncio.wrap_future(future)
+
+    def _open_stream(self, request_id: str) -> _Stream:
+        if self._dead is not None:
+            raise EngineDeadError("the engine loop has stopped") from self._dead
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop())
-        self._streams[request.request_id] = stream
-        self._commands.put(("add", request))
+        self._streams[request_id] = stream
+        return stream
+
+    async def _drain(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -89,8 +134,8 @@ class AsyncLLM:
                     return
         finally:
             if not finished:
-                self._commands.put(("abort", request.request_id))
-            self._streams.pop(request.request_id, None)
+                self._commands.put(("abort", request_id))
+            self._streams.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -132,6 +177,14 @@ class AsyncLLM:
                     stream.put(exc)
         elif kind == "abort":
             self._deliver(self.engine.abort_request(arg))
+        elif kind == "add_prefilled":
+            self._deliver(self.engine.add_prefilled(*arg))
+        elif kind == "call":
+            fn, future = arg
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as exc:  # the caller gets it; the engine loop goes on
+                future.set_exception(exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

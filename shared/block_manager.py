@@ -82,14 +82,19 @@ class BlockManager:
             keys.insert(0, "salt:" + request.cache_salt)
         return tuple(keys)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of the request, in whole blocks; never its last token (its logits are needed)."""
+    def get_computed_blocks(self, request: Request, max_tokens: int | None = None) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request's first `max_tokens` tokens, in whole blocks.
+
+        By default never its last token: that token must be computed for its logits. A request whose
+        prompt KV comes from another engine needs no logits and may hit every full block.
+        """
         if not self.enable_prefix_caching:
             return [], 0
         self._update_block_hashes(request)
         bs, tokens = self.block_size, request.all_token_ids
+        max_tokens = request.num_tokens - 1 if max_tokens is None else max_tokens
         hits: list[KVBlock] = []
-        for i in range((request.num_tokens - 1) // bs):
+        for i in range(max_tokens // bs):
             block = self.cached_blocks.get(request.block_hashes[i])
             if block is None or block.token_ids != tuple(tokens[i * bs:(i + 1) * bs]):
                 break
@@ -133,6 +138,11 @@ class BlockManager:
     def take_new_block_ids(self) -> list[int]:
         ids, self.new_block_ids = self.new_block_ids, []
         return ids
+
+    def skip_zeroing(self, block_ids: Sequence[int]) -> None:
+        """These fresh blocks will be overwritten whole (by a KV transfer): zeroing them would race it."""
+        skip = set(block_ids)
+        self.new_block_ids = [b for b in self.new_block_ids if b not in skip]
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly computed full blocks in the prefix cache."""

@@ -12,7 +12,7 @@ from epdserve.shared.output_processor import OutputProcessor
 from epdserve.shared.outputs import RequestOutput
 from epdserve.shared.request import MultiModalPlaceholder, Request, RequestStatus
 from epdserve.shared.sampling_params import SamplingParams
-from epdserve.shared.scheduler import Scheduler
+from epdserve.shared.scheduler import RemoteKVReservation, Scheduler
 from epdserve.shared.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,8 @@ class EngineStats(NamedTuple):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None, detokenize: bool = True) -> None:
+        """`detokenize=False`: outputs carry token ids only (a service whose proxy turns them into text)."""
         self.config = config
         self.model_config = config.model
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.path)
@@ -40,7 +41,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = ModelRunner(config, num_blocks)
-        self.output_processor = OutputProcessor(self.tokenizer.fast if self.tokenizer else None)
+        self.output_processor = OutputProcessor(self.tokenizer.fast if self.tokenizer and detokenize else None)
         logger.info("engine ready: %s (%s), %d KV blocks of %d tokens, attention backend %s",
                     config.model.model_id, config.model.dtype, num_blocks, config.cache.block_size,
                     self.runner.attention_backend)
@@ -49,7 +50,7 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                      arrival_time: float | None = None, cache_salt: str | None = None,
                      mm_placeholders: tuple[MultiModalPlaceholder, ...] = (),
-                     mm_embeddings: dict | None = None) -> Request:
+                     mm_embeddings: dict | None = None, hold_kv: bool = False) -> Request:
         """Validate and tokenize; raises ValueError naming the problem. Changes no engine state."""
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
@@ -59,7 +60,7 @@ class LLMEngine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         return Request(request_id, token_ids, params, self.model_config.max_model_len, arrival_time,
-                       cache_salt, tuple(mm_placeholders), text, mm_embeddings)
+                       cache_salt, tuple(mm_placeholders), text, mm_embeddings, hold_kv)
 
     def add_request(self, request_id: str, prompt: PromptType | Request, params: SamplingParams | None = None,
                     **kwargs) -> Request:
@@ -109,8 +110,33 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests wherever they are; every block they held returns to the pool."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            self.scheduler.release_kv(request_id)
         aborted = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         return [out for r in aborted if (out := self.output_processor.make_output(r)) is not None]
+
+    # -- disaggregation: KV computed here and kept for a peer, or computed by a peer ---------------
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks a finished `hold_kv` request kept; False if it holds none."""
+        return self.scheduler.release_kv(request_id)
+
+    def held_block_ids(self, request_id: str) -> list[int] | None:
+        request = self.scheduler.held.get(request_id)
+        return None if request is None else list(request.block_ids)
+
+    def reserve_remote_kv(self, request: Request) -> RemoteKVReservation | None:
+        """Set aside blocks for a request whose prompt KV a peer computed (None: no room now). The
+        caller fills `reservation.block_ids` in `runner.kv_cache`, then calls `add_prefilled`."""
+        return self.scheduler.reserve_remote_kv(request)
+
+    def add_prefilled(self, request: Request, first_token_id: int) -> list[RequestOutput]:
+        """Join a reserved request, its prompt KV now in place, with the first token the peer sampled.
+        That token counts as already delivered; outputs (if it ended the request) are returned."""
+        self.output_processor.add_request(request)
+        running = self.scheduler.add_prefilled(request, first_token_id)
+        self.output_processor.process_token(request, None)
+        out = self.output_processor.make_output(request, first_token_delivered=True)
+        return [] if running or out is None else [out]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

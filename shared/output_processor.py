@@ -59,9 +59,15 @@ class OutputProcessor:
     def _decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def make_output(self, request: Request) -> RequestOutput | None:
-        """The output to deliver now for this request, by its output kind; None if nothing is due."""
-        state = self.states[request.request_id]
+    def make_output(self, request: Request, first_token_delivered: bool = False) -> RequestOutput | None:
+        """The output to deliver now for this request, by its output kind; None if nothing is due.
+        `first_token_delivered`: the first token reached the client another way (from a peer engine)."""
+        state = self.states.get(request.request_id)
+        if state is None:  # ended before it was ever added here (e.g. aborted while its KV was in flight)
+            return None
+        if first_token_delivered:
+            state.num_sent_tokens = 1
+            state.num_sent_chars = len(state.detokenizer.text) if state.detokenizer else 0
         sp = request.sampling_params
         finished = request.is_finished
         if sp.output_kind == RequestOutputKind.FINAL_ONLY and not finished:

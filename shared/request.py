@@ -62,6 +62,7 @@ class Request:
         mm_placeholders: tuple[MultiModalPlaceholder, ...] = (),
         prompt: str | None = None,
         mm_embeddings: dict[str, torch.Tensor] | None = None,
+        hold_kv: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -83,6 +84,9 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.block_ids: list[int] = []
+        # Keep the blocks after finishing, until released: a prefill engine holds a request's KV for
+        # the decode engine that will pull it.
+        self.hold_kv = hold_kv
         self.block_hashes: list[bytes] = []
 
         limit = max_model_len - len(prompt_token_ids)

@@ -28,8 +28,16 @@ class SchedulerOutput(NamedTuple):
     new_block_ids: list[int]  # blocks allocated fresh this step (to be zeroed before use)
 
 
+class RemoteKVReservation(NamedTuple):
+    """Blocks set aside for a request whose prompt KV is computed elsewhere."""
+
+    num_local_tokens: int  # prompt tokens already in this engine's prefix cache (whole blocks)
+    first_remote_block: int  # index, in the request's block table, of the first block to fetch
+    block_ids: list[int]  # local blocks to fill, for block indices first_remote_block, +1, ...
+
+
 class Scheduler:
-    """Owns the waiting queue and the running list."""
+    """Owns the waiting queue, the running list, and requests whose KV is held or being fetched."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -37,10 +45,16 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Finished requests whose blocks are kept until `release_kv` (hold_kv).
+        self.held: dict[str, Request] = {}
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        self._admit(request)
+        self.waiting.append(request)
+
+    def _admit(self, request: Request) -> None:
+        if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         # A request that could not fit even alone would be preempted forever.
         needed = self.block_manager.num_blocks_for(request.num_prompt_tokens + request.max_output_tokens)
@@ -49,7 +63,6 @@ class Scheduler:
                 f"request needs {needed} KV blocks (prompt {request.num_prompt_tokens} + up to "
                 f"{request.max_output_tokens} new tokens) but the cache has {self.block_manager.num_blocks}")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     @property
     def num_unfinished(self) -> int:
@@ -143,5 +156,50 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.block_manager.free(request)
         del self.requests[request.request_id]
+        if request.hold_kv and request.status != RequestStatus.FINISHED_ABORTED:
+            self.held[request.request_id] = request
+        else:
+            self.block_manager.free(request)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free a finished request's held blocks; False if it holds none (already released, or unknown)."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        self.block_manager.free(request)
+        return True
+
+    # -- requests whose prompt KV comes from another engine -----------------------------------------
+    def reserve_remote_kv(self, request: Request) -> RemoteKVReservation | None:
+        """Allocate blocks for the request's whole prompt, reusing local prefix hits; None if the pool
+        has no room now. The request then waits outside the queues until `add_prefilled`."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        bm = self.block_manager
+        num_prompt = request.num_prompt_tokens
+        hits, num_cached = bm.get_computed_blocks(request, max_tokens=num_prompt)
+        if not bm.can_allocate(request, num_prompt - num_cached, hits):
+            return None
+        self._admit(request)
+        bm.allocate(request, num_prompt - num_cached, hits)
+        fill = request.block_ids[len(hits):]
+        bm.skip_zeroing(fill)
+        request.num_cached_tokens = num_cached
+        return RemoteKVReservation(num_cached, len(hits), fill)
+
+    def add_prefilled(self, request: Request, first_token_id: int) -> bool:
+        """The reserved blocks now hold the prompt's KV: the request joins the running batch with its
+        first token (sampled by the engine that computed the prompt). Returns False if it already ended
+        (stop on the first token, or aborted meanwhile)."""
+        if request.request_id not in self.requests:
+            return False
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.block_manager.cache_full_blocks(request)
+        request.append_output_token(first_token_id)
+        if request.check_stop():
+            self._remove(request)
+            return False
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return True

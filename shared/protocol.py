@@ -1,0 +1,372 @@
+"""Every message the services exchange, as typed structs in one tagged union.
+
+Messages are frozen, slotted dataclasses: a received message cannot be changed by the loop that
+handles it, and its fields are exactly those declared here. `epdserve.transport.codec` is the only
+code that turns them into bytes and back; it validates every field against the annotations below,
+so what a loop receives always has the declared types.
+
+Conventions:
+- Sequences are tuples (immutable, like the struct that holds them).
+- A top-level message has a `TAG` that names it on the wire; nested structs (KVHandle, ...) have none.
+- Fields typed `torch.Tensor` travel out of band as raw frames after the message (see the codec); they
+  are excluded from `==` so that messages compare by their control fields.
+- Times are Unix seconds (float) so that they mean the same on every host.
+
+Bump PROTOCOL_VERSION on any change a peer of the previous version would misread (a field added
+without a default, a field removed or retyped, a tag renamed).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import ClassVar, Union
+
+import torch
+
+PROTOCOL_VERSION = 1
+
+
+class Role(str, enum.Enum):
+    PROXY = "proxy"
+    ENCODER = "encoder"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    UNIFIED = "unified"
+
+
+class Health(str, enum.Enum):
+    STARTING = "starting"  # alive, model not loaded yet: do not route to it
+    READY = "ready"
+    DRAINING = "draining"  # finishes what it holds, takes nothing new
+    UNHEALTHY = "unhealthy"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"
+
+
+class ErrorCode(str, enum.Enum):
+    BAD_REQUEST = "bad_request"  # the request itself is invalid; retrying elsewhere will not help
+    NOT_FOUND = "not_found"  # unknown request id, mm_hash or expired lease
+    OUT_OF_RANGE = "out_of_range"  # block ids or sizes outside what the peer holds
+    INCOMPATIBLE = "incompatible"  # handshake refused: model or KV layout differ
+    VERSION_MISMATCH = "version_mismatch"  # handshake refused: protocol versions differ
+    HANDSHAKE_REQUIRED = "handshake_required"  # peer spoke before (re)doing the handshake
+    OVERLOADED = "overloaded"
+    ABORTED = "aborted"
+    INTERNAL = "internal"
+
+
+# ---------------------------------------------------------------------------------------------
+# Nested structs (no tag: they only travel inside a message)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What two engines must agree on before a KV block moves between them."""
+
+    model_id: str
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    block_size: int  # tokens per block
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """(dtype, shape) of a tensor whose bytes travel separately (as a frame, or over UCX)."""
+
+    dtype: str  # torch dtype name without the "torch." prefix
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WireSamplingParams:
+    """The engine's SamplingParams as they travel; the services convert to and from it."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class MMItem:
+    """One image of an EncodeRequest: its content hash and its encoded file bytes (PNG, JPEG...)."""
+
+    mm_hash: str
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedItem:
+    mm_hash: str
+    num_tokens: int  # embedding rows the item expands to in the prompt
+
+
+@dataclass(frozen=True, slots=True)
+class MMPlaceholder:
+    """Where an item's embeddings go in the prompt, and which encoder holds them."""
+
+    offset: int  # first prompt position of the item's placeholder tokens
+    length: int
+    mm_hash: str
+    encoder_addr: str
+
+
+@dataclass(frozen=True, slots=True)
+class KVHandle:
+    """A request's KV blocks held by a prefill engine under a lease, for decode to pull."""
+
+    engine_id: str
+    kv_addr: str  # address of the prefill engine's KV transfer server
+    block_ids: tuple[int, ...]  # in the request's block-table order
+    num_tokens: int  # tokens whose KV the blocks hold (the last block may be partial)
+    lease_deadline: float  # Unix seconds; the blocks are freed after it unless renewed
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-probabilities for one generated token: the sampled one and the top alternatives."""
+
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Handshake (first message on every connection)
+
+
+@dataclass(frozen=True, slots=True)
+class Handshake:
+    TAG: ClassVar[str] = "handshake"
+    protocol_version: int
+    role: Role
+    engine_id: str
+    kv_layout: KVLayout | None = None  # set by KV transfer clients; must equal the server's
+    ucx_address: bytes | None = None  # UCX worker address of a UCX transfer client
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeAck:
+    TAG: ClassVar[str] = "handshake_ack"
+    protocol_version: int
+    engine_id: str
+    kv_layout: KVLayout | None = None
+    ucx_address: bytes | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Request lifecycle: encode -> prefill -> decode
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeRequest:
+    TAG: ClassVar[str] = "encode_request"
+    request_id: str
+    items: tuple[MMItem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeDone:
+    TAG: ClassVar[str] = "encode_done"
+    request_id: str
+    items: tuple[EncodedItem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequest:
+    TAG: ClassVar[str] = "prefill_request"
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: WireSamplingParams
+    mm_placeholders: tuple[MMPlaceholder, ...] = ()
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    TAG: ClassVar[str] = "prefill_done"
+    request_id: str
+    first_token: int
+    kv_handle: KVHandle | None  # None when the request already finished at its first token
+    num_cached_tokens: int = 0  # prompt tokens served from the prefill engine's prefix cache
+    finish_reason: FinishReason | None = None
+    first_logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRequest:
+    TAG: ClassVar[str] = "decode_request"
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    first_token: int
+    kv_handle: KVHandle
+    sampling_params: WireSamplingParams
+    # Decode hashes blocks for its own prefix cache exactly as prefill did, so it needs these too.
+    mm_placeholders: tuple[MMPlaceholder, ...] = ()
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New tokens of one request since its previous delta (streamed decode -> proxy)."""
+
+    TAG: ClassVar[str] = "token_delta"
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token when requested, else empty
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that finished it
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Decode has pulled the request's blocks: prefill may free them."""
+
+    TAG: ClassVar[str] = "release"
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RenewLease:
+    TAG: ClassVar[str] = "renew_lease"
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRenewed:
+    TAG: ClassVar[str] = "lease_renewed"
+    request_id: str
+    lease_deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    TAG: ClassVar[str] = "abort"
+    request_id: str
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Reply to a message that needs no other answer (Release, Abort)."""
+
+    TAG: ClassVar[str] = "ack"
+    request_id: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Status polling and errors
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRequest:
+    TAG: ClassVar[str] = "status_request"
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    TAG: ClassVar[str] = "status"
+    engine_id: str
+    role: Role
+    health: Health
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    TAG: ClassVar[str] = "error"
+    code: ErrorCode
+    message: str
+    request_id: str | None = None
+    retryable: bool = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Data plane: KV blocks and encoder embeddings
+
+
+@dataclass(frozen=True, slots=True)
+class FetchBlocks:
+    """Ask a KV transfer server for blocks it exposes for `request_id`.
+
+    With `ucx_tag` set, the data goes over UCX with that tag and the reply is BlocksSent;
+    otherwise the reply is BlocksData carrying the data.
+    """
+
+    TAG: ClassVar[str] = "fetch_blocks"
+    request_id: str
+    block_ids: tuple[int, ...]
+    ucx_tag: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksData:
+    TAG: ClassVar[str] = "blocks_data"
+    request_id: str
+    block_ids: tuple[int, ...]
+    # [num_layers, 2, len(block_ids), block_size, num_kv_heads, head_size], blocks in block_ids order
+    data: torch.Tensor = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksSent:
+    TAG: ClassVar[str] = "blocks_sent"
+    request_id: str
+    spec: TensorSpec
+
+
+@dataclass(frozen=True, slots=True)
+class FetchEmbeddings:
+    TAG: ClassVar[str] = "fetch_embeddings"
+    mm_hash: str
+    ucx_tag: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingsData:
+    TAG: ClassVar[str] = "embeddings_data"
+    mm_hash: str
+    data: torch.Tensor = field(compare=False)  # [num_tokens, hidden_size]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingsSent:
+    """The embeddings follow over UCX with the requested tag; `spec` sizes the receive buffer."""
+
+    TAG: ClassVar[str] = "embeddings_sent"
+    mm_hash: str
+    spec: TensorSpec
+
+
+Message = Union[
+    Handshake, HandshakeAck,
+    EncodeRequest, EncodeDone, PrefillRequest, PrefillDone, DecodeRequest, TokenDelta,
+    Release, RenewLease, LeaseRenewed, Abort, Ack,
+    StatusRequest, Status, Error,
+    FetchBlocks, BlocksData, BlocksSent, FetchEmbeddings, EmbeddingsData, EmbeddingsSent,
+]
+
+MESSAGE_TYPES: dict[str, type] = {cls.TAG: cls for cls in Message.__args__}
+assert len(MESSAGE_TYPES) == len(Message.__args__), "two messages share a tag"

@@ -1,0 +1,120 @@
+"""Prefill on one engine, decode on another, KV blocks copied between their caches: the tokens equal
+those of one engine doing both, and every block comes back to both pools."""
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+from epdserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
+from epdserve.shared.engine import LLMEngine
+from epdserve.shared.llm import build_engine_config
+
+PROMPTS = [list(range(200, 200 + n)) for n in (1, 15, 16, 17, 40, 70)]
+MAX_TOKENS = 12
+
+
+def prefill(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams):
+    """Run the prompt to its first token and keep the blocks (what a prefill service does)."""
+    engine.add_request(rid, {"prompt_token_ids": prompt}, replace(params, max_tokens=1), hold_kv=True)
+    first = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first = out.outputs[0].token_ids[0] if out.finished else first
+    return first, engine.held_block_ids(rid)
+
+
+@pytest.mark.parametrize("decode_has_prefix", [False, True])
+def test_prefill_then_decode_equals_unified(tiny_model_paths, decode_has_prefix):
+    path = tiny_model_paths["qwen2"]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    unified = LLM(model=path, num_kv_blocks=128).generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+
+    prefill_engine = LLMEngine(build_engine_config(path, num_kv_blocks=64), detokenize=False)
+    decode = AsyncLLM(LLMEngine(build_engine_config(path, num_kv_blocks=64), detokenize=False))
+    block_size = prefill_engine.config.cache.block_size
+    if decode_has_prefix:  # decode computed the longest prompt before: its full blocks are local hits
+        decode.engine.add_request("warm", {"prompt_token_ids": PROMPTS[-1]}, SamplingParams(max_tokens=1))
+        while decode.engine.has_unfinished_requests():
+            decode.engine.step()
+
+    async def run_one(i, prompt):
+        rid = f"r{i}"
+        first, held = prefill(prefill_engine, rid, prompt, params)
+        fetched = []
+
+        async def fill_kv(reservation):
+            src = held[reservation.first_remote_block:reservation.first_remote_block + len(reservation.block_ids)]
+            fetched.append((reservation.num_local_tokens, len(src)))
+            decode.engine.runner.kv_cache[:, :, reservation.block_ids] = prefill_engine.runner.kv_cache[:, :, src]
+
+        request = decode.make_request({"prompt_token_ids": prompt},
+                                      replace(params, output_kind=RequestOutputKind.DELTA), rid)
+        tokens = [first]
+        async for out in decode.generate_prefilled(request, first, fill_kv):
+            tokens += out.outputs[0].token_ids
+        assert prefill_engine.release_kv(rid)
+        return tokens, fetched[0]
+
+    async def main():
+        return await asyncio.gather(*(run_one(i, p) for i, p in enumerate(PROMPTS)))
+
+    try:
+        results = asyncio.run(main())
+        for (tokens, (num_local, num_fetched)), ref, prompt in zip(results, unified, PROMPTS):
+            assert tokens == ref.outputs[0].token_ids
+            num_blocks = -(-len(prompt) // block_size)
+            if decode_has_prefix:  # only what decode lacked was fetched
+                assert num_local == len(prompt) // block_size * block_size
+            assert num_fetched == num_blocks - num_local // block_size
+        for engine in (prefill_engine, decode.engine):
+            stats = engine.stats()
+            assert stats.num_free_blocks == stats.num_total_blocks and not engine.scheduler.held
+    finally:
+        decode.shutdown()
+
+
+def test_abort_while_kv_in_flight_frees_reserved_blocks(tiny_model_paths):
+    path = tiny_model_paths["llama"]
+    decode = AsyncLLM(LLMEngine(build_engine_config(path, num_kv_blocks=32), detokenize=False))
+
+    async def failing_fill(reservation):
+        assert reservation.block_ids
+        raise ConnectionError("peer went away")
+
+    async def main():
+        request = decode.make_request({"prompt_token_ids": list(range(100, 150))}, SamplingParams(max_tokens=4), "x")
+        with pytest.raises(ConnectionError):
+            async for _ in decode.generate_prefilled(request, 7, failing_fill):
+                pass
+        for _ in range(50):
+            stats = await decode.call(lambda e: e.stats())
+            if stats.num_free_blocks == stats.num_total_blocks:
+                return stats
+            await asyncio.sleep(0.01)
+        return stats
+
+    try:
+        stats = asyncio.run(main())
+        assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        decode.shutdown()
+
+
+def test_first_token_that_stops_ends_the_request_at_once(tiny_model_paths):
+    path = tiny_model_paths["llama"]
+    decode = AsyncLLM(LLMEngine(build_engine_config(path, num_kv_blocks=32), detokenize=False))
+
+    async def fill(reservation):
+        pass
+
+    async def main():
+        request = decode.make_request({"prompt_token_ids": [300, 301, 302]},
+                                      SamplingParams(max_tokens=8, stop_token_ids=[9]), "s")
+        return [out async for out in decode.generate_prefilled(request, 9, fill)]
+
+    try:
+        outs = asyncio.run(main())
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "stop"
+        assert decode.engine.stats().num_free_blocks == 32
+    finally:
+        decode.shutdown()
