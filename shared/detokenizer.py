@@ -22,13 +22,16 @@ class IncrementalDetokenizer:
         # While streaming, the last `holdback` characters may still become part of a stop string.
         self.holdback = max((len(s) for s in stop), default=1) - 1
 
-    def add_token(self, token_id: int) -> str | None:
-        """Decode one token; return the stop string it completed, if any (the text is then cut there)."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Decode one token; return the stop string it completed, if any (the text is then cut there).
+        `check_stop=False` while stop strings may not end the request yet (before min_tokens)."""
         piece = self.stream.step(self.tokenizer, token_id)
         if not piece:
             return None
         search_from = max(len(self.text) - self.holdback, 0)
         self.text += piece
+        if not check_stop:
+            return None
         for stop in self.stop:
             idx = self.text.find(stop, search_from)
             if idx >= 0:

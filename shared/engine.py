@@ -29,6 +29,7 @@ class EngineStats(NamedTuple):
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     num_preemptions: int
+    num_finished: dict[str, int]  # by finish reason: stop, length, abort
 
 
 class LLMEngine:
@@ -161,4 +162,4 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_free_blocks,
                            bm.num_blocks, bm.usage, bm.num_prefix_queries, bm.num_prefix_hits,
-                           self.scheduler.num_preemptions)
+                           self.scheduler.num_preemptions, dict(self.scheduler.num_finished))

@@ -54,7 +54,7 @@ class OutputProcessor:
             state.logprobs.append(entry)
         if state.detokenizer is None:
             return None
-        return state.detokenizer.add_token(token_id)
+        return state.detokenizer.add_token(token_id, request.num_output_tokens >= request.sampling_params.min_tokens)
 
     def _decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -48,6 +48,7 @@ class Scheduler:
         # Finished requests whose blocks are kept until `release_kv` (hold_kv).
         self.held: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}  # by finish reason
 
     def add_request(self, request: Request) -> None:
         self._admit(request)
@@ -157,6 +158,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         del self.requests[request.request_id]
+        self.num_finished[request.status.finish_reason] += 1
         if request.hold_kv and request.status != RequestStatus.FINISHED_ABORTED:
             self.held[request.request_id] = request
         else:

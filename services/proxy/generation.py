@@ -1,0 +1,56 @@
+"""The contract between the OpenAI layer and whatever runs a request (the services, through the router).
+
+The OpenAI layer hands over a tokenized `GenerateInput` and reads `Chunk`s of new token ids. Text,
+stop strings and response formats stay in the OpenAI layer; closing the chunk stream early (client gone,
+stop string found) aborts the request wherever it runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, NamedTuple, Protocol
+
+from epdserve.shared.sampler import TokenLogprobs
+from epdserve.shared.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInput:
+    """One image of a prompt: its content hash, its file bytes, and its placeholder tokens' position."""
+
+    mm_hash: str
+    data: bytes
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateInput:
+    request_id: str
+    prompt_token_ids: list[int]
+    # Engine parameters; stop strings are the OpenAI layer's to check, so services never see them.
+    params: SamplingParams
+    images: list[ImageInput] = field(default_factory=list)
+    cache_salt: str | None = None
+
+
+class Chunk(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]  # one per token when requested, else empty
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int | None = None  # set on the first chunk: prompt tokens served from a prefix cache
+
+
+class GenerationError(Exception):
+    """A request could not be run; `status` is the HTTP status the client gets."""
+
+    def __init__(self, message: str, status: int = 500, error_type: str = "InternalServerError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type
+
+
+class Backend(Protocol):
+    def generate(self, request: GenerateInput) -> AsyncIterator[Chunk]:
+        """Chunks of new tokens; the last has a finish_reason. Raises GenerationError."""
+        ...

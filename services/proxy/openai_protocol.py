@@ -1,0 +1,152 @@
+"""OpenAI API request bodies, validated: anything malformed becomes a 400 with an OpenAI error body.
+
+Fields follow the OpenAI API plus the extensions vLLM users rely on (top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, cache_salt).
+Unknown fields are ignored, as the OpenAI API and vLLM do.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from epdserve.shared.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_are_short(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 16 or any(not s or len(s) > 256 for s in stops):
+            raise ValueError("stop: at most 16 non-empty strings of at most 256 characters")
+        return v
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; raises ValueError (-> 400) on values the engine refuses."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt: text or token ids (n>1 prompts per request is not supported)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ValueError("prompt: exactly one prompt per request is supported")
+            p = p[0]
+        if isinstance(p, list) and not p:
+            raise ValueError("prompt must not be empty")
+        return [p]
+
+
+class ImageURL(BaseModel):
+    url: str
+    detail: str | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageURL | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,291 @@
+"""The OpenAI layer: requests in, token chunks through the backend, OpenAI-shaped responses out.
+
+It owns everything textual: tokenization and chat templates on the way in; incremental detokenization,
+stop strings, logprob formatting and usage on the way out. Services only ever see token ids.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import replace
+from typing import AsyncIterator, Callable
+
+from epdserve.services.proxy.generation import Backend, Chunk, GenerateInput, GenerationError, ImageInput
+from epdserve.services.proxy.metrics import ProxyMetrics
+from epdserve.services.proxy.openai_protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from epdserve.shared.detokenizer import IncrementalDetokenizer
+from epdserve.shared.sampler import TokenLogprobs
+from epdserve.shared.sampling_params import SamplingParams
+from epdserve.shared.tokenizer import Tokenizer
+
+
+class BadRequest(ValueError):
+    """The client's request is invalid (HTTP 400, or `status`)."""
+
+    def __init__(self, message: str, status: int = 400, error_type: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.status, self.error_type, self.param = status, error_type, param
+
+
+# Turns chat messages into (prompt token ids, images with placeholders); the multimodal variant
+# expands image placeholders. Set by the app for multimodal models.
+ChatEncoder = Callable[[list[dict], bool, dict], "tuple[list[int], list[ImageInput]]"]
+
+
+class _Result:
+    """Accumulates one request's output as chunks arrive."""
+
+    def __init__(self, detok: IncrementalDetokenizer, params: SamplingParams) -> None:
+        self.detok = detok
+        self.params = params
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+
+    def add(self, chunk: Chunk) -> None:
+        if chunk.num_cached_tokens is not None:
+            self.num_cached_tokens = chunk.num_cached_tokens
+        for i, token in enumerate(chunk.token_ids):
+            self.token_ids.append(token)
+            if chunk.logprobs:
+                self.logprobs.append(chunk.logprobs[i])
+            # As in vLLM, stop strings count only once min_tokens are out.
+            stop = self.detok.add_token(token, len(self.token_ids) >= self.params.min_tokens)
+            if stop is not None:
+                self.finish_reason, self.stop_reason = "stop", stop
+                return
+        if chunk.finish_reason is not None:
+            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def take_delta(self) -> tuple[str, list[int], list[TokenLogprobs]]:
+        """What the client has not seen yet (text held back while it may still start a stop string)."""
+        text = self.detok.visible_text(self.finished)
+        delta = text[self.sent_chars:]
+        tokens, logprobs = self.token_ids[self.sent_tokens:], self.logprobs[self.sent_tokens:]
+        self.sent_chars, self.sent_tokens = len(text), len(self.token_ids)
+        return delta, tokens, logprobs
+
+
+class OpenAIServing:
+    def __init__(self, model_name: str, tokenizer: Tokenizer, backend: Backend, max_model_len: int,
+                 metrics: ProxyMetrics, chat_encoder: ChatEncoder | None = None,
+                 request_timeout: float = 600.0) -> None:
+        self.model_name = model_name
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.max_model_len = max_model_len
+        self.chat_encoder = chat_encoder
+        self.request_timeout = request_timeout
+
+    # -- input --------------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+
+    def encode_chat(self, request: ChatCompletionRequest) -> tuple[list[int], list[ImageInput]]:
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        kwargs = request.chat_template_kwargs or {}
+        if self.chat_encoder is not None:
+            return self.chat_encoder(messages, request.add_generation_prompt, kwargs)
+        for m in messages:
+            if isinstance(m.get("content"), list):
+                if any(part["type"] != "text" for part in m["content"]):
+                    raise BadRequest("this model takes text only: image_url content parts are not supported")
+                m["content"] = "".join(part.get("text") or "" for part in m["content"])
+        try:
+            return self.tokenizer.encode_chat(messages, request.add_generation_prompt, **kwargs), []
+        except Exception as exc:  # a template error is the request's fault (roles out of order, ...)
+            raise BadRequest(f"could not apply the chat template: {exc}") from None
+
+    def _sampling(self, req: _SamplingFields, prompt_len: int, max_tokens: int | None,
+                  logprobs: int | None) -> SamplingParams:
+        if prompt_len == 0:
+            raise BadRequest("the prompt is empty", param="prompt")
+        room = self.max_model_len - prompt_len
+        if room <= 0 or (max_tokens is not None and max_tokens > room):
+            asked = prompt_len + (max_tokens or 0)
+            raise BadRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                             f"requested {asked} tokens ({prompt_len} in the prompt, {max_tokens or 0} in the "
+                             "completion). Please reduce the length of the prompt or completion.")
+        try:
+            return req.sampling_params(max_tokens if max_tokens is not None else room, logprobs)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+
+    def _check_token_ids(self, ids: list[int]) -> None:
+        vocab = len(self.tokenizer.hf)
+        if any(not 0 <= t < vocab for t in ids):
+            raise BadRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+
+    # -- running ------------------------------------------------------------------------------------
+    async def _run(self, gen: GenerateInput, sampling: SamplingParams) -> AsyncIterator[_Result]:
+        """Yield the result after each chunk; stops the backend stream once a stop string is hit."""
+        result = _Result(IncrementalDetokenizer(self.tokenizer.fast, sampling.stop, sampling.include_stop_str_in_output,
+                                                sampling.skip_special_tokens), sampling)
+        m = self.metrics
+        start = last = time.monotonic()
+        m.running.inc()
+        stream = self.backend.generate(gen)
+        try:
+            async for chunk in stream:
+                now = time.monotonic()
+                if not result.token_ids:
+                    m.ttft.observe(now - start)
+                elif chunk.token_ids:
+                    for _ in chunk.token_ids:
+                        m.itl.observe((now - last) / len(chunk.token_ids))
+                last = now
+                result.add(chunk)
+                yield result
+                if result.finished:
+                    break
+        except GenerationError as exc:
+            m.failed(exc.status)
+            raise
+        finally:
+            m.running.dec()
+            await stream.aclose()  # aborts the request on the services if it did not finish there
+        if not result.finished:
+            m.failed(502)
+            raise GenerationError("the request ended without a finish reason", 502, "BadGatewayError")
+        m.e2e.observe(time.monotonic() - start)
+        m.finished(result.finish_reason)
+        m.prompt_tokens.inc(len(gen.prompt_token_ids))
+        m.cached_prompt_tokens.inc(result.num_cached_tokens)
+        m.generation_tokens.inc(len(result.token_ids))
+
+    def _input(self, request_id: str, ids: list[int], sampling: SamplingParams, images: list[ImageInput],
+               salt: str | None) -> GenerateInput:
+        # Stop strings stay here: the engine gets token-level stops only.
+        engine_params = replace(sampling, stop=[], include_stop_str_in_output=False)
+        return GenerateInput(request_id, ids, engine_params, images, salt)
+
+    # -- /v1/completions ----------------------------------------------------------------------------
+    async def completion(self, req: CompletionRequest, request_id: str) -> dict | AsyncIterator[str]:
+        self.check_model(req.model)
+        try:
+            (prompt,) = req.prompts()
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="prompt") from None
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            self._check_token_ids(ids)
+            prompt = self.tokenizer.decode(ids, skip_special_tokens=False)
+        sampling = self._sampling(req, len(ids), req.max_tokens, req.logprobs)
+        gen = self._input(request_id, ids, sampling, [], req.cache_salt)
+        created = int(time.time())
+        head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
+        echo = prompt if req.echo else ""
+        if req.stream:
+            return self._stream_completion(gen, sampling, head, echo, req.include_usage)
+        result = None
+        async for result in self._run(gen, sampling):
+            pass
+        text, tokens, logprobs = result.take_delta()
+        choice = {"index": 0, "text": echo + text, "finish_reason": result.finish_reason,
+                  "stop_reason": result.stop_reason,
+                  "logprobs": self._completion_logprobs(tokens, logprobs, len(echo)) if req.logprobs is not None else None}
+        return head | {"choices": [choice], "usage": self._usage(len(ids), result)}
+
+    async def _stream_completion(self, gen, sampling, head, echo, include_usage) -> AsyncIterator[str]:
+        offset = len(echo)
+        if echo:
+            yield _sse(head | {"choices": [{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}]})
+        result = None
+        async for result in self._run(gen, sampling):
+            text, tokens, logprobs = result.take_delta()
+            if not text and not tokens and not result.finished:
+                continue
+            lp = self._completion_logprobs(tokens, logprobs, offset) if sampling.logprobs is not None else None
+            offset += len(text)
+            yield _sse(head | {"choices": [{"index": 0, "text": text, "logprobs": lp,
+                                            "finish_reason": result.finish_reason,
+                                            "stop_reason": result.stop_reason}]})
+        if include_usage:
+            yield _sse(head | {"choices": [], "usage": self._usage(len(gen.prompt_token_ids), result)})
+        yield "data: [DONE]\n\n"
+
+    def _completion_logprobs(self, tokens: list[int], logprobs: list[TokenLogprobs], offset: int) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, lp in zip(tokens, logprobs):
+            text = self._token_text(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append({self._token_text(t): v for t, v in lp.top})
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+    # -- /v1/chat/completions -----------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict | AsyncIterator[str]:
+        self.check_model(req.model)
+        ids, images = self.encode_chat(req)
+        sampling = self._sampling(req, len(ids), req.effective_max_tokens, req.num_logprobs)
+        gen = self._input(request_id, ids, sampling, images, req.cache_salt)
+        head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            return self._stream_chat(gen, sampling, head | {"object": "chat.completion.chunk"}, req.include_usage)
+        result = None
+        async for result in self._run(gen, sampling):
+            pass
+        text, tokens, logprobs = result.take_delta()
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": {"content": self._chat_logprobs(tokens, logprobs)} if sampling.logprobs is not None else None,
+                  "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
+        return head | {"choices": [choice], "usage": self._usage(len(ids), result)}
+
+    async def _stream_chat(self, gen, sampling, head, include_usage) -> AsyncIterator[str]:
+        result = None
+        async for result in self._run(gen, sampling):
+            if result.sent_tokens == 0:  # announce the role once the request is known to run
+                yield _sse(head | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+            text, tokens, logprobs = result.take_delta()
+            if not text and not tokens and not result.finished:
+                continue
+            lp = {"content": self._chat_logprobs(tokens, logprobs)} if sampling.logprobs is not None else None
+            yield _sse(head | {"choices": [{"index": 0, "delta": {"content": text} if text else {},
+                                            "logprobs": lp, "finish_reason": result.finish_reason,
+                                            "stop_reason": result.stop_reason}]})
+        if include_usage:
+            yield _sse(head | {"choices": [], "usage": self._usage(len(gen.prompt_token_ids), result)})
+        yield "data: [DONE]\n\n"
+
+    def _chat_logprobs(self, tokens: list[int], logprobs: list[TokenLogprobs]) -> list[dict]:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return [entry(t, lp.logprob) | {"top_logprobs": [entry(i, v) for i, v in lp.top]}
+                for t, lp in zip(tokens, logprobs)]
+
+    # -- shared -------------------------------------------------------------------------------------
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.fast.decode([token_id], skip_special_tokens=False)
+
+    @staticmethod
+    def _usage(prompt_tokens: int, result: _Result) -> dict:
+        completion = len(result.token_ids)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": result.num_cached_tokens}}
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
