@@ -1,0 +1,372 @@
+"""The only code that turns protocol messages and tensors into bytes, and bytes back into them.
+
+Wire format of one message, as a list of frames:
+    frame 0:  msgpack [PROTOCOL_VERSION, tag, {field: value, ...}]
+    frame k:  the raw bytes of the message's k-th tensor field (declaration order), C-contiguous,
+              native (little-endian) byte order; its body entry is the tensor's {"dtype", "shape"}.
+
+Decoding is strict: every field of the tagged struct must be present with its declared type, no
+other field may be, nested structs are checked the same way, and strings, lists, binaries and the
+control frame are length-limited before anything is allocated for them. Any violation raises
+DecodeError, so a loop that receives a message can trust its types. There is no pickle, eval or
+torch.load here: tensors are rebuilt from (dtype, shape) and raw bytes with torch.frombuffer,
+aliasing the received frame without a copy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import msgpack
+import torch
+
+from epdserve.shared import protocol
+from epdserve.shared.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Message, TensorSpec
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class DecodeError(ValueError):
+    """Bytes from a peer that are not a valid message of this protocol version."""
+
+
+class VersionMismatchError(DecodeError):
+    """A well-formed envelope of another protocol version."""
+
+    def __init__(self, peer_version: int):
+        super().__init__(f"peer speaks protocol version {peer_version}, this side {PROTOCOL_VERSION}")
+        self.peer_version = peer_version
+
+
+class EncodeError(TypeError):
+    """A message built with a value that does not match its declared field type (a local bug)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Upper bounds on what a peer may make us allocate; checked before allocating."""
+
+    max_message_bytes: int = 64 << 20  # control frame (frame 0); images ride in EncodeRequest
+    max_tensor_bytes: int = 4 << 30  # one tensor frame
+    max_str_len: int = 1 << 20
+    max_bin_len: int = 64 << 20
+    max_list_len: int = 1 << 22  # prompt token ids, block ids
+    max_map_len: int = 64  # a struct's fields; protocol structs have far fewer
+    max_tensor_dims: int = 8
+
+
+DEFAULT_LIMITS = Limits()
+
+# Every dtype the wire carries. Names are torch's without the "torch." prefix.
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+        "int64", "int32", "int16", "int8", "uint8", "bool",
+    )
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise EncodeError(f"dtype {dtype} cannot travel on the wire") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Field converters, compiled once per struct from its annotations
+
+
+class _Field:
+    """Checks one value against a declared type in both directions (to and from msgpack)."""
+
+    def to_wire(self, value: Any, path: str) -> Any:
+        raise NotImplementedError
+
+    def from_wire(self, value: Any, path: str) -> Any:
+        raise NotImplementedError
+
+
+def _fail_encode(path: str, expected: str, value: Any) -> typing.NoReturn:
+    raise EncodeError(f"{path}: expected {expected}, got {type(value).__name__}")
+
+
+def _fail_decode(path: str, expected: str, value: Any) -> typing.NoReturn:
+    raise DecodeError(f"{path}: expected {expected}, got {type(value).__name__}")
+
+
+class _Scalar(_Field):
+    def __init__(self, tp: type):
+        self.tp = tp
+
+    def to_wire(self, value, path):
+        if type(value) is self.tp:
+            return value
+        if self.tp is float and type(value) is int:  # an int where a float is declared is harmless
+            return float(value)
+        if self.tp is bytes and isinstance(value, (bytearray, memoryview)):
+            return bytes(value)
+        _fail_encode(path, self.tp.__name__, value)
+
+    def from_wire(self, value, path):
+        # `type(...) is` rather than isinstance: bool is an int subclass and must not pass for one.
+        if type(value) is self.tp:
+            return value
+        if self.tp is float and type(value) is int:
+            return float(value)
+        _fail_decode(path, self.tp.__name__, value)
+
+
+class _Enum(_Field):
+    def __init__(self, tp: type[enum.Enum]):
+        self.tp = tp
+
+    def to_wire(self, value, path):
+        if isinstance(value, self.tp):
+            return value.value
+        _fail_encode(path, self.tp.__name__, value)
+
+    def from_wire(self, value, path):
+        try:
+            return self.tp(value)
+        except (ValueError, TypeError):
+            raise DecodeError(f"{path}: {value!r} is not a {self.tp.__name__}") from None
+
+
+class _Tuple(_Field):
+    def __init__(self, item: _Field):
+        self.item = item
+
+    def to_wire(self, value, path):
+        if not isinstance(value, (tuple, list)):
+            _fail_encode(path, "a tuple", value)
+        if isinstance(self.item, _Scalar) and self.item.tp is int:
+            if all(type(x) is int for x in value):  # fast path: token and block id lists
+                return value
+        return [self.item.to_wire(x, f"{path}[{i}]") for i, x in enumerate(value)]
+
+    def from_wire(self, value, path):
+        if type(value) is not list:
+            _fail_decode(path, "an array", value)
+        if isinstance(self.item, _Scalar) and self.item.tp is int:
+            if all(type(x) is int for x in value):
+                return tuple(value)
+        return tuple(self.item.from_wire(x, f"{path}[{i}]") for i, x in enumerate(value))
+
+
+class _Optional(_Field):
+    """A union of alternatives (often `X | None`); the first that accepts the value wins."""
+
+    def __init__(self, options: list[_Field], allows_none: bool):
+        self.options = options
+        self.allows_none = allows_none
+
+    def _try(self, value, path, direction: str, error: type[Exception]):
+        if value is None:
+            if self.allows_none:
+                return None
+            raise error(f"{path}: must not be None")
+        if len(self.options) == 1:  # `X | None`: X's own error says what is wrong
+            return getattr(self.options[0], direction)(value, path)
+        for option in self.options:
+            try:
+                return getattr(option, direction)(value, path)
+            except error:
+                continue
+        raise error(f"{path}: {type(value).__name__} matches none of the declared types")
+
+    def to_wire(self, value, path):
+        return self._try(value, path, "to_wire", EncodeError)
+
+    def from_wire(self, value, path):
+        return self._try(value, path, "from_wire", DecodeError)
+
+
+class _Struct(_Field):
+    """A dataclass: a msgpack map with exactly its fields."""
+
+    def __init__(self, cls: type):
+        self.cls = cls
+        self.fields: dict[str, _Field] = {}
+        self.tensor_fields: list[str] = []
+
+    def compile(self) -> None:
+        hints = typing.get_type_hints(self.cls, vars(protocol))
+        for f in dataclasses.fields(self.cls):
+            if hints[f.name] is torch.Tensor:
+                self.tensor_fields.append(f.name)
+                self.fields[f.name] = _struct(TensorSpec)
+            else:
+                self.fields[f.name] = _compile(hints[f.name], f"{self.cls.__name__}.{f.name}")
+
+    def to_wire(self, value, path):
+        if type(value) is not self.cls:
+            _fail_encode(path, self.cls.__name__, value)
+        body = {}
+        for name, conv in self.fields.items():
+            item = getattr(value, name)
+            if name in self.tensor_fields:
+                item = tensor_spec(item)
+            body[name] = conv.to_wire(item, f"{path}.{name}")
+        return body
+
+    def from_wire(self, value, path, tensors: Sequence[torch.Tensor] = ()):
+        if type(value) is not dict:
+            _fail_decode(path, f"a {self.cls.__name__} map", value)
+        if value.keys() != self.fields.keys():
+            unknown = sorted(map(str, value.keys() - self.fields.keys()))
+            missing = sorted(self.fields.keys() - value.keys())
+            raise DecodeError(f"{path}: unknown fields {unknown}, missing fields {missing}")
+        kwargs = {name: conv.from_wire(value[name], f"{path}.{name}") for name, conv in self.fields.items()}
+        for name, tensor in zip(self.tensor_fields, tensors):
+            kwargs[name] = tensor
+        return self.cls(**kwargs)
+
+
+_STRUCTS: dict[type, _Struct] = {}
+
+
+def _struct(cls: type) -> _Struct:
+    conv = _STRUCTS.get(cls)
+    if conv is None:
+        conv = _STRUCTS[cls] = _Struct(cls)
+        conv.compile()
+    return conv
+
+
+def _compile(tp: Any, where: str) -> _Field:
+    origin = typing.get_origin(tp)
+    if tp in (int, float, bool, str, bytes):
+        return _Scalar(tp)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _Enum(tp)
+    if dataclasses.is_dataclass(tp):
+        return _struct(tp)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        assert len(args) == 2 and args[1] is Ellipsis, f"{where}: only tuple[T, ...] is supported"
+        return _Tuple(_compile(args[0], where))
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        options = [_compile(a, where) for a in args if a is not type(None)]
+        return _Optional(options, allows_none=type(None) in args)
+    raise AssertionError(f"{where}: no wire form for {tp!r}")
+
+
+_MESSAGES: dict[str, _Struct] = {tag: _struct(cls) for tag, cls in MESSAGE_TYPES.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+
+
+def tensor_spec(tensor: torch.Tensor) -> TensorSpec:
+    if not isinstance(tensor, torch.Tensor):
+        raise EncodeError(f"expected a tensor, got {type(tensor).__name__}")
+    return TensorSpec(dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape))
+
+
+def tensor_buffer(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a memoryview of its own storage (a copy only if it is not contiguous).
+
+    The view keeps the storage alive; the caller must not write to the tensor until the bytes are
+    sent (ZMQ sends a zero-copy frame from its IO thread).
+    """
+    if tensor.device.type != "cpu":
+        raise EncodeError(f"tensors travel from CPU memory, got one on {tensor.device}")
+    dtype_name(tensor.dtype)
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def check_spec(spec: TensorSpec, limits: Limits = DEFAULT_LIMITS) -> tuple[torch.dtype, int]:
+    """Validate a (dtype, shape) from the wire; return the dtype and the byte size it implies."""
+    dtype = DTYPES.get(spec.dtype)
+    if dtype is None:
+        raise DecodeError(f"unsupported dtype {spec.dtype!r}")
+    if len(spec.shape) > limits.max_tensor_dims or any(d < 0 for d in spec.shape):
+        raise DecodeError(f"invalid tensor shape {spec.shape}")
+    nbytes = math.prod(spec.shape) * dtype.itemsize  # Python ints: no overflow on hostile shapes
+    if nbytes > limits.max_tensor_bytes:
+        raise DecodeError(f"tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}")
+    return dtype, nbytes
+
+
+def tensor_from_buffer(spec: TensorSpec, buffer: Buffer, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
+    """Rebuild a tensor from (dtype, shape) and raw bytes, aliasing a writable buffer without a copy."""
+    dtype, nbytes = check_spec(spec, limits)
+    view = memoryview(buffer).cast("B")
+    if view.nbytes != nbytes:
+        raise DecodeError(f"tensor {spec.dtype}{list(spec.shape)} needs {nbytes} bytes, frame has {view.nbytes}")
+    if nbytes == 0:
+        return torch.empty(spec.shape, dtype=dtype)
+    if view.readonly:
+        view = memoryview(bytearray(view))  # torch may not alias memory it must treat as writable
+    raw = torch.frombuffer(view, dtype=torch.uint8)
+    if raw.data_ptr() % dtype.itemsize:
+        raw = raw.clone()  # misaligned frame: element loads must be aligned on some CPUs
+    if dtype is torch.bool and bool((raw > 1).any()):
+        raise DecodeError("bool tensor holds bytes other than 0 and 1")
+    return raw.view(dtype).view(spec.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages
+
+
+def encode(message: Message) -> list[Buffer]:
+    """Frames of one message: the msgpack control frame, then one zero-copy frame per tensor field."""
+    conv = _MESSAGES.get(getattr(type(message), "TAG", None))
+    if conv is None or conv.cls is not type(message):
+        raise EncodeError(f"{type(message).__name__} is not a protocol message")
+    body = conv.to_wire(message, conv.cls.__name__)
+    try:
+        head = msgpack.packb([PROTOCOL_VERSION, conv.cls.TAG, body], use_bin_type=True)
+    except (ValueError, TypeError, OverflowError) as e:  # e.g. an int beyond 64 bits, a lone surrogate
+        raise EncodeError(f"{conv.cls.__name__}: {e}") from e
+    return [head, *(tensor_buffer(getattr(message, name)) for name in conv.tensor_fields)]
+
+
+def decode(frames: Sequence[Buffer], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Parse and validate one message; raise DecodeError on anything but a well-formed one."""
+    if not frames:
+        raise DecodeError("empty message")
+    head = memoryview(frames[0])
+    if head.nbytes > limits.max_message_bytes:
+        raise DecodeError(f"control frame of {head.nbytes} bytes exceeds the limit of {limits.max_message_bytes}")
+    try:
+        envelope = msgpack.unpackb(
+            head, raw=False, strict_map_key=True, use_list=True,
+            max_str_len=limits.max_str_len, max_bin_len=limits.max_bin_len,
+            max_array_len=limits.max_list_len, max_map_len=limits.max_map_len, max_ext_len=0,
+        )
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise DecodeError(f"malformed msgpack: {e}") from None
+    if type(envelope) is not list or len(envelope) != 3:
+        raise DecodeError("not a [version, tag, body] envelope")
+    version, tag, body = envelope
+    if type(version) is not int:
+        raise DecodeError("protocol version is not an integer")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatchError(version)
+    conv = _MESSAGES.get(tag) if type(tag) is str else None
+    if conv is None:
+        raise DecodeError(f"unknown message tag {str(tag)[:64]!r}")
+    if len(frames) != 1 + len(conv.tensor_fields):
+        raise DecodeError(f"{tag}: expected {1 + len(conv.tensor_fields)} frames, got {len(frames)}")
+    if type(body) is not dict:
+        raise DecodeError(f"{tag}: body is not a map")
+    specs = {name: body.get(name) for name in conv.tensor_fields}
+    tensors = []
+    for i, name in enumerate(conv.tensor_fields, start=1):
+        spec = _struct(TensorSpec).from_wire(specs[name], f"{conv.cls.__name__}.{name}")
+        tensors.append(tensor_from_buffer(spec, frames[i], limits))
+    return conv.from_wire(body, conv.cls.__name__, tensors)
