@@ -161,3 +161,39 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TransportConfig:
+    """How services reach each other."""
+
+    kv_backend: str = "zmq"  # data plane for KV blocks and embeddings: "zmq" or "ucx"
+    # Folder holding one CURVE certificate shared by the deployment (`epdserve.key` and
+    # `epdserve.key_secret`): every service then authenticates and encrypts every connection.
+    curve_dir: str | None = None
+    request_timeout: float = 30.0  # seconds a control request may take before the peer counts as gone
+    transfer_timeout: float = 60.0  # seconds one KV or embedding fetch may take
+
+    def __post_init__(self):
+        if self.kv_backend not in ("zmq", "ucx"):
+            raise ValueError(f"kv_backend must be 'zmq' or 'ucx', got {self.kv_backend!r}")
+        if self.request_timeout <= 0 or self.transfer_timeout <= 0:
+            raise ValueError("timeouts must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """One service process (encoder, prefill, decode or unified)."""
+
+    role: str
+    engine_id: str
+    host: str = "127.0.0.1"  # bind address; "0.0.0.0" must be asked for
+    port: int = 0  # control channel (0: any free port)
+    data_port: int = 0  # KV / embedding transfer server (prefill, encoder)
+    http_port: int = 0  # /health, /ready, /metrics
+    # Host peers use to reach this service's data server; defaults to `host` (or this machine's name
+    # when `host` is a wildcard).
+    advertise_host: str | None = None
+    lease_seconds: float = 10.0  # how long prefill keeps a request's KV for decode to pull
+    encoder_cache_items: int = 256  # images whose embeddings the encoder keeps
+    transport: TransportConfig = field(default_factory=TransportConfig)
