@@ -1,0 +1,242 @@
+"""KV blocks and embeddings over the ZMQ backend, on real sockets: exactness, bounds, handshakes, dead peers."""
+import asyncio
+import subprocess
+import sys
+
+import pytest
+import torch
+import zmq.auth
+
+from epdserve.shared import protocol as p
+from epdserve.transport import kv_transfer
+from epdserve.transport.kv_transfer import (
+    BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, IncompatiblePeerError, TransferTimeout,
+)
+from epdserve.transport.queues import RequestClient
+from epdserve.transport.security import CurveConfig
+from epdserve.transport.zmq_kv import ZmqKVClient, ZmqKVServer
+
+NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE = 3, 48, 4, 2, 8
+
+
+def make_cache(dtype=torch.float32, seed=0, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (NUM_LAYERS, 2, num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("message_bytes", [1, 1 << 20], ids=["one_block_per_message", "one_message"])
+def test_blocks_land_bit_exact_in_shuffled_local_blocks(dtype, message_bytes):
+    remote_cache, local_cache = make_cache(dtype, seed=1), torch.zeros(make_cache(dtype).shape, dtype=dtype)
+    gen = torch.Generator().manual_seed(2)
+    remote_ids = torch.randperm(NUM_BLOCKS, generator=gen)[:20].tolist()
+    local_ids = torch.randperm(NUM_BLOCKS, generator=gen)[:20].tolist()
+    untouched = sorted(set(range(NUM_BLOCKS)) - set(local_ids))
+
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
+            server.expose("r1", remote_ids)
+            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m",
+                                   max_message_bytes=message_bytes, min_message_bytes=1) as client:
+                result = await client.fetch_blocks(server.address, "r1", remote_ids, local_ids)
+                assert result.num_bytes == remote_cache[:, :, remote_ids].nbytes
+                assert client.stats.num_transfers == 1 and client.stats.num_bytes == result.num_bytes
+                assert client.stats.num_failures == 0
+
+    asyncio.run(main())
+    assert torch.equal(bits(local_cache[:, :, local_ids]), bits(remote_cache[:, :, remote_ids]))
+    assert not local_cache[:, :, untouched].any()  # nothing else written
+
+
+def test_fetch_of_a_subset_and_of_nothing():
+    remote_cache, local_cache = make_cache(seed=3), torch.zeros(make_cache().shape)
+
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
+            server.expose("r1", [5, 6, 7, 8])
+            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m") as client:
+                # Decode pulls only the blocks its own prefix cache lacks.
+                await client.fetch_blocks(server.address, "r1", [7, 8], [0, 1])
+                assert (await client.fetch_blocks(server.address, "r1", [], [])).num_bytes == 0
+
+    asyncio.run(main())
+    assert torch.equal(local_cache[:, :, [0, 1]], remote_cache[:, :, [7, 8]])
+
+
+def test_block_ids_are_bounds_checked_on_both_sides():
+    remote_cache, local_cache = make_cache(), torch.zeros(make_cache().shape)
+
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
+            server.expose("r1", [1, 2, 3])
+            with pytest.raises(BlockRangeError):
+                server.expose("r2", [NUM_BLOCKS])
+            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m") as client:
+                # Remote ids the server did not expose for the request, or that do not exist there.
+                for remote in ([4], [NUM_BLOCKS + 5], [-1], [2**63 - 1]):
+                    with pytest.raises(BlockRangeError):
+                        await client.fetch_blocks(server.address, "r1", remote, [0])
+                # Local ids outside our own cache, repeated, or not pairing up: refused before sending.
+                for remote, local in (([1], [NUM_BLOCKS]), ([1], [-1]), ([1, 2], [0, 0]), ([1, 2], [0])):
+                    with pytest.raises(BlockRangeError):
+                        await client.fetch_blocks(server.address, "r1", remote, local)
+                assert client.stats.num_failures == 4  # the server's refusals; local mistakes are not transfers
+                with pytest.raises(BlocksNotFoundError):
+                    await client.fetch_blocks(server.address, "unknown", [1], [0])
+                server.withdraw("r1")  # released: its blocks are no longer served
+                with pytest.raises(BlocksNotFoundError):
+                    await client.fetch_blocks(server.address, "r1", [1], [0])
+            assert server.num_rejected == 0  # refusals are answers, not dropped frames
+
+    asyncio.run(main())
+    assert not local_cache.any()
+
+
+@pytest.mark.parametrize("field, value", [
+    ("model_id", "other-model"), ("dtype", torch.bfloat16), ("block_size", 8), ("num_layers", 4),
+])
+def test_layout_mismatch_is_refused_before_any_block_moves(field, value):
+    remote_cache = make_cache()
+    if field == "dtype":
+        local_cache, model_id = torch.zeros(remote_cache.shape, dtype=value), "m"
+    elif field == "block_size":
+        local_cache, model_id = torch.zeros(make_cache(block_size=value).shape), "m"
+    elif field == "num_layers":
+        local_cache, model_id = torch.zeros((value, *remote_cache.shape[1:])), "m"
+    else:
+        local_cache, model_id = torch.zeros(remote_cache.shape), value
+
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
+            server.expose("r1", [1, 2])
+            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id=model_id) as client:
+                with pytest.raises(IncompatiblePeerError, match=field):
+                    await client.fetch_blocks(server.address, "r1", [1, 2], [1, 2])
+                assert client.stats.num_failures == 1
+
+    asyncio.run(main())
+    assert not local_cache.any()
+
+
+def test_a_client_without_kv_layout_cannot_fetch_blocks():
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=make_cache(), model_id="m") as server:
+            server.expose("r1", [1])
+            async with RequestClient(server.address, engine_id="proxy", role=p.Role.PROXY) as client:
+                with pytest.raises(Exception, match="incompatible"):
+                    await client.request(p.FetchBlocks("r1", (1,)))
+
+    asyncio.run(main())
+
+
+def test_embeddings_by_mm_hash():
+    embeddings = {"ab" * 32: torch.randn(576, 64).to(torch.bfloat16), "cd" * 32: torch.randn(3, 64)}
+
+    async def main():
+        async with ZmqKVServer("encoder-0", encoder_cache=embeddings) as server:
+            # A prefill engine's client: it has a KV cache, the encoder has none; embeddings still flow.
+            async with ZmqKVClient("prefill-0", kv_cache=make_cache(), model_id="m") as client:
+                for mm_hash, tensor in embeddings.items():
+                    got = await client.fetch_embeddings(server.address, mm_hash)
+                    assert got.dtype == tensor.dtype and torch.equal(bits(got), bits(tensor))
+                with pytest.raises(EmbeddingNotFoundError, match="ef" * 32):
+                    await client.fetch_embeddings(server.address, "ef" * 32)
+                with pytest.raises(IncompatiblePeerError):
+                    await client.fetch_blocks(server.address, "r1", [1], [1])  # an encoder holds no KV
+                assert client.stats.num_transfers == 2 and client.stats.num_failures == 2
+
+    asyncio.run(main())
+
+
+def test_curve_protected_transfer(tmp_path):
+    server_public, server_secret = zmq.auth.create_certificates(tmp_path, "server")
+    client_public, client_secret = zmq.auth.create_certificates(tmp_path, "client")
+    _, stranger_secret = zmq.auth.create_certificates(tmp_path, "stranger")
+    remote_cache, local_cache = make_cache(seed=4), torch.zeros(make_cache().shape)
+
+    async def main():
+        curve = CurveConfig(server_secret, allowed_clients=(tmp_path,))  # a folder of allowed public keys
+        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m", curve=curve) as server:
+            server.expose("r1", [3, 4])
+            good = CurveConfig(client_secret, server_public_key_file=server_public)
+            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m", curve=good) as client:
+                await client.fetch_blocks(server.address, "r1", [3, 4], [9, 8])
+            # The allow-list is the folder's *.key files: drop the stranger's so it is not on it.
+            (tmp_path / "stranger.key").unlink()
+            server2_curve = CurveConfig(server_secret, allowed_clients=(tmp_path,))
+            async with ZmqKVServer("prefill-1", kv_cache=remote_cache, model_id="m", curve=server2_curve) as server2:
+                server2.expose("r1", [3])
+                bad = CurveConfig(stranger_secret, server_public_key_file=server_public)
+                async with ZmqKVClient("decode-1", kv_cache=local_cache, model_id="m", curve=bad, timeout=3) as client:
+                    with pytest.raises((IncompatiblePeerError, TransferTimeout)):
+                        await client.fetch_blocks(server2.address, "r1", [3], [0])
+                assert server2.num_auth_denied >= 1
+
+    asyncio.run(main())
+    assert torch.equal(local_cache[:, :, [9, 8]], remote_cache[:, :, [3, 4]])
+
+
+DYING_SERVER = """
+import asyncio, sys, torch
+from epdserve.transport.zmq_kv import ZmqKVServer
+
+class StallingServer(ZmqKVServer):
+    # Answers the first message of a fetch, then stalls: the test kills the process mid-transfer.
+    served = 0
+    async def _reply_blocks(self, message, peer, data):
+        StallingServer.served += 1
+        if StallingServer.served > 1:
+            await asyncio.sleep(3600)
+        return await super()._reply_blocks(message, peer, data)
+
+async def main():
+    cache = torch.randn(3, 2, 48, 4, 2, 8, generator=torch.Generator().manual_seed(1))
+    server = StallingServer("prefill-doomed", kv_cache=cache, model_id="m")
+    print(await server.start(), flush=True)
+    server.expose("r1", range(48))
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_peer_dying_mid_transfer_gives_a_timeout_error():
+    proc = subprocess.Popen([sys.executable, "-c", DYING_SERVER], stdout=subprocess.PIPE, text=True)
+    local_cache = torch.zeros(make_cache().shape)
+    try:
+        address = proc.stdout.readline().strip()
+
+        async def main():
+            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m", timeout=3,
+                                   max_message_bytes=1, min_message_bytes=1, max_inflight_messages=1) as client:
+                fetch = asyncio.create_task(client.fetch_blocks(address, "r1", list(range(10)), list(range(10))))
+                for _ in range(100):  # until the first block has landed: the transfer is under way
+                    await asyncio.sleep(0.02)
+                    if local_cache[:, :, 0].any():
+                        break
+                assert local_cache[:, :, 0].any() and not fetch.done()
+                proc.kill()
+                with pytest.raises(TransferTimeout):
+                    await fetch
+                assert client.stats.num_failures == 1
+
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_backend_factory():
+    server = kv_transfer.create_server("zmq", "p", kv_cache=make_cache(), model_id="m")
+    client = kv_transfer.create_client("zmq", "d", kv_cache=make_cache(), model_id="m")
+    assert isinstance(server, ZmqKVServer) and isinstance(client, ZmqKVClient)
+    assert server.layout == client.layout == p.KVLayout("m", "float32", BLOCK_SIZE, NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE)
+    with pytest.raises(ValueError, match="unknown KV transfer backend"):
+        kv_transfer.create_client("carrier-pigeon", "d")
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        ZmqKVServer("p", kv_cache=torch.zeros(2, 3, 4))

@@ -1,0 +1,139 @@
+"""The UCX backend between two processes (UCX over TCP on 127.0.0.1); skipped without ucxx."""
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from epdserve.transport.kv_transfer import (
+    BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, IncompatiblePeerError, TransferTimeout,
+)
+
+try:
+    from epdserve.transport import ucx_kv
+
+    ucx_kv.import_ucxx()
+except ImportError:
+    pytest.skip("ucxx is not installed (the 'ucx' extra)", allow_module_level=True)
+
+SHAPE = (3, 2, 48, 4, 2, 8)  # [layers, 2, blocks, block_size, kv_heads, head_size]
+
+SERVER = """
+import asyncio, json, sys, torch
+from epdserve.transport import ucx_kv
+
+class StallingServer(ucx_kv.UcxKVServer):
+    # For the dead-peer test: answers the first message of request "stall", then never again.
+    stalled = 0
+    async def _reply_blocks(self, message, peer, data):
+        if message.request_id == "stall":
+            StallingServer.stalled += 1
+            if StallingServer.stalled > 1:
+                await asyncio.sleep(3600)
+        return await super()._reply_blocks(message, peer, data)
+
+async def main():
+    shape, dtype = json.loads(sys.argv[1]), getattr(torch, sys.argv[2])
+    cache = torch.randn(shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+    embeddings = {"ab" * 32: torch.randn(9, 16, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)}
+    server = StallingServer("prefill-ucx", kv_cache=cache, model_id="m", encoder_cache=embeddings)
+    print(await server.start(), flush=True)
+    server.expose("r1", range(shape[2]))
+    server.expose("stall", range(shape[2]))
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def start_server(dtype: str):
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, json.dumps(SHAPE), dtype],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, address = start_server("bfloat16")
+    yield address
+    proc.kill()
+    proc.wait()
+
+
+def expected_cache(dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(7)).to(dtype)
+
+
+def client(local_cache, **kwargs):
+    return ucx_kv.UcxKVClient("decode-ucx", kv_cache=local_cache, model_id=kwargs.pop("model_id", "m"),
+                              timeout=kwargs.pop("timeout", 10), **kwargs)
+
+
+def test_blocks_over_ucx_land_bit_exact_in_shuffled_blocks(server):
+    local_cache = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    remote_ids = torch.randperm(SHAPE[2], generator=gen)[:30].tolist()
+    local_ids = torch.randperm(SHAPE[2], generator=gen)[:30].tolist()
+
+    async def main():
+        async with client(local_cache, max_message_bytes=2048, min_message_bytes=1) as c:  # several messages
+            result = await c.fetch_blocks(server, "r1", remote_ids, local_ids)
+            assert result.num_bytes == local_cache[:, :, local_ids].nbytes and c.stats.num_failures == 0
+
+    asyncio.run(main())
+    want = expected_cache()[:, :, remote_ids]
+    assert torch.equal(local_cache[:, :, local_ids].view(torch.int16), want.view(torch.int16))
+
+
+def test_embeddings_over_ucx(server):
+    async def main():
+        async with client(torch.zeros(SHAPE, dtype=torch.bfloat16)) as c:
+            got = await c.fetch_embeddings(server, "ab" * 32)
+            want = torch.randn(9, 16, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+            with pytest.raises(EmbeddingNotFoundError):
+                await c.fetch_embeddings(server, "00" * 32)
+
+    asyncio.run(main())
+
+
+def test_ucx_bounds_and_layout_checks(server):
+    async def main():
+        async with client(torch.zeros(SHAPE, dtype=torch.bfloat16)) as c:
+            with pytest.raises(BlockRangeError):
+                await c.fetch_blocks(server, "r1", [SHAPE[2]], [0])
+            with pytest.raises(BlocksNotFoundError):
+                await c.fetch_blocks(server, "nope", [1], [0])
+        async with client(torch.zeros(SHAPE, dtype=torch.float32)) as c:
+            with pytest.raises(IncompatiblePeerError, match="dtype"):
+                await c.fetch_blocks(server, "r1", [1], [0])
+        async with client(torch.zeros(SHAPE, dtype=torch.bfloat16), model_id="other") as c:
+            with pytest.raises(IncompatiblePeerError, match="model_id"):
+                await c.fetch_blocks(server, "r1", [1], [0])
+
+    asyncio.run(main())
+
+
+def test_ucx_peer_dying_mid_transfer_gives_a_timeout_error():
+    proc, address = start_server("bfloat16")
+    local_cache = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    try:
+        async def main():
+            async with client(local_cache, timeout=4, max_message_bytes=1, min_message_bytes=1,
+                              max_inflight_messages=1) as c:
+                fetch = asyncio.create_task(c.fetch_blocks(address, "stall", list(range(8)), list(range(8))))
+                for _ in range(200):
+                    await asyncio.sleep(0.02)
+                    if local_cache[:, :, 0].any():
+                        break
+                assert local_cache[:, :, 0].any() and not fetch.done()
+                proc.kill()
+                with pytest.raises(TransferTimeout):
+                    await fetch
+
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,295 @@
+"""KVTransfer: how engines hand each other paged KV-cache blocks and encoder embeddings.
+
+An engine's KV cache is one tensor
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]   (dim 1: K, V)
+and a block is `kv_cache[:, :, block_id]`. A prefill engine runs a KVTransferServer, exposes each
+request's blocks while it holds them under a lease, and withdraws them on release; a decode engine's
+KVTransferClient pulls given remote block ids into given local block ids. An encoder's server exposes
+its encoder cache (mm_hash -> [num_tokens, hidden_size]) the same way.
+
+Before any block moves the two sides compare KVLayout (model id, dtype, block size, layers, KV heads,
+head size) in the connection handshake. Block ids and sizes that come from the wire are checked
+against the local cache on both sides: a server serves only blocks it exposed for that request, and
+a client writes only blocks it named, with exactly the shape its own cache has.
+
+Backends: `zmq_kv` (default; data as zero-copy ZMQ frames) and `ucx_kv` (data over UCX, control
+over the same ZMQ channel). `create_server` / `create_client` pick one by name.
+"""
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from epdserve.shared.protocol import KVLayout
+from epdserve.transport.codec import dtype_name
+
+
+class TransferError(Exception):
+    """A transfer failed; the local blocks it was writing hold no usable data."""
+
+
+class IncompatiblePeerError(TransferError):
+    """The peer's protocol version or KV layout differs from ours (or it refused our keys)."""
+
+
+class BlockRangeError(TransferError, ValueError):
+    """Block ids outside the cache, not exposed for the request, duplicated, or mismatched in count."""
+
+
+class BlocksNotFoundError(TransferError):
+    """The server exposes no blocks for the request (released, or its lease expired)."""
+
+
+class EmbeddingNotFoundError(TransferError):
+    """The encoder cache holds no embeddings for the mm_hash (never encoded, or evicted)."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """The peer did not deliver in time (dead, unreachable or overloaded)."""
+
+
+class FetchResult(NamedTuple):
+    num_bytes: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """Cumulative counters of one client or server; the services export them as metrics."""
+
+    num_bytes: int = 0
+    seconds: float = 0.0
+    num_transfers: int = 0
+    num_failures: int = 0
+
+    def record(self, num_bytes: int, started: float) -> FetchResult:
+        result = FetchResult(num_bytes, time.perf_counter() - started)
+        self.num_bytes += result.num_bytes
+        self.seconds += result.seconds
+        self.num_transfers += 1
+        return result
+
+
+def kv_layout(kv_cache: torch.Tensor, model_id: str) -> KVLayout:
+    """The layout a KV cache tensor has: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]."""
+    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+        raise ValueError(f"kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_size], got {tuple(kv_cache.shape)}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    num_layers, _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    return KVLayout(model_id, dtype_name(kv_cache.dtype), block_size, num_layers, num_kv_heads, head_size)
+
+
+def layout_mismatch(ours: KVLayout, theirs: KVLayout, us: str = "here", them: str = "peer") -> str | None:
+    """Why two layouts are incompatible (naming both sides), or None if they match."""
+    diffs = [
+        f"{f.name}: {us} has {getattr(ours, f.name)!r}, {them} has {getattr(theirs, f.name)!r}"
+        for f in fields(KVLayout)
+        if getattr(ours, f.name) != getattr(theirs, f.name)
+    ]
+    return "; ".join(diffs) or None
+
+
+def block_index(block_ids: Sequence[int], num_blocks: int, what: str, unique: bool = False) -> torch.Tensor:
+    """Block ids as an int64 index tensor, every one checked to lie in [0, num_blocks)."""
+    try:
+        index = torch.as_tensor(block_ids, dtype=torch.int64)
+    except (TypeError, ValueError, OverflowError, RuntimeError) as e:
+        raise BlockRangeError(f"{what}: block ids are not 64-bit integers ({e})") from None
+    if index.dim() != 1:
+        raise BlockRangeError(f"{what}: block ids must be a flat list")
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= num_blocks):
+        raise BlockRangeError(f"{what}: block ids outside [0, {num_blocks})")
+    if unique and index.unique().numel() != index.numel():
+        # index_copy_ with a repeated id would write one of the sources, unspecified which.
+        raise BlockRangeError(f"{what}: block ids repeat")
+    return index
+
+
+# Integer dtype of each element size: block copies move bits, and numpy lacks bfloat16 and float8.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _blocks_view(tensor: torch.Tensor) -> np.ndarray:
+    """[layers * 2, num_blocks, block_bytes / itemsize] integer view of a (gathered) KV tensor."""
+    return tensor.view(_BITS[tensor.element_size()]).numpy().reshape(tensor.shape[0] * 2, tensor.shape[2], -1)
+
+
+def gather_blocks(kv_cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Blocks `index` of the cache as one contiguous CPU tensor [layers, 2, n, block_size, kv_heads, head_size].
+
+    `index` must be bounds-checked (block_index). On CPU the copy is numpy's: single-threaded and
+    free of OpenMP, whose worker threads otherwise spin after each torch op and starve the socket
+    threads of the cores a transfer needs (measured: 10x slower transfers on 2 cores).
+    """
+    if kv_cache.device.type != "cpu":
+        return kv_cache.index_select(2, index.to(kv_cache.device)).cpu()
+    data = np.take(_blocks_view(kv_cache), index.numpy(), axis=1, mode="clip")  # "clip": checked already
+    return torch.from_numpy(data).view(kv_cache.dtype).view(
+        kv_cache.shape[0], 2, index.numel(), *kv_cache.shape[3:])
+
+
+def scatter_blocks(kv_cache: torch.Tensor, index: torch.Tensor, data: torch.Tensor) -> None:
+    """Write `data` (as from gather_blocks) into blocks `index` (bounds-checked, unique) of the cache."""
+    if kv_cache.device.type != "cpu":
+        kv_cache.index_copy_(2, index.to(kv_cache.device), data.to(kv_cache.device, non_blocking=True))
+        return
+    _blocks_view(kv_cache)[:, index.numpy()] = _blocks_view(data)
+
+
+def expected_blocks_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
+    return (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_size)
+
+
+class EmbeddingSource(Protocol):
+    """What a server needs of an encoder cache: `get(mm_hash)` -> [num_tokens, hidden_size] or None.
+
+    A dict (any Mapping) has it; so does the encoder's LRU cache.
+    """
+
+    def get(self, mm_hash: str) -> torch.Tensor | None: ...
+
+
+class KVTransferServer(abc.ABC):
+    """Serves the blocks a local engine exposes and the embeddings its encoder cache holds.
+
+    `expose` / `withdraw` are called by the engine's loop (the owner of the blocks and their
+    leases); the server only reads exposed blocks, never frees or writes any.
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        *,
+        kv_cache: torch.Tensor | None = None,
+        model_id: str = "",
+        encoder_cache: EmbeddingSource | None = None,
+    ):
+        self.engine_id = engine_id
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]
+        self.layout = kv_layout(kv_cache, model_id) if kv_cache is not None else None
+        self.encoder_cache = encoder_cache
+        self.stats = TransferStats()  # bytes served
+        # request id -> the block ids exposed for it; only these may be read by peers.
+        self._exposed: dict[str, frozenset[int]] = {}
+
+    def expose(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Let peers fetch `block_ids` under `request_id` (until withdraw)."""
+        if self.kv_cache is None:
+            raise RuntimeError(f"{self.engine_id} has no KV cache to expose")
+        block_index(block_ids, self.kv_cache.shape[2], f"expose {request_id}")
+        self._exposed[request_id] = frozenset(block_ids)
+
+    def withdraw(self, request_id: str) -> None:
+        """Stop serving the request's blocks (released, aborted or lease expired)."""
+        self._exposed.pop(request_id, None)
+
+    @property
+    def num_exposed_requests(self) -> int:
+        return len(self._exposed)
+
+    def exposed_index(self, request_id: str, block_ids: Sequence[int]) -> torch.Tensor:
+        """The index of blocks a peer asks for, if every one is exposed for that request."""
+        exposed = self._exposed.get(request_id)
+        if exposed is None:
+            raise BlocksNotFoundError(f"{self.engine_id} holds no blocks for request {request_id!r}")
+        if not exposed.issuperset(block_ids):
+            raise BlockRangeError(f"request {request_id!r}: asked for blocks not exposed for it")
+        return block_index(block_ids, self.kv_cache.shape[2], f"fetch {request_id}")
+
+    def embeddings(self, mm_hash: str) -> torch.Tensor:
+        tensor = self.encoder_cache.get(mm_hash) if self.encoder_cache is not None else None
+        if tensor is None:
+            raise EmbeddingNotFoundError(f"{self.engine_id} has no embeddings for mm_hash {mm_hash!r}")
+        return tensor
+
+    @abc.abstractmethod
+    async def start(self) -> str:
+        """Start serving; return the address peers fetch from (what KVHandle.kv_addr carries)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class KVTransferClient(abc.ABC):
+    """Pulls remote blocks into the local KV cache, and embeddings by mm_hash.
+
+    `stats` counts bytes, seconds and failures of every fetch. A failed fetch leaves the local
+    blocks it was writing undefined: the caller frees them (or prefills locally).
+    """
+
+    def __init__(self, engine_id: str, *, kv_cache: torch.Tensor | None = None, model_id: str = ""):
+        self.engine_id = engine_id
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]
+        self.layout = kv_layout(kv_cache, model_id) if kv_cache is not None else None
+        self.stats = TransferStats()
+
+    def local_index(self, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError(f"{self.engine_id} has no KV cache to fetch into")
+        if len(remote_block_ids) != len(local_block_ids):
+            raise BlockRangeError(f"{len(remote_block_ids)} remote blocks for {len(local_block_ids)} local ones")
+        return block_index(local_block_ids, self.kv_cache.shape[2], "local", unique=True)
+
+    @abc.abstractmethod
+    async def fetch_blocks(
+        self,
+        kv_addr: str,
+        request_id: str,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        *,
+        timeout: float | None = None,
+    ) -> FetchResult:
+        """Copy remote blocks `remote_block_ids` (exposed under `request_id`) into local
+        `local_block_ids`, pairwise. Raises a TransferError subclass on any failure."""
+
+    @abc.abstractmethod
+    async def fetch_embeddings(self, encoder_addr: str, mm_hash: str, *, timeout: float | None = None) -> torch.Tensor:
+        """The [num_tokens, hidden_size] embeddings the encoder at `encoder_addr` holds for `mm_hash`."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+BACKENDS = ("zmq", "ucx")
+
+
+def create_server(backend: str, engine_id: str, **kwargs) -> KVTransferServer:
+    """A transfer server of the named backend ("zmq" default, "ucx" needs the ucx extra)."""
+    if backend == "zmq":
+        from epdserve.transport.zmq_kv import ZmqKVServer
+        return ZmqKVServer(engine_id, **kwargs)
+    if backend == "ucx":
+        from epdserve.transport.ucx_kv import UcxKVServer
+        return UcxKVServer(engine_id, **kwargs)
+    raise ValueError(f"unknown KV transfer backend {backend!r}; choose from {BACKENDS}")
+
+
+def create_client(backend: str, engine_id: str, **kwargs) -> KVTransferClient:
+    if backend == "zmq":
+        from epdserve.transport.zmq_kv import ZmqKVClient
+        return ZmqKVClient(engine_id, **kwargs)
+    if backend == "ucx":
+        from epdserve.transport.ucx_kv import UcxKVClient
+        return UcxKVClient(engine_id, **kwargs)
+    raise ValueError(f"unknown KV transfer backend {backend!r}; choose from {BACKENDS}")
