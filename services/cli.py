@@ -13,6 +13,12 @@ def _model_command(args: argparse.Namespace) -> int:
     if args.which == "default":
         print(prepare_default_model(cache_dir))
         return 0
+    if args.which == "llava-demo":
+        from epdserve.shared.llava_demo import build_llava_demo
+
+        out = Path(args.out) if args.out else cache_dir / "models" / "llava-demo"
+        print(build_llava_demo(out, prepare_default_model(cache_dir), seed=args.seed))
+        return 0
     from epdserve.shared.tiny_models import build_tiny_model
 
     out = Path(args.out) if args.out else cache_dir / "models" / f"tiny-{args.which}"
@@ -24,10 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epdserve", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
     model = sub.add_parser("model", help="prepare a model folder; prints its path last")
-    model.add_argument("which", choices=["default", "tiny-llama", "tiny-qwen2"],
-                       help="default: SmolLM2-135M-Instruct converted from its GGUF; tiny-*: random test models")
+    model.add_argument("which", choices=["default", "tiny-llama", "tiny-qwen2", "llava-demo"],
+                       help="default: SmolLM2-135M-Instruct converted from its GGUF; tiny-*: random test models; "
+                            "llava-demo: SmolLM2 behind an untrained CLIP vision tower (LLaVA layout)")
     model.add_argument("--cache-dir", help="where prepared models live (default: $EPDSERVE_CACHE_DIR or ~/.cache/epdserve)")
-    model.add_argument("--out", help="output folder for a tiny model")
+    model.add_argument("--out", help="output folder for a tiny or llava-demo model")
     model.add_argument("--seed", type=int, default=0)
     model.set_defaults(func=_model_command)
     return parser

@@ -38,3 +38,11 @@ def tiny_model_paths(tmp_path_factory, default_model_path):
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: str(build_tiny_model(arch, root / arch, default_model_path)) for arch in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def llava_demo_path(tmp_path_factory, default_model_path):
+    """The demo LLaVA checkpoint (SmolLM2 + a small untrained CLIP tower), built by the project's own builder."""
+    from epdserve.shared.llava_demo import build_llava_demo
+
+    return str(build_llava_demo(tmp_path_factory.mktemp("llava") / "llava-demo", default_model_path))

@@ -1,0 +1,214 @@
+"""CLIP vision transformer: the image tower of LLaVA-style models.
+
+Pixels are cut into non-overlapping patches by a strided convolution; a learned class embedding is
+prepended and learned position embeddings added; a pre-layernorm follows; then pre-norm encoder layers
+(bidirectional attention, MLP). A LLaVA model reads the hidden states of one inner layer, so only the
+layers up to the deepest one read are built, loaded and run. Numerics follow HF transformers'
+`CLIPVisionModel` (SDPA attention at scale head_size**-0.5, LayerNorm in the model dtype).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epdserve.shared.layers.linear import Linear
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+# HF activation names -> functions computing what HF's ACT2FN entries compute.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "quick_gelu": quick_gelu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+# HF CLIPVisionConfig's defaults, for configs that leave a field out.
+_CLIP_VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                             num_channels=3, image_size=224, patch_size=32, hidden_act="quick_gelu",
+                             layer_norm_eps=1e-5)
+
+
+@dataclass(frozen=True, slots=True)
+class CLIPVisionConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_channels: int
+    image_size: int
+    patch_size: int
+    hidden_act: str
+    layer_norm_eps: float
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        get_activation(self.hidden_act)
+
+    @staticmethod
+    def from_dict(raw: dict[str, Any]) -> CLIPVisionConfig:
+        """From an HF `vision_config` dict; fields it leaves out take CLIPVisionConfig's defaults."""
+        model_type = raw.get("model_type", "clip_vision_model")
+        if model_type not in ("clip_vision_model", "clip"):
+            raise ValueError(f"unsupported vision tower {model_type!r}; supported: clip_vision_model")
+        c = {**_CLIP_VISION_DEFAULTS, **raw}
+        return CLIPVisionConfig(
+            hidden_size=int(c["hidden_size"]), intermediate_size=int(c["intermediate_size"]),
+            num_layers=int(c["num_hidden_layers"]), num_heads=int(c["num_attention_heads"]),
+            num_channels=int(c["num_channels"]), image_size=int(c["image_size"]), patch_size=int(c["patch_size"]),
+            hidden_act=c["hidden_act"], layer_norm_eps=float(c["layer_norm_eps"]))
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def num_positions(self) -> int:
+        return self.num_patches + 1  # the class token comes first
+
+
+class CLIPAttention(nn.Module):
+    def __init__(self, config: CLIPVisionConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_size = config.num_heads, config.head_size
+        self.scale = config.head_size ** -0.5
+        # q, k and v stacked in one matmul (rows in that order); loaded from HF's three projections.
+        self.qkv_proj = Linear(config.hidden_size, 3 * config.hidden_size)
+        self.out_proj = Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, seq, hidden = x.shape
+        # [n, seq, 3 * hidden] -> 3 x [n, num_heads, seq, head_size]
+        q, k, v = self.qkv_proj(x).view(n, seq, 3, self.num_heads, self.head_size).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        return self.out_proj(o.transpose(1, 2).reshape(n, seq, hidden))
+
+
+class CLIPMLP(nn.Module):
+    def __init__(self, config: CLIPVisionConfig) -> None:
+        super().__init__()
+        self.act = get_activation(config.hidden_act)
+        self.fc1 = Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class CLIPEncoderLayer(nn.Module):
+    def __init__(self, config: CLIPVisionConfig) -> None:
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.self_attn = CLIPAttention(config)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = CLIPMLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class CLIPVisionEmbeddings(nn.Module):
+    def __init__(self, config: CLIPVisionConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.class_embedding = nn.Parameter(torch.empty(config.hidden_size))
+        self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size, config.patch_size,
+                                         stride=config.patch_size, bias=False)
+        self.position_embedding = nn.Embedding(config.num_positions, config.hidden_size)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        # [n, C, H, W] -> [n, hidden, H / patch, W / patch] -> [n, num_patches, hidden], patches row-major
+        patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype)).flatten(2).transpose(1, 2)
+        cls = self.class_embedding.expand(patches.shape[0], 1, -1)
+        return torch.cat([cls, patches], dim=1) + self.position_embedding.weight  # [n, num_positions, hidden]
+
+
+class CLIPVisionTransformer(nn.Module):
+    """The first `num_layers` encoder layers of a CLIP vision model (its post-layernorm is never read)."""
+
+    def __init__(self, config: CLIPVisionConfig, num_layers: int | None = None) -> None:
+        super().__init__()
+        num_layers = config.num_layers if num_layers is None else num_layers
+        if not 0 <= num_layers <= config.num_layers:
+            raise ValueError(f"cannot build {num_layers} of the tower's {config.num_layers} layers")
+        self.config = config
+        self.embeddings = CLIPVisionEmbeddings(config)
+        self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)  # HF's spelling
+        self.layers = nn.ModuleList(CLIPEncoderLayer(config) for _ in range(num_layers))
+
+    def forward(self, pixel_values: torch.Tensor, hidden_state_ids: Iterable[int]) -> list[torch.Tensor]:
+        """Hidden states [n, num_positions, hidden] at the given indices, in their order.
+
+        Index 0 is the pre-layernormed embeddings, index i the output of layer i (HF's `hidden_states`)."""
+        wanted = list(hidden_state_ids)
+        if any(not 0 <= i <= len(self.layers) for i in wanted):
+            raise ValueError(f"hidden state indices {wanted} outside 0..{len(self.layers)}")
+        x = self.pre_layrnorm(self.embeddings(pixel_values))
+        found = {0: x}
+        for i, layer in enumerate(self.layers[:max(wanted, default=0)], start=1):
+            x = layer(x)
+            found[i] = x
+        return [found[i] for i in wanted]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (relative to the tower: `embeddings.`, `encoder.layers.N.`, ...) into our
+        parameters. Layers past the ones built and the unused post-layernorm are skipped; every parameter
+        must be written."""
+        params = dict(self.named_parameters())
+        pending = set(params)
+        qkv_rows = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+        qkv_written: dict[str, set[str]] = {}  # fused parameter -> pieces written so far
+        hidden = self.config.hidden_size
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("vision_model.").replace("encoder.layers.", "layers.")
+            if name.startswith("post_layernorm.") or name.endswith("position_ids"):
+                continue
+            layer = name.split(".")[1] if name.startswith("layers.") else ""
+            if layer.isdigit() and int(layer) >= len(self.layers):
+                continue
+            piece = name.split(".")[-2] if "." in name else ""
+            if piece in qkv_rows:
+                name = name.replace(f".{piece}.", ".qkv_proj.")
+                if name not in params or tensor.shape[0] != hidden or tensor.shape[1:] != params[name].shape[1:]:
+                    raise ValueError(f"unexpected vision tower weight {hf_name!r} of shape {tuple(tensor.shape)}")
+                row = qkv_rows[piece] * hidden
+                params[name].data[row:row + hidden].copy_(tensor)
+                qkv_written.setdefault(name, set()).add(piece)
+                if len(qkv_written[name]) == len(qkv_rows):
+                    pending.discard(name)
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected vision tower weight {hf_name!r}")
+            if tensor.shape != params[name].shape:
+                raise ValueError(f"vision tower weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(params[name].shape)}")
+            params[name].data.copy_(tensor)
+            pending.discard(name)
+        if pending:
+            raise ValueError(f"checkpoint lacks vision tower weights: {sorted(pending)[:8]}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
