@@ -139,6 +139,7 @@ class KVHandle:
     block_ids: tuple[int, ...]  # in the request's block-table order
     num_tokens: int  # tokens whose KV the blocks hold (the last block may be partial)
     lease_deadline: float  # Unix seconds; the blocks are freed after it unless renewed
+    control_addr: str = ""  # the prefill engine's control channel, where Release goes
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +224,20 @@ class DecodeRequest:
     # Decode hashes blocks for its own prefix cache exactly as prefill did, so it needs these too.
     mm_placeholders: tuple[MMPlaceholder, ...] = ()
     cache_salt: str | None = None
+    reply_to: str = ""  # the proxy inbox (pull channel) that TokenDeltas are pushed to
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """Prefill and decode in one engine: to a unified service, or to decode for a local prefill."""
+
+    TAG: ClassVar[str] = "generate_request"
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: WireSamplingParams
+    reply_to: str  # the proxy inbox that TokenDeltas are pushed to
+    mm_placeholders: tuple[MMPlaceholder, ...] = ()
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +250,7 @@ class TokenDelta:
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token when requested, else empty
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that finished it
+    num_cached_tokens: int | None = None  # on a stream's first delta: prompt tokens found in a prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +308,7 @@ class Status:
     num_total_blocks: int
     num_running: int
     num_waiting: int
+    data_addr: str = ""  # its KV / embedding transfer server, for encoders and prefills
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,7 +379,7 @@ class EmbeddingsSent:
 
 Message = Union[
     Handshake, HandshakeAck,
-    EncodeRequest, EncodeDone, PrefillRequest, PrefillDone, DecodeRequest, TokenDelta,
+    EncodeRequest, EncodeDone, PrefillRequest, PrefillDone, DecodeRequest, GenerateRequest, TokenDelta,
     Release, RenewLease, LeaseRenewed, Abort, Ack,
     StatusRequest, Status, Error,
     FetchBlocks, BlocksData, BlocksSent, FetchEmbeddings, EmbeddingsData, EmbeddingsSent,

@@ -28,7 +28,8 @@ SAMPLES = [
     p.PrefillRequest("r2", (1,), p.WireSamplingParams()),
     p.PrefillDone("r1", 42, HANDLE, num_cached_tokens=32, first_logprobs=LOGPROBS),
     p.PrefillDone("r3", 2, None, finish_reason=p.FinishReason.STOP),
-    p.DecodeRequest("r1", tuple(range(100)), 42, HANDLE, SAMPLING, (PLACEHOLDER,), "tenant-a"),
+    p.DecodeRequest("r1", tuple(range(100)), 42, HANDLE, SAMPLING, (PLACEHOLDER,), "tenant-a", "tcp://10.0.0.1:7000"),
+    p.GenerateRequest("r2", (1, 2, 3), SAMPLING, "tcp://10.0.0.1:7000", (PLACEHOLDER,), None),
     p.TokenDelta("r1", (5, 6, 7), (LOGPROBS,) * 3),
     p.TokenDelta("r1", (), finish_reason=p.FinishReason.STOP, stop_reason="</s>"),
     p.TokenDelta("r1", (2,), finish_reason=p.FinishReason.STOP, stop_reason=2),
@@ -39,6 +40,7 @@ SAMPLES = [
     p.Ack("r1"),
     p.StatusRequest(),
     p.Status("decode-0", p.Role.DECODE, p.Health.READY, 100, 4096, 3, 1),
+    p.Status("prefill-0", p.Role.PREFILL, p.Health.READY, 100, 4096, 3, 1, data_addr="tcp://10.0.0.2:7001"),
     p.Error(p.ErrorCode.NOT_FOUND, "no such request", "r1", retryable=False),
     p.FetchBlocks("r1", (7, 3, 11)),
     p.FetchBlocks("r1", (7,), ucx_tag=2**64 - 1),
@@ -48,6 +50,10 @@ SAMPLES = [
     p.EmbeddingsData("ab" * 32, torch.randn(5, 16).to(torch.bfloat16)),
     p.EmbeddingsSent("ab" * 32, p.TensorSpec("bfloat16", (576, 576))),
 ]
+
+
+def sample(message_type):
+    return next(m for m in SAMPLES if type(m) is message_type)
 
 
 def roundtrip(message, limits=codec.DEFAULT_LIMITS):
@@ -71,7 +77,7 @@ def test_round_trip(message):
 
 
 def test_decoded_sequences_are_tuples_and_enums_are_enums():
-    decoded = roundtrip(SAMPLES[5])
+    decoded = roundtrip(sample(p.PrefillRequest))
     assert isinstance(decoded.prompt_token_ids, tuple)
     assert isinstance(decoded.sampling_params.stop, tuple)
     status = roundtrip(p.Status("e", p.Role.PREFILL, p.Health.DRAINING, 1, 2, 3, 4))
@@ -200,10 +206,10 @@ def test_wrong_types_missing_and_unknown_fields_are_rejected(body, match):
 
 
 def test_nested_structs_and_enums_are_checked():
-    body = codec._MESSAGES["status"].to_wire(SAMPLES[19], "Status")
+    body = codec._MESSAGES["status"].to_wire(sample(p.Status), "Status")
     with pytest.raises(DecodeError, match="not a Health"):
         codec.decode([_envelope("status", {**body, "health": "great"})])
-    body = codec._MESSAGES["prefill_done"].to_wire(SAMPLES[7], "PrefillDone")
+    body = codec._MESSAGES["prefill_done"].to_wire(sample(p.PrefillDone), "PrefillDone")
     handle = dict(body["kv_handle"], block_ids=[1, -0.5])
     with pytest.raises(DecodeError, match="kv_handle.block_ids"):
         codec.decode([_envelope("prefill_done", {**body, "kv_handle": handle})])
