@@ -76,14 +76,26 @@ class TransferStats:
         return result
 
 
-def kv_layout(kv_cache: torch.Tensor, model_id: str) -> KVLayout:
-    """The layout a KV cache tensor has: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]."""
+def kv_layout(kv_cache: torch.Tensor, model_id: str, layout: KVLayout | None = None) -> KVLayout:
+    """The layout of a KV cache tensor [num_layers, 2, num_blocks, *block] (contiguous).
+
+    Without `layout`, the block is read as [block_size, num_kv_heads, head_size]. An engine that
+    stores blocks in another order (head-major, say) passes its `layout`; it must describe the same
+    number of elements per block. Either way a block moves as its raw bytes.
+    """
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
-        raise ValueError(f"kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_size], got {tuple(kv_cache.shape)}")
+        raise ValueError(f"kv_cache must be [layers, 2, blocks, *block (3 dims)], got {tuple(kv_cache.shape)}")
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous")
-    num_layers, _, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    return KVLayout(model_id, dtype_name(kv_cache.dtype), block_size, num_layers, num_kv_heads, head_size)
+    if layout is None:
+        num_layers, _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+        return KVLayout(model_id, dtype_name(kv_cache.dtype), block_size, num_layers, num_kv_heads, head_size)
+    per_block = layout.block_size * layout.num_kv_heads * layout.head_size
+    if (layout.num_layers != kv_cache.shape[0] or layout.dtype != dtype_name(kv_cache.dtype)
+            or per_block != kv_cache[0, 0, 0].numel()):
+        raise ValueError(f"layout {layout} does not describe a cache of shape {tuple(kv_cache.shape)} "
+                         f"and dtype {kv_cache.dtype}")
+    return layout
 
 
 def layout_mismatch(ours: KVLayout, theirs: KVLayout, us: str = "here", them: str = "peer") -> str | None:
@@ -143,10 +155,6 @@ def scatter_blocks(kv_cache: torch.Tensor, index: torch.Tensor, data: torch.Tens
     _blocks_view(kv_cache)[:, index.numpy()] = _blocks_view(data)
 
 
-def expected_blocks_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
-    return (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_size)
-
-
 class EmbeddingSource(Protocol):
     """What a server needs of an encoder cache: `get(mm_hash)` -> [num_tokens, hidden_size] or None.
 
@@ -170,10 +178,11 @@ class KVTransferServer(abc.ABC):
         kv_cache: torch.Tensor | None = None,
         model_id: str = "",
         encoder_cache: EmbeddingSource | None = None,
+        layout: KVLayout | None = None,
     ):
         self.engine_id = engine_id
-        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]
-        self.layout = kv_layout(kv_cache, model_id) if kv_cache is not None else None
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, *block]
+        self.layout = kv_layout(kv_cache, model_id, layout) if kv_cache is not None else None
         self.encoder_cache = encoder_cache
         self.stats = TransferStats()  # bytes served
         # request id -> the block ids exposed for it; only these may be read by peers.
@@ -231,11 +240,16 @@ class KVTransferClient(abc.ABC):
     blocks it was writing undefined: the caller frees them (or prefills locally).
     """
 
-    def __init__(self, engine_id: str, *, kv_cache: torch.Tensor | None = None, model_id: str = ""):
+    def __init__(self, engine_id: str, *, kv_cache: torch.Tensor | None = None, model_id: str = "",
+                 layout: KVLayout | None = None):
         self.engine_id = engine_id
-        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]
-        self.layout = kv_layout(kv_cache, model_id) if kv_cache is not None else None
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, *block]
+        self.layout = kv_layout(kv_cache, model_id, layout) if kv_cache is not None else None
         self.stats = TransferStats()
+
+    def blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of `num_blocks` blocks as they travel: this cache's block shape (peers match it)."""
+        return (self.kv_cache.shape[0], 2, num_blocks, *self.kv_cache.shape[3:])
 
     def local_index(self, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> torch.Tensor:
         if self.kv_cache is None:

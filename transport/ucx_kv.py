@@ -28,7 +28,7 @@ from epdserve.shared.protocol import (
     BlocksSent, EmbeddingsSent, Error, ErrorCode, FetchBlocks, FetchEmbeddings, Handshake, Message,
 )
 from epdserve.transport import codec
-from epdserve.transport.kv_transfer import TransferError, TransferTimeout, expected_blocks_shape, scatter_blocks
+from epdserve.transport.kv_transfer import TransferError, TransferTimeout, scatter_blocks
 from epdserve.transport.queues import ErrorReply, RequestClient
 from epdserve.transport.zmq_kv import ZmqKVClient, ZmqKVServer
 
@@ -177,7 +177,7 @@ class UcxKVClient(ZmqKVClient):
             FetchBlocks(request_id, remote_ids, ucx_tag=tag), timeout=self._remaining(deadline), expect=BlocksSent,
         )
         self._check_blocks(reply.spec, len(remote_ids))
-        data = torch.empty(expected_blocks_shape(self.layout, len(remote_ids)), dtype=self.kv_cache.dtype)
+        data = torch.empty(self.blocks_shape(len(remote_ids)), dtype=self.kv_cache.dtype)
         await self._receive(data, tag, deadline, client.address)
         await asyncio.to_thread(scatter_blocks, self.kv_cache, local_index, data)
         return data.nbytes

@@ -19,14 +19,14 @@ import torch
 
 from epdserve.shared.protocol import (
     BlocksData, EmbeddingsData, Error, ErrorCode, FetchBlocks, FetchEmbeddings, Handshake, HandshakeAck,
-    Message, Role,
+    KVLayout, Message, Role,
 )
 from epdserve.transport import codec
 from epdserve.transport.codec import DEFAULT_LIMITS, Limits, TensorSpec
 from epdserve.transport.kv_transfer import (
     BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, EmbeddingSource, FetchResult,
     IncompatiblePeerError, KVTransferClient, KVTransferServer, TransferError, TransferTimeout,
-    expected_blocks_shape, gather_blocks, layout_mismatch, scatter_blocks,
+    gather_blocks, layout_mismatch, scatter_blocks,
 )
 from epdserve.transport.queues import (
     ChannelError, ChannelTimeout, ErrorReply, HandshakeError, ReplyServer, RequestClient,
@@ -56,6 +56,7 @@ class ZmqKVServer(KVTransferServer):
         kv_cache: torch.Tensor | None = None,
         model_id: str = "",
         encoder_cache: EmbeddingSource | None = None,
+        layout: KVLayout | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         allow_wildcard: bool = False,
@@ -63,7 +64,7 @@ class ZmqKVServer(KVTransferServer):
         limits: Limits = DEFAULT_LIMITS,
         max_inflight: int = 8,
     ):
-        super().__init__(engine_id, kv_cache=kv_cache, model_id=model_id, encoder_cache=encoder_cache)
+        super().__init__(engine_id, kv_cache=kv_cache, model_id=model_id, encoder_cache=encoder_cache, layout=layout)
         # Few in flight: each holds a gathered copy of its blocks until ZMQ has sent it.
         self._server = ReplyServer(
             engine_id, host=host, port=port, allow_wildcard=allow_wildcard, curve=curve, limits=limits,
@@ -149,6 +150,7 @@ class ZmqKVClient(KVTransferClient):
         *,
         kv_cache: torch.Tensor | None = None,
         model_id: str = "",
+        layout: KVLayout | None = None,
         role: Role = Role.DECODE,
         timeout: float = 30.0,
         curve: CurveConfig | None = None,
@@ -157,7 +159,7 @@ class ZmqKVClient(KVTransferClient):
         min_message_bytes: int = 1 << 20,
         max_inflight_messages: int = 4,
     ):
-        super().__init__(engine_id, kv_cache=kv_cache, model_id=model_id)
+        super().__init__(engine_id, kv_cache=kv_cache, model_id=model_id, layout=layout)
         self.role = role
         self.timeout = timeout
         self.limits = limits
@@ -254,7 +256,7 @@ class ZmqKVClient(KVTransferClient):
 
     def _check_blocks(self, spec: TensorSpec, num_blocks: int) -> None:
         """The data for `num_blocks` blocks must have exactly our cache's block shape and dtype."""
-        expected = expected_blocks_shape(self.layout, num_blocks)
+        expected = self.blocks_shape(num_blocks)
         if spec.dtype != self.layout.dtype or tuple(spec.shape) != expected:
             raise BlockRangeError(f"peer sent {spec.dtype}{list(spec.shape)}, expected {self.layout.dtype}{list(expected)}")
 
