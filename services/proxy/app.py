@@ -91,7 +91,7 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
         if body.prompt is not None:
             ids = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            ids, _ = serving.encode_chat(ChatCompletionRequest(messages=body.messages,
+            ids, _ = await serving.encode_chat(ChatCompletionRequest(messages=body.messages,
                                                                add_generation_prompt=body.add_generation_prompt))
         return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
 

@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 from dataclasses import replace
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from epdserve.services.proxy.generation import Backend, Chunk, GenerateInput, GenerationError, ImageInput
 from epdserve.services.proxy.metrics import ProxyMetrics
@@ -28,9 +28,8 @@ class BadRequest(ValueError):
         self.status, self.error_type, self.param = status, error_type, param
 
 
-# Turns chat messages into (prompt token ids, images with placeholders); the multimodal variant
-# expands image placeholders. Set by the app for multimodal models.
-ChatEncoder = Callable[[list[dict], bool, dict], "tuple[list[int], list[ImageInput]]"]
+# Turns chat messages into (prompt token ids, images with placeholders) for multimodal models.
+ChatEncoder = Callable[[list[dict], bool, dict], Awaitable["tuple[list[int], list[ImageInput]]"]]
 
 
 class _Result:
@@ -92,11 +91,11 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
 
-    def encode_chat(self, request: ChatCompletionRequest) -> tuple[list[int], list[ImageInput]]:
+    async def encode_chat(self, request: ChatCompletionRequest) -> tuple[list[int], list[ImageInput]]:
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         kwargs = request.chat_template_kwargs or {}
         if self.chat_encoder is not None:
-            return self.chat_encoder(messages, request.add_generation_prompt, kwargs)
+            return await self.chat_encoder(messages, request.add_generation_prompt, kwargs)
         for m in messages:
             if isinstance(m.get("content"), list):
                 if any(part["type"] != "text" for part in m["content"]):
@@ -231,7 +230,7 @@ class OpenAIServing:
     # -- /v1/chat/completions -----------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
-        ids, images = self.encode_chat(req)
+        ids, images = await self.encode_chat(req)
         sampling = self._sampling(req, len(ids), req.effective_max_tokens, req.num_logprobs)
         gen = self._input(request_id, ids, sampling, images, req.cache_salt)
         head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}

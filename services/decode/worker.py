@@ -1,0 +1,116 @@
+"""The decode service: continues requests whose prompt a prefill service computed.
+
+For a DecodeRequest it reserves blocks for the whole prompt (reusing its own prefix-cache hits), pulls
+only the blocks it lacks from the prefill engine named in the request's KV handle, tells that engine to
+release them, and joins the request to its continuous batch from the first token prefill sampled. If the
+pull fails (prefill gone, lease expired) it recomputes the prompt itself rather than fail the request.
+It also prefills locally when the proxy asks (GenerateRequest): short prompts, or no healthy prefill.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+
+from epdserve.services.engine_worker import EngineWorker, bad_request
+from epdserve.shared.protocol import Ack, DecodeRequest, Error, ErrorCode, Handshake, Message, Release, Role
+from epdserve.shared.scheduler import RemoteKVReservation
+from epdserve.transport.kv_transfer import TransferError
+from epdserve.transport.queues import ChannelError, RequestClient
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeWorker(EngineWorker):
+    role = Role.DECODE
+
+    def __init__(self, *args, make_client, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._make_client = make_client  # address -> RequestClient to a prefill's control channel
+        self._prefill_clients: dict[str, RequestClient] = {}
+
+    async def handle(self, message: Message, peer: Handshake) -> Message | None:
+        if isinstance(message, DecodeRequest):
+            return await self._start_decode(message)
+        return await super().handle(message, peer)
+
+    async def _start_decode(self, m: DecodeRequest) -> Message:
+        if m.request_id in self._tasks:
+            return bad_request(m.request_id, "request id already in use")
+        if not m.prompt_token_ids or m.kv_handle.num_tokens != len(m.prompt_token_ids):
+            return bad_request(m.request_id, "the KV handle does not cover the prompt")
+        try:
+            request = await self.make_request(m.request_id, m.prompt_token_ids, m.sampling_params,
+                                              m.mm_placeholders, m.cache_salt)
+        except ValueError as exc:
+            return bad_request(m.request_id, str(exc))
+        except (TransferError, ChannelError, TimeoutError) as exc:
+            return Error(ErrorCode.INTERNAL, f"could not fetch image embeddings: {exc}", m.request_id, True)
+        handle = m.kv_handle
+        released = False
+
+        async def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                await self._release(handle.control_addr, m.request_id)
+
+        async def fill(reservation: RemoteKVReservation) -> None:
+            remote = list(handle.block_ids[reservation.first_remote_block:])
+            self.metrics.local_kv_hit_blocks.inc(reservation.first_remote_block)
+            try:
+                if remote:
+                    result = await self.kv_client.fetch_blocks(handle.kv_addr, m.request_id, remote,
+                                                               reservation.block_ids,
+                                                               timeout=self.service.transport.transfer_timeout)
+                    self.metrics.transfer_bytes.inc(result.num_bytes)
+                    self.metrics.transfer_seconds.inc(result.seconds)
+                    self.metrics.remote_kv_blocks.inc(len(remote))
+            except (TransferError, ChannelError, TimeoutError):
+                self.metrics.transfer_failures.inc()
+                raise
+            finally:
+                await release()
+            self.metrics.remote_kv_requests.inc()
+
+        async def outputs():
+            try:
+                async for out in self.llm.generate_prefilled(request, m.first_token, fill,
+                                                             wait_timeout=self.service.transport.transfer_timeout):
+                    yield out
+                return
+            except (TransferError, ChannelError, TimeoutError) as exc:
+                logger.warning("request %s: KV pull from %s failed (%s); recomputing the prompt here",
+                               m.request_id, handle.kv_addr, exc)
+            finally:
+                await release()
+            # Continue from the first token as a prompt of our own: same tokens under greedy decoding.
+            self.metrics.local_prefills.inc()
+            params = request.sampling_params
+            fallback = self.llm.make_request(
+                {"prompt_token_ids": [*m.prompt_token_ids, m.first_token]},
+                replace(params, max_tokens=None if params.max_tokens is None else params.max_tokens - 1,
+                        min_tokens=max(params.min_tokens - 1, 0)),
+                m.request_id, cache_salt=m.cache_salt, mm_placeholders=request.mm_placeholders,
+                mm_embeddings=request.mm_embeddings)
+            if fallback.max_output_tokens < 1:
+                return
+            async for out in self.llm.generate(fallback):
+                yield out
+
+        self.spawn_stream(request, outputs(), m.reply_to)
+        return Ack(m.request_id)
+
+    async def _release(self, control_addr: str, request_id: str) -> None:
+        client = self._prefill_clients.get(control_addr)
+        if client is None:
+            client = self._prefill_clients[control_addr] = self._make_client(control_addr)
+        try:
+            await client.request(Release(request_id), timeout=self.service.transport.request_timeout, expect=Ack)
+        except (ChannelError, TimeoutError) as exc:  # the lease frees the blocks anyway
+            logger.warning("request %s: release at %s failed: %s", request_id, control_addr, exc)
+
+    async def close(self) -> None:
+        await super().close()
+        for client in self._prefill_clients.values():
+            await client.close()

@@ -1,0 +1,103 @@
+"""The encoder service: images in, embeddings kept for prefill (and decode) to pull.
+
+An EncodeRequest carries each image's bytes and the mm_hash the proxy computed. The encoder decodes
+the bytes itself and recomputes the hash: a peer cannot plant embeddings under another image's hash.
+Results live in a bounded LRU cache keyed by mm_hash, which the KV transfer server reads from; an image
+already cached costs nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+
+import torch
+
+from epdserve.services.service_metrics import ServiceMetrics
+from epdserve.shared.config import ServiceConfig
+from epdserve.shared.image_processor import ImageProcessor
+from epdserve.shared.models.llava_encoder import LlavaEncoder
+from epdserve.shared.multimodal import mm_hash
+from epdserve.shared.protocol import (EncodeDone, EncodedItem, EncodeRequest, Error, ErrorCode, Handshake, Health,
+                                      Message, Role, Status, StatusRequest)
+
+logger = logging.getLogger(__name__)
+
+
+class EncoderCache:
+    """mm_hash -> embeddings [num_tokens, hidden_size], least recently used evicted past `capacity` items."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, key: str) -> torch.Tensor | None:
+        tensor = self._items.get(key)
+        if tensor is not None:
+            self._items.move_to_end(key)
+        return tensor
+
+    def put(self, key: str, tensor: torch.Tensor) -> None:
+        self._items[key] = tensor
+        self._items.move_to_end(key)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class EncoderWorker:
+    role = Role.ENCODER
+
+    def __init__(self, service: ServiceConfig, model_path: str, dtype: torch.dtype) -> None:
+        self.service = service
+        self.processor = ImageProcessor.from_pretrained(model_path)
+        self.encoder = LlavaEncoder.from_pretrained(model_path, dtype)
+        self.cache = EncoderCache(service.encoder_cache_items)
+        self.metrics = ServiceMetrics(service.role, service.engine_id)
+        self.data_addr = ""
+        # One image at a time through the model; the event loop stays free meanwhile.
+        self._lock = asyncio.Lock()
+
+    def status(self) -> Status:
+        return Status(self.service.engine_id, self.role, Health.READY, 0, 0, 0, 0, data_addr=self.data_addr)
+
+    async def handle(self, message: Message, peer: Handshake) -> Message | None:
+        if isinstance(message, StatusRequest):
+            return self.status()
+        if isinstance(message, EncodeRequest):
+            return await self._encode(message)
+        return Error(ErrorCode.BAD_REQUEST, f"an encoder does not take {type(message).__name__}",
+                     getattr(message, "request_id", None))
+
+    async def _encode(self, m: EncodeRequest) -> Message:
+        done = []
+        for item in m.items:
+            cached = self.cache.get(item.mm_hash)
+            if cached is None:
+                self.cache.misses += 1
+                try:
+                    cached = await self._compute(item.mm_hash, item.data)
+                except ValueError as exc:
+                    return Error(ErrorCode.BAD_REQUEST, str(exc), m.request_id)
+            else:
+                self.cache.hits += 1
+            done.append(EncodedItem(item.mm_hash, cached.shape[0]))
+        return EncodeDone(m.request_id, tuple(done))
+
+    async def _compute(self, item_hash: str, data: bytes) -> torch.Tensor:
+        def run() -> torch.Tensor:
+            rgb = self.processor.load(data)
+            if mm_hash(rgb, self.processor.config) != item_hash:
+                raise ValueError("mm_hash does not match the image")
+            return self.encoder.encode(self.processor.preprocess(rgb).unsqueeze(0))[0].contiguous()
+
+        async with self._lock:
+            embeddings = await asyncio.to_thread(run)
+        self.cache.put(item_hash, embeddings)
+        return embeddings
+
+    async def close(self) -> None:
+        pass

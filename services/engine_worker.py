@@ -1,0 +1,180 @@
+"""What prefill, decode and unified services share: an engine, its status, and token streams.
+
+A request's tokens go back to the proxy that sent it as `TokenDelta`s on a push channel to the proxy's
+address (`reply_to`); a failure mid-stream is pushed as an `Error` for that request. The engine sees
+token ids only: text, stop strings and response formats are the proxy's.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+import torch
+
+from epdserve.services.service_metrics import ServiceMetrics
+from epdserve.shared.async_llm import AsyncLLM
+from epdserve.shared.config import EngineConfig, ServiceConfig
+from epdserve.shared.engine import LLMEngine
+from epdserve.shared.outputs import RequestOutput
+from epdserve.shared.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, GenerateRequest, Handshake, Health,
+                                      KVLayout, Message, MMPlaceholder, Role, Status, StatusRequest, TokenDelta,
+                                      TokenLogprobs)
+from epdserve.shared.request import MultiModalPlaceholder, Request
+from epdserve.shared.sampling_params import from_wire
+from epdserve.transport.kv_transfer import KVTransferClient, TransferError
+from epdserve.transport.queues import ChannelError, PushChannel
+
+logger = logging.getLogger(__name__)
+
+
+def wire_logprobs(out: RequestOutput, num_top: int | None) -> tuple[TokenLogprobs, ...]:
+    """The engine's per-token logprob dicts (sampled token + top-N by rank) as wire structs."""
+    completion = out.outputs[0]
+    if num_top is None or not completion.logprobs:
+        return ()
+    result = []
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank <= num_top)
+        result.append(TokenLogprobs(entry[token].logprob, tuple(t for _, t, _ in top), tuple(v for *_, v in top)))
+    return tuple(result)
+
+
+def bad_request(request_id: str | None, message: str) -> Error:
+    return Error(ErrorCode.BAD_REQUEST, message, request_id)
+
+
+class EngineWorker:
+    role: Role = Role.UNIFIED
+
+    def __init__(self, service: ServiceConfig, engine_config: EngineConfig, push_kwargs: dict,
+                 kv_client: KVTransferClient | None = None) -> None:
+        self.service = service
+        self.engine_config = engine_config
+        self.llm = AsyncLLM(LLMEngine(engine_config, detokenize=False))
+        self.kv_layout = KVLayout(engine_config.model.model_id, str(engine_config.model.dtype).removeprefix("torch."),
+                                  engine_config.cache.block_size, engine_config.model.num_layers,
+                                  engine_config.model.num_kv_heads, engine_config.model.head_size)
+        self.kv_client = kv_client
+        self.metrics = ServiceMetrics(service.role, service.engine_id, self.llm.engine.stats)
+        self.data_addr = ""
+        self._push_kwargs = push_kwargs  # engine_id, role, curve... for channels back to proxies
+        self._pushers: dict[str, PushChannel] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.llm.engine.runner.kv_cache
+
+    def status(self) -> Status:
+        stats = self.llm.engine.stats()
+        return Status(self.service.engine_id, self.role, Health.READY, stats.num_free_blocks, stats.num_total_blocks,
+                      stats.num_running, stats.num_waiting, data_addr=self.data_addr)
+
+    async def handle(self, message: Message, peer: Handshake) -> Message | None:
+        if isinstance(message, StatusRequest):
+            return self.status()
+        if isinstance(message, Abort):
+            await self.abort(message.request_id)
+            return Ack(message.request_id)
+        if isinstance(message, GenerateRequest):
+            return await self._start_generate(message)
+        return bad_request(getattr(message, "request_id", None),
+                           f"a {self.role.value} service does not take {type(message).__name__}")
+
+    async def abort(self, request_id: str) -> None:
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()  # its stream's `finally` aborts the request in the engine
+        else:
+            await self.llm.abort(request_id)
+
+    # -- prompt to engine request -------------------------------------------------------------------
+    async def make_request(self, request_id: str, prompt_token_ids, wire_params, placeholders: tuple[MMPlaceholder, ...],
+                           cache_salt: str | None, hold_kv: bool = False) -> Request:
+        """Validate (ValueError on bad input) and fetch image embeddings from the encoders that hold them."""
+        params = from_wire(wire_params)
+        embeddings = {}
+        for ph in placeholders:
+            if ph.mm_hash not in embeddings:
+                embeddings[ph.mm_hash] = await self._fetch_embeddings(ph)
+        return self.llm.make_request({"prompt_token_ids": list(prompt_token_ids)}, params, request_id,
+                                     cache_salt=cache_salt, hold_kv=hold_kv,
+                                     mm_placeholders=tuple(MultiModalPlaceholder(p.offset, p.length, p.mm_hash)
+                                                           for p in placeholders),
+                                     mm_embeddings=embeddings)
+
+    async def _fetch_embeddings(self, ph: MMPlaceholder) -> torch.Tensor:
+        if self.kv_client is None:
+            raise ValueError("this service has no transfer client for image embeddings")
+        emb = await self.kv_client.fetch_embeddings(ph.encoder_addr, ph.mm_hash,
+                                                    timeout=self.service.transport.transfer_timeout)
+        self.metrics.embeddings_fetched.inc()
+        return emb.to(self.engine_config.model.dtype)
+
+    # -- streaming back -----------------------------------------------------------------------------
+    async def _start_generate(self, message: GenerateRequest) -> Message:
+        if message.request_id in self._tasks:
+            return bad_request(message.request_id, "request id already in use")
+        try:
+            request = await self.make_request(message.request_id, message.prompt_token_ids, message.sampling_params,
+                                              message.mm_placeholders, message.cache_salt)
+        except ValueError as exc:
+            return bad_request(message.request_id, str(exc))
+        except (TransferError, ChannelError, TimeoutError) as exc:
+            return Error(ErrorCode.INTERNAL, f"could not fetch image embeddings: {exc}", message.request_id, True)
+        self.metrics.local_prefills.inc()
+        self.spawn_stream(request, self.llm.generate(request), message.reply_to)
+        return Ack(message.request_id)
+
+    def spawn_stream(self, request: Request, outputs: AsyncIterator[RequestOutput], reply_to: str) -> None:
+        request_id = request.request_id
+        task = asyncio.create_task(self._stream(request_id, outputs, reply_to, request.sampling_params.logprobs))
+        self._tasks[request_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(request_id, None))
+
+    async def _stream(self, request_id: str, outputs: AsyncIterator[RequestOutput], reply_to: str,
+                      num_top: int | None) -> None:
+        push = self._pusher(reply_to)
+        first = True
+        try:
+            async for out in outputs:
+                completion = out.outputs[0]
+                reason = FinishReason(completion.finish_reason) if completion.finish_reason else None
+                await push.send(TokenDelta(request_id, tuple(completion.token_ids), wire_logprobs(out, num_top), reason,
+                                           completion.stop_reason, out.num_cached_tokens if first else None),
+                                timeout=self.service.transport.request_timeout)
+                first = False
+                if out.finished:
+                    self.metrics.finished(completion.finish_reason, out)
+        except asyncio.CancelledError:
+            raise  # aborted; the engine request was aborted by the iterator's cleanup
+        except (ChannelError, TimeoutError) as exc:
+            # The proxy is unreachable: nobody reads this stream any more.
+            logger.warning("request %s: cannot stream to %s (%s); aborting it", request_id, reply_to, exc)
+        except Exception as exc:
+            logger.exception("request %s failed", request_id)
+            code = ErrorCode.BAD_REQUEST if isinstance(exc, ValueError) else ErrorCode.INTERNAL
+            try:
+                await push.send(Error(code, str(exc), request_id), timeout=self.service.transport.request_timeout)
+            except (ChannelError, TimeoutError):
+                pass
+        finally:
+            await outputs.aclose()
+
+    def _pusher(self, address: str) -> PushChannel:
+        push = self._pushers.get(address)
+        if push is None:
+            push = self._pushers[address] = PushChannel(address, **self._push_kwargs)
+        return push
+
+    async def close(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        for push in self._pushers.values():
+            await push.close()
+        if self.kv_client is not None:
+            await self.kv_client.close()
+        self.llm.shutdown()

@@ -1,0 +1,54 @@
+"""Every service's management port: /health (alive), /ready (model loaded, peers reachable), /metrics."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+logger = logging.getLogger(__name__)
+
+
+def build_management_app(ready: Callable[[], tuple[bool, dict]], registry: CollectorRegistry) -> FastAPI:
+    app = FastAPI(docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def readiness() -> JSONResponse:
+        ok, details = ready()
+        return JSONResponse({"ready": ok, **details}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class ManagementServer:
+    """uvicorn on the service's own event loop (no second thread, no second process)."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                    access_log=False, lifespan="off"))
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        self._task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()  # bind failure: raise it
+            await asyncio.sleep(0.01)
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        self.server.should_exit = True
+        if self._task:
+            await asyncio.gather(self._task, return_exceptions=True)

@@ -1,0 +1,35 @@
+"""How services find and trust each other: advertised addresses and the deployment's CURVE certificate."""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from epdserve.shared.config import TransportConfig
+from epdserve.transport.security import WILDCARD_HOSTS, CurveConfig
+
+CURVE_CERT = "epdserve"  # <curve_dir>/epdserve.key (public) and epdserve.key_secret
+
+
+def server_curve(transport: TransportConfig) -> CurveConfig | None:
+    """Every service shares one certificate: a server accepts exactly the clients holding it."""
+    if not transport.curve_dir:
+        return None
+    folder = Path(transport.curve_dir)
+    return CurveConfig(folder / f"{CURVE_CERT}.key_secret", allowed_clients=(folder / f"{CURVE_CERT}.key",))
+
+
+def client_curve(transport: TransportConfig) -> CurveConfig | None:
+    if not transport.curve_dir:
+        return None
+    folder = Path(transport.curve_dir)
+    return CurveConfig(folder / f"{CURVE_CERT}.key_secret", server_public_key_file=folder / f"{CURVE_CERT}.key")
+
+
+def advertised(address: str, bind_host: str, advertise_host: str | None) -> str:
+    """tcp://host:port as peers must dial it: the advertised host, else the bound one (a wildcard
+    bind advertises this machine's name)."""
+    host = advertise_host
+    if host is None:
+        host = socket.gethostname() if bind_host in WILDCARD_HOSTS else bind_host
+    port = address.rsplit(":", 1)[1]
+    return f"tcp://{host}:{port}"

@@ -1,0 +1,121 @@
+"""The prefill service: computes prompts, samples the first token, and holds the KV for decode.
+
+A PrefillRequest runs to its first token with the request's own sampling parameters. If that token ends
+the request (a stop token, or max_tokens == 1) the blocks are freed at once; otherwise they stay
+allocated under a lease and are exposed, for that request id only, on this service's KV transfer server.
+They are freed when decode sends Release, when the proxy aborts the request, or when the lease runs out
+(seconds, renewable, counted in a metric): a dead decode never pins them for long.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+
+from epdserve.services.engine_worker import EngineWorker, bad_request, wire_logprobs
+from epdserve.shared.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, Handshake, KVHandle, LeaseRenewed,
+                                      Message, PrefillDone, PrefillRequest, Release, RenewLease, Role)
+from epdserve.transport.kv_transfer import KVTransferServer, TransferError
+from epdserve.transport.queues import ChannelError
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillWorker(EngineWorker):
+    role = Role.PREFILL
+
+    def __init__(self, *args, kv_server: KVTransferServer, control_addr: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kv_server = kv_server
+        self.control_addr = control_addr  # where decode sends Release
+        self.leases: dict[str, float] = {}  # request id -> monotonic deadline of its held KV
+        self._lease_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._lease_task = asyncio.create_task(self._expire_leases())
+
+    async def handle(self, message: Message, peer: Handshake) -> Message | None:
+        if isinstance(message, PrefillRequest):
+            return await self._prefill(message)
+        if isinstance(message, Release):
+            await self._release(message.request_id)
+            return Ack(message.request_id)
+        if isinstance(message, RenewLease):
+            if message.request_id not in self.leases:
+                return Error(ErrorCode.NOT_FOUND, "no KV held for this request", message.request_id)
+            self.leases[message.request_id] = time.monotonic() + self.service.lease_seconds
+            return LeaseRenewed(message.request_id, time.time() + self.service.lease_seconds)
+        if isinstance(message, Abort) and message.request_id in self.leases:
+            await self._release(message.request_id)
+            return Ack(message.request_id)
+        return await super().handle(message, peer)
+
+    async def _prefill(self, m: PrefillRequest) -> Message:
+        rid = m.request_id
+        if rid in self.leases or rid in self._tasks:
+            return bad_request(rid, "request id already in use")
+        try:
+            request = await self.make_request(rid, m.prompt_token_ids, m.sampling_params, m.mm_placeholders,
+                                              m.cache_salt, hold_kv=True)
+        except ValueError as exc:
+            return bad_request(rid, str(exc))
+        except (TransferError, ChannelError, TimeoutError) as exc:
+            return Error(ErrorCode.INTERNAL, f"could not fetch image embeddings: {exc}", rid, True)
+        wants_more = request.max_output_tokens > 1
+        request.max_output_tokens = 1  # this engine's part ends at the first token
+        task = asyncio.current_task()
+        self._tasks[rid] = task
+        try:
+            out = None
+            async for out in self.llm.generate(request):
+                pass
+        except asyncio.CancelledError:  # aborted by the proxy while prefilling
+            await self.llm.call(lambda e: e.release_kv(rid))
+            return Error(ErrorCode.ABORTED, "aborted", rid)
+        finally:
+            self._tasks.pop(rid, None)
+        completion = out.outputs[0]
+        first = completion.token_ids[0]
+        logprobs = wire_logprobs(out, request.sampling_params.logprobs)
+        first_logprobs = logprobs[0] if logprobs else None
+        self.metrics.local_prefills.inc()
+        if completion.finish_reason == "stop" or not wants_more:
+            await self.llm.call(lambda e: e.release_kv(rid))
+            self.metrics.finished(completion.finish_reason, out)
+            return PrefillDone(rid, first, None, out.num_cached_tokens, FinishReason(completion.finish_reason),
+                               first_logprobs)
+        block_ids = await self.llm.call(lambda e: e.held_block_ids(rid))
+        self.kv_server.expose(rid, block_ids)
+        self.leases[rid] = time.monotonic() + self.service.lease_seconds
+        handle = KVHandle(self.service.engine_id, self.data_addr, tuple(block_ids), len(m.prompt_token_ids),
+                          time.time() + self.service.lease_seconds, self.control_addr)
+        return PrefillDone(rid, first, handle, out.num_cached_tokens, None, first_logprobs)
+
+    async def abort(self, request_id: str) -> None:
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+        else:
+            await self.llm.abort(request_id)
+
+    async def _release(self, request_id: str) -> None:
+        if self.leases.pop(request_id, None) is None:
+            return
+        self.kv_server.withdraw(request_id)
+        await self.llm.call(lambda e: e.release_kv(request_id))
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.service.lease_seconds / 4))
+            now = time.monotonic()
+            for rid in [r for r, deadline in self.leases.items() if deadline < now]:
+                logger.warning("request %s: KV lease expired before decode released it", rid)
+                self.metrics.expired_leases.inc()
+                await self._release(rid)
+
+    async def close(self) -> None:
+        if self._lease_task:
+            self._lease_task.cancel()
+        await self.kv_server.close()
+        await super().close()

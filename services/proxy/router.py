@@ -1,0 +1,208 @@
+"""Which instance of each role serves a request, and which instances are alive.
+
+Each role is given as targets `host:port`; a host name is re-resolved periodically, so a compose service
+name or a Kubernetes headless Service (both resolve to every replica) discovers replicas as they come
+and go. Every instance is polled for its Status over its control channel; one that misses `max_misses`
+polls in a row is dropped from routing until it answers again.
+
+Choices: prefill (and unified) by prefix affinity - rendezvous hashing of the prompt's first blocks, so
+requests sharing a prefix land where it is cached - unless that instance is much busier than the least
+busy one; decode by free KV blocks and load; encoders by `mm_hash` affinity, so an image is encoded once.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import socket
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from epdserve.shared.protocol import Health, Role, Status, StatusRequest
+from epdserve.transport.queues import ChannelError, RequestClient
+
+logger = logging.getLogger(__name__)
+
+ClientFactory = Callable[[str, Role], RequestClient]
+
+
+@dataclass(eq=False)
+class Instance:
+    role: Role
+    address: str  # tcp://ip:port of its control channel
+    client: RequestClient
+    status: Status | None = None
+    misses: int = 0
+    alive: bool = False
+    # Requests this proxy has sent and not seen finish: load the status poll has not reported yet.
+    inflight: int = 0
+    last_seen: float = field(default=0.0)
+
+    @property
+    def load(self) -> int:
+        s = self.status
+        return self.inflight + (s.num_running + s.num_waiting if s else 0)
+
+    @property
+    def data_addr(self) -> str:
+        return self.status.data_addr if self.status else ""
+
+
+class NoInstanceError(Exception):
+    """No healthy instance of a role (the client gets 503)."""
+
+
+def _score(key: bytes, instance: Instance) -> bytes:
+    return hashlib.blake2b(key + instance.address.encode(), digest_size=8).digest()
+
+
+class RolePool:
+    """The instances of one role: discovery, health polling, and choosing."""
+
+    def __init__(self, role: Role, targets: Sequence[str], make_client: ClientFactory, max_misses: int = 3,
+                 poll_timeout: float = 2.0) -> None:
+        self.role = role
+        self.targets = [self._split(t) for t in targets]
+        self.make_client = make_client
+        self.max_misses = max_misses
+        self.poll_timeout = poll_timeout
+        self.instances: dict[str, Instance] = {}
+
+    @staticmethod
+    def _split(target: str) -> tuple[str, int]:
+        target = target.removeprefix("tcp://")
+        host, _, port = target.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"instance address {target!r} is not host:port")
+        return host, int(port)
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.targets)
+
+    async def resolve(self) -> None:
+        """Add instances that DNS now names, close those it no longer does."""
+        loop = asyncio.get_running_loop()
+        found: set[str] = set()
+        for host, port in self.targets:
+            try:
+                infos = await loop.getaddrinfo(host, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                logger.warning("cannot resolve %s instance %s: %s", self.role.value, host, exc)
+                continue
+            found.update(f"tcp://{info[4][0]}:{port}" for info in infos)
+        for address in found - self.instances.keys():
+            logger.info("discovered %s instance %s", self.role.value, address)
+            self.instances[address] = Instance(self.role, address, self.make_client(address, self.role))
+        for address in self.instances.keys() - found:
+            instance = self.instances.pop(address)
+            logger.info("%s instance %s is gone from DNS", self.role.value, address)
+            await instance.client.close()
+
+    async def poll(self) -> None:
+        await asyncio.gather(*(self._poll_one(i) for i in list(self.instances.values())))
+
+    async def _poll_one(self, instance: Instance) -> None:
+        try:
+            status = await instance.client.request(StatusRequest(), timeout=self.poll_timeout, expect=Status)
+        except (ChannelError, TimeoutError) as exc:
+            instance.misses += 1
+            if instance.alive and instance.misses >= self.max_misses:
+                logger.warning("%s instance %s missed %d polls: dropped (%s)", self.role.value, instance.address,
+                               instance.misses, exc)
+                instance.alive = False
+            return
+        if not instance.alive and status.health == Health.READY:
+            logger.info("%s instance %s (%s) is ready", self.role.value, instance.address, status.engine_id)
+        instance.status, instance.misses, instance.last_seen = status, 0, time.monotonic()
+        instance.alive = status.health == Health.READY
+
+    def mark_failed(self, instance: Instance) -> None:
+        """A request to it failed at the transport level: stop routing to it until it answers a poll."""
+        instance.alive = False
+
+    def healthy(self) -> list[Instance]:
+        return [i for i in self.instances.values() if i.alive]
+
+    def _require(self, exclude: Sequence[Instance] = ()) -> list[Instance]:
+        candidates = [i for i in self.healthy() if i not in exclude]
+        if not candidates:
+            raise NoInstanceError(f"no healthy {self.role.value} instance")
+        return candidates
+
+    def pick_affine(self, key: bytes, exclude: Sequence[Instance] = (), slack: int = 4) -> Instance:
+        """The key's rendezvous-hash favourite, unless it carries `slack` more requests than the least loaded."""
+        candidates = self._require(exclude)
+        favourite = max(candidates, key=lambda i: _score(key, i))
+        least = min(candidates, key=lambda i: i.load)
+        return least if favourite.load > least.load + slack else favourite
+
+    def pick_least_loaded(self, exclude: Sequence[Instance] = ()) -> Instance:
+        """Most free KV blocks per running request; ties broken by fewer requests."""
+        candidates = self._require(exclude)
+        return max(candidates, key=lambda i: ((i.status.num_free_blocks if i.status else 0) / (1 + i.load), -i.load))
+
+    async def close(self) -> None:
+        for instance in self.instances.values():
+            await instance.client.close()
+        self.instances.clear()
+
+
+def prefix_key(prompt_token_ids: Sequence[int], cache_salt: str | None, num_tokens: int = 64) -> bytes:
+    """Affinity key of a prompt: its first `num_tokens` tokens (a few blocks) and its cache salt."""
+    head = array("q", prompt_token_ids[:num_tokens]).tobytes()
+    return hashlib.blake2b(head + (cache_salt or "").encode(), digest_size=16).digest()
+
+
+class Router:
+    """The pools of every role, kept fresh by one background task."""
+
+    def __init__(self, pools: dict[Role, RolePool], poll_interval: float = 1.0, resolve_interval: float = 5.0) -> None:
+        self.pools = pools
+        self.poll_interval = poll_interval
+        self.resolve_interval = resolve_interval
+        self._task: asyncio.Task | None = None
+
+    def pool(self, role: Role) -> RolePool:
+        return self.pools[role]
+
+    @property
+    def disaggregated(self) -> bool:
+        return not self.pools[Role.UNIFIED].configured
+
+    async def refresh(self) -> None:
+        for pool in self.pools.values():
+            await pool.resolve()
+        await asyncio.gather(*(pool.poll() for pool in self.pools.values()))
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        last_resolve = time.monotonic()
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            try:
+                if time.monotonic() - last_resolve > self.resolve_interval:
+                    for pool in self.pools.values():
+                        await pool.resolve()
+                    last_resolve = time.monotonic()
+                await asyncio.gather(*(pool.poll() for pool in self.pools.values()))
+            except Exception:  # the router must keep polling whatever one poll did
+                logger.exception("router refresh failed")
+
+    def readiness(self) -> tuple[bool, dict]:
+        """Ready when every configured role that requests need has a healthy instance."""
+        needed = [Role.UNIFIED] if not self.disaggregated else [Role.PREFILL, Role.DECODE]
+        counts = {role.value: len(pool.healthy()) for role, pool in self.pools.items() if pool.configured}
+        return all(counts.get(r.value, 0) > 0 for r in needed), {"healthy_instances": counts}
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for pool in self.pools.values():
+            await pool.close()

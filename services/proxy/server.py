@@ -1,0 +1,110 @@
+"""Builds the proxy from its config and serves it: router + service backend + OpenAI layer on uvicorn."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+
+from epdserve.services.proxy.app import build_app
+from epdserve.services.proxy.images import ImageFetcher, MultimodalChatEncoder
+from epdserve.services.proxy.lifecycle import LifecycleConfig, ServiceBackend
+from epdserve.services.proxy.metrics import ProxyMetrics
+from epdserve.services.proxy.router import RolePool, Router
+from epdserve.services.proxy.serving import OpenAIServing
+from epdserve.services.network import client_curve, server_curve
+from epdserve.shared.config import ModelConfig, TransportConfig
+from epdserve.shared.protocol import Role
+from epdserve.shared.tokenizer import load_tokenizer
+from epdserve.transport.queues import PullChannel, RequestClient
+from epdserve.transport.security import WILDCARD_HOSTS
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    model: str  # the model folder: tokenizer, chat template, image processor, context length
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Where the proxy's inbox binds (services push tokens to it) and the host they reach it by.
+    inbox_port: int = 0
+    advertise_host: str | None = None
+    api_key: str | None = None
+    encoders: tuple[str, ...] = ()  # host:port of control channels; host names are re-resolved
+    prefills: tuple[str, ...] = ()
+    decodes: tuple[str, ...] = ()
+    unified: tuple[str, ...] = ()
+    poll_interval: float = 1.0
+    resolve_interval: float = 5.0
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    max_image_bytes: int = 20 << 20
+
+    def __post_init__(self):
+        if not self.unified and not (self.prefills or self.decodes):
+            raise ValueError("give --unified instances, or --prefill and --decode instances")
+        if self.unified and (self.prefills or self.decodes):
+            raise ValueError("give either --unified instances or --prefill/--decode instances, not both")
+        if not self.unified and not self.decodes:
+            raise ValueError("a disaggregated deployment needs at least one --decode instance")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+
+def is_multimodal(model_path: str) -> bool:
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return "vision_config" in config
+
+
+async def build_proxy(config: ProxyConfig):
+    """(app, router, backend): the app is ready to serve once `router.start()` and `backend.start()` ran."""
+    model_config = ModelConfig.from_pretrained(config.model)
+    tokenizer = load_tokenizer(config.model)
+    if tokenizer is None:
+        raise FileNotFoundError(f"{config.model} has no tokenizer: the proxy needs one")
+    engine_id = f"proxy-{config.port}"
+
+    def make_client(address: str, role: Role) -> RequestClient:
+        return RequestClient(address, engine_id=engine_id, role=Role.PROXY, timeout=config.transport.request_timeout,
+                             curve=client_curve(config.transport))
+
+    pools = {role: RolePool(role, targets, make_client)
+             for role, targets in ((Role.ENCODER, config.encoders), (Role.PREFILL, config.prefills),
+                                   (Role.DECODE, config.decodes), (Role.UNIFIED, config.unified))}
+    router = Router(pools, config.poll_interval, config.resolve_interval)
+    wildcard = config.host in WILDCARD_HOSTS
+    inbox = PullChannel(engine_id, host=config.host, port=config.inbox_port, allow_wildcard=wildcard,
+                        curve=server_curve(config.transport))
+    backend = ServiceBackend(router, inbox, config.lifecycle, config.host, config.advertise_host)
+    metrics = ProxyMetrics(config.model_name)
+    chat_encoder = None
+    if is_multimodal(config.model):
+        chat_encoder = MultimodalChatEncoder(tokenizer, config.model, ImageFetcher(config.max_image_bytes))
+    serving = OpenAIServing(config.model_name, tokenizer, backend, model_config.max_model_len, metrics,
+                            chat_encoder, config.lifecycle.token_timeout)
+
+    async def readiness():
+        return router.readiness()
+
+    app = build_app(serving, metrics, config.api_key, readiness)
+    return app, router, backend
+
+
+async def run_proxy(config: ProxyConfig) -> None:
+    app, router, backend = await build_proxy(config)
+    await backend.start()
+    await router.start()
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                           timeout_graceful_shutdown=5))
+    logger.info("proxy for %s on http://%s:%d", config.model_name, config.host, config.port)
+    try:
+        await server.serve()  # returns on SIGTERM/SIGINT
+    finally:
+        await router.close()
+        await backend.close()
