@@ -27,6 +27,23 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def _text_config(raw: dict) -> dict:
+    """The language model's config inside a multimodal one. Checkpoints often list only what differs from
+    the model type's defaults, so those defaults fill the rest; embeddings are tied if either level says so."""
+    text = dict(raw["text_config"])
+    model_type = text.get("model_type", "llama")
+    try:
+        from transformers import AutoConfig
+
+        text = {**AutoConfig.for_model(model_type).to_dict(), **text}
+    except (ImportError, ValueError, KeyError):
+        pass  # an unknown type fails below, naming itself
+    text["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings")) or bool(raw["text_config"].get("tie_word_embeddings"))
+    text.setdefault("architectures", None)
+    text["architectures"] = text["architectures"] or [_TEXT_MODEL_TYPES.get(model_type, model_type)]
+    return text
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """What the model code needs from an HF `config.json`, normalised across Llama/Mistral/Qwen2."""
@@ -63,8 +80,7 @@ class ModelConfig:
             raise FileNotFoundError(f"no model at {str(path)!r}: expected an HF folder with config.json")
         raw = json.loads(config_file.read_text())
         if "text_config" in raw:  # multimodal (LLaVA layout): the engine runs its language model
-            raw = {"tie_word_embeddings": raw.get("tie_word_embeddings", False), **raw["text_config"]}
-            raw.setdefault("architectures", [_TEXT_MODEL_TYPES.get(raw.get("model_type"), raw.get("model_type"))])
+            raw = _text_config(raw)
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

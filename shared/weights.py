@@ -27,12 +27,14 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
-def iterate_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor of the checkpoint, one shard open at a time."""
+def iterate_weights(folder: str | Path, prefixes: tuple[str, ...] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of the checkpoint (only names starting with one of `prefixes`,
+    if given: the others are never read), one shard open at a time."""
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if prefixes is None or name.startswith(prefixes):
+                    yield name, f.get_tensor(name)
 
 
 # Where a multimodal checkpoint keeps its language model (older and newer transformers layouts), and the

@@ -128,7 +128,7 @@ class LlavaEncoder(nn.Module):
                 encoder = LlavaEncoder(config)
         finally:
             torch.set_default_dtype(default_dtype)
-        encoder.load_weights(iterate_weights(path))
+        encoder.load_weights(iterate_weights(path, _TOWER_PREFIXES + _PROJECTOR_PREFIXES))
         return encoder.eval().requires_grad_(False)
 
     @property
