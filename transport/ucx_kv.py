@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -50,16 +51,23 @@ def import_ucxx() -> Any:
     return ucxx
 
 
-def _ucx(net_devices: str | None, tls: str | None) -> Any:
+# UCX over TCP (the CPU case) with its defaults moves 3-4x less than a plain socket: 8 KiB TCP
+# segments, and a rendezvous protocol that fragments through bounce buffers. Large segments and
+# eager sends of whole messages measured 3-5x faster on 127.0.0.1. On RDMA fabrics, where
+# rendezvous is zero-copy, pass `ucx_options` without these.
+TCP_OPTIONS = {"TCP_TX_SEG_SIZE": "1m", "TCP_RX_SEG_SIZE": "1m", "RNDV_THRESH": "inf"}
+
+
+def _ucx(net_devices: str | None, ucx_options: Mapping[str, str] | None) -> Any:
     """ucxx, initialised once per process (the first caller's options apply to the process), with
     its progress tied to the running event loop so that completions wake this loop's awaits."""
     global _initialised
     ucxx = import_ucxx()
     with _init_lock:
         if not _initialised:
-            options = {"NET_DEVICES": net_devices} if net_devices else {}
-            if tls:
-                options["TLS"] = tls
+            options = dict(TCP_OPTIONS if ucx_options is None else ucx_options)
+            if net_devices:
+                options["NET_DEVICES"] = net_devices
             try:
                 ucxx.init(options=options)
             except RuntimeError:
@@ -79,11 +87,13 @@ class UcxKVServer(ZmqKVServer):
 
     `net_devices` limits the interfaces UCX uses (default: loopback only, like the default bind
     address); set it to the NIC for multi-host deployments, e.g. "eth0" or "mlx5_0:1".
+    `ucx_options` (UCX settings without the UCX_ prefix) replace TCP_OPTIONS.
     """
 
-    def __init__(self, engine_id: str, *, net_devices: str | None = "lo", tls: str | None = None,
-                 max_inflight_sends: int = 8, send_timeout: float = 30.0, **kwargs):
-        self._net_devices, self._tls = net_devices, tls
+    def __init__(self, engine_id: str, *, net_devices: str | None = "lo",
+                 ucx_options: Mapping[str, str] | None = None, max_inflight_sends: int = 8,
+                 send_timeout: float = 30.0, **kwargs):
+        self._net_devices, self._ucx_options = net_devices, ucx_options
         self._endpoints: dict[bytes, Any] = {}  # client worker address -> UCX endpoint
         self._sends: set[asyncio.Task] = set()
         self._send_slots: asyncio.Semaphore | None = None
@@ -93,7 +103,7 @@ class UcxKVServer(ZmqKVServer):
         super().__init__(engine_id, **kwargs)
 
     async def start(self) -> str:
-        self._ucxx = _ucx(self._net_devices, self._tls)
+        self._ucxx = _ucx(self._net_devices, self._ucx_options)
         self._server.ucx_address = bytes(self._ucxx.get_worker_address())
         self._send_slots = asyncio.Semaphore(self._max_inflight_sends)
         return await super().start()
@@ -156,16 +166,17 @@ class UcxKVServer(ZmqKVServer):
 class UcxKVClient(ZmqKVClient):
     """Fetches over UCX; see UcxKVServer for `net_devices` and the message flow."""
 
-    def __init__(self, engine_id: str, *, net_devices: str | None = "lo", tls: str | None = None, **kwargs):
+    def __init__(self, engine_id: str, *, net_devices: str | None = "lo",
+                 ucx_options: Mapping[str, str] | None = None, **kwargs):
         super().__init__(engine_id, **kwargs)
-        self._net_devices, self._tls = net_devices, tls
+        self._net_devices, self._ucx_options = net_devices, ucx_options
         self._ucxx = import_ucxx()
         # Receives that timed out: kept alive with their buffers until UCX completes them, since
         # UCX would otherwise write into freed memory if the data arrives after all.
         self._abandoned: set[asyncio.Future] = set()
 
     def _ucx_address(self) -> bytes:
-        self._ucxx = _ucx(self._net_devices, self._tls)
+        self._ucxx = _ucx(self._net_devices, self._ucx_options)
         return bytes(self._ucxx.get_worker_address())
 
     async def _fetch_chunk(
@@ -179,7 +190,7 @@ class UcxKVClient(ZmqKVClient):
         self._check_blocks(reply.spec, len(remote_ids))
         data = torch.empty(self.blocks_shape(len(remote_ids)), dtype=self.kv_cache.dtype)
         await self._receive(data, tag, deadline, client.address)
-        await asyncio.to_thread(scatter_blocks, self.kv_cache, local_index, data)
+        scatter_blocks(self.kv_cache, local_index, data)
         return data.nbytes
 
     async def _fetch_embeddings(self, client: RequestClient, mm_hash: str, deadline: float) -> torch.Tensor:
@@ -195,7 +206,7 @@ class UcxKVClient(ZmqKVClient):
         return data
 
     async def _receive(self, data: torch.Tensor, tag: int, deadline: float, address: str) -> None:
-        self._ucxx = _ucx(self._net_devices, self._tls)
+        self._ucxx = _ucx(self._net_devices, self._ucx_options)
         if data.numel() == 0:
             return
         receive = asyncio.ensure_future(self._ucxx.recv(_bytes_of(data), tag))

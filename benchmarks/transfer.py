@@ -1,0 +1,277 @@
+"""KV transfer throughput between two processes: ZMQ and UCX backends against a plain TCP socket.
+
+Payload: the KV blocks of a 1k- and an 8k-token SmolLM2-135M request (30 layers, 3 KV heads, head
+size 64, block size 16) in float32 and bfloat16, fetched from shuffled remote block ids into
+shuffled local block ids of a second process's cache.
+
+Methods, all between the same two processes and interleaved round by round so that load from
+elsewhere on the machine hits them alike (the median round is reported):
+  tcp       a plain socket sending the same number of bytes from one preallocated buffer into
+            another: no gather, no scatter, the ceiling any transfer layer can approach;
+  tcp_copy  a plain socket moving the blocks the simplest way: gather, send, receive, scatter
+            (the same gather/scatter code as the backends), one message, no pipelining;
+  zmq, ucx  the KVTransfer backends (epdserve.transport.zmq_kv / ucx_kv).
+
+    python benchmarks/transfer.py                       # every backend available; JSON (+ PNG) in results/
+    python benchmarks/transfer.py --backends tcp,zmq --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from epdserve.transport.kv_transfer import gather_blocks, scatter_blocks
+
+NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 30, 3, 64, 16
+MODEL_ID = "SmolLM2-135M-Instruct"
+PAYLOAD_TOKENS = (1024, 8192)
+DTYPES = ("float32", "bfloat16")
+NUM_BLOCKS = max(PAYLOAD_TOKENS) // BLOCK_SIZE + 64
+RESULTS = Path(__file__).resolve().parent / "results"
+SOCKET_METHODS = ("tcp", "tcp_copy")
+
+
+def make_cache(dtype: str, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    return torch.randn(shape, generator=gen).to(getattr(torch, dtype))
+
+
+def ucx_available() -> bool:
+    try:
+        from epdserve.transport import ucx_kv
+        ucx_kv.import_ucxx()
+        return True
+    except ImportError:
+        return False
+
+
+def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < view.nbytes:
+        got += conn.recv_into(view[got:])
+
+
+# ------------------------------------------------------------------------------------------
+# Server process
+
+
+def serve_socket(listener: socket.socket, payload: memoryview, caches: dict[str, torch.Tensor]) -> None:
+    """Plain socket server. Request: 8-byte little-endian length n, then
+    n == 0 .. : raw mode (high bit clear): answer n bytes of `payload`;
+    high bit set: block mode, followed by 1 byte dtype index, 4 bytes count, count int64 block ids:
+    answer the gathered blocks."""
+    names = list(caches)
+    while True:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while True:
+                header = conn.recv(8, socket.MSG_WAITALL)
+                if len(header) < 8:
+                    break
+                value = int.from_bytes(header, "little")
+                if not value >> 63:
+                    conn.sendall(payload[:value])
+                    continue
+                meta = conn.recv(5, socket.MSG_WAITALL)
+                count = int.from_bytes(meta[1:], "little")
+                ids = torch.empty(count, dtype=torch.int64)
+                _recv_exactly(conn, memoryview(ids.numpy()).cast("B"))
+                data = gather_blocks(caches[names[meta[0]]], ids)
+                conn.sendall(memoryview(data.view(torch.uint8).numpy()).cast("B"))
+
+
+async def run_server(backends: list[str]) -> None:
+    from epdserve.transport import kv_transfer
+
+    caches = {dtype: make_cache(dtype, seed=1) for dtype in DTYPES}
+    servers, addresses = [], {}
+    for backend in backends:
+        if backend in SOCKET_METHODS:
+            continue
+        for dtype, cache in caches.items():
+            server = kv_transfer.create_server(backend, f"bench-{backend}-{dtype}", kv_cache=cache, model_id=MODEL_ID)
+            addresses[f"{backend}/{dtype}"] = await server.start()
+            server.expose("bench", range(NUM_BLOCKS))
+            servers.append(server)
+    if set(SOCKET_METHODS) & set(backends):
+        listener = socket.create_server(("127.0.0.1", 0))
+        largest = max(c[:, :, :max(PAYLOAD_TOKENS) // BLOCK_SIZE].nbytes for c in caches.values())
+        payload = memoryview(bytearray(os.urandom(1 << 20)) * (largest // (1 << 20) + 1))
+        addresses["socket"] = "%s:%d" % listener.getsockname()
+        asyncio.get_running_loop().run_in_executor(None, serve_socket, listener, payload, caches)
+    print(json.dumps(addresses), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
+    for server in servers:
+        await server.close()
+
+
+# ------------------------------------------------------------------------------------------
+# Client process (the parent)
+
+
+class SocketClient:
+    def __init__(self, address: str, largest: int):
+        host, port = address.rsplit(":", 1)
+        self.conn = socket.create_connection((host, int(port)))
+        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buffer = torch.empty(largest, dtype=torch.uint8)  # preallocated: no page faults
+
+    def raw(self, num_bytes: int) -> None:
+        self.conn.sendall(num_bytes.to_bytes(8, "little"))
+        _recv_exactly(self.conn, memoryview(self.buffer.numpy())[:num_bytes])
+
+    def blocks(self, cache: torch.Tensor, dtype_index: int, remote: list[int], local: list[int]) -> None:
+        ids = torch.tensor(remote, dtype=torch.int64)
+        self.conn.sendall((1 << 63).to_bytes(8, "little") + bytes([dtype_index]) + len(remote).to_bytes(4, "little"))
+        self.conn.sendall(memoryview(ids.numpy()).cast("B"))
+        shape = (cache.shape[0], 2, len(remote), *cache.shape[3:])
+        data = self.buffer[:cache[:, :, :len(remote)].nbytes].view(cache.dtype).view(shape)
+        _recv_exactly(self.conn, memoryview(self.buffer.numpy())[:data.nbytes])
+        scatter_blocks(cache, torch.tensor(local, dtype=torch.int64), data)
+
+
+async def run_client(addresses: dict[str, str], backends: list[str], rounds: int) -> list[dict]:
+    from epdserve.transport import kv_transfer
+
+    caches = {dtype: make_cache(dtype, seed=2) for dtype in DTYPES}
+    clients = {
+        (backend, dtype): kv_transfer.create_client(backend, f"client-{backend}-{dtype}", kv_cache=cache, model_id=MODEL_ID)
+        for backend in backends if backend not in SOCKET_METHODS
+        for dtype, cache in caches.items()
+    }
+    sock = None
+    if "socket" in addresses:
+        sock = SocketClient(addresses["socket"], max(c.nbytes for c in caches.values()))
+
+    gen = torch.Generator().manual_seed(3)
+    results = []
+    for dtype_index, dtype in enumerate(DTYPES):
+        for num_tokens in PAYLOAD_TOKENS:
+            num_blocks = num_tokens // BLOCK_SIZE
+            num_bytes = caches[dtype][:, :, :num_blocks].nbytes
+            seconds: dict[str, list[float]] = {b: [] for b in backends}
+            for round_ in range(rounds + 1):  # round 0 warms up connections and allocators
+                remote = torch.randperm(NUM_BLOCKS, generator=gen)[:num_blocks].tolist()
+                local = torch.randperm(NUM_BLOCKS, generator=gen)[:num_blocks].tolist()
+                want = make_cache(dtype, seed=1)[:, :, remote] if round_ == rounds else None
+                for backend in backends:
+                    started = time.perf_counter()
+                    if backend == "tcp":
+                        await asyncio.to_thread(sock.raw, num_bytes)
+                    elif backend == "tcp_copy":
+                        await asyncio.to_thread(sock.blocks, caches[dtype], dtype_index, remote, local)
+                    else:
+                        result = await clients[backend, dtype].fetch_blocks(
+                            addresses[f"{backend}/{dtype}"], "bench", remote, local, timeout=120)
+                        assert result.num_bytes == num_bytes
+                    if round_:
+                        seconds[backend].append(time.perf_counter() - started)
+                    if want is not None and backend != "tcp":  # every block mover landed the exact bytes
+                        assert torch.equal(caches[dtype][:, :, local], want), f"{backend} moved wrong bytes"
+                        caches[dtype][:, :, local] = 0
+            row = {"dtype": dtype, "num_tokens": num_tokens, "num_blocks": num_blocks, "num_bytes": num_bytes}
+            for backend, times in seconds.items():
+                row[f"{backend}_gbps"] = round(num_bytes / statistics.median(times) / 1e9, 3)
+            if "tcp" in backends:
+                for backend in backends:
+                    if backend != "tcp":
+                        # Per round, so that a slow phase of the machine hits both sides of the ratio.
+                        ratios = [t / s for s, t in zip(seconds[backend], seconds["tcp"])]
+                        row[f"{backend}_vs_tcp"] = round(statistics.median(ratios), 3)
+            results.append(row)
+            print(_format_row(row, backends), flush=True)
+    for client in clients.values():
+        await client.close()
+    return results
+
+
+def _format_row(row: dict, backends: list[str]) -> str:
+    parts = [f"{row['dtype']:>8} {row['num_tokens']:>5} tok {row['num_bytes'] / 1e6:6.1f} MB"]
+    for backend in backends:
+        ratio = f" ({row[f'{backend}_vs_tcp']:.2f}x)" if f"{backend}_vs_tcp" in row else ""
+        parts.append(f"{backend} {row[f'{backend}_gbps']:.2f} GB/s{ratio}")
+    return " | ".join(parts)
+
+
+def plot(results: list[dict], backends: list[str], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = [f"{r['dtype']}\n{r['num_tokens']} tokens" for r in results]
+    width = 0.8 / len(backends)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for i, backend in enumerate(backends):
+        xs = [j + (i - (len(backends) - 1) / 2) * width for j in range(len(results))]
+        ax.bar(xs, [r[f"{backend}_gbps"] for r in results], width, label=backend)
+    ax.set_xticks(range(len(results)), labels)
+    ax.set_ylabel("GB/s (median round)")
+    ax.set_title("KV block fetch between two processes, SmolLM2-135M layout")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", default=None,
+                        help="comma-separated subset of tcp,tcp_copy,zmq,ucx (default: all available)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--output", type=Path, default=RESULTS / "transfer.json")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server process
+    args = parser.parse_args()
+    backends = (args.backends.split(",") if args.backends
+                else ["tcp", "tcp_copy", "zmq"] + (["ucx"] if ucx_available() else []))
+    if args.serve:
+        asyncio.run(run_server(backends))
+        return
+    if "ucx" not in backends:
+        print("ucx: not measured (ucxx not importable, or not requested)")
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--serve", "--backends", ",".join(backends)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        addresses = json.loads(server.stdout.readline())
+        results = asyncio.run(run_client(addresses, backends, args.rounds))
+    finally:
+        server.stdin.close()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    report = {
+        "benchmark": "kv_transfer",
+        "command": "python " + " ".join(sys.argv),
+        "layout": {"model": MODEL_ID, "num_layers": NUM_LAYERS, "num_kv_heads": NUM_KV_HEADS,
+                   "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE, "block_ids": "shuffled on both sides"},
+        "rounds": args.rounds,
+        "statistic": "median round; *_vs_tcp is the median of per-round ratios to the plain socket",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "results": results,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    png = args.output.with_suffix(".png")
+    drawn = plot(results, backends, png)
+    print(f"wrote {args.output}" + (f" and {png}" if drawn else " (matplotlib not installed: no PNG)"))
+
+
+if __name__ == "__main__":
+    main()
