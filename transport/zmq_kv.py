@@ -139,7 +139,7 @@ class ZmqKVServer(KVTransferServer):
     async def _reply_embeddings(self, message: FetchEmbeddings, peer: Handshake, tensor: torch.Tensor) -> Message:
         if message.ucx_tag is not None:
             raise ErrorReply(Error(ErrorCode.BAD_REQUEST, f"{self.engine_id} has no UCX data path"))
-        return EmbeddingsData(message.mm_hash, tensor)
+        return EmbeddingsData(message.mm_hash, tensor.detach().cpu())  # a GPU encoder cache sends host bytes
 
 
 class ZmqKVClient(KVTransferClient):
