@@ -142,6 +142,8 @@ class UcxKVServer(ZmqKVServer):
         endpoint = self._endpoints.get(peer.ucx_address) if peer.ucx_address else None
         if endpoint is None:
             raise ErrorReply(Error(ErrorCode.INCOMPATIBLE, "no UCX endpoint to this client (handshake without a UCX address)", request_id))
+        if data.numel() == 0:
+            return  # nothing to send; the client posts no receive for it either
         await self._send_slots.acquire()  # bounds the gathered copies waiting for their receivers
         task = asyncio.create_task(self._send(endpoint, data, tag, peer))
         self._sends.add(task)
