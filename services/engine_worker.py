@@ -147,7 +147,7 @@ class EngineWorker:
                                 timeout=self.service.transport.request_timeout)
                 first = False
                 if out.finished:
-                    self.metrics.finished(completion.finish_reason, out)
+                    self.metrics.finished(out)
         except asyncio.CancelledError:
             raise  # aborted; the engine request was aborted by the iterator's cleanup
         except (ChannelError, TimeoutError) as exc:

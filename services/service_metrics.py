@@ -48,6 +48,11 @@ class _EngineCollector:
                       s.prefix_cache_queries)
         yield counter("epdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("epdserve:num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions)
+        finished = CounterMetricFamily("epdserve:request_success", "Requests this engine finished, by reason (a "
+                                       "prefill engine's part ends at the first token).", labels=names + ["finished_reason"])
+        for reason, count in s.num_finished.items():
+            finished.add_metric(values + [reason], count)
+        yield finished
 
 
 class ServiceMetrics:
@@ -63,7 +68,6 @@ class ServiceMetrics:
             c = Counter(name, doc, names + list(extra), registry=self.registry)
             return c if extra else c.labels(**self.labels)
 
-        self._success = counter("epdserve:request_success", "Finished requests by reason.", ["finished_reason"])
         self.queue_time = Histogram("epdserve:request_queue_time_seconds", "Arrival to first scheduling.", names,
                                     buckets=_BUCKETS, registry=self.registry).labels(**self.labels)
         self.transfer_bytes = counter("epdserve:kv_transfer_bytes", "Bytes of KV blocks and embeddings moved.")
@@ -82,8 +86,7 @@ class ServiceMetrics:
         return {"epdserve:rejected_frames": ("Control frames dropped as malformed, oversized or unknown.",
                                              self.rejected_frames())}
 
-    def finished(self, reason: str, out: RequestOutput) -> None:
-        self._success.labels(**self.labels, finished_reason=reason).inc()
+    def finished(self, out: RequestOutput) -> None:
         m = out.metrics
         if m is not None and m.first_scheduled_time is not None:
             self.queue_time.observe(m.first_scheduled_time - m.arrival_time)

@@ -47,7 +47,11 @@ class OutputProcessor:
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = time.monotonic()
             state.metrics.first_scheduled_time = request.first_scheduled_time
-        if logprobs is not None:
+        if logprobs is None and request.sampling_params.logprobs is not None:
+            # A first token sampled by a peer engine: its logprobs travelled with it. Keep one entry per
+            # token so later deltas line up.
+            state.logprobs.append({})
+        elif logprobs is not None:
             state.cumulative_logprob += logprobs.logprob
             entry = {tid: Logprob(lp, rank + 1, self._decode_one(tid)) for rank, (tid, lp) in enumerate(logprobs.top)}
             entry[token_id] = Logprob(logprobs.logprob, logprobs.rank, self._decode_one(token_id))

@@ -46,3 +46,41 @@ def llava_demo_path(tmp_path_factory, default_model_path):
     from epdserve.shared.llava_demo import build_llava_demo
 
     return str(build_llava_demo(tmp_path_factory.mktemp("llava") / "llava-demo", default_model_path))
+
+
+TIE_GAP = 1e-4  # absolute float32 logit difference under which a greedy choice counts as a near-tie
+
+
+def _first_mismatch_is_near_tie(name, ours, ref_tokens, ref_logits) -> int:
+    """0 if `ours` equals HF's greedy tokens; 1 if it first differs where HF's top-2 logits are within
+    TIE_GAP (and ours is HF's runner-up there); otherwise an assertion error."""
+    k = next((j for j, (a, b) in enumerate(zip(ours, ref_tokens)) if a != b), None)
+    if k is None:
+        assert len(ours) == len(ref_tokens), f"{name}: length {len(ours)} != HF {len(ref_tokens)}"
+        return 0
+    top2 = ref_logits[k].topk(2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < TIE_GAP, (f"{name}: token {k} differs ({ours[k]} vs HF {ref_tokens[k]}) and HF's top-2 logit gap "
+                           f"there is {gap:.2e}, not a near-tie (< {TIE_GAP})")
+    assert ref_logits[k][ours[k]] >= top2[1], f"{name}: our token {ours[k]} is not HF's top-2 at step {k}"
+    return 1
+
+
+@pytest.fixture(scope="session")
+def near_tie_check():
+    """check(name, our tokens, HF tokens, HF per-step logits) -> 1 at an accepted near-tie, else 0."""
+    return _first_mismatch_is_near_tie
+
+
+def _hf_greedy(model, input_ids: list[int], max_new_tokens: int, **inputs):
+    """HF `generate`, greedy, on one prompt: (new tokens, per-step logits)."""
+    ids = torch.tensor([input_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=model.generation_config.eos_token_id, **inputs)
+    return out.sequences[0, len(input_ids):].tolist(), [step[0] for step in out.logits]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    return _hf_greedy

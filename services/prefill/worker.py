@@ -82,7 +82,7 @@ class PrefillWorker(EngineWorker):
         self.metrics.local_prefills.inc()
         if completion.finish_reason == "stop" or not wants_more:
             await self.llm.call(lambda e: e.release_kv(rid))
-            self.metrics.finished(completion.finish_reason, out)
+            self.metrics.finished(out)
             return PrefillDone(rid, first, None, out.num_cached_tokens, FinishReason(completion.finish_reason),
                                first_logprobs)
         block_ids = await self.llm.call(lambda e: e.held_block_ids(rid))

@@ -14,6 +14,7 @@ stop string) aborts the request on every service that holds it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -65,6 +66,7 @@ class ServiceBackend:
         self.reply_to = ""  # the inbox as services dial it
         self._streams: dict[str, asyncio.Queue] = {}
         self._task: asyncio.Task | None = None
+        self._aborts: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self.reply_to = advertised(await self.inbox.start(), self._bind_host, self._advertise_host)
@@ -77,11 +79,20 @@ class ServiceBackend:
         await self.inbox.close()
 
     async def _dispatch(self) -> None:
-        """Deliver what services push to the stream of the request it belongs to."""
-        async for message in self.inbox:
-            queue = self._streams.get(getattr(message, "request_id", None) or "")
+        """Deliver what services push to the stream of the request it belongs to. Tokens of a request
+        nobody waits for any more (it ended here while the service went on) get that request aborted."""
+        orphans: collections.OrderedDict[str, None] = collections.OrderedDict()
+        while True:
+            message, peer = await self.inbox.recv_from()
+            rid = getattr(message, "request_id", None) or ""
+            queue = self._streams.get(rid)
             if queue is not None:
                 queue.put_nowait(message)
+            elif rid not in orphans and not (isinstance(message, TokenDelta) and message.finish_reason):
+                orphans[rid] = None
+                if len(orphans) > 1024:
+                    orphans.popitem(last=False)
+                self._abort_soon(self.router.find(peer.engine_id), rid)
 
     # -- the request ---------------------------------------------------------------------------------
     async def generate(self, gen: GenerateInput) -> AsyncIterator[Chunk]:
@@ -162,7 +173,7 @@ class ServiceBackend:
                 self._give_up_after(attempt, Role.PREFILL, exc)
             except (ChannelError, TimeoutError) as exc:
                 self.router.pool(Role.PREFILL).mark_failed(instance)
-                await self._abort(instance, gen.request_id)
+                self._abort_soon(instance, gen.request_id)
                 self._give_up_after(attempt, Role.PREFILL, exc)
             finally:
                 instance.inflight -= 1
@@ -181,7 +192,7 @@ class ServiceBackend:
                 yield chunk
         finally:
             if not finished:  # decode may not have pulled (and released) the KV: free it now, not at lease end
-                await self._abort(prefill, gen.request_id)
+                self._abort_soon(prefill, gen.request_id)
 
     async def _generate_on(self, role: Role, gen: GenerateInput, placeholders) -> AsyncIterator[Chunk]:
         request = GenerateRequest(gen.request_id, tuple(gen.prompt_token_ids), to_wire(gen.params),
@@ -195,20 +206,23 @@ class ServiceBackend:
         rid = request.request_id
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
-        instance = None
+        instance = None  # from the moment it may have accepted the request: it must hear of an abort
         finished = False
         try:
             for attempt, candidate in self._candidates(role, key):
+                instance = candidate
                 try:
                     await candidate.client.request(request, timeout=self.config.request_timeout, expect=Ack)
-                    instance = candidate
                     break
                 except ErrorReply as exc:
+                    instance = None  # refused: it holds nothing
                     if (refused := _refusal(exc)) is not None:
                         raise refused from None
                     self._give_up_after(attempt, role, exc)
                 except (ChannelError, TimeoutError) as exc:
                     self.router.pool(role).mark_failed(candidate)
+                    self._abort_soon(candidate, rid)  # in case it did accept and only the answer was lost
+                    instance = None
                     self._give_up_after(attempt, role, exc)
             instance.inflight += 1
             try:
@@ -227,7 +241,7 @@ class ServiceBackend:
         finally:
             self._streams.pop(rid, None)
             if instance is not None and not finished:
-                await self._abort(instance, rid)
+                self._abort_soon(instance, rid)
 
     async def _next(self, queue: asyncio.Queue, instance: Instance):
         waited = 0.0
@@ -241,6 +255,13 @@ class ServiceBackend:
                                       "BadGatewayError")
             if waited > self.config.token_timeout:
                 raise GenerationError(f"no tokens from {instance.address} for {waited:.0f}s", 504, "TimeoutError")
+
+    def _abort_soon(self, instance: Instance | None, request_id: str) -> None:
+        """Abort in a task of its own: cleanup runs while the request's task is being cancelled (client
+        gone), where any await of ours would be cancelled too."""
+        task = asyncio.get_running_loop().create_task(self._abort(instance, request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     async def _abort(self, instance: Instance | None, request_id: str) -> None:
         if instance is None or not instance.alive:

@@ -41,6 +41,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>" (exact ids, as in vLLM)
 
     @field_validator("stop")
     @classmethod

@@ -194,6 +194,14 @@ class Router:
             except Exception:  # the router must keep polling whatever one poll did
                 logger.exception("router refresh failed")
 
+    def find(self, engine_id: str) -> Instance | None:
+        """The instance whose status reports `engine_id`."""
+        for pool in self.pools.values():
+            for instance in pool.instances.values():
+                if instance.status is not None and instance.status.engine_id == engine_id:
+                    return instance
+        return None
+
     def readiness(self) -> tuple[bool, dict]:
         """Ready when every configured role that requests need has a healthy instance."""
         needed = [Role.UNIFIED] if not self.disaggregated else [Role.PREFILL, Role.DECODE]

@@ -188,17 +188,18 @@ class OpenAIServing:
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
         echo = prompt if req.echo else ""
         if req.stream:
-            return self._stream_completion(gen, sampling, head, echo, req.include_usage)
+            return self._stream_completion(gen, sampling, head, echo, req.include_usage, req.return_tokens_as_token_ids)
         result = None
         async for result in self._run(gen, sampling):
             pass
         text, tokens, logprobs = result.take_delta()
         choice = {"index": 0, "text": echo + text, "finish_reason": result.finish_reason,
                   "stop_reason": result.stop_reason,
-                  "logprobs": self._completion_logprobs(tokens, logprobs, len(echo)) if req.logprobs is not None else None}
+                  "logprobs": self._completion_logprobs(tokens, logprobs, len(echo), req.return_tokens_as_token_ids)
+                  if req.logprobs is not None else None}
         return head | {"choices": [choice], "usage": self._usage(len(ids), result)}
 
-    async def _stream_completion(self, gen, sampling, head, echo, include_usage) -> AsyncIterator[str]:
+    async def _stream_completion(self, gen, sampling, head, echo, include_usage, as_ids) -> AsyncIterator[str]:
         offset = len(echo)
         if echo:
             yield _sse(head | {"choices": [{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}]})
@@ -207,7 +208,7 @@ class OpenAIServing:
             text, tokens, logprobs = result.take_delta()
             if not text and not tokens and not result.finished:
                 continue
-            lp = self._completion_logprobs(tokens, logprobs, offset) if sampling.logprobs is not None else None
+            lp = self._completion_logprobs(tokens, logprobs, offset, as_ids) if sampling.logprobs is not None else None
             offset += len(text)
             yield _sse(head | {"choices": [{"index": 0, "text": text, "logprobs": lp,
                                             "finish_reason": result.finish_reason,
@@ -216,13 +217,14 @@ class OpenAIServing:
             yield _sse(head | {"choices": [], "usage": self._usage(len(gen.prompt_token_ids), result)})
         yield "data: [DONE]\n\n"
 
-    def _completion_logprobs(self, tokens: list[int], logprobs: list[TokenLogprobs], offset: int) -> dict:
+    def _completion_logprobs(self, tokens: list[int], logprobs: list[TokenLogprobs], offset: int,
+                             as_ids: bool) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token, lp in zip(tokens, logprobs):
             text = self._token_text(token)
-            out["tokens"].append(text)
+            out["tokens"].append(self._token_label(token, as_ids))
             out["token_logprobs"].append(lp.logprob)
-            out["top_logprobs"].append({self._token_text(t): v for t, v in lp.top})
+            out["top_logprobs"].append({self._token_label(t, as_ids): v for t, v in lp.top})
             out["text_offset"].append(offset)
             offset += len(text)
         return out
@@ -235,17 +237,19 @@ class OpenAIServing:
         gen = self._input(request_id, ids, sampling, images, req.cache_salt)
         head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
-            return self._stream_chat(gen, sampling, head | {"object": "chat.completion.chunk"}, req.include_usage)
+            return self._stream_chat(gen, sampling, head | {"object": "chat.completion.chunk"}, req.include_usage,
+                                     req.return_tokens_as_token_ids)
         result = None
         async for result in self._run(gen, sampling):
             pass
         text, tokens, logprobs = result.take_delta()
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": {"content": self._chat_logprobs(tokens, logprobs)} if sampling.logprobs is not None else None,
+                  "logprobs": {"content": self._chat_logprobs(tokens, logprobs, req.return_tokens_as_token_ids)}
+                  if sampling.logprobs is not None else None,
                   "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
         return head | {"choices": [choice], "usage": self._usage(len(ids), result)}
 
-    async def _stream_chat(self, gen, sampling, head, include_usage) -> AsyncIterator[str]:
+    async def _stream_chat(self, gen, sampling, head, include_usage, as_ids) -> AsyncIterator[str]:
         result = None
         async for result in self._run(gen, sampling):
             if result.sent_tokens == 0:  # announce the role once the request is known to run
@@ -254,7 +258,7 @@ class OpenAIServing:
             text, tokens, logprobs = result.take_delta()
             if not text and not tokens and not result.finished:
                 continue
-            lp = {"content": self._chat_logprobs(tokens, logprobs)} if sampling.logprobs is not None else None
+            lp = {"content": self._chat_logprobs(tokens, logprobs, as_ids)} if sampling.logprobs is not None else None
             yield _sse(head | {"choices": [{"index": 0, "delta": {"content": text} if text else {},
                                             "logprobs": lp, "finish_reason": result.finish_reason,
                                             "stop_reason": result.stop_reason}]})
@@ -262,10 +266,10 @@ class OpenAIServing:
             yield _sse(head | {"choices": [], "usage": self._usage(len(gen.prompt_token_ids), result)})
         yield "data: [DONE]\n\n"
 
-    def _chat_logprobs(self, tokens: list[int], logprobs: list[TokenLogprobs]) -> list[dict]:
+    def _chat_logprobs(self, tokens: list[int], logprobs: list[TokenLogprobs], as_ids: bool) -> list[dict]:
         def entry(token_id: int, logprob: float) -> dict:
             text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": self._token_label(token_id, as_ids), "logprob": logprob, "bytes": list(text.encode())}
 
         return [entry(t, lp.logprob) | {"top_logprobs": [entry(i, v) for i, v in lp.top]}
                 for t, lp in zip(tokens, logprobs)]
@@ -273,6 +277,9 @@ class OpenAIServing:
     # -- shared -------------------------------------------------------------------------------------
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.fast.decode([token_id], skip_special_tokens=False)
+
+    def _token_label(self, token_id: int, as_id: bool) -> str:
+        return f"token_id:{token_id}" if as_id else self._token_text(token_id)
 
     @staticmethod
     def _usage(prompt_tokens: int, result: _Result) -> dict:

@@ -1,0 +1,133 @@
+"""Real stacks for end-to-end tests: every service its own process on 127.0.0.1, stopped by pid."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    def __init__(self, name: str, role: str, argv: list[str], port: int, data_port: int | None, http_port: int,
+                 log: Path) -> None:
+        self.name, self.role, self.argv = name, role, argv
+        self.port, self.data_port, self.http_port, self.log = port, data_port, http_port, log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, stdout=self.log.open("ab"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples of the service, labels dropped (one engine per process)."""
+        text = httpx.get(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                key = name.split("{")[0]
+                out[key] = out.get(key, 0.0) + float(value)
+        return out
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.alive:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Stack:
+    """encoders/prefills/decodes/unified counts -> processes + a proxy; `url` is the OpenAI base URL."""
+
+    def __init__(self, model: str, log_dir: Path, encoders=0, prefills=0, decodes=0, unified=0,
+                 engine_args=(), proxy_args=()) -> None:
+        self.model = model
+        self.services: dict[str, Service] = {}
+        base = [sys.executable, "-m", "epdserve.services.cli", "--log-level", "INFO", "serve"]
+        targets: dict[str, list[str]] = {}
+        for role, count in (("encoder", encoders), ("prefill", prefills), ("decode", decodes), ("unified", unified)):
+            for i in range(count):
+                name = f"{role}-{i}"
+                port, data_port, http_port = free_port(), free_port(), free_port()
+                argv = [*base, role, "--model", model, "--port", str(port), "--data-port", str(data_port),
+                        "--http-port", str(http_port), "--engine-id", name]
+                if role != "encoder":
+                    argv += ["--threads", "1", *engine_args]
+                self.services[name] = Service(name, role, argv, port, data_port, http_port, log_dir / f"{name}.log")
+                targets.setdefault(role, []).append(f"127.0.0.1:{port}")
+        self.port = free_port()
+        proxy = [*base, "proxy", "--model", model, "--port", str(self.port), "--served-model-name", "demo",
+                 "--poll-interval", "0.5", *proxy_args]
+        for role, addrs in targets.items():
+            proxy += [f"--{role}", ",".join(addrs)]
+        self.services["proxy"] = Service("proxy", "proxy", proxy, self.port, None, self.port, log_dir / "proxy.log")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 300) -> "Stack":
+        for s in self.services.values():
+            s.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = [s.name for s in self.services.values() if not s.alive]
+            assert not dead, f"{dead} exited during startup: " + self.logs()
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError("stack not ready in time: " + self.logs())
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {s.name}\n{s.log.read_text()[-3000:]}" for s in self.services.values() if s.log.exists())
+
+    def stop(self) -> None:
+        for s in reversed(list(self.services.values())):
+            s.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_model(llava_demo_path):
+    return llava_demo_path
+
+
+@pytest.fixture(scope="session")
+def stack_factory(tmp_path_factory):
+    """make(model, encoders=.., prefills=.., ...) -> a started Stack; every stack is stopped at the end."""
+    stacks = []
+
+    def make(model, **kwargs) -> Stack:
+        stack = Stack(model, tmp_path_factory.mktemp("stack-logs"), **kwargs)
+        stacks.append(stack)
+        return stack.start()
+
+    yield make
+    for stack in stacks:
+        stack.stop()
+
+
+def token_ids(logprobs_tokens: list[str]) -> list[int]:
+    """Token ids from logprob entries returned with return_tokens_as_token_ids."""
+    return [int(t.removeprefix("token_id:")) for t in logprobs_tokens]
+
+
+@pytest.fixture(scope="session")
+def ids_of():
+    return token_ids

@@ -1,0 +1,231 @@
+"""1 encoder + 1 prefill + 1 decode + proxy, each its own process, driven by the official openai client.
+
+The served model is the LLaVA demo (SmolLM2's language model behind an untrained CLIP tower): text
+answers must be SmolLM2's, image answers HF LlavaForConditionalGeneration's, token for token (greedy,
+float32; a mismatch only at a checked near-tie of HF's own logits).
+"""
+import asyncio
+import base64
+import io
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+import zmq
+from PIL import Image
+
+MAX_TOKENS = 16
+NUM_BLOCKS = 512
+TEXT_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a quiet village by the sea,",
+    "List three primary colours:",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Name a fruit."}],
+]
+GREEDY = dict(temperature=0, max_tokens=MAX_TOKENS)
+IDS = dict(extra_body={"return_tokens_as_token_ids": True})
+
+
+@pytest.fixture(scope="module")
+def stack(demo_model, stack_factory):
+    return stack_factory(demo_model, encoders=1, prefills=1, decodes=1,
+                         engine_args=["--num-kv-blocks", str(NUM_BLOCKS), "--lease-seconds", "5"],
+                         proxy_args=["--request-timeout", "10"])
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def smollm2(default_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval(),
+            AutoTokenizer.from_pretrained(default_model_path))
+
+
+def picture_png(seed: int, size=(240, 320)) -> bytes:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size[0], 0:size[1]] / max(size)
+    rgb = np.stack([np.sin(x * rng.uniform(2, 9) + c) * np.cos(y * rng.uniform(2, 9)) for c in range(3)], -1)
+    buf = io.BytesIO()
+    Image.fromarray(((rgb + 1) * 127.5).astype(np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def all_blocks_free(stack) -> bool:
+    for name in ("prefill-0", "decode-0"):
+        m = stack.services[name].metrics()
+        if m["epdserve:num_free_kv_blocks"] != NUM_BLOCKS or m["epdserve:num_requests_running"] != 0:
+            return False
+    return True
+
+
+def test_text_completions_equal_hf(client, smollm2, hf_greedy, near_tie_check, ids_of):
+    model, tokenizer = smollm2
+    for prompt in TEXT_PROMPTS:
+        resp = client.completions.create(model="demo", prompt=prompt, logprobs=0, **GREEDY, **IDS)
+        ours = ids_of(resp.choices[0].logprobs.tokens)
+        ref, logits = hf_greedy(model, tokenizer.encode(prompt), MAX_TOKENS)
+        near_tie_check(prompt, ours, ref, logits)
+        assert resp.usage.prompt_tokens == len(tokenizer.encode(prompt))
+        assert resp.usage.completion_tokens == len(ours)
+        assert resp.choices[0].text == tokenizer.decode(ours, skip_special_tokens=True)
+
+
+def test_chat_equals_hf_streaming_or_not(client, smollm2, hf_greedy, near_tie_check, ids_of):
+    model, tokenizer = smollm2
+    for messages in CHATS:
+        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer.encode(prompt_ids, add_special_tokens=False)
+        ref, logits = hf_greedy(model, prompt_ids, MAX_TOKENS)
+        full = client.chat.completions.create(model="demo", messages=messages, logprobs=True, **GREEDY, **IDS)
+        ours = ids_of([c.token for c in full.choices[0].logprobs.content])
+        near_tie_check(str(messages), ours, ref, logits)
+        assert full.usage.prompt_tokens == len(prompt_ids) and full.usage.completion_tokens == len(ours)
+        assert full.choices[0].finish_reason == ("stop" if len(ours) < MAX_TOKENS else "length")
+        text, usage = "", None
+        for event in client.chat.completions.create(model="demo", messages=messages, stream=True,
+                                                    stream_options={"include_usage": True}, **GREEDY):
+            if event.choices:
+                text += event.choices[0].delta.content or ""
+            usage = event.usage or usage
+        assert text == full.choices[0].message.content
+        assert usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_image_chat_equals_hf_llava(client, demo_model, near_tie_check, ids_of, hf_greedy):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(demo_model, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(demo_model)
+    png = picture_png(0)
+    question = "What is in this picture?"
+    hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=text, images=[Image.open(io.BytesIO(png))], return_tensors="pt")
+    with torch.no_grad():
+        ref, logits = hf_greedy(model, inputs["input_ids"][0].tolist(), MAX_TOKENS,
+                                pixel_values=inputs["pixel_values"])
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png)}},
+                                             {"type": "text", "text": question}]}]
+    resp = client.chat.completions.create(model="demo", messages=messages, logprobs=True, **GREEDY, **IDS)
+    near_tie_check("image chat", ids_of([c.token for c in resp.choices[0].logprobs.content]), ref, logits)
+    assert resp.usage.prompt_tokens == inputs["input_ids"].shape[1]
+
+
+def test_32_concurrent_streams_complete(stack, client):
+    prompts = [f"Write a short note about the number {i}." for i in range(8)]
+    expected = {p: client.completions.create(model="demo", prompt=p, **GREEDY).choices[0].text for p in prompts}
+
+    async def one(c, prompt):
+        text, finish = "", None
+        async for event in await c.completions.create(model="demo", prompt=prompt, stream=True, **GREEDY):
+            text += event.choices[0].text
+            finish = event.choices[0].finish_reason or finish
+        return prompt, text, finish
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=300) as c:
+            return await asyncio.gather(*(one(c, prompts[i % 8]) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert len(results) == 32
+    for prompt, text, finish in results:
+        assert text == expected[prompt] and finish in ("stop", "length")
+    wait_until(lambda: all_blocks_free(stack), 10, "every block back in the pools")
+
+
+@pytest.mark.parametrize("body, status", [
+    ({"model": "demo", "prompt": "x", "max_tokens": 0}, 400),
+    ({"model": "demo", "prompt": "x", "max_tokens": "ten"}, 400),
+    ({"model": "demo"}, 400),
+    ({"model": "other-model", "prompt": "x"}, 404),
+    ({"model": "demo", "prompt": "word " * 9000, "max_tokens": 4}, 400),
+    ({"model": "demo", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]}]}, 400),
+    ({"model": "demo", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]}, 400),
+    ({"model": "demo", "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+])
+def test_bad_input_gets_4xx_and_the_stack_keeps_serving(stack, client, body, status):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(stack.url + path, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["message"]
+    assert client.completions.create(model="demo", prompt="Hello", max_tokens=2).choices[0].text is not None
+
+
+def test_malformed_json(stack):
+    r = httpx.post(stack.url + "/v1/chat/completions", content=b'{"model": "demo", "messages": [',
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+
+
+def test_garbage_on_zmq_ports_is_counted_and_dropped(stack, client):
+    ctx = zmq.Context.instance()
+    services = [s for s in stack.services.values() if s.role != "proxy"]
+    before = {s.name: s.metrics()["epdserve:rejected_frames_total"] for s in services}
+    garbage = [[b"\x00" * 8, b"\xc1\xc1\xc1"], [b"\x00" * 8, b"\x93\x01\x02"], [b"not even framed"],
+               [b"\x00" * 8, bytes(range(256)) * 64]]
+    for s in services:
+        for port in (s.port, s.data_port):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            for frames in garbage:
+                sock.send_multipart(frames)
+            time.sleep(0.2)
+            sock.close()
+    for s in services:
+        wait_until(lambda: s.metrics()["epdserve:rejected_frames_total"] > before[s.name], 10,
+                   f"{s.name} to count the garbage")
+        assert httpx.get(f"http://127.0.0.1:{s.http_port}/health").status_code == 200
+    assert client.completions.create(model="demo", prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_client_disconnect_aborts_everywhere(stack):
+    async def hang_up():
+        async with httpx.AsyncClient(timeout=60) as c:
+            async with c.stream("POST", stack.url + "/v1/completions",
+                                json={"model": "demo", "prompt": "Tell me a long story.", "max_tokens": 1000,
+                                      "ignore_eos": True, "stream": True}) as r:
+                events = 0
+                async for line in r.aiter_lines():
+                    events += line.startswith("data:")
+                    if events == 4:
+                        return  # hang up once decode is streaming
+
+    def aborted() -> float:
+        text = httpx.get(f"http://127.0.0.1:{stack.services['decode-0'].http_port}/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("epdserve:request_success_total") and 'finished_reason="abort"' in line)
+
+    before = aborted()
+    asyncio.run(hang_up())
+    wait_until(lambda: all_blocks_free(stack), 10, "the aborted request's blocks to return")
+    assert aborted() == before + 1
