@@ -88,12 +88,25 @@ class Stack:
             dead = [s.name for s in self.services.values() if not s.alive]
             assert not dead, f"{dead} exited during startup: " + self.logs()
             try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                if self._all_ready():
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         raise AssertionError("stack not ready in time: " + self.logs())
+
+    def _all_ready(self) -> bool:
+        """Every service answers /ready, and the proxy routes to every one of them."""
+        r = httpx.get(self.url + "/ready", timeout=2)
+        if r.status_code != 200:
+            return False
+        expected: dict[str, int] = {}
+        for s in self.services.values():
+            if s.role != "proxy":
+                expected[s.role] = expected.get(s.role, 0) + 1
+                if httpx.get(f"http://127.0.0.1:{s.http_port}/ready", timeout=2).status_code != 200:
+                    return False
+        return r.json()["healthy_instances"] == expected
 
     def logs(self) -> str:
         return "\n".join(f"--- {s.name}\n{s.log.read_text()[-3000:]}" for s in self.services.values() if s.log.exists())
