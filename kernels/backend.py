@@ -22,6 +22,9 @@ class AttentionBackend(NamedTuple):
     name: str  # "triton" or "torch", never "auto"
     write_kv: Callable[..., None]  # kv_cache_write(key, value, key_cache, value_cache, slot_mapping)
     attend: Callable[..., torch.Tensor]  # paged_attention(query, key_cache, ..., scale, sliding_window, out)
+    # plan_attention(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, sliding_window):
+    # per-step work shared by all layers, passed to `attend` as plan=...; None when there is none.
+    plan: Callable[..., object] | None = None
 
 
 def select_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
@@ -37,7 +40,7 @@ def select_attention_backend(name: str, device: torch.device | str) -> Attention
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return AttentionBackend("torch", reference.kv_cache_write, reference.paged_attention)
+        return AttentionBackend("torch", reference.kv_cache_write, reference.paged_attention, reference.plan_attention)
     return _triton_backend(device)
 
 

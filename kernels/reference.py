@@ -13,6 +13,8 @@ cached or new token at or before that position (within `sliding_window`, if give
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +37,46 @@ def kv_cache_write(
     value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
 
+class AttentionPlan(NamedTuple):
+    """What a batch's attention needs besides Q/K/V, worked out once per step and shared by all layers."""
+
+    block_size: int
+    num_kv_heads: int
+    sliding_window: int | None
+    # Single-token queries, attended together: their token rows, and for each sequence the rows of its
+    # blocks in the head-major cache ([num_decodes * num_kv_heads * num_blocks]).
+    decode_token_idx: torch.Tensor | None
+    decode_table: torch.Tensor | None  # [num_decodes, num_blocks] their block-table rows
+    decode_rows: torch.Tensor | None
+    decode_bias: torch.Tensor | None  # [num_decodes * num_kv_heads, 1, ctx]: 0 where visible, -inf elsewhere
+    # Multi-token queries, one sequence at a time: (first token, end token, seq_len, blocks row of the table).
+    prefills: list[tuple[int, int, int, int]]
+
+
+def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                   block_size: int, num_kv_heads: int, sliding_window: int | None = None) -> AttentionPlan:
+    device = block_tables.device
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    is_decode = q_lens == 1
+    decode_idx = torch.nonzero(is_decode).flatten()
+    token_idx = table = rows = bias = None
+    if decode_idx.numel():
+        token_idx = query_start_loc[:-1][decode_idx].long()
+        lens = seq_lens[decode_idx].long()
+        num_blocks = -(-int(lens.max()) // block_size)
+        table = block_tables[decode_idx, :num_blocks].long()
+        rows = (table.unsqueeze(1) * num_kv_heads + torch.arange(num_kv_heads, device=device).view(1, -1, 1)).flatten()
+        key_pos = torch.arange(num_blocks * block_size, device=device).view(1, -1)
+        visible = key_pos < lens.view(-1, 1)
+        if sliding_window is not None:
+            visible &= key_pos > lens.view(-1, 1) - 1 - sliding_window
+        bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+        bias = bias.repeat_interleave(num_kv_heads, dim=0).unsqueeze(1)
+    starts, ends, lens_list = query_start_loc[:-1].tolist(), query_start_loc[1:].tolist(), seq_lens.tolist()
+    prefills = [(starts[s], ends[s], lens_list[s], s) for s in torch.nonzero(~is_decode & (q_lens > 0)).flatten().tolist()]
+    return AttentionPlan(block_size, num_kv_heads, sliding_window, token_idx, table, rows, bias, prefills)
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], any strides
@@ -45,76 +87,105 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V (cached prefix + new tokens).
 
     K/V are gathered once per batch (all single-token queries together: a decode batch is one gather and
-    one attention call) or once per prefilling sequence, never per token. Computed in float32; the result
+    two batched matmuls) or once per prefilling sequence, never per token. Computed in float32; the result
     has the query's dtype. Block-table entries past a sequence's blocks must be valid block ids, and the
     slots they and the tail of its last block cover must hold finite values (they get zero weight, but
     0 * NaN is NaN): the engine pads tables with the sequence's own blocks and zeroes blocks it allocates.
+    `plan` (from plan_attention) saves working out the batch's indices again in every layer.
     """
     if out is None:
         out = torch.empty_like(query)
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    is_decode = q_lens == 1
-    decode_idx = torch.nonzero(is_decode).flatten()
-    if decode_idx.numel():
-        token_idx = query_start_loc[:-1][decode_idx].long()
-        out[token_idx] = _attend(
-            query[token_idx].unsqueeze(1), key_cache, value_cache,
-            block_tables[decode_idx], seq_lens[decode_idx], scale, sliding_window,
-        ).squeeze(1).to(out.dtype)
-    starts, ends = query_start_loc[:-1].tolist(), query_start_loc[1:].tolist()
-    for s in torch.nonzero(~is_decode & (q_lens > 0)).flatten().tolist():
-        out[starts[s]:ends[s]] = _attend(
-            query[starts[s]:ends[s]].unsqueeze(0), key_cache, value_cache,
-            block_tables[s:s + 1], seq_lens[s:s + 1], scale, sliding_window,
-        ).squeeze(0).to(out.dtype)
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    if plan is None:
+        plan = plan_attention(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, sliding_window)
+    assert plan.sliding_window == sliding_window and plan.block_size == block_size
+    if plan.decode_token_idx is not None:
+        out[plan.decode_token_idx] = _decode(query[plan.decode_token_idx], key_cache, value_cache, plan,
+                                             scale).to(out.dtype)
+    for start, end, seq_len, row in plan.prefills:
+        out[start:end] = _prefill(query[start:end], key_cache, value_cache, block_tables[row], seq_len, scale,
+                                  sliding_window).to(out.dtype)
     return out
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+def _head_major_rows(cache: torch.Tensor) -> torch.Tensor | None:
+    """The cache as [num_blocks * num_kv_heads, block_size * head_size] rows, if stored head-major."""
+    total_blocks, block_size, num_kv_heads, head_size = cache.shape
+    head_major = cache.transpose(1, 2)
+    if not head_major.is_contiguous():
+        return None
+    return head_major.view(total_blocks * num_kv_heads, block_size * head_size)
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int,
+              rows: torch.Tensor | None = None) -> torch.Tensor:
     """The K (or V) of each sequence, contiguous: [num_seqs, num_kv_heads, num_blocks * block_size, head_size].
 
     When the cache is stored head-major ([num_blocks, num_kv_heads, block_size, head_size] memory, seen
     through a transposed view) one head of one block is a contiguous run, so a single index_select lands
     the result in its final layout; any other layout takes a gather plus a transposing copy.
     """
-    total_blocks, block_size, num_kv_heads, head_size = cache.shape
+    _, block_size, num_kv_heads, head_size = cache.shape
     num_seqs = block_tables.shape[0]
-    table = block_tables[:, :num_blocks].long()
-    head_major = cache.transpose(1, 2)
-    if head_major.is_contiguous():
-        rows = (table.unsqueeze(1) * num_kv_heads + torch.arange(num_kv_heads, device=cache.device).view(1, -1, 1))
-        flat = head_major.view(total_blocks * num_kv_heads, block_size * head_size)
+    flat = _head_major_rows(cache)
+    if flat is not None:
+        if rows is None:
+            table = block_tables[:, :num_blocks].long()
+            rows = (table.unsqueeze(1) * num_kv_heads + torch.arange(num_kv_heads, device=cache.device).view(1, -1, 1))
         return flat.index_select(0, rows.flatten()).view(num_seqs, num_kv_heads, num_blocks * block_size, head_size)
-    return cache[table].flatten(1, 2).transpose(1, 2).contiguous()
+    return cache[block_tables[:, :num_blocks].long()].flatten(1, 2).transpose(1, 2).contiguous()
 
 
-def _attend(
-    query: torch.Tensor,  # [num_seqs, q_len, num_heads, head_size] (same q_len for all)
+def _decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_size], one token per sequence
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, *]
-    seq_lens: torch.Tensor,  # [num_seqs]
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_size], float32
+    num_seqs, num_heads, head_size = query.shape
+    num_kv_heads, group = plan.num_kv_heads, num_heads // plan.num_kv_heads
+    ctx = plan.decode_bias.shape[-1]
+    num_blocks = ctx // plan.block_size
+    k = gather_kv(key_cache, plan.decode_table, num_blocks, plan.decode_rows).float().view(-1, ctx, head_size)
+    v = gather_kv(value_cache, plan.decode_table, num_blocks, plan.decode_rows).float().view(-1, ctx, head_size)
+    # Query heads of one KV head side by side: [num_seqs * num_kv_heads, group, head_size].
+    q = query.float().reshape(num_seqs * num_kv_heads, group, head_size)
+    scores = torch.baddbmm(plan.decode_bias, q, k.transpose(1, 2), alpha=scale)  # [S * Hkv, group, ctx]
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, v).view(num_seqs, num_heads, head_size)
+
+
+def _prefill(
+    query: torch.Tensor,  # [q_len, num_heads, head_size] of one sequence
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_num_blocks]
+    seq_len: int,
     scale: float,
     sliding_window: int | None,
-) -> torch.Tensor:  # [num_seqs, q_len, num_heads, head_size], float32
-    num_seqs, q_len = query.shape[:2]
-    block_size = key_cache.shape[1]
-    num_blocks = -(-int(seq_lens.max()) // block_size)
-    ctx = num_blocks * block_size
-    k = gather_kv(key_cache, block_tables, num_blocks).float()
-    v = gather_kv(value_cache, block_tables, num_blocks).float()
-    key_pos = torch.arange(ctx, device=query.device)
-    query_pos = (seq_lens.long() - q_len).unsqueeze(1) + torch.arange(q_len, device=query.device)
-    visible = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # [S, q_len, ctx]
-    if sliding_window is not None:
-        visible &= key_pos.view(1, 1, -1) > query_pos.unsqueeze(-1) - sliding_window
-    o = F.scaled_dot_product_attention(query.float().transpose(1, 2), k, v, attn_mask=visible.unsqueeze(1),
-                                       scale=scale, enable_gqa=True)
-    return o.transpose(1, 2)
+) -> torch.Tensor:  # [q_len, num_heads, head_size], float32
+    q_len = query.shape[0]
+    num_blocks = -(-seq_len // key_cache.shape[1])
+    table = block_table.view(1, -1)
+    k = gather_kv(key_cache, table, num_blocks)[:, :, :seq_len].float()
+    v = gather_kv(value_cache, table, num_blocks)[:, :, :seq_len].float()
+    q = query.float().transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_size]
+    if q_len == seq_len and sliding_window is None:  # nothing cached before: plain causal attention
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        key_pos = torch.arange(seq_len, device=query.device).view(1, -1)
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).view(-1, 1)
+        visible = key_pos <= query_pos  # [q_len, seq_len]
+        if sliding_window is not None:
+            visible &= key_pos > query_pos - sliding_window
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 def dense_causal_attention(

@@ -55,6 +55,7 @@ class ModelRunner:
             attn.key_cache = self.kv_cache[i, 0].transpose(1, 2)
             attn.value_cache = self.kv_cache[i, 1].transpose(1, 2)
             attn.backend = backend
+        self.backend = backend
         self.attention_backend = backend.name
         self.sampler = Sampler(config.seed)
 
@@ -126,5 +127,9 @@ class ModelRunner:
         seq_lens = torch.tensor(starts, dtype=torch.int32) + q_lens_t
         dev = self.device
         meta = AttentionMetadata(slot_mapping.to(dev), block_tables.to(dev), seq_lens.to(dev), query_start_loc.to(dev))
+        if self.backend.plan is not None:
+            m = self.config.model
+            meta.plan = self.backend.plan(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs,
+                                          m.num_kv_heads, m.sliding_window)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         return input_ids, positions.to(dev), meta, torch.tensor(sample_rows, device=dev), sample_requests

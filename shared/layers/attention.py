@@ -15,6 +15,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32
     seq_lens: torch.Tensor  # [num_seqs] int32: length including this step's tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    plan: object | None = None  # the backend's per-step plan, if it makes one
 
 
 class Attention(nn.Module):
@@ -32,5 +33,6 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_size]; key/value: [num_tokens, num_kv_heads, head_size]
         self.backend.write_kv(key, value, self.key_cache, self.value_cache, meta.slot_mapping)
+        extra = {} if meta.plan is None else {"plan": meta.plan}
         return self.backend.attend(query, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
-                                   meta.query_start_loc, self.scale, self.sliding_window)
+                                   meta.query_start_loc, self.scale, self.sliding_window, **extra)

@@ -40,10 +40,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the step's positions, [num_tokens, 1, head_size]: looked up once, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(rope: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor, key: torch.Tensor):
         # query: [num_tokens, num_heads, head_size]; key: [num_tokens, num_kv_heads, head_size]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = rope
         return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
 
 

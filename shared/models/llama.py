@@ -1,9 +1,9 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over the paged KV cache.
 
 Numerics follow HF transformers (float32 RMSNorm, rotate-half RoPE, residuals in the model dtype), so
-greedy float32 output matches `generate` token for token. Q/K/V and gate/up projections are fused into
-one matmul each: on CPU a batch-64 decode step is a handful of small matmuls per layer, and fewer, larger
-ones run closer to the machine's peak.
+greedy float32 output matches `generate` token for token. The Q/K/V projections are fused into one
+matmul: on CPU a batch-64 decode step is a handful of small matmuls per layer, and fewer, larger ones
+run closer to the machine's peak.
 """
 from __future__ import annotations
 
@@ -21,22 +21,21 @@ from epdserve.shared.layers.rotary_embedding import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size = config.num_heads, config.num_kv_heads, config.head_size
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_size, config.sliding_window)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_size)
         k = k.view(-1, self.num_kv_heads, self.head_size)
         v = v.view(-1, self.num_kv_heads, self.head_size)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(rope, q, k)
         o = self.attn(q, k, v, meta)
         return self.o_proj(o.view(-1, self.q_size))
 
@@ -44,25 +43,26 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        # Two projections rather than one fused: SiLU over a strided half of a fused output costs more
+        # (measured on CPU) than the second matmul call saves.
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -71,25 +71,23 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # One RoPE table shared by all layers.
-        rotary = RotaryEmbedding(config.head_size, config.max_model_len, config.rope_theta,
-                                 config.rope_scaling, config.dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.rotary = RotaryEmbedding(config.head_size, config.max_model_len, config.rope_theta,
+                                      config.rope_scaling, config.dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        rope = self.rotary.lookup(positions)
         for layer in self.layers:
-            x = layer(positions, x, meta)
+            x = layer(rope, x, meta)
         return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):
     # Our fused parameter <- the HF parameters stacked into it, in order.
-    STACKED = {
-        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-        "gate_up_proj": ("gate_proj", "up_proj"),
-    }
+    STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -159,6 +157,4 @@ class LlamaForCausalLM(nn.Module):
 
     def _piece_sizes(self, fused: str) -> tuple[int, ...]:
         c = self.config
-        if fused == "qkv_proj":
-            return c.num_heads * c.head_size, c.num_kv_heads * c.head_size, c.num_kv_heads * c.head_size
-        return c.intermediate_size, c.intermediate_size
+        return c.num_heads * c.head_size, c.num_kv_heads * c.head_size, c.num_kv_heads * c.head_size

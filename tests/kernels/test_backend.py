@@ -16,7 +16,8 @@ from epdserve.kernels.kv_cache_write import kv_cache_write
 
 def test_auto_is_torch_on_cpu():
     backend = select_attention_backend("auto", torch.device("cpu"))
-    assert backend == AttentionBackend("torch", reference.kv_cache_write, reference.paged_attention)
+    assert backend == AttentionBackend("torch", reference.kv_cache_write, reference.paged_attention,
+                                       reference.plan_attention)
 
 
 def test_auto_is_triton_on_cuda():
