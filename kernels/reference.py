@@ -18,6 +18,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from epdserve.kernels.decode_mirror import DecodeMirror
+
 
 def kv_cache_write(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
@@ -51,22 +53,39 @@ class AttentionPlan(NamedTuple):
     decode_bias: torch.Tensor | None  # [num_decodes * num_kv_heads, 1, ctx]: 0 where visible, -inf elsewhere
     # Multi-token queries, one sequence at a time: (first token, end token, seq_len, blocks row of the table).
     prefills: list[tuple[int, int, int, int]]
+    # Set when the decodes' K/V come from a DecodeMirror: it, and the (block, offset, position) of each
+    # decode's newest token.
+    mirror: DecodeMirror | None = None
+    decode_newest: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                   block_size: int, num_kv_heads: int, sliding_window: int | None = None) -> AttentionPlan:
+                   block_size: int, num_kv_heads: int, sliding_window: int | None = None,
+                   mirror: DecodeMirror | None = None, seq_ids: tuple | None = None, num_layers: int = 1,
+                   head_size: int = 0) -> AttentionPlan:
+    """`mirror` with `seq_ids` (one id per sequence) lets decodes reuse last step's gathered K/V."""
     device = block_tables.device
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     is_decode = q_lens == 1
     decode_idx = torch.nonzero(is_decode).flatten()
-    token_idx = table = rows = bias = None
+    token_idx = table = rows = bias = newest = None
     if decode_idx.numel():
         token_idx = query_start_loc[:-1][decode_idx].long()
         lens = seq_lens[decode_idx].long()
         num_blocks = -(-int(lens.max()) // block_size)
         table = block_tables[decode_idx, :num_blocks].long()
         rows = (table.unsqueeze(1) * num_kv_heads + torch.arange(num_kv_heads, device=device).view(1, -1, 1)).flatten()
-        key_pos = torch.arange(num_blocks * block_size, device=device).view(1, -1)
+        ctx = num_blocks * block_size
+        if mirror is not None:
+            ids = tuple(seq_ids[i] for i in decode_idx.tolist())
+            if mirror.begin_step(ids, lens.tolist(), num_kv_heads, head_size, num_layers, block_size):
+                ctx = int(lens.max())  # the mirror is contiguous: no need to round up to whole blocks
+                positions = lens - 1
+                newest = (table.gather(1, (positions // block_size).view(-1, 1)).flatten(), positions % block_size,
+                          positions)
+            else:
+                mirror = None
+        key_pos = torch.arange(ctx, device=device).view(1, -1)
         visible = key_pos < lens.view(-1, 1)
         if sliding_window is not None:
             visible &= key_pos > lens.view(-1, 1) - 1 - sliding_window
@@ -74,7 +93,8 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
         bias = bias.repeat_interleave(num_kv_heads, dim=0).unsqueeze(1)
     starts, ends, lens_list = query_start_loc[:-1].tolist(), query_start_loc[1:].tolist(), seq_lens.tolist()
     prefills = [(starts[s], ends[s], lens_list[s], s) for s in torch.nonzero(~is_decode & (q_lens > 0)).flatten().tolist()]
-    return AttentionPlan(block_size, num_kv_heads, sliding_window, token_idx, table, rows, bias, prefills)
+    return AttentionPlan(block_size, num_kv_heads, sliding_window, token_idx, table, rows, bias, prefills,
+                         mirror if newest is not None else None, newest)
 
 
 def paged_attention(
@@ -150,10 +170,16 @@ def _decode(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_size], float32
     num_seqs, num_heads, head_size = query.shape
     num_kv_heads, group = plan.num_kv_heads, num_heads // plan.num_kv_heads
-    ctx = plan.decode_bias.shape[-1]
-    num_blocks = ctx // plan.block_size
-    k = gather_kv(key_cache, plan.decode_table, num_blocks, plan.decode_rows).float().view(-1, ctx, head_size)
-    v = gather_kv(value_cache, plan.decode_table, num_blocks, plan.decode_rows).float().view(-1, ctx, head_size)
+    num_blocks = plan.decode_table.shape[1]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        return gather_kv(cache, plan.decode_table, num_blocks, plan.decode_rows).float()
+
+    if plan.mirror is not None:
+        k, v = plan.mirror.kv(key_cache, value_cache, plan, gather)  # [S * Hkv, ctx, head_size] views
+    else:
+        ctx = plan.decode_bias.shape[-1]
+        k, v = gather(key_cache).view(-1, ctx, head_size), gather(value_cache).view(-1, ctx, head_size)
     # Query heads of one KV head side by side: [num_seqs * num_kv_heads, group, head_size].
     q = query.float().reshape(num_seqs * num_kv_heads, group, head_size)
     scores = torch.baddbmm(plan.decode_bias, q, k.transpose(1, 2), alpha=scale)  # [S * Hkv, group, ctx]

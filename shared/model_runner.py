@@ -57,6 +57,12 @@ class ModelRunner:
             attn.backend = backend
         self.backend = backend
         self.attention_backend = backend.name
+        # The CPU path keeps the decode batch's K/V contiguous across steps, within the pool's own size.
+        self.decode_mirror = None
+        if backend.name == "torch" and self.device.type == "cpu":
+            from epdserve.kernels.decode_mirror import DecodeMirror
+
+            self.decode_mirror = DecodeMirror(self.kv_cache.numel() * 4)
         self.sampler = Sampler(config.seed)
 
     @torch.inference_mode()
@@ -129,7 +135,11 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping.to(dev), block_tables.to(dev), seq_lens.to(dev), query_start_loc.to(dev))
         if self.backend.plan is not None:
             m = self.config.model
+            extra = {}
+            if self.decode_mirror is not None:
+                extra = dict(mirror=self.decode_mirror, seq_ids=tuple(r.request_id for r, _ in scheduled),
+                             num_layers=m.num_layers, head_size=m.head_size)
             meta.plan = self.backend.plan(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs,
-                                          m.num_kv_heads, m.sliding_window)
+                                          m.num_kv_heads, m.sliding_window, **extra)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         return input_ids, positions.to(dev), meta, torch.tensor(sample_rows, device=dev), sample_requests
