@@ -96,6 +96,9 @@ class ServiceBackend:
 
     # -- the request ---------------------------------------------------------------------------------
     async def generate(self, gen: GenerateInput) -> AsyncIterator[Chunk]:
+        if self.router.disaggregated and not self.router.pool(Role.DECODE).healthy():
+            # Checked first: prefill would otherwise stream a first token that nobody can continue.
+            raise GenerationError("no healthy decode instance", 503, "ServiceUnavailableError")
         placeholders = await self._encode(gen) if gen.images else ()
         if not self.router.disaggregated:
             stream = self._generate_on(Role.UNIFIED, gen, placeholders)
