@@ -8,7 +8,6 @@ It also prefills locally when the proxy asks (GenerateRequest): short prompts, o
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import replace
 

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from epdserve.services.proxy.generation import GenerationError
 from epdserve.services.proxy.metrics import ProxyMetrics
