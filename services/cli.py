@@ -4,6 +4,7 @@
     epdserve serve {encoder,prefill,decode,unified,proxy} ...   run one service
     epdserve up [--model PATH] [--port 8000] [--encoders N --prefills N --decodes N | --unified]
     epdserve keys DIR                                            make the CURVE certificate services share
+    epdserve bench serve [--base-url URL] [--dataset-name ...]   load-test an OpenAI-compatible server
 
 Configuration is parsed here, once, into the frozen config objects the services receive.
 """
@@ -14,6 +15,8 @@ import logging
 import os
 import sys
 from pathlib import Path
+
+from epdserve.services.bench.cli import add_bench_parser
 
 ROLES = ("encoder", "prefill", "decode", "unified", "proxy")
 
@@ -142,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="create the CURVE certificate every service of a deployment shares")
     keys.add_argument("dir")
     keys.set_defaults(func=_keys_command)
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,281 @@
+"""`epdserve bench serve`: load-test an OpenAI-compatible server and write `vllm bench serve`-shaped JSON.
+
+    epdserve bench serve --base-url http://127.0.0.1:8000 --dataset-name random --input-len 128 \\
+        --output-len 32 --num-prompts 50 --request-rate 1 2 inf --tokenizer "$(epdserve model llava-demo)"
+
+Each request rate is one run: a JSON file `bench_<label>_<rate>qps[_c<N>].json` in --result-dir, and
+PNG plots beside it (latency CDFs of every rate; throughput and latency against rate when several).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from datetime import datetime
+from pathlib import Path
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+def add_bench_parser(subparsers) -> None:
+    """Adds `bench serve` to the `epdserve` command's subparsers."""
+    bench = subparsers.add_parser("bench", help="benchmark a running OpenAI-compatible server")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    p = kinds.add_parser("serve", help="send a synthetic workload, report TTFT/TPOT/ITL/E2EL, throughput, goodput",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    target = p.add_argument_group("target")
+    target.add_argument("--base-url", help="server root, e.g. http://127.0.0.1:8000 (default: --host/--port)")
+    target.add_argument("--host", default="127.0.0.1")
+    target.add_argument("--port", type=int, default=8000)
+    target.add_argument("--endpoint", help=f"default {COMPLETIONS_PATH}; {CHAT_PATH} for multi-turn and image")
+    target.add_argument("--model", help="model name sent in requests (default: the server's first model); a local "
+                                        "folder is used as --tokenizer and the name is asked from the server")
+    target.add_argument("--tokenizer", help="HF tokenizer folder to build exact-length prompts (default: --model "
+                                            "when that is a folder; without one prompts are plain random words)")
+    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token ($OPENAI_API_KEY)")
+    target.add_argument("--header", nargs="*", default=[], metavar="KEY=VALUE", help="extra HTTP headers")
+    target.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    target.add_argument("--ready-check-timeout-sec", type=float, default=0.0,
+                        help="wait this long for GET /v1/models to answer before starting (0: no wait)")
+
+    data = p.add_argument_group("dataset")
+    data.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "multi-turn", "image"])
+    data.add_argument("--num-prompts", type=int, default=100, help="requests per run (multi-turn: all turns)")
+    data.add_argument("--input-len", type=int, default=1024,
+                      help="prompt tokens (sharegpt: median; multi-turn: each user turn)")
+    data.add_argument("--output-len", type=int, default=128, help="max tokens per reply (sharegpt: median)")
+    data.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 -+ r)")
+    data.add_argument("--random-prefix-len", type=int, default=0, help="a prefix shared by every random prompt")
+    data.add_argument("--sharegpt-sigma", type=float, default=0.8, help="log-normal spread of the length mix")
+    data.add_argument("--sharegpt-max-len", type=int, default=2048)
+    data.add_argument("--multi-turn-turns", type=int, default=4, help="requests per conversation")
+    data.add_argument("--multi-turn-prefix-len", type=int, default=1024, help="opening document of a conversation")
+    data.add_argument("--image-width", type=int, default=224)
+    data.add_argument("--image-height", type=int, default=224)
+    data.add_argument("--images-per-request", type=int, default=1)
+    data.add_argument("--seed", type=int, default=0)
+
+    load = p.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
+                      help="requests per second; several values run one after another; inf sends all at once")
+    load.add_argument("--arrival", default="poisson", choices=["poisson", "fixed"],
+                      help="poisson: gamma gaps (see --burstiness); fixed: exactly 1/rate apart")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, <1 burstier")
+    load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
+    load.add_argument("--num-warmups", type=int, default=1, help="untimed requests before each run")
+    load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                      help="generate exactly --output-len tokens (synthetic prompts would stop at random)")
+    load.add_argument("--temperature", type=float)
+    load.add_argument("--top-p", type=float)
+    load.add_argument("--top-k", type=int)
+    load.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
+
+    out = p.add_argument_group("results")
+    out.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    out.add_argument("--metric-percentiles", default="50,90,99")
+    out.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput: ttft, tpot, e2el in ms")
+    out.add_argument("--label", help="name of the run in files and plots (default: openai or openai-chat)")
+    out.add_argument("--result-dir", default=".")
+    out.add_argument("--result-filename", help="JSON file name (several rates: _<rate>qps is inserted)")
+    out.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="recorded in the JSON")
+    out.add_argument("--save-detailed", action="store_true", help="also keep every generated text")
+    out.add_argument("--no-plot", action="store_true")
+    out.add_argument("--disable-tqdm", action="store_true")
+    p.set_defaults(func=_serve_command)
+
+
+def _pairs(items: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"{what} {item!r}: expected KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def rate_name(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def result_path(args: argparse.Namespace, label: str, rate: float) -> Path:
+    suffix = f"_c{args.max_concurrency}" if args.max_concurrency else ""
+    if args.result_filename:
+        name = Path(args.result_filename)
+        if len(args.request_rate) > 1:
+            name = name.with_name(f"{name.stem}_{rate_name(rate)}qps{name.suffix}")
+        return Path(args.result_dir) / name
+    return Path(args.result_dir) / f"bench_{label}_{rate_name(rate)}qps{suffix}.json"
+
+
+def _load_tokenizer(args: argparse.Namespace):
+    source = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
+    if source is None:
+        return None, None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source), source
+
+
+def _server_model(base_url: str, headers: dict, timeout: float) -> str:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            r = httpx.get(base_url + "/v1/models", headers=headers, timeout=10)
+            r.raise_for_status()
+            return r.json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            if time.monotonic() >= deadline:
+                raise SystemExit(f"cannot list the models of {base_url}: {exc}") from None
+            time.sleep(1.0)
+
+
+def print_summary(result: dict, percentiles: list[float], metrics: list[str]) -> None:
+    from epdserve.services.bench.metrics import percentile_key
+
+    row = lambda name, value, fmt="{:<10}": print(f"{name:<40} " + fmt.format(value))  # noqa: E731
+    print("{:=^50}".format(" Serving Benchmark Result "))
+    row("Successful requests:", result["completed"])
+    row("Failed requests:", result["failed"])
+    if result["max_concurrency"] is not None:
+        row("Maximum request concurrency:", result["max_concurrency"])
+    row("Request rate configured (RPS):", result["request_rate"])
+    row("Benchmark duration (s):", result["duration"], "{:<10.2f}")
+    row("Total input tokens:", result["total_input_tokens"])
+    row("Total generated tokens:", result["total_output_tokens"])
+    row("Total cached prompt tokens:", result["total_cached_tokens"])
+    row("Request throughput (req/s):", result["request_throughput"], "{:<10.2f}")
+    if result["request_goodput"] is not None:
+        row("Request goodput (req/s):", result["request_goodput"], "{:<10.2f}")
+    row("Output token throughput (tok/s):", result["output_throughput"], "{:<10.2f}")
+    row("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"], "{:<10.2f}")
+    row("Peak concurrent requests:", result["max_concurrent_requests"])
+    row("Total token throughput (tok/s):", result["total_token_throughput"], "{:<10.2f}")
+    titles = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+              "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency"),
+              "later_turns_ttft": ("TTFT", "TTFT of turns after the first")}
+    for metric in [*metrics, "later_turns_ttft"]:
+        if f"mean_{metric}_ms" not in result:
+            continue
+        short, header = titles[metric]
+        print("{:-^50}".format(header))
+        row(f"Mean {short} (ms):", result[f"mean_{metric}_ms"], "{:<10.2f}")
+        row(f"Median {short} (ms):", result[f"median_{metric}_ms"], "{:<10.2f}")
+        for p in percentiles:
+            key = percentile_key(p)
+            row(f"{key.upper()} {short} (ms):", result[f"{key}_{metric}_ms"], "{:<10.2f}")
+    print("=" * 50, flush=True)
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from epdserve.services.bench import datasets, metrics, runner
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the report
+
+    try:
+        goodput = metrics.parse_goodput(args.goodput)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p]
+    chosen = [m for m in args.percentile_metrics.split(",") if m]
+    unknown = set(chosen) - set(metrics.PERCENTILE_METRICS)
+    if unknown:
+        raise SystemExit(f"--percentile-metrics: unknown {sorted(unknown)}; choose from {metrics.PERCENTILE_METRICS}")
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    endpoint_path = args.endpoint or (CHAT_PATH if args.dataset_name in datasets.CHAT_ONLY else COMPLETIONS_PATH)
+    chat = endpoint_path.rstrip("/").endswith("chat/completions")
+    if args.dataset_name in datasets.CHAT_ONLY and not chat:
+        raise SystemExit(f"the {args.dataset_name} dataset needs a chat endpoint ({CHAT_PATH})")
+    headers = _pairs(args.header, "--header")
+    if args.api_key:
+        headers.setdefault("Authorization", f"Bearer {args.api_key}")
+    model = args.model if args.model and not Path(args.model).is_dir() else None
+    model = model or _server_model(base_url, headers, args.ready_check_timeout_sec)
+    tokenizer, tokenizer_id = _load_tokenizer(args)
+    text = datasets.TextSource(tokenizer)
+    config = datasets.DatasetConfig(
+        args.dataset_name, args.num_prompts, args.seed, args.input_len, args.output_len, args.random_range_ratio,
+        args.random_prefix_len, args.sharegpt_sigma, args.sharegpt_max_len, args.multi_turn_turns,
+        args.multi_turn_prefix_len, args.image_width, args.image_height, args.images_per_request)
+    samples = datasets.sample_requests(config, text)
+    warmups = datasets.warmup_requests(config, text, args.num_warmups)
+    sampling = {k: v for k, v in {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}.items()
+                if v is not None}
+    endpoint = runner.Endpoint(base_url + endpoint_path, model, chat, args.ignore_eos, headers,
+                               sampling | args.extra_body, args.request_timeout,
+                               f"bench-{datetime.now().strftime('%H%M%S')}-")
+    label = args.label or ("openai-chat" if chat else "openai")
+    count_tokens = (lambda s: len(tokenizer.encode(s, add_special_tokens=False))) if tokenizer is not None else None
+    print(f"{label}: {len(samples)} {args.dataset_name} requests to {endpoint.api_url} (model {model}), "
+          f"rates {[rate_name(r) for r in args.request_rate]}, max concurrency {args.max_concurrency}", flush=True)
+
+    results: list[dict] = []
+    Path(args.result_dir).mkdir(parents=True, exist_ok=True)
+    for rate in args.request_rate:
+        shape = runner.LoadShape(rate, args.burstiness, args.arrival, args.max_concurrency, args.seed)
+        outputs, duration = asyncio.run(runner.run_load(endpoint, samples, shape, warmups, not args.disable_tqdm,
+                                                        count_tokens))
+        result = {
+            "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+            "endpoint_type": "openai-chat" if chat else "openai",
+            "backend": "openai-chat" if chat else "openai",
+            "label": label,
+            "model_id": model,
+            "tokenizer_id": tokenizer_id,
+            "base_url": base_url,
+            "endpoint": endpoint_path,
+            "dataset_name": args.dataset_name,
+            "num_prompts": len(samples),
+            **_pairs(args.metadata, "--metadata"),
+            "request_rate": rate_name(rate) if math.isinf(rate) else rate,
+            "burstiness": args.burstiness,
+            "arrival": args.arrival,
+            "max_concurrency": args.max_concurrency,
+            "goodput_slo_ms": goodput or None,
+            **metrics.summarize(outputs, duration, percentiles, chosen, goodput),
+            **metrics.per_request(outputs, args.save_detailed),
+        }
+        print_summary(result, percentiles, chosen)
+        errors = [e for e in result["errors"] if e]
+        for e in errors[:5]:
+            print(f"error: {e}", file=sys.stderr)
+        path = result_path(args, label, rate)
+        path.write_text(json.dumps(result, indent=1))
+        print(f"wrote {path}")
+        results.append(result)
+
+    if not args.no_plot:
+        _plot(args, label, results)
+    return 0 if all(r["completed"] for r in results) else 1
+
+
+def _plot(args: argparse.Namespace, label: str, results: list[dict]) -> None:
+    try:
+        from epdserve.services.bench import plots
+    except ImportError as exc:
+        print(f"no plots ({exc}); install matplotlib", file=sys.stderr)
+        return
+    stem = result_path(args, label, args.request_rate[0]).stem
+    if len(results) > 1:
+        stem = re.sub(r"_[^_]*qps", "", stem, count=1)
+    by_rate = {f"{label} @ {r['request_rate']} req/s": r for r in results}
+    try:
+        paths = [plots.plot_latency_cdfs(by_rate, Path(args.result_dir) / f"{stem}_cdf.png", label)]
+        if len(results) > 1:
+            paths.append(plots.plot_rate_sweep({label: results}, Path(args.result_dir) / f"{stem}_rates.png", label))
+    except ImportError as exc:
+        print(f"no plots ({exc}); install matplotlib", file=sys.stderr)
+        return
+    print("wrote " + ", ".join(str(p) for p in paths))
