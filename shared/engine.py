@@ -5,6 +5,8 @@ import logging
 from dataclasses import replace
 from typing import NamedTuple
 
+import torch
+
 from epdserve.shared.block_manager import BlockManager
 from epdserve.shared.config import EngineConfig
 from epdserve.shared.model_runner import ModelRunner
@@ -134,6 +136,10 @@ class LLMEngine:
         """Join a reserved request, its prompt KV now in place, with the first token the peer sampled.
         That token counts as already delivered; outputs (if it ended the request) are returned."""
         self.output_processor.add_request(request)
+        if request.generator is not None and not request.sampling_params.is_greedy:
+            # The peer drew one row of sampling noise for the first token: draw it too, so a seeded request
+            # samples the same tokens here as it would in one engine.
+            torch.empty(self.model_config.vocab_size).exponential_(generator=request.generator)
         running = self.scheduler.add_prefilled(request, first_token_id)
         self.output_processor.process_token(request, None)
         out = self.output_processor.make_output(request, first_token_delivered=True)

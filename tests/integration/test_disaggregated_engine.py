@@ -23,10 +23,14 @@ def prefill(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingPara
     return first, engine.held_block_ids(rid)
 
 
-@pytest.mark.parametrize("decode_has_prefix", [False, True])
-def test_prefill_then_decode_equals_unified(tiny_model_paths, decode_has_prefix):
+@pytest.mark.parametrize("decode_has_prefix, params", [
+    (False, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)),
+    (True, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)),
+    # Seeded sampling continues where prefill's draw left off: the same tokens as one engine.
+    (False, SamplingParams(temperature=3.0, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)),
+])
+def test_prefill_then_decode_equals_unified(tiny_model_paths, decode_has_prefix, params):
     path = tiny_model_paths["qwen2"]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     unified = LLM(model=path, num_kv_blocks=128).generate([{"prompt_token_ids": p} for p in PROMPTS], params)
 
     prefill_engine = LLMEngine(build_engine_config(path, num_kv_blocks=64), detokenize=False)
