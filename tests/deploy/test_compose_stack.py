@@ -1,0 +1,155 @@
+"""The exact commands compose.yaml gives each service, run as local processes, answer a chat request.
+
+Only what a container network provides is changed: hosts become 127.0.0.1, each (service, port) a free
+local port, the model path the demo fixture. Services start in compose's order - the proxy once every
+engine's own compose health check passes - and the test then drives the proxy with the openai client.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HEALTHCHECK = REPO / "deploy" / "healthcheck.py"
+API_KEY = "compose-test-key"
+PORT_OPTIONS = {"--port", "--data-port", "--http-port", "--inbox-port"}
+TARGET_OPTIONS = {"--encoder", "--prefill", "--decode", "--unified"}
+STARTUP_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalProject:
+    """compose's services as processes on 127.0.0.1; `ports[(service, container port)]` is the local port."""
+
+    def __init__(self, project: dict, model: str, log_dir: Path) -> None:
+        self.services = {n: s for n, s in project["services"].items() if s["command"][:2] == ["epdserve", "serve"]}
+        self.model, self.log_dir = model, log_dir
+        self.ports = {(name, int(port)): free_port() for name, s in self.services.items()
+                      for option, port in zip(s["command"], s["command"][1:]) if option in PORT_OPTIONS}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def target(self, address: str) -> str:
+        host, port = address.rsplit(":", 1)
+        return f"127.0.0.1:{self.ports[(host, int(port))]}"
+
+    def argv(self, name: str) -> list[str]:
+        command = self.services[name]["command"]
+        argv = [sys.executable, "-m", "epdserve.services.cli"]
+        words = iter(command[1:])
+        for word in words:
+            argv.append(word)
+            if word in PORT_OPTIONS:
+                argv.append(str(self.ports[(name, int(next(words)))]))
+            elif word in TARGET_OPTIONS:
+                argv.append(",".join(self.target(t) for t in next(words).split(",")))
+            elif word == "--host":
+                next(words)
+                argv.append("127.0.0.1")
+            elif word == "--model":
+                next(words)
+                argv.append(self.model)
+        return argv
+
+    def healthcheck(self, name: str) -> list[str]:
+        test = self.services[name]["healthcheck"]["test"]
+        assert test[:2] == ["CMD", "epdserve-healthcheck"], test
+        return [sys.executable, str(HEALTHCHECK), *(str(self.ports[(name, int(a))]) for a in test[2:])]
+
+    def start(self, name: str) -> None:
+        env = {**os.environ, **self.services[name].get("environment", {}), "PYTHONSAFEPATH": "1",
+               "PYTHONUNBUFFERED": "1"}
+        log = (self.log_dir / f"{name}.log").open("ab")
+        self.procs[name] = subprocess.Popen(self.argv(name), env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, names, deadline: float) -> None:
+        pending = set(names)
+        while pending:
+            for name in sorted(pending):
+                assert self.procs[name].poll() is None, f"{name} exited: {self.logs()}"
+                if subprocess.run(self.healthcheck(name), capture_output=True, timeout=30).returncode == 0:
+                    pending.discard(name)
+            assert time.monotonic() < deadline, f"{sorted(pending)} not healthy in time: {self.logs()}"
+            time.sleep(1)
+
+    def up(self) -> None:
+        """Starts services whose depends_on are healthy, like `docker compose up`, until all run."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(self.procs) < len(self.services):
+            ready = [n for n, s in self.services.items()
+                     if n not in self.procs and set(s.get("depends_on", {})) <= set(self.procs)]
+            assert ready, "depends_on has a cycle or names an unknown service"
+            for name in ready:
+                self.start(name)
+            self.wait_healthy(ready, deadline)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.stem}\n{p.read_text()[-2000:]}" for p in sorted(self.log_dir.glob("*.log")))
+
+    def down(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def local_compose(compose_config, llava_demo_path, tmp_path_factory):
+    # One torch thread per engine: three engines share this machine's cores.
+    project = compose_config(EPDSERVE_API_KEY=API_KEY, EPDSERVE_THREADS="1")
+    stack = LocalProject(project, llava_demo_path, tmp_path_factory.mktemp("compose-logs"))
+    try:
+        stack.up()
+        yield stack
+    finally:
+        stack.down()
+
+
+def test_the_compose_stack_completes_a_chat(local_compose):
+    url = f"http://127.0.0.1:{local_compose.ports[('proxy', 8000)]}"
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    deadline = time.monotonic() + 60
+    while httpx.get(url + "/ready", headers=headers, timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "the proxy never routed to every role: " + local_compose.logs()
+        time.sleep(0.5)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model="llava-demo", temperature=0, max_tokens=8,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+    choice = reply.choices[0]
+    assert choice.message.content.strip() and choice.finish_reason in ("stop", "length")
+    # The key compose passes from the environment is enforced.
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_the_image_healthcheck_finds_each_server_by_its_command_line(local_compose):
+    # What the Dockerfile's HEALTHCHECK runs in a container, pointed at each process instead of PID 1.
+    for name, proc in local_compose.procs.items():
+        done = subprocess.run([sys.executable, str(HEALTHCHECK), "--pid", str(proc.pid)], capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode == 0, f"{name}: {done.stderr}"
+
+
+def test_the_helm_test_script_passes_against_the_stack(local_compose):
+    script = REPO / "helm" / "epdserve" / "files" / "chat_test.py"
+    env = {**os.environ, "EPDSERVE_URL": f"http://127.0.0.1:{local_compose.ports[('proxy', 8000)]}",
+           "EPDSERVE_API_KEY": API_KEY, "EPDSERVE_TEST_TIMEOUT": "60"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "answered" in done.stdout
