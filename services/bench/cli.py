@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -209,7 +210,6 @@ def _serve_command(args: argparse.Namespace) -> int:
         args.dataset_name, args.num_prompts, args.seed, args.input_len, args.output_len, args.random_range_ratio,
         args.random_prefix_len, args.sharegpt_sigma, args.sharegpt_max_len, args.multi_turn_turns,
         args.multi_turn_prefix_len, args.image_width, args.image_height, args.images_per_request)
-    samples = datasets.sample_requests(config, text)
     warmups = datasets.warmup_requests(config, text, args.num_warmups)
     sampling = {k: v for k, v in {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}.items()
                 if v is not None}
@@ -218,13 +218,15 @@ def _serve_command(args: argparse.Namespace) -> int:
                                f"bench-{datetime.now().strftime('%H%M%S')}-")
     label = args.label or ("openai-chat" if chat else "openai")
     count_tokens = (lambda s: len(tokenizer.encode(s, add_special_tokens=False))) if tokenizer is not None else None
-    print(f"{label}: {len(samples)} {args.dataset_name} requests to {endpoint.api_url} (model {model}), "
+    print(f"{label}: {args.num_prompts} {args.dataset_name} requests to {endpoint.api_url} (model {model}), "
           f"rates {[rate_name(r) for r in args.request_rate]}, max concurrency {args.max_concurrency}", flush=True)
 
     results: list[dict] = []
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
-    for rate in args.request_rate:
-        shape = runner.LoadShape(rate, args.burstiness, args.arrival, args.max_concurrency, args.seed)
+    for i, rate in enumerate(args.request_rate):
+        # Each rate gets its own prompts: a prefix cache must not serve one run from an earlier one's.
+        samples = datasets.sample_requests(replace(config, seed=args.seed + i), text)
+        shape = runner.LoadShape(rate, args.burstiness, args.arrival, args.max_concurrency, args.seed + i)
         outputs, duration = asyncio.run(runner.run_load(endpoint, samples, shape, warmups, not args.disable_tqdm,
                                                         count_tokens))
         result = {
@@ -237,6 +239,7 @@ def _serve_command(args: argparse.Namespace) -> int:
             "base_url": base_url,
             "endpoint": endpoint_path,
             "dataset_name": args.dataset_name,
+            "seed": args.seed + i,
             "num_prompts": len(samples),
             **_pairs(args.metadata, "--metadata"),
             "request_rate": rate_name(rate) if math.isinf(rate) else rate,
