@@ -29,6 +29,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,13 +52,24 @@ def free_port() -> int:
 
 
 def children(pid: int) -> list[int]:
-    """Direct child pids of `pid` (Linux /proc)."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    """Direct child pids of `pid` (Linux /proc; the parent field of every process where the kernel has no
+    `children` files)."""
+    out: list[int] = []
+    tasks = list(Path(f"/proc/{pid}/task").glob("*/children"))
+    for task in tasks:
         try:
-            out += [int(c) for c in (task / "children").read_text().split()]
+            out += [int(c) for c in task.read_text().split()]
         except OSError:
             pass
+    if tasks:
+        return out
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
     return out
 
 
@@ -147,7 +159,8 @@ def parse_cpus(spec: str) -> dict[str, str]:
     for item in filter(None, items):
         role, _, cpus = item.partition("=")
         if role not in (*ROLES, "client") or not cpus:
-            raise SystemExit(f"--cpu-list: bad entry {item!r} (ROLE=CPUS with ROLE one of {', '.join((*ROLES, 'client'))})")
+            roles = ", ".join((*ROLES, "client"))
+            raise SystemExit(f"--cpu-list: bad entry {item!r} (ROLE=CPUS with ROLE one of {roles})")
         out[role] = cpus
     return out
 
@@ -282,13 +295,14 @@ def markdown(runs: dict[str, dict[str, dict]], args: argparse.Namespace, meta: d
             if r is None:
                 continue
             later = [i for i, turn in enumerate(r["turns"]) if turn and not r["errors"][i]]
-            first = sorted(r["ttfts"][i] * 1000 for i, turn in enumerate(r["turns"]) if turn == 0)
+            first = [r["ttfts"][i] * 1000 for i, turn in enumerate(r["turns"]) if turn == 0 and not r["errors"][i]]
+            first_p50 = statistics.median(first) if first else None
             cached = sum(r["cached_tokens"][i] or 0 for i in later)
             prompt = sum(r["input_lens"][i] for i in later)
             cache = "off" if t == "disagg-nocache" else ("server's" if t == args.peer_name else "on")
             lines.append(f"| {t} | {cache} | {_ms(r.get('median_later_turns_ttft_ms'))} "
                          f"| {_ms(r.get('p90_later_turns_ttft_ms'))} | {_ms(r.get('p99_later_turns_ttft_ms'))} "
-                         f"| {_ms(r.get('mean_later_turns_ttft_ms'))} | {_ms(first[len(first) // 2] if first else None)} "
+                         f"| {_ms(r.get('mean_later_turns_ttft_ms'))} | {_ms(first_p50)} "
                          f"| {cached}/{prompt} ({100 * cached / max(prompt, 1):.0f}%) |")
         on, off = runs.get("disagg", {}).get("multi-turn"), runs.get("disagg-nocache", {}).get("multi-turn")
         if on and off and on.get("median_later_turns_ttft_ms"):
@@ -336,7 +350,9 @@ def plot(runs: dict[str, dict[str, dict]], path: Path, args: argparse.Namespace)
                 ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], color=colors[t], label=t,
                         drawstyle="steps-post")
         ax.set_title(f"{args.concurrency} concurrent streams: {metric} CDF")
-        ax.set_xlabel(f"{metric} (ms)")
+        ax.set_xlabel(f"{metric} (ms)" + (", log scale" if metric == "ITL" else ""))
+        if metric == "ITL":  # steady decode steps and the rare long stalls, on one axis
+            ax.set_xscale("log")
         ax.set_ylabel("fraction")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -46,7 +46,9 @@ def plot_latency_cdfs(results: dict[str, dict], path: Path, title: str = "") -> 
         for ax, (name, values) in zip(axes, latency_samples(result).items()):
             _cdf(ax, values, label)
     for ax, name in zip(axes, ("TTFT", "ITL", "TPOT", "E2EL")):
-        ax.set_xlabel(f"{name} (ms)")
+        ax.set_xlabel(f"{name} (ms)" + (", log scale" if name == "ITL" else ""))
+        if name == "ITL" and ax.lines:  # steady decode steps and the rare long stalls, on one axis
+            ax.set_xscale("log")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests (ITL: of gaps)")
@@ -64,7 +66,7 @@ def rate_axis(results: list[dict]) -> tuple[list[float], list[str]]:
     finite = [r["request_rate"] for r in results if r["request_rate"] != "inf"]
     top = max(finite, default=1.0)
     xs = [top * 1.5 if r["request_rate"] == "inf" else float(r["request_rate"]) for r in results]
-    return xs, [str(r["request_rate"]) for r in results]
+    return xs, [r["request_rate"] if r["request_rate"] == "inf" else f"{r['request_rate']:g}" for r in results]
 
 
 def plot_rate_sweep(series: dict[str, list[dict]], path: Path, title: str = "") -> Path:
