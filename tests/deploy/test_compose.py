@@ -95,6 +95,9 @@ def test_no_container_runs_as_root_or_gains_privileges(compose_config, epdserve_
         assert service["read_only"] is True and service["cap_drop"] == ["ALL"], name
         assert "no-new-privileges:true" in service["security_opt"], name
         assert not service.get("privileged"), name
+        # /tmp is the one writable path; triton must be able to load what it compiles there.
+        (tmp,) = [t for t in service["tmpfs"] if t.split(":")[0] == "/tmp"]
+        assert "exec" in tmp.partition(":")[2].split(","), name
 
 
 def test_gpu_profile_adds_cuda_engines_with_a_gpu_each(compose_config, parse_cli):
