@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--served-model-name")
             p.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"),
                            help="required Bearer token (default $EPDSERVE_API_KEY; unset = open)")
+            p.add_argument("--api-key-file", default=os.environ.get("EPDSERVE_API_KEY_FILE"),
+                           help="read the API key from this file instead (a mounted secret; default "
+                                "$EPDSERVE_API_KEY_FILE)")
             for name in ("encoder", "prefill", "decode", "unified"):
                 p.add_argument(f"--{name}", action="append", metavar="HOST:PORT",
                                help=f"{name} control address(es); repeat or comma-separate; DNS names are re-resolved")
@@ -167,6 +170,15 @@ def engine_config(args: argparse.Namespace, model: str):
         seed=args.seed)
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file:
+        key = Path(args.api_key_file).read_text().strip()
+        if not key:
+            raise SystemExit(f"--api-key-file {args.api_key_file} is empty")
+        return key
+    return args.api_key or None
+
+
 def proxy_config(args: argparse.Namespace, model: str):
     from epdserve.services.proxy.lifecycle import LifecycleConfig
     from epdserve.services.proxy.server import ProxyConfig
@@ -174,7 +186,7 @@ def proxy_config(args: argparse.Namespace, model: str):
     transport = transport_config(args)
     return ProxyConfig(
         model=model, served_model_name=args.served_model_name, host=args.host, port=args.port,
-        inbox_port=args.inbox_port, advertise_host=args.advertise_host, api_key=args.api_key or None,
+        inbox_port=args.inbox_port, advertise_host=args.advertise_host, api_key=_api_key(args),
         encoders=_split_targets(args.encoder), prefills=_split_targets(args.prefill),
         decodes=_split_targets(args.decode), unified=_split_targets(args.unified), poll_interval=args.poll_interval,
         lifecycle=LifecycleConfig(local_prefill_threshold=args.local_prefill_threshold,
@@ -209,7 +221,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     config = service_config(args)
     engine = engine_config(args, model) if args.role != "encoder" else None
-    asyncio.run(run_service(config, engine, model, args.dtype))
+    asyncio.run(run_service(config, engine, model, args.dtype, args.device))
     return 0
 
 

@@ -27,8 +27,8 @@ def kv_layout(engine: EngineConfig) -> KVLayout:
 
 
 async def run_service(service: ServiceConfig, engine: EngineConfig | None, model_path: str,
-                      dtype: str = "float32") -> None:
-    """`engine` is None for an encoder, which loads `model_path`'s vision tower in `dtype` instead."""
+                      dtype: str = "float32", device: str = "cpu") -> None:
+    """`engine` is None for an encoder, which loads `model_path`'s vision tower in `dtype` on `device`."""
     role = Role(service.role)
     transport = service.transport
     wildcard = service.host in WILDCARD_HOSTS
@@ -43,7 +43,7 @@ async def run_service(service: ServiceConfig, engine: EngineConfig | None, model
         from epdserve.services.encoder.worker import EncoderWorker
         from epdserve.shared.config import parse_dtype
 
-        worker = await asyncio.to_thread(EncoderWorker, service, model_path, parse_dtype(dtype))
+        worker = await asyncio.to_thread(EncoderWorker, service, model_path, parse_dtype(dtype), device)
         kv_server = create_server(transport.kv_backend, service.engine_id, encoder_cache=worker.cache,
                                   host=service.host, port=service.data_port, allow_wildcard=wildcard,
                                   curve=server_curve(transport))

@@ -51,10 +51,10 @@ class EncoderCache:
 class EncoderWorker:
     role = Role.ENCODER
 
-    def __init__(self, service: ServiceConfig, model_path: str, dtype: torch.dtype) -> None:
+    def __init__(self, service: ServiceConfig, model_path: str, dtype: torch.dtype, device: str = "cpu") -> None:
         self.service = service
         self.processor = ImageProcessor.from_pretrained(model_path)
-        self.encoder = LlavaEncoder.from_pretrained(model_path, dtype)
+        self.encoder = LlavaEncoder.from_pretrained(model_path, dtype, device)
         self.cache = EncoderCache(service.encoder_cache_items)
         self.metrics = ServiceMetrics(service.role, service.engine_id)
         self.data_addr = ""
@@ -92,7 +92,8 @@ class EncoderWorker:
             rgb = self.processor.load(data)
             if mm_hash(rgb, self.processor.config) != item_hash:
                 raise ValueError("mm_hash does not match the image")
-            return self.encoder.encode(self.processor.preprocess(rgb).unsqueeze(0))[0].contiguous()
+            # Kept on the host: the transfer server sends host bytes.
+            return self.encoder.encode(self.processor.preprocess(rgb).unsqueeze(0))[0].cpu().contiguous()
 
         async with self._lock:
             embeddings = await asyncio.to_thread(run)
