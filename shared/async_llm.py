@@ -112,6 +112,10 @@ class AsyncLLM:
         self._commands.put(("call", (fn, future)))
         return await asyncio.wrap_future(future)
 
+    def call_soon(self, fn: Callable[[LLMEngine], object]) -> None:
+        """Run `fn(engine)` on the engine thread at its next step boundary, without waiting for it."""
+        self._commands.put(("call", (fn, concurrent.futures.Future())))
+
     def _open_stream(self, request_id: str) -> _Stream:
         if self._dead is not None:
             raise EngineDeadError("the engine loop has stopped") from self._dead

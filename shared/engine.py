@@ -123,10 +123,6 @@ class LLMEngine:
         """Free the blocks a finished `hold_kv` request kept; False if it holds none."""
         return self.scheduler.release_kv(request_id)
 
-    def held_block_ids(self, request_id: str) -> list[int] | None:
-        request = self.scheduler.held.get(request_id)
-        return None if request is None else list(request.block_ids)
-
     def reserve_remote_kv(self, request: Request) -> RemoteKVReservation | None:
         """Set aside blocks for a request whose prompt KV a peer computed (None: no room now). The
         caller fills `reservation.block_ids` in `runner.kv_cache`, then calls `add_prefilled`."""

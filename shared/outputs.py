@@ -43,3 +43,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # Set on the final output of a request that keeps its KV (hold_kv): the blocks it holds, in order.
+    kv_block_ids: list[int] | None = None

@@ -8,6 +8,7 @@ It also prefills locally when the proxy asks (GenerateRequest): short prompts, o
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import replace
 
@@ -27,6 +28,7 @@ class DecodeWorker(EngineWorker):
         super().__init__(*args, **kwargs)
         self._make_client = make_client  # address -> RequestClient to a prefill's control channel
         self._prefill_clients: dict[str, RequestClient] = {}
+        self._releases: set[asyncio.Task] = set()
 
     async def handle(self, message: Message, peer: Handshake) -> Message | None:
         if isinstance(message, DecodeRequest):
@@ -48,11 +50,14 @@ class DecodeWorker(EngineWorker):
         handle = m.kv_handle
         released = False
 
-        async def release() -> None:
+        def release() -> None:
+            """Tell prefill to free the blocks, in the background: decoding need not wait for its answer."""
             nonlocal released
             if not released:
                 released = True
-                await self._release(handle.control_addr, m.request_id)
+                task = asyncio.create_task(self._release(handle.control_addr, m.request_id))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
 
         async def fill(reservation: RemoteKVReservation) -> None:
             remote = list(handle.block_ids[reservation.first_remote_block:])
@@ -69,7 +74,7 @@ class DecodeWorker(EngineWorker):
                 self.metrics.transfer_failures.inc()
                 raise
             finally:
-                await release()
+                release()
             self.metrics.remote_kv_requests.inc()
 
         async def outputs():
@@ -82,7 +87,7 @@ class DecodeWorker(EngineWorker):
                 logger.warning("request %s: KV pull from %s failed (%s); recomputing the prompt here",
                                m.request_id, handle.kv_addr, exc)
             finally:
-                await release()
+                release()
             # Continue from the first token as a prompt of our own: same tokens under greedy decoding.
             self.metrics.local_prefills.inc()
             params = request.sampling_params
@@ -110,6 +115,7 @@ class DecodeWorker(EngineWorker):
             logger.warning("request %s: release at %s failed: %s", request_id, control_addr, exc)
 
     async def close(self) -> None:
+        await asyncio.gather(*self._releases, return_exceptions=True)
         await super().close()
         for client in self._prefill_clients.values():
             await client.close()

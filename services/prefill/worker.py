@@ -70,7 +70,7 @@ class PrefillWorker(EngineWorker):
             async for out in self.llm.generate(request):
                 pass
         except asyncio.CancelledError:  # aborted by the proxy while prefilling
-            await self.llm.call(lambda e: e.release_kv(rid))
+            self.llm.call_soon(lambda e: e.release_kv(rid))
             return Error(ErrorCode.ABORTED, "aborted", rid)
         finally:
             self._tasks.pop(rid, None)
@@ -80,11 +80,12 @@ class PrefillWorker(EngineWorker):
         first_logprobs = logprobs[0] if logprobs else None
         self.metrics.local_prefills.inc()
         if completion.finish_reason == "stop" or not wants_more:
-            await self.llm.call(lambda e: e.release_kv(rid))
+            self.llm.call_soon(lambda e: e.release_kv(rid))
             self.metrics.finished(out)
             return PrefillDone(rid, first, None, out.num_cached_tokens, FinishReason(completion.finish_reason),
                                first_logprobs)
-        block_ids = await self.llm.call(lambda e: e.held_block_ids(rid))
+        # From the output itself: asking the engine thread would wait out the step it is running.
+        block_ids = out.kv_block_ids
         self.kv_server.expose(rid, block_ids)
         self.leases[rid] = time.monotonic() + self.service.lease_seconds
         handle = KVHandle(self.service.engine_id, self.data_addr, tuple(block_ids), len(m.prompt_token_ids),
@@ -101,8 +102,8 @@ class PrefillWorker(EngineWorker):
     async def _release(self, request_id: str) -> None:
         if self.leases.pop(request_id, None) is None:
             return
-        self.kv_server.withdraw(request_id)
-        await self.llm.call(lambda e: e.release_kv(request_id))
+        self.kv_server.withdraw(request_id)  # no peer reads them from now on
+        self.llm.call_soon(lambda e: e.release_kv(request_id))  # freed at the engine's next step boundary
 
     async def _expire_leases(self) -> None:
         while True:

@@ -229,3 +229,73 @@ def test_client_disconnect_aborts_everywhere(stack):
     asyncio.run(hang_up())
     wait_until(lambda: all_blocks_free(stack), 10, "the aborted request's blocks to return")
     assert aborted() == before + 1
+
+
+def test_image_from_an_http_url_equals_the_data_url(client):
+    """image_url may be an http(s) URL: fetched by the proxy (size and time limited), same answer."""
+    import http.server
+    import threading
+
+    png = picture_png(3)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = png if self.path == "/picture.png" else b""
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+
+        def ask(image_url):
+            return client.chat.completions.create(model="demo", **GREEDY, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": "Describe it."}]}])
+
+        assert ask(url + "/picture.png").choices[0].message.content == ask(data_url(png)).choices[0].message.content
+        with pytest.raises(openai.BadRequestError, match="HTTP 404"):
+            ask(url + "/missing.png")
+    finally:
+        server.shutdown()
+
+
+def test_no_healthy_instance_is_a_503(demo_model, tmp_path):
+    """A proxy whose decode and prefill instances are all unreachable answers 503, not a hang or a 500."""
+    import socket
+    import subprocess
+    import sys
+
+    ports = []
+    for _ in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    proxy_port, dead_prefill, dead_decode = ports
+    log = (tmp_path / "proxy.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "epdserve.services.cli", "serve", "proxy", "--model", demo_model,
+                             "--port", str(proxy_port), "--served-model-name", "demo",
+                             "--prefill", f"127.0.0.1:{dead_prefill}",
+                             "--decode", f"127.0.0.1:{dead_decode}", "--poll-interval", "0.2"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{proxy_port}"
+        wait_until(lambda: _answers(url + "/health"), 120, "the proxy to start")
+        assert httpx.get(url + "/ready").status_code == 503
+        r = httpx.post(url + "/v1/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 503 and "decode" in r.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

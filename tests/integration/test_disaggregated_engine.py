@@ -16,11 +16,11 @@ MAX_TOKENS = 12
 def prefill(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams):
     """Run the prompt to its first token and keep the blocks (what a prefill service does)."""
     engine.add_request(rid, {"prompt_token_ids": prompt}, replace(params, max_tokens=1), hold_kv=True)
-    first = None
+    final = None
     while engine.has_unfinished_requests():
         for out in engine.step():
-            first = out.outputs[0].token_ids[0] if out.finished else first
-    return first, engine.held_block_ids(rid)
+            final = out if out.finished else final
+    return final.outputs[0].token_ids[0], final.kv_block_ids
 
 
 @pytest.mark.parametrize("decode_has_prefix, params", [
