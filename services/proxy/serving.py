@@ -183,7 +183,7 @@ class OpenAIServing:
             self._check_token_ids(ids)
             prompt = self.tokenizer.decode(ids, skip_special_tokens=False)
         sampling = self._sampling(req, len(ids), req.max_tokens, req.logprobs)
-        gen = self._input(request_id, ids, sampling, [], req.cache_salt)
+        gen = self._input(_internal_id(request_id), ids, sampling, [], req.cache_salt)
         created = int(time.time())
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
         echo = prompt if req.echo else ""
@@ -234,7 +234,7 @@ class OpenAIServing:
         self.check_model(req.model)
         ids, images = await self.encode_chat(req)
         sampling = self._sampling(req, len(ids), req.effective_max_tokens, req.num_logprobs)
-        gen = self._input(request_id, ids, sampling, images, req.cache_salt)
+        gen = self._input(_internal_id(request_id), ids, sampling, images, req.cache_salt)
         head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
             return self._stream_chat(gen, sampling, head | {"object": "chat.completion.chunk"}, req.include_usage,
@@ -291,6 +291,12 @@ class OpenAIServing:
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _internal_id(request_id: str) -> str:
+    """The id services know the request by: the client's (for tracing across logs) plus a random part,
+    so two clients sending the same X-Request-Id can never touch each other's request."""
+    return f"{request_id}.{uuid.uuid4().hex[:12]}"
 
 
 def _sse(payload: dict) -> str:

@@ -195,3 +195,17 @@ def test_tokenize_detokenize_models_metrics(server):
     assert httpx.get(server[0] + "/v1/models", headers=h).json()["data"][0]["id"] == MODEL
     metrics = httpx.get(server[0] + "/metrics", headers=h).text
     assert "epdserve:time_to_first_token_seconds_count" in metrics
+
+
+def test_same_request_id_from_two_clients_does_not_collide(server):
+    async def one():
+        async with httpx.AsyncClient(timeout=60) as c:
+            r = await c.post(server[0] + "/v1/completions", headers={"Authorization": "Bearer secret",
+                                                                      "X-Request-Id": "shared-id"},
+                             json={"model": MODEL, "prompt": "a", "max_tokens": 8, "ignore_eos": True})
+            return r.status_code, r.headers["X-Request-Id"], r.json()["id"]
+
+    async def main():
+        return await asyncio.gather(one(), one())
+
+    assert asyncio.run(main()) == [(200, "shared-id", "shared-id")] * 2
