@@ -457,9 +457,12 @@ class RequestClient:
             await asyncio.wait({refused, roundtrip}, return_when=asyncio.FIRST_COMPLETED)
             if not roundtrip.done():
                 event = parse_monitor_message(refused.result())
+                # A wrong server key and a peer dying mid-handshake look the same from here (NO_DETAIL).
+                cause = ("the peer closed it mid-handshake: wrong server key, or the peer went down"
+                         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                         else "CURVE keys not accepted or security settings differ")
                 raise HandshakeError(f"{self.address} refused the connection "
-                                     f"({zmq.Event(event['event']).name}, errno {event['value']}): "
-                                     "CURVE keys not accepted or security settings differ")
+                                     f"({zmq.Event(event['event']).name}, errno {event['value']}): {cause}")
             reply = roundtrip.result()
         except VersionMismatchError as e:
             raise HandshakeError(f"{self.address}: {e}") from None

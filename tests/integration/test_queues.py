@@ -14,6 +14,7 @@ import zmq.auth
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from epdserve.services.launcher import free_port
 from epdserve.shared import protocol as p
 from epdserve.transport import codec
 from epdserve.transport.codec import Limits
@@ -142,14 +143,14 @@ def test_client_reconnects_to_a_restarted_server():
 
 def test_client_started_before_its_server_connects_when_it_appears():
     async def main():
-        probe = ReplyServer("probe")
-        await probe.start()
-        address = probe.address
-        await probe.close()
-        async with client_of(address, timeout=10) as client:
+        # A port from a plain socket, closed synchronously: a ZMQ probe server's listener would close
+        # lazily and could accept (and then drop, with the handshake in it) the client's first connection.
+        port = free_port()
+        async with client_of(f"tcp://127.0.0.1:{port}", timeout=10) as client:
             pending = asyncio.create_task(client.request(p.StatusRequest()))
             await asyncio.sleep(0.2)
-            server = await bind_when_free("late", int(address.rsplit(":", 1)[1]))
+            server = ReplyServer("late", port=port)
+            await server.start()
             task = asyncio.create_task(server.serve(handle))
             assert isinstance(await pending, p.Status)
             task.cancel()
@@ -160,11 +161,7 @@ def test_client_started_before_its_server_connects_when_it_appears():
 
 def test_unreachable_peer_times_out_instead_of_hanging():
     async def main():
-        probe = ReplyServer("probe")
-        await probe.start()
-        address = probe.address
-        await probe.close()  # nothing listens there any more
-        async with client_of(address, timeout=0.3) as client:
+        async with client_of(f"tcp://127.0.0.1:{free_port()}", timeout=0.3) as client:  # nobody listens
             with pytest.raises(ChannelTimeout, match="no handshake answer"):
                 await client.request(p.StatusRequest())
 
