@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
                            help="prompts shorter than this many tokens are prefilled by decode itself")
             p.add_argument("--poll-interval", type=float, default=1.0)
             p.add_argument("--token-timeout", type=float, default=600.0)
+            p.add_argument("--allowed-image-domains", action="append", metavar="DOMAIN",
+                           help="fetch http(s) image URLs only from these domains and their subdomains "
+                                "(repeat or comma-separate; default: any public host)")
+            p.add_argument("--allow-private-image-urls", action="store_true",
+                           help="also fetch image URLs from loopback, private and link-local addresses "
+                                "(refused by default: the proxy must not become a way into your network)")
             _add_transport_args(p)
         else:
             p.add_argument("--port", type=int, default=0, help="control channel port")
@@ -191,7 +197,8 @@ def proxy_config(args: argparse.Namespace, model: str):
         decodes=_split_targets(args.decode), unified=_split_targets(args.unified), poll_interval=args.poll_interval,
         lifecycle=LifecycleConfig(local_prefill_threshold=args.local_prefill_threshold,
                                   request_timeout=transport.request_timeout, token_timeout=args.token_timeout),
-        transport=transport)
+        transport=transport, allowed_image_domains=_split_targets(args.allowed_image_domains),
+        allow_private_image_urls=args.allow_private_image_urls)
 
 
 def service_config(args: argparse.Namespace):

@@ -43,6 +43,8 @@ class ProxyConfig:
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     max_image_bytes: int = 20 << 20
+    allowed_image_domains: tuple[str, ...] = ()  # empty: any public host
+    allow_private_image_urls: bool = False  # image URLs on loopback/private/link-local hosts
 
     def __post_init__(self):
         if not self.unified and not (self.prefills or self.decodes):
@@ -85,7 +87,9 @@ async def build_proxy(config: ProxyConfig):
     metrics = ProxyMetrics(config.model_name)
     chat_encoder = None
     if is_multimodal(config.model):
-        chat_encoder = MultimodalChatEncoder(tokenizer, config.model, ImageFetcher(config.max_image_bytes))
+        chat_encoder = MultimodalChatEncoder(tokenizer, config.model, ImageFetcher(
+            config.max_image_bytes, allowed_domains=config.allowed_image_domains,
+            allow_private=config.allow_private_image_urls))
     serving = OpenAIServing(config.model_name, tokenizer, backend, model_config.max_model_len, metrics,
                             chat_encoder, config.lifecycle.token_timeout)
 

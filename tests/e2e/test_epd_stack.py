@@ -37,7 +37,8 @@ IDS = dict(extra_body={"return_tokens_as_token_ids": True})
 def stack(demo_model, stack_factory):
     return stack_factory(demo_model, encoders=1, prefills=1, decodes=1,
                          engine_args=["--num-kv-blocks", str(NUM_BLOCKS), "--lease-seconds", "5"],
-                         proxy_args=["--request-timeout", "10"])
+                         # the image URL test serves its picture from 127.0.0.1
+                         proxy_args=["--request-timeout", "10", "--allow-private-image-urls"])
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,15 @@ def test_shared_prefix_hits_the_prefix_cache(stack, client):
     assert first.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens_details.cached_tokens
 
 
+def test_image_urls_on_private_hosts_are_refused_by_default(stack, client):
+    """Without --allow-private-image-urls the proxy fetches nothing from loopback or cloud metadata
+    addresses on a client's behalf (the refusal comes before any connection is made)."""
+    for url in (f"http://127.0.0.1:{stack.port}/health", "http://169.254.169.254/latest/meta-data/"):
+        with pytest.raises(openai.BadRequestError, match="non-public address"):
+            client.chat.completions.create(model="demo", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe it."}]}])
+
+
 def test_decode_killed_mid_stream(stack, client):
     async def stream(c, i):
         text, error = "", None
