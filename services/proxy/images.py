@@ -10,6 +10,7 @@ import re
 import socket
 
 import httpx
+
 from epdserve.services.proxy.generation import ImageInput
 from epdserve.services.proxy.serving import BadRequest
 from epdserve.shared.image_processor import ImageProcessor
