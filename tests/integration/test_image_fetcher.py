@@ -6,6 +6,7 @@ import ipaddress
 import threading
 
 import pytest
+
 from epdserve.services.proxy.images import ImageFetcher, is_public
 from epdserve.services.proxy.serving import BadRequest
 
