@@ -300,3 +300,23 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_request_past_its_time_is_a_504_and_is_aborted(demo_model, stack_factory):
+    """A non-streaming request still running when its time is up answers 504, and the engine drops it."""
+    stack = stack_factory(demo_model, unified=1, engine_args=["--num-kv-blocks", str(NUM_BLOCKS)],
+                          proxy_args=["--token-timeout", "1"])
+    try:
+        slow = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.APIStatusError, match="took longer than 1s") as caught:
+            # Thousands of tokens take far longer than a second on any CPU.
+            slow.completions.create(model="demo", prompt="Count to ten thousand:", max_tokens=4000,
+                                    temperature=0, extra_body={"ignore_eos": True})
+        assert caught.value.status_code == 504
+        assert caught.value.body["type"] == "TimeoutError"
+        engine = stack.services["unified-0"]
+        wait_until(lambda: engine.metrics()["epdserve:num_requests_running"] == 0
+                   and engine.metrics()["epdserve:num_free_kv_blocks"] == NUM_BLOCKS, 10, "the request to be dropped")
+        assert slow.completions.create(model="demo", prompt="Hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
+    finally:
+        stack.stop()
