@@ -5,7 +5,7 @@ import socket
 from pathlib import Path
 
 from epdserve.shared.config import TransportConfig
-from epdserve.transport.security import WILDCARD_HOSTS, CurveConfig
+from epdserve.transport.security import WILDCARD_HOSTS, CurveConfig, bracketed
 
 CURVE_CERT = "epdserve"  # <curve_dir>/epdserve.key (public) and epdserve.key_secret
 
@@ -32,4 +32,4 @@ def advertised(address: str, bind_host: str, advertise_host: str | None) -> str:
     if host is None:
         host = socket.gethostname() if bind_host in WILDCARD_HOSTS else bind_host
     port = address.rsplit(":", 1)[1]
-    return f"tcp://{host}:{port}"
+    return f"tcp://{bracketed(host)}:{port}"

@@ -76,6 +76,7 @@ class ErrorReply(ChannelError):
 
 def _configure(sock: zmq.Socket, limits: Limits) -> None:
     sock.linger = 0
+    sock.setsockopt(zmq.IPV6, 1)  # dual stack: IPv6 hosts work, IPv4 ones as before
     # libzmq's own cap: a peer announcing a bigger frame is disconnected before we allocate it.
     sock.setsockopt(zmq.MAXMSGSIZE, max(limits.max_message_bytes, limits.max_tensor_bytes))
     # Heartbeats find connections whose peer vanished without closing them (a host that died).

@@ -35,9 +35,12 @@ def bind_endpoint(host: str, port: int, allow_wildcard: bool = False) -> str:
         raise SecurityError(f"refusing to bind {host!r} (every interface) unless explicitly allowed")
     if not 0 <= port <= 65535:
         raise SecurityError(f"invalid port {port}")
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"tcp://{host}:{port if port else '*'}"
+    return f"tcp://{bracketed(host)}:{port if port else '*'}"
+
+
+def bracketed(host: str) -> str:
+    """`host` as it goes before `:port` in an endpoint: IPv6 literals in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 from epdserve.shared.protocol import Health, Role, Status, StatusRequest
 from epdserve.transport.queues import ChannelError, RequestClient
+from epdserve.transport.security import bracketed
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class RolePool:
     def _split(target: str) -> tuple[str, int]:
         target = target.removeprefix("tcp://")
         host, _, port = target.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")  # [IPv6]:port
         if not host or not port.isdigit():
             raise ValueError(f"instance address {target!r} is not host:port")
         return host, int(port)
@@ -88,11 +90,14 @@ class RolePool:
         found: set[str] = set()
         for host, port in self.targets:
             try:
-                infos = await loop.getaddrinfo(host, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except OSError as exc:
                 logger.warning("cannot resolve %s instance %s: %s", self.role.value, host, exc)
                 continue
-            found.update(f"tcp://{info[4][0]}:{port}" for info in infos)
+            # IPv4 addresses if the name has any, else IPv6: a dual-stack name points at the
+            # same process twice, and services bind one family unless told otherwise.
+            ipv4 = [info for info in infos if info[0] == socket.AF_INET]
+            found.update(f"tcp://{bracketed(info[4][0])}:{port}" for info in ipv4 or infos)
         for address in found - self.instances.keys():
             logger.info("discovered %s instance %s", self.role.value, address)
             self.instances[address] = Instance(self.role, address, self.make_client(address, self.role))

@@ -1,4 +1,4 @@
-"""Real stacks for end-to-end tests: every service its own process on 127.0.0.1, stopped by pid."""
+"""Real stacks for end-to-end tests: every service its own process on 127.0.0.1 (or ::1), stopped by pid."""
 import os
 import signal
 import socket
@@ -11,16 +11,20 @@ import httpx
 import pytest
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def http_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 class Service:
     def __init__(self, name: str, role: str, argv: list[str], port: int, data_port: int | None, http_port: int,
-                 log: Path) -> None:
-        self.name, self.role, self.argv = name, role, argv
+                 log: Path, host: str = "127.0.0.1") -> None:
+        self.name, self.role, self.argv, self.host = name, role, argv, host
         self.port, self.data_port, self.http_port, self.log = port, data_port, http_port, log
         self.proc: subprocess.Popen | None = None
 
@@ -34,7 +38,7 @@ class Service:
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples of the service, labels dropped (one engine per process)."""
-        text = httpx.get(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5).text
+        text = httpx.get(f"http://{http_host(self.host)}:{self.http_port}/metrics", timeout=5).text
         out: dict[str, float] = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -57,7 +61,7 @@ class Stack:
     """encoders/prefills/decodes/unified counts -> processes + a proxy; `url` is the OpenAI base URL."""
 
     def __init__(self, model: str, log_dir: Path, encoders=0, prefills=0, decodes=0, unified=0,
-                 engine_args=(), proxy_args=()) -> None:
+                 engine_args=(), proxy_args=(), host="127.0.0.1") -> None:
         self.model = model
         self.services: dict[str, Service] = {}
         base = [sys.executable, "-m", "epdserve.services.cli", "--log-level", "INFO", "serve"]
@@ -65,20 +69,23 @@ class Stack:
         for role, count in (("encoder", encoders), ("prefill", prefills), ("decode", decodes), ("unified", unified)):
             for i in range(count):
                 name = f"{role}-{i}"
-                port, data_port, http_port = free_port(), free_port(), free_port()
-                argv = [*base, role, "--model", model, "--port", str(port), "--data-port", str(data_port),
-                        "--http-port", str(http_port), "--engine-id", name]
+                port, data_port, http_port = free_port(host), free_port(host), free_port(host)
+                argv = [*base, role, "--model", model, "--host", host, "--port", str(port),
+                        "--data-port", str(data_port), "--http-port", str(http_port), "--engine-id", name]
                 if role != "encoder":
                     argv += ["--threads", "1", *engine_args]
-                self.services[name] = Service(name, role, argv, port, data_port, http_port, log_dir / f"{name}.log")
-                targets.setdefault(role, []).append(f"127.0.0.1:{port}")
-        self.port = free_port()
-        proxy = [*base, "proxy", "--model", model, "--port", str(self.port), "--served-model-name", "demo",
+                self.services[name] = Service(name, role, argv, port, data_port, http_port, log_dir / f"{name}.log",
+                                              host)
+                targets.setdefault(role, []).append(f"{http_host(host)}:{port}")
+        self.port = free_port(host)
+        proxy = [*base, "proxy", "--model", model, "--host", host, "--port", str(self.port),
+                 "--served-model-name", "demo",
                  "--poll-interval", "0.5", *proxy_args]
         for role, addrs in targets.items():
             proxy += [f"--{role}", ",".join(addrs)]
-        self.services["proxy"] = Service("proxy", "proxy", proxy, self.port, None, self.port, log_dir / "proxy.log")
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.services["proxy"] = Service("proxy", "proxy", proxy, self.port, None, self.port, log_dir / "proxy.log",
+                                         host)
+        self.url = f"http://{http_host(host)}:{self.port}"
 
     def start(self, timeout: float = 300) -> "Stack":
         for s in self.services.values():
@@ -104,7 +111,7 @@ class Stack:
         for s in self.services.values():
             if s.role != "proxy":
                 expected[s.role] = expected.get(s.role, 0) + 1
-                if httpx.get(f"http://127.0.0.1:{s.http_port}/ready", timeout=2).status_code != 200:
+                if httpx.get(f"http://{http_host(s.host)}:{s.http_port}/ready", timeout=2).status_code != 200:
                     return False
         return r.json()["healthy_instances"] == expected
 

@@ -320,3 +320,19 @@ def test_a_request_past_its_time_is_a_504_and_is_aborted(demo_model, stack_facto
         assert slow.completions.create(model="demo", prompt="Hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
     finally:
         stack.stop()
+
+
+def test_ipv6_stack(default_model_path, stack_factory, smollm2, hf_greedy, near_tie_check, ids_of):
+    """Prefill, decode and proxy on ::1: control, KV transfer, token streams and HTTP all over IPv6."""
+    stack = stack_factory(default_model_path, prefills=1, decodes=1, host="::1",
+                          engine_args=["--num-kv-blocks", str(NUM_BLOCKS)])
+    try:
+        model, tokenizer = smollm2
+        v6 = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        prompt = TEXT_PROMPTS[0]
+        resp = v6.completions.create(model="demo", prompt=prompt, logprobs=0, **GREEDY, **IDS)
+        ref, logits = hf_greedy(model, tokenizer.encode(prompt), MAX_TOKENS)
+        near_tie_check(prompt, ids_of(resp.choices[0].logprobs.tokens), ref, logits)
+        assert stack.services["decode-0"].metrics()["epdserve:remote_kv_requests_total"] == 1
+    finally:
+        stack.stop()
