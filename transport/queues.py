@@ -74,9 +74,11 @@ class ErrorReply(ChannelError):
         self.error = error
 
 
-def _configure(sock: zmq.Socket, limits: Limits) -> None:
+def _configure(sock: zmq.Socket, limits: Limits, endpoint: str) -> None:
     sock.linger = 0
-    sock.setsockopt(zmq.IPV6, 1)  # dual stack: IPv6 hosts work, IPv4 ones as before
+    # IPv6 only for IPv6 endpoints ("tcp://[::1]:5", "tcp://[::]:*"): with it on, libzmq would bind
+    # IPv4 hosts as mapped IPv6 addresses and could resolve a name to an address nothing listens on.
+    sock.setsockopt(zmq.IPV6, endpoint.startswith("tcp://["))
     # libzmq's own cap: a peer announcing a bigger frame is disconnected before we allocate it.
     sock.setsockopt(zmq.MAXMSGSIZE, max(limits.max_message_bytes, limits.max_tensor_bytes))
     # Heartbeats find connections whose peer vanished without closing them (a host that died).
@@ -173,7 +175,7 @@ class ReplyServer:
         # A CURVE server owns its context: the ZAP authenticator it starts serves a whole context.
         self._ctx = zmq.asyncio.Context() if self._curve else zmq.asyncio.Context.instance()
         sock = self._ctx.socket(zmq.ROUTER)
-        _configure(sock, self.limits)
+        _configure(sock, self.limits, self._endpoint)
         self._auth, self._allow_list = security.configure_server(sock, self._ctx, self._curve)
         sock.bind(self._endpoint)
         self._sock = sock
@@ -398,7 +400,7 @@ class RequestClient:
             raise ChannelError(f"client of {self.address} is closed")
         if self._sock is None:
             sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-            _configure(sock, self.limits)
+            _configure(sock, self.limits, self.address)
             # Queue nothing for a peer we are not connected to: a send then waits (and times out)
             # instead of piling up for a server that may never come back.
             sock.setsockopt(zmq.IMMEDIATE, 1)
