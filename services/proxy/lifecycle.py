@@ -209,42 +209,45 @@ class ServiceBackend:
         rid = request.request_id
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
-        instance = None  # from the moment it may have accepted the request: it must hear of an abort
+        instance = None  # counts it in its load; from the moment it may have accepted it, hears of an abort
         finished = False
         try:
             for attempt, candidate in self._candidates(role, key):
                 instance = candidate
+                # Load counted from the pick, not from the answer: requests routed at the same moment
+                # (a prefill batch finishing together) must see each other.
+                candidate.inflight += 1
                 try:
                     await candidate.client.request(request, timeout=self.config.request_timeout, expect=Ack)
                     break
                 except ErrorReply as exc:
+                    candidate.inflight -= 1
                     instance = None  # refused: it holds nothing
                     if (refused := _refusal(exc)) is not None:
                         raise refused from None
                     self._give_up_after(attempt, role, exc)
                 except (ChannelError, TimeoutError) as exc:
+                    candidate.inflight -= 1
                     self.router.pool(role).mark_failed(candidate)
                     self._abort_soon(candidate, rid)  # in case it did accept and only the answer was lost
                     instance = None
                     self._give_up_after(attempt, role, exc)
-            instance.inflight += 1
-            try:
-                while not finished:
-                    message = await self._next(queue, instance)
-                    if isinstance(message, Error):
-                        status = 400 if message.code == ErrorCode.BAD_REQUEST else 502
-                        raise GenerationError(f"{role.value} {instance.address}: {message.message}", status)
-                    assert isinstance(message, TokenDelta)
-                    finished = message.finish_reason is not None
-                    yield Chunk(list(message.token_ids), _chunk_logprobs(message.logprobs),
-                                message.finish_reason.value if finished else None, message.stop_reason,
-                                message.num_cached_tokens)
-            finally:
-                instance.inflight -= 1
+            while not finished:
+                message = await self._next(queue, instance)
+                if isinstance(message, Error):
+                    status = 400 if message.code == ErrorCode.BAD_REQUEST else 502
+                    raise GenerationError(f"{role.value} {instance.address}: {message.message}", status)
+                assert isinstance(message, TokenDelta)
+                finished = message.finish_reason is not None
+                yield Chunk(list(message.token_ids), _chunk_logprobs(message.logprobs),
+                            message.finish_reason.value if finished else None, message.stop_reason,
+                            message.num_cached_tokens)
         finally:
             self._streams.pop(rid, None)
-            if instance is not None and not finished:
-                self._abort_soon(instance, rid)
+            if instance is not None:
+                instance.inflight -= 1
+                if not finished:
+                    self._abort_soon(instance, rid)
 
     async def _next(self, queue: asyncio.Queue, instance: Instance):
         waited = 0.0

@@ -78,8 +78,10 @@ def test_decode_killed_mid_stream(stack, client):
         async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0,
                                       timeout=120) as c:
             tasks = [asyncio.create_task(stream(c, i)) for i in range(6)]
-            # Both decodes busy, then one dies.
+            # Both decodes busy (six streams arriving together are spread over them), then one dies.
+            deadline = time.monotonic() + 60
             while min(counter(stack, n, "epdserve:num_requests_running") for n in ("decode-0", "decode-1")) < 1:
+                assert time.monotonic() < deadline, "the streams did not reach both decodes"
                 await asyncio.sleep(0.1)
             stack.services["decode-0"].stop(signal.SIGKILL)
             return await asyncio.gather(*tasks)
