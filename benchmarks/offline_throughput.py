@@ -76,6 +76,9 @@ def run_hf(model_path: str, prompts: list[list[int]], max_tokens: int, one_at_a_
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    # EOS ignored like the other engines: generate() fills an unset eos_token_id from the model's own
+    # generation config, so clear it there (a stop at EOS would make the token lists differ).
+    model.generation_config.eos_token_id = None
     _hf_generate(model, [p[::-1] for p in prompts[:2]], 8)
     t0 = time.perf_counter()
     if one_at_a_time:
