@@ -80,6 +80,8 @@ class ServiceMetrics:
         self.local_prefills = counter("epdserve:local_prefills",
                                       "Requests prefilled by this engine itself (unified, or decode's fallback).")
         self.expired_leases = counter("epdserve:kv_lease_expired", "Held KV released because its lease ran out.")
+        self.lease_renewals = counter("epdserve:kv_lease_renewals",
+                                      "Leases on prefill's KV renewed while a request waited here for room.")
         self.embeddings_fetched = counter("epdserve:embeddings_fetched", "Image embeddings pulled from encoders.")
 
     def _extra(self) -> dict:

@@ -2,21 +2,25 @@
 
 For a DecodeRequest it reserves blocks for the whole prompt (reusing its own prefix-cache hits), pulls
 only the blocks it lacks from the prefill engine named in the request's KV handle, tells that engine to
-release them, and joins the request to its continuous batch from the first token prefill sampled. If the
-pull fails (prefill gone, lease expired) it recomputes the prompt itself rather than fail the request.
+release them, and joins the request to its continuous batch from the first token prefill sampled. While
+the request waits here for room it renews the prefill's lease on those blocks. If the pull fails
+(prefill gone, lease expired) it recomputes the prompt itself rather than fail the request.
 It also prefills locally when the proxy asks (GenerateRequest): short prompts, or no healthy prefill.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
 
 from epdserve.services.engine_worker import EngineWorker, bad_request
-from epdserve.shared.protocol import Ack, DecodeRequest, Error, ErrorCode, Handshake, Message, Release, Role
+from epdserve.shared.protocol import (
+    Ack, DecodeRequest, Error, ErrorCode, Handshake, KVHandle, LeaseRenewed, Message, Release, RenewLease, Role,
+)
 from epdserve.shared.scheduler import RemoteKVReservation
 from epdserve.transport.kv_transfer import TransferError
-from epdserve.transport.queues import ChannelError, RequestClient
+from epdserve.transport.queues import ChannelError, ErrorReply, RequestClient
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +53,15 @@ class DecodeWorker(EngineWorker):
             return Error(ErrorCode.INTERNAL, f"could not fetch image embeddings: {exc}", m.request_id, True)
         handle = m.kv_handle
         released = False
+        renewing = asyncio.create_task(self._keep_lease(handle, m.request_id)) if handle.control_addr else None
 
         def release() -> None:
             """Tell prefill to free the blocks, in the background: decoding need not wait for its answer."""
             nonlocal released
             if not released:
                 released = True
+                if renewing is not None:
+                    renewing.cancel()
                 task = asyncio.create_task(self._release(handle.control_addr, m.request_id))
                 self._releases.add(task)
                 task.add_done_callback(self._releases.discard)
@@ -105,12 +112,31 @@ class DecodeWorker(EngineWorker):
         self.spawn_stream(request, outputs(), m.reply_to)
         return Ack(m.request_id)
 
-    async def _release(self, control_addr: str, request_id: str) -> None:
+    def _prefill_client(self, control_addr: str) -> RequestClient:
         client = self._prefill_clients.get(control_addr)
         if client is None:
             client = self._prefill_clients[control_addr] = self._make_client(control_addr)
+        return client
+
+    async def _keep_lease(self, handle: KVHandle, request_id: str) -> None:
+        """Renew the prefill's lease at half-time until the blocks are released (waiting for room here
+        can take longer than a lease)."""
+        deadline = handle.lease_deadline
+        while True:
+            await asyncio.sleep(max((deadline - time.time()) / 2, 0.05))
+            try:
+                renewed = await self._prefill_client(handle.control_addr).request(
+                    RenewLease(request_id), timeout=self.service.transport.request_timeout, expect=LeaseRenewed)
+            except (ErrorReply, ChannelError, TimeoutError) as exc:  # the pull will fail and fall back
+                logger.warning("request %s: lease renewal at %s failed: %s", request_id, handle.control_addr, exc)
+                return
+            deadline = renewed.lease_deadline
+            self.metrics.lease_renewals.inc()
+
+    async def _release(self, control_addr: str, request_id: str) -> None:
         try:
-            await client.request(Release(request_id), timeout=self.service.transport.request_timeout, expect=Ack)
+            await self._prefill_client(control_addr).request(
+                Release(request_id), timeout=self.service.transport.request_timeout, expect=Ack)
         except (ChannelError, TimeoutError) as exc:  # the lease frees the blocks anyway
             logger.warning("request %s: release at %s failed: %s", request_id, control_addr, exc)
 

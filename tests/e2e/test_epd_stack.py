@@ -336,3 +336,39 @@ def test_ipv6_stack(default_model_path, stack_factory, smollm2, hf_greedy, near_
         assert stack.services["decode-0"].metrics()["epdserve:remote_kv_requests_total"] == 1
     finally:
         stack.stop()
+
+
+def test_decode_renews_the_lease_while_a_request_waits_for_room(default_model_path, stack_factory, smollm2,
+                                                                hf_greedy, near_tie_check, ids_of):
+    """A decode with room for one sequence keeps the second request's KV alive on prefill (1 s lease)
+    for as long as the first one runs, then pulls it instead of recomputing."""
+    stack = stack_factory(default_model_path, prefills=1, decodes=1,
+                          engine_args=["--num-kv-blocks", str(NUM_BLOCKS), "--max-num-seqs", "1", "--lease-seconds", "1"])
+    try:
+        decode, prefill = stack.services["decode-0"], stack.services["prefill-0"]
+        http = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def main():
+            async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0,
+                                          timeout=120) as c:
+                long = await c.completions.create(model="demo", prompt="Count slowly:", max_tokens=4000,
+                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+                await long.__anext__()  # it runs on decode and takes its only seat
+                waiting = asyncio.create_task(asyncio.to_thread(
+                    http.completions.create, model="demo", prompt=TEXT_PROMPTS[0], logprobs=0, **GREEDY, **IDS))
+                deadline = time.monotonic() + 60
+                while decode.metrics().get("epdserve:kv_lease_renewals_total", 0) < 3:  # > 1.5 leases waited
+                    assert time.monotonic() < deadline and not waiting.done(), "no lease renewals"
+                    await asyncio.sleep(0.2)
+                await long.response.aclose()  # the first request leaves; the waiting one gets the seat
+                return await waiting
+
+        resp = asyncio.run(main())
+        model, tokenizer = smollm2
+        ref, logits = hf_greedy(model, tokenizer.encode(TEXT_PROMPTS[0]), MAX_TOKENS)
+        near_tie_check(TEXT_PROMPTS[0], ids_of(resp.choices[0].logprobs.tokens), ref, logits)
+        assert decode.metrics()["epdserve:local_prefills_total"] == 0  # pulled, not recomputed
+        assert decode.metrics()["epdserve:remote_kv_requests_total"] == 2
+        assert prefill.metrics()["epdserve:kv_lease_expired_total"] == 0
+    finally:
+        stack.stop()
