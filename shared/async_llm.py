@@ -104,6 +104,14 @@ class AsyncLLM:
         async for out in self._drain(request.request_id, stream):
             yield out
 
+    async def generate_recomputed(self, request: Request, first_token_id: int) -> AsyncIterator[RequestOutput]:
+        """Continue a request whose first token a peer sampled when its KV cannot be had: recompute the
+        prompt and that token here, then decode. Yields outputs like `generate_prefilled`."""
+        stream = self._open_stream(request.request_id)
+        self._commands.put(("add_recomputed", (request, first_token_id)))
+        async for out in self._drain(request.request_id, stream):
+            yield out
+
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread, between steps, and return its result."""
         if self._dead is not None:
@@ -183,6 +191,8 @@ class AsyncLLM:
             self._deliver(self.engine.abort_request(arg))
         elif kind == "add_prefilled":
             self._deliver(self.engine.add_prefilled(*arg))
+        elif kind == "add_recomputed":
+            self._deliver(self.engine.add_recomputed(*arg))
         elif kind == "call":
             fn, future = arg
             try:

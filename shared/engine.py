@@ -131,12 +131,30 @@ class LLMEngine:
     def add_prefilled(self, request: Request, first_token_id: int) -> list[RequestOutput]:
         """Join a reserved request, its prompt KV now in place, with the first token the peer sampled.
         That token counts as already delivered; outputs (if it ended the request) are returned."""
+        self._take_peer_noise(request)
+        running = self.scheduler.add_prefilled(request, first_token_id)
+        return self._peer_token_output(request, running)
+
+    def add_recomputed(self, request: Request, first_token_id: int) -> list[RequestOutput]:
+        """Add a request whose first token a peer sampled but whose prompt KV never arrived: the prompt
+        and that token are recomputed here, as after a preemption, and the request goes on exactly as it
+        would have on the peer's KV (the token counts as output for penalties and limits, seeded noise
+        continues). The token counts as already delivered."""
+        self._take_peer_noise(request)
+        request.append_output_token(first_token_id)
+        running = not request.check_stop()
+        if running:
+            self.scheduler.add_request(request)
+        return self._peer_token_output(request, running)
+
+    def _take_peer_noise(self, request: Request) -> None:
         self.output_processor.add_request(request)
         if request.generator is not None and not request.sampling_params.is_greedy:
             # The peer drew one row of sampling noise for the first token: draw it too, so a seeded request
             # samples the same tokens here as it would in one engine.
             torch.empty(self.model_config.vocab_size).exponential_(generator=request.generator)
-        running = self.scheduler.add_prefilled(request, first_token_id)
+
+    def _peer_token_output(self, request: Request, running: bool) -> list[RequestOutput]:
         self.output_processor.process_token(request, None)
         out = self.output_processor.make_output(request, first_token_delivered=True)
         return [] if running or out is None else [out]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
 
 from epdserve.services.engine_worker import EngineWorker, bad_request
 from epdserve.shared.protocol import (
@@ -95,18 +94,13 @@ class DecodeWorker(EngineWorker):
                                m.request_id, handle.kv_addr, exc)
             finally:
                 release()
-            # Continue from the first token as a prompt of our own: same tokens under greedy decoding.
+            # Recompute the prompt and prefill's first token here and go on from there: the same tokens
+            # the pulled KV would have given (penalties, limits and seeded noise included).
             self.metrics.local_prefills.inc()
-            params = request.sampling_params
             fallback = self.llm.make_request(
-                {"prompt_token_ids": [*m.prompt_token_ids, m.first_token]},
-                replace(params, max_tokens=None if params.max_tokens is None else params.max_tokens - 1,
-                        min_tokens=max(params.min_tokens - 1, 0)),
-                m.request_id, cache_salt=m.cache_salt, mm_placeholders=request.mm_placeholders,
-                mm_embeddings=request.mm_embeddings)
-            if fallback.max_output_tokens < 1:
-                return
-            async for out in self.llm.generate(fallback):
+                {"prompt_token_ids": list(m.prompt_token_ids)}, request.sampling_params, m.request_id,
+                cache_salt=m.cache_salt, mm_placeholders=request.mm_placeholders, mm_embeddings=request.mm_embeddings)
+            async for out in self.llm.generate_recomputed(fallback, m.first_token):
                 yield out
 
         self.spawn_stream(request, outputs(), m.reply_to)

@@ -15,7 +15,9 @@ MAX_TOKENS = 12
 
 def prefill(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams):
     """Run the prompt to its first token and keep the blocks (what a prefill service does)."""
-    engine.add_request(rid, {"prompt_token_ids": prompt}, replace(params, max_tokens=1), hold_kv=True)
+    request = engine.make_request(rid, {"prompt_token_ids": prompt}, params, hold_kv=True)
+    request.max_output_tokens = 1  # as the prefill service does: min_tokens etc. still apply to the token
+    engine.add_request(rid, request)
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -73,6 +75,42 @@ def test_prefill_then_decode_equals_unified(tiny_model_paths, decode_has_prefix,
         for engine in (prefill_engine, decode.engine):
             stats = engine.stats()
             assert stats.num_free_blocks == stats.num_total_blocks and not engine.scheduler.held
+    finally:
+        decode.shutdown()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    SamplingParams(temperature=3.0, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True),
+    SamplingParams(temperature=1.5, seed=5, presence_penalty=1.5, frequency_penalty=0.5, max_tokens=MAX_TOKENS,
+                   min_tokens=MAX_TOKENS, ignore_eos=True),
+])
+def test_recomputed_continuation_equals_unified(tiny_model_paths, params):
+    """Decode's fallback when prefill's KV cannot be pulled: it recomputes the prompt and prefill's first
+    token and goes on with the same tokens (seeded noise, penalties and limits as in one engine)."""
+    path = tiny_model_paths["qwen2"]
+    unified = LLM(model=path, num_kv_blocks=128).generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    prefill_engine = LLMEngine(build_engine_config(path, num_kv_blocks=64), detokenize=False)
+    decode = AsyncLLM(LLMEngine(build_engine_config(path, num_kv_blocks=64), detokenize=False))
+
+    async def run_one(i, prompt):
+        first, _ = prefill(prefill_engine, f"r{i}", prompt, params)
+        assert prefill_engine.release_kv(f"r{i}")
+        request = decode.make_request({"prompt_token_ids": prompt},
+                                      replace(params, output_kind=RequestOutputKind.DELTA), f"r{i}")
+        tokens = [first]
+        async for out in decode.generate_recomputed(request, first):
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    async def main():
+        return await asyncio.gather(*(run_one(i, p) for i, p in enumerate(PROMPTS)))
+
+    try:
+        for tokens, ref in zip(asyncio.run(main()), unified):
+            assert tokens == ref.outputs[0].token_ids
+        stats = decode.engine.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
     finally:
         decode.shutdown()
 
