@@ -115,9 +115,9 @@ class DecodeWorker(EngineWorker):
     async def _keep_lease(self, handle: KVHandle, request_id: str) -> None:
         """Renew the prefill's lease at half-time until the blocks are released (waiting for room here
         can take longer than a lease)."""
-        deadline = handle.lease_deadline
+        deadline = handle.lease_deadline  # on prefill's clock: the floor bounds the rate if ours is ahead
         while True:
-            await asyncio.sleep(max((deadline - time.time()) / 2, 0.05))
+            await asyncio.sleep(max((deadline - time.time()) / 2, 0.25))
             try:
                 renewed = await self._prefill_client(handle.control_addr).request(
                     RenewLease(request_id), timeout=self.service.transport.request_timeout, expect=LeaseRenewed)
