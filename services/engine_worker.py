@@ -17,9 +17,9 @@ from epdserve.shared.async_llm import AsyncLLM
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.shared.engine import LLMEngine
 from epdserve.shared.outputs import RequestOutput
-from epdserve.shared.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, GenerateRequest, Handshake, Health,
-                                      KVLayout, Message, MMPlaceholder, Role, Status, StatusRequest, TokenDelta,
-                                      TokenLogprobs)
+from epdserve.shared.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason, GenerateRequest,
+                                      Handshake, Health, KVLayout, Message, MMPlaceholder, PrefillRequest, Role,
+                                      Status, StatusRequest, TokenDelta, TokenLogprobs)
 from epdserve.shared.request import MultiModalPlaceholder, Request
 from epdserve.shared.sampling_params import from_wire
 from epdserve.transport.kv_transfer import KVTransferClient, TransferError
@@ -90,19 +90,25 @@ class EngineWorker:
             await self.llm.abort(request_id)
 
     # -- prompt to engine request -------------------------------------------------------------------
-    async def make_request(self, request_id: str, prompt_token_ids, wire_params, placeholders: tuple[MMPlaceholder, ...],
-                           cache_salt: str | None, hold_kv: bool = False) -> Request:
-        """Validate (ValueError on bad input) and fetch image embeddings from the encoders that hold them."""
-        params = from_wire(wire_params)
-        embeddings = {}
-        for ph in placeholders:
-            if ph.mm_hash not in embeddings:
-                embeddings[ph.mm_hash] = await self._fetch_embeddings(ph)
-        return self.llm.make_request({"prompt_token_ids": list(prompt_token_ids)}, params, request_id,
-                                     cache_salt=cache_salt, hold_kv=hold_kv,
-                                     mm_placeholders=tuple(MultiModalPlaceholder(p.offset, p.length, p.mm_hash)
-                                                           for p in placeholders),
-                                     mm_embeddings=embeddings)
+    async def make_request(self, m: GenerateRequest | PrefillRequest | DecodeRequest,
+                           hold_kv: bool = False) -> Request | Error:
+        """The engine request for `m`, its image embeddings fetched from the encoders that hold them;
+        or the Error to answer with (a request id in use, bad input, embeddings out of reach)."""
+        if m.request_id in self._tasks:
+            return bad_request(m.request_id, "request id already in use")
+        try:
+            embeddings = {}
+            for ph in m.mm_placeholders:
+                if ph.mm_hash not in embeddings:
+                    embeddings[ph.mm_hash] = await self._fetch_embeddings(ph)
+            return self.llm.make_request(
+                {"prompt_token_ids": list(m.prompt_token_ids)}, from_wire(m.sampling_params), m.request_id,
+                cache_salt=m.cache_salt, hold_kv=hold_kv, mm_embeddings=embeddings,
+                mm_placeholders=tuple(MultiModalPlaceholder(p.offset, p.length, p.mm_hash) for p in m.mm_placeholders))
+        except ValueError as exc:
+            return bad_request(m.request_id, str(exc))
+        except (TransferError, ChannelError, TimeoutError) as exc:
+            return Error(ErrorCode.INTERNAL, f"could not fetch image embeddings: {exc}", m.request_id, True)
 
     async def _fetch_embeddings(self, ph: MMPlaceholder) -> torch.Tensor:
         if self.kv_client is None:
@@ -114,15 +120,9 @@ class EngineWorker:
 
     # -- streaming back -----------------------------------------------------------------------------
     async def _start_generate(self, message: GenerateRequest) -> Message:
-        if message.request_id in self._tasks:
-            return bad_request(message.request_id, "request id already in use")
-        try:
-            request = await self.make_request(message.request_id, message.prompt_token_ids, message.sampling_params,
-                                              message.mm_placeholders, message.cache_salt)
-        except ValueError as exc:
-            return bad_request(message.request_id, str(exc))
-        except (TransferError, ChannelError, TimeoutError) as exc:
-            return Error(ErrorCode.INTERNAL, f"could not fetch image embeddings: {exc}", message.request_id, True)
+        request = await self.make_request(message)
+        if isinstance(request, Error):
+            return request
         self.metrics.local_prefills.inc()
         self.spawn_stream(request, self.llm.generate(request), message.reply_to)
         return Ack(message.request_id)

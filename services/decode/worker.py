@@ -15,7 +15,7 @@ import time
 
 from epdserve.services.engine_worker import EngineWorker, bad_request
 from epdserve.shared.protocol import (
-    Ack, DecodeRequest, Error, ErrorCode, Handshake, KVHandle, LeaseRenewed, Message, Release, RenewLease, Role,
+    Ack, DecodeRequest, Error, Handshake, KVHandle, LeaseRenewed, Message, Release, RenewLease, Role,
 )
 from epdserve.shared.scheduler import RemoteKVReservation
 from epdserve.transport.kv_transfer import TransferError
@@ -39,17 +39,11 @@ class DecodeWorker(EngineWorker):
         return await super().handle(message, peer)
 
     async def _start_decode(self, m: DecodeRequest) -> Message:
-        if m.request_id in self._tasks:
-            return bad_request(m.request_id, "request id already in use")
         if not m.prompt_token_ids or m.kv_handle.num_tokens != len(m.prompt_token_ids):
             return bad_request(m.request_id, "the KV handle does not cover the prompt")
-        try:
-            request = await self.make_request(m.request_id, m.prompt_token_ids, m.sampling_params,
-                                              m.mm_placeholders, m.cache_salt)
-        except ValueError as exc:
-            return bad_request(m.request_id, str(exc))
-        except (TransferError, ChannelError, TimeoutError) as exc:
-            return Error(ErrorCode.INTERNAL, f"could not fetch image embeddings: {exc}", m.request_id, True)
+        request = await self.make_request(m)
+        if isinstance(request, Error):
+            return request
         handle = m.kv_handle
         released = False
         renewing = asyncio.create_task(self._keep_lease(handle, m.request_id)) if handle.control_addr else None

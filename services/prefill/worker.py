@@ -15,8 +15,7 @@ import time
 from epdserve.services.engine_worker import EngineWorker, bad_request, wire_logprobs
 from epdserve.shared.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, Handshake, KVHandle, LeaseRenewed,
                                       Message, PrefillDone, PrefillRequest, Release, RenewLease, Role)
-from epdserve.transport.kv_transfer import KVTransferServer, TransferError
-from epdserve.transport.queues import ChannelError
+from epdserve.transport.kv_transfer import KVTransferServer
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +51,11 @@ class PrefillWorker(EngineWorker):
 
     async def _prefill(self, m: PrefillRequest) -> Message:
         rid = m.request_id
-        if rid in self.leases or rid in self._tasks:
+        if rid in self.leases:
             return bad_request(rid, "request id already in use")
-        try:
-            request = await self.make_request(rid, m.prompt_token_ids, m.sampling_params, m.mm_placeholders,
-                                              m.cache_salt, hold_kv=True)
-        except ValueError as exc:
-            return bad_request(rid, str(exc))
-        except (TransferError, ChannelError, TimeoutError) as exc:
-            return Error(ErrorCode.INTERNAL, f"could not fetch image embeddings: {exc}", rid, True)
+        request = await self.make_request(m, hold_kv=True)
+        if isinstance(request, Error):
+            return request
         wants_more = request.max_output_tokens > 1
         request.max_output_tokens = 1  # this engine's part ends at the first token
         task = asyncio.current_task()
