@@ -64,6 +64,8 @@ class LocalStack:
     def run(self, startup_timeout: float) -> int:
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+        # Ctrl-C stops the stack even when started from a script's background job (which ignores SIGINT).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             for name, argv in self.commands():
                 self.children.append((name, subprocess.Popen(argv)))
