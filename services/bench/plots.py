@@ -53,6 +53,10 @@ def plot_latency_cdfs(results: dict[str, dict], path: Path, title: str = "") -> 
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests (ITL: of gaps)")
     axes[-1].legend(fontsize=8, loc="lower right")
+    return _save(plt, fig, path, title)
+
+
+def _save(plt, fig, path: Path, title: str) -> Path:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -93,9 +97,4 @@ def plot_rate_sweep(series: dict[str, list[dict]], path: Path, title: str = "") 
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     axes[2].legend(fontsize=7)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
