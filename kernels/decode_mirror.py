@@ -27,6 +27,11 @@ class DecodeMirror:
         self.appending = False  # this step extends last step's buffers
         self.num_rebuilds = 0
 
+    def reset(self) -> None:
+        """Forget the buffers: the next step rebuilds them (after a step that failed part-way)."""
+        self._batch, self._lens, self.capacity = None, [], 0
+        self._layers.clear()
+
     def begin_step(self, seq_ids: tuple, lens: list[int], num_kv_heads: int, head_size: int,
                    num_layers: int, block_size: int) -> bool:
         """Decide how this step uses the mirror; False if the batch is too big to mirror (gather instead)."""

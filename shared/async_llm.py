@@ -27,7 +27,11 @@ T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine loop has stopped: no request can run on this engine any more."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed in the engine (the engine itself goes on)."""
 
 
 class _Stream:
@@ -50,6 +54,10 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._dead: BaseException | None = None
+        # Held while checking `_dead` and queueing, and while the dying loop drains the queue: no call
+        # can slip into the queue after the drain and wait forever.
+        self._lock = threading.Lock()
+        self._on_dead: list[Callable[[BaseException], None]] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="epdserve-engine", daemon=True)
         self._thread.start()
@@ -78,7 +86,7 @@ class AsyncLLM:
         request = prompt if isinstance(prompt, Request) else self.make_request(prompt, sampling_params,
                                                                                request_id, **kwargs)
         stream = self._open_stream(request.request_id)
-        self._commands.put(("add", request))
+        self._put(("add", request))
         async for out in self._drain(request.request_id, stream):
             yield out
 
@@ -100,7 +108,7 @@ class AsyncLLM:
             self._streams.pop(request.request_id, None)
             self._commands.put(("abort", request.request_id))
             raise
-        self._commands.put(("add_prefilled", (request, first_token_id)))
+        self._put(("add_prefilled", (request, first_token_id)))
         async for out in self._drain(request.request_id, stream):
             yield out
 
@@ -108,29 +116,44 @@ class AsyncLLM:
         """Continue a request whose first token a peer sampled when its KV cannot be had: recompute the
         prompt and that token here, then decode. Yields outputs like `generate_prefilled`."""
         stream = self._open_stream(request.request_id)
-        self._commands.put(("add_recomputed", (request, first_token_id)))
+        self._put(("add_recomputed", (request, first_token_id)))
         async for out in self._drain(request.request_id, stream):
             yield out
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run `fn(engine)` on the engine thread, between steps, and return its result."""
-        if self._dead is not None:
-            raise EngineDeadError("the engine loop has stopped") from self._dead
+        """Run `fn(engine)` on the engine thread, between steps, and return its result. Cancelling the
+        await before the engine thread took the call means it never runs."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("call", (fn, future)))
+        self._put(("call", (fn, future)))
         return await asyncio.wrap_future(future)
 
     def call_soon(self, fn: Callable[[LLMEngine], object]) -> None:
         """Run `fn(engine)` on the engine thread at its next step boundary, without waiting for it."""
-        self._commands.put(("call", (fn, concurrent.futures.Future())))
+        self._put(("call", (fn, concurrent.futures.Future())))
+
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the engine loop stopped, or None while it runs."""
+        return self._dead
+
+    def on_dead(self, callback: Callable[[BaseException], None]) -> None:
+        """Have `callback(cause)` called (on the engine thread) if the engine loop dies."""
+        self._on_dead.append(callback)
+
+    def _put(self, command: tuple[str, object]) -> None:
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError("the engine loop has stopped") from self._dead
+            self._commands.put(command)
 
     def _open_stream(self, request_id: str) -> _Stream:
-        if self._dead is not None:
-            raise EngineDeadError("the engine loop has stopped") from self._dead
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop())
-        self._streams[request_id] = stream
+        with self._lock:  # opened before the loop dies (and then told so), or refused
+            if self._dead is not None:
+                raise EngineDeadError("the engine loop has stopped") from self._dead
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
         return stream
 
     async def _drain(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -172,36 +195,58 @@ class AsyncLLM:
                     self._deliver(self.engine.step())
         except BaseException as exc:  # the loop must not die silently with requests waiting on it
             logger.exception("engine loop failed")
-            self._dead = exc
-            for stream in list(self._streams.values()):
-                stream.put(EngineDeadError(f"engine loop failed: {exc!r}"))
+            self._die(exc)
+
+    def _die(self, cause: BaseException) -> None:
+        with self._lock:
+            self._dead = cause
+            error = EngineDeadError(f"engine loop failed: {cause!r}")
+            while True:  # calls still queued would wait forever
+                try:
+                    kind, arg = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "call" and arg[1].set_running_or_notify_cancel():
+                    arg[1].set_exception(error)
+        for callback in self._on_dead:  # before the waiters hear of it: by then the service says unhealthy
+            callback(cause)
+        for stream in list(self._streams.values()):  # no stream opens once `_dead` is set
+            stream.put(error)
 
     def _apply(self, command: tuple[str, object] | None) -> None:
         if command is None:
             return
         kind, arg = command
-        if kind == "add":
-            try:
-                self.engine.add_request(arg.request_id, arg)
-            except ValueError as exc:
-                stream = self._streams.get(arg.request_id)
-                if stream is not None:
-                    stream.put(exc)
-        elif kind == "abort":
-            self._deliver(self.engine.abort_request(arg))
-        elif kind == "add_prefilled":
-            self._deliver(self.engine.add_prefilled(*arg))
-        elif kind == "add_recomputed":
-            self._deliver(self.engine.add_recomputed(*arg))
-        elif kind == "call":
+        if kind == "call":
             fn, future = arg
+            if not future.set_running_or_notify_cancel():
+                return  # its caller gave up waiting (cancelled) before it ran
             try:
                 future.set_result(fn(self.engine))
             except Exception as exc:  # the caller gets it; the engine loop goes on
                 future.set_exception(exc)
+            return
+        if kind == "abort":
+            self._deliver(self.engine.abort_request(arg))
+            return
+        request, first_token_id = (arg, None) if kind == "add" else arg
+        try:
+            if kind == "add":
+                self.engine.add_request(request.request_id, request)
+            elif kind == "add_prefilled":
+                self._deliver(self.engine.add_prefilled(request, first_token_id))
+            else:
+                self._deliver(self.engine.add_recomputed(request, first_token_id))
+        except Exception as exc:  # this request's failure, not the engine's
+            stream = self._streams.pop(request.request_id, None)  # it hears of the failure, not of the abort
+            if stream is not None:
+                stream.put(exc)
+            if not isinstance(exc, ValueError):  # a ValueError is bad input and added nothing
+                logger.exception("request %s could not be added", request.request_id)
+                self.engine.abort_request(request.request_id)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out)
+                stream.put(RequestFailedError(out.error) if out.error is not None else out)

@@ -31,7 +31,7 @@ class EngineStats(NamedTuple):
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     num_preemptions: int
-    num_finished: dict[str, int]  # by finish reason: stop, length, abort
+    num_finished: dict[str, int]  # by finish reason: stop, length, abort, error
 
 
 class LLMEngine:
@@ -58,6 +58,7 @@ class LLMEngine:
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
+        self._check_sampling(params)
         self._check_multimodal(len(token_ids), mm_placeholders, mm_embeddings or {})
         params = replace(params, eos_token_ids=self.model_config.eos_token_ids)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -97,6 +98,16 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+
+    def _check_sampling(self, params: SamplingParams) -> None:
+        """Limits that depend on the model: SamplingParams alone cannot know them."""
+        vocab, max_len = self.model_config.vocab_size, self.model_config.max_model_len
+        if params.top_k > vocab:
+            raise ValueError(f"top_k must be at most the vocabulary size {vocab}, got {params.top_k}")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if params.min_tokens >= max_len:
+            raise ValueError(f"min_tokens must be less than the model's length {max_len}, got {params.min_tokens}")
 
     def _check_multimodal(self, num_tokens: int, placeholders, embeddings: dict) -> None:
         end = 0
@@ -167,7 +178,7 @@ class LLMEngine:
         """Schedule, run the model once, sample, and return the outputs that are due."""
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched.scheduled, sched.new_block_ids)
-        outputs = []
+        outputs = self._fail(result.failed)
         for request in self.scheduler.update_from_output(sched, result.token_ids):
             stop = self.output_processor.process_token(request, result.logprobs.get(request.request_id))
             if stop is not None and not request.is_finished:
@@ -177,6 +188,16 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _fail(self, errors: dict[str, str]) -> list[RequestOutput]:
+        """End requests that failed on their own (their blocks return to the pool); their final outputs
+        carry finish reason "error" and the cause."""
+        if not errors:
+            return []
+        failed = self.scheduler.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
+        for request in failed:
+            request.error = errors[request.request_id]
+        return [out for r in failed if (out := self.output_processor.make_output(r)) is not None]
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

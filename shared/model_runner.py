@@ -9,6 +9,7 @@ A block of every layer is `kv_cache[:, :, block_id]`, the unit the transport mov
 """
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
@@ -21,11 +22,15 @@ from epdserve.shared.sampler import Sampler, TokenLogprobs
 from epdserve.shared.scheduler import ScheduledRequest
 from epdserve.shared.weights import iterate_weights, language_model_weights
 
+logger = logging.getLogger(__name__)
+
 
 class ModelRunnerOutput(NamedTuple):
     # Only requests whose computed tokens reached their length this step get a token.
     token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
+    # Requests that failed on their own this step (request id -> why): they get no token.
+    failed: dict[str, str]
 
 
 def load_model(config: EngineConfig) -> torch.nn.Module:
@@ -67,19 +72,54 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], new_block_ids: list[int] = ()) -> ModelRunnerOutput:
+        """Run one step. A failure is pinned on the request that caused it: the others still get their
+        tokens and the caller fails only the requests in `failed`."""
         if new_block_ids:
             self.kv_cache.index_fill_(2, torch.tensor(new_block_ids, device=self.device), 0)
         if not scheduled:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput({}, {}, {})
+        try:
+            return self._execute(scheduled)
+        except Exception as exc:
+            if self.decode_mirror is not None:
+                self.decode_mirror.reset()  # it may hold part of the failed step
+            if len(scheduled) == 1:
+                logger.exception("request %s failed in the model", scheduled[0].request.request_id)
+                return ModelRunnerOutput({}, {}, {scheduled[0].request.request_id: f"{type(exc).__name__}: {exc}"})
+            # Which request was it? Run each alone: recomputing a token rewrites the same KV slots with
+            # the same values, so the requests that are fine end up exactly as if the step had worked.
+            logger.exception("a step of %d requests failed; running them one at a time", len(scheduled))
+            outputs = [self.execute([item]) for item in scheduled]
+            return ModelRunnerOutput(*({k: v for out in outputs for k, v in out[i].items()} for i in range(3)))
+
+    def _execute(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
         input_ids, positions, meta, sample_rows, sample_requests = self._prepare(scheduled)
         hidden = self.model(input_ids, positions, meta, self._multimodal_embeds(scheduled, input_ids))
         if not sample_requests:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput({}, {}, {})
         logits = self.model.compute_logits(hidden[sample_rows]).cpu()
-        out = self.sampler(logits, sample_requests)
-        ids = {r.request_id: t for r, t in zip(sample_requests, out.token_ids)}
-        logprobs = {r.request_id: lp for r, lp in zip(sample_requests, out.logprobs) if lp is not None}
-        return ModelRunnerOutput(ids, logprobs)
+        return self._sample(logits, sample_requests)
+
+    def _sample(self, logits: torch.Tensor, requests: list) -> ModelRunnerOutput:
+        try:
+            outs = [self.sampler(logits, requests)]
+            sampled, failed = requests, {}
+        except Exception:
+            # One request's parameters broke the batch: sample row by row so only that one fails. (A seeded
+            # request whose noise the failed attempt already drew gets new noise: a failure path only.)
+            logger.exception("sampling a batch of %d failed; sampling its rows one at a time", len(requests))
+            outs, sampled, failed = [], [], {}
+            for i, request in enumerate(requests):
+                try:
+                    outs.append(self.sampler(logits[i:i + 1], [request]))
+                    sampled.append(request)
+                except Exception as exc:
+                    failed[request.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+        token_ids = [t for out in outs for t in out.token_ids]
+        logprobs = [lp for out in outs for lp in out.logprobs]
+        ids = {r.request_id: t for r, t in zip(sampled, token_ids)}
+        lps = {r.request_id: lp for r, lp in zip(sampled, logprobs) if lp is not None}
+        return ModelRunnerOutput(ids, lps, failed)
 
     def _multimodal_embeds(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor | None:
         """Token embeddings with encoder outputs written over the image placeholders this step computes;

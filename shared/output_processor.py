@@ -100,4 +100,4 @@ class OutputProcessor:
             del self.states[request.request_id]
         held = list(request.block_ids) if finished and request.hold_kv and request.block_ids else None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             finished, max(request.num_cached_tokens, 0), state.metrics, held)
+                             finished, max(request.num_cached_tokens, 0), state.metrics, held, request.error)

@@ -19,7 +19,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # One dict per generated token: the sampled token and the top-N alternatives.
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -45,3 +45,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     # Set on the final output of a request that keeps its KV (hold_kv): the blocks it holds, in order.
     kv_block_ids: list[int] | None = None
+    error: str | None = None  # why the request failed (finish reason "error")

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 # Temperatures below this are greedy (argmax), as in vLLM.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# What a torch.Generator takes, and what the wire (msgpack) can carry.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 class RequestOutputKind(enum.Enum):
@@ -53,8 +56,8 @@ class SamplingParams:
 
         if self.n != 1:
             fail(f"n must be 1, got {self.n}")
-        if not self.temperature >= 0.0:
-            fail(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:
+            fail(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             fail(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -65,8 +68,8 @@ class SamplingParams:
             fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not self.repetition_penalty > 0.0:
-            fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            fail(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             fail(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
@@ -75,8 +78,8 @@ class SamplingParams:
             fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            fail(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

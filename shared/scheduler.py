@@ -48,7 +48,7 @@ class Scheduler:
         # Finished requests whose blocks are kept until `release_kv` (hold_kv).
         self.held: dict[str, Request] = {}
         self.num_preemptions = 0
-        self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}  # by finish reason
+        self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}  # by finish reason
 
     def add_request(self, request: Request) -> None:
         self._admit(request)
@@ -159,7 +159,8 @@ class Scheduler:
             self.waiting.remove(request)
         del self.requests[request.request_id]
         self.num_finished[request.status.finish_reason] += 1
-        if request.hold_kv and request.status != RequestStatus.FINISHED_ABORTED:
+        # Only a request that ran to its end keeps its KV for a peer; an aborted or failed one frees it.
+        if request.hold_kv and request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.held[request.request_id] = request
         else:
             self.block_manager.free(request)
