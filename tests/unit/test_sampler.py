@@ -1,9 +1,10 @@
-"""Sampler: filters never sample outside their set, seeds reproduce, penalties and min_tokens apply."""
+"""Sampler: draws follow the filtered distribution exactly, filters never sample outside their set, seeds
+reproduce whatever the batch, penalties and min_tokens apply, and odd parameters never fail a batch."""
 import pytest
 import torch
 
 from epdserve.shared.request import Request
-from epdserve.shared.sampler import Sampler, _top_k_top_p
+from epdserve.shared.sampler import Sampler, draw_seeded_noise
 from epdserve.shared.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -13,15 +14,148 @@ def reqs(n, **params):
     return [Request(f"r{i}", [1, 2, 3], SamplingParams(**params), max_model_len=1000) for i in range(n)]
 
 
-def logits_batch(n, seed=0):
+def logits_batch(n, seed=0, vocab=VOCAB):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, VOCAB, generator=g) * 3
+    return torch.randn(n, vocab, generator=g) * 3
+
+
+# -- reference distributions, computed from the definitions ---------------------------------------------
+def reference_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """The distribution a random row must follow: softmax(logits / T), then min-p, top-k, top-p, each
+    renormalising what survives. Ties at a top-k or top-p edge are all kept."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    p = torch.where(p < min_p * p.max(), 0.0, p)
+    if 0 < top_k < len(p):
+        p = torch.where(p < p.sort(descending=True).values[top_k - 1], 0.0, p)
+    p = p / p.sum()
+    above = torch.stack([p[p > q].sum() for q in p])
+    p = torch.where(above < top_p, p, 0.0)
+    return p / p.sum()
+
+
+def reference_penalties(logits, request):
+    """The penalties one row at a time, as plainly as they are defined."""
+    sp, row = request.sampling_params, logits.clone()
+    for t in set(request.all_token_ids):
+        if 0 <= t < len(row):
+            row[t] = row[t] / sp.repetition_penalty if row[t] > 0 else row[t] * sp.repetition_penalty
+    for t in set(request.output_token_ids):
+        if 0 <= t < len(row):
+            n = request.output_token_ids.count(t)
+            row[t] -= sp.frequency_penalty * n + sp.presence_penalty
+    return row
+
+
+def chi_square_p_value(counts, expected_probs):
+    """P-value of Pearson's chi-square test of `counts` against `expected_probs` (categories of expected
+    count zero must have count zero, or the p-value is 0)."""
+    n = counts.sum().double()
+    expected = expected_probs.double() * n
+    if bool((counts[expected == 0] > 0).any()):
+        return 0.0
+    live = expected > 0
+    stat = ((counts[live].double() - expected[live]) ** 2 / expected[live]).sum()
+    df = int(live.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def draw_counts(row_logits, n, sampler_seed=0, seeded=False, history=None, **params):
+    """How often each token comes out of n independent draws from one row: a batch of n copies, each
+    unseeded (the sampler's noise) or with its own seed."""
+    vocab = len(row_logits)
+    requests = []
+    for i in range(n):
+        r = Request(f"r{i}", [1, 2, 3], SamplingParams(seed=i if seeded else None, **params), max_model_len=1000)
+        if history is not None:
+            r.output_token_ids = list(history)
+            r.all_token_ids = [1, 2, 3] + list(history)
+        requests.append(r)
+    out = Sampler(seed=sampler_seed)(row_logits.expand(n, vocab).contiguous(), requests)
+    return torch.bincount(torch.tensor(out.token_ids), minlength=vocab)
+
+
+SMALL = torch.tensor([2.0, 1.5, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0])
+CASES = {
+    "temperature 1": dict(temperature=1.0),
+    "temperature 0.6": dict(temperature=0.6),
+    "temperature 1.7": dict(temperature=1.7),
+    "top-k 3 (tie at the edge: 4 kept)": dict(temperature=1.0, top_k=3),
+    "top-k 6": dict(temperature=0.8, top_k=6),
+    "top-p 0.5": dict(temperature=1.0, top_p=0.5),
+    "top-p 0.9": dict(temperature=1.3, top_p=0.9),
+    "min-p 0.2": dict(temperature=1.0, min_p=0.2),
+    "min-p, top-k, top-p": dict(temperature=0.9, min_p=0.05, top_k=7, top_p=0.8),
+}
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
+@pytest.mark.parametrize("case", CASES)
+def test_draws_follow_the_filtered_distribution(case, seeded):
+    params = CASES[case]
+    counts = draw_counts(SMALL, 20000, seeded=seeded, **params)
+    expected = reference_probs(SMALL, **params)
+    assert chi_square_p_value(counts, expected) > 1e-4, (counts.tolist(), (expected * 20000).tolist())
+
+
+def test_the_distribution_check_rejects_a_wrong_distribution():
+    # The draws of a filtered row do not pass for the unfiltered or the unscaled distribution.
+    counts = draw_counts(SMALL, 20000, temperature=1.0, top_p=0.9)
+    assert chi_square_p_value(counts, reference_probs(SMALL, top_p=0.9)) > 1e-4
+    assert chi_square_p_value(counts, reference_probs(SMALL)) == 0.0  # tokens outside the nucleus
+    counts = draw_counts(SMALL, 20000, temperature=1.3)
+    assert chi_square_p_value(counts, reference_probs(SMALL, temperature=1.3)) > 1e-4
+    assert chi_square_p_value(counts, reference_probs(SMALL, temperature=1.2)) < 1e-4
+
+
+def test_draws_follow_the_distribution_across_a_large_vocabulary():
+    # 700 tokens: several blocks of the two-level inverse CDF and a padded last one; live tokens sit at
+    # block edges, everything else can never be drawn.
+    logits = torch.full((700,), float("-inf"))
+    live = torch.tensor([0, 1, 255, 256, 257, 400, 511, 512, 640, 698, 699])
+    logits[live] = torch.linspace(1.0, -1.0, len(live))
+    counts = draw_counts(logits, 20000, temperature=1.0)
+    assert chi_square_p_value(counts, reference_probs(logits)) > 1e-4
+    # And a dense row: every token has some mass.
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(3)) * 0.5
+    counts = draw_counts(logits, 30000, temperature=1.0, top_p=0.95)
+    assert chi_square_p_value(counts, reference_probs(logits, top_p=0.95)) > 1e-4
+
+
+def test_draws_follow_the_penalised_distribution():
+    logits = torch.tensor([1.0, 0.8, 0.6, -0.4, 0.3, 0.0, -0.2, -1.0])
+    history = [0, 0, 3, 5]
+    params = dict(temperature=0.8, repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.2)
+    counts = draw_counts(logits, 20000, history=history, **params)
+    request = reqs(1, **params)[0]
+    request.output_token_ids, request.all_token_ids = list(history), [1, 2, 3] + history
+    expected = reference_probs(reference_penalties(logits, request), temperature=0.8)
+    assert chi_square_p_value(counts, expected) > 1e-4
 
 
 def test_greedy_is_argmax():
     logits = logits_batch(4)
     out = Sampler()(logits, reqs(4, temperature=0.0))
     assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_greedy_is_argmax_after_penalties():
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(16, VOCAB, generator=g)
+    requests = []
+    for i in range(16):
+        sp = SamplingParams(temperature=0.0, repetition_penalty=[1.0, 1.3, 0.8, 2.0][i % 4],
+                            frequency_penalty=[0.0, 0.5, -0.4, 1.5][i // 4], presence_penalty=[0.0, 0.7][i % 2])
+        r = Request(f"r{i}", torch.randint(VOCAB, (5,), generator=g).tolist(), sp, max_model_len=1000)
+        for t in torch.randint(VOCAB, (int(torch.randint(0, 12, (), generator=g)),), generator=g).tolist():
+            r.append_output_token(t)
+        requests.append(r)
+    expected = torch.stack([reference_penalties(logits[i], r) for i, r in enumerate(requests)])
+    torch.testing.assert_close(Sampler._apply_penalties(logits, requests), expected)
+    assert Sampler()(logits, requests).token_ids == expected.argmax(-1).tolist()
+    # Rows without penalties in a batch with some are left exactly as they were.
+    mixed = requests[:3] + reqs(2, temperature=0.0)
+    penalised = Sampler._apply_penalties(logits[:5], mixed)
+    assert torch.equal(penalised[3:], logits[3:5])
 
 
 @pytest.mark.parametrize("k", [1, 3, 10])
@@ -33,6 +167,12 @@ def test_top_k_never_samples_outside_the_k_best(k):
         out = sampler(logits, reqs(8, temperature=1.5, top_k=k))
         for i, t in enumerate(out.token_ids):
             assert t in allowed[i].tolist()
+
+
+def test_top_k_keeps_ties_at_the_edge():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 3.0, 2.0]])
+    seen = set(draw_counts(logits[0], 4000, temperature=5.0, top_k=2).nonzero().flatten().tolist())
+    assert seen == {1, 3, 4}
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
@@ -48,6 +188,12 @@ def test_top_p_never_samples_outside_the_nucleus(p):
             assert before < p
 
 
+def test_top_p_keeps_at_least_the_most_likely_token():
+    logits = logits_batch(8, seed=9)
+    out = Sampler()(logits, reqs(8, temperature=1.0, top_p=1e-6))
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("min_p", [0.05, 0.3, 0.9])
 def test_min_p_never_samples_below_threshold(min_p):
     logits = logits_batch(8, seed=4)
@@ -59,10 +205,18 @@ def test_min_p_never_samples_below_threshold(min_p):
             assert probs[i, t] >= min_p * probs[i].max()
 
 
-def test_top_k_top_p_mask_keeps_at_least_one():
-    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]])
-    masked = _top_k_top_p(logits, torch.tensor([0]), torch.tensor([1e-6]))
-    assert torch.isfinite(masked).tolist() == [[True, False, False, False]]
+def test_filters_together_never_leave_their_sets():
+    logits = logits_batch(64, seed=12, vocab=600)
+    probs = torch.softmax(logits, -1)
+    requests = reqs(64, temperature=1.0, top_k=20, top_p=0.6, min_p=0.02)
+    for _ in range(5):
+        out = Sampler(seed=_)(logits, requests)
+        for i, t in enumerate(out.token_ids):
+            p = probs[i]
+            assert p[t] >= 0.02 * p.max()
+            assert t in p.topk(20).indices.tolist()
+            kept = torch.where((p >= 0.02 * p.max()) & (p >= p.topk(20).values[-1]), p, 0.0)
+            assert kept[kept > kept[t]].sum() < 0.6 * kept.sum()
 
 
 def test_seed_reproduces_whatever_the_batch():
@@ -74,6 +228,59 @@ def test_seed_reproduces_whatever_the_batch():
     a, b = reqs(1, temperature=1.0, seed=7), reqs(1, temperature=1.0, seed=7)
     sa, sb = Sampler(seed=1), Sampler(seed=2)
     assert [sa(logits[:1], a).token_ids[0] for _ in range(20)] == [sb(logits[:1], b).token_ids[0] for _ in range(20)]
+
+
+@pytest.mark.parametrize("position", [0, 3, 7])
+def test_seeded_sequence_is_independent_of_company_and_position(position):
+    # Top-p 0.3 over a flat row needs several rejection rounds: they too come from the request's own noise.
+    params = dict(temperature=1.0, top_p=0.3, top_k=30, repetition_penalty=1.2)
+    target_logits = logits_batch(1, seed=13)[0] / 3
+    company_logits = logits_batch(7, seed=14)
+    company_params = [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=1.0, seed=42, top_p=0.5),
+                      dict(temperature=1.2, top_k=5, logprobs=2), dict(temperature=1.0, seed=43),
+                      dict(temperature=1.0, min_p=0.1), dict(temperature=0.5, top_p=0.9)]
+
+    def tokens(with_company: bool, sampler_seed: int) -> list[int]:
+        target = reqs(1, seed=42, **params)[0]
+        company = [reqs(1, **p)[0] for p in company_params] if with_company else []
+        sampler, out = Sampler(seed=sampler_seed), []
+        for _ in range(25):
+            batch = company[:position] + [target] + company[position:]
+            rows = [target_logits if r is target else company_logits[company.index(r)] for r in batch]
+            token = sampler(torch.stack(rows), batch).token_ids[batch.index(target)]
+            target.append_output_token(token)
+            out.append(token)
+        return out
+
+    alone = tokens(False, 0)
+    assert tokens(True, 1) == alone
+    assert len(set(alone)) > 1
+
+
+def test_each_seeded_token_consumes_one_vocabulary_row_of_noise():
+    # The contract an engine relies on when it continues a request whose token a peer sampled: after k
+    # sampled tokens, the generator is where k `exponential_` rows of vocabulary size leave it.
+    logits = logits_batch(1, seed=15, vocab=600) / 4
+    for params in [dict(temperature=1.0), dict(temperature=1.0, top_p=0.2), dict(temperature=0.8, top_k=3)]:
+        r = reqs(1, seed=5, **params)[0]
+        for _ in range(3):
+            r.append_output_token(Sampler()(logits, [r]).token_ids[0])
+        mirror = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            torch.empty(600).exponential_(generator=mirror)
+        assert torch.equal(r.generator.get_state(), mirror.get_state()), params
+    # Greedy rows draw nothing.
+    r = reqs(1, seed=5, temperature=0.0)[0]
+    Sampler()(logits, [r])
+    assert torch.equal(r.generator.get_state(), torch.Generator().manual_seed(5).get_state())
+
+
+def test_draw_seeded_noise_advances_like_an_exponential_row():
+    a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    u = draw_seeded_noise(a, 49152)
+    torch.empty(49152).exponential_(generator=b)
+    assert torch.equal(a.get_state(), b.get_state())
+    assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
 
 
 def test_different_seeds_differ():
@@ -89,6 +296,51 @@ def test_min_tokens_masks_stop_tokens():
     assert Sampler()(logits, r).token_ids[0] != 7
     r[0].output_token_ids = [1, 1]  # min_tokens reached
     assert Sampler()(logits, r).token_ids[0] == 7
+
+
+def test_min_tokens_per_row_and_out_of_range_stop_ids():
+    logits = torch.full((3, VOCAB), -5.0)
+    logits[:, 7] = 10.0
+    logits[:, 8] = 9.0
+    r = reqs(3, temperature=0.0, min_tokens=2, stop_token_ids=[7, 8, VOCAB, VOCAB + 5, 2**40])
+    r[1].output_token_ids = [1, 1]  # this one may stop
+    r[2].output_token_ids = [1]
+    assert Sampler()(logits, r).token_ids == [logits[0, :7].argmax().item(), 7, logits[0, :7].argmax().item()]
+    random_rows = reqs(3, temperature=1.0, min_tokens=2, stop_token_ids=[7, 8, VOCAB + 1])
+    assert all(t not in (7, 8) for t in Sampler()(logits, random_rows).token_ids)
+
+
+@pytest.mark.parametrize("k", [VOCAB, VOCAB + 1, 2**31, 2**63 - 1])
+def test_top_k_at_or_above_the_vocabulary_keeps_everything(k):
+    logits = logits_batch(4, seed=16)
+    for seed in range(5):
+        huge = Sampler()(logits, reqs(4, temperature=1.0, top_k=k, seed=seed)).token_ids
+        off = Sampler()(logits, reqs(4, temperature=1.0, top_k=0, seed=seed)).token_ids
+        assert huge == off
+
+
+def test_out_of_range_history_does_not_fail_penalties():
+    r = reqs(2, temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.5)
+    r[0].all_token_ids += [VOCAB, VOCAB + 100]
+    r[0].output_token_ids = [VOCAB + 3, 4]
+    assert len(Sampler()(logits_batch(2), r).token_ids) == 2
+
+
+def test_broken_rows_do_not_fail_the_batch():
+    logits = logits_batch(3, seed=17)
+    logits[1] = float("nan")
+    out = Sampler()(logits, reqs(3, temperature=1.0, top_p=0.9, top_k=5))
+    assert all(0 <= t < VOCAB for t in out.token_ids)
+
+
+def test_the_callers_logits_are_left_alone():
+    logits = logits_batch(4, seed=18)
+    before = logits.clone()
+    r = reqs(4, temperature=0.7, top_k=3, top_p=0.5, min_p=0.1, repetition_penalty=1.3, min_tokens=3,
+             stop_token_ids=[2])
+    Sampler()(logits, r)
+    Sampler()(logits, reqs(4, temperature=0.0, presence_penalty=1.0))
+    assert torch.equal(logits, before)
 
 
 def test_repetition_penalty_demotes_seen_tokens():
@@ -119,3 +371,14 @@ def test_logprobs_are_raw_and_ranked():
         top = raw[i].topk(3)
         assert [t for t, _ in lp.top] == top.indices.tolist()
         assert lp.rank == 1 and lp.logprob == pytest.approx(float(top.values[0]))
+
+
+def test_logprobs_of_random_rows_are_of_the_raw_distribution():
+    logits = logits_batch(6, seed=19)
+    r = reqs(6, temperature=0.5, top_k=4, logprobs=2, repetition_penalty=1.5)
+    out = Sampler()(logits, r)
+    raw = torch.log_softmax(logits, -1)
+    for i, (t, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert lp.logprob == pytest.approx(float(raw[i, t]))
+        assert lp.rank == int((raw[i] > raw[i, t]).sum()) + 1
+        assert [tok for tok, _ in lp.top] == raw[i].topk(2).indices.tolist()
