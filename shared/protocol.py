@@ -386,4 +386,16 @@ Message = Union[
 ]
 
 MESSAGE_TYPES: dict[str, type] = {cls.TAG: cls for cls in Message.__args__}
+
+# What each role may send to a service (besides its Handshake): the request path of the design and
+# nothing else. A peer's role is what its handshake claims; with CURVE on, only holders of the
+# deployment's key get that far.
+MAY_SEND: dict[Role, frozenset[type]] = {
+    Role.PROXY: frozenset({StatusRequest, EncodeRequest, PrefillRequest, DecodeRequest, GenerateRequest, Abort}),
+    # Engines pull embeddings and KV, hand prefill's blocks back, and push tokens to proxies.
+    Role.PREFILL: frozenset({FetchEmbeddings, TokenDelta, Error}),
+    Role.DECODE: frozenset({FetchEmbeddings, FetchBlocks, RenewLease, Release, TokenDelta, Error}),
+    Role.UNIFIED: frozenset({FetchEmbeddings, TokenDelta, Error}),
+    Role.ENCODER: frozenset(),
+}
 assert len(MESSAGE_TYPES) == len(Message.__args__), "two messages share a tag"

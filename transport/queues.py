@@ -26,7 +26,7 @@ import asyncio
 import collections
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
 import zmq
@@ -114,7 +114,8 @@ class ReplyServer:
 
     Handlers run concurrently (at most `max_inflight` at once; beyond that the socket is not read,
     which pushes back on senders). With `ordered=True` each message is handled to completion before
-    the next is read, which keeps a stream's order.
+    the next is read, which keeps a stream's order. With `senders`, a message its peer's role may not
+    send is refused (an Error reply) and counted as rejected.
     """
 
     def __init__(
@@ -132,6 +133,7 @@ class ReplyServer:
         max_inflight: int = 64,
         max_peers: int = 4096,
         ordered: bool = False,
+        senders: Mapping[Role, frozenset[type]] | None = None,
     ):
         self.engine_id = engine_id
         self.limits = limits
@@ -143,6 +145,7 @@ class ReplyServer:
         self._max_inflight = max_inflight
         self._max_peers = max_peers
         self._ordered = ordered
+        self._senders = senders  # role -> message types it may send; None: any
         self._rejections = _Rejections(f"server {engine_id}")
         # identity -> the peer's handshake, least recently seen first (bounded: identities of
         # closed connections are never announced, so old ones are evicted instead).
@@ -227,6 +230,10 @@ class ReplyServer:
                 reply = await self._accept(identity, message)
             elif peer is None:
                 reply = Error(ErrorCode.HANDSHAKE_REQUIRED, f"{self.engine_id}: handshake first")
+            elif self._senders is not None and type(message) not in self._senders.get(peer.role, ()):
+                what = f"a {peer.role.value} peer may not send {type(message).__name__}"
+                self._rejections.reject("unauthorized", f"{peer.engine_id}: {what}")
+                reply = Error(ErrorCode.BAD_REQUEST, f"{self.engine_id}: {what}", getattr(message, "request_id", None))
             else:
                 self._peers.move_to_end(identity)
                 reply = await handler(message, peer)
@@ -360,7 +367,9 @@ class RequestClient:
 
     Many requests may be in flight at once. An `Error` reply raises ErrorReply; no reply within the
     timeout raises ChannelTimeout. The connection to a restarted server is re-established by ZMQ and
-    the handshake is redone transparently.
+    the handshake is redone transparently. When the connection drops (the peer's process died, or
+    heartbeats stopped), requests waiting on it fail at once with ChannelError - their answers can no
+    longer arrive - and `num_disconnects` goes up, so callers that wait on a peer can tell.
     """
 
     def __init__(
@@ -386,6 +395,9 @@ class RequestClient:
         self._rejections = _Rejections(f"client of {address}")
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._refused: asyncio.Future | None = None  # set by the watcher while a handshake runs
+        self.num_disconnects = 0
         self._pending: dict[bytes, asyncio.Future] = {}
         self._corr_ids = itertools.count(1)
         self._handshake_lock: asyncio.Lock | None = None
@@ -407,11 +419,28 @@ class RequestClient:
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             security.configure_client(sock, self._curve)
+            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILURES | zmq.EVENT_DISCONNECTED)
             sock.connect(self.address)
             self._sock = sock
             self._handshake_lock = asyncio.Lock()
             self._reader = asyncio.create_task(self._read())
+            self._watcher = asyncio.create_task(self._watch(monitor))
         return self._sock
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """Connection events: a refused ZMTP handshake (CURVE) and dropped connections."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] & _HANDSHAKE_FAILURES:
+                    if self._refused is not None and not self._refused.done():
+                        self._refused.set_result(event)
+                elif event["event"] == zmq.EVENT_DISCONNECTED:
+                    self.num_disconnects += 1
+                    self.peer = None  # a new connection is a new peer to the server
+                    self._fail_pending(ChannelError(f"connection to {self.address} lost"))
+        finally:
+            monitor.close(linger=0)
 
     async def connect(self, timeout: float | None = None) -> HandshakeAck:
         """Handshake now (otherwise the first request does). Raises HandshakeError if refused."""
@@ -452,14 +481,13 @@ class RequestClient:
                 self.peer = await self._handshake(deadline)
 
     async def _handshake(self, deadline: float) -> HandshakeAck:
-        sock = self._socket()
-        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILURES)
-        refused = asyncio.ensure_future(monitor.recv_multipart())
+        self._socket()
+        refused = self._refused = asyncio.get_running_loop().create_future()
         roundtrip = asyncio.ensure_future(self._roundtrip(self._hello, deadline))
         try:
             await asyncio.wait({refused, roundtrip}, return_when=asyncio.FIRST_COMPLETED)
-            if not roundtrip.done():
-                event = parse_monitor_message(refused.result())
+            if refused.done():  # checked first: the dropped connection that follows fails the roundtrip too
+                event = refused.result()
                 # A wrong server key and a peer dying mid-handshake look the same from here (NO_DETAIL).
                 cause = ("the peer closed it mid-handshake: wrong server key, or the peer went down"
                          if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -475,8 +503,7 @@ class RequestClient:
         finally:
             for fut in (refused, roundtrip):
                 fut.cancel()
-            sock.disable_monitor()
-            monitor.close(linger=0)
+            self._refused = None
         if isinstance(reply, Error):
             raise HandshakeError(f"{self.address} refused the handshake: {reply.code.value}: {reply.message}")
         if not isinstance(reply, HandshakeAck) or reply.protocol_version != PROTOCOL_VERSION:
@@ -535,14 +562,19 @@ class RequestClient:
             else:
                 future.set_result(message)
 
-    async def close(self) -> None:
-        self._closed = True
-        if self._reader is not None:
-            self._reader.cancel()
-            self._reader = None
+    def _fail_pending(self, error: ChannelError) -> None:
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(ChannelError(f"client of {self.address} closed"))
+                future.set_exception(error)
+                future.exception()  # its waiter may be gone already: no "never retrieved" warning
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+        self._reader = self._watcher = None
+        self._fail_pending(ChannelError(f"client of {self.address} closed"))
         self._pending.clear()
         if self._sock is not None:
             self._sock.close(linger=0)

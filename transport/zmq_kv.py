@@ -21,7 +21,7 @@ import torch
 
 from epdserve.shared.protocol import (
     BlocksData, EmbeddingsData, Error, ErrorCode, FetchBlocks, FetchEmbeddings, Handshake, HandshakeAck,
-    KVLayout, Message, Role,
+    KVLayout, MAY_SEND, Message, Role,
 )
 from epdserve.transport import codec
 from epdserve.transport.codec import DEFAULT_LIMITS, Limits, TensorSpec
@@ -70,7 +70,7 @@ class ZmqKVServer(KVTransferServer):
         # Few in flight: each holds a gathered copy of its blocks until ZMQ has sent it.
         self._server = ReplyServer(
             engine_id, host=host, port=port, allow_wildcard=allow_wildcard, curve=curve, limits=limits,
-            kv_layout=self.layout, check_handshake=self._check_peer, max_inflight=max_inflight,
+            kv_layout=self.layout, check_handshake=self._check_peer, max_inflight=max_inflight, senders=MAY_SEND,
         )
         self._serve_task: asyncio.Task | None = None
 

@@ -10,9 +10,10 @@ import zmq.auth
 from epdserve.shared import protocol as p
 from epdserve.transport import kv_transfer
 from epdserve.transport.kv_transfer import (
-    BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, IncompatiblePeerError, TransferTimeout,
+    BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, IncompatiblePeerError, TransferError,
+    TransferTimeout,
 )
-from epdserve.transport.queues import RequestClient
+from epdserve.transport.queues import ErrorReply, RequestClient
 from epdserve.transport.security import CurveConfig
 from epdserve.transport.zmq_kv import ZmqKVClient, ZmqKVServer
 
@@ -127,9 +128,24 @@ def test_a_client_without_kv_layout_cannot_fetch_blocks():
     async def main():
         async with ZmqKVServer("prefill-0", kv_cache=make_cache(), model_id="m") as server:
             server.expose("r1", [1])
-            async with RequestClient(server.address, engine_id="proxy", role=p.Role.PROXY) as client:
+            async with RequestClient(server.address, engine_id="decode", role=p.Role.DECODE) as client:
                 with pytest.raises(Exception, match="incompatible"):
                     await client.request(p.FetchBlocks("r1", (1,)))
+
+    asyncio.run(main())
+
+
+def test_only_engines_that_pull_may_fetch():
+    """A peer whose role never pulls KV (a proxy, an encoder) is refused, whatever its layout."""
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=make_cache(), model_id="m") as server:
+            layout = server.layout
+            server.expose("r1", [1])
+            for role in (p.Role.PROXY, p.Role.ENCODER, p.Role.PREFILL):
+                async with RequestClient(server.address, engine_id="x", role=role, kv_layout=layout) as client:
+                    with pytest.raises(ErrorReply, match=f"a {role.value} peer may not send FetchBlocks"):
+                        await client.request(p.FetchBlocks("r1", (1,)))
+            assert server.num_rejected == 3
 
     asyncio.run(main())
 
@@ -205,14 +221,14 @@ asyncio.run(main())
 """
 
 
-def test_peer_dying_mid_transfer_gives_a_timeout_error():
+def test_peer_dying_mid_transfer_fails_the_fetch_at_once():
     proc = subprocess.Popen([sys.executable, "-c", DYING_SERVER], stdout=subprocess.PIPE, text=True)
     local_cache = torch.zeros(make_cache().shape)
     try:
         address = proc.stdout.readline().strip()
 
         async def main():
-            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m", timeout=3,
+            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m", timeout=60,
                                    max_message_bytes=1, min_message_bytes=1, max_inflight_messages=1) as client:
                 fetch = asyncio.create_task(client.fetch_blocks(address, "r1", list(range(10)), list(range(10))))
                 for _ in range(100):  # until the first block has landed: the transfer is under way
@@ -221,8 +237,9 @@ def test_peer_dying_mid_transfer_gives_a_timeout_error():
                         break
                 assert local_cache[:, :, 0].any() and not fetch.done()
                 proc.kill()
-                with pytest.raises(TransferTimeout):
-                    await fetch
+                # The dropped connection fails it: no waiting out the 60 s timeout.
+                with pytest.raises(TransferError, match="lost"):
+                    await asyncio.wait_for(fetch, 10)
                 assert client.stats.num_failures == 1
 
         asyncio.run(main())

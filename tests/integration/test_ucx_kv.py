@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from epdserve.transport.kv_transfer import (
-    BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, IncompatiblePeerError, TransferTimeout,
+    BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, IncompatiblePeerError, TransferError,
 )
 
 try:
@@ -116,7 +116,7 @@ def test_ucx_bounds_and_layout_checks(server):
     asyncio.run(main())
 
 
-def test_ucx_peer_dying_mid_transfer_gives_a_timeout_error():
+def test_ucx_peer_dying_mid_transfer_fails_the_fetch():
     proc, address = start_server("bfloat16")
     local_cache = torch.zeros(SHAPE, dtype=torch.bfloat16)
     try:
@@ -130,7 +130,8 @@ def test_ucx_peer_dying_mid_transfer_gives_a_timeout_error():
                         break
                 assert local_cache[:, :, 0].any() and not fetch.done()
                 proc.kill()
-                with pytest.raises(TransferTimeout):
+                # A timeout, or sooner the control connection's drop.
+                with pytest.raises(TransferError):
                     await fetch
 
         asyncio.run(main())
