@@ -14,25 +14,39 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from epdserve.services.proxy.generation import GenerationError
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                     TokenizeRequest)
+                                                     ErrorResponse, TokenizeRequest)
 from epdserve.services.proxy.serving import BadRequest, OpenAIServing, new_request_id
 
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
+# What the OpenAPI schema says bad input gets (FastAPI's default would be a 422 with its own body).
+BAD_INPUT = {400: {"model": ErrorResponse, "description": "Bad input"}}
+HTTP_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+                    413: "RequestTooLargeError"}
 
 
 def error_body(message: str, error_type: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
-def error_response(message: str, error_type: str, status: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, error_type, status, param), status_code=status)
+class _AsciiJSONResponse(JSONResponse):
+    """An error can quote the client's input; escaped to ASCII, text that is not valid UTF-8 cannot fail it."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
+def error_response(message: str, error_type: str, status: int, param: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    return _AsciiJSONResponse(error_body(message, error_type, status, param), status_code=status, headers=headers)
 
 
 def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None = None,
@@ -48,13 +62,33 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
                 return error_response("Invalid or missing API key.", "AuthenticationError", 401)
         return await call_next(request)
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operation in (op for path in schema["paths"].values() for op in path.values()):
+                operation["responses"].pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        # The deepest error is the most telling: a union reports a shallow type mismatch for each other member.
+        error = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
+        if error.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            return error_response(f"the body is not valid JSON: {error.get('ctx', {}).get('error')}",
+                                  "BadRequestError", 400)
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body" and not _is_union_member(p))
+        message = f"{where or 'body'}: {error.get('msg', 'invalid request')}"
         return error_response(message, "BadRequestError", 400, where or None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return error_response(str(exc.detail), HTTP_ERROR_TYPES.get(exc.status_code, "HTTPError"), exc.status_code,
+                              headers=exc.headers)
 
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, exc: BadRequest):
@@ -83,7 +117,7 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
         return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": 0,
                                             "owned_by": "epdserve", "max_model_len": serving.max_model_len}]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=BAD_INPUT)
     async def tokenize(body: TokenizeRequest) -> dict:
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -95,19 +129,17 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
                                                                add_generation_prompt=body.add_generation_prompt))
         return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=BAD_INPUT)
     async def detokenize(body: DetokenizeRequest) -> dict:
         serving.check_model(body.model)
-        vocab = len(serving.tokenizer.hf)
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise BadRequest(f"token ids must be in [0, {vocab})", param="tokens")
+        serving.check_token_ids(body.tokens, "tokens")
         return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=BAD_INPUT)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _respond(request, body.stream, lambda rid: serving.completion(body, rid), "cmpl")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=BAD_INPUT)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(request, body.stream, lambda rid: serving.chat(body, rid), "chatcmpl")
 
@@ -118,23 +150,32 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
         headers = {REQUEST_ID_HEADER: request_id}
         if stream:
             # Errors found before the first byte (bad input, no instance) still get a proper status.
-            chunks = await run(request_id)
-            first = await _first(chunks)
-            return StreamingResponse(_with_first(first, chunks), media_type="text/event-stream", headers=headers)
-        body = await _until_disconnected(request, run(request_id), serving.request_timeout)
+            chunks, first = await _until_disconnected(request, _open(run, request_id), serving.request_timeout,
+                                                      metrics)
+            return StreamingResponse(_with_first(first, chunks, metrics), media_type="text/event-stream",
+                                     headers=headers)
+        body = await _until_disconnected(request, run(request_id), serving.request_timeout, metrics)
         return JSONResponse(body, headers=headers)
 
     return app
 
 
-async def _first(chunks: AsyncIterator[str]) -> str | None:
+def _is_union_member(loc_part: Any) -> bool:
+    """Whether a pydantic error location part names a member of a union ("str", "list[int]"), not a field."""
+    return isinstance(loc_part, str) and ("[" in loc_part or loc_part in ("str", "int", "float", "bool"))
+
+
+async def _open(run: Callable[[str], Awaitable[AsyncIterator[str]]],
+                request_id: str) -> tuple[AsyncIterator[str], str | None]:
+    """The stream and its first event (None if it has none)."""
+    chunks = await run(request_id)
     try:
-        return await chunks.__anext__()
+        return chunks, await chunks.__anext__()
     except StopAsyncIteration:
-        return None
+        return chunks, None
 
 
-async def _with_first(first: str | None, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _with_first(first: str | None, chunks: AsyncIterator[str], metrics: ProxyMetrics) -> AsyncIterator[str]:
     """The stream with its already-read first event; a failure after that ends it with an error event."""
     try:
         if first is None:
@@ -142,6 +183,9 @@ async def _with_first(first: str | None, chunks: AsyncIterator[str]) -> AsyncIte
         yield first
         async for chunk in chunks:
             yield chunk
+    except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream
+        metrics.aborted("client_disconnect")
+        raise
     except GenerationError as exc:
         yield f"data: {json.dumps(error_body(str(exc), exc.error_type, exc.status))}\n\n"
         yield "data: [DONE]\n\n"
@@ -149,7 +193,7 @@ async def _with_first(first: str | None, chunks: AsyncIterator[str]) -> AsyncIte
         await chunks.aclose()  # a client that went away aborts the request everywhere
 
 
-async def _until_disconnected(request: Request, work: Awaitable[Any], timeout: float) -> Any:
+async def _until_disconnected(request: Request, work: Awaitable[Any], timeout: float, metrics: ProxyMetrics) -> Any:
     """Run `work`, cancelling it (and so aborting the request) if the client disconnects or time runs out."""
     task = asyncio.ensure_future(work)
     deadline = asyncio.get_running_loop().time() + timeout
@@ -159,6 +203,7 @@ async def _until_disconnected(request: Request, work: Awaitable[Any], timeout: f
             if done:
                 return task.result()
             if await request.is_disconnected():
+                metrics.aborted("client_disconnect")
                 raise asyncio.CancelledError("client disconnected")
             if asyncio.get_running_loop().time() > deadline:
                 raise GenerationError(f"the request took longer than {timeout:.0f}s", 504, "TimeoutError")

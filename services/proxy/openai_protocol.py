@@ -8,18 +8,75 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from epdserve.shared.sampling_params import MAX_LOGPROBS, SamplingParams
+
+# What torch's generator (and msgpack, on the way to the engines) accept as a seed.
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
+
+
+def _first_unencodable(body: Any) -> tuple | None:
+    """The path of a string (or object key) that is not valid UTF-8, such as a lone surrogate from a JSON
+    "\\ud800" escape: nothing downstream (tokenizer, wire codec, JSON response) can encode it. A loop, not
+    recursion: JSON nests deeper than Python's stack."""
+    todo = [((), body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            if not _encodes(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not _encodes(key):
+                    return path
+                todo.append(((*path, key), item))
+        elif isinstance(value, list):
+            todo.extend(((*path, i), item) for i, item in enumerate(value))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+class _Request(BaseModel):
+    """A request body: unknown fields ignored, floats finite, every string valid UTF-8."""
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_utf8(cls, data: Any) -> Any:
+        path = _first_unencodable(data)
+        if path is not None:
+            error = PydanticCustomError("unicode", "text must be valid UTF-8 (found an unpaired surrogate)")
+            raise ValidationError.from_exception_data(cls.__name__, [InitErrorDetails(type=error, loc=path,
+                                                                                       input=None)])
+        return data
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error the API answers with (documented in the OpenAPI schema)."""
+    error: ErrorInfo
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class _SamplingFields(_Request):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -29,7 +86,7 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     user: str | None = None
     # vLLM extensions
     top_k: int | None = None
@@ -107,6 +164,12 @@ class ContentPart(BaseModel):
     text: str | None = None
     image_url: ImageURL | None = None
 
+    @model_validator(mode="after")
+    def _has_its_payload(self):
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a content part of type {self.type} needs a {self.type} field")
+        return self
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -130,24 +193,24 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]

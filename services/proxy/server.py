@@ -84,14 +84,14 @@ async def build_proxy(config: ProxyConfig):
     inbox = PullChannel(engine_id, host=config.host, port=config.inbox_port, allow_wildcard=wildcard,
                         curve=server_curve(config.transport))
     backend = ServiceBackend(router, inbox, config.lifecycle, config.host, config.advertise_host)
-    metrics = ProxyMetrics(config.model_name)
+    metrics = ProxyMetrics(config.model_name, rejected_frames=lambda: inbox.num_rejected)
     chat_encoder = None
     if is_multimodal(config.model):
         chat_encoder = MultimodalChatEncoder(tokenizer, config.model, ImageFetcher(
             config.max_image_bytes, allowed_domains=config.allowed_image_domains,
             allow_private=config.allow_private_image_urls))
-    serving = OpenAIServing(config.model_name, tokenizer, backend, model_config.max_model_len, metrics,
-                            chat_encoder, config.lifecycle.token_timeout)
+    serving = OpenAIServing(config.model_name, tokenizer, backend, model_config.max_model_len,
+                            model_config.vocab_size, metrics, chat_encoder, config.lifecycle.token_timeout)
 
     async def readiness():
         return router.readiness()

@@ -75,10 +75,11 @@ class _Result:
 
 
 class OpenAIServing:
-    def __init__(self, model_name: str, tokenizer: Tokenizer, backend: Backend, max_model_len: int,
+    def __init__(self, model_name: str, tokenizer: Tokenizer, backend: Backend, max_model_len: int, vocab_size: int,
                  metrics: ProxyMetrics, chat_encoder: ChatEncoder | None = None,
                  request_timeout: float = 600.0) -> None:
         self.model_name = model_name
+        self.vocab_size = vocab_size  # the model's, which may exceed the tokenizer's (padded embeddings)
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.backend = backend
@@ -99,32 +100,42 @@ class OpenAIServing:
         for m in messages:
             if isinstance(m.get("content"), list):
                 if any(part["type"] != "text" for part in m["content"]):
-                    raise BadRequest("this model takes text only: image_url content parts are not supported")
+                    raise BadRequest("this model takes text only: image_url content parts are not supported",
+                                     param="messages")
                 m["content"] = "".join(part.get("text") or "" for part in m["content"])
         try:
             return self.tokenizer.encode_chat(messages, request.add_generation_prompt, **kwargs), []
         except Exception as exc:  # a template error is the request's fault (roles out of order, ...)
             raise BadRequest(f"could not apply the chat template: {exc}") from None
 
-    def _sampling(self, req: _SamplingFields, prompt_len: int, max_tokens: int | None,
-                  logprobs: int | None) -> SamplingParams:
+    def _sampling(self, req: _SamplingFields, prompt_len: int, max_tokens: int | None, logprobs: int | None,
+                  prompt_param: str, max_tokens_param: str) -> SamplingParams:
         if prompt_len == 0:
-            raise BadRequest("the prompt is empty", param="prompt")
+            raise BadRequest("the prompt is empty", param=prompt_param)
         room = self.max_model_len - prompt_len
         if room <= 0 or (max_tokens is not None and max_tokens > room):
             asked = prompt_len + (max_tokens or 0)
             raise BadRequest(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                              f"requested {asked} tokens ({prompt_len} in the prompt, {max_tokens or 0} in the "
-                             "completion). Please reduce the length of the prompt or completion.")
+                             "completion). Please reduce the length of the prompt or completion.",
+                             param=max_tokens_param if room > 0 else prompt_param)
+        max_tokens = room if max_tokens is None else max_tokens
+        if req.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                             param="min_tokens")
+        if req.top_k is not None and req.top_k not in (-1, 0) and not 1 <= req.top_k <= self.vocab_size:
+            raise BadRequest(f"top_k must be -1 or 0 (off) or in [1, {self.vocab_size}], got {req.top_k}",
+                             param="top_k")
+        if any(not 0 <= t < self.vocab_size for t in req.stop_token_ids or ()):
+            raise BadRequest(f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids")
         try:
-            return req.sampling_params(max_tokens if max_tokens is not None else room, logprobs)
+            return req.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
-    def _check_token_ids(self, ids: list[int]) -> None:
-        vocab = len(self.tokenizer.hf)
-        if any(not 0 <= t < vocab for t in ids):
-            raise BadRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise BadRequest(f"token ids must be in [0, {self.vocab_size})", param=param)
 
     # -- running ------------------------------------------------------------------------------------
     async def _run(self, gen: GenerateInput, sampling: SamplingParams) -> AsyncIterator[_Result]:
@@ -180,9 +191,9 @@ class OpenAIServing:
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
-            self._check_token_ids(ids)
+            self.check_token_ids(ids, "prompt")
             prompt = self.tokenizer.decode(ids, skip_special_tokens=False)
-        sampling = self._sampling(req, len(ids), req.max_tokens, req.logprobs)
+        sampling = self._sampling(req, len(ids), req.max_tokens, req.logprobs, "prompt", "max_tokens")
         gen = self._input(_internal_id(request_id), ids, sampling, [], req.cache_salt)
         created = int(time.time())
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
@@ -233,7 +244,8 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
         ids, images = await self.encode_chat(req)
-        sampling = self._sampling(req, len(ids), req.effective_max_tokens, req.num_logprobs)
+        sampling = self._sampling(req, len(ids), req.effective_max_tokens, req.num_logprobs, "messages",
+                                  req.max_tokens_field)
         gen = self._input(_internal_id(request_id), ids, sampling, images, req.cache_salt)
         head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:

@@ -57,7 +57,8 @@ def server(tiny_model_paths):
     engine = LLMEngine(build_engine_config(path, num_kv_blocks=256, max_model_len=512), detokenize=False)
     llm = AsyncLLM(engine)
     metrics = ProxyMetrics(MODEL)
-    serving = OpenAIServing(MODEL, engine.tokenizer, EngineBackend(llm), engine.model_config.max_model_len, metrics)
+    serving = OpenAIServing(MODEL, engine.tokenizer, EngineBackend(llm), engine.model_config.max_model_len,
+                            engine.model_config.vocab_size, metrics)
     app = build_app(serving, metrics, api_key="secret")
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
