@@ -16,7 +16,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from epdserve.services.proxy.generation import GenerationError
 from epdserve.services.proxy.metrics import ProxyMetrics
@@ -49,18 +51,29 @@ def error_response(message: str, error_type: str, status: int, param: str | None
     return _AsciiJSONResponse(error_body(message, error_type, status, param), status_code=status, headers=headers)
 
 
+class _RequireApiKey:
+    """Every route but /health needs `Authorization: Bearer <key>`. Plain ASGI: the receive wrapper of an
+    @app.middleware("http") hides a client's disconnect from request.is_disconnected()."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = Headers(scope=scope).get("Authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response("Invalid or missing API key.", "AuthenticationError", 401)
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None = None,
               readiness: Callable[[], Awaitable[tuple[bool, dict]]] | None = None) -> FastAPI:
     """`readiness()` -> (ready, details): whether every role has a healthy instance."""
     app = FastAPI(title="epdserve", docs_url=None, redoc_url=None)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response("Invalid or missing API key.", "AuthenticationError", 401)
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_RequireApiKey, api_key=api_key)
 
     def openapi() -> dict:
         if app.openapi_schema is None:

@@ -1,0 +1,116 @@
+"""The proxy's HTTP edge served over real HTTP: the OpenAPI schema it publishes, and what a client that
+hangs up does at each stage of its request (the backend stalls on purpose, so each stage can be reached)."""
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from epdserve.services.proxy.app import build_app
+from epdserve.services.proxy.generation import Chunk
+from epdserve.services.proxy.metrics import ProxyMetrics
+from epdserve.services.proxy.serving import OpenAIServing
+from epdserve.shared.config import ModelConfig
+from epdserve.shared.tokenizer import load_tokenizer
+
+AUTH = {"Authorization": "Bearer secret"}
+
+
+class StallingBackend:
+    """Streams `chunks_before_stall` one-token chunks, then nothing until the request is aborted."""
+
+    def __init__(self) -> None:
+        self.chunks_before_stall = 0
+        self.started = threading.Event()
+        self.aborted = threading.Event()
+
+    def reset(self, chunks_before_stall: int) -> None:
+        self.chunks_before_stall = chunks_before_stall
+        self.started.clear()
+        self.aborted.clear()
+
+    async def generate(self, gen):
+        self.started.set()
+        try:
+            for _ in range(self.chunks_before_stall):
+                yield Chunk([42], [], num_cached_tokens=0)
+            await asyncio.sleep(3600)
+        finally:
+            self.aborted.set()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_paths):
+    path = tiny_model_paths["llama"]
+    config = ModelConfig.from_pretrained(path)
+    backend = StallingBackend()
+    metrics = ProxyMetrics("tiny")
+    serving = OpenAIServing("tiny", load_tokenizer(path), backend, config.max_model_len, config.vocab_size, metrics)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(build_app(serving, metrics, api_key="secret"), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", backend
+    srv.should_exit = True
+    thread.join(10)
+
+
+def client_disconnect_aborts(url: str) -> float:
+    text = httpx.get(url + "/metrics", headers=AUTH).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("epdserve:request_aborts_total") and 'reason="client_disconnect"' in line)
+
+
+def hang_up_after(url: str, stream: bool, events: int) -> None:
+    """Send a completion, read `events` stream events (0: not even the headers), then hang up."""
+    body = {"prompt": "Hello", "max_tokens": 8, "stream": stream}
+    with httpx.Client(headers=AUTH, timeout=httpx.Timeout(10, read=0.5 if events == 0 else 10)) as client:
+        try:
+            with client.stream("POST", url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                seen = 0
+                for line in r.iter_lines():
+                    seen += line.startswith("data:")
+                    if seen == events:
+                        return
+        except httpx.ReadTimeout:
+            assert events == 0
+
+
+@pytest.mark.parametrize("stream, events", [(True, 0), (True, 1), (False, 0)],
+                         ids=["stream-before-first-token", "stream-mid-way", "not-streaming"])
+def test_a_client_that_hangs_up_aborts_its_request_and_is_counted(server, stream, events):
+    url, backend = server
+    backend.reset(chunks_before_stall=events)
+    before = client_disconnect_aborts(url)
+    hang_up_after(url, stream, events)
+    assert backend.started.is_set()
+    assert backend.aborted.wait(10), "the request was not aborted"
+    deadline = time.monotonic() + 10
+    while client_disconnect_aborts(url) != before + 1:
+        assert time.monotonic() < deadline, "the abort was not counted"
+        time.sleep(0.05)
+
+
+def test_openapi_schema_documents_400_and_needs_the_key(server):
+    url, _ = server
+    assert httpx.get(url + "/openapi.json").status_code == 401
+    schema = httpx.get(url + "/openapi.json", headers=AUTH).json()
+    operations = {path: ops["post"] for path, ops in schema["paths"].items() if "post" in ops}
+    assert set(operations) == {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+    for op in (op for ops in schema["paths"].values() for op in ops.values()):
+        assert "422" not in op["responses"]
+    for op in operations.values():
+        assert op["responses"]["400"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"}
+    components = schema["components"]["schemas"]
+    assert "HTTPValidationError" not in components
+    assert set(components["ErrorInfo"]["properties"]) == {"message", "type", "param", "code"}
