@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--engine-id", help="default: <role>-<hostname>-<port>")
             p.add_argument("--lease-seconds", type=float, default=10.0)
             p.add_argument("--encoder-cache-items", type=int, default=256)
+            p.add_argument("--drain-timeout", type=float, default=10.0,
+                           help="on SIGTERM, seconds to finish in-flight requests (taking no new ones) before exiting")
             _add_engine_args(p)
             _add_transport_args(p)
         p.set_defaults(func=_serve_command)
@@ -208,7 +210,8 @@ def service_config(args: argparse.Namespace):
 
     engine_id = args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port or os.getpid()}"
     return ServiceConfig(args.role, engine_id, args.host, args.port, args.data_port, args.http_port,
-                         args.advertise_host, args.lease_seconds, args.encoder_cache_items, transport_config(args))
+                         args.advertise_host, args.lease_seconds, args.encoder_cache_items, transport_config(args),
+                         args.drain_timeout)
 
 
 def _serve_command(args: argparse.Namespace) -> int:
@@ -228,8 +231,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     config = service_config(args)
     engine = engine_config(args, model) if args.role != "encoder" else None
-    asyncio.run(run_service(config, engine, model, args.dtype, args.device))
-    return 0
+    return asyncio.run(run_service(config, engine, model, args.dtype, args.device))
 
 
 def _up_command(args: argparse.Namespace) -> int:

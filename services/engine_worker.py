@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 
+from epdserve.services.proxy_channels import ProxyChannels
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.shared.async_llm import AsyncLLM
 from epdserve.shared.config import EngineConfig, ServiceConfig
@@ -19,7 +20,7 @@ from epdserve.shared.engine import LLMEngine
 from epdserve.shared.outputs import RequestOutput
 from epdserve.shared.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason, GenerateRequest,
                                       Handshake, Health, KVLayout, Message, MMPlaceholder, PrefillRequest, Role,
-                                      Status, StatusRequest, TokenDelta, TokenLogprobs)
+                                      Status, TokenDelta, TokenLogprobs)
 from epdserve.shared.request import MultiModalPlaceholder, Request
 from epdserve.shared.sampling_params import from_wire
 from epdserve.transport.kv_transfer import KVTransferClient, TransferError
@@ -58,22 +59,24 @@ class EngineWorker:
         self.kv_client = kv_client
         self.metrics = ServiceMetrics(service.role, service.engine_id, self.llm.engine.stats)
         self.data_addr = ""
-        self._push_kwargs = push_kwargs  # engine_id, role, curve... for channels back to proxies
-        self._pushers: dict[str, PushChannel] = {}
+        self.proxies = ProxyChannels(push_kwargs)
         self._tasks: dict[str, asyncio.Task] = {}
 
     @property
     def kv_cache(self) -> torch.Tensor:
         return self.llm.engine.runner.kv_cache
 
-    def status(self) -> Status:
+    def status(self, health: Health) -> Status:
         stats = self.llm.engine.stats()
-        return Status(self.service.engine_id, self.role, Health.READY, stats.num_free_blocks, stats.num_total_blocks,
+        return Status(self.service.engine_id, self.role, health, stats.num_free_blocks, stats.num_total_blocks,
                       stats.num_running, stats.num_waiting, data_addr=self.data_addr)
 
+    @property
+    def busy(self) -> bool:
+        """Requests still in flight here (a draining service waits for them)."""
+        return bool(self._tasks)
+
     async def handle(self, message: Message, peer: Handshake) -> Message | None:
-        if isinstance(message, StatusRequest):
-            return self.status()
         if isinstance(message, Abort):
             await self.abort(message.request_id)
             return Ack(message.request_id)
@@ -124,18 +127,31 @@ class EngineWorker:
         if isinstance(request, Error):
             return request
         self.metrics.local_prefills.inc()
-        self.spawn_stream(request, self.llm.generate(request), message.reply_to)
-        return Ack(message.request_id)
+        return self.spawn_stream(request, lambda: self.llm.generate(request), message.reply_to)
 
-    def spawn_stream(self, request: Request, outputs: AsyncIterator[RequestOutput], reply_to: str) -> None:
+    def spawn_stream(self, request: Request, outputs: Callable[[], AsyncIterator[RequestOutput]],
+                     reply_to: str) -> Message:
+        """Stream `outputs()` to the proxy at `reply_to` in a task of its own; the answer to the request."""
         request_id = request.request_id
-        task = asyncio.create_task(self._stream(request_id, outputs, reply_to, request.sampling_params.logprobs))
+        try:
+            push = self.proxies.acquire(reply_to)
+        except ValueError as exc:
+            return bad_request(request_id, str(exc))
+        if push is None:
+            return Error(ErrorCode.OVERLOADED, f"streams to {len(self.proxies)} proxies already", request_id, True)
+        task = asyncio.create_task(self._stream(request_id, outputs(), push, request.sampling_params.logprobs))
         self._tasks[request_id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(request_id, None))
 
-    async def _stream(self, request_id: str, outputs: AsyncIterator[RequestOutput], reply_to: str,
+        def done(_) -> None:
+            self._tasks.pop(request_id, None)
+            self.proxies.release(reply_to)
+
+        task.add_done_callback(done)
+        return Ack(request_id)
+
+    async def _stream(self, request_id: str, outputs: AsyncIterator[RequestOutput], push: PushChannel,
                       num_top: int | None) -> None:
-        push = self._pusher(reply_to)
+        reply_to = push.client.address
         first = True
         try:
             async for out in outputs:
@@ -162,18 +178,11 @@ class EngineWorker:
         finally:
             await outputs.aclose()
 
-    def _pusher(self, address: str) -> PushChannel:
-        push = self._pushers.get(address)
-        if push is None:
-            push = self._pushers[address] = PushChannel(address, **self._push_kwargs)
-        return push
-
     async def close(self) -> None:
         for task in list(self._tasks.values()):
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
-        for push in self._pushers.values():
-            await push.close()
+        await self.proxies.close()
         if self.kv_client is not None:
             await self.kv_client.close()
         self.llm.shutdown()

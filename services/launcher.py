@@ -23,6 +23,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Refuse to start when something already listens on the proxy's port: its /ready would pass for ours."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise SystemExit(f"cannot serve on {host}:{port}: {exc.strerror}; is another server running there? "
+                             "(choose another --port)") from None
+
+
 def is_multimodal(model: str) -> bool:
     return "vision_config" in json.loads((Path(model) / "config.json").read_text())
 
@@ -62,6 +73,7 @@ class LocalStack:
         return procs
 
     def run(self, startup_timeout: float) -> int:
+        check_port_free(self.host, self.port)
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
         # Ctrl-C stops the stack even when started from a script's background job (which ignores SIGINT).

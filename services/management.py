@@ -1,4 +1,8 @@
-"""Every service's management port: /health (alive), /ready (model loaded, peers reachable), /metrics."""
+"""Every service's management port: /health (alive), /ready (serving), /metrics.
+
+/health answers 503 once the service is UNHEALTHY (its engine loop died: it is about to exit for its
+supervisor to restart it); /ready answers 200 only while it is READY (not STARTING, DRAINING or UNHEALTHY).
+"""
 from __future__ import annotations
 
 import asyncio
@@ -10,24 +14,31 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from epdserve.shared.protocol import Health
+
 logger = logging.getLogger(__name__)
 
 
-def build_management_app(ready: Callable[[], tuple[bool, dict]], registry: CollectorRegistry) -> FastAPI:
+def build_management_app(health: Callable[[], tuple[Health, dict]],
+                         registry: Callable[[], CollectorRegistry | None]) -> FastAPI:
+    """`health()` -> (health, details for /ready); `registry()` -> the metrics (None while starting)."""
     app = FastAPI(docs_url=None, redoc_url=None)
 
     @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
+    async def alive() -> Response:
+        return Response(status_code=503 if health()[0] == Health.UNHEALTHY else 200)
 
     @app.get("/ready")
     async def readiness() -> JSONResponse:
-        ok, details = ready()
-        return JSONResponse({"ready": ok, **details}, status_code=200 if ok else 503)
+        state, details = health()
+        ok = state == Health.READY
+        return JSONResponse({"ready": ok, "status": state.value, **details}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        metrics_registry = registry()
+        body = generate_latest(metrics_registry) if metrics_registry is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app
 

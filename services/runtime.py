@@ -1,8 +1,15 @@
-"""Builds a service from its config and runs it until SIGTERM/SIGINT.
+"""Builds a service from its config and runs it until SIGTERM/SIGINT, or until its engine dies.
 
 Every service has a control channel (ZMQ ROUTER: typed requests from the proxy and peers), a management
 HTTP port (/health, /ready, /metrics) and, for prefill and encoder, a data server that peers pull KV
 blocks or embeddings from. Addresses handed to peers use the advertised host.
+
+Health, as the control channel's Status and the management port report it:
+    STARTING   from the first moment, while the model loads (status answers; requests are refused)
+    READY      serving
+    DRAINING   after SIGTERM: takes nothing new, finishes what it holds (up to `drain_timeout`), exits 0
+    UNHEALTHY  the engine loop died: every waiter has been failed; the process exits 1 for its
+               supervisor to restart it
 """
 from __future__ import annotations
 
@@ -13,12 +20,20 @@ import signal
 from epdserve.services.management import ManagementServer, build_management_app
 from epdserve.services.network import advertised, client_curve, server_curve
 from epdserve.shared.config import EngineConfig, ServiceConfig
-from epdserve.shared.protocol import KVLayout, Role
+from epdserve.shared.protocol import (MAY_SEND, DecodeRequest, EncodeRequest, Error, ErrorCode, GenerateRequest,
+                                      Handshake, Health, KVLayout, Message, PrefillRequest, Role, Status,
+                                      StatusRequest)
 from epdserve.transport.kv_transfer import create_client, create_server
 from epdserve.transport.queues import ReplyServer, RequestClient
 from epdserve.transport.security import WILDCARD_HOSTS
 
 logger = logging.getLogger(__name__)
+
+# What only a READY service takes; everything else (status, aborts, releases) concerns what it holds.
+NEW_WORK = (EncodeRequest, PrefillRequest, DecodeRequest, GenerateRequest)
+# How long an unhealthy service keeps answering before it exits: its waiters hear why, its pollers see it.
+UNHEALTHY_GRACE_SECONDS = 1.0
+
 
 def kv_layout(engine: EngineConfig) -> KVLayout:
     m = engine.model
@@ -26,19 +41,117 @@ def kv_layout(engine: EngineConfig) -> KVLayout:
                     m.num_kv_heads, m.head_size)
 
 
-async def run_service(service: ServiceConfig, engine: EngineConfig | None, model_path: str,
-                      dtype: str = "float32", device: str = "cpu") -> None:
-    """`engine` is None for an encoder, which loads `model_path`'s vision tower in `dtype` on `device`."""
+class Service:
+    """One service process: its health, its channels, and its worker once built."""
+
+    def __init__(self, config: ServiceConfig, engine: EngineConfig | None, model_path: str, dtype: str = "float32",
+                 device: str = "cpu") -> None:
+        """`engine` is None for an encoder, which loads `model_path`'s vision tower in `dtype` on `device`."""
+        self.config = config
+        self.engine, self.model_path, self.dtype, self.device = engine, model_path, dtype, device
+        self.role = Role(config.role)
+        self.health = Health.STARTING
+        self.worker = None
+        self.exit_code = 0
+        self.stop = asyncio.Event()
+        self.control_addr = ""
+        self.http_port = 0
+
+    async def run(self) -> int:
+        """Serve until stopped; the exit code (1 if the engine died)."""
+        config, role = self.config, self.role
+        transport = config.transport
+        control = ReplyServer(config.engine_id, host=config.host, port=config.port,
+                              allow_wildcard=config.host in WILDCARD_HOSTS, curve=server_curve(transport),
+                              senders=MAY_SEND)
+        self.control_addr = advertised(await control.start(), config.host, config.advertise_host)
+        management = ManagementServer(
+            build_management_app(self._management_state,
+                                 lambda: self.worker.metrics.registry if self.worker is not None else None),
+            config.host, config.http_port)
+        self.http_port = await management.start()
+        serving = asyncio.create_task(control.serve(self.handle))  # answers STARTING until the worker is built
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop.set)
+
+        worker, kv_server = await _build(config, self.engine, self.model_path, self.dtype, self.device,
+                                         self.control_addr)
+        worker.metrics.rejected_frames = lambda: control.num_rejected + (kv_server.num_rejected if kv_server else 0)
+        if hasattr(worker, "llm"):
+            worker.llm.on_dead(lambda cause: loop.call_soon_threadsafe(self._engine_died, cause))
+        self.worker = worker
+        if self.health == Health.STARTING:
+            self.health = Health.READY
+        logger.info("%s %s ready: control %s, data %s, http port %d", role.value, config.engine_id,
+                    self.control_addr, worker.data_addr or "-", self.http_port)
+
+        stopping = asyncio.create_task(self.stop.wait())
+        done, _ = await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if serving in done:
+            serving.result()  # the control loop died: raise, exit non-zero, let the supervisor restart us
+        await self._drain()
+        logger.info("%s %s stopping", role.value, config.engine_id)
+        serving.cancel()
+        await management.close()
+        await worker.close()
+        if kv_server is not None and role == Role.ENCODER:
+            await kv_server.close()
+        await control.close()
+        return self.exit_code
+
+    def status(self) -> Status:
+        if self.worker is None:
+            return Status(self.config.engine_id, self.role, self.health, 0, 0, 0, 0)
+        return self.worker.status(self.health)
+
+    async def handle(self, message: Message, peer: Handshake) -> Message | None:
+        if isinstance(message, StatusRequest):
+            return self.status()
+        if self.worker is None or (isinstance(message, NEW_WORK) and self.health != Health.READY):
+            # Retryable: another instance may take it.
+            return Error(ErrorCode.OVERLOADED, f"{self.role.value} {self.config.engine_id} is {self.health.value}",
+                         getattr(message, "request_id", None), True)
+        return await self.worker.handle(message, peer)
+
+    def _management_state(self) -> tuple[Health, dict]:
+        return self.health, {"role": self.role.value, "engine_id": self.config.engine_id}
+
+    def _engine_died(self, cause: BaseException) -> None:
+        logger.error("%s %s: the engine loop died (%r); exiting", self.role.value, self.config.engine_id, cause)
+        self.health = Health.UNHEALTHY
+        self.exit_code = 1
+        asyncio.get_running_loop().call_later(UNHEALTHY_GRACE_SECONDS, self.stop.set)
+
+    async def _drain(self) -> None:
+        """Finish what is in flight (nothing new is taken), at most `drain_timeout` seconds."""
+        if self.health != Health.READY or self.worker is None:
+            return
+        self.health = Health.DRAINING
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout
+        while self.worker.busy and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        if self.worker.busy:
+            logger.warning("%s %s: stopping with requests still in flight after %.0fs of draining",
+                           self.role.value, self.config.engine_id, self.config.drain_timeout)
+
+
+async def run_service(config: ServiceConfig, engine: EngineConfig | None, model_path: str,
+                      dtype: str = "float32", device: str = "cpu") -> int:
+    """Run one service until stopped; its exit code."""
+    return await Service(config, engine, model_path, dtype, device).run()
+
+
+async def _build(service: ServiceConfig, engine: EngineConfig | None, model_path: str, dtype: str, device: str,
+                 control_addr: str):
+    """(worker, its data server or None), started."""
     role = Role(service.role)
     transport = service.transport
     wildcard = service.host in WILDCARD_HOSTS
-    control = ReplyServer(service.engine_id, host=service.host, port=service.port, allow_wildcard=wildcard,
-                          curve=server_curve(transport))
-    control_addr = advertised(await control.start(), service.host, service.advertise_host)
     push_kwargs = dict(engine_id=service.engine_id, role=role, curve=client_curve(transport),
                        timeout=transport.request_timeout)
     kv_server = None
-    worker = None
     if role == Role.ENCODER:
         from epdserve.services.encoder.worker import EncoderWorker
         from epdserve.shared.config import parse_dtype
@@ -78,29 +191,4 @@ async def run_service(service: ServiceConfig, engine: EngineConfig | None, model
         worker.data_addr = advertised(await kv_server.start(), service.host, service.advertise_host)
     if hasattr(worker, "start"):
         await worker.start()
-    worker.metrics.rejected_frames = lambda: control.num_rejected + (kv_server.num_rejected if kv_server else 0)
-
-    def ready() -> tuple[bool, dict]:
-        return True, {"role": role.value, "engine_id": service.engine_id}
-
-    management = ManagementServer(build_management_app(ready, worker.metrics.registry), service.host,
-                                  service.http_port)
-    http_port = await management.start()
-    serving = asyncio.create_task(control.serve(worker.handle))
-    logger.info("%s %s ready: control %s, data %s, http port %d", role.value, service.engine_id, control_addr,
-                worker.data_addr or "-", http_port)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    done, _ = await asyncio.wait({serving, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
-    if serving in done:
-        serving.result()  # the control loop died: raise, exit non-zero, let the supervisor restart us
-    logger.info("%s %s stopping", role.value, service.engine_id)
-    serving.cancel()
-    await management.close()
-    await worker.close()
-    if kv_server is not None and role == Role.ENCODER:
-        await kv_server.close()
-    await control.close()
+    return worker, kv_server

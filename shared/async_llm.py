@@ -229,6 +229,8 @@ class AsyncLLM:
         if kind == "abort":
             self._deliver(self.engine.abort_request(arg))
             return
+        if kind == "stop":
+            return  # `_stopping` ends the loop
         request, first_token_id = (arg, None) if kind == "add" else arg
         try:
             if kind == "add":

@@ -213,3 +213,4 @@ class ServiceConfig:
     lease_seconds: float = 10.0  # how long prefill keeps a request's KV for decode to pull
     encoder_cache_items: int = 256  # images whose embeddings the encoder keeps
     transport: TransportConfig = field(default_factory=TransportConfig)
+    drain_timeout: float = 10.0  # on SIGTERM: seconds to finish what is in flight before exiting

@@ -231,7 +231,7 @@ class ReplyServer:
             elif peer is None:
                 reply = Error(ErrorCode.HANDSHAKE_REQUIRED, f"{self.engine_id}: handshake first")
             elif self._senders is not None and type(message) not in self._senders.get(peer.role, ()):
-                what = f"a {peer.role.value} peer may not send {type(message).__name__}"
+                what = f"{peer.role.value} peers may not send {type(message).__name__}"
                 self._rejections.reject("unauthorized", f"{peer.engine_id}: {what}")
                 reply = Error(ErrorCode.BAD_REQUEST, f"{self.engine_id}: {what}", getattr(message, "request_id", None))
             else:

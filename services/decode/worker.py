@@ -46,7 +46,7 @@ class DecodeWorker(EngineWorker):
             return request
         handle = m.kv_handle
         released = False
-        renewing = asyncio.create_task(self._keep_lease(handle, m.request_id)) if handle.control_addr else None
+        renewing: asyncio.Task | None = None
 
         def release() -> None:
             """Tell prefill to free the blocks, in the background: decoding need not wait for its answer."""
@@ -78,6 +78,9 @@ class DecodeWorker(EngineWorker):
             self.metrics.remote_kv_requests.inc()
 
         async def outputs():
+            nonlocal renewing
+            if handle.control_addr:
+                renewing = asyncio.create_task(self._keep_lease(handle, m.request_id))
             try:
                 async for out in self.llm.generate_prefilled(request, m.first_token, fill,
                                                              wait_timeout=self.service.transport.transfer_timeout):
@@ -97,8 +100,7 @@ class DecodeWorker(EngineWorker):
             async for out in self.llm.generate_recomputed(fallback, m.first_token):
                 yield out
 
-        self.spawn_stream(request, outputs(), m.reply_to)
-        return Ack(m.request_id)
+        return self.spawn_stream(request, outputs, m.reply_to)
 
     def _prefill_client(self, control_addr: str) -> RequestClient:
         client = self._prefill_clients.get(control_addr)

@@ -19,7 +19,7 @@ from epdserve.shared.image_processor import ImageProcessor
 from epdserve.shared.models.llava_encoder import LlavaEncoder
 from epdserve.shared.multimodal import mm_hash
 from epdserve.shared.protocol import (EncodeDone, EncodedItem, EncodeRequest, Error, ErrorCode, Handshake, Health,
-                                      Message, Role, Status, StatusRequest)
+                                      Message, Role, Status)
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,14 @@ class EncoderWorker:
         # One image at a time through the model; the event loop stays free meanwhile.
         self._lock = asyncio.Lock()
 
-    def status(self) -> Status:
-        return Status(self.service.engine_id, self.role, Health.READY, 0, 0, 0, 0, data_addr=self.data_addr)
+    def status(self, health: Health) -> Status:
+        return Status(self.service.engine_id, self.role, health, 0, 0, 0, 0, data_addr=self.data_addr)
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
 
     async def handle(self, message: Message, peer: Handshake) -> Message | None:
-        if isinstance(message, StatusRequest):
-            return self.status()
         if isinstance(message, EncodeRequest):
             return await self._encode(message)
         return Error(ErrorCode.BAD_REQUEST, f"an encoder does not take {type(message).__name__}",

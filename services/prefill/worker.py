@@ -33,6 +33,10 @@ class PrefillWorker(EngineWorker):
     async def start(self) -> None:
         self._lease_task = asyncio.create_task(self._expire_leases())
 
+    @property
+    def busy(self) -> bool:
+        return super().busy or bool(self.leases)  # held KV: a decode may still pull it
+
     async def handle(self, message: Message, peer: Handshake) -> Message | None:
         if isinstance(message, PrefillRequest):
             return await self._prefill(message)

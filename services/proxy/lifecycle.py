@@ -6,10 +6,16 @@
 3. Decode (chosen by free KV and load) pulls the blocks it lacks, releases prefill, and streams the rest
    back to this proxy's inbox (a pull channel every service pushes TokenDeltas to).
 
-Short uncached prompts, or no healthy prefill, go straight to decode, which prefills them itself. A
-service call that fails at the transport level is retried on another instance as long as nothing of its
-step has reached the client; a 4xx-kind refusal is never retried. Leaving the stream early (client gone,
-stop string) aborts the request on every service that holds it.
+Short uncached prompts, or no healthy prefill, go straight to decode, which prefills them itself.
+
+Every call to a service goes through one failover path (`_send`): healthy instances are tried best
+first; while one works on the request, its liveness is watched (router polls, the connection itself),
+so a dead instance fails or fails over within seconds instead of at a timeout. An instance that died, a
+lost connection or a retryable refusal (starting, draining, overloaded) moves on to the next instance -
+only before anything of that step reached the client. A refusal the request itself may have caused (bad
+input; an internal error of an instance that is still alive) is never retried: it could take every
+instance down in turn. Leaving the stream early (client gone, stop string) aborts the request on every
+service that holds it.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import asyncio
 import collections
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from epdserve.services.network import advertised
 from epdserve.services.proxy.generation import Chunk, GenerateInput, GenerationError
@@ -47,11 +53,22 @@ def _chunk_logprobs(wire: tuple[WireLogprobs, ...] | list) -> list[TokenLogprobs
     return [TokenLogprobs(w.logprob, 0, list(zip(w.top_token_ids, w.top_logprobs))) for w in wire]
 
 
-def _refusal(exc: ErrorReply) -> GenerationError | None:
-    """The HTTP error for a service's refusal that no other instance would answer differently."""
-    if exc.error.code == ErrorCode.BAD_REQUEST:
-        return GenerationError(exc.error.message, 400, "BadRequestError")
-    return None
+class InstanceDown(ChannelError):
+    """The instance working on a request was found dead while we waited for it."""
+
+
+def _service_error(error: Error, instance: Instance) -> GenerationError:
+    if error.code == ErrorCode.BAD_REQUEST:
+        return GenerationError(error.message, 400, "BadRequestError")
+    return GenerationError(f"{instance.role.value} {instance.address}: {error.message}", 500)
+
+
+def _final(exc: ErrorReply, instance: Instance) -> GenerationError | None:
+    """The client's error for a refusal that no other instance would answer differently; None when another
+    instance may succeed (the refusal says so, or this instance is dead)."""
+    if exc.error.code != ErrorCode.BAD_REQUEST and (exc.error.retryable or not instance.alive):
+        return None
+    return _service_error(exc.error, instance)
 
 
 class ServiceBackend:
@@ -114,25 +131,14 @@ class ServiceBackend:
             await stream.aclose()
 
     async def _encode(self, gen: GenerateInput) -> tuple[MMPlaceholder, ...]:
-        pool = self.router.pool(Role.ENCODER)
-        if not pool.configured:
+        if not self.router.pool(Role.ENCODER).configured:
             raise GenerationError("this deployment has no encoder: image inputs are not served", 400,
                                   "BadRequestError")
         placeholders = []
         for image in gen.images:
-            for attempt, instance in self._candidates(Role.ENCODER, image.mm_hash.encode()):
-                try:
-                    done = await instance.client.request(
-                        EncodeRequest(gen.request_id, (MMItem(image.mm_hash, image.data),)),
-                        timeout=self.config.request_timeout, expect=EncodeDone)
-                    break
-                except ErrorReply as exc:
-                    if (refused := _refusal(exc)) is not None:
-                        raise refused from None
-                    self._give_up_after(attempt, Role.ENCODER, exc)
-                except (ChannelError, TimeoutError) as exc:
-                    pool.mark_failed(instance)
-                    self._give_up_after(attempt, Role.ENCODER, exc)
+            instance, done = await self._send(Role.ENCODER, image.mm_hash.encode(),
+                                              EncodeRequest(gen.request_id, (MMItem(image.mm_hash, image.data),)),
+                                              self.config.request_timeout, EncodeDone)
             if done.items[0].num_tokens != image.length:
                 raise GenerationError(f"the encoder made {done.items[0].num_tokens} embeddings for an image with "
                                       f"{image.length} placeholder tokens", 500)
@@ -153,33 +159,53 @@ class ServiceBackend:
             tried.append(instance)
             yield attempt, instance
 
-    def _give_up_after(self, attempt: int, role: Role, exc: Exception) -> None:
-        logger.warning("%s call failed (attempt %d): %s", role.value, attempt + 1, exc)
-        if attempt + 1 >= self.config.max_attempts:
-            raise GenerationError(f"{role.value} failed: {exc}", 503, "ServiceUnavailableError")
+    async def _send(self, role: Role, key: bytes | None, message, timeout: float, expect: type) -> tuple[Instance, Any]:
+        """Send `message` to healthy instances of `role`, best first, until one answers with `expect`:
+        (that instance, its answer). The instance counts the message in its load while working on it."""
+        last: Exception | None = None
+        for attempt, instance in self._candidates(role, key):
+            instance.inflight += 1
+            try:
+                return instance, await self._call(instance, message, timeout, expect)
+            except ErrorReply as exc:
+                if (final := _final(exc, instance)) is not None:
+                    raise final from None
+                last = exc
+            except (ChannelError, TimeoutError) as exc:
+                self.router.pool(role).mark_failed(instance)
+                if role != Role.ENCODER:  # it may have accepted the request and lost only the answer
+                    self._abort_soon(instance, message.request_id)
+                last = exc
+            finally:
+                instance.inflight -= 1
+            logger.warning("%s %s failed %s (attempt %d): %s", role.value, instance.address,
+                           type(message).__name__, attempt + 1, last)
+        raise GenerationError(f"{role.value} failed: {last}", 503, "ServiceUnavailableError")
+
+    async def _call(self, instance: Instance, message, timeout: float, expect: type):
+        """`message`'s answer from `instance`; raises InstanceDown as soon as the instance is known dead."""
+        disconnects = instance.client.num_disconnects
+        call = asyncio.ensure_future(instance.client.request(message, timeout=timeout, expect=expect))
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=self.config.liveness_check)
+                if done:
+                    return call.result()
+                self._check_alive(instance, disconnects)
+        finally:
+            call.cancel()
+
+    @staticmethod
+    def _check_alive(instance: Instance, disconnects: int) -> None:
+        if not instance.alive or instance.client.num_disconnects != disconnects:
+            raise InstanceDown(f"{instance.role.value} instance {instance.address} stopped answering")
 
     async def _disaggregated(self, gen: GenerateInput, placeholders) -> AsyncIterator[Chunk]:
         wire = to_wire(gen.params)
-        key = prefix_key(gen.prompt_token_ids, gen.cache_salt)
-        prefill = None
-        for attempt, instance in self._candidates(Role.PREFILL, key):
-            instance.inflight += 1
-            try:
-                done = await instance.client.request(
-                    PrefillRequest(gen.request_id, tuple(gen.prompt_token_ids), wire, placeholders, gen.cache_salt),
-                    timeout=self.config.prefill_timeout, expect=PrefillDone)
-                prefill = instance
-                break
-            except ErrorReply as exc:
-                if (refused := _refusal(exc)) is not None:
-                    raise refused from None
-                self._give_up_after(attempt, Role.PREFILL, exc)
-            except (ChannelError, TimeoutError) as exc:
-                self.router.pool(Role.PREFILL).mark_failed(instance)
-                self._abort_soon(instance, gen.request_id)
-                self._give_up_after(attempt, Role.PREFILL, exc)
-            finally:
-                instance.inflight -= 1
+        prefill, done = await self._send(
+            Role.PREFILL, prefix_key(gen.prompt_token_ids, gen.cache_salt),
+            PrefillRequest(gen.request_id, tuple(gen.prompt_token_ids), wire, placeholders, gen.cache_salt),
+            self.config.prefill_timeout, PrefillDone)
         first = Chunk([done.first_token], _chunk_logprobs([done.first_logprobs] if done.first_logprobs else []),
                       done.finish_reason.value if done.finish_reason else None, None, done.num_cached_tokens)
         if done.kv_handle is None:
@@ -209,34 +235,17 @@ class ServiceBackend:
         rid = request.request_id
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
-        instance = None  # counts it in its load; from the moment it may have accepted it, hears of an abort
+        instance = None  # from its acceptance: counts the stream in its load, hears of an abort
         finished = False
         try:
-            for attempt, candidate in self._candidates(role, key):
-                instance = candidate
-                # Load counted from the pick, not from the answer: requests routed at the same moment
-                # (a prefill batch finishing together) must see each other.
-                candidate.inflight += 1
-                try:
-                    await candidate.client.request(request, timeout=self.config.request_timeout, expect=Ack)
-                    break
-                except ErrorReply as exc:
-                    candidate.inflight -= 1
-                    instance = None  # refused: it holds nothing
-                    if (refused := _refusal(exc)) is not None:
-                        raise refused from None
-                    self._give_up_after(attempt, role, exc)
-                except (ChannelError, TimeoutError) as exc:
-                    candidate.inflight -= 1
-                    self.router.pool(role).mark_failed(candidate)
-                    self._abort_soon(candidate, rid)  # in case it did accept and only the answer was lost
-                    instance = None
-                    self._give_up_after(attempt, role, exc)
+            instance, _ = await self._send(role, key, request, self.config.request_timeout, Ack)
+            # Counted again at once: no other routing decision happens in between.
+            instance.inflight += 1
+            disconnects = instance.client.num_disconnects
             while not finished:
-                message = await self._next(queue, instance)
+                message = await self._next(queue, instance, disconnects)
                 if isinstance(message, Error):
-                    status = 400 if message.code == ErrorCode.BAD_REQUEST else 502
-                    raise GenerationError(f"{role.value} {instance.address}: {message.message}", status)
+                    raise _service_error(message, instance)
                 assert isinstance(message, TokenDelta)
                 finished = message.finish_reason is not None
                 yield Chunk(list(message.token_ids), _chunk_logprobs(message.logprobs),
@@ -249,16 +258,17 @@ class ServiceBackend:
                 if not finished:
                     self._abort_soon(instance, rid)
 
-    async def _next(self, queue: asyncio.Queue, instance: Instance):
+    async def _next(self, queue: asyncio.Queue, instance: Instance, disconnects: int):
         waited = 0.0
         while True:
             try:
                 return await asyncio.wait_for(queue.get(), self.config.liveness_check)
             except asyncio.TimeoutError:
                 waited += self.config.liveness_check
-            if not instance.alive:
-                raise GenerationError(f"{instance.role.value} instance {instance.address} stopped answering", 502,
-                                      "BadGatewayError")
+            try:
+                self._check_alive(instance, disconnects)
+            except InstanceDown as exc:
+                raise GenerationError(str(exc), 502, "BadGatewayError") from None
             if waited > self.config.token_timeout:
                 raise GenerationError(f"no tokens from {instance.address} for {waited:.0f}s", 504, "TimeoutError")
 

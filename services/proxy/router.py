@@ -2,8 +2,9 @@
 
 Each role is given as targets `host:port`; a host name is re-resolved periodically, so a compose service
 name or a Kubernetes headless Service (both resolve to every replica) discovers replicas as they come
-and go. Every instance is polled for its Status over its control channel; one that misses `max_misses`
-polls in a row is dropped from routing until it answers again.
+and go. Every instance is polled for its Status over its control channel; one that reports anything but
+READY (starting, draining, unhealthy), misses `max_misses` polls in a row, or misses one after its
+connection dropped, is dropped from routing until it answers READY again.
 
 Choices: prefill (and unified) by prefix affinity - rendezvous hashing of the prompt's first blocks, so
 requests sharing a prefix land where it is cached - unless that instance is much busier than the least
@@ -40,6 +41,7 @@ class Instance:
     # Requests this proxy has sent and not seen finish: load the status poll has not reported yet.
     inflight: int = 0
     last_seen: float = field(default=0.0)
+    disconnects_seen: int = 0  # the client's disconnect count at the last answered poll
 
     @property
     def load(self) -> int:
@@ -114,15 +116,20 @@ class RolePool:
             status = await instance.client.request(StatusRequest(), timeout=self.poll_timeout, expect=Status)
         except (ChannelError, TimeoutError) as exc:
             instance.misses += 1
-            if instance.alive and instance.misses >= self.max_misses:
-                logger.warning("%s instance %s missed %d polls: dropped (%s)", self.role.value, instance.address,
-                               instance.misses, exc)
+            # A dropped connection that does not come back is a dead process: no need to wait for more misses.
+            dropped = instance.client.num_disconnects != instance.disconnects_seen
+            if instance.alive and (instance.misses >= self.max_misses or dropped):
+                logger.warning("%s instance %s missed %d polls%s: dropped (%s)", self.role.value, instance.address,
+                               instance.misses, " after its connection dropped" if dropped else "", exc)
                 instance.alive = False
             return
-        if not instance.alive and status.health == Health.READY:
-            logger.info("%s instance %s (%s) is ready", self.role.value, instance.address, status.engine_id)
+        ready = status.health == Health.READY
+        if instance.alive != ready:
+            logger.info("%s instance %s (%s) is %s", self.role.value, instance.address, status.engine_id,
+                        status.health.value)
         instance.status, instance.misses, instance.last_seen = status, 0, time.monotonic()
-        instance.alive = status.health == Health.READY
+        instance.disconnects_seen = instance.client.num_disconnects
+        instance.alive = ready
 
     def mark_failed(self, instance: Instance) -> None:
         """A request to it failed at the transport level: stop routing to it until it answers a poll."""
@@ -208,10 +215,11 @@ class Router:
         return None
 
     def readiness(self) -> tuple[bool, dict]:
-        """Ready when every configured role that requests need has a healthy instance."""
-        needed = [Role.UNIFIED] if not self.disaggregated else [Role.PREFILL, Role.DECODE]
+        """Ready when every configured role has a healthy instance: each serves some requests (encoders
+        image prompts) that fail without it."""
         counts = {role.value: len(pool.healthy()) for role, pool in self.pools.items() if pool.configured}
-        return all(counts.get(r.value, 0) > 0 for r in needed), {"healthy_instances": counts}
+        missing = [role for role, count in counts.items() if not count]
+        return not missing, {"healthy_instances": counts, "unavailable_roles": missing}
 
     async def close(self) -> None:
         if self._task:

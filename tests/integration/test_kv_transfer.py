@@ -143,7 +143,7 @@ def test_only_engines_that_pull_may_fetch():
             server.expose("r1", [1])
             for role in (p.Role.PROXY, p.Role.ENCODER, p.Role.PREFILL):
                 async with RequestClient(server.address, engine_id="x", role=role, kv_layout=layout) as client:
-                    with pytest.raises(ErrorReply, match=f"a {role.value} peer may not send FetchBlocks"):
+                    with pytest.raises(ErrorReply, match=f"{role.value} peers may not send FetchBlocks"):
                         await client.request(p.FetchBlocks("r1", (1,)))
             assert server.num_rejected == 3
 

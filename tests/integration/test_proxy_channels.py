@@ -1,0 +1,65 @@
+"""Push channels back to proxies: shared per address, bounded in number, closed when idle (real sockets)."""
+import asyncio
+
+import pytest
+
+from epdserve.services.proxy_channels import ProxyChannels
+from epdserve.shared import protocol as p
+from epdserve.transport.queues import PullChannel
+
+
+def channels(**kwargs) -> ProxyChannels:
+    return ProxyChannels(dict(engine_id="decode-0", role=p.Role.DECODE, timeout=2.0), **kwargs)
+
+
+def test_streams_to_one_proxy_share_its_channel():
+    async def main():
+        async with PullChannel("proxy-0") as inbox:
+            pool = channels()
+            first, second = pool.acquire(inbox.address), pool.acquire(inbox.address)
+            assert first is second and len(pool) == 1
+            await first.send(p.TokenDelta("r1", (5,)))
+            assert await inbox.recv(timeout=5) == p.TokenDelta("r1", (5,))
+            await pool.close()
+
+    asyncio.run(main())
+
+
+def test_the_number_of_channels_is_bounded():
+    async def main():
+        pool = channels(max_channels=4, idle_seconds=60)
+        addresses = [f"tcp://127.0.0.1:{port}" for port in range(1, 12)]
+        held = [pool.acquire(a) for a in addresses[:4]]
+        assert all(held) and len(pool) == 4
+        assert pool.acquire(addresses[4]) is None  # every channel carries a live stream
+        for a in addresses[:4]:
+            pool.release(a)
+        for a in addresses[4:]:  # idle ones make room, least recently used first
+            assert pool.acquire(a) is not None
+            pool.release(a)
+            assert len(pool) <= 4
+        await pool.close()
+
+    asyncio.run(main())
+
+
+def test_idle_channels_are_closed():
+    async def main():
+        pool = channels(idle_seconds=0.2)
+        pool.acquire("tcp://127.0.0.1:9")
+        pool.release("tcp://127.0.0.1:9")
+        pool.acquire("tcp://127.0.0.1:10")  # still streaming: stays
+        await asyncio.sleep(0.5)
+        assert len(pool) == 1 and pool.acquire("tcp://127.0.0.1:10") is not None
+        await pool.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("address", ["ipc:///tmp/x", "inproc://x", "", "http://127.0.0.1:1"])
+def test_reply_addresses_must_be_tcp(address):
+    async def main():
+        with pytest.raises(ValueError, match="tcp://"):
+            channels().acquire(address)
+
+    asyncio.run(main())

@@ -1,0 +1,126 @@
+"""A service tells the truth about itself: READY while it serves, UNHEALTHY (and exit code 1) once its
+engine loop died, DRAINING after SIGTERM; and it refuses messages its peer's role never sends. A real
+service on real sockets, in this process so the test can break its engine."""
+import asyncio
+import socket
+
+import httpx
+import pytest
+
+from epdserve.services.runtime import Service
+from epdserve.shared import protocol as p
+from epdserve.shared.config import ServiceConfig, TransportConfig
+from epdserve.shared.llm import build_engine_config
+from epdserve.shared.sampling_params import SamplingParams, to_wire
+from epdserve.transport.queues import ErrorReply, PullChannel, RequestClient
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_service(model: str, role: str = "unified") -> Service:
+    config = ServiceConfig(role, f"{role}-0", port=free_port(), http_port=free_port(),
+                           transport=TransportConfig(request_timeout=5.0), drain_timeout=30.0)
+    return Service(config, build_engine_config(model, num_kv_blocks=64), model)
+
+
+async def started(service: Service) -> asyncio.Task:
+    task = asyncio.create_task(service.run())
+    for _ in range(600):
+        if service.health == p.Health.READY:
+            return task
+        assert not task.done(), task.result()
+        await asyncio.sleep(0.05)
+    raise AssertionError("the service did not become ready")
+
+
+def client(service: Service, role: p.Role = p.Role.PROXY) -> RequestClient:
+    return RequestClient(service.control_addr, engine_id="tester", role=role, timeout=5.0)
+
+
+async def management(service: Service, path: str) -> httpx.Response:
+    async with httpx.AsyncClient() as http:
+        return await http.get(f"http://127.0.0.1:{service.http_port}{path}", timeout=5)
+
+
+def generate(rid: str, reply_to: str, max_tokens: int = 4) -> p.GenerateRequest:
+    params = to_wire(SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    return p.GenerateRequest(rid, (1, 2, 3, 4), params, reply_to)
+
+
+def test_a_dead_engine_makes_the_service_unhealthy_and_exit_nonzero(tiny_model_paths):
+    async def main():
+        service = make_service(tiny_model_paths["llama"])
+        task = await started(service)
+        async with client(service) as proxy, PullChannel("proxy-0") as inbox:
+            assert (await proxy.request(p.StatusRequest(), expect=p.Status)).health == p.Health.READY
+            assert (await management(service, "/ready")).status_code == 200
+
+            def broken_schedule():
+                raise RuntimeError("scheduler bug")
+
+            service.worker.llm.engine.scheduler.schedule = broken_schedule  # a bug no request caused
+            assert await proxy.request(generate("r1", inbox.address), expect=p.Ack) == p.Ack("r1")
+            error = await inbox.recv(timeout=10)
+            assert isinstance(error, p.Error) and error.request_id == "r1" and "engine loop failed" in error.message
+            status = await proxy.request(p.StatusRequest(), expect=p.Status)
+            assert status.health == p.Health.UNHEALTHY
+            assert (await management(service, "/health")).status_code == 503
+            ready = await management(service, "/ready")
+            assert ready.status_code == 503 and ready.json()["status"] == "unhealthy"
+            with pytest.raises(ErrorReply, match="unhealthy"):
+                await proxy.request(generate("r2", inbox.address))
+        assert await asyncio.wait_for(task, 30) == 1
+
+    asyncio.run(main())
+
+
+def test_draining_finishes_what_it_holds_and_takes_nothing_new(tiny_model_paths):
+    async def main():
+        service = make_service(tiny_model_paths["llama"])
+        task = await started(service)
+        async with client(service) as proxy, PullChannel("proxy-0") as inbox:
+            await proxy.request(generate("long", inbox.address, max_tokens=200), expect=p.Ack)
+            await inbox.recv(timeout=10)  # it runs
+            service.stop.set()  # what SIGTERM does
+            for _ in range(100):
+                if (await proxy.request(p.StatusRequest(), expect=p.Status)).health == p.Health.DRAINING:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await management(service, "/ready")).json()["status"] == "draining"
+            with pytest.raises(ErrorReply, match="draining") as refused:
+                await proxy.request(generate("new", inbox.address))
+            assert refused.value.error.retryable  # the proxy tries another instance
+            tokens, finish = 1, None
+            while finish is None:
+                delta = await inbox.recv(timeout=30)
+                tokens, finish = tokens + len(delta.token_ids), delta.finish_reason
+            assert finish == p.FinishReason.LENGTH and tokens >= 200
+        assert await asyncio.wait_for(task, 30) == 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("role, message", [
+    (p.Role.ENCODER, p.Abort("r1")),
+    (p.Role.ENCODER, p.GenerateRequest("r1", (1, 2), p.WireSamplingParams(), "tcp://127.0.0.1:9")),
+    (p.Role.DECODE, p.GenerateRequest("r1", (1, 2), p.WireSamplingParams(), "tcp://127.0.0.1:9")),
+    (p.Role.PREFILL, p.Abort("r1")),
+    (p.Role.UNIFIED, p.Release("r1")),
+])
+def test_a_peer_may_send_only_what_its_role_sends(tiny_model_paths, role, message):
+    async def main():
+        service = make_service(tiny_model_paths["llama"])
+        task = await started(service)
+        async with client(service, role) as spoof:
+            with pytest.raises(ErrorReply, match=f"{role.value} peers may not send"):
+                await spoof.request(message)
+        rejected = service.worker.metrics.rejected_frames()
+        assert rejected >= 1
+        service.stop.set()
+        assert await asyncio.wait_for(task, 30) == 0
+
+    asyncio.run(main())
