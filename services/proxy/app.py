@@ -1,8 +1,9 @@
 """The proxy's HTTP surface: OpenAI routes, tokenizer routes, health, readiness and metrics.
 
-Errors are OpenAI-shaped ({"error": {"message", "type", "param", "code"}}): 400 for bad input, 401 without
-the API key (when one is set; /health is open), 404 for an unknown model, 503 when a role has no healthy
-instance, 504 on timeout. A client that disconnects aborts its request on every service.
+Errors are OpenAI-shaped ({"error": {"message", "type", "param", "code"}}): 400 for bad input (a body that is
+not a JSON object included; `param` names the field), 401 without the API key (when one is set; /health is
+open), 404 for an unknown model or route, 405 for a wrong method, 503 when a role has no healthy instance, 504
+on timeout. A client that disconnects, before its first token or after, aborts its request on every service.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 # What the OpenAPI schema says bad input gets (FastAPI's default would be a 422 with its own body).
 BAD_INPUT = {400: {"model": ErrorResponse, "description": "Bad input"}}
-HTTP_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-                    413: "RequestTooLargeError"}
+HTTP_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                    405: "MethodNotAllowedError"}
 
 
 def error_body(message: str, error_type: str, status: int, param: str | None = None) -> dict:
@@ -107,6 +108,14 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
     async def bad_request(request: Request, exc: BadRequest):
         return error_response(str(exc), exc.error_type, exc.status, exc.param)
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):  # a bug: Starlette still logs its traceback
+        return error_response("internal server error", "InternalServerError", 500)
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request: Request, exc: _ClientGone):
+        return Response(status_code=499)  # read by nobody; nginx's "client closed request" in the access log
+
     @app.exception_handler(GenerationError)
     async def generation_failed(request: Request, exc: GenerationError):
         return error_response(str(exc), exc.error_type, exc.status)
@@ -173,6 +182,10 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
     return app
 
 
+class _ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
 def _is_union_member(loc_part: Any) -> bool:
     """Whether a pydantic error location part names a member of a union ("str", "list[int]"), not a field."""
     return isinstance(loc_part, str) and ("[" in loc_part or loc_part in ("str", "int", "float", "bool"))
@@ -217,7 +230,7 @@ async def _until_disconnected(request: Request, work: Awaitable[Any], timeout: f
                 return task.result()
             if await request.is_disconnected():
                 metrics.aborted("client_disconnect")
-                raise asyncio.CancelledError("client disconnected")
+                raise _ClientGone
             if asyncio.get_running_loop().time() > deadline:
                 raise GenerationError(f"the request took longer than {timeout:.0f}s", 504, "TimeoutError")
     finally:
