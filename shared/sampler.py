@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from epdserve.shared.request import Request
 
-# Inverse-CDF sampling first picks a block of this many tokens, then a token inside it; the cumulative
-# sums over blocks and within one block are short, so they are done in float64.
+# Inverse-CDF sampling first picks a block of up to this many tokens, then a token inside it; the
+# cumulative sums over blocks and within one block are short, so they are done in float64.
 _BLOCK = 256
 
 
@@ -42,120 +42,160 @@ class SamplerOutput(NamedTuple):
     logprobs: list[TokenLogprobs | None]
 
 
-def draw_seeded_noise(generator: torch.Generator, vocab_size: int) -> torch.Tensor:
-    """The noise one sampled token of a seeded request consumes: `vocab_size` float64 uniforms.
+def draw_seeded_noise(generator: torch.Generator, vocab_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The noise one sampled token of a seeded request consumes: `vocab_size` float64 uniforms (into `out`,
+    a float64 tensor of that size, if given).
 
     This advances the generator exactly as `torch.empty(vocab_size).exponential_(generator=...)` does,
     so either may stand for a token sampled elsewhere."""
-    return torch.rand(vocab_size, dtype=torch.float64, generator=generator)
+    return torch.rand(vocab_size, dtype=torch.float64, generator=generator, out=out)
 
 
 class Sampler:
+    """Samples one token per row of a step's logits; see the module docstring for the order of things.
+
+    Keeps a few [rows, vocab] float32 scratch tensors from call to call, sized by the largest batch seen:
+    a fresh tensor that size is a fresh memory mapping whose pages fault in on first touch, which costs
+    more than the arithmetic done in it. Not for concurrent use."""
+
     def __init__(self, seed: int = 0) -> None:
         # Noise for unseeded requests; seeded ones use their own generator.
         self.generator = torch.Generator().manual_seed(seed)
+        self._scratch: dict[str, torch.Tensor] = {}
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """Sample one token per row. logits: [num_requests, vocab_size] float32, row i is requests[i]'s."""
-        want_logprobs = [r.sampling_params.logprobs is not None for r in requests]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-
-        logits = self._apply_min_tokens(logits, requests)
-        logits = self._apply_penalties(logits, requests)
+        """Sample one token per row. logits: [num_requests, vocab_size] float32, row i is requests[i]'s;
+        left unchanged."""
+        raw = logits = logits.float()
+        logits = self._apply_min_tokens_and_penalties(logits, requests)
         greedy = [r.sampling_params.is_greedy for r in requests]
         greedy_rows = [i for i, g in enumerate(greedy) if g]
         random_rows = [i for i, g in enumerate(greedy) if not g]
-        if not greedy_rows:
+        if not random_rows:
+            token_ids = logits.argmax(dim=-1)
+        elif not greedy_rows:
             token_ids = self._sample(logits, requests)
         else:
             token_ids = torch.empty(len(requests), dtype=torch.long)
-            token_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
-            if random_rows:
-                token_ids[random_rows] = self._sample(logits[random_rows], [requests[i] for i in random_rows])
+            token_ids[greedy_rows] = _take(logits, greedy_rows).argmax(dim=-1)
+            token_ids[random_rows] = self._sample(_take(logits, random_rows), [requests[i] for i in random_rows])
 
         ids = token_ids.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
-        if raw_logprobs is not None:
-            rows = [i for i, w in enumerate(want_logprobs) if w]
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if rows:
+            # Of the raw distribution; the working logits are no longer needed, so their buffer takes them.
+            raw_logprobs = _take(torch.log_softmax(raw, dim=-1, out=self._buffer("logits", raw.shape)), rows)
             max_n = max(requests[i].sampling_params.logprobs for i in rows)
-            top_lp, top_ids = raw_logprobs[rows].topk(max(max_n, 1), dim=-1)
-            chosen = raw_logprobs[rows, token_ids[rows]]
-            ranks = (raw_logprobs[rows] > chosen[:, None]).sum(-1) + 1
+            top_lp, top_ids = raw_logprobs.topk(max(max_n, 1), dim=-1)
+            chosen = raw_logprobs.gather(1, token_ids[rows].unsqueeze(1))
+            ranks = (raw_logprobs > chosen).sum(-1) + 1
             for j, i in enumerate(rows):
                 n = requests[i].sampling_params.logprobs
                 top = list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist()))
                 logprobs[i] = TokenLogprobs(float(chosen[j]), int(ranks[j]), top)
         return SamplerOutput(ids, logprobs)
 
-    @staticmethod
-    def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _buffer(self, name: str, shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Scratch tensor `name` of this shape, contents undefined; valid until the next request for `name`."""
+        size = shape[0] * shape[1]
+        flat = self._scratch.get(name)
+        if flat is None or flat.numel() < size:
+            flat = self._scratch[name] = torch.empty(size, dtype=dtype)
+        return flat[:size].view(shape)
+
+    def _apply_min_tokens_and_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """logits itself when nothing applies, else a scratch copy with stop tokens masked for requests short
+        of min_tokens, then the repetition, frequency and presence penalties applied."""
         vocab = logits.shape[-1]
         # Ids outside the vocabulary cannot be sampled anyway; skipping them keeps a bad id from failing the batch.
-        pairs = [(i, t) for i, r in enumerate(requests)
+        stops = [(i, t) for i, r in enumerate(requests)
                  if r.num_output_tokens < r.sampling_params.min_tokens for t in r.stop_token_ids if 0 <= t < vocab]
-        if not pairs:
+        # Only tokens a request has seen are penalised, so the work is per (row, token) pair.
+        rep_rows = [i for i, r in enumerate(requests) if r.sampling_params.repetition_penalty != 1.0]
+        count_rows = [i for i, r in enumerate(requests)
+                      if r.sampling_params.frequency_penalty or r.sampling_params.presence_penalty]
+        if not stops and not rep_rows and not count_rows:
             return logits
-        rows, cols = torch.tensor(pairs, dtype=torch.long).unbind(1)
-        return logits.index_put((rows, cols), torch.tensor(float("-inf")))
-
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
-        if not rows:
-            return logits
-        params = [requests[i].sampling_params for i in rows]
-        penalised = logits[rows]  # a copy; rows without penalties stay as they are
-        if any(sp.repetition_penalty != 1.0 for sp in params):
-            # Rows with penalty 1.0 are unchanged by it: x / 1 and x * 1 are x.
-            rep = torch.tensor([sp.repetition_penalty for sp in params]).unsqueeze(1)
-            seen = _token_counts([requests[i].all_token_ids for i in rows], penalised.shape[-1]) > 0
-            scaled = torch.where(penalised > 0, penalised / rep, penalised * rep)
-            penalised = torch.where(seen, scaled, penalised)
-        if any(sp.frequency_penalty or sp.presence_penalty for sp in params):
-            counts = _token_counts([requests[i].output_token_ids for i in rows], penalised.shape[-1])
-            freq = torch.tensor([sp.frequency_penalty for sp in params]).unsqueeze(1)
-            pres = torch.tensor([sp.presence_penalty for sp in params]).unsqueeze(1)
-            penalised = penalised - (freq * counts + pres * (counts > 0))
-        if len(rows) == len(requests):
-            return penalised
-        logits = logits.clone()
-        logits[rows] = penalised
+        logits = self._buffer("logits", logits.shape).copy_(logits)
+        if stops:
+            rows, cols = torch.tensor(stops, dtype=torch.long).unbind(1)
+            logits[rows, cols] = float("-inf")
+        if rep_rows:
+            rows, cols, _ = _token_counts(rep_rows, [requests[i].all_token_ids for i in rep_rows], vocab)
+            penalty = torch.tensor([r.sampling_params.repetition_penalty for r in requests])[rows]
+            seen = logits[rows, cols]
+            logits[rows, cols] = torch.where(seen > 0, seen / penalty, seen * penalty)
+        if count_rows:
+            rows, cols, counts = _token_counts(count_rows, [requests[i].output_token_ids for i in count_rows], vocab)
+            freq = torch.tensor([r.sampling_params.frequency_penalty for r in requests])[rows]
+            pres = torch.tensor([r.sampling_params.presence_penalty for r in requests])[rows]
+            logits[rows, cols] -= freq * counts + pres
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         vocab = logits.shape[-1]
         params = [r.sampling_params for r in requests]
+        probs = self._buffer("probs", logits.shape)
         temperature = [sp.temperature for sp in params]
         if any(t != 1.0 for t in temperature):
-            logits = logits / torch.tensor(temperature).unsqueeze(1)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            # Into the probabilities' buffer, which softmax then overwrites in place.
+            logits = torch.div(logits, torch.tensor(temperature).unsqueeze(1), out=probs)
+        probs = torch.softmax(logits, dim=-1, out=probs)
 
         if any(sp.min_p > 0 for sp in params):
             min_p = torch.tensor([sp.min_p for sp in params]).unsqueeze(1)
-            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+            self._zero_below_(probs, min_p * probs.amax(dim=-1, keepdim=True))
         # top_k at or above the vocabulary size keeps everything, like 0; Python ints, so any size is fine.
         k_rows = [i for i, sp in enumerate(params) if 0 < sp.top_k < vocab]
         if k_rows:
             top_k = torch.tensor([params[i].top_k for i in k_rows])
             rows = _take(probs, k_rows)
             # Everything at least as likely as the k-th most likely token stays (ties included, as in HF).
-            kth = rows.topk(int(top_k.max()), dim=-1).values.gather(1, top_k.unsqueeze(1) - 1)
-            probs = _put(probs, k_rows, rows.masked_fill(rows < kth, 0.0))
+            probs = _put(probs, k_rows, self._zero_below_(rows, _kth_largest(rows, top_k)))
 
-        noise = _Uniforms(requests, vocab, self.generator)
+        seeded = [i for i, r in enumerate(requests) if r.generator is not None]
+        noise = _Uniforms(requests, seeded, self._buffer("noise", (len(seeded), vocab), torch.float64),
+                          self.generator)
         token_ids = _inverse_cdf(probs, noise.next(range(len(requests))))
         p_rows = [i for i, sp in enumerate(params) if sp.top_p < 1.0]
         if p_rows:
             top_p = torch.tensor([params[i].top_p for i in p_rows], dtype=torch.float64)
-            drawn = _top_p_by_rejection(_take(probs, p_rows), _take(token_ids, p_rows), top_p,
-                                        lambda rows: noise.next([p_rows[j] for j in rows]))
+            drawn = self._top_p_by_rejection(_take(probs, p_rows), _take(token_ids, p_rows), top_p,
+                                             lambda rows: noise.next([p_rows[j] for j in rows]))
             token_ids = _put(token_ids, p_rows, drawn)
+        return token_ids
+
+    def _zero_below_(self, weights: torch.Tensor, threshold: torch.Tensor, strict: bool = False) -> torch.Tensor:
+        """Zero the entries of weights below threshold (at or below it, if strict), in place. Multiplying by
+        a 0/1 float mask is branch-free; a masked fill over an unpredictable mask is ~10x slower."""
+        compare = torch.gt if strict else torch.ge
+        return weights.mul_(compare(weights, threshold, out=self._buffer("mask", weights.shape)))
+
+    def _top_p_by_rejection(self, weights: torch.Tensor, token_ids: torch.Tensor, top_p: torch.Tensor,
+                            redraw) -> torch.Tensor:
+        """Turn draws from `weights` (overwritten) into draws from each row's top-p nucleus.
+
+        The nucleus is every token whose strictly more likely tokens hold less than top_p of the total: the
+        smallest set of most likely tokens reaching top_p, all ties at its edge included. A draw outside it
+        is redrawn from the tokens strictly more likely than the draw, a set that still contains the
+        nucleus; so an accepted draw has the nucleus' distribution. redraw(row indices) gives uniforms."""
+        token_ids = token_ids.clone()
+        limit = top_p * _row_sums(weights)
+        active = torch.arange(len(token_ids))
+        while len(active):
+            above = self._zero_below_(weights, weights.gather(1, token_ids[active].unsqueeze(1)), strict=True)
+            rejected = _row_sums(above) >= limit[active]
+            if not bool(rejected.any()):
+                break
+            active, weights = active[rejected], above[rejected]
+            token_ids[active] = _inverse_cdf(weights, redraw(active.tolist()))
         return token_ids
 
 
 def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """t[rows], without the copy when rows are all of t's (the callers never write into the result)."""
-    return t if len(rows) == len(t) else t[rows]
+    return t if len(rows) == len(t) else t.index_select(0, torch.tensor(rows))
 
 
 def _put(t: torch.Tensor, rows: list[int], values: torch.Tensor) -> torch.Tensor:
@@ -170,10 +210,12 @@ class _Uniforms:
     """Per-row uniforms on [0, 1): a seeded row's come from its `draw_seeded_noise` row in order, the
     others from the sampler's generator, one call per batch of rows."""
 
-    def __init__(self, requests: list[Request], vocab: int, generator: torch.Generator) -> None:
+    def __init__(self, requests: list[Request], seeded: list[int], noise: torch.Tensor,
+                 generator: torch.Generator) -> None:
+        # noise: [len(seeded), vocab] float64, filled here with one row per seeded request.
         self.generator = generator
-        self.seeded = {i: draw_seeded_noise(r.generator, vocab) for i, r in enumerate(requests)
-                       if r.generator is not None}
+        self.seeded = {i: draw_seeded_noise(requests[i].generator, noise.shape[1], out=row)
+                       for i, row in zip(seeded, noise)}
         self.used = dict.fromkeys(self.seeded, 0)
 
     def next(self, rows) -> torch.Tensor:
@@ -187,28 +229,44 @@ class _Uniforms:
         return u
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
-    """[len(token_lists), vocab] float32: how often each token id occurs in each list (ids outside the
-    vocabulary are ignored)."""
-    counts = torch.zeros(len(token_lists), vocab)
+def _token_counts(rows: list[int], token_lists: list[list[int]], vocab: int):
+    """The distinct (row, token id) pairs of rows[i] with token_lists[i], and how often each occurs:
+    (rows, ids, counts) tensors. Ids outside the vocabulary are left out."""
     ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor([len(t) for t in token_lists]))
+    row_of = torch.tensor(rows).repeat_interleave(torch.tensor([len(t) for t in token_lists]))
     inside = (ids >= 0) & (ids < vocab)
-    counts.index_put_((rows[inside], ids[inside]), torch.ones(()), accumulate=True)
-    return counts
+    keys, counts = torch.unique(row_of[inside] * vocab + ids[inside], return_counts=True)
+    return keys // vocab, keys % vocab, counts.float()
 
 
 def _blocks(weights: torch.Tensor) -> torch.Tensor:
-    """weights [n, vocab] as [n, blocks, _BLOCK], zero-padded."""
-    pad = -weights.shape[-1] % _BLOCK
-    if pad:
-        weights = F.pad(weights, (0, pad))
-    return weights.view(weights.shape[0], -1, _BLOCK)
+    """weights [n, vocab] as [n, blocks, block size]: a view when a power of two from 32 to _BLOCK divides
+    the vocabulary (the largest such), else a copy zero-padded to a multiple of _BLOCK."""
+    vocab = weights.shape[-1]
+    size = min(vocab & -vocab, _BLOCK)
+    if size < 32:
+        size = _BLOCK
+        weights = F.pad(weights, (0, -vocab % size))
+    return weights.view(weights.shape[0], -1, size)
 
 
 def _row_sums(weights: torch.Tensor) -> torch.Tensor:
     # Float32 within a block, float64 across blocks: the same sums `_inverse_cdf` samples against.
     return _blocks(weights).sum(-1).sum(-1, dtype=torch.float64)
+
+
+def _kth_largest(weights: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[n, 1]: the k[i]-th largest value of each row of weights [n, vocab] (non-negative), 1 <= k < vocab.
+
+    The k largest values of a row lie in the k blocks with the largest maxima (each of the other blocks
+    has k block maxima at least as large as all its values), so for small k only those are searched."""
+    k_max = int(k.max())
+    blocks = _blocks(weights)
+    n, num_blocks, size = blocks.shape
+    if k_max * size * 2 <= weights.shape[-1]:
+        best = blocks.amax(-1).topk(k_max, dim=-1).indices + torch.arange(n).unsqueeze(1) * num_blocks
+        weights = blocks.reshape(n * num_blocks, size).index_select(0, best.flatten()).view(n, -1)
+    return weights.topk(k_max, dim=-1).values.gather(1, k.unsqueeze(1) - 1)
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -218,37 +276,16 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     is never returned. Two levels, a block then a token within it, keep the cumulative sums short."""
     n, vocab = weights.shape
     blocks = _blocks(weights)
+    size = blocks.shape[2]
     block_cdf = blocks.sum(-1).double().cumsum(-1)  # [n, num_blocks]
-    total = block_cdf[:, -1:]
-    # Strictly below the total, so that rounding in u * total cannot step past the last nonzero block.
-    target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    # u < 1 keeps u * total below the total: rounding to nearest cannot reach it.
+    target = u.unsqueeze(1) * block_cdf[:, -1:]
     block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=blocks.shape[1] - 1)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_(min=0)), 0.0)
-    within_cdf = blocks.gather(1, block.unsqueeze(-1).expand(n, 1, _BLOCK)).squeeze(1).double().cumsum(-1)
+    within_cdf = blocks.gather(1, block.unsqueeze(-1).expand(n, 1, size)).squeeze(1).double().cumsum(-1)
     within_total = within_cdf[:, -1:]
     # The block's float64 sum may differ from its float32 one in the last bits: stay inside it.
     rest = torch.minimum(target - before, torch.nextafter(within_total, torch.zeros_like(within_total)))
-    offset = torch.searchsorted(within_cdf, rest, right=True).clamp_(max=_BLOCK - 1)
+    offset = torch.searchsorted(within_cdf, rest, right=True).clamp_(max=size - 1)
     # Only rows of NaNs (a broken model) can land in the padding: clamp rather than fail the batch.
-    return (block * _BLOCK + offset).squeeze(1).clamp_(max=vocab - 1)
-
-
-def _top_p_by_rejection(weights: torch.Tensor, token_ids: torch.Tensor, top_p: torch.Tensor, redraw) -> torch.Tensor:
-    """Turn draws from `weights` into draws from each row's top-p nucleus.
-
-    The nucleus is every token whose strictly more likely tokens hold less than top_p of the total: the
-    smallest set of most likely tokens reaching top_p, all ties at its edge included. A draw outside it is
-    redrawn from the tokens strictly more likely than the draw, a set that still contains the nucleus;
-    so an accepted draw has the nucleus' distribution. redraw(row indices) gives fresh uniforms."""
-    token_ids = token_ids.clone()
-    limit = top_p * _row_sums(weights)
-    active = torch.arange(len(token_ids))
-    while len(active):
-        drawn = weights.gather(1, token_ids[active].unsqueeze(1))
-        above = torch.where(weights > drawn, weights, 0.0)
-        rejected = _row_sums(above) >= limit[active]
-        if not bool(rejected.any()):
-            break
-        active, weights = active[rejected], above[rejected]
-        token_ids[active] = _inverse_cdf(weights, redraw(active.tolist()))
-    return token_ids
+    return (block * size + offset).squeeze(1).clamp_(max=vocab - 1)

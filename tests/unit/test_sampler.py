@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from epdserve.shared.request import Request
-from epdserve.shared.sampler import Sampler, draw_seeded_noise
+from epdserve.shared.sampler import Sampler, _inverse_cdf, _kth_largest, draw_seeded_noise
 from epdserve.shared.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -132,6 +132,45 @@ def test_draws_follow_the_penalised_distribution():
     assert chi_square_p_value(counts, expected) > 1e-4
 
 
+@pytest.mark.parametrize("vocab", [900, 832, 1024])  # padded blocks of 256, blocks of 64, of 256
+def test_inverse_cdf_splits_the_unit_interval_by_weight(vocab):
+    # Evenly spaced uniforms land on each token in proportion to its weight, to within one: any offset at
+    # a block edge shows. Zero weights (whole blocks of them too), a huge block before tiny ones.
+    weights = torch.zeros(2, vocab)
+    weights[0, [3, 100, 255]] = torch.tensor([5000.0, 3000.0, 1991.0])
+    weights[0, [256, 300, 700, vocab - 1]] = torch.tensor([1.0, 2.0, 3.0, 3.0])
+    weights[1] = torch.rand(vocab, generator=torch.Generator().manual_seed(1)) ** 4
+    weights[1, 256:512] = 0.0
+    n = 20000
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    for row in weights:
+        drawn = _inverse_cdf(row.expand(n, -1).contiguous(), u)
+        counts = torch.bincount(drawn, minlength=vocab).double()
+        assert bool(((counts - n * row.double() / row.double().sum()).abs() <= 1.0).all())
+    # The ends of [0, 1) give the first and the last token of nonzero weight.
+    row = torch.zeros(1, vocab)
+    row[0, [260, 300, 530]] = torch.tensor([1.0, 0.5, 0.5])
+    ends = torch.tensor([0.0, torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0)).item()],
+                        dtype=torch.float64)
+    assert _inverse_cdf(row.expand(2, -1).contiguous(), ends).tolist() == [260, 530]
+
+
+@pytest.mark.parametrize("vocab", [8192, 8000, 1000])  # blocks of 256, of 64, padded blocks
+def test_kth_largest_matches_a_full_topk(vocab):
+    g = torch.Generator().manual_seed(20)
+    weights = torch.softmax(torch.randn(8, vocab, generator=g) * 3, -1)
+    weights[1] = 0.0  # fewer than k nonzero values
+    weights[1, [5, 4000 % vocab]] = 0.5
+    weights[2] = torch.randint(0, 4, (vocab,), generator=g).float()  # ties everywhere, across blocks
+    weights[3, ::2] = 0.0
+    weights[4] = 1.0 / vocab  # one value
+    for k_max in [1, 2, 7, 16]:
+        k = torch.randint(1, k_max + 1, (8,), generator=g)
+        k[0] = k_max
+        expected = torch.stack([weights[i].topk(int(k[i])).values[-1] for i in range(8)]).unsqueeze(1)
+        assert torch.equal(_kth_largest(weights, k), expected)
+
+
 def test_greedy_is_argmax():
     logits = logits_batch(4)
     out = Sampler()(logits, reqs(4, temperature=0.0))
@@ -150,11 +189,11 @@ def test_greedy_is_argmax_after_penalties():
             r.append_output_token(t)
         requests.append(r)
     expected = torch.stack([reference_penalties(logits[i], r) for i, r in enumerate(requests)])
-    torch.testing.assert_close(Sampler._apply_penalties(logits, requests), expected)
+    torch.testing.assert_close(Sampler()._apply_min_tokens_and_penalties(logits, requests), expected)
     assert Sampler()(logits, requests).token_ids == expected.argmax(-1).tolist()
     # Rows without penalties in a batch with some are left exactly as they were.
     mixed = requests[:3] + reqs(2, temperature=0.0)
-    penalised = Sampler._apply_penalties(logits[:5], mixed)
+    penalised = Sampler()._apply_min_tokens_and_penalties(logits[:5], mixed)
     assert torch.equal(penalised[3:], logits[3:5])
 
 
