@@ -16,7 +16,7 @@ from epdserve.services.proxy.router import RolePool, Router
 from epdserve.services.proxy.serving import OpenAIServing
 from epdserve.services.network import client_curve, server_curve
 from epdserve.shared.config import ModelConfig, TransportConfig
-from epdserve.shared.protocol import Role
+from epdserve.shared.protocol import MAY_SEND, Role
 from epdserve.shared.tokenizer import load_tokenizer
 from epdserve.transport.queues import PullChannel, RequestClient
 from epdserve.transport.security import WILDCARD_HOSTS
@@ -82,7 +82,7 @@ async def build_proxy(config: ProxyConfig):
     router = Router(pools, config.poll_interval, config.resolve_interval)
     wildcard = config.host in WILDCARD_HOSTS
     inbox = PullChannel(engine_id, host=config.host, port=config.inbox_port, allow_wildcard=wildcard,
-                        curve=server_curve(config.transport))
+                        curve=server_curve(config.transport), senders=MAY_SEND)
     backend = ServiceBackend(router, inbox, config.lifecycle, config.host, config.advertise_host)
     metrics = ProxyMetrics(config.model_name, rejected_frames=lambda: inbox.num_rejected)
     chat_encoder = None
