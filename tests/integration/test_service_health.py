@@ -29,9 +29,14 @@ def make_service(model: str, role: str = "unified") -> Service:
 
 async def started(service: Service) -> asyncio.Task:
     task = asyncio.create_task(service.run())
+    await ready(service, task)
+    return task
+
+
+async def ready(service: Service, task: asyncio.Task) -> None:
     for _ in range(600):
         if service.health == p.Health.READY:
-            return task
+            return
         assert not task.done(), task.result()
         await asyncio.sleep(0.05)
     raise AssertionError("the service did not become ready")
@@ -69,8 +74,8 @@ def test_a_dead_engine_makes_the_service_unhealthy_and_exit_nonzero(tiny_model_p
             status = await proxy.request(p.StatusRequest(), expect=p.Status)
             assert status.health == p.Health.UNHEALTHY
             assert (await management(service, "/health")).status_code == 503
-            ready = await management(service, "/ready")
-            assert ready.status_code == 503 and ready.json()["status"] == "unhealthy"
+            answer = await management(service, "/ready")
+            assert answer.status_code == 503 and answer.json()["status"] == "unhealthy"
             with pytest.raises(ErrorReply, match="unhealthy"):
                 await proxy.request(generate("r2", inbox.address))
         assert await asyncio.wait_for(task, 30) == 1
@@ -120,6 +125,27 @@ def test_a_peer_may_send_only_what_its_role_sends(tiny_model_paths, role, messag
                 await spoof.request(message)
         rejected = service.worker.metrics.rejected_frames()
         assert rejected >= 1
+        service.stop.set()
+        assert await asyncio.wait_for(task, 30) == 0
+
+    asyncio.run(main())
+
+
+def test_starting_until_the_model_is_loaded(default_model_path):
+    """Status and /ready answer from the first moment; nothing is routed to it before READY."""
+    async def main():
+        service = make_service(default_model_path)
+        task = asyncio.create_task(service.run())
+        while not service.http_port:
+            await asyncio.sleep(0.01)
+        answer = await management(service, "/ready")  # SmolLM2 takes seconds to load
+        assert answer.status_code == 503 and answer.json()["status"] == "starting"
+        assert (await management(service, "/health")).status_code == 200
+        async with client(service) as proxy:
+            status = await proxy.request(p.StatusRequest(), expect=p.Status)
+            assert status.health in (p.Health.STARTING, p.Health.READY)
+            await ready(service, task)
+            assert (await proxy.request(p.StatusRequest(), expect=p.Status)).health == p.Health.READY
         service.stop.set()
         assert await asyncio.wait_for(task, 30) == 0
 
