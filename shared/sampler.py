@@ -194,7 +194,7 @@ class Sampler:
 
 
 def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """t[rows], without the copy when rows are all of t's (the callers never write into the result)."""
+    """t[rows]: a copy, or t itself when rows are all of t's (so writing into it may write into t)."""
     return t if len(rows) == len(t) else t.index_select(0, torch.tensor(rows))
 
 
