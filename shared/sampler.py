@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -232,8 +233,10 @@ class _Uniforms:
 def _token_counts(rows: list[int], token_lists: list[list[int]], vocab: int):
     """The distinct (row, token id) pairs of rows[i] with token_lists[i], and how often each occurs:
     (rows, ids, counts) tensors. Ids outside the vocabulary are left out."""
-    ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
-    row_of = torch.tensor(rows).repeat_interleave(torch.tensor([len(t) for t in token_lists]))
+    lengths = [len(t) for t in token_lists]
+    # numpy reads a Python iterable of ints several times faster than torch.tensor does.
+    ids = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, sum(lengths)))
+    row_of = torch.tensor(rows).repeat_interleave(torch.tensor(lengths))
     inside = (ids >= 0) & (ids < vocab)
     keys, counts = torch.unique(row_of[inside] * vocab + ids[inside], return_counts=True)
     return keys // vocab, keys % vocab, counts.float()
