@@ -14,7 +14,7 @@ import pytest
 import requests
 import schemathesis
 import zmq
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 # The tiny model with a short context, set in its config so that the proxy and the engines agree on it:
@@ -176,21 +176,18 @@ def test_wrong_content_type_unknown_route_and_method_are_openai_errors(stack):
 
 def test_openapi_schema_fuzzing_finds_no_server_error(stack, reference):
     schema = schemathesis.openapi.from_url(stack.url + "/openapi.json")
-    failures: list[str] = []
     for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
         @settings(FUZZ, max_examples=400)
         @given(case=schema.as_strategy(generation_mode=mode))
         def fuzz(case):
+            sent = f"{case.method} {case.path} {case.body!r}"
             try:
                 response = case.call(base_url=stack.url, timeout=REQUEST_TIMEOUT)
             except requests.Timeout:
-                failures.append(f"{case.method} {case.path} {case.body!r} -> no answer in {REQUEST_TIMEOUT}s")
-                return
-            if response.status_code >= 500:
-                failures.append(f"{case.method} {case.path} {case.body!r} -> {response.status_code} {response.text}")
+                pytest.fail(f"{sent} -> no answer in {REQUEST_TIMEOUT}s\n{stack.logs()}")
+            assert response.status_code < 500, f"{sent} -> {response.status_code} {response.text}\n{stack.logs()}"
 
         fuzz()
-    assert not failures, "\n".join(failures[:10]) + "\n" + stack.logs()
     assert greedy_tokens(stack) == reference
 
 
@@ -224,29 +221,26 @@ CHAT_BODY = st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries({
 
 
 def test_valid_random_requests_all_succeed(stack, reference):
-    failures: list[str] = []
-
     @settings(FUZZ, max_examples=120)
     @given(body=st.one_of(st.tuples(st.just(C), COMPLETION), st.tuples(st.just(CHAT), CHAT_BODY)), sampling=SAMPLING)
+    # A subnormal top_p once left the sampler's nucleus a mass of 0 to reach: its engine looped forever.
+    @example(body=(C, {"prompt": [6355, 259]}),
+             sampling={"top_p": 5e-324, "min_p": 0.08, "repetition_penalty": 1e7, "max_tokens": 30})
     def fuzz(body, sampling):
         path, payload = body
         payload = payload | sampling
         try:
             response = httpx.post(stack.url + path, json=payload, timeout=REQUEST_TIMEOUT)
         except httpx.TimeoutException:
-            failures.append(f"{path} {payload!r} -> no answer in {REQUEST_TIMEOUT}s")
-            return
-        if response.status_code != 200:
-            failures.append(f"{path} {payload!r} -> {response.status_code} {response.text}")
-        elif payload.get("stream"):
-            events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-            if events[-1] != "[DONE]" or any("error" in json.loads(e) for e in events[:-1]):
-                failures.append(f"{path} {payload!r} -> stream {events}")
-        elif response.json()["usage"]["completion_tokens"] > payload["max_tokens"]:
-            failures.append(f"{path} {payload!r} -> more than max_tokens: {response.text}")
+            pytest.fail(f"{path} {payload!r} -> no answer in {REQUEST_TIMEOUT}s\n{stack.logs()}")
+        assert response.status_code == 200, f"{path} {payload!r} -> {response.status_code} {response.text}"
+        if payload.get("stream"):
+            events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+            assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), events
+        else:
+            assert response.json()["usage"]["completion_tokens"] <= payload["max_tokens"], response.text
 
     fuzz()
-    assert not failures, "\n".join(failures[:10]) + "\n" + stack.logs()
     assert greedy_tokens(stack) == reference
 
 
