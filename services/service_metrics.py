@@ -48,6 +48,12 @@ class _EngineCollector:
                       s.prefix_cache_queries)
         yield counter("epdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("epdserve:num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions)
+        steps = CounterMetricFamily("epdserve:engine_step_seconds", "Engine step time by phase (schedule, prepare, "
+                                    "forward, attention, sampler, output).", labels=names + ["phase"])
+        for phase, seconds in s.step_seconds.items():
+            steps.add_metric(values + [phase], seconds)
+        yield steps
+        yield counter("epdserve:engine_steps", "Engine steps run.", s.num_steps)
         finished = CounterMetricFamily("epdserve:request_success", "Requests this engine finished, by reason (a "
                                        "prefill engine's part ends at the first token).", labels=names + ["finished_reason"])
         for reason, count in s.num_finished.items():

@@ -192,7 +192,9 @@ class AsyncLLM:
                     except queue.Empty:
                         break
                 if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
+                    outputs = self.engine.step()
+                    with self.engine.step_timer.phase("output"):
+                        self._deliver(outputs)
         except BaseException as exc:  # the loop must not die silently with requests waiting on it
             logger.exception("engine loop failed")
             self._die(exc)

@@ -15,6 +15,7 @@ from epdserve.shared.outputs import RequestOutput
 from epdserve.shared.request import MultiModalPlaceholder, Request, RequestStatus
 from epdserve.shared.sampling_params import SamplingParams
 from epdserve.shared.scheduler import RemoteKVReservation, Scheduler
+from epdserve.shared.step_timer import StepTimer
 from epdserve.shared.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ class EngineStats(NamedTuple):
     prefix_cache_hits: int  # tokens found
     num_preemptions: int
     num_finished: dict[str, int]  # by finish reason: stop, length, abort, error
+    num_steps: int
+    step_seconds: dict[str, float]  # by phase (see StepTimer)
 
 
 class LLMEngine:
@@ -43,7 +46,8 @@ class LLMEngine:
         num_blocks = config.cache.resolve_num_blocks(config.model)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(config, num_blocks)
+        self.step_timer = StepTimer()
+        self.runner = ModelRunner(config, num_blocks, self.step_timer)
         self.output_processor = OutputProcessor(self.tokenizer.fast if self.tokenizer and detokenize else None)
         logger.info("engine ready: %s (%s), %d KV blocks of %d tokens, attention backend %s",
                     config.model.model_id, config.model.dtype, num_blocks, config.cache.block_size,
@@ -176,17 +180,21 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return the outputs that are due."""
-        sched = self.scheduler.schedule()
+        timer = self.step_timer
+        timer.num_steps += 1
+        with timer.phase("schedule"):
+            sched = self.scheduler.schedule()
         result = self.runner.execute(sched.scheduled, sched.new_block_ids)
-        outputs = self._fail(result.failed)
-        for request in self.scheduler.update_from_output(sched, result.token_ids):
-            stop = self.output_processor.process_token(request, result.logprobs.get(request.request_id))
-            if stop is not None and not request.is_finished:
-                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-                request.stop_reason = stop
-            out = self.output_processor.make_output(request)
-            if out is not None:
-                outputs.append(out)
+        with timer.phase("output"):
+            outputs = self._fail(result.failed)
+            for request in self.scheduler.update_from_output(sched, result.token_ids):
+                stop = self.output_processor.process_token(request, result.logprobs.get(request.request_id))
+                if stop is not None and not request.is_finished:
+                    self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+                    request.stop_reason = stop
+                out = self.output_processor.make_output(request)
+                if out is not None:
+                    outputs.append(out)
         return outputs
 
     def _fail(self, errors: dict[str, str]) -> list[RequestOutput]:
@@ -203,4 +211,5 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_free_blocks,
                            bm.num_blocks, bm.usage, bm.num_prefix_queries, bm.num_prefix_hits,
-                           self.scheduler.num_preemptions, dict(self.scheduler.num_finished))
+                           self.scheduler.num_preemptions, dict(self.scheduler.num_finished),
+                           self.step_timer.num_steps, self.step_timer.breakdown())

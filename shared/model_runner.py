@@ -20,6 +20,7 @@ from epdserve.shared.layers.attention import AttentionMetadata
 from epdserve.shared.models import MODEL_CLASSES
 from epdserve.shared.sampler import Sampler, TokenLogprobs
 from epdserve.shared.scheduler import ScheduledRequest
+from epdserve.shared.step_timer import StepTimer
 from epdserve.shared.weights import iterate_weights, language_model_weights
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,9 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, timer: StepTimer | None = None) -> None:
         self.config = config
+        self.timer = timer if timer is not None else StepTimer()
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         m = config.model
@@ -56,6 +58,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(m.num_layers, 2, num_blocks, m.num_kv_heads, self.block_size, m.head_size,
                                     dtype=m.dtype, device=self.device)
         backend = select_attention_backend(config.attention_backend, self.device)
+        backend = backend._replace(write_kv=self.timer.timed("attention", backend.write_kv),
+                                   attend=self.timer.timed("attention", backend.attend))
         for i, attn in enumerate(self.model.attention_layers()):
             attn.key_cache = self.kv_cache[i, 0].transpose(1, 2)
             attn.value_cache = self.kv_cache[i, 1].transpose(1, 2)
@@ -93,12 +97,15 @@ class ModelRunner:
             return ModelRunnerOutput(*({k: v for out in outputs for k, v in out[i].items()} for i in range(3)))
 
     def _execute(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
-        input_ids, positions, meta, sample_rows, sample_requests = self._prepare(scheduled)
-        hidden = self.model(input_ids, positions, meta, self._multimodal_embeds(scheduled, input_ids))
-        if not sample_requests:
-            return ModelRunnerOutput({}, {}, {})
-        logits = self.model.compute_logits(hidden[sample_rows]).cpu()
-        return self._sample(logits, sample_requests)
+        with self.timer.phase("prepare"):
+            input_ids, positions, meta, sample_rows, sample_requests = self._prepare(scheduled)
+        with self.timer.phase("forward"):
+            hidden = self.model(input_ids, positions, meta, self._multimodal_embeds(scheduled, input_ids))
+            if not sample_requests:
+                return ModelRunnerOutput({}, {}, {})
+            logits = self.model.compute_logits(hidden[sample_rows]).cpu()
+        with self.timer.phase("sampler"):
+            return self._sample(logits, sample_requests)
 
     def _sample(self, logits: torch.Tensor, requests: list) -> ModelRunnerOutput:
         try:

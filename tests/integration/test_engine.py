@@ -249,3 +249,12 @@ def test_random_add_step_abort_never_leaks(llm, ops):
             engine.abort_request(ids[op[1] % len(ids)])
     engine.abort_request(ids)
     assert_clean(llm)
+
+
+def test_step_time_is_broken_down_by_phase(llm):
+    before = llm.engine.stats()
+    llm.generate(["Hello", "The lighthouse keeper"], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True))
+    after = llm.engine.stats()
+    assert after.num_steps > before.num_steps
+    for phase, seconds in after.step_seconds.items():
+        assert seconds > before.step_seconds[phase], f"{phase} was not timed"
