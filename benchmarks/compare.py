@@ -27,123 +27,18 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from stacks import ROLES, ROOT, Stack
+
 RESULTS = ROOT / "benchmarks" / "results"
-ROLES = ("encoder", "prefill", "decode", "unified", "proxy")
 BASELINE = "unified"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def children(pid: int) -> list[int]:
-    """Direct child pids of `pid` (Linux /proc; the parent field of every process where the kernel has no
-    `children` files)."""
-    out: list[int] = []
-    tasks = list(Path(f"/proc/{pid}/task").glob("*/children"))
-    for task in tasks:
-        try:
-            out += [int(c) for c in task.read_text().split()]
-        except OSError:
-            pass
-    if tasks:
-        return out
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def role_of(pid: int) -> str | None:
-    """The service role of an `epdserve serve <role>` process."""
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-    except OSError:
-        return None
-    return next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "serve" and argv[i + 1] in ROLES), None)
-
-
-class Stack:
-    """One `epdserve up` and its services: started, pinned per role, stopped, all by pid."""
-
-    def __init__(self, name: str, model: str, up_args: list[str], engine_args: list[str], cpus: dict[str, str],
-                 log_dir: Path) -> None:
-        self.name, self.model, self.cpus = name, model, cpus
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "epdserve.services.cli", "up", "--model", model, "--port", str(self.port),
-                     *up_args, *(["--", *engine_args] if engine_args else [])]
-        self.log = log_dir / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-        self.services: dict[int, str] = {}  # pid -> role
-        self.pinning: dict[str, str] = {}
-
-    def start(self, timeout: float) -> None:
-        self.proc = subprocess.Popen(self.argv, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        else:
-            self.stop()
-            raise RuntimeError(f"{self.name} was not ready within {timeout:.0f}s:\n{self.tail()}")
-        self.services = {pid: role for pid in children(self.proc.pid) if (role := role_of(pid))}
-        for pid, role in sorted(self.services.items(), key=lambda kv: ROLES.index(kv[1])):
-            cpus = self.cpus.get(role)
-            if cpus:  # -a: every thread the service already has; later threads inherit it
-                subprocess.run(["taskset", "-a", "-p", "-c", cpus, str(pid)], check=True, capture_output=True)
-            self.pinning[f"{role} (pid {pid})"] = _affinity(pid)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # `epdserve up` stops its services
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for pid in self.services:  # whatever outlived the launcher
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def tail(self, n: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
-
-
-def _affinity(pid: int) -> str:
-    cpus = sorted(os.sched_getaffinity(pid))
-    return ",".join(map(str, cpus))
 
 
 def parse_cpus(spec: str) -> dict[str, str]:

