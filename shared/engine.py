@@ -5,14 +5,13 @@ import logging
 from dataclasses import replace
 from typing import NamedTuple
 
-import torch
-
 from epdserve.shared.block_manager import BlockManager
 from epdserve.shared.config import EngineConfig
 from epdserve.shared.model_runner import ModelRunner
 from epdserve.shared.output_processor import OutputProcessor
 from epdserve.shared.outputs import RequestOutput
 from epdserve.shared.request import MultiModalPlaceholder, Request, RequestStatus
+from epdserve.shared.sampler import draw_seeded_noise
 from epdserve.shared.sampling_params import SamplingParams
 from epdserve.shared.scheduler import RemoteKVReservation, Scheduler
 from epdserve.shared.step_timer import StepTimer
@@ -167,7 +166,7 @@ class LLMEngine:
         if request.generator is not None and not request.sampling_params.is_greedy:
             # The peer drew one row of sampling noise for the first token: draw it too, so a seeded request
             # samples the same tokens here as it would in one engine.
-            torch.empty(self.model_config.vocab_size).exponential_(generator=request.generator)
+            draw_seeded_noise(request.generator, self.model_config.vocab_size)
 
     def _peer_token_output(self, request: Request, running: bool) -> list[RequestOutput]:
         self.output_processor.process_token(request, None)

@@ -186,7 +186,10 @@ class Sampler:
         active = torch.arange(len(token_ids))
         while len(active):
             above = self._zero_below_(weights, weights.gather(1, token_ids[active].unsqueeze(1)), strict=True)
-            rejected = _row_sums(above) >= limit[active]
+            mass_above = _row_sums(above)
+            # A most likely token (nothing strictly above it) is always in the nucleus, whatever top_p: this
+            # also ends the loop when top_p * total underflows to 0.
+            rejected = (mass_above >= limit[active]) & (mass_above > 0)
             if not bool(rejected.any()):
                 break
             active, weights = active[rejected], above[rejected]

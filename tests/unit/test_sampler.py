@@ -421,3 +421,14 @@ def test_logprobs_of_random_rows_are_of_the_raw_distribution():
         assert lp.logprob == pytest.approx(float(raw[i, t]))
         assert lp.rank == int((raw[i] > raw[i, t]).sum()) + 1
         assert [tok for tok, _ in lp.top] == raw[i].topk(2).indices.tolist()
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-12])
+def test_a_vanishing_top_p_keeps_the_most_likely_token_and_ends(top_p):
+    """top_p * total can underflow to 0: the loop must still end, on the most likely token."""
+    logits = torch.tensor([[0.25, 0.3, 0.25, 0.2]] * 3).log()
+    # min_p leaves 0.3 of the mass: top_p * 0.3 rounds to 0 for the smallest top_p.
+    requests = [Request(f"r{s}", [1, 2, 3], SamplingParams(temperature=1.0, top_p=top_p, min_p=0.9, seed=s),
+                        max_model_len=1000) for s in (None, 1, 2)]
+    for _ in range(20):
+        assert Sampler(0)(logits, requests).token_ids == [1, 1, 1]
