@@ -114,7 +114,7 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
 
     @app.exception_handler(_ClientGone)
     async def client_gone(request: Request, exc: _ClientGone):
-        return Response(status_code=499)  # read by nobody; nginx's "client closed request" in the access log
+        return Response(status_code=499)  # never sent: the client has gone (nginx's "client closed request")
 
     @app.exception_handler(GenerationError)
     async def generation_failed(request: Request, exc: GenerationError):

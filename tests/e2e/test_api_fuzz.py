@@ -212,7 +212,9 @@ SAMPLING = st.fixed_dictionaries({"max_tokens": st.integers(1, 48)}, optional={
         "include_usage": st.booleans()}), "return_tokens_as_token_ids": st.booleans(), "model": st.just("demo"),
 }).flatmap(lambda d: st.fixed_dictionaries({"min_tokens": st.integers(0, d["max_tokens"])}).map(lambda m: d | m))
 # A prompt of at most 24 characters is at most 4 tokens each: with 48 to generate it fits the short context.
-COMPLETION = st.fixed_dictionaries({"prompt": text(24) | st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=64)},
+# No control characters: a few of them tokenize to nothing, and an empty prompt is a 400.
+PROMPT = st.text(st.characters(exclude_categories=["Cc", "Cs"]), min_size=1, max_size=24)
+COMPLETION = st.fixed_dictionaries({"prompt": PROMPT | st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=64)},
                                    optional={"echo": st.booleans(), "logprobs": st.integers(0, 5)})
 CHAT_BODY = st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries({
     "role": st.just("user"), "content": text(8) | st.lists(st.fixed_dictionaries({
