@@ -11,10 +11,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from epdserve.shared.sampling_params import MAX_LOGPROBS, SamplingParams
-
-# What torch's generator (and msgpack, on the way to the engines) accept as a seed.
-MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
+from epdserve.shared.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 
 
 def _first_unencodable(body: Any) -> tuple | None:
@@ -86,7 +83,7 @@ class _SamplingFields(_Request):
     stop: str | list[str] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
     # vLLM extensions
     top_k: int | None = None

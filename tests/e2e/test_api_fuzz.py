@@ -25,6 +25,7 @@ VOCAB = 49152  # SmolLM2's tokenizer, which the tiny models use
 REQUEST_TIMEOUT = 60  # a request unanswered by then is a hang: reported as a failure
 GREEDY = {"model": "demo", "prompt": "The lighthouse keeper", "max_tokens": 12, "temperature": 0, "logprobs": 0,
           "return_tokens_as_token_ids": True, "ignore_eos": True}
+# Derandomized: every run sends the same examples, so a failure in CI reproduces.
 FUZZ = settings(deadline=None, database=None, phases=[Phase.explicit, Phase.generate], derandomize=True,
                 suppress_health_check=list(HealthCheck))
 
