@@ -178,7 +178,7 @@ def test_wrong_content_type_unknown_route_and_method_are_openai_errors(stack):
 def test_openapi_schema_fuzzing_finds_no_server_error(stack, reference):
     schema = schemathesis.openapi.from_url(stack.url + "/openapi.json")
     for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-        @settings(FUZZ, max_examples=400)
+        @settings(FUZZ, max_examples=600)
         @given(case=schema.as_strategy(generation_mode=mode))
         def fuzz(case):
             sent = f"{case.method} {case.path} {case.body!r}"
@@ -224,7 +224,7 @@ CHAT_BODY = st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries({
 
 
 def test_valid_random_requests_all_succeed(stack, reference):
-    @settings(FUZZ, max_examples=120)
+    @settings(FUZZ, max_examples=200)
     @given(body=st.one_of(st.tuples(st.just(C), COMPLETION), st.tuples(st.just(CHAT), CHAT_BODY)), sampling=SAMPLING)
     # A subnormal top_p once left the sampler's nucleus a mass of 0 to reach: its engine looped forever.
     @example(body=(C, {"prompt": [6355, 259]}),
