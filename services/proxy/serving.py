@@ -129,13 +129,9 @@ class OpenAIServing:
         if any(not 0 <= t < self.vocab_size for t in req.stop_token_ids or ()):
             raise BadRequest(f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids")
         try:
-            params = req.sampling_params(max_tokens, logprobs)
+            return req.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        # A top_p at or below 1/vocab keeps the most likely token(s) alone, whatever the distribution: raised
-        # to that floor it means the same, and a subnormal one cannot underflow the sampler's nucleus mass to 0.
-        params.top_p = max(params.top_p, 1 / self.vocab_size)
-        return params
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if any(not 0 <= t < self.vocab_size for t in ids):
