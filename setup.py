@@ -19,4 +19,5 @@ for folder in FOLDERS:
             continue
         package_dir["epdserve." + pkg_path.replace("/", ".")] = pkg_path
 
-setup(packages=list(package_dir), package_dir=package_dir)
+# Sources compiled at run time (the C++ CPU kernels) travel with the package.
+setup(packages=list(package_dir), package_dir=package_dir, package_data={"epdserve.kernels": ["csrc/*.cpp"]})

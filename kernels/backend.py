@@ -1,7 +1,8 @@
 """The attention backend: the one interface through which the engine writes and reads the paged KV cache.
 
-Two implementations share the signatures of `epdserve.kernels.reference`:
-    "torch"  the PyTorch reference (the CPU execution path; also runs on CUDA)
+Three implementations share the signatures of `epdserve.kernels.reference`:
+    "torch"  the PyTorch reference (also runs on CUDA, and serves CPUs where "cpu" cannot be built)
+    "cpu"    decodes by a C++ kernel straight from the paged cache, prefills by the reference (CPU only)
     "triton" the Triton kernels (CUDA; on CPU only under the Triton interpreter, for tests)
 Triton is imported only when the Triton backend is chosen, so this module imports without it.
 """
@@ -11,9 +12,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from epdserve.kernels import reference
+from epdserve.kernels import cpu_attention, reference
 
-BACKEND_NAMES = ("auto", "triton", "torch")
+BACKEND_NAMES = ("auto", "triton", "cpu", "torch")
 
 
 class AttentionBackend(NamedTuple):
@@ -30,17 +31,24 @@ class AttentionBackend(NamedTuple):
 def select_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """Return the backend called `name` for tensors on `device`.
 
-    "auto" is Triton on CUDA and the PyTorch reference elsewhere. "triton" on a non-CUDA device is
-    allowed only when Triton's interpreter is on (TRITON_INTERPRET=1 before triton is first imported).
-    Raises ValueError for an unknown name and RuntimeError when Triton cannot serve the device.
+    "auto" is Triton on CUDA, "cpu" on a CPU where its kernel builds, else the PyTorch reference.
+    "triton" on a non-CUDA device is allowed only when Triton's interpreter is on (TRITON_INTERPRET=1
+    before triton is first imported). Raises ValueError for an unknown name and RuntimeError when the
+    backend cannot serve the device.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")
     device = torch.device(device)
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu" if device.type == "cpu" and cpu_attention.available() \
+            else "torch"
     if name == "torch":
         return AttentionBackend("torch", reference.kv_cache_write, reference.paged_attention, reference.plan_attention)
+    if name == "cpu":
+        if device.type != "cpu" or not cpu_attention.available():
+            raise RuntimeError(f"the cpu attention backend needs a CPU device and its C++ kernel built, got {device}")
+        return AttentionBackend("cpu", reference.kv_cache_write, cpu_attention.paged_attention,
+                                cpu_attention.plan_attention)
     return _triton_backend(device)
 
 

@@ -62,7 +62,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
+                   help="auto: triton on CUDA, the C++ cpu kernel on CPU (the torch reference if it cannot be built)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, help="torch compute threads (default: torch's choice)")

@@ -9,15 +9,24 @@ import pytest
 import torch
 
 from epdserve.kernels import paged_attention as triton_attention
-from epdserve.kernels import reference
+from epdserve.kernels import cpu_attention, reference
 from epdserve.kernels.backend import AttentionBackend, select_attention_backend
 from epdserve.kernels.kv_cache_write import kv_cache_write
 
 
-def test_auto_is_torch_on_cpu():
+def test_auto_on_cpu_is_the_kernel_or_the_reference():
     backend = select_attention_backend("auto", torch.device("cpu"))
-    assert backend == AttentionBackend("torch", reference.kv_cache_write, reference.paged_attention,
-                                       reference.plan_attention)
+    if cpu_attention.available():
+        assert backend == AttentionBackend("cpu", reference.kv_cache_write, cpu_attention.paged_attention,
+                                           cpu_attention.plan_attention)
+    else:
+        assert backend == AttentionBackend("torch", reference.kv_cache_write, reference.paged_attention,
+                                           reference.plan_attention)
+
+
+def test_auto_is_the_reference_where_the_kernel_cannot_be_built(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    assert select_attention_backend("auto", torch.device("cpu")).name == "torch"
 
 
 def test_auto_is_triton_on_cuda():
@@ -28,7 +37,7 @@ def test_auto_is_triton_on_cuda():
 
 def test_torch_on_cuda_and_string_devices():
     assert select_attention_backend("torch", "cuda").name == "torch"
-    assert select_attention_backend("auto", "cpu").name == "torch"
+    assert select_attention_backend("torch", "cpu").name == "torch"
 
 
 def test_unknown_name():
@@ -93,12 +102,12 @@ def _run_without_triton(body: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
 
 
-def test_imports_and_selects_torch_without_triton():
+def test_imports_and_selects_without_triton():
     result = _run_without_triton("""
         import sys
         import torch
         from epdserve.kernels.backend import select_attention_backend
-        assert select_attention_backend("auto", torch.device("cpu")).name == "torch"
+        assert select_attention_backend("auto", torch.device("cpu")).name in ("cpu", "torch")
         assert "triton" not in sys.modules
         try:
             select_attention_backend("triton", torch.device("cuda"))

@@ -1,0 +1,80 @@
+"""The C++ CPU decode-attention kernel against the PyTorch reference, on the engine's head-major cache."""
+import pytest
+import torch
+
+from epdserve.kernels import cpu_attention, reference
+from epdserve.kernels.backend import select_attention_backend
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the C++ kernel cannot be built here")
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 7
+    # Head-major storage, seen through the kernels' logical view, as the engine keeps it.
+    storage = torch.randn(2, num_blocks, num_kv_heads, block_size, head_size, generator=gen).to(dtype)
+    key_cache, value_cache = storage[0].transpose(1, 2), storage[1].transpose(1, 2)
+    order = torch.randperm(num_blocks, generator=gen)  # blocks scattered over the pool
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    tables, used = [], 0
+    for n in seq_lens:
+        blocks = order[used:used + -(-n // block_size)].tolist()
+        used += len(blocks)
+        tables.append(blocks + blocks[-1:] * (max_blocks - len(blocks)))
+    query = torch.randn(sum(q_lens), num_heads, head_size, generator=gen).to(dtype)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    return query, key_cache, value_cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(seq_lens,
+                                                                                                 dtype=torch.int32), qsl
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(9, 3, 64), (8, 8, 128), (8, 1, 80), (12, 4, 32)])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decodes_equal_the_reference(dtype, num_heads, num_kv_heads, head_size, block_size):
+    seq_lens = [1, 5, block_size, block_size + 1, 3 * block_size - 1, 200]
+    batch = make_batch([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype)
+    scale = head_size ** -0.5
+    want = reference.paged_attention(*batch, scale)
+    got = cpu_attention.paged_attention(*batch, scale)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_sliding_window(window):
+    batch = make_batch([1, 1, 1], [3, 50, 130], 8, 2, 64, 16, torch.float32, seed=1)
+    torch.testing.assert_close(cpu_attention.paged_attention(*batch, 0.125, window),
+                               reference.paged_attention(*batch, 0.125, window), atol=2e-5, rtol=2e-5)
+
+
+def test_mixed_batch_of_decodes_and_prefill_chunks():
+    """Decodes go to the kernel, prefill chunks (over a cached prefix or not) to the reference path."""
+    batch = make_batch([1, 7, 1, 20, 1], [33, 40, 1, 20, 90], 9, 3, 64, 16, torch.float32, seed=2)
+    plan = cpu_attention.plan_attention(batch[3], batch[4], batch[5], 16, 3)
+    assert plan.decode_token_idx.tolist() == [0, 8, 29] and len(plan.prefills) == 2
+    torch.testing.assert_close(cpu_attention.paged_attention(*batch, 0.125, plan=plan),
+                               reference.paged_attention(*batch, 0.125), atol=2e-5, rtol=2e-5)
+
+
+def test_results_land_in_a_given_output_only_at_decode_rows():
+    batch = make_batch([1, 4, 1], [9, 4, 30], 4, 2, 64, 16, torch.float32, seed=3)
+    out = torch.full_like(batch[0], float("nan"))
+    cpu_attention.paged_attention(*batch, 0.125, out=out)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, reference.paged_attention(*batch, 0.125), atol=2e-5, rtol=2e-5)
+
+
+def test_block_ids_outside_the_pool_are_refused():
+    query, key_cache, value_cache, tables, lens, qsl = make_batch([1], [20], 4, 2, 64, 16, torch.float32)
+    tables[0, 1] = key_cache.shape[0]
+    with pytest.raises(RuntimeError, match="block ids out of range"):
+        cpu_attention.paged_attention(query, key_cache, value_cache, tables, lens, qsl, 0.125)
+
+
+def test_auto_picks_the_kernel_on_cpu():
+    assert select_attention_backend("auto", "cpu").name == "cpu"
+    assert select_attention_backend("cpu", "cpu").attend is cpu_attention.paged_attention
+    with pytest.raises(RuntimeError, match="CPU device"):
+        select_attention_backend("cpu", "cuda")
