@@ -66,7 +66,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: triton on CUDA, the C++ cpu kernel on CPU (the torch reference if it cannot be built)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--threads", type=int, help="torch compute threads (default: torch's choice)")
+    g.add_argument("--threads", type=int, help="compute threads of the engine (or encoder); the service's other "
+                                                "threads use one (default: one per core)")
 
 
 def _add_transport_args(p: argparse.ArgumentParser) -> None:
@@ -204,7 +205,7 @@ def proxy_config(args: argparse.Namespace, model: str):
         allow_private_image_urls=args.allow_private_image_urls)
 
 
-def service_config(args: argparse.Namespace):
+def service_config(args: argparse.Namespace, threads: int = 1):
     import socket
 
     from epdserve.shared.config import ServiceConfig
@@ -212,7 +213,7 @@ def service_config(args: argparse.Namespace):
     engine_id = args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port or os.getpid()}"
     return ServiceConfig(args.role, engine_id, args.host, args.port, args.data_port, args.http_port,
                          args.advertise_host, args.lease_seconds, args.encoder_cache_items, transport_config(args),
-                         args.drain_timeout)
+                         args.drain_timeout, threads)
 
 
 def _serve_command(args: argparse.Namespace) -> int:
@@ -227,10 +228,11 @@ def _serve_command(args: argparse.Namespace) -> int:
     import torch
 
     from epdserve.services.runtime import run_service
+    from epdserve.shared.compute_threads import compute_in_one_thread_by_default
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    config = service_config(args)
+    threads = args.threads or torch.get_num_threads()
+    compute_in_one_thread_by_default()  # before any op: only the engine's thread gets `threads`
+    config = service_config(args, threads)
     engine = engine_config(args, model) if args.role != "encoder" else None
     return asyncio.run(run_service(config, engine, model, args.dtype, args.device))
 

@@ -52,7 +52,8 @@ class EngineWorker:
                  kv_client: KVTransferClient | None = None) -> None:
         self.service = service
         self.engine_config = engine_config
-        self.llm = AsyncLLM(LLMEngine(engine_config, detokenize=False))
+        # The engine is built and run on its own thread, the only one with the service's compute threads.
+        self.llm = AsyncLLM(lambda: LLMEngine(engine_config, detokenize=False), num_threads=service.threads)
         self.kv_layout = KVLayout(engine_config.model.model_id, str(engine_config.model.dtype).removeprefix("torch."),
                                   engine_config.cache.block_size, engine_config.model.num_layers,
                                   engine_config.model.num_kv_heads, engine_config.model.head_size)

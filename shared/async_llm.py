@@ -15,6 +15,7 @@ import threading
 import time
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
+from epdserve.shared.compute_threads import set_this_thread
 from epdserve.shared.engine import LLMEngine, PromptType
 from epdserve.shared.llm import build_engine_config
 from epdserve.shared.outputs import RequestOutput
@@ -48,8 +49,10 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], num_threads: int | None = None) -> None:
+        """`engine`, or a function that builds it, which then runs on the engine's thread. `num_threads`: the
+        engine thread's compute threads (None: the process-wide setting). A service builds its engine on
+        the engine thread with the cores, every other thread single-threaded: see `compute_threads`."""
         self._commands: queue.Queue[tuple[str, object]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -59,13 +62,17 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._on_dead: list[Callable[[BaseException], None]] = []
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="epdserve-engine", daemon=True)
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._start, args=(engine, num_threads, built), name="epdserve-engine",
+                                        daemon=True)
         self._thread.start()
+        self.engine: LLMEngine = built.result()  # raises what building it raised
 
     @classmethod
     def from_model(cls, model: str, **kwargs) -> AsyncLLM:
-        """Build the engine like `LLM(model, **kwargs)` does."""
-        return cls(LLMEngine(build_engine_config(model, **kwargs)))
+        """Build the engine like `LLM(model, **kwargs)` does, on the engine's thread."""
+        config = build_engine_config(model, **kwargs)
+        return cls(lambda: LLMEngine(config))
 
     @property
     def tokenizer(self):
@@ -181,6 +188,18 @@ class AsyncLLM:
         self._thread.join(timeout=30)
 
     # -- engine thread ------------------------------------------------------------------------------
+    def _start(self, engine: LLMEngine | Callable[[], LLMEngine], num_threads: int | None,
+               built: concurrent.futures.Future) -> None:
+        if num_threads is not None:
+            set_this_thread(num_threads)
+        try:
+            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+        except BaseException as exc:
+            built.set_exception(exc)
+            return
+        built.set_result(self.engine)
+        self._run()
+
     def _run(self) -> None:
         try:
             while not self._stopping:

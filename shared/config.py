@@ -214,3 +214,5 @@ class ServiceConfig:
     encoder_cache_items: int = 256  # images whose embeddings the encoder keeps
     transport: TransportConfig = field(default_factory=TransportConfig)
     drain_timeout: float = 10.0  # on SIGTERM: seconds to finish what is in flight before exiting
+    # Compute threads of the engine (or encoder) thread; every other thread of the service uses one.
+    threads: int = 1

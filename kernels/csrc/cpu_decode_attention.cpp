@@ -6,7 +6,7 @@
 // two-pass softmax, and the probability-weighted sum of V.
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
+#include <omp.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -98,9 +98,14 @@ void decode_attention_impl(T* out, const T* query, const int64_t* token_idx, con
   const int64_t group = num_heads / num_kv_heads;
   const int64_t block_elems = num_kv_heads * block_size * head_size;  // one block, every KV head: contiguous
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+  // OpenMP directly, with the calling thread's thread count: at::parallel_for, inlined here, would first
+  // reset that count from ATen's process-wide setting, which an engine thread deliberately overrides.
+#pragma omp parallel firstprivate(num_seqs, num_heads, num_kv_heads, head_size, block_size, table_stride, scale, \
+                                    sliding_window, group, block_elems, block_bytes)
+  {
     std::vector<float> q(num_heads * head_size), acc(num_heads * head_size), scores, buffer(head_size);
-    for (int64_t seq = begin; seq < end; ++seq) {
+#pragma omp for schedule(static)
+    for (int64_t seq = 0; seq < num_seqs; ++seq) {
       const int64_t len = seq_lens[seq];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t ctx = len - first;
@@ -155,7 +160,7 @@ void decode_attention_impl(T* out, const T* query, const int64_t* token_idx, con
       }
       for (int64_t i = 0; i < num_heads * head_size; ++i) out[row + i] = static_cast<T>(acc[i]);
     }
-  });
+  }
 }
 
 }  // namespace

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from epdserve.services.service_metrics import ServiceMetrics
+from epdserve.shared.compute_threads import set_this_thread
 from epdserve.shared.config import ServiceConfig
 from epdserve.shared.image_processor import ImageProcessor
 from epdserve.shared.models.llava_encoder import LlavaEncoder
@@ -58,8 +60,10 @@ class EncoderWorker:
         self.cache = EncoderCache(service.encoder_cache_items)
         self.metrics = ServiceMetrics(service.role, service.engine_id)
         self.data_addr = ""
-        # One image at a time through the model; the event loop stays free meanwhile.
+        # One image at a time through the model, on the one thread with the service's compute threads; the
+        # event loop stays free meanwhile.
         self._lock = asyncio.Lock()
+        self._compute = ThreadPoolExecutor(1, "epdserve-encoder", initializer=set_this_thread, initargs=(service.threads,))
 
     def status(self, health: Health) -> Status:
         return Status(self.service.engine_id, self.role, health, 0, 0, 0, 0, data_addr=self.data_addr)
@@ -98,9 +102,9 @@ class EncoderWorker:
             return self.encoder.encode(self.processor.preprocess(rgb).unsqueeze(0))[0].cpu().contiguous()
 
         async with self._lock:
-            embeddings = await asyncio.to_thread(run)
+            embeddings = await asyncio.get_running_loop().run_in_executor(self._compute, run)
         self.cache.put(item_hash, embeddings)
         return embeddings
 
     async def close(self) -> None:
-        pass
+        self._compute.shutdown(wait=False, cancel_futures=True)
