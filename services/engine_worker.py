@@ -24,7 +24,7 @@ from epdserve.shared.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCod
 from epdserve.shared.request import MultiModalPlaceholder, Request
 from epdserve.shared.sampling_params import from_wire
 from epdserve.transport.kv_transfer import KVTransferClient, TransferError
-from epdserve.transport.queues import ChannelError, PushChannel
+from epdserve.transport.queues import ChannelError
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class EngineWorker:
         self.kv_client = kv_client
         self.metrics = ServiceMetrics(service.role, service.engine_id, self.llm.engine.stats)
         self.data_addr = ""
-        self.proxies = ProxyChannels(push_kwargs)
+        self.proxies = ProxyChannels(push_kwargs, on_failure=self._proxy_unreachable)
         self._tasks: dict[str, asyncio.Task] = {}
 
     @property
@@ -140,7 +140,7 @@ class EngineWorker:
             return bad_request(request_id, str(exc))
         if push is None:
             return Error(ErrorCode.OVERLOADED, f"streams to {len(self.proxies)} proxies already", request_id, True)
-        task = asyncio.create_task(self._stream(request_id, outputs(), push, request.sampling_params.logprobs))
+        task = asyncio.create_task(self._stream(request_id, outputs(), reply_to, request.sampling_params.logprobs))
         self._tasks[request_id] = task
 
         def done(_) -> None:
@@ -150,34 +150,35 @@ class EngineWorker:
         task.add_done_callback(done)
         return Ack(request_id)
 
-    async def _stream(self, request_id: str, outputs: AsyncIterator[RequestOutput], push: PushChannel,
+    async def _stream(self, request_id: str, outputs: AsyncIterator[RequestOutput], reply_to: str,
                       num_top: int | None) -> None:
-        reply_to = push.client.address
         first = True
         try:
             async for out in outputs:
                 completion = out.outputs[0]
                 reason = FinishReason(completion.finish_reason) if completion.finish_reason else None
-                await push.send(TokenDelta(request_id, tuple(completion.token_ids), wire_logprobs(out, num_top), reason,
-                                           completion.stop_reason, out.num_cached_tokens if first else None),
-                                timeout=self.service.transport.request_timeout)
+                self.proxies.send_soon(reply_to, TokenDelta(
+                    request_id, tuple(completion.token_ids), wire_logprobs(out, num_top), reason,
+                    completion.stop_reason, out.num_cached_tokens if first else None))
                 first = False
                 if out.finished:
                     self.metrics.finished(out)
         except asyncio.CancelledError:
             raise  # aborted; the engine request was aborted by the iterator's cleanup
-        except (ChannelError, TimeoutError) as exc:
-            # The proxy is unreachable: nobody reads this stream any more.
-            logger.warning("request %s: cannot stream to %s (%s); aborting it", request_id, reply_to, exc)
         except Exception as exc:
             logger.exception("request %s failed", request_id)
             code = ErrorCode.BAD_REQUEST if isinstance(exc, ValueError) else ErrorCode.INTERNAL
-            try:
-                await push.send(Error(code, str(exc), request_id), timeout=self.service.transport.request_timeout)
-            except (ChannelError, TimeoutError):
-                pass
+            self.proxies.send_soon(reply_to, Error(code, str(exc), request_id))
         finally:
             await outputs.aclose()
+
+    def _proxy_unreachable(self, address: str, request_ids: list[str], exc: Exception) -> None:
+        """Nobody reads these streams any more: stop their requests."""
+        logger.warning("cannot stream to %s (%s); aborting %d request(s)", address, exc, len(request_ids))
+        for request_id in request_ids:
+            task = self._tasks.get(request_id)
+            if task is not None:
+                task.cancel()
 
     async def close(self) -> None:
         for task in list(self._tasks.values()):

@@ -45,7 +45,13 @@ class _Stream:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
 
 
 class AsyncLLM:
@@ -270,7 +276,14 @@ class AsyncLLM:
                 self.engine.abort_request(request.request_id)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up of each streams' event loop per step, not one
+        per request (each wake-up takes the GIL from this thread)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(RequestFailedError(out.error) if out.error is not None else out)
+                item = RequestFailedError(out.error) if out.error is not None else out
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, items in by_loop.items():
+            if not loop.is_closed():  # a caller's loop that ended has nobody left to tell
+                loop.call_soon_threadsafe(_put_all, items)

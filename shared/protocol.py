@@ -23,7 +23,7 @@ from typing import ClassVar, Union
 
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Role(str, enum.Enum):
@@ -254,6 +254,14 @@ class TokenDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenDeltas:
+    """The deltas one engine step made for the requests of one proxy: one message per step, not per request."""
+
+    TAG: ClassVar[str] = "token_deltas"
+    deltas: tuple[TokenDelta, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Release:
     """Decode has pulled the request's blocks: prefill may free them."""
 
@@ -380,7 +388,7 @@ class EmbeddingsSent:
 Message = Union[
     Handshake, HandshakeAck,
     EncodeRequest, EncodeDone, PrefillRequest, PrefillDone, DecodeRequest, GenerateRequest, TokenDelta,
-    Release, RenewLease, LeaseRenewed, Abort, Ack,
+    TokenDeltas, Release, RenewLease, LeaseRenewed, Abort, Ack,
     StatusRequest, Status, Error,
     FetchBlocks, BlocksData, BlocksSent, FetchEmbeddings, EmbeddingsData, EmbeddingsSent,
 ]
@@ -393,9 +401,9 @@ MESSAGE_TYPES: dict[str, type] = {cls.TAG: cls for cls in Message.__args__}
 MAY_SEND: dict[Role, frozenset[type]] = {
     Role.PROXY: frozenset({StatusRequest, EncodeRequest, PrefillRequest, DecodeRequest, GenerateRequest, Abort}),
     # Engines pull embeddings and KV, hand prefill's blocks back, and push tokens to proxies.
-    Role.PREFILL: frozenset({FetchEmbeddings, TokenDelta, Error}),
-    Role.DECODE: frozenset({FetchEmbeddings, FetchBlocks, RenewLease, Release, TokenDelta, Error}),
-    Role.UNIFIED: frozenset({FetchEmbeddings, TokenDelta, Error}),
+    Role.PREFILL: frozenset({FetchEmbeddings, TokenDelta, TokenDeltas, Error}),
+    Role.DECODE: frozenset({FetchEmbeddings, FetchBlocks, RenewLease, Release, TokenDelta, TokenDeltas, Error}),
+    Role.UNIFIED: frozenset({FetchEmbeddings, TokenDelta, TokenDeltas, Error}),
     Role.ENCODER: frozenset(),
 }
 assert len(MESSAGE_TYPES) == len(Message.__args__), "two messages share a tag"

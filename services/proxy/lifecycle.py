@@ -4,7 +4,7 @@
 2. Prefill (chosen by prefix affinity) computes the prompt, samples the first token - streamed to the
    client at once - and holds the KV under a lease.
 3. Decode (chosen by free KV and load) pulls the blocks it lacks, releases prefill, and streams the rest
-   back to this proxy's inbox (a pull channel every service pushes TokenDeltas to).
+   back to this proxy's inbox (a pull channel services push a step's TokenDeltas to, one message per step).
 
 Short uncached prompts, or no healthy prefill, go straight to decode, which prefills them itself.
 
@@ -30,7 +30,7 @@ from epdserve.services.proxy.generation import Chunk, GenerateInput, GenerationE
 from epdserve.services.proxy.router import Instance, NoInstanceError, Router, prefix_key
 from epdserve.shared.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error, ErrorCode,
                                       GenerateRequest, MMItem, MMPlaceholder, PrefillDone, PrefillRequest, Role,
-                                      TokenDelta, TokenLogprobs as WireLogprobs)
+                                      TokenDelta, TokenDeltas, TokenLogprobs as WireLogprobs)
 from epdserve.shared.sampler import TokenLogprobs
 from epdserve.shared.sampling_params import to_wire
 from epdserve.transport.queues import ChannelError, ErrorReply, PullChannel
@@ -101,15 +101,17 @@ class ServiceBackend:
         orphans: collections.OrderedDict[str, None] = collections.OrderedDict()
         while True:
             message, peer = await self.inbox.recv_from()
-            rid = getattr(message, "request_id", None) or ""
-            queue = self._streams.get(rid)
-            if queue is not None:
-                queue.put_nowait(message)
-            elif rid not in orphans and not (isinstance(message, TokenDelta) and message.finish_reason):
-                orphans[rid] = None
-                if len(orphans) > 1024:
-                    orphans.popitem(last=False)
-                self._abort_soon(self.router.find(peer.engine_id), rid)
+            # A step's deltas for this proxy's requests come as one message.
+            for item in message.deltas if isinstance(message, TokenDeltas) else (message,):
+                rid = getattr(item, "request_id", None) or ""
+                queue = self._streams.get(rid)
+                if queue is not None:
+                    queue.put_nowait(item)
+                elif rid not in orphans and not (isinstance(item, TokenDelta) and item.finish_reason):
+                    orphans[rid] = None
+                    if len(orphans) > 1024:
+                        orphans.popitem(last=False)
+                    self._abort_soon(self.router.find(peer.engine_id), rid)
 
     # -- the request ---------------------------------------------------------------------------------
     async def generate(self, gen: GenerateInput) -> AsyncIterator[Chunk]:

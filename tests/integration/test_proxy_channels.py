@@ -63,3 +63,35 @@ def test_reply_addresses_must_be_tcp(address):
             channels().acquire(address)
 
     asyncio.run(main())
+
+
+def test_what_is_queued_together_leaves_as_one_message_in_order():
+    async def main():
+        async with PullChannel("proxy-0") as inbox:
+            pool = channels()
+            pool.acquire(inbox.address)
+            for message in (p.TokenDelta("a", (1,)), p.TokenDelta("b", (2,)), p.Error(p.ErrorCode.INTERNAL, "x", "c"),
+                            p.TokenDelta("a", (3,))):
+                pool.send_soon(inbox.address, message)  # one engine step's worth, queued without awaiting
+            assert await inbox.recv(timeout=5) == p.TokenDeltas((p.TokenDelta("a", (1,)), p.TokenDelta("b", (2,))))
+            assert await inbox.recv(timeout=5) == p.Error(p.ErrorCode.INTERNAL, "x", "c")
+            assert await inbox.recv(timeout=5) == p.TokenDeltas((p.TokenDelta("a", (3,)),))
+            await pool.close()
+
+    asyncio.run(main())
+
+
+def test_an_unreachable_proxy_fails_the_requests_whose_tokens_it_lost():
+    async def main():
+        lost = asyncio.get_running_loop().create_future()
+        pool = ProxyChannels(dict(engine_id="decode-0", role=p.Role.DECODE, timeout=0.5),
+                             on_failure=lambda address, ids, exc: lost.set_result((address, ids)))
+        address = "tcp://127.0.0.1:9"  # nothing listens there
+        pool.acquire(address)
+        pool.send_soon(address, p.TokenDelta("a", (1,)))
+        pool.send_soon(address, p.TokenDelta("b", (2,)))
+        pool.send_soon(address, p.TokenDelta("a", (3,)))
+        assert await asyncio.wait_for(lost, 10) == (address, ["a", "b"])
+        await pool.close()
+
+    asyncio.run(main())

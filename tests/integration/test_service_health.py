@@ -101,8 +101,8 @@ def test_draining_finishes_what_it_holds_and_takes_nothing_new(tiny_model_paths)
             assert refused.value.error.retryable  # the proxy tries another instance
             tokens, finish = 1, None
             while finish is None:
-                delta = await inbox.recv(timeout=30)
-                tokens, finish = tokens + len(delta.token_ids), delta.finish_reason
+                for delta in (await inbox.recv(timeout=30)).deltas:  # one message per step
+                    tokens, finish = tokens + len(delta.token_ids), delta.finish_reason
             assert finish == p.FinishReason.LENGTH and tokens >= 200
         assert await asyncio.wait_for(task, 30) == 0
 

@@ -33,6 +33,8 @@ SAMPLES = [
     p.TokenDelta("r1", (5, 6, 7), (LOGPROBS,) * 3),
     p.TokenDelta("r1", (), finish_reason=p.FinishReason.STOP, stop_reason="</s>"),
     p.TokenDelta("r1", (2,), finish_reason=p.FinishReason.STOP, stop_reason=2),
+    p.TokenDeltas((p.TokenDelta("r1", (5,), (LOGPROBS,)), p.TokenDelta("r2", (), finish_reason=p.FinishReason.LENGTH))),
+    p.TokenDeltas(()),
     p.Release("r1"),
     p.RenewLease("r1"),
     p.LeaseRenewed("r1", 1.8e9),
