@@ -5,12 +5,16 @@ Runs in its own venv (see benchmarks/setup_vllm_cpu.sh), never in the project's:
     .venv-vllm/bin/python benchmarks/peer_vllm.py --model PATH --prompts prompts.json \
         --threads N --out result.json
 
-prompts.json: {"prompt_token_ids": [[...], ...], "max_tokens": 128}
+prompts.json: {"prompt_token_ids": [[...], ...], "max_tokens": 128}, one timed generate; or
+{"runs": [[[...], ...], ...], "max_tokens": 128}, one timed generate per entry, in order.
 
-vLLM's `LLM.generate` runs the prompts as `TokensPrompt`s in float32, greedy, `ignore_eos=True`,
-`max_tokens` from the file. One small untimed warm-up generate comes first (on other token ids, so the
-timed run gets no prefix-cache hits from it). The JSON written to --out carries the timing and every
-sequence's output token ids, so a caller can check vLLM's greedy output against HF transformers'.
+vLLM's `LLM.generate` runs the prompts as `TokensPrompt`s, `ignore_eos=True`, `max_tokens` from the
+file, in --dtype (default float32) with --temperature and --top-p (default 0 and 1: greedy); sampled
+requests carry no seed of their own. One small untimed warm-up generate comes first, with the same
+sampling (on other token ids, so no timed run gets prefix-cache hits from it). The JSON written to --out
+carries each run's timing (top level: the median run's, and the min/max over runs) and every sequence's
+output token ids (top level: all runs' in order; per run under "runs"), so a caller can check vLLM's
+greedy output against HF transformers'.
 
 Thread count: vLLM's CPU worker runs its OpenMP pool on the cores named by
 VLLM_CPU_OMP_THREADS_BIND (it sets OMP_NUM_THREADS to their count and pins one thread to each core).
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -34,12 +39,44 @@ def omp_bind(threads: int, first_cpu: int = 0) -> str:
     return str(first_cpu) if threads == 1 else f"{first_cpu}-{last}"
 
 
+def run_record(prompts: list[list[int]], output_ids: list[list[int]], elapsed: float) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    output_tokens = sum(len(o) for o in output_ids)
+    return {
+        "num_requests": len(prompts),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+        "output_token_ids": output_ids,
+    }
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians over the runs at the top level, the spread of output tok/s, and every run."""
+    rates = [r["output_tokens_per_s"] for r in runs]
+    top = {k: runs[0][k] for k in ("num_requests", "prompt_tokens", "output_tokens")}
+    for k in ("elapsed_s", "output_tokens_per_s", "total_tokens_per_s"):
+        top[k] = statistics.median(r[k] for r in runs)
+    return top | {
+        "output_tokens_per_s_min": min(rates),
+        "output_tokens_per_s_max": max(rates),
+        "repeats": len(runs),
+        "runs": runs,
+        "output_token_ids": [o for r in runs for o in r["output_token_ids"]],
+    }
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="local HF model folder")
     p.add_argument("--prompts", required=True, help='JSON: {"prompt_token_ids": [[...]], "max_tokens": N}')
     p.add_argument("--threads", type=int, default=1, help="compute threads (cores 0..N-1)")
     p.add_argument("--out", required=True, help="result JSON path")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--kv-cache-gb", default="2", help="VLLM_CPU_KVCACHE_SPACE in GiB (default 2)")
     p.add_argument("--warmup-prompts", type=int, default=4)
     p.add_argument("--warmup-tokens", type=int, default=8)
@@ -69,9 +106,10 @@ def main(argv=None) -> int:
 
     with open(args.prompts) as f:
         spec = json.load(f)
-    prompts = [[int(t) for t in p] for p in spec["prompt_token_ids"]]
+    runs = spec["runs"] if "runs" in spec else [spec["prompt_token_ids"]]
+    runs = [[[int(t) for t in p] for p in prompts] for prompts in runs]
     max_tokens = int(spec["max_tokens"])
-    if not prompts or max_tokens < 1:
+    if not all(runs) or max_tokens < 1:
         print("peer_vllm: need at least one prompt and max_tokens >= 1", file=sys.stderr)
         return 2
 
@@ -82,53 +120,55 @@ def main(argv=None) -> int:
 
     version = vllm_version()
 
-    max_len = max(len(p) for p in prompts) + max_tokens
+    longest = max(len(p) for prompts in runs for p in prompts)
     llm = LLM(
         model=args.model,
         tokenizer=args.model,
-        dtype="float32",
-        max_model_len=max(max_len, args.warmup_tokens + max(len(p) for p in prompts)),
+        dtype=args.dtype,
+        max_model_len=longest + max(max_tokens, args.warmup_tokens),
         seed=0,
     )
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(
-            temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=not args.no_detokenize
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=n,
+            ignore_eos=True,
+            detokenize=not args.no_detokenize,
         )
 
-    # Untimed warm-up on reversed prompts: same shapes, no prefix-cache hits for the timed run.
-    warm = [TokensPrompt(prompt_token_ids=p[::-1]) for p in prompts[: args.warmup_prompts]]
+    # Untimed warm-up on reversed prompts: same shapes, no prefix-cache hits for the timed runs.
+    warm = [TokensPrompt(prompt_token_ids=p[::-1]) for p in runs[0][: args.warmup_prompts]]
     llm.generate(warm, params(args.warmup_tokens), use_tqdm=False)
 
-    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    t0 = time.perf_counter()
-    outputs = llm.generate(inputs, params(max_tokens), use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    timed = []
+    for prompts in runs:
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        t0 = time.perf_counter()
+        outputs = llm.generate(inputs, params(max_tokens), use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        timed.append(run_record(prompts, [list(o.outputs[0].token_ids) for o in outputs], elapsed))
 
-    output_ids = [list(o.outputs[0].token_ids) for o in outputs]
-    prompt_tokens = sum(len(p) for p in prompts)
-    output_tokens = sum(len(o) for o in output_ids)
     result = {
         "engine": "vllm-cpu",
         "version": version,
         "threads": args.threads,
         "omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
-        "num_requests": len(prompts),
+        "dtype": args.dtype,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
         "max_tokens": max_tokens,
         "detokenize": not args.no_detokenize,
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "elapsed_s": elapsed,
-        "output_tokens_per_s": output_tokens / elapsed,
-        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
-        "output_token_ids": output_ids,
-    }
+    } | summarize(timed)
     with open(args.out, "w") as f:
         json.dump(result, f)
     print(
-        f"vllm-cpu {version} threads={args.threads}: {len(prompts)} requests, "
-        f"{output_tokens} output tokens in {elapsed:.2f}s = {result['output_tokens_per_s']:.1f} out tok/s, "
-        f"{result['total_tokens_per_s']:.1f} total tok/s"
+        f"vllm-cpu {version} threads={args.threads} {args.dtype} temperature={args.temperature} "
+        f"top_p={args.top_p}: {len(runs)} run(s) of {result['num_requests']} requests, median "
+        f"{result['output_tokens']} output tokens in {result['elapsed_s']:.2f}s = "
+        f"{result['output_tokens_per_s']:.1f} out tok/s (min {result['output_tokens_per_s_min']:.1f}, "
+        f"max {result['output_tokens_per_s_max']:.1f}), {result['total_tokens_per_s']:.1f} total tok/s"
     )
     return 0
 
