@@ -63,7 +63,7 @@ class EncoderWorker:
         # One image at a time through the model, on the one thread with the service's compute threads; the
         # event loop stays free meanwhile.
         self._lock = asyncio.Lock()
-        self._compute = ThreadPoolExecutor(1, "epdserve-encoder", initializer=set_this_thread, initargs=(service.threads,))
+        self._executor = ThreadPoolExecutor(1, "epdserve-encoder", initializer=set_this_thread, initargs=(service.threads,))
 
     def status(self, health: Health) -> Status:
         return Status(self.service.engine_id, self.role, health, 0, 0, 0, 0, data_addr=self.data_addr)
@@ -102,9 +102,9 @@ class EncoderWorker:
             return self.encoder.encode(self.processor.preprocess(rgb).unsqueeze(0))[0].cpu().contiguous()
 
         async with self._lock:
-            embeddings = await asyncio.get_running_loop().run_in_executor(self._compute, run)
+            embeddings = await asyncio.get_running_loop().run_in_executor(self._executor, run)
         self.cache.put(item_hash, embeddings)
         return embeddings
 
     async def close(self) -> None:
-        self._compute.shutdown(wait=False, cancel_futures=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -128,19 +128,36 @@ def demo_model(llava_demo_path):
     return llava_demo_path
 
 
-@pytest.fixture(scope="session")
-def stack_factory(tmp_path_factory):
-    """make(model, encoders=.., prefills=.., ...) -> a started Stack; every stack is stopped at the end."""
-    stacks = []
+class _Stacks:
+    """Starts stacks and stops every one it started (a machine holds only a few SmolLM2 stacks at once)."""
 
-    def make(model, **kwargs) -> Stack:
-        stack = Stack(model, tmp_path_factory.mktemp("stack-logs"), **kwargs)
-        stacks.append(stack)
+    def __init__(self, log_root) -> None:
+        self.log_root, self.started = log_root, []
+
+    def __call__(self, model, **kwargs) -> Stack:
+        stack = Stack(model, self.log_root.mktemp("stack-logs"), **kwargs)
+        self.started.append(stack)
         return stack.start()
 
-    yield make
-    for stack in stacks:
-        stack.stop()
+    def stop_all(self) -> None:
+        for stack in self.started:
+            stack.stop()
+
+
+@pytest.fixture(scope="module")
+def stack_factory(tmp_path_factory):
+    """make(model, encoders=.., prefills=.., ...) -> a started Stack, stopped when the module's tests end."""
+    stacks = _Stacks(tmp_path_factory)
+    yield stacks
+    stacks.stop_all()
+
+
+@pytest.fixture
+def start_stack(tmp_path_factory):
+    """Like stack_factory, for one test: its stacks stop when the test ends."""
+    stacks = _Stacks(tmp_path_factory)
+    yield stacks
+    stacks.stop_all()
 
 
 def token_ids(logprobs_tokens: list[str]) -> list[int]:

@@ -302,9 +302,9 @@ def _answers(url: str) -> bool:
         return False
 
 
-def test_a_request_past_its_time_is_a_504_and_is_aborted(demo_model, stack_factory):
+def test_a_request_past_its_time_is_a_504_and_is_aborted(demo_model, start_stack):
     """A non-streaming request still running when its time is up answers 504, and the engine drops it."""
-    stack = stack_factory(demo_model, unified=1, engine_args=["--num-kv-blocks", str(NUM_BLOCKS)],
+    stack = start_stack(demo_model, unified=1, engine_args=["--num-kv-blocks", str(NUM_BLOCKS)],
                           proxy_args=["--token-timeout", "1"])
     try:
         slow = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -322,9 +322,9 @@ def test_a_request_past_its_time_is_a_504_and_is_aborted(demo_model, stack_facto
         stack.stop()
 
 
-def test_ipv6_stack(default_model_path, stack_factory, smollm2, hf_greedy, near_tie_check, ids_of):
+def test_ipv6_stack(default_model_path, start_stack, smollm2, hf_greedy, near_tie_check, ids_of):
     """Prefill, decode and proxy on ::1: control, KV transfer, token streams and HTTP all over IPv6."""
-    stack = stack_factory(default_model_path, prefills=1, decodes=1, host="::1",
+    stack = start_stack(default_model_path, prefills=1, decodes=1, host="::1",
                           engine_args=["--num-kv-blocks", str(NUM_BLOCKS)])
     try:
         model, tokenizer = smollm2
@@ -338,11 +338,11 @@ def test_ipv6_stack(default_model_path, stack_factory, smollm2, hf_greedy, near_
         stack.stop()
 
 
-def test_decode_renews_the_lease_while_a_request_waits_for_room(default_model_path, stack_factory, smollm2,
+def test_decode_renews_the_lease_while_a_request_waits_for_room(default_model_path, start_stack, smollm2,
                                                                 hf_greedy, near_tie_check, ids_of):
     """A decode with room for one sequence keeps the second request's KV alive on prefill (1 s lease)
     for as long as the first one runs, then pulls it instead of recomputing."""
-    stack = stack_factory(default_model_path, prefills=1, decodes=1,
+    stack = start_stack(default_model_path, prefills=1, decodes=1,
                           engine_args=["--num-kv-blocks", str(NUM_BLOCKS), "--max-num-seqs", "1", "--lease-seconds", "1"])
     try:
         decode, prefill = stack.services["decode-0"], stack.services["prefill-0"]

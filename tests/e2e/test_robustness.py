@@ -197,9 +197,9 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def test_reply_addresses_from_the_wire_keep_fds_bounded(tiny_model_paths, stack_factory):
+def test_reply_addresses_from_the_wire_keep_fds_bounded(tiny_model_paths, start_stack):
     """300 requests, each asking for its tokens at a different (unreachable) address."""
-    stack = stack_factory(tiny_model_paths["llama"], prefills=1, decodes=1,
+    stack = start_stack(tiny_model_paths["llama"], prefills=1, decodes=1,
                           engine_args=[*ENGINE_ARGS, "--request-timeout", "2"])
     decode = stack.services["decode-0"]
     before = open_fds(decode.proc.pid)
@@ -235,10 +235,10 @@ def test_reply_addresses_from_the_wire_keep_fds_bounded(tiny_model_paths, stack_
     wait_until(served, 30, "the stack to serve again")
 
 
-def test_a_killed_prefill_fails_its_waiting_streams_within_seconds(default_model_path, stack_factory):
+def test_a_killed_prefill_fails_its_waiting_streams_within_seconds(default_model_path, start_stack):
     """With the only prefill killed mid-prefill, every stream waiting on it ends (an error before any byte,
     since nothing reached it yet) within 10 s instead of hanging."""
-    stack = stack_factory(default_model_path, prefills=1, decodes=1,
+    stack = start_stack(default_model_path, prefills=1, decodes=1,
                           engine_args=["--num-kv-blocks", "1024", "--max-num-batched-tokens", "128"])
     prompt = "Describe the sea. " * 120  # ~600 tokens, prefilled 128 at a time, 16 of them queued
     ended: list[float] = []
