@@ -90,18 +90,36 @@ inline const float* as_float(const T* row, float* buffer, int64_t n) {
   }
 }
 
+// Calls row_fn(kv_head, t, row) for every KV head and every token t in [first, len) of one sequence, block
+// by block (a block of every KV head is one contiguous run), prefetching two blocks ahead: one block's
+// arithmetic is shorter than fetching the next from memory.
+template <typename T, typename RowFn>
+inline void for_each_row(const T* cache, const int64_t* table, int64_t first, int64_t len, int64_t num_kv_heads,
+                         int64_t block_size, int64_t head_size, RowFn&& row_fn) {
+  const int64_t block_elems = num_kv_heads * block_size * head_size;
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
+  const int64_t first_block = first / block_size, last_block = (len - 1) / block_size;
+  for (int64_t b = first_block; b <= std::min(last_block, first_block + 1); ++b)
+    prefetch(cache + table[b] * block_elems, block_bytes);
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    if (b + 2 <= last_block) prefetch(cache + table[b + 2] * block_elems, block_bytes);
+    const T* block = cache + table[b] * block_elems;
+    const int64_t lo = std::max(first, b * block_size), hi = std::min(len, (b + 1) * block_size);
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t t = lo; t < hi; ++t) row_fn(h, t, block + (h * block_size + t % block_size) * head_size);
+  }
+}
+
 template <typename T>
 void decode_attention_impl(T* out, const T* query, const int64_t* token_idx, const T* key_cache,
                            const T* value_cache, const int64_t* block_tables, const int64_t* seq_lens,
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                            int64_t block_size, int64_t table_stride, double scale, int64_t sliding_window) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t block_elems = num_kv_heads * block_size * head_size;  // one block, every KV head: contiguous
-  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
   // OpenMP directly, with the calling thread's thread count: at::parallel_for, inlined here, would first
   // reset that count from ATen's process-wide setting, which an engine thread deliberately overrides.
 #pragma omp parallel firstprivate(num_seqs, num_heads, num_kv_heads, head_size, block_size, table_stride, scale, \
-                                    sliding_window, group, block_elems, block_bytes)
+                                    sliding_window, group)
   {
     std::vector<float> q(num_heads * head_size), acc(num_heads * head_size), scores, buffer(head_size);
 #pragma omp for schedule(static)
@@ -110,26 +128,15 @@ void decode_attention_impl(T* out, const T* query, const int64_t* token_idx, con
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t ctx = len - first;
       const int64_t* table = block_tables + seq * table_stride;
-      const int64_t first_block = first / block_size, last_block = (len - 1) / block_size;
       const int64_t row = token_idx[seq] * num_heads * head_size;  // this sequence's token in query and out
       for (int64_t i = 0; i < num_heads * head_size; ++i) q[i] = static_cast<float>(query[row + i]) * static_cast<float>(scale);
       scores.resize(num_heads * ctx);  // [query head][token]
-      // Scores: block by block, every KV head of a block at once (one contiguous run), prefetching two
-      // blocks ahead: one block's arithmetic is shorter than fetching the next from memory.
-      for (int64_t b = first_block; b <= std::min(last_block, first_block + 1); ++b)
-        prefetch(key_cache + table[b] * block_elems, block_bytes);
-      for (int64_t b = first_block; b <= last_block; ++b) {
-        if (b + 2 <= last_block) prefetch(key_cache + table[b + 2] * block_elems, block_bytes);
-        const T* block = key_cache + table[b] * block_elems;
-        const int64_t lo = std::max(first, b * block_size), hi = std::min(len, (b + 1) * block_size);
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-          for (int64_t t = lo; t < hi; ++t) {
-            const float* k = as_float(block + (h * block_size + t % block_size) * head_size, buffer.data(), head_size);
-            for (int64_t g = h * group; g < (h + 1) * group; ++g)
-              scores[g * ctx + (t - first)] = dot(q.data() + g * head_size, k, head_size);
-          }
-        }
-      }
+      for_each_row(key_cache, table, first, len, num_kv_heads, block_size, head_size,
+                   [&](int64_t h, int64_t t, const T* key) {
+                     const float* k = as_float(key, buffer.data(), head_size);
+                     for (int64_t g = h * group; g < (h + 1) * group; ++g)
+                       scores[g * ctx + (t - first)] = dot(q.data() + g * head_size, k, head_size);
+                   });
       for (int64_t g = 0; g < num_heads; ++g) {
         float* s = scores.data() + g * ctx;
         float max = s[0];
@@ -142,22 +149,13 @@ void decode_attention_impl(T* out, const T* query, const int64_t* token_idx, con
         const float inv = 1.0f / sum;
         for (int64_t i = 0; i < ctx; ++i) s[i] *= inv;
       }
-      // Probability-weighted sum of V, in the same order.
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t b = first_block; b <= std::min(last_block, first_block + 1); ++b)
-        prefetch(value_cache + table[b] * block_elems, block_bytes);
-      for (int64_t b = first_block; b <= last_block; ++b) {
-        if (b + 2 <= last_block) prefetch(value_cache + table[b + 2] * block_elems, block_bytes);
-        const T* block = value_cache + table[b] * block_elems;
-        const int64_t lo = std::max(first, b * block_size), hi = std::min(len, (b + 1) * block_size);
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-          for (int64_t t = lo; t < hi; ++t) {
-            const float* v = as_float(block + (h * block_size + t % block_size) * head_size, buffer.data(), head_size);
-            for (int64_t g = h * group; g < (h + 1) * group; ++g)
-              add_scaled(acc.data() + g * head_size, scores[g * ctx + (t - first)], v, head_size);
-          }
-        }
-      }
+      for_each_row(value_cache, table, first, len, num_kv_heads, block_size, head_size,
+                   [&](int64_t h, int64_t t, const T* value) {
+                     const float* v = as_float(value, buffer.data(), head_size);
+                     for (int64_t g = h * group; g < (h + 1) * group; ++g)
+                       add_scaled(acc.data() + g * head_size, scores[g * ctx + (t - first)], v, head_size);
+                   });
       for (int64_t i = 0; i < num_heads * head_size; ++i) out[row + i] = static_cast<T>(acc[i]);
     }
   }
