@@ -72,22 +72,63 @@ inline void add_scaled(float* y, float p, const float* x, int64_t n) {  // y += 
   for (int64_t d = 0; d < n; ++d) y[d] += p * x[d];
 }
 
-// Asks for a block ahead of its use: the blocks of a sequence are scattered, so the
-// hardware prefetcher cannot guess the next one, and a decode is bound by reading K and V from memory.
-inline void prefetch(const void* start, int64_t bytes) {
-  const char* p = static_cast<const char*>(start);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
-}
-
 // A row of the cache as float32: the row itself when it is float32, else converted into `buffer`.
 template <typename T>
 inline const float* as_float(const T* row, float* buffer, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     return row;
   } else {
+
     for (int64_t d = 0; d < n; ++d) buffer[d] = static_cast<float>(row[d]);
     return buffer;
   }
+}
+
+#ifdef __AVX512F__
+// 16 bfloat16 values as float32: a bfloat16 is the top half of a float32.
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#endif
+
+// q . row and acc += p * row for a cache row of type T, widened to float32 in registers where the build
+// has AVX-512 (float32, bfloat16), else through `buffer`.
+template <typename T>
+inline float dot_row(const float* q, const T* row, float* buffer, int64_t n) {
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    if (n % 16 == 0) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(row + d), acc);
+      return _mm512_reduce_add_ps(acc);
+    }
+  }
+#endif
+  return dot(q, as_float(row, buffer, n), n);
+}
+
+template <typename T>
+inline void add_scaled_row(float* acc, float p, const T* row, float* buffer, int64_t n) {
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    if (n % 16 == 0) {
+      const __m512 pv = _mm512_set1_ps(p);
+      for (int64_t d = 0; d < n; d += 16)
+        _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(row + d), _mm512_loadu_ps(acc + d)));
+      return;
+    }
+  }
+#endif
+  add_scaled(acc, p, as_float(row, buffer, n), n);
+}
+
+// Asks for a block ahead of its use: the blocks of a sequence are scattered, so the
+// hardware prefetcher cannot guess the next one, and a decode is bound by reading K and V from memory.
+inline void prefetch(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
 // Calls row_fn(kv_head, t, row) for every KV head and every token t in [first, len) of one sequence, block
@@ -133,9 +174,8 @@ void decode_attention_impl(T* out, const T* query, const int64_t* token_idx, con
       scores.resize(num_heads * ctx);  // [query head][token]
       for_each_row(key_cache, table, first, len, num_kv_heads, block_size, head_size,
                    [&](int64_t h, int64_t t, const T* key) {
-                     const float* k = as_float(key, buffer.data(), head_size);
                      for (int64_t g = h * group; g < (h + 1) * group; ++g)
-                       scores[g * ctx + (t - first)] = dot(q.data() + g * head_size, k, head_size);
+                       scores[g * ctx + (t - first)] = dot_row(q.data() + g * head_size, key, buffer.data(), head_size);
                    });
       for (int64_t g = 0; g < num_heads; ++g) {
         float* s = scores.data() + g * ctx;
@@ -152,9 +192,9 @@ void decode_attention_impl(T* out, const T* query, const int64_t* token_idx, con
       std::fill(acc.begin(), acc.end(), 0.0f);
       for_each_row(value_cache, table, first, len, num_kv_heads, block_size, head_size,
                    [&](int64_t h, int64_t t, const T* value) {
-                     const float* v = as_float(value, buffer.data(), head_size);
                      for (int64_t g = h * group; g < (h + 1) * group; ++g)
-                       add_scaled(acc.data() + g * head_size, scores[g * ctx + (t - first)], v, head_size);
+                       add_scaled_row(acc.data() + g * head_size, scores[g * ctx + (t - first)], value, buffer.data(),
+                                      head_size);
                    });
       for (int64_t i = 0; i < num_heads * head_size; ++i) out[row + i] = static_cast<T>(acc[i]);
     }
