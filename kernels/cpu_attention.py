@@ -3,56 +3,29 @@
 A decode step attends each sequence's single new token to its whole context. The PyTorch reference does
 that with a gather (or a mirror of last step's gather) and two batched matmuls whose rows are a GQA
 group, 3 rows for SmolLM2, which run far below the machine's speed; the kernel in
-csrc/cpu_decode_attention.cpp reads each sequence's K/V blocks in place, once per KV head, for every
-query head of the group, and computes in float32 (exact two-pass softmax). Prefill chunks keep the
+csrc/cpu_decode_attention.cpp reads each sequence's K/V blocks in place, once, for every query head (a KV
+head serves its GQA group), and computes in float32 (exact two-pass softmax). Prefill chunks keep the
 reference path (one fused scaled_dot_product_attention per sequence).
 
-The kernel is compiled on first use with torch's cpp_extension (g++ and ninja; about a minute, then
-cached under ~/.cache/torch_extensions) for the CPU it runs on. Where it cannot be built, `available()`
-says so and the engine uses the reference backend.
+The kernel is built on first use for the CPU it runs on (see cpu_build); where it cannot be built,
+`available()` says so and the engine uses the reference backend.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from epdserve.kernels import reference
-
-logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "cpu_decode_attention.cpp"
+from epdserve.kernels import cpu_build, reference
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags: the kernel is built with -march=native, so each CPU kind gets its own build."""
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return ""
-
-
-@functools.cache
 def _extension():
-    from torch.utils.cpp_extension import load
-
-    tag = hashlib.blake2b(_cpu_flags().encode(), digest_size=4).hexdigest()
-    return load(name=f"epdserve_cpu_attention_{tag}", sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
+    return cpu_build.load("cpu_decode_attention.cpp")
 
 
-@functools.cache
 def available() -> bool:
     """Whether the kernel is built (building it now if needed)."""
-    try:
-        _extension()
-        return True
-    except Exception as exc:  # no compiler, no ninja, an unsupported platform: the reference path serves
-        logger.warning("the C++ CPU attention kernel cannot be built (%s); using the PyTorch reference", exc)
-        return False
+    return _extension() is not None
 
 
 class CpuAttentionPlan(NamedTuple):

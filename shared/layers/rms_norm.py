@@ -1,6 +1,8 @@
 import torch
 from torch import nn
 
+from epdserve.kernels import cpu_layer_ops
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back before the weight, exactly as HF Llama/Qwen2 do."""
@@ -11,7 +13,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return cpu_layer_ops.rms_norm(x, self.weight, self.eps)

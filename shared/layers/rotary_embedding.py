@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from epdserve.kernels import cpu_layer_ops
+
 
 def inverse_frequencies(head_size: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
@@ -41,16 +43,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of the step's positions, [num_tokens, 1, head_size]: looked up once, used by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos and sin of the step's positions, [num_tokens, head_size]: looked up once, used by every layer."""
+        return self.cos[positions], self.sin[positions]
 
     @staticmethod
     def apply(rope: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor, key: torch.Tensor):
-        # query: [num_tokens, num_heads, head_size]; key: [num_tokens, num_kv_heads, head_size]
+        """The rotated query [num_tokens, num_heads, head_size] and key [num_tokens, num_kv_heads, head_size];
+        on CPU they are rotated in place."""
         cos, sin = rope
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        return cpu_layer_ops.rotary(query, cos, sin), cpu_layer_ops.rotary(key, cos, sin)

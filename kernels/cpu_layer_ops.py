@@ -1,0 +1,42 @@
+"""RMSNorm and rotary embedding on CPU as one C++ op each (csrc/cpu_layer_ops.cpp), with their PyTorch
+spelling where the kernel is not built or the tensors are elsewhere.
+
+Each replaces half a dozen small PyTorch ops per layer and step; at small batches a decode step is
+mostly such dispatch overhead. The C++ ops round where the PyTorch spelling does (see the source).
+"""
+from __future__ import annotations
+
+import torch
+
+from epdserve.kernels import cpu_build
+
+
+def _ops():
+    return cpu_build.load("cpu_layer_ops.cpp", exact_rounding=True)
+
+
+def available() -> bool:
+    return _ops() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)) over the last dim, in float32 then cast to x's dtype before the weight (HF)."""
+    if x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1 and weight.dtype == x.dtype and \
+            (ops := _ops()) is not None:
+        out = torch.empty(x.shape, dtype=x.dtype)
+        ops.rms_norm(out, x, weight, eps)
+        return out
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin; x: [tokens, heads, head_size], cos/sin: [tokens, head_size].
+    On CPU x is rotated in place (and returned)."""
+    if x.device.type == "cpu" and x.stride(-1) == 1 and cos.stride(-1) == 1 and (ops := _ops()) is not None:
+        ops.rotary_(x, cos, sin)
+        return x
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -1,0 +1,65 @@
+"""The C++ RMSNorm and rotary ops against their PyTorch spelling (HF Llama numerics)."""
+import pytest
+import torch
+
+from epdserve.kernels import cpu_layer_ops
+
+pytestmark = pytest.mark.skipif(not cpu_layer_ops.available(), reason="the C++ ops cannot be built here")
+
+
+def torch_rms_norm(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def torch_rotary(x, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, hidden", [(1, 576), (7, 64), (300, 576), (64, 2048)])
+def test_rms_norm(dtype, rows, hidden):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    got, want = cpu_layer_ops.rms_norm(x, weight, 1e-5), torch_rms_norm(x, weight, 1e-5)
+    assert got.dtype == dtype
+    # Only the sum of squares adds up in another order: a few units in the last place.
+    tolerance = 4e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+def test_rms_norm_of_a_strided_view():
+    fused = torch.randn(5, 3 * 64)
+    x = fused[:, 64:128]  # rows contiguous, not the tensor
+    torch.testing.assert_close(cpu_layer_ops.rms_norm(x, torch.ones(64), 1e-6), torch_rms_norm(x, torch.ones(64), 1e-6),
+                               rtol=4e-6, atol=4e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, heads, head_size", [(1, 9, 64), (37, 3, 64), (5, 8, 128), (300, 2, 32)])
+def test_rotary_is_exact(dtype, tokens, heads, head_size):
+    """Every product and sum rounds where the PyTorch spelling rounds: bit for bit equal."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, heads, head_size, generator=gen).to(dtype)
+    angles = torch.rand(tokens, head_size // 2, generator=gen) * 50
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    want = torch_rotary(x, cos, sin)
+    got = cpu_layer_ops.rotary(x.clone(), cos, sin)
+    assert torch.equal(got, want)
+
+
+def test_rotary_in_place_on_views_of_a_fused_projection():
+    qkv = torch.randn(6, 9 * 64 + 2 * 3 * 64)
+    before = qkv.clone()
+    q, k, v = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.view(6, 9, 64), k.view(6, 3, 64)
+    angles = torch.rand(6, 32)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    want_q, want_k = torch_rotary(q.clone(), cos, sin), torch_rotary(k.clone(), cos, sin)
+    assert cpu_layer_ops.rotary(q, cos, sin).data_ptr() == q.data_ptr()
+    cpu_layer_ops.rotary(k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(v, before[:, 12 * 64:])  # untouched
