@@ -57,7 +57,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (overrides --kv-cache-memory)")
-    g.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV pool size in GiB (default 2)")
+    g.add_argument("--kv-cache-memory", type=float,
+                   help="KV pool size in GiB (default: sized from the memory available, see --kv-cache-memory-fraction)")
+    g.add_argument("--kv-cache-memory-fraction", type=float,
+                   help="share of the memory available at start-up, after the weights, that the KV pool takes when "
+                        "no size is given (default 0.05 on CPU, 0.9 on a GPU)")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int)
@@ -175,7 +179,8 @@ def engine_config(args: argparse.Namespace, model: str):
     return build_engine_config(
         model, dtype=args.dtype, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=int(args.kv_cache_memory * (1 << 30)), num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=int(args.kv_cache_memory * (1 << 30)) if args.kv_cache_memory else None,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_model_len=args.max_model_len, attention_backend=args.attention_backend, device=args.device,
         seed=args.seed)
 

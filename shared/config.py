@@ -130,30 +130,37 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * self.dtype.itemsize
 
+    @property
+    def num_weight_bytes(self) -> int:
+        """Bytes of the language model's weights in `dtype` (a multimodal checkpoint's tower not counted)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        attention = h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.qkv_bias + h * self.o_bias
+        mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h) * self.mlp_bias
+        layer = attention + mlp + 2 * h  # + the two RMSNorms
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return (self.num_layers * layer + embeddings + h) * self.dtype.itemsize
+
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
-    # Size of the KV pool; `num_blocks` wins over the byte budget when both are given.
-    kv_cache_memory_bytes: int = 2 << 30
+    # Size of the KV pool, first given wins: `num_blocks`, `kv_cache_memory_bytes`, else sized from the
+    # memory available (see kv_cache_budget.py): `kv_cache_memory_fraction` of it after the weights
+    # (None: the device's default).
+    kv_cache_memory_bytes: int | None = None
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_memory_fraction: float | None = None
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.kv_cache_memory_bytes <= 0:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
-
-    def resolve_num_blocks(self, model: ModelConfig) -> int:
-        if self.num_blocks is not None:
-            return self.num_blocks
-        num = self.kv_cache_memory_bytes // (model.kv_bytes_per_token * self.block_size)
-        if num <= 0:
-            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds no block of this model")
-        return int(num)
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from epdserve.shared.block_manager import BlockManager
 from epdserve.shared.config import EngineConfig
+from epdserve.shared.kv_cache_budget import size_kv_cache
 from epdserve.shared.model_runner import ModelRunner
 from epdserve.shared.output_processor import OutputProcessor
 from epdserve.shared.outputs import RequestOutput
@@ -42,7 +43,10 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.path)
-        num_blocks = config.cache.resolve_num_blocks(config.model)
+        kv_size = size_kv_cache(config)
+        num_blocks = kv_size.num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens), %d bytes; %s", num_blocks, config.cache.block_size,
+                    num_blocks * config.cache.block_size, kv_size.num_bytes, kv_size.reason)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.step_timer = StepTimer()

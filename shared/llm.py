@@ -18,8 +18,9 @@ def build_engine_config(
     enable_prefix_caching: bool = True,
     max_num_seqs: int = 128,
     max_num_batched_tokens: int = 2048,
-    kv_cache_memory_bytes: int = 2 << 30,
+    kv_cache_memory_bytes: int | None = None,
     num_kv_blocks: int | None = None,
+    kv_cache_memory_fraction: float | None = None,
     max_model_len: int | None = None,
     attention_backend: str = "auto",
     device: str = "cpu",
@@ -27,7 +28,8 @@ def build_engine_config(
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig.from_pretrained(model, dtype, max_model_len),
-        cache=CacheConfig(block_size, kv_cache_memory_bytes, num_kv_blocks, enable_prefix_caching),
+        cache=CacheConfig(block_size, kv_cache_memory_bytes, num_kv_blocks, enable_prefix_caching,
+                          kv_cache_memory_fraction),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
         device=device,
         attention_backend=attention_backend,
@@ -38,7 +40,8 @@ def build_engine_config(
 class LLM:
     """Offline batched generation. Keyword arguments are those of `build_engine_config`:
     model, dtype ("float32" | "bfloat16"), block_size, enable_prefix_caching, max_num_seqs,
-    max_num_batched_tokens, kv_cache_memory_bytes or num_kv_blocks, max_model_len, attention_backend
+    max_num_batched_tokens, kv_cache_memory_bytes or num_kv_blocks (default: kv_cache_memory_fraction of the
+    memory available, see kv_cache_budget.py), max_model_len, attention_backend
     ("auto" | "torch" | "triton"), device, seed."""
 
     def __init__(self, model: str, **kwargs) -> None:
