@@ -58,7 +58,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (overrides --kv-cache-memory)")
     g.add_argument("--kv-cache-memory", type=float,
-                   help="KV pool size in GiB (default: sized from the memory available, see --kv-cache-memory-fraction)")
+                   help="KV pool size in GiB (default: sized from the memory available, see "
+                        "--kv-cache-memory-fraction)")
     g.add_argument("--kv-cache-memory-fraction", type=float,
                    help="share of the memory available at start-up, after the weights, that the KV pool takes when "
                         "no size is given (default 0.05 on CPU, 0.9 on a GPU)")
@@ -137,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--data-port", type=int, default=0, help="KV / embedding transfer port (prefill, encoder)")
             p.add_argument("--http-port", type=int, default=0, help="/health, /ready, /metrics")
             p.add_argument("--engine-id", help="default: <role>-<hostname>-<port>")
+            p.add_argument("--served-model-name", help="model_name label of its metrics (default: the model "
+                                                       "folder's name, as the proxy's)")
             p.add_argument("--lease-seconds", type=float, default=10.0)
             p.add_argument("--encoder-cache-items", type=int, default=256)
             p.add_argument("--drain-timeout", type=float, default=10.0,
@@ -218,7 +221,7 @@ def service_config(args: argparse.Namespace, threads: int = 1):
     engine_id = args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port or os.getpid()}"
     return ServiceConfig(args.role, engine_id, args.host, args.port, args.data_port, args.http_port,
                          args.advertise_host, args.lease_seconds, args.encoder_cache_items, transport_config(args),
-                         args.drain_timeout, threads)
+                         args.drain_timeout, threads, args.served_model_name)
 
 
 def _serve_command(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import AsyncIterator, Callable
 
 import torch
@@ -58,7 +59,10 @@ class EngineWorker:
                                   engine_config.cache.block_size, engine_config.model.num_layers,
                                   engine_config.model.num_kv_heads, engine_config.model.head_size)
         self.kv_client = kv_client
-        self.metrics = ServiceMetrics(service.role, service.engine_id, self.llm.engine.stats)
+        self.metrics = ServiceMetrics(service.role, service.engine_id,
+                                      service.served_model_name or Path(engine_config.model.path).name,
+                                      self.llm.engine.stats)
+        self.llm.engine.on_step_tokens = self.metrics.iteration_tokens.observe
         self.data_addr = ""
         self.proxies = ProxyChannels(push_kwargs, on_failure=self._proxy_unreachable)
         self._tasks: dict[str, asyncio.Task] = {}

@@ -1,20 +1,36 @@
 """Prometheus metrics of a service, named like vLLM's (`vllm:` becomes `epdserve:`).
 
-Engine state (running/waiting, KV usage, prefix-cache queries and hits, preemptions) is read from the
-engine when scraped; what the service itself does (transfers, leases, fallbacks, rejected frames) is
-counted as it happens.
+Every series carries `model_name` (as the proxy's: `--served-model-name`, else the model folder's name),
+`role` and `engine_id`.
+
+Who counts what, so that a sum over every target counts each thing once:
+    the proxy    requests: `request_success_total` (the request count, by finish reason), TTFT, ITL,
+                 TPOT, e2e latency, prompt and generation tokens, request lengths and parameters
+    engines      their batch and cache: running/waiting, KV usage, prefix-cache queries and hits,
+                 preemptions, `iteration_tokens_total`, and the time each request spent here (queue,
+                 prefill, decode, inference); `engine_requests_finished_total` is each engine's share of
+                 the requests (a request served by prefill and decode ends once on each)
+    encoders     `mm_cache_queries_total` / `mm_cache_hits_total` (images looked up, images found)
+Engine state is read from the engine when scraped; what the service itself does (transfers, leases,
+fallbacks, rejected frames) is counted as it happens.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from epdserve.shared.engine import EngineStats
 from epdserve.shared.outputs import RequestOutput
 
+disable_created_metrics()  # no `_created` series beside every counter and histogram, as in vLLM
+
 _BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# vLLM's buckets for a request's prefill, decode and inference time.
+REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                        240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class _EngineCollector:
@@ -44,6 +60,7 @@ class _EngineCollector:
         yield gauge("epdserve:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield gauge("epdserve:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_cache_usage)
         yield gauge("epdserve:num_free_kv_blocks", "Free KV blocks.", s.num_free_blocks)
+        yield gauge("epdserve:num_kv_blocks", "KV blocks in the pool.", s.num_total_blocks)
         yield counter("epdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)
         yield counter("epdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
@@ -54,28 +71,44 @@ class _EngineCollector:
             steps.add_metric(values + [phase], seconds)
         yield steps
         yield counter("epdserve:engine_steps", "Engine steps run.", s.num_steps)
-        finished = CounterMetricFamily("epdserve:request_success", "Requests this engine finished, by reason (a "
-                                       "prefill engine's part ends at the first token).", labels=names + ["finished_reason"])
+        finished = CounterMetricFamily("epdserve:engine_requests_finished",
+                                       "Requests this engine finished, by reason (a prefill engine's part ends at "
+                                       "the first token). The request count is the proxy's request_success.",
+                                       labels=names + ["finished_reason"])
         for reason, count in s.num_finished.items():
             finished.add_metric(values + [reason], count)
         yield finished
 
 
 class ServiceMetrics:
-    def __init__(self, role: str, engine_id: str, stats: Callable[[], EngineStats] | None = None) -> None:
+    def __init__(self, role: str, engine_id: str, model_name: str, stats: Callable[[], EngineStats] | None = None,
+                 mm_cache: Callable[[], tuple[int, int]] | None = None) -> None:
+        """`stats()`: the engine's state (engines); `mm_cache()`: (images looked up, images found) (encoders)."""
         self.registry = CollectorRegistry()
-        self.labels = {"role": role, "engine_id": engine_id}
+        self.labels = {"model_name": model_name, "role": role, "engine_id": engine_id}
+        self.role = role
         # Frames the control channel dropped; set by the service runtime.
         self.rejected_frames: Callable[[], int] = lambda: 0
+        self.mm_cache = mm_cache
         self.registry.register(_EngineCollector(self.labels, stats, self._extra))
         names = list(self.labels)
 
-        def counter(name: str, doc: str, extra: list[str] = ()):
-            c = Counter(name, doc, names + list(extra), registry=self.registry)
-            return c if extra else c.labels(**self.labels)
+        def counter(name: str, doc: str):
+            return Counter(name, doc, names, registry=self.registry).labels(**self.labels)
 
-        self.queue_time = Histogram("epdserve:request_queue_time_seconds", "Arrival to first scheduling.", names,
-                                    buckets=_BUCKETS, registry=self.registry).labels(**self.labels)
+        def histogram(name: str, doc: str, buckets=REQUEST_TIME_BUCKETS):
+            return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**self.labels)
+
+        self.queue_time = histogram("epdserve:request_queue_time_seconds", "Arrival to first scheduling.", _BUCKETS)
+        self.prefill_time = histogram("epdserve:request_prefill_time_seconds",
+                                      "First scheduling to first token, for requests this engine prefilled.")
+        self.decode_time = histogram("epdserve:request_decode_time_seconds",
+                                     "First token to last, for requests this engine decoded (not on prefill).")
+        self.inference_time = histogram("epdserve:request_inference_time_seconds",
+                                        "Time a request ran on this engine: first scheduling (or, for a request "
+                                        "prefilled elsewhere, its arrival with the first token) to its last token.")
+        self.iteration_tokens = histogram("epdserve:iteration_tokens_total", "Tokens computed per engine step.",
+                                          ITERATION_TOKEN_BUCKETS)
         self.transfer_bytes = counter("epdserve:kv_transfer_bytes", "Bytes of KV blocks and embeddings moved.")
         self.transfer_seconds = counter("epdserve:kv_transfer_seconds", "Seconds spent moving KV and embeddings.")
         self.transfer_failures = counter("epdserve:kv_transfer_failures", "Transfers that failed.")
@@ -91,10 +124,26 @@ class ServiceMetrics:
         self.embeddings_fetched = counter("epdserve:embeddings_fetched", "Image embeddings pulled from encoders.")
 
     def _extra(self) -> dict:
-        return {"epdserve:rejected_frames": ("Control frames dropped as malformed, oversized or unknown.",
-                                             self.rejected_frames())}
+        extra = {"epdserve:rejected_frames": ("Control frames dropped as malformed, oversized or unknown.",
+                                              self.rejected_frames())}
+        if self.mm_cache is not None:
+            queries, hits = self.mm_cache()
+            extra["epdserve:mm_cache_queries"] = ("Images looked up in the encoder cache.", queries)
+            extra["epdserve:mm_cache_hits"] = ("Images found in the encoder cache (not encoded again).", hits)
+        return extra
 
     def finished(self, out: RequestOutput) -> None:
+        """A request's part on this engine is over (for prefill: at its first token)."""
         m = out.metrics
-        if m is not None and m.first_scheduled_time is not None:
-            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        if m is None:
+            return
+        scheduled, first_token, end = m.first_scheduled_time, m.first_token_time, m.finished_time
+        if scheduled is not None:
+            self.queue_time.observe(scheduled - m.arrival_time)
+            if first_token is not None:
+                self.prefill_time.observe(first_token - scheduled)
+        start = scheduled if scheduled is not None else first_token
+        if end is not None and start is not None:
+            self.inference_time.observe(end - start)
+        if end is not None and first_token is not None and self.role != "prefill":
+            self.decode_time.observe(end - first_token)

@@ -223,3 +223,5 @@ class ServiceConfig:
     drain_timeout: float = 10.0  # on SIGTERM: seconds to finish what is in flight before exiting
     # Compute threads of the engine (or encoder) thread; every other thread of the service uses one.
     threads: int = 1
+    # `model_name` of its metrics, as the proxy's (None: the model folder's name, the proxy's default too).
+    served_model_name: str | None = None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from epdserve.shared.block_manager import BlockManager
 from epdserve.shared.config import EngineConfig
@@ -52,6 +52,8 @@ class LLMEngine:
         self.step_timer = StepTimer()
         self.runner = ModelRunner(config, num_blocks, self.step_timer)
         self.output_processor = OutputProcessor(self.tokenizer.fast if self.tokenizer and detokenize else None)
+        # Called on the engine's thread with the tokens each step computes (a service's metrics).
+        self.on_step_tokens: Callable[[int], None] | None = None
         logger.info("engine ready: %s (%s), %d KV blocks of %d tokens, attention backend %s",
                     config.model.model_id, config.model.dtype, num_blocks, config.cache.block_size,
                     self.runner.attention_backend)
@@ -191,6 +193,8 @@ class LLMEngine:
         timer.num_steps += 1
         with timer.phase("schedule"):
             sched = self.scheduler.schedule()
+        if sched.scheduled and self.on_step_tokens is not None:
+            self.on_step_tokens(sum(item.num_new_tokens for item in sched.scheduled))
         result = self.runner.execute(sched.scheduled, sched.new_block_ids)
         with timer.phase("output"):
             outputs = self._fail(result.failed)

@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -58,7 +59,9 @@ class EncoderWorker:
         self.processor = ImageProcessor.from_pretrained(model_path)
         self.encoder = LlavaEncoder.from_pretrained(model_path, dtype, device)
         self.cache = EncoderCache(service.encoder_cache_items)
-        self.metrics = ServiceMetrics(service.role, service.engine_id)
+        model_name = service.served_model_name or Path(model_path).name
+        self.metrics = ServiceMetrics(service.role, service.engine_id, model_name,
+                                      mm_cache=lambda: (self.cache.hits + self.cache.misses, self.cache.hits))
         self.data_addr = ""
         # One image at a time through the model, on the one thread with the service's compute threads; the
         # event loop stays free meanwhile.

@@ -78,9 +78,9 @@ class PrefillWorker(EngineWorker):
         logprobs = wire_logprobs(out, request.sampling_params.logprobs)
         first_logprobs = logprobs[0] if logprobs else None
         self.metrics.local_prefills.inc()
+        self.metrics.finished(out)  # this engine's part ends here, whether or not decode goes on
         if completion.finish_reason == "stop" or not wants_more:
             self.llm.call_soon(lambda e: e.release_kv(rid))
-            self.metrics.finished(out)
             return PrefillDone(rid, first, None, out.num_cached_tokens, FinishReason(completion.finish_reason),
                                first_logprobs)
         # From the output itself: asking the engine thread would wait out the step it is running.

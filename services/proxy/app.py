@@ -68,6 +68,33 @@ class _RequireApiKey:
         await self.app(scope, receive, send)
 
 
+class _CountResponses:
+    """Every HTTP response counted by status, a 401 from the API key check and an unhandled error's 500
+    included. Plain ASGI, like _RequireApiKey."""
+
+    def __init__(self, app: ASGIApp, metrics: ProxyMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def counting_send(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.metrics.responded(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:
+                self.metrics.responded(500)  # Starlette's outermost handler answers it
+            raise
+
+
 def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None = None,
               readiness: Callable[[], Awaitable[tuple[bool, dict]]] | None = None) -> FastAPI:
     """`readiness()` -> (ready, details): whether every role has a healthy instance."""
@@ -75,6 +102,7 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
 
     if api_key:
         app.add_middleware(_RequireApiKey, api_key=api_key)
+    app.add_middleware(_CountResponses, metrics=metrics)  # added last: outermost, it sees the key check's 401s
 
     def openapi() -> dict:
         if app.openapi_schema is None:

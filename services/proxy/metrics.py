@@ -1,13 +1,32 @@
-"""Prometheus metrics of the proxy, named like vLLM's (`vllm:` becomes `epdserve:`)."""
+"""Prometheus metrics of the proxy, named like vLLM's (`vllm:` becomes `epdserve:`).
+
+The proxy sees every request once, whichever engines served it (and however often it failed over), so
+its series are the request-level ones: `request_success_total` is the request count (engines report
+their share as `engine_requests_finished_total`), with TTFT, ITL, TPOT and end-to-end latency as the
+client saw them, token counts, request lengths and parameters. `http_responses_total` counts every HTTP
+response by status, errors refused before any engine was involved included. See
+services/service_metrics.py for the engines' series.
+"""
 from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily
+
+from epdserve.shared.sampling_params import SamplingParams
+
+disable_created_metrics()  # no `_created` series beside every counter and histogram, as in vLLM
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
+# vLLM's buckets for time per output token.
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+# 1, 2, 5, 10, 20, 50, ... as vLLM's token-count buckets (which stop at the model's length).
+_TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5) if m * 10 ** e <= 1_000_000)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 class ProxyMetrics:
@@ -17,23 +36,39 @@ class ProxyMetrics:
         """`rejected_frames()`: how many frames the proxy's inbox has dropped (malformed, oversized, unknown)."""
         self.registry = CollectorRegistry()
         labels = ["model_name"]
-        self.ttft = Histogram("epdserve:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
-        self.itl = Histogram("epdserve:inter_token_latency_seconds", "Time between generated tokens.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram("epdserve:e2e_request_latency_seconds", "Request latency, arrival to last token.",
-                             labels, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
-        self._success = Counter("epdserve:request_success", "Finished requests by reason.",
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("epdserve:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = histogram("epdserve:inter_token_latency_seconds", "Time between generated tokens.",
+                             _LATENCY_BUCKETS)
+        self.tpot = histogram("epdserve:time_per_output_token_seconds",
+                              "A request's mean time per output token after the first.", _TPOT_BUCKETS)
+        self.e2e = histogram("epdserve:e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             _LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("epdserve:request_prompt_tokens", "Prompt length of finished "
+                                               "requests, in tokens.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("epdserve:request_generation_tokens",
+                                                   "Tokens generated for finished requests.", _TOKEN_BUCKETS)
+        self.request_params_n = histogram("epdserve:request_params_n", "The n parameter of finished requests.",
+                                          _N_BUCKETS)
+        self.request_params_max_tokens = histogram("epdserve:request_params_max_tokens",
+                                                   "The max_tokens of finished requests (the room left in the "
+                                                   "model's length when not given).", _TOKEN_BUCKETS)
+        self._success = Counter("epdserve:request_success", "Finished requests by reason: the request count.",
                                 labels + ["finished_reason"], registry=self.registry)
         self._failure = Counter("epdserve:request_failure", "Requests that failed, by HTTP status.",
                                 labels + ["status"], registry=self.registry)
-        self.prompt_tokens = Counter("epdserve:prompt_tokens", "Prompt tokens of finished requests.", labels,
-                                     registry=self.registry).labels(model_name)
-        self.cached_prompt_tokens = Counter("epdserve:prompt_tokens_cached",
-                                            "Prompt tokens served from a prefix cache.", labels,
-                                            registry=self.registry).labels(model_name)
-        self.generation_tokens = Counter("epdserve:generation_tokens", "Generated tokens.", labels,
-                                         registry=self.registry).labels(model_name)
+        self._responses = Counter("epdserve:http_responses", "HTTP responses by status.", labels + ["status"],
+                                  registry=self.registry)
+        self.prompt_tokens = counter("epdserve:prompt_tokens", "Prompt tokens of finished requests.")
+        self.cached_prompt_tokens = counter("epdserve:prompt_tokens_cached", "Prompt tokens served from a prefix "
+                                            "cache.")
+        self.generation_tokens = counter("epdserve:generation_tokens", "Generated tokens.")
         self._aborts = Counter("epdserve:request_aborts", "Requests aborted before they finished, by reason.",
                                labels + ["reason"], registry=self.registry)
         if rejected_frames is not None:
@@ -44,11 +79,27 @@ class ProxyMetrics:
                              registry=self.registry).labels(model_name)
         self.model_name = model_name
 
-    def finished(self, reason: str) -> None:
+    def finished(self, reason: str, num_prompt_tokens: int, num_cached_tokens: int, num_generated_tokens: int,
+                 params: SamplingParams, e2e_seconds: float, ttft_seconds: float | None) -> None:
+        """A request ended with a finish reason (not an error): everything counted once per request."""
         self._success.labels(self.model_name, reason).inc()
+        self.e2e.observe(e2e_seconds)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.cached_prompt_tokens.inc(num_cached_tokens)
+        self.generation_tokens.inc(num_generated_tokens)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generated_tokens)
+        self.request_params_n.observe(params.n)
+        if params.max_tokens is not None:
+            self.request_params_max_tokens.observe(params.max_tokens)
+        if ttft_seconds is not None and num_generated_tokens > 1:
+            self.tpot.observe((e2e_seconds - ttft_seconds) / (num_generated_tokens - 1))
 
     def failed(self, status: int) -> None:
         self._failure.labels(self.model_name, str(status)).inc()
+
+    def responded(self, status: int) -> None:
+        self._responses.labels(self.model_name, str(status)).inc()
 
     def aborted(self, reason: str) -> None:
         self._aborts.labels(self.model_name, reason).inc()

@@ -144,13 +144,15 @@ class OpenAIServing:
                                                 sampling.skip_special_tokens), sampling)
         m = self.metrics
         start = last = time.monotonic()
+        ttft = None
         m.running.inc()
         stream = self.backend.generate(gen)
         try:
             async for chunk in stream:
                 now = time.monotonic()
                 if not result.token_ids:
-                    m.ttft.observe(now - start)
+                    ttft = now - start
+                    m.ttft.observe(ttft)
                 elif chunk.token_ids:
                     for _ in chunk.token_ids:
                         m.itl.observe((now - last) / len(chunk.token_ids))
@@ -168,11 +170,8 @@ class OpenAIServing:
         if not result.finished:
             m.failed(502)
             raise GenerationError("the request ended without a finish reason", 502, "BadGatewayError")
-        m.e2e.observe(time.monotonic() - start)
-        m.finished(result.finish_reason)
-        m.prompt_tokens.inc(len(gen.prompt_token_ids))
-        m.cached_prompt_tokens.inc(result.num_cached_tokens)
-        m.generation_tokens.inc(len(result.token_ids))
+        m.finished(result.finish_reason, len(gen.prompt_token_ids), result.num_cached_tokens, len(result.token_ids),
+                   sampling, time.monotonic() - start, ttft)
 
     def _input(self, request_id: str, ids: list[int], sampling: SamplingParams, images: list[ImageInput],
                salt: str | None) -> GenerateInput:

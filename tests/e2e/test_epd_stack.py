@@ -224,7 +224,7 @@ def test_client_disconnect_aborts_everywhere(stack):
     def aborted() -> float:
         text = httpx.get(f"http://127.0.0.1:{stack.services['decode-0'].http_port}/metrics").text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("epdserve:request_success_total") and 'finished_reason="abort"' in line)
+                   if line.startswith("epdserve:engine_requests_finished_total") and 'finished_reason="abort"' in line)
 
     before = aborted()
     asyncio.run(hang_up())

@@ -1,0 +1,139 @@
+"""The series engines and the proxy export, read back through Prometheus' own parser: vLLM's names and
+labels, each thing counted once (requests by the proxy, steps and engine time by the engines), no
+`_created` series."""
+import asyncio
+
+import httpx
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from epdserve.services.proxy.app import build_app
+from epdserve.services.proxy.generation import Chunk
+from epdserve.services.proxy.metrics import ProxyMetrics
+from epdserve.services.proxy.serving import OpenAIServing
+from epdserve.services.service_metrics import ServiceMetrics
+from epdserve.shared.config import ModelConfig
+from epdserve.shared.llm import LLM
+from epdserve.shared.sampling_params import SamplingParams
+from epdserve.shared.tokenizer import load_tokenizer
+
+
+def samples(text: bytes) -> list:
+    return [s for family in text_string_to_metric_families(text.decode()) for s in family.samples]
+
+
+def value(all_samples, name: str, **labels) -> float:
+    return sum(s.value for s in all_samples if s.name == name and labels.items() <= s.labels.items())
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_paths):
+    return LLM(model=tiny_model_paths["llama"], num_kv_blocks=64, max_num_batched_tokens=8).engine
+
+
+def run(engine, metrics: ServiceMetrics, prompt_len: int, max_tokens: int):
+    engine.on_step_tokens = metrics.iteration_tokens.observe
+    steps_before = engine.step_timer.num_steps
+    engine.add_request(f"r{steps_before}", {"prompt_token_ids": list(range(1, prompt_len + 1))},
+                       SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                metrics.finished(out)
+    engine.on_step_tokens = None
+    return engine.step_timer.num_steps - steps_before
+
+
+def test_engine_series_carry_model_role_and_engine_and_count_steps_and_time(engine):
+    metrics = ServiceMetrics("unified", "unified-0", "tiny", engine.stats)
+    num_steps = run(engine, metrics, prompt_len=20, max_tokens=5)  # 8-token chunks: 3 prefill steps, 4 decodes
+    got = samples(generate_latest(metrics.registry))
+    assert got and all(s.labels.items() >= {"model_name": "tiny", "role": "unified", "engine_id": "unified-0"}.items()
+                       for s in got)
+    assert not [s.name for s in got if s.name.endswith("_created")]
+    assert num_steps == 7
+    assert value(got, "epdserve:iteration_tokens_total_count") == 7
+    assert value(got, "epdserve:iteration_tokens_total_sum") == 20 + 4  # the prompt, then one token a decode
+    assert value(got, "epdserve:iteration_tokens_total_bucket", le="8.0") == 7
+    for name in ("queue_time", "prefill_time", "decode_time", "inference_time"):
+        assert value(got, f"epdserve:request_{name}_seconds_count") == 1, name
+    inference = value(got, "epdserve:request_inference_time_seconds_sum")
+    prefill = value(got, "epdserve:request_prefill_time_seconds_sum")
+    assert inference == pytest.approx(prefill + value(got, "epdserve:request_decode_time_seconds_sum"))
+    # The request count is the proxy's: an engine reports its share under another name.
+    assert value(got, "epdserve:engine_requests_finished_total", finished_reason="length") >= 1
+    assert not [s for s in got if s.name.startswith("epdserve:request_success")]
+    assert value(got, "epdserve:num_kv_blocks") == 64
+
+
+def test_a_prefill_engine_reports_no_decode_time(engine):
+    metrics = ServiceMetrics("prefill", "prefill-0", "tiny", engine.stats)
+    run(engine, metrics, prompt_len=10, max_tokens=1)
+    got = samples(generate_latest(metrics.registry))
+    assert value(got, "epdserve:request_prefill_time_seconds_count") == 1
+    assert value(got, "epdserve:request_decode_time_seconds_count") == 0
+
+
+def test_encoder_reports_its_cache_queries_and_hits():
+    counts = {"queries": 0, "hits": 0}
+    metrics = ServiceMetrics("encoder", "encoder-0", "llava", mm_cache=lambda: (counts["queries"], counts["hits"]))
+    counts.update(queries=5, hits=2)
+    got = samples(generate_latest(metrics.registry))
+    assert value(got, "epdserve:mm_cache_queries_total", model_name="llava", role="encoder") == 5
+    assert value(got, "epdserve:mm_cache_hits_total", engine_id="encoder-0") == 2
+    assert not [s for s in got if s.name.startswith("epdserve:num_requests")]  # an encoder has no batch
+
+
+class CountingBackend:
+    """Streams `num_tokens` one-token chunks, the last with finish reason "length"."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+
+    async def generate(self, gen):
+        for i in range(self.num_tokens):
+            await asyncio.sleep(0.001)
+            yield Chunk([42], [], "length" if i == self.num_tokens - 1 else None,
+                        num_cached_tokens=3 if i == 0 else None)
+
+
+def test_proxy_counts_each_request_once_and_every_response_by_status(tiny_model_paths):
+    path = tiny_model_paths["llama"]
+    config = ModelConfig.from_pretrained(path)
+    metrics = ProxyMetrics("tiny")
+    serving = OpenAIServing("tiny", load_tokenizer(path), CountingBackend(4), config.max_model_len,
+                            config.vocab_size, metrics)
+    app = build_app(serving, metrics, api_key="secret")
+    auth = {"Authorization": "Bearer secret"}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            ok = await client.post("/v1/completions", headers=auth,
+                                   json={"prompt": [1, 2, 3, 4, 5], "max_tokens": 4})
+            streamed = await client.post("/v1/completions", headers=auth,
+                                         json={"prompt": [1, 2, 3], "max_tokens": 4, "stream": True})
+            bad = await client.post("/v1/completions", headers=auth, json={"prompt": [1], "max_tokens": -1})
+            unauthorized = await client.post("/v1/completions", json={"prompt": [1]})
+            missing = await client.get("/v2/nothing", headers=auth)
+            return [r.status_code for r in (ok, streamed, bad, unauthorized, missing)]
+
+    assert asyncio.run(main()) == [200, 200, 400, 401, 404]
+    got = samples(metrics.render()[0])
+    assert not [s.name for s in got if s.name.endswith("_created")]
+    assert all(s.labels["model_name"] == "tiny" for s in got)
+    assert {status: value(got, "epdserve:http_responses_total", status=status)
+            for status in ("200", "400", "401", "404")} == {"200": 2, "400": 1, "401": 1, "404": 1}
+    assert value(got, "epdserve:request_success_total", finished_reason="length") == 2
+    assert value(got, "epdserve:request_prompt_tokens_count") == 2
+    assert value(got, "epdserve:request_prompt_tokens_sum") == 5 + 3
+    assert value(got, "epdserve:request_prompt_tokens_bucket", le="5.0") == 2
+    assert value(got, "epdserve:request_generation_tokens_sum") == 8
+    assert value(got, "epdserve:generation_tokens_total") == 8
+    assert value(got, "epdserve:prompt_tokens_cached_total") == 6
+    assert value(got, "epdserve:request_params_n_sum") == 2
+    assert value(got, "epdserve:request_params_max_tokens_sum") == 8
+    assert value(got, "epdserve:time_per_output_token_seconds_count") == 2
+    tpot = value(got, "epdserve:time_per_output_token_seconds_sum")
+    assert 0 < tpot < value(got, "epdserve:e2e_request_latency_seconds_sum")
