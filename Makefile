@@ -33,7 +33,7 @@ $(TOOLS_STAMP): Makefile tests/deploy/tools.py | $(STAMP)
 install: $(STAMP)
 
 model: $(STAMP)
-	$(VENV)/bin/epdserve model default
+	$(VENV)/bin/epdserve model llava-demo
 
 run: $(STAMP)
 	$(VENV)/bin/epdserve up

@@ -13,7 +13,7 @@ The baseline is, by default, shared/sampler.py as it was just before the commit 
 per-row exponential race (`--baseline REV` picks another). Old and new calls alternate, so that load from
 elsewhere on the machine hits both alike; the median of --repeats calls is reported, at each thread
 count. For scale, the time of one batch-64 decode step of SmolLM2-135M is measured too when the model
-is prepared (`epdserve model default`; `--no-model` skips it).
+is prepared (`epdserve model smollm2`; `--no-model` skips it).
 
     python benchmarks/sampler_bench.py                  # table on stdout, JSON in results/sampler_bench.json
     python benchmarks/sampler_bench.py --threads 1 --repeats 5 --no-model

@@ -1,12 +1,14 @@
 """The `epdserve` command.
 
-    epdserve model {default,llava-demo,tiny-llama,tiny-qwen2}   prepare a model folder, print its path
+    epdserve model {llava-demo,smollm2,tiny-llama,tiny-qwen2}   prepare a model folder, print its path
     epdserve serve {encoder,prefill,decode,unified,proxy} ...   run one service
     epdserve up [--model PATH] [--port 8000] [--encoders N --prefills N --decodes N | --unified]
     epdserve keys DIR                                            make the CURVE certificate services share
     epdserve bench serve [--base-url URL] [--dataset-name ...]   load-test an OpenAI-compatible server
 
-Configuration is parsed here, once, into the frozen config objects the services receive.
+Configuration is parsed here, once, into the frozen config objects the services receive. A user's
+mistake found here (a missing model folder, a malformed peer address) ends the command with one line
+on stderr and exit code 1, never a traceback.
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ from pathlib import Path
 from epdserve.services.bench.cli import add_bench_parser
 
 ROLES = ("encoder", "prefill", "decode", "unified", "proxy")
+MODELS = ("llava-demo", "smollm2", "tiny-llama", "tiny-qwen2")
+SERVED_BY_DEFAULT = "llava-demo"  # what `up` and `serve` run without --model
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 # -- epdserve model -----------------------------------------------------------------------------------
@@ -32,7 +37,7 @@ def prepare_model(which: str, cache_dir: str | None = None, out: str | None = No
 
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     text_model = prepare_default_model(cache)
-    if which == "default":
+    if which == "smollm2":
         return text_model
     folder = Path(out) if out else cache / "models" / which
     if which == "llava-demo":
@@ -48,7 +53,19 @@ def prepare_model(which: str, cache_dir: str | None = None, out: str | None = No
 
 def default_serving_model() -> str:
     """What `serve` and `up` run without --model: the multimodal demo (its text answers are SmolLM2's)."""
-    return str(prepare_model("llava-demo"))
+    return str(prepare_model(SERVED_BY_DEFAULT))
+
+
+def model_folder(args: argparse.Namespace) -> str:
+    """--model, checked, or the demo model (built on first use)."""
+    from epdserve.shared.model_folder import check_model_folder
+
+    if args.model is None:
+        return default_serving_model()
+    try:
+        return str(check_model_folder(args.model))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"epdserve: error: --model: {exc}") from None
 
 
 # -- epdserve serve -----------------------------------------------------------------------------------
@@ -89,15 +106,32 @@ def _split_targets(values: list[str] | None) -> tuple[str, ...]:
     return tuple(t for v in values or [] for t in v.split(",") if t)
 
 
+def _log_level(value: str) -> str:
+    if value.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{value!r}: choose from {', '.join(LOG_LEVELS)}")
+    return value.lower()
+
+
+def _add_log_level(p: argparse.ArgumentParser) -> None:
+    # SUPPRESS: given after the command it overrides `epdserve --log-level`; absent, it leaves that alone.
+    p.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS, metavar="LEVEL",
+                   help="debug, info, warning or error; debug adds a line per HTTP request "
+                        "(default: $EPDSERVE_LOG_LEVEL or info)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epdserve", description="Disaggregated LLM serving.")
-    parser.add_argument("--log-level", default=os.environ.get("EPDSERVE_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", type=_log_level, default=os.environ.get("EPDSERVE_LOG_LEVEL", "info"),
+                        metavar="LEVEL",
+                        help="debug, info, warning or error (default: $EPDSERVE_LOG_LEVEL or info)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     model = sub.add_parser("model", help="prepare a model folder; prints its path last")
-    model.add_argument("which", choices=["default", "llava-demo", "tiny-llama", "tiny-qwen2"],
-                       help="default: SmolLM2-135M-Instruct converted from its GGUF; llava-demo: SmolLM2 behind an "
-                            "untrained CLIP vision tower (LLaVA layout); tiny-*: random test models")
+    model.add_argument("which", choices=MODELS,
+                       help=f"{SERVED_BY_DEFAULT}: what `epdserve up` and `make run` serve without --model "
+                            "(SmolLM2-135M-Instruct behind an untrained CLIP vision tower, LLaVA layout); "
+                            "smollm2: SmolLM2-135M-Instruct alone, converted from its packaged GGUF; "
+                            "tiny-*: random test models")
     model.add_argument("--cache-dir", help="where prepared models live (default: $EPDSERVE_CACHE_DIR or ~/.cache/epdserve)")
     model.add_argument("--out", help="output folder (tiny and llava-demo models)")
     model.add_argument("--seed", type=int, default=0)
@@ -107,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     roles = serve.add_subparsers(dest="role", required=True)
     for role in ROLES:
         p = roles.add_parser(role)
-        p.add_argument("--model", help="HF model folder (default: the multimodal demo model)")
+        p.add_argument("--model", metavar="FOLDER",
+                       help=f"local HF model folder (default: the {SERVED_BY_DEFAULT} model, built on first use)")
+        _add_log_level(p)
         p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes every interface)")
         p.add_argument("--advertise-host", help="host peers use to reach this process (default: --host)")
         if role == "proxy":
@@ -148,18 +184,34 @@ def build_parser() -> argparse.ArgumentParser:
             _add_transport_args(p)
         p.set_defaults(func=_serve_command)
 
-    up = sub.add_parser("up", help="run a whole local stack; Ctrl-C stops it")
-    up.add_argument("--model", help="HF model folder (default: the multimodal demo model)")
-    up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--encoders", type=int, help="default: 1 for a multimodal model, else 0")
-    up.add_argument("--prefills", type=int, default=1)
-    up.add_argument("--decodes", type=int, default=1)
-    up.add_argument("--unified", action="store_true", help="one unified engine instead of prefill + decode")
-    up.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"))
-    up.add_argument("--threads", type=int, default=1, help="torch threads per engine process")
-    up.add_argument("--startup-timeout", type=float, default=600.0)
-    up.add_argument("extra", nargs=argparse.REMAINDER, help="after --: options passed to every engine service")
+    up = sub.add_parser("up", help="run a whole local stack; Ctrl-C stops it",
+                        description="Run a whole stack on this machine, each service its own process, "
+                                    "and print the API's URL once every service is ready. Ctrl-C stops them all.")
+    up.add_argument("--model", metavar="FOLDER",
+                    help=f"local HF model folder (default: the {SERVED_BY_DEFAULT} model, built on first use)")
+    up.add_argument("--port", type=int, default=8000, help="port of the OpenAI API (default: %(default)s)")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="bind address of the API; 0.0.0.0 exposes it on every interface (default: %(default)s; "
+                         "the other services always bind 127.0.0.1)")
+    up.add_argument("--encoders", type=int, metavar="N",
+                    help="encoder processes (default: 1 for a multimodal model, else 0)")
+    up.add_argument("--prefills", type=int, default=1, metavar="N",
+                    help="prefill engine processes (default: %(default)s)")
+    up.add_argument("--decodes", type=int, default=1, metavar="N",
+                    help="decode engine processes (default: %(default)s)")
+    up.add_argument("--unified", action="store_true", help="one unified engine instead of prefills and decodes")
+    up.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"), metavar="KEY",
+                    help="Bearer token the API requires (default: $EPDSERVE_API_KEY; unset: open). A key on the "
+                         "command line shows in `ps`: prefer --api-key-file or the variable")
+    up.add_argument("--api-key-file", default=os.environ.get("EPDSERVE_API_KEY_FILE"), metavar="FILE",
+                    help="read the API key from this file (default: $EPDSERVE_API_KEY_FILE)")
+    up.add_argument("--threads", type=int, default=1, metavar="N",
+                    help="compute threads per engine process (default: %(default)s)")
+    up.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS",
+                    help="seconds to wait for every service to be ready (default: %(default)s)")
+    _add_log_level(up)
+    up.add_argument("extra", nargs=argparse.REMAINDER, metavar="-- ENGINE_OPTION",
+                    help="after --: options passed to every engine service (see `epdserve serve decode --help`)")
     up.set_defaults(func=_up_command)
 
     keys = sub.add_parser("keys", help="create the CURVE certificate every service of a deployment shares")
@@ -190,11 +242,27 @@ def engine_config(args: argparse.Namespace, model: str):
 
 def _api_key(args: argparse.Namespace) -> str | None:
     if args.api_key_file:
-        key = Path(args.api_key_file).read_text().strip()
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise SystemExit(f"epdserve: error: --api-key-file {args.api_key_file}: {exc.strerror}") from None
         if not key:
-            raise SystemExit(f"--api-key-file {args.api_key_file} is empty")
+            raise SystemExit(f"epdserve: error: --api-key-file {args.api_key_file} is empty")
         return key
     return args.api_key or None
+
+
+def _peer_targets(args: argparse.Namespace, role: str) -> tuple[str, ...]:
+    """--<role> addresses, each checked: a typo is refused here rather than retried forever."""
+    from epdserve.services.network import split_target
+
+    targets = _split_targets(getattr(args, role))
+    for target in targets:
+        try:
+            split_target(target)
+        except ValueError as exc:
+            raise ValueError(f"--{role} {exc}") from None
+    return targets
 
 
 def proxy_config(args: argparse.Namespace, model: str):
@@ -205,12 +273,12 @@ def proxy_config(args: argparse.Namespace, model: str):
     return ProxyConfig(
         model=model, served_model_name=args.served_model_name, host=args.host, port=args.port,
         inbox_port=args.inbox_port, advertise_host=args.advertise_host, api_key=_api_key(args),
-        encoders=_split_targets(args.encoder), prefills=_split_targets(args.prefill),
-        decodes=_split_targets(args.decode), unified=_split_targets(args.unified), poll_interval=args.poll_interval,
+        encoders=_peer_targets(args, "encoder"), prefills=_peer_targets(args, "prefill"),
+        decodes=_peer_targets(args, "decode"), unified=_peer_targets(args, "unified"), poll_interval=args.poll_interval,
         lifecycle=LifecycleConfig(local_prefill_threshold=args.local_prefill_threshold,
                                   request_timeout=transport.request_timeout, token_timeout=args.token_timeout),
         transport=transport, allowed_image_domains=_split_targets(args.allowed_image_domains),
-        allow_private_image_urls=args.allow_private_image_urls)
+        allow_private_image_urls=args.allow_private_image_urls, access_log=args.log_level == "debug")
 
 
 def service_config(args: argparse.Namespace, threads: int = 1):
@@ -227,11 +295,15 @@ def service_config(args: argparse.Namespace, threads: int = 1):
 def _serve_command(args: argparse.Namespace) -> int:
     import asyncio
 
-    model = args.model or default_serving_model()
+    model = model_folder(args)
     if args.role == "proxy":
         from epdserve.services.proxy.server import run_proxy
 
-        asyncio.run(run_proxy(proxy_config(args, model)))
+        try:
+            config = proxy_config(args, model)
+        except ValueError as exc:
+            raise SystemExit(f"epdserve: error: {exc}") from None
+        asyncio.run(run_proxy(config))
         return 0
     import torch
 
@@ -245,14 +317,28 @@ def _serve_command(args: argparse.Namespace) -> int:
     return asyncio.run(run_service(config, engine, model, args.dtype, args.device))
 
 
+def stack_config(args: argparse.Namespace, model: str):
+    from epdserve.services.launcher import StackConfig, is_multimodal
+
+    for flag, value, least in (("--port", args.port, 1), ("--prefills", args.prefills, 0),
+                               ("--decodes", args.decodes, 0), ("--encoders", args.encoders, 0),
+                               ("--threads", args.threads, 1)):
+        if value is not None and value < least:
+            raise SystemExit(f"epdserve: error: {flag} must be at least {least}, got {value}")
+    if args.port > 65535:
+        raise SystemExit(f"epdserve: error: --port {args.port} is not a port (1 to 65535)")
+    if not args.unified and args.decodes < 1:
+        raise SystemExit("epdserve: error: a stack needs at least one decode (--decodes), or --unified")
+    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    encoders = args.encoders if args.encoders is not None else int(is_multimodal(model))
+    return StackConfig(model, args.host, args.port, encoders, args.prefills, args.decodes, args.unified,
+                       _api_key(args), args.threads, args.log_level, tuple(extra))
+
+
 def _up_command(args: argparse.Namespace) -> int:
     from epdserve.services.launcher import LocalStack
 
-    model = args.model or default_serving_model()
-    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
-    stack = LocalStack(model, args.host, args.port, args.encoders, args.prefills, args.decodes, args.unified,
-                       args.api_key, args.threads, extra)
-    return stack.run(args.startup_timeout)
+    return LocalStack(stack_config(args, model_folder(args))).run(args.startup_timeout)
 
 
 def _keys_command(args: argparse.Namespace) -> int:

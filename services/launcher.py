@@ -7,6 +7,7 @@ stops every child, by pid.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -14,7 +15,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+
+ENGINE_ROLES = ("prefill", "decode", "unified")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -30,64 +34,99 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise SystemExit(f"cannot serve on {host}:{port}: {exc.strerror}; is another server running there? "
-                             "(choose another --port)") from None
+            raise SystemExit(f"epdserve up: cannot serve on {host}:{port}: {exc.strerror}; is another server "
+                             "running there? (choose another --port)") from None
 
 
 def is_multimodal(model: str) -> bool:
     return "vision_config" in json.loads((Path(model) / "config.json").read_text())
 
 
+def exit_message(name: str, returncode: int) -> str:
+    """Why a child of the stack ended, in one line, with what to do about it where we can tell."""
+    if returncode == -signal.SIGKILL:
+        message = f"{name} was killed (SIGKILL), probably by the kernel's out-of-memory killer"
+        if name.split("-")[0] in ENGINE_ROLES:
+            # Each engine takes its whole KV pool at startup, sized by the options named here.
+            message += ("; give each engine a smaller KV cache, e.g. `epdserve up -- --kv-cache-memory 0.5` "
+                        "(GiB; or --kv-cache-memory-fraction, --num-kv-blocks), or run fewer --prefills/--decodes")
+        return message
+    if returncode < 0:
+        try:
+            return f"{name} was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"{name} was killed by signal {-returncode}"
+    return f"{name} exited with code {returncode} (its log lines above say why)"
+
+
+@dataclass(frozen=True, slots=True)
+class StackConfig:
+    model: str
+    host: str = "127.0.0.1"  # the proxy's bind address; every other service binds 127.0.0.1
+    port: int = 8000
+    encoders: int = 0
+    prefills: int = 1
+    decodes: int = 1
+    unified: bool = False  # one unified engine instead of prefills + decodes
+    # Given to the proxy through its environment: a command line is visible to every user in `ps`.
+    api_key: str | None = None
+    threads: int = 1  # compute threads per engine
+    log_level: str = "info"
+    engine_args: tuple[str, ...] = ()  # passed to every engine service
+
+
 class LocalStack:
-    def __init__(self, model: str, host: str, port: int, encoders: int | None, prefills: int, decodes: int,
-                 unified: bool, api_key: str | None, threads: int, extra_engine_args: list[str]) -> None:
-        self.model, self.host, self.port = model, host, port
-        self.encoders = encoders if encoders is not None else int(is_multimodal(model))
-        self.prefills, self.decodes, self.unified = prefills, decodes, unified
-        self.api_key, self.threads, self.extra = api_key, threads, extra_engine_args
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
         self.children: list[tuple[str, subprocess.Popen]] = []
 
     def commands(self) -> list[tuple[str, list[str]]]:
         """(name, argv) of every process, the proxy last."""
-        base = [sys.executable, "-m", "epdserve.services.cli", "serve"]
+        c = self.config
+        base = [sys.executable, "-m", "epdserve.services.cli", "--log-level", c.log_level, "serve"]
         procs, targets = [], {"encoder": [], "prefill": [], "decode": [], "unified": []}
-        counts = [("encoder", self.encoders)]
-        counts += [("unified", 1)] if self.unified else [("prefill", self.prefills), ("decode", self.decodes)]
+        counts = [("encoder", c.encoders)]
+        counts += [("unified", 1)] if c.unified else [("prefill", c.prefills), ("decode", c.decodes)]
         for role, count in counts:
             for i in range(count):
                 port = free_port()
-                argv = [*base, role, "--model", self.model, "--host", "127.0.0.1", "--port", str(port),
+                argv = [*base, role, "--model", c.model, "--host", "127.0.0.1", "--port", str(port),
                         "--data-port", str(free_port()), "--http-port", str(free_port()),
                         "--engine-id", f"{role}-{i}"]
                 if role != "encoder":
-                    argv += ["--threads", str(self.threads), *self.extra]
+                    argv += ["--threads", str(c.threads), *c.engine_args]
                 procs.append((f"{role}-{i}", argv))
                 targets[role].append(f"127.0.0.1:{port}")
-        proxy = [*base, "proxy", "--model", self.model, "--host", self.host, "--port", str(self.port)]
+        proxy = [*base, "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port)]
         for role, addrs in targets.items():
             if addrs:
                 proxy += [f"--{role}", ",".join(addrs)]
-        if self.api_key:
-            proxy += ["--api-key", self.api_key]
         procs.append(("proxy", proxy))
         return procs
 
+    def environment(self, name: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("EPDSERVE_API_KEY", "EPDSERVE_API_KEY_FILE")}
+        if name == "proxy" and self.config.api_key:
+            env["EPDSERVE_API_KEY"] = self.config.api_key
+        return env
+
     def run(self, startup_timeout: float) -> int:
-        check_port_free(self.host, self.port)
+        check_port_free(self.config.host, self.config.port)
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
         # Ctrl-C stops the stack even when started from a script's background job (which ignores SIGINT).
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             for name, argv in self.commands():
-                self.children.append((name, subprocess.Popen(argv)))
-            url = f"http://{self.host}:{self.port}"
+                self.children.append((name, subprocess.Popen(argv, env=self.environment(name))))
+            url = f"http://{self.config.host}:{self.config.port}"
             self._wait_ready(url, startup_timeout)
-            print(f"epdserve is ready: {url}/v1 (model {Path(self.model).name}); Ctrl-C stops it", flush=True)
+            print(f"epdserve is ready: {url}/v1 (model {Path(self.config.model).name}); Ctrl-C stops it", flush=True)
             while not stop:
                 for name, proc in self.children:
                     if proc.poll() is not None:
-                        print(f"{name} exited with code {proc.returncode}; stopping the stack", file=sys.stderr)
+                        print(f"epdserve up: {exit_message(name, proc.returncode)}; stopping the stack",
+                              file=sys.stderr)
                         return 1
                 time.sleep(0.5)
             return 0
@@ -98,11 +137,12 @@ class LocalStack:
 
     def _wait_ready(self, url: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        key = self.config.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         while time.monotonic() < deadline:
             for name, proc in self.children:
                 if proc.poll() is not None:
-                    raise SystemExit(f"{name} exited with code {proc.returncode} during startup")
+                    raise SystemExit(f"epdserve up: during startup, {exit_message(name, proc.returncode)}")
             try:
                 with urllib.request.urlopen(urllib.request.Request(url + "/ready", headers=headers), timeout=2) as r:
                     if r.status == 200:
@@ -110,7 +150,7 @@ class LocalStack:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
-        raise SystemExit(f"the stack was not ready within {timeout:.0f}s")
+        raise SystemExit(f"epdserve up: the stack was not ready within {timeout:.0f}s (--startup-timeout)")
 
     def stop(self) -> None:
         for _, proc in reversed(self.children):

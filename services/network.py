@@ -25,6 +25,27 @@ def client_curve(transport: TransportConfig) -> CurveConfig | None:
     return CurveConfig(folder / f"{CURVE_CERT}.key_secret", server_public_key_file=folder / f"{CURVE_CERT}.key")
 
 
+def split_target(target: str) -> tuple[str, int]:
+    """(host, port) of a peer's control address `host:port`, `[ipv6]:port` or `tcp://host:port`.
+
+    Raises ValueError naming what is wrong, so that a typo is refused at startup rather than retried
+    (and logged) forever.
+    """
+    address = target.strip().removeprefix("tcp://")
+    scheme, sep, rest = address.partition("://")
+    if sep:
+        raise ValueError(f"{target!r}: give HOST:PORT without a scheme ({rest or 'HOST:PORT'}, not {scheme}://...)")
+    host, _, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # [IPv6]:port
+    if not host or not port.isdigit():
+        raise ValueError(f"{target!r} is not HOST:PORT (for example 127.0.0.1:7002)")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"{target!r}: port {port} is not between 1 and 65535")
+    if any(c.isspace() or c in "/?#@" for c in host):
+        raise ValueError(f"{target!r}: {host!r} is not a host name or IP address")
+    return host, int(port)
+
+
 def advertised(address: str, bind_host: str, advertise_host: str | None) -> str:
     """tcp://host:port as peers must dial it: the advertised host, else the bound one (a wildcard
     bind advertises this machine's name)."""

@@ -21,6 +21,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from epdserve.services.network import split_target
 from epdserve.shared.protocol import Health, Role, Status, StatusRequest
 from epdserve.transport.queues import ChannelError, RequestClient
 from epdserve.transport.security import bracketed
@@ -67,20 +68,12 @@ class RolePool:
     def __init__(self, role: Role, targets: Sequence[str], make_client: ClientFactory, max_misses: int = 3,
                  poll_timeout: float = 2.0) -> None:
         self.role = role
-        self.targets = [self._split(t) for t in targets]
+        self.targets = [split_target(t) for t in targets]
         self.make_client = make_client
         self.max_misses = max_misses
         self.poll_timeout = poll_timeout
         self.instances: dict[str, Instance] = {}
-
-    @staticmethod
-    def _split(target: str) -> tuple[str, int]:
-        target = target.removeprefix("tcp://")
-        host, _, port = target.rpartition(":")
-        host = host.removeprefix("[").removesuffix("]")  # [IPv6]:port
-        if not host or not port.isdigit():
-            raise ValueError(f"instance address {target!r} is not host:port")
-        return host, int(port)
+        self.unresolved: set[str] = set()  # host names whose last lookup failed (warned about once)
 
     @property
     def configured(self) -> bool:
@@ -94,8 +87,13 @@ class RolePool:
             try:
                 infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except OSError as exc:
-                logger.warning("cannot resolve %s instance %s: %s", self.role.value, host, exc)
+                # Once per outage: a compose service scaled to 0 stays unresolvable for as long as it likes.
+                level = logging.DEBUG if host in self.unresolved else logging.WARNING
+                logger.log(level, "cannot resolve %s instance %s: %s (retrying every few seconds)",
+                           self.role.value, host, exc)
+                self.unresolved.add(host)
                 continue
+            self.unresolved.discard(host)
             # IPv4 addresses if the name has any, else IPv6: a dual-stack name points at the
             # same process twice, and services bind one family unless told otherwise.
             ipv4 = [info for info in infos if info[0] == socket.AF_INET]

@@ -45,6 +45,9 @@ class ProxyConfig:
     max_image_bytes: int = 20 << 20
     allowed_image_domains: tuple[str, ...] = ()  # empty: any public host
     allow_private_image_urls: bool = False  # image URLs on loopback/private/link-local hosts
+    # uvicorn's line per HTTP request and its startup chatter (`--log-level debug`); off, a stack starting
+    # up would print a line per readiness probe.
+    access_log: bool = False
 
     def __post_init__(self):
         if not self.unified and not (self.prefills or self.decodes):
@@ -104,8 +107,9 @@ async def run_proxy(config: ProxyConfig) -> None:
     app, router, backend = await build_proxy(config)
     await backend.start()
     await router.start()
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                           log_level="info" if config.access_log else "warning",
+                                           access_log=config.access_log, timeout_graceful_shutdown=5))
     logger.info("proxy for %s on http://%s:%d", config.model_name, config.host, config.port)
     try:
         await server.serve()  # returns on SIGTERM/SIGINT

@@ -195,7 +195,7 @@ def test_xpyd_values_scale_each_role_and_drop_the_encoder(render, served, parse_
         assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
         assert hpas[name]["spec"]["minReplicas"] == 2
         (init,) = deployment["spec"]["template"]["spec"]["initContainers"]
-        assert parse_cli(init["command"]).which == "default"
+        assert parse_cli(init["command"]).which == "smollm2"
         args, _ = served(deployment)
         assert args.model == "/models/models/SmolLM2-135M-Instruct" and args.curve_dir == "/etc/epdserve/curve"
     assert deployments["proxy"]["spec"]["replicas"] == 2

@@ -1,7 +1,14 @@
 """The command line builds the configs the services receive."""
+import logging
+import re
+import signal
+import sys
+
 import pytest
 
-from epdserve.services.cli import build_parser, proxy_config, service_config
+from epdserve.services.cli import build_parser, proxy_config, service_config, stack_config
+from epdserve.services.launcher import LocalStack, StackConfig, exit_message, free_port
+from epdserve.services.network import split_target
 
 
 def parse(*argv):
@@ -32,3 +39,103 @@ def test_service_config_from_args():
     assert (config.role, config.host, config.port, config.data_port, config.lease_seconds) == \
         ("prefill", "0.0.0.0", 7000, 7100, 3.0)
     assert config.engine_id.startswith("prefill-")
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("127.0.0.1:7002", ("127.0.0.1", 7002)), ("tcp://prefill:7000", ("prefill", 7000)),
+    ("[fd00::5]:7002", ("fd00::5", 7002)), ("fd00::5:7002", ("fd00::5", 7002)), ("p:65535", ("p", 65535)),
+])
+def test_peer_addresses(target, expected):
+    assert split_target(target) == expected
+
+
+@pytest.mark.parametrize("target, message", [
+    ("127.0.0.1", "not HOST:PORT"), (":7002", "not HOST:PORT"), ("host:port", "not HOST:PORT"),
+    ("host:0", "not between 1 and 65535"), ("host:99999", "not between 1 and 65535"),
+    ("http://host:7002", "without a scheme"), ("host/x:7002", "not a host name"),
+])
+def test_malformed_peer_addresses_are_refused(target, message):
+    with pytest.raises(ValueError, match=message):
+        split_target(target)
+
+
+def test_log_level_after_the_command_wins():
+    assert parse("up").log_level == "info"
+    assert parse("--log-level", "WARNING", "up").log_level == "warning"
+    assert parse("--log-level", "warning", "up", "--log-level", "debug").log_level == "debug"
+    assert parse("serve", "decode", "--log-level", "error").log_level == "error"
+
+
+def test_proxy_access_log_only_at_debug(default_model_path):
+    argv = ["serve", "proxy", "--decode", "d:1"]
+    assert not proxy_config(parse(*argv), str(default_model_path)).access_log
+    assert proxy_config(parse(*argv, "--log-level", "debug"), str(default_model_path)).access_log
+
+
+def test_model_names_one_thing_each():
+    assert parse("model", "llava-demo").which == "llava-demo"
+    assert parse("model", "smollm2").which == "smollm2"
+    with pytest.raises(SystemExit):
+        parse("model", "default")  # which one? `up` serves llava-demo; SmolLM2 is smollm2
+
+
+def test_up_keeps_the_api_key_off_every_command_line(tmp_path, default_model_path):
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    args = parse("up", "--api-key-file", str(key), "--log-level", "warning", "--", "--max-num-seqs", "4")
+    stack = LocalStack(stack_config(args, str(default_model_path)))
+    assert stack.config.api_key == "s3cret" and stack.config.engine_args == ("--max-num-seqs", "4")
+    commands = stack.commands()
+    assert all("s3cret" not in " ".join(argv) for _, argv in commands)
+    assert all(argv[argv.index("--log-level") + 1] == "warning" for _, argv in commands)
+    assert stack.environment("proxy")["EPDSERVE_API_KEY"] == "s3cret"
+    assert "EPDSERVE_API_KEY" not in stack.environment("decode-0")
+
+
+def test_a_killed_engine_is_reported_as_out_of_memory_with_the_options_that_help():
+    message = exit_message("decode-0", -signal.SIGKILL)
+    assert "out-of-memory" in message
+    named = set(re.findall(r"--[a-z][a-z-]+", message))
+    options = lambda *argv: {"--" + dest.replace("_", "-") for dest in vars(parse(*argv))}  # noqa: E731
+    # Every option the message names exists, so that renaming one fails here rather than misleads a user.
+    assert {"--kv-cache-memory", "--num-kv-blocks"} <= named <= options("serve", "decode") | options("up")
+    assert "out-of-memory" in exit_message("proxy", -9) and "kv-cache" not in exit_message("proxy", -9)
+    assert exit_message("prefill-1", -signal.SIGTERM) == "prefill-1 was killed by SIGTERM"
+    assert exit_message("encoder-0", 1).startswith("encoder-0 exited with code 1")
+
+
+def test_up_reports_a_child_killed_during_startup(tmp_path):
+    class OneChild(LocalStack):
+        def commands(self):
+            return [("decode-0", [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])]
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(SystemExit, match=r"during startup, decode-0 was killed \(SIGKILL\), probably by the "
+                                             r"kernel's out-of-memory killer; .*--kv-cache-memory"):
+            OneChild(StackConfig(str(tmp_path), port=free_port())).run(startup_timeout=60)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def test_an_unresolvable_peer_is_warned_about_once(caplog, monkeypatch):
+    import asyncio
+    import socket
+
+    from epdserve.services.proxy.router import RolePool
+    from epdserve.shared.protocol import Role
+
+    async def no_such_name(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    async def resolve_three_times():
+        monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", no_such_name)
+        pool = RolePool(Role.PREFILL, ["prefill:7000"], make_client=None)
+        for _ in range(3):
+            await pool.resolve()
+
+    with caplog.at_level(logging.DEBUG, logger="epdserve.services.proxy.router"):
+        asyncio.run(resolve_three_times())
+    levels = [r.levelno for r in caplog.records if "cannot resolve" in r.getMessage()]
+    assert levels == [logging.WARNING, logging.DEBUG, logging.DEBUG]

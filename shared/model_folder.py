@@ -1,0 +1,49 @@
+"""What epdserve serves: a local HF model folder, checked before any process starts loading it.
+
+A model folder holds `config.json` (a supported architecture), `*.safetensors` weights, a tokenizer
+(`tokenizer.json` or `tokenizer_config.json`) and, for a LLaVA checkpoint, its image processor's
+settings. epdserve downloads nothing: a hub id such as `org/name` is refused with the way to fetch it.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+# `org/name` as the Hugging Face hub spells repositories; a path a user means as local rarely looks so.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+PREPARE_HINT = "`epdserve model llava-demo` or `epdserve model smollm2` prepares one offline"
+
+
+def check_model_folder(path: str | Path) -> Path:
+    """The folder, if it has everything a stack needs; else FileNotFoundError or ValueError in one line."""
+    from epdserve.shared.config import ModelConfig
+    from epdserve.shared.image_processor import ImageProcessorConfig
+    from epdserve.shared.weights import safetensors_files
+
+    text = str(path)
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        if _HUB_ID.fullmatch(text):
+            name = text.split("/")[1]
+            raise FileNotFoundError(
+                f"{text!r} is not a folder here; epdserve serves local model folders and downloads nothing: "
+                f"fetch it first (`hf download {text} --local-dir ~/models/{name}`) and pass that folder")
+        raise FileNotFoundError(f"no model folder at {text!r} ({PREPARE_HINT})")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{text!r} is a file; give the HF model folder that holds config.json")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{text!r} has no config.json: not an HF model folder ({PREPARE_HINT})")
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+        ModelConfig.from_pretrained(folder)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{text}/config.json is not valid JSON: {exc}") from None
+    except KeyError as exc:
+        raise ValueError(f"{text}/config.json lacks the setting {exc}") from None
+    safetensors_files(folder)  # raises, naming the folder, when weights or shards are missing
+    if not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        raise FileNotFoundError(f"{text!r} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+    if "vision_config" in raw:
+        ImageProcessorConfig.from_pretrained(folder)  # raises when the image processor's settings are missing
+    return folder
