@@ -153,3 +153,21 @@ def test_prometheus_scrapes_every_metrics_port(compose_config, epdserve_services
         if args.role == "proxy":  # the proxy's /metrics needs the API key
             credentials = job["authorization"]["credentials_file"]
             assert credentials in [s["target"] for s in prometheus["secrets"]]
+
+
+def test_grafana_provisions_the_charts_dashboard_on_prometheus(compose_config):
+    project = compose_config("monitoring")
+    assert "grafana" not in compose_config()["services"], "only with the monitoring profile"
+    grafana, prometheus = project["services"]["grafana"], project["services"]["prometheus"]
+    mounts = {v["target"]: v for v in grafana["volumes"]}
+    provisioning = Path(mounts["/etc/grafana/provisioning"]["source"])
+    assert mounts["/etc/grafana/provisioning"]["read_only"]
+    (datasource,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    host, port = datasource["url"].removeprefix("http://").split(":")
+    assert host == "prometheus" and int(port) == prometheus["ports"][0]["target"]
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "epdserve.yml").read_text())["providers"]
+    dashboards = [m for t, m in mounts.items() if t.startswith(provider["options"]["path"] + "/")]
+    assert [Path(m["source"]) for m in dashboards] == [REPO / "helm" / "epdserve" / "files" / "grafana-dashboard.json"]
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == dashboards[0]["target"]
+    (published,) = grafana["ports"]
+    assert published["host_ip"] == "127.0.0.1"

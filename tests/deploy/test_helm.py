@@ -265,3 +265,18 @@ def test_notes_tell_how_to_reach_the_api(helm, render, values):
     assert "helm install epdserve helm/epdserve -n llm" in (REPO / "README.md").read_text()
     assert ("Authorization: Bearer" in notes) == any(
         e["name"] == "EPDSERVE_API_KEY" for d in of_kind(objects, "Deployment") for e in main_container(d)["env"])
+
+
+def test_grafana_dashboard_is_a_configmap_for_the_sidecar_when_asked(render, served):
+    import json
+
+    dashboard = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
+    assert not [c for c in of_kind(render(None)[1], "ConfigMap") if "epdserve.json" in c["data"]], "off by default"
+    objects = render(CHART / "ci" / "ingress-monitoring-values.yaml")[1]
+    (configmap,) = [c for c in of_kind(objects, "ConfigMap") if "epdserve.json" in c["data"]]
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"  # the sidecar's default label
+    assert configmap["metadata"]["annotations"] == {"grafana_folder": "epdserve"}
+    assert json.loads(configmap["data"]["epdserve.json"]) == dashboard
+    # Its model variable matches the proxy's and the engines' model_name: every role is given the name.
+    for deployment in of_kind(objects, "Deployment"):
+        assert served(deployment)[0].served_model_name == "llava-demo", deployment["metadata"]["name"]

@@ -72,6 +72,11 @@ app.kubernetes.io/part-of: epdserve
 {{- /* Pod names do not resolve in cluster DNS; peers must dial the pod IP. */}}
 - --advertise-host
 - $(POD_IP)
+{{- /* Every role: the engines label their metrics with it, as the proxy does. */}}
+{{- with $root.Values.model.servedModelName }}
+- --served-model-name
+- {{ . | quote }}
+{{- end }}
 {{- if eq $role "proxy" }}
 - --port
 - {{ $ports.proxy | quote }}
@@ -82,10 +87,6 @@ app.kubernetes.io/part-of: epdserve
 - --{{ $target }}
 - {{ printf "%s:%v" (include "epdserve.roleName" (dict "root" $root "role" $target)) $ports.control | quote }}
 {{- end }}
-{{- end }}
-{{- with $root.Values.model.servedModelName }}
-- --served-model-name
-- {{ . | quote }}
 {{- end }}
 {{- else }}
 - --port

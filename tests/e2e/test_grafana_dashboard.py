@@ -1,0 +1,113 @@
+"""The Grafana dashboard asks only for series a running stack exports: every PromQL query of every panel
+and variable is read for the metric names and labels it uses, and each is found on the /metrics of a real
+stack (an encoder, a unified engine and the proxy, after one request)."""
+import json
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "epdserve" / "files" / "grafana-dashboard.json"
+FUNCTIONS = {"sum", "avg", "max", "min", "count", "rate", "irate", "increase", "histogram_quantile", "label_values",
+             "clamp_min", "topk"}
+KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless"}
+# Added by the scrape (compose's relabelling, the chart's ServiceMonitor), not by the services.
+TARGET_LABELS = {"role", "instance", "job"}
+# What the dashboard must show: vLLM's usual panels and the disaggregation's.
+REQUIRED = {
+    "epdserve:e2e_request_latency_seconds_bucket", "epdserve:time_to_first_token_seconds_bucket",
+    "epdserve:inter_token_latency_seconds_bucket", "epdserve:time_per_output_token_seconds_bucket",
+    "epdserve:prompt_tokens_total", "epdserve:generation_tokens_total", "epdserve:request_success_total",
+    "epdserve:request_prompt_tokens_bucket", "epdserve:request_generation_tokens_bucket",
+    "epdserve:request_params_max_tokens_bucket", "epdserve:request_params_n_sum",
+    "epdserve:num_requests_running", "epdserve:num_requests_waiting", "epdserve:kv_cache_usage_perc",
+    "epdserve:prefix_cache_hits_total", "epdserve:prefix_cache_queries_total",
+    "epdserve:request_queue_time_seconds_bucket", "epdserve:request_prefill_time_seconds_sum",
+    "epdserve:request_decode_time_seconds_sum", "epdserve:request_inference_time_seconds_sum",
+    "epdserve:iteration_tokens_total_bucket", "epdserve:http_responses_total",
+    "epdserve:kv_transfer_bytes_total", "epdserve:kv_transfer_seconds_total", "epdserve:kv_lease_renewals_total",
+    "epdserve:kv_lease_expired_total", "epdserve:local_prefills_total", "epdserve:mm_cache_hits_total",
+    "epdserve:mm_cache_queries_total",
+}
+
+
+def queries(dashboard: dict) -> list[str]:
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            exprs.append(variable["query"]["query"] if isinstance(variable["query"], dict) else variable["query"])
+    return exprs
+
+
+def parse(expr: str) -> tuple[dict[str, set[str]], set[str]]:
+    """({metric name: label names its matchers use}, label names of by/without/on/ignoring and label_values)."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    selectors: dict[str, set[str]] = {}
+    for name, matchers in re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{([^}]*)\}", expr):
+        selectors.setdefault(name, set()).update(re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)", matchers))
+    grouping = {label for group in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", expr)
+                for label in re.split(r"\s*,\s*", group.strip()) if label}
+    label_values = re.fullmatch(r"\s*label_values\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*,\s*(\w+)\s*\)\s*", expr)
+    if label_values:
+        return {label_values[1]: set()}, {label_values[2]}
+    bare = re.sub(r"\{[^}]*\}|\[[^\]]*\]", " ", expr)
+    bare = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", bare)
+    for match in re.finditer(r"(?<![\w.$])[a-zA-Z_:][a-zA-Z0-9_:]*", bare):
+        token = match.group()
+        if bare[match.end():].lstrip().startswith("("):
+            assert token in FUNCTIONS, f"unknown function {token} in {expr}"
+        elif token not in KEYWORDS:
+            selectors.setdefault(token, set())
+    return selectors, grouping
+
+
+def test_the_parser_finds_names_and_labels():
+    selectors, grouping = parse('histogram_quantile(0.99, sum by (le, role) (rate(a:b_bucket{model_name=~"$m"}'
+                                '[$__rate_interval]))) / sum(rate(c_total[5m])) > bool 0')
+    assert selectors == {"a:b_bucket": {"model_name"}, "c_total": set()} and grouping == {"le", "role"}
+    assert parse("label_values(epdserve:x, model_name)") == ({"epdserve:x": set()}, {"model_name"})
+
+
+def test_the_dashboard_is_well_formed():
+    dashboard = json.loads(DASHBOARD.read_text())
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
+    assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "model_name"}
+    used = set().union(*(parse(q)[0] for q in queries(dashboard)))
+    assert not REQUIRED - used, f"panels missing: {REQUIRED - used}"
+
+
+@pytest.fixture(scope="module")
+def exported(stack_factory, demo_model) -> dict[str, set[str]]:
+    """{series name: label names} over every service of a running stack, after one request."""
+    stack = stack_factory(demo_model, encoders=1, unified=1,
+                          engine_args=["--num-kv-blocks", "128", "--max-model-len", "1024"])
+    r = httpx.post(stack.url + "/v1/completions", json={"model": "demo", "prompt": "Hello", "max_tokens": 3},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    series: dict[str, set[str]] = {}
+    for service in stack.services.values():
+        text = httpx.get(f"http://127.0.0.1:{service.http_port}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                series.setdefault(sample.name, set()).update(sample.labels)
+    return series
+
+
+def test_every_dashboard_query_names_series_the_stack_exports(exported):
+    assert not [name for name in exported if name.endswith("_created")]
+    for expr in queries(json.loads(DASHBOARD.read_text())):
+        selectors, grouping = parse(expr)
+        assert selectors, expr
+        for name, labels in selectors.items():
+            assert name in exported, f"{name} is not exported ({expr})"
+            assert labels <= exported[name] | TARGET_LABELS, f"{name} has no {labels - exported[name]} ({expr})"
+        on_some = set().union(*(exported[name] for name in selectors)) | TARGET_LABELS
+        assert grouping <= on_some, f"no series of {expr} has {grouping - on_some}"
