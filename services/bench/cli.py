@@ -22,17 +22,30 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Adds an option's default to its help once: not when the help already says it, nor when there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        none = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if "default" in text or not action.option_strings or none or action.default in ([], {}):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def add_bench_parser(subparsers) -> None:
     """Adds `bench serve` to the `epdserve` command's subparsers."""
+    from epdserve.services.bench.datasets import DATASETS
+
     bench = subparsers.add_parser("bench", help="benchmark a running OpenAI-compatible server")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     p = kinds.add_parser("serve", help="send a synthetic workload, report TTFT/TPOT/ITL/E2EL, throughput, goodput",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=_HelpFormatter)
 
     target = p.add_argument_group("target")
     target.add_argument("--base-url", help="server root, e.g. http://127.0.0.1:8000 (default: --host/--port)")
-    target.add_argument("--host", default="127.0.0.1")
-    target.add_argument("--port", type=int, default=8000)
+    target.add_argument("--host", default="127.0.0.1", help="server host, without --base-url")
+    target.add_argument("--port", type=int, default=8000, help="server port, without --base-url")
     target.add_argument("--endpoint", help=f"default {COMPLETIONS_PATH}; {CHAT_PATH} for multi-turn and image")
     target.add_argument("--model", help="model name sent in requests (default: the server's first model); a local "
                                         "folder is used as --tokenizer and the name is asked from the server")
@@ -45,25 +58,34 @@ def add_bench_parser(subparsers) -> None:
                         help="wait this long for GET /v1/models to answer before starting (0: no wait)")
 
     data = p.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "multi-turn", "image"])
+    data.add_argument("--dataset-name", default="random", choices=DATASETS,
+                      help="random: exact-length random prompts; lognormal: random prompts with log-normal "
+                           "lengths; sharegpt: real conversations from --dataset-path; multi-turn: conversations "
+                           "that resend their history; image: prompts with generated images")
+    data.add_argument("--dataset-path", metavar="FILE",
+                      help="the ShareGPT JSON file (sharegpt), e.g. ShareGPT_V3_unfiltered_cleaned_split.json")
     data.add_argument("--num-prompts", type=int, default=100, help="requests per run (multi-turn: all turns)")
     data.add_argument("--input-len", type=int, default=1024,
-                      help="prompt tokens (sharegpt: median; multi-turn: each user turn)")
-    data.add_argument("--output-len", type=int, default=128, help="max tokens per reply (sharegpt: median)")
+                      help="prompt tokens (lognormal: the median; multi-turn: each user turn)")
+    data.add_argument("--output-len", type=int, default=128, help="max tokens per reply (lognormal: the median)")
     data.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 -+ r)")
     data.add_argument("--random-prefix-len", type=int, default=0, help="a prefix shared by every random prompt")
-    data.add_argument("--sharegpt-sigma", type=float, default=0.8, help="log-normal spread of the length mix")
-    data.add_argument("--sharegpt-max-len", type=int, default=2048)
+    data.add_argument("--lognormal-sigma", type=float, default=0.8, help="log-normal spread of the lengths")
+    data.add_argument("--lognormal-max-len", type=int, default=2048, help="longest prompt or reply")
+    data.add_argument("--sharegpt-output-len", type=int,
+                      help="output tokens of every sharegpt request (unset: the conversation's reply length)")
     data.add_argument("--multi-turn-turns", type=int, default=4, help="requests per conversation")
     data.add_argument("--multi-turn-prefix-len", type=int, default=1024, help="opening document of a conversation")
-    data.add_argument("--image-width", type=int, default=224)
-    data.add_argument("--image-height", type=int, default=224)
-    data.add_argument("--images-per-request", type=int, default=1)
-    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--image-width", type=int, default=224, help="pixels of each generated image (image)")
+    data.add_argument("--image-height", type=int, default=224, help="pixels of each generated image (image)")
+    data.add_argument("--images-per-request", type=int, default=1, help="images in each request (image)")
+    data.add_argument("--seed", type=int, default=0,
+                      help="seed of prompts, lengths and arrivals; the n-th request rate runs with seed + n")
 
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
-                      help="requests per second; several values run one after another; inf sends all at once")
+                      help="requests per second; several values run one after another; inf sends all at once "
+                           "(default: inf)")
     load.add_argument("--arrival", default="poisson", choices=["poisson", "fixed"],
                       help="poisson: gamma gaps (see --burstiness); fixed: exactly 1/rate apart")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, <1 burstier")
@@ -71,22 +93,23 @@ def add_bench_parser(subparsers) -> None:
     load.add_argument("--num-warmups", type=int, default=1, help="untimed requests before each run")
     load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                       help="generate exactly --output-len tokens (synthetic prompts would stop at random)")
-    load.add_argument("--temperature", type=float)
-    load.add_argument("--top-p", type=float)
-    load.add_argument("--top-k", type=int)
+    load.add_argument("--temperature", type=float, help="sent with every request (unset: the server's default)")
+    load.add_argument("--top-p", type=float, help="sent with every request (unset: the server's default)")
+    load.add_argument("--top-k", type=int, help="sent with every request (unset: the server's default)")
     load.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
 
     out = p.add_argument_group("results")
-    out.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
-    out.add_argument("--metric-percentiles", default="50,90,99")
+    out.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                     help="comma-separated metrics whose percentiles are reported")
+    out.add_argument("--metric-percentiles", default="50,90,99", help="comma-separated percentiles")
     out.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput: ttft, tpot, e2el in ms")
     out.add_argument("--label", help="name of the run in files and plots (default: openai or openai-chat)")
-    out.add_argument("--result-dir", default=".")
+    out.add_argument("--result-dir", default=".", help="folder of the JSON results and PNG plots")
     out.add_argument("--result-filename", help="JSON file name (several rates: _<rate>qps is inserted)")
     out.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="recorded in the JSON")
     out.add_argument("--save-detailed", action="store_true", help="also keep every generated text")
-    out.add_argument("--no-plot", action="store_true")
-    out.add_argument("--disable-tqdm", action="store_true")
+    out.add_argument("--no-plot", action="store_true", help="write no PNG plots")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.set_defaults(func=_serve_command)
 
 
@@ -120,7 +143,11 @@ def _load_tokenizer(args: argparse.Namespace):
         return None, None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source), source
+    try:
+        return AutoTokenizer.from_pretrained(source), source
+    except (OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SystemExit(f"epdserve bench serve: cannot load the tokenizer {source!r}: {first_line}") from None
 
 
 def _server_model(base_url: str, headers: dict, timeout: float) -> str:
@@ -202,14 +229,25 @@ def _serve_command(args: argparse.Namespace) -> int:
     headers = _pairs(args.header, "--header")
     if args.api_key:
         headers.setdefault("Authorization", f"Bearer {args.api_key}")
-    model = args.model if args.model and not Path(args.model).is_dir() else None
-    model = model or _server_model(base_url, headers, args.ready_check_timeout_sec)
+    if args.dataset_path and args.dataset_name != "sharegpt":
+        raise SystemExit(f"--dataset-path is read by --dataset-name sharegpt, not {args.dataset_name}")
     tokenizer, tokenizer_id = _load_tokenizer(args)
     text = datasets.TextSource(tokenizer)
     config = datasets.DatasetConfig(
-        args.dataset_name, args.num_prompts, args.seed, args.input_len, args.output_len, args.random_range_ratio,
-        args.random_prefix_len, args.sharegpt_sigma, args.sharegpt_max_len, args.multi_turn_turns,
-        args.multi_turn_prefix_len, args.image_width, args.image_height, args.images_per_request)
+        args.dataset_name, args.num_prompts, args.seed, args.input_len, args.output_len,
+        range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len,
+        lognormal_sigma=args.lognormal_sigma, lognormal_max_len=args.lognormal_max_len,
+        dataset_path=args.dataset_path, sharegpt_output_len=args.sharegpt_output_len, turns=args.multi_turn_turns,
+        conversation_prefix_len=args.multi_turn_prefix_len, image_width=args.image_width,
+        image_height=args.image_height, images_per_request=args.images_per_request)
+    try:  # every run's prompts before the first request: a bad dataset fails here, not after a run
+        # Each rate gets its own prompts: a prefix cache must not serve one run from an earlier one's.
+        runs = [datasets.sample_requests(replace(config, seed=args.seed + i), text)
+                for i in range(len(args.request_rate))]
+    except ValueError as exc:
+        raise SystemExit(f"epdserve bench serve: {exc}") from None
+    model = args.model if args.model and not Path(args.model).is_dir() else None
+    model = model or _server_model(base_url, headers, args.ready_check_timeout_sec)
     warmups = datasets.warmup_requests(config, text, args.num_warmups)
     sampling = {k: v for k, v in {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}.items()
                 if v is not None}
@@ -223,9 +261,7 @@ def _serve_command(args: argparse.Namespace) -> int:
 
     results: list[dict] = []
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
-    for i, rate in enumerate(args.request_rate):
-        # Each rate gets its own prompts: a prefix cache must not serve one run from an earlier one's.
-        samples = datasets.sample_requests(replace(config, seed=args.seed + i), text)
+    for i, (rate, samples) in enumerate(zip(args.request_rate, runs)):
         shape = runner.LoadShape(rate, args.burstiness, args.arrival, args.max_concurrency, args.seed + i)
         outputs, duration = asyncio.run(runner.run_load(endpoint, samples, shape, warmups, not args.disable_tqdm,
                                                         count_tokens))
@@ -273,11 +309,14 @@ def _plot(args: argparse.Namespace, label: str, results: list[dict]) -> None:
     stem = result_path(args, label, args.request_rate[0]).stem
     if len(results) > 1:
         stem = re.sub(r"_[^_]*qps", "", stem, count=1)
-    by_rate = {f"{label} @ {r['request_rate']} req/s": r for r in results}
+    by_rate = {("all at once" if r["request_rate"] == "inf" else f"{r['request_rate']:g} req/s"): r for r in results}
+    title = plots.describe(results)
+    if args.label:
+        title = f"{args.label}: {title}"
     try:
-        paths = [plots.plot_latency_cdfs(by_rate, Path(args.result_dir) / f"{stem}_cdf.png", label)]
+        paths = [plots.plot_latency_cdfs(by_rate, Path(args.result_dir) / f"{stem}_cdf.png", title)]
         if len(results) > 1:
-            paths.append(plots.plot_rate_sweep({label: results}, Path(args.result_dir) / f"{stem}_rates.png", label))
+            paths.append(plots.plot_rate_sweep({label: results}, Path(args.result_dir) / f"{stem}_rates.png", title))
     except ImportError as exc:
         print(f"no plots ({exc}); install matplotlib", file=sys.stderr)
         return

@@ -1,7 +1,13 @@
-"""Synthetic request sets, all seeded: the same arguments give the same prompts on every run.
+"""Request sets, all seeded: the same arguments give the same prompts on every run.
 
 - random: prompts of a given token length (+- a range ratio), optionally behind one shared prefix.
-- sharegpt: a ShareGPT-like mix of lengths (log-normal prompt and output lengths with long tails).
+- lognormal: random prompts whose prompt and output lengths follow log-normal distributions (long
+  tails, as real chat traffic has), around the given medians.
+- sharegpt: real conversations from a ShareGPT JSON file (`--dataset-path`), sampled as
+  `vllm bench serve` does: conversations with at least two turns, shuffled with the seed; the first
+  turn is the prompt and the second's token count the output length (or `sharegpt_output_len`); pairs
+  with fewer than 4 tokens on a side, a prompt over 1024 tokens or over 2048 together are skipped;
+  drawn again at random when the file has too few.
 - multi-turn: conversations whose every turn resends the whole history (a long opening document,
   then short user turns with the server's real replies in between): growing shared prefixes.
 - image: a text prompt with generated PNG images as `data:` URLs (chat endpoint).
@@ -13,12 +19,15 @@ server's usage then reports the true prompt length).
 from __future__ import annotations
 
 import base64
+import functools
 import io
-from dataclasses import dataclass
+import json
+import random
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-DATASETS = ("random", "sharegpt", "multi-turn", "image")
+DATASETS = ("random", "lognormal", "sharegpt", "multi-turn", "image")
 CHAT_ONLY = ("multi-turn", "image")
 
 _WORDS = (
@@ -93,8 +102,10 @@ class DatasetConfig:
     output_len: int = 128
     range_ratio: float = 0.0  # random: lengths uniform in [len * (1 - r), len * (1 + r)]
     prefix_len: int = 0  # random: tokens of one prefix shared by every prompt
-    sharegpt_sigma: float = 0.8  # sharegpt: log-normal spread; input_len/output_len are the medians
-    sharegpt_max_len: int = 2048
+    lognormal_sigma: float = 0.8  # lognormal: spread; input_len/output_len are the medians
+    lognormal_max_len: int = 2048
+    dataset_path: str | None = None  # sharegpt: the JSON file
+    sharegpt_output_len: int | None = None  # sharegpt: every request's output length (None: the reply's)
     turns: int = 4  # multi-turn: requests per conversation; input_len is each user turn's length
     conversation_prefix_len: int = 1024  # multi-turn: the opening document of each conversation
     image_width: int = 224
@@ -107,8 +118,9 @@ def sample_requests(config: DatasetConfig, text: TextSource) -> list[SampleReque
     if config.name not in DATASETS:
         raise ValueError(f"unknown dataset {config.name!r}; choose one of {DATASETS}")
     rng = np.random.default_rng(config.seed)
-    return {"random": _random, "sharegpt": _sharegpt, "multi-turn": _multi_turn, "image": _image}[config.name](
-        config, text, rng)
+    sample = {"random": _random, "lognormal": _lognormal, "sharegpt": _sharegpt, "multi-turn": _multi_turn,
+              "image": _image}[config.name]
+    return sample(config, text, rng)
 
 
 def warmup_requests(config: DatasetConfig, text: TextSource, count: int) -> list[SampleRequest]:
@@ -140,16 +152,64 @@ def _random(config: DatasetConfig, text: TextSource, rng: np.random.Generator) -
     return samples
 
 
-def _sharegpt(config: DatasetConfig, text: TextSource, rng: np.random.Generator) -> list[SampleRequest]:
+def _lognormal(config: DatasetConfig, text: TextSource, rng: np.random.Generator) -> list[SampleRequest]:
     def lognormal(median: int) -> np.ndarray:
-        values = rng.lognormal(np.log(max(median, 1)), config.sharegpt_sigma, config.num_prompts)
-        return np.clip(np.rint(values), 4, config.sharegpt_max_len).astype(int)
+        values = rng.lognormal(np.log(max(median, 1)), config.lognormal_sigma, config.num_prompts)
+        return np.clip(np.rint(values), 4, config.lognormal_max_len).astype(int)
 
     inputs, outputs = lognormal(config.input_len), lognormal(config.output_len)
     samples = []
     for n_in, n_out in zip(inputs.tolist(), outputs.tolist()):
         prompt, n = text.text(n_in, rng)
         samples.append(SampleRequest(prompt, n, n_out))
+    return samples
+
+
+@functools.lru_cache(maxsize=1)
+def load_sharegpt(path: str) -> tuple[dict, ...]:
+    """The file's conversations with at least two turns, in file order (read once per path)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"--dataset-path {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--dataset-path {path} is not JSON: {exc}") from None
+    if not isinstance(data, list):
+        raise ValueError(f"--dataset-path {path}: expected a JSON list of {{\"conversations\": [...]}} entries")
+    return tuple(e for e in data if isinstance(e, dict) and len(e.get("conversations") or ()) >= 2)
+
+
+def _is_valid_pair(prompt_len: int, output_len: int, check_output: bool) -> bool:
+    """vLLM's `is_valid_sequence` with its defaults."""
+    too_short = prompt_len < 4 or (check_output and output_len < 4)
+    return not too_short and prompt_len <= 1024 and prompt_len + output_len <= 2048
+
+
+def _sharegpt(config: DatasetConfig, text: TextSource, rng: np.random.Generator) -> list[SampleRequest]:
+    if not config.dataset_path:
+        raise ValueError("the sharegpt dataset reads a ShareGPT JSON file: give --dataset-path (for example "
+                         "ShareGPT_V3_unfiltered_cleaned_split.json); --dataset-name lognormal is a synthetic "
+                         "length mix")
+    if text.tokenizer is None:
+        raise ValueError("the sharegpt dataset counts tokens: give --tokenizer (or --model as a local folder)")
+    entries = list(load_sharegpt(config.dataset_path))
+    shuffler = random.Random(config.seed)  # as vLLM's random.seed(seed) then random.shuffle
+    shuffler.shuffle(entries)
+    tokenize = lambda s: len(text.tokenizer(s).input_ids)  # noqa: E731 - with special tokens, as vLLM counts
+    samples = []
+    for entry in entries:
+        if len(samples) >= config.num_prompts:
+            break
+        prompt, completion = (str(turn.get("value", "")) for turn in entry["conversations"][:2])
+        prompt_len = tokenize(prompt)
+        output_len = tokenize(completion) if config.sharegpt_output_len is None else config.sharegpt_output_len
+        if _is_valid_pair(prompt_len, output_len, config.sharegpt_output_len is None):
+            samples.append(SampleRequest(prompt, prompt_len, output_len))
+    if not samples:
+        raise ValueError(f"--dataset-path {config.dataset_path}: no conversation has a usable first exchange")
+    drawer = random.Random(config.seed)  # too few: draw again, as vLLM oversamples
+    samples += [replace(drawer.choice(samples)) for _ in range(config.num_prompts - len(samples))]
     return samples
 
 

@@ -109,3 +109,13 @@ def test_up_help_explains_every_option(tmp_path):
                          ("--startup-timeout SECONDS", "(default: 600.0)"), ("--log-level LEVEL", "debug")]:
         assert f"{option} " in text and what in text.split(option, 1)[1][:250], (option, text)
 
+
+
+def test_bench_sharegpt_without_its_file(tmp_path):
+    done = epdserve("bench", "serve", "--dataset-name", "sharegpt", "--port", "9", cwd=tmp_path)
+    assert_one_line_error(done, "give --dataset-path", "lognormal")
+
+
+def test_bench_dataset_path_with_another_dataset(tmp_path):
+    done = epdserve("bench", "serve", "--dataset-path", "x.json", "--port", "9", cwd=tmp_path)
+    assert_one_line_error(done, "--dataset-path is read by --dataset-name sharegpt")
