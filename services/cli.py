@@ -23,7 +23,7 @@ from epdserve.services.bench.cli import add_bench_parser
 ROLES = ("encoder", "prefill", "decode", "unified", "proxy")
 MODELS = ("llava-demo", "smollm2", "tiny-llama", "tiny-qwen2")
 SERVED_BY_DEFAULT = "llava-demo"  # what `up` and `serve` run without --model
-LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 # -- epdserve model -----------------------------------------------------------------------------------
@@ -115,7 +115,7 @@ def _log_level(value: str) -> str:
 def _add_log_level(p: argparse.ArgumentParser) -> None:
     # SUPPRESS: given after the command it overrides `epdserve --log-level`; absent, it leaves that alone.
     p.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS, metavar="LEVEL",
-                   help="debug, info, warning or error; debug adds a line per HTTP request "
+                   help="debug, info, warning, error or critical; debug adds a line per HTTP request "
                         "(default: $EPDSERVE_LOG_LEVEL or info)")
 
 
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epdserve", description="Disaggregated LLM serving.")
     parser.add_argument("--log-level", type=_log_level, default=os.environ.get("EPDSERVE_LOG_LEVEL", "info"),
                         metavar="LEVEL",
-                        help="debug, info, warning or error (default: $EPDSERVE_LOG_LEVEL or info)")
+                        help="debug, info, warning, error or critical (default: $EPDSERVE_LOG_LEVEL or info)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     model = sub.add_parser("model", help="prepare a model folder; prints its path last")

@@ -139,3 +139,14 @@ def test_an_unresolvable_peer_is_warned_about_once(caplog, monkeypatch):
         asyncio.run(resolve_three_times())
     levels = [r.levelno for r in caplog.records if "cannot resolve" in r.getMessage()]
     assert levels == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+
+
+def test_every_log_level_the_deployments_allow(monkeypatch):
+    import json
+    from pathlib import Path
+
+    schema = json.loads((Path(__file__).parents[2] / "helm/epdserve/values.schema.json").read_text())
+    levels = schema["properties"]["config"]["properties"]["logLevel"]["enum"]
+    for level in levels:  # the chart and compose pass it as $EPDSERVE_LOG_LEVEL, in capitals
+        monkeypatch.setenv("EPDSERVE_LOG_LEVEL", level)
+        assert parse("up").log_level == level.lower()
