@@ -313,7 +313,10 @@ def _serve_command(args: argparse.Namespace) -> int:
     threads = args.threads or torch.get_num_threads()
     compute_in_one_thread_by_default()  # before any op: only the engine's thread gets `threads`
     config = service_config(args, threads)
-    engine = engine_config(args, model) if args.role != "encoder" else None
+    try:
+        engine = engine_config(args, model) if args.role != "encoder" else None
+    except ValueError as exc:  # an engine option out of range, or one that contradicts the model
+        raise SystemExit(f"epdserve: error: {exc}") from None
     return asyncio.run(run_service(config, engine, model, args.dtype, args.device))
 
 

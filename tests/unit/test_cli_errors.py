@@ -119,3 +119,10 @@ def test_bench_sharegpt_without_its_file(tmp_path):
 def test_bench_dataset_path_with_another_dataset(tmp_path):
     done = epdserve("bench", "serve", "--dataset-path", "x.json", "--port", "9", cwd=tmp_path)
     assert_one_line_error(done, "--dataset-path is read by --dataset-name sharegpt")
+
+
+@pytest.mark.parametrize("option, message", [(("--max-model-len", "0"), "max_model_len must be positive"),
+                                             (("--block-size", "0"), "block_size must be a positive power of two")])
+def test_an_engine_option_out_of_range(tmp_path, servable, option, message):
+    done = epdserve("serve", "decode", "--model", str(servable), *option, cwd=tmp_path)
+    assert_one_line_error(done, message)
