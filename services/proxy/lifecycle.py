@@ -8,14 +8,11 @@
 
 Short uncached prompts, or no healthy prefill, go straight to decode, which prefills them itself.
 
-Every call to a service goes through one failover path (`_send`): healthy instances are tried best
-first; while one works on the request, its liveness is watched (router polls, the connection itself),
-so a dead instance fails or fails over within seconds instead of at a timeout. An instance that died, a
-lost connection or a retryable refusal (starting, draining, overloaded) moves on to the next instance -
-only before anything of that step reached the client. A refusal the request itself may have caused (bad
-input; an internal error of an instance that is still alive) is never retried: it could take every
-instance down in turn. Leaving the stream early (client gone, stop string) aborts the request on every
-service that holds it.
+Every call to a service (encode, prefill, start a stream) goes through one failover path
+(`failover.Failover`): instances tried best first, their liveness watched while they work, a refusal the
+request may have caused never retried - only before anything of that step reached the client. A client
+that goes away cancels the request's task: whatever a service may have accepted is aborted there, and
+leaving a stream early (client gone, stop string) aborts the request on every service that holds it.
 """
 from __future__ import annotations
 
@@ -23,17 +20,18 @@ import asyncio
 import collections
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from epdserve.services.network import advertised
+from epdserve.services.proxy.failover import Failover, InstanceDown, Liveness, service_error, watched
 from epdserve.services.proxy.generation import Chunk, GenerateInput, GenerationError
-from epdserve.services.proxy.router import Instance, NoInstanceError, Router, prefix_key
-from epdserve.shared.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error, ErrorCode,
-                                      GenerateRequest, MMItem, MMPlaceholder, PrefillDone, PrefillRequest, Role,
-                                      TokenDelta, TokenDeltas, TokenLogprobs as WireLogprobs)
+from epdserve.services.proxy.router import Instance, Router, prefix_key
+from epdserve.shared.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error, GenerateRequest,
+                                      MMItem, MMPlaceholder, PrefillDone, PrefillRequest, Role, TokenDelta,
+                                      TokenDeltas, TokenLogprobs as WireLogprobs)
 from epdserve.shared.sampler import TokenLogprobs
 from epdserve.shared.sampling_params import to_wire
-from epdserve.transport.queues import ChannelError, ErrorReply, PullChannel
+from epdserve.transport.queues import ChannelError, PullChannel
 
 logger = logging.getLogger(__name__)
 
@@ -46,29 +44,11 @@ class LifecycleConfig:
     request_timeout: float = 30.0  # a control request (encode, accept a decode...)
     prefill_timeout: float = 600.0  # a whole prefill (long prompts on CPU take a while)
     token_timeout: float = 600.0  # silence allowed between two chunks of a stream
-    liveness_check: float = 0.5  # how often a waiting stream checks its instance is still alive
+    liveness_check: float = 0.5  # how often a waiting call or stream checks its instance is still alive
 
 
 def _chunk_logprobs(wire: tuple[WireLogprobs, ...] | list) -> list[TokenLogprobs]:
     return [TokenLogprobs(w.logprob, 0, list(zip(w.top_token_ids, w.top_logprobs))) for w in wire]
-
-
-class InstanceDown(ChannelError):
-    """The instance working on a request was found dead while we waited for it."""
-
-
-def _service_error(error: Error, instance: Instance) -> GenerationError:
-    if error.code == ErrorCode.BAD_REQUEST:
-        return GenerationError(error.message, 400, "BadRequestError")
-    return GenerationError(f"{instance.role.value} {instance.address}: {error.message}", 500)
-
-
-def _final(exc: ErrorReply, instance: Instance) -> GenerationError | None:
-    """The client's error for a refusal that no other instance would answer differently; None when another
-    instance may succeed (the refusal says so, or this instance is dead)."""
-    if exc.error.code != ErrorCode.BAD_REQUEST and (exc.error.retryable or not instance.alive):
-        return None
-    return _service_error(exc.error, instance)
 
 
 class ServiceBackend:
@@ -84,6 +64,7 @@ class ServiceBackend:
         self._streams: dict[str, asyncio.Queue] = {}
         self._task: asyncio.Task | None = None
         self._aborts: set[asyncio.Task] = set()
+        self._failover = Failover(router, self._abort_soon, config.max_attempts, config.liveness_check)
 
     async def start(self) -> None:
         self.reply_to = advertised(await self.inbox.start(), self._bind_host, self._advertise_host)
@@ -138,73 +119,18 @@ class ServiceBackend:
                                   "BadRequestError")
         placeholders = []
         for image in gen.images:
-            instance, done = await self._send(Role.ENCODER, image.mm_hash.encode(),
-                                              EncodeRequest(gen.request_id, (MMItem(image.mm_hash, image.data),)),
-                                              self.config.request_timeout, EncodeDone)
+            request = EncodeRequest(gen.request_id, (MMItem(image.mm_hash, image.data),))
+            instance, done = await self._failover.call(Role.ENCODER, image.mm_hash.encode(), request,
+                                                       self.config.request_timeout, EncodeDone)
             if done.items[0].num_tokens != image.length:
                 raise GenerationError(f"the encoder made {done.items[0].num_tokens} embeddings for an image with "
                                       f"{image.length} placeholder tokens", 500)
             placeholders.append(MMPlaceholder(image.offset, image.length, image.mm_hash, instance.data_addr))
         return tuple(placeholders)
 
-    def _candidates(self, role: Role, key: bytes | None):
-        """Up to max_attempts distinct healthy instances, best first."""
-        pool = self.router.pool(role)
-        tried: list[Instance] = []
-        for attempt in range(self.config.max_attempts):
-            try:
-                instance = pool.pick_affine(key, tried) if key is not None else pool.pick_least_loaded(tried)
-            except NoInstanceError:
-                if not tried:
-                    raise GenerationError(f"no healthy {role.value} instance", 503, "ServiceUnavailableError")
-                raise GenerationError(f"every {role.value} instance tried failed", 503, "ServiceUnavailableError")
-            tried.append(instance)
-            yield attempt, instance
-
-    async def _send(self, role: Role, key: bytes | None, message, timeout: float, expect: type) -> tuple[Instance, Any]:
-        """Send `message` to healthy instances of `role`, best first, until one answers with `expect`:
-        (that instance, its answer). The instance counts the message in its load while working on it."""
-        last: Exception | None = None
-        for attempt, instance in self._candidates(role, key):
-            instance.inflight += 1
-            try:
-                return instance, await self._call(instance, message, timeout, expect)
-            except ErrorReply as exc:
-                if (final := _final(exc, instance)) is not None:
-                    raise final from None
-                last = exc
-            except (ChannelError, TimeoutError) as exc:
-                self.router.pool(role).mark_failed(instance)
-                if role != Role.ENCODER:  # it may have accepted the request and lost only the answer
-                    self._abort_soon(instance, message.request_id)
-                last = exc
-            finally:
-                instance.inflight -= 1
-            logger.warning("%s %s failed %s (attempt %d): %s", role.value, instance.address,
-                           type(message).__name__, attempt + 1, last)
-        raise GenerationError(f"{role.value} failed: {last}", 503, "ServiceUnavailableError")
-
-    async def _call(self, instance: Instance, message, timeout: float, expect: type):
-        """`message`'s answer from `instance`; raises InstanceDown as soon as the instance is known dead."""
-        disconnects = instance.client.num_disconnects
-        call = asyncio.ensure_future(instance.client.request(message, timeout=timeout, expect=expect))
-        try:
-            while True:
-                done, _ = await asyncio.wait({call}, timeout=self.config.liveness_check)
-                if done:
-                    return call.result()
-                self._check_alive(instance, disconnects)
-        finally:
-            call.cancel()
-
-    @staticmethod
-    def _check_alive(instance: Instance, disconnects: int) -> None:
-        if not instance.alive or instance.client.num_disconnects != disconnects:
-            raise InstanceDown(f"{instance.role.value} instance {instance.address} stopped answering")
-
     async def _disaggregated(self, gen: GenerateInput, placeholders) -> AsyncIterator[Chunk]:
         wire = to_wire(gen.params)
-        prefill, done = await self._send(
+        prefill, done = await self._failover.call(
             Role.PREFILL, prefix_key(gen.prompt_token_ids, gen.cache_salt),
             PrefillRequest(gen.request_id, tuple(gen.prompt_token_ids), wire, placeholders, gen.cache_salt),
             self.config.prefill_timeout, PrefillDone)
@@ -240,14 +166,14 @@ class ServiceBackend:
         instance = None  # from its acceptance: counts the stream in its load, hears of an abort
         finished = False
         try:
-            instance, _ = await self._send(role, key, request, self.config.request_timeout, Ack)
+            instance, _ = await self._failover.call(role, key, request, self.config.request_timeout, Ack)
             # Counted again at once: no other routing decision happens in between.
             instance.inflight += 1
-            disconnects = instance.client.num_disconnects
+            liveness = Liveness(instance)
             while not finished:
-                message = await self._next(queue, instance, disconnects)
+                message = await self._next(queue, liveness)
                 if isinstance(message, Error):
-                    raise _service_error(message, instance)
+                    raise service_error(message, instance)
                 assert isinstance(message, TokenDelta)
                 finished = message.finish_reason is not None
                 yield Chunk(list(message.token_ids), _chunk_logprobs(message.logprobs),
@@ -260,19 +186,16 @@ class ServiceBackend:
                 if not finished:
                     self._abort_soon(instance, rid)
 
-    async def _next(self, queue: asyncio.Queue, instance: Instance, disconnects: int):
-        waited = 0.0
-        while True:
-            try:
-                return await asyncio.wait_for(queue.get(), self.config.liveness_check)
-            except asyncio.TimeoutError:
-                waited += self.config.liveness_check
-            try:
-                self._check_alive(instance, disconnects)
-            except InstanceDown as exc:
-                raise GenerationError(str(exc), 502, "BadGatewayError") from None
-            if waited > self.config.token_timeout:
-                raise GenerationError(f"no tokens from {instance.address} for {waited:.0f}s", 504, "TimeoutError")
+    async def _next(self, queue: asyncio.Queue, liveness: Liveness):
+        if not queue.empty():  # the common case under load: no waiting, no task
+            return queue.get_nowait()
+        try:
+            return await watched(queue.get(), liveness, self.config.liveness_check, self.config.token_timeout)
+        except InstanceDown as exc:
+            raise GenerationError(str(exc), 502, "BadGatewayError") from None
+        except TimeoutError:
+            raise GenerationError(f"no tokens from {liveness.instance.address} for "
+                                  f"{self.config.token_timeout:.0f}s", 504, "TimeoutError") from None
 
     def _abort_soon(self, instance: Instance | None, request_id: str) -> None:
         """Abort in a task of its own: cleanup runs while the request's task is being cancelled (client

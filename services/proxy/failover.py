@@ -1,0 +1,151 @@
+"""The one failover path of the proxy: every call to a service (encode, prefill, start a stream) goes here.
+
+Healthy instances are tried best first. While one works on the call, its liveness is watched (the
+router's polls, the connection itself), so a dead instance fails over within seconds instead of at a
+timeout. Each attempt ends in one of four outcomes:
+
+- answered: the instance's answer is returned;
+- refused, retryable (starting, draining, overloaded), or by an instance found dead: the next instance;
+- refused for a reason the request itself may have caused (bad input; an internal error of an instance
+  that is still alive): the client's error at once - retried, it could take every instance down in turn;
+- failed (instance dead, connection lost, no answer in time): the instance is marked failed, the call
+  aborted there (it may have been accepted with only the answer lost), and the next instance tried.
+
+A call cancelled while an instance works on it (the client went away) is aborted on that instance too.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
+
+from epdserve.services.proxy.generation import GenerationError
+from epdserve.services.proxy.router import Instance, NoInstanceError, Router
+from epdserve.shared.protocol import Error, ErrorCode, Message, Role
+from epdserve.transport.queues import ChannelError, ErrorReply
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class InstanceDown(ChannelError):
+    """The instance working on a request was found dead while we waited for it."""
+
+
+class Liveness:
+    """Whether an instance has stayed up since this was made: the router still counts it alive and its
+    connection never dropped (a dropped connection loses the answers in flight)."""
+
+    __slots__ = ("instance", "_disconnects")
+
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+        self._disconnects = instance.client.num_disconnects
+
+    def check(self) -> None:
+        """Raises InstanceDown if the instance went down."""
+        instance = self.instance
+        if not instance.alive or instance.client.num_disconnects != self._disconnects:
+            raise InstanceDown(f"{instance.role.value} instance {instance.address} stopped answering")
+
+
+async def watched(work: Awaitable[T], liveness: Liveness, interval: float, timeout: float | None = None) -> T:
+    """`work`'s result, the instance's liveness checked every `interval` seconds meanwhile. Raises
+    InstanceDown as soon as the instance is known dead, TimeoutError after `timeout` seconds (None: never);
+    `work` is cancelled whenever this returns without its result (a cancelled caller included)."""
+    task = asyncio.ensure_future(work)
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=interval)
+            if done:
+                return task.result()
+            liveness.check()
+            if deadline is not None and loop.time() > deadline:
+                raise TimeoutError(f"no answer from {liveness.instance.address} in {timeout:.0f}s")
+    finally:
+        task.cancel()
+
+
+def service_error(error: Error, instance: Instance) -> GenerationError:
+    """The client's error for an `Error` an instance answered (or pushed) for a request."""
+    if error.code == ErrorCode.BAD_REQUEST:
+        return GenerationError(error.message, 400, "BadRequestError")
+    return GenerationError(f"{instance.role.value} {instance.address}: {error.message}", 500)
+
+
+class Outcome(enum.Enum):
+    RETRY = "retry"  # another instance may answer: try the next one
+    FINAL = "final"  # the request's own fault, or a live instance's: the client's error
+    FAILED = "failed"  # the instance died, lost the connection or took too long: mark it, abort, next
+
+
+def classify(exc: Exception, instance: Instance) -> Outcome:
+    if isinstance(exc, ErrorReply):
+        if exc.error.code != ErrorCode.BAD_REQUEST and (exc.error.retryable or not instance.alive):
+            return Outcome.RETRY
+        return Outcome.FINAL
+    assert isinstance(exc, (ChannelError, TimeoutError))
+    return Outcome.FAILED
+
+
+class Failover:
+    """Runs one call of a request on the instances of a role, best first, until one answers."""
+
+    def __init__(self, router: Router, abort_soon: Callable[[Instance, str], None], max_attempts: int = 3,
+                 liveness_check: float = 0.5) -> None:
+        self.router = router
+        self.abort_soon = abort_soon  # (instance, request id): abort there, without waiting
+        self.max_attempts = max_attempts
+        self.liveness_check = liveness_check  # seconds between two liveness checks of a waiting call
+
+    async def call(self, role: Role, key: bytes | None, message: Message, timeout: float,
+                   expect: type) -> tuple[Instance, Any]:
+        """(the instance that answered `message` with an `expect`, its answer). `key`: route by affinity
+        (None: least loaded). The instance counts the call in its load while working on it."""
+        last: Exception | None = None
+        for attempt, instance in self._candidates(role, key):
+            try:
+                return instance, await self._attempt(instance, message, timeout, expect)
+            except (ChannelError, TimeoutError) as exc:
+                outcome = classify(exc, instance)
+                if outcome is Outcome.FINAL:
+                    raise service_error(exc.error, instance) from None
+                if outcome is Outcome.FAILED:
+                    self.router.pool(role).mark_failed(instance)
+                    self._abort_accepted(instance, message)
+                last = exc
+            logger.warning("%s %s failed %s (attempt %d): %s", role.value, instance.address,
+                           type(message).__name__, attempt + 1, last)
+        raise GenerationError(f"{role.value} failed: {last}", 503, "ServiceUnavailableError")
+
+    def _candidates(self, role: Role, key: bytes | None) -> Iterator[tuple[int, Instance]]:
+        """Up to max_attempts distinct healthy instances, best first."""
+        pool = self.router.pool(role)
+        tried: list[Instance] = []
+        for attempt in range(self.max_attempts):
+            try:
+                instance = pool.pick_affine(key, tried) if key is not None else pool.pick_least_loaded(tried)
+            except NoInstanceError:
+                what = f"no healthy {role.value} instance" if not tried else f"every {role.value} instance tried failed"
+                raise GenerationError(what, 503, "ServiceUnavailableError") from None
+            tried.append(instance)
+            yield attempt, instance
+
+    async def _attempt(self, instance: Instance, message: Message, timeout: float, expect: type) -> Any:
+        instance.inflight += 1
+        try:
+            call = instance.client.request(message, timeout=timeout, expect=expect)
+            return await watched(call, Liveness(instance), self.liveness_check)
+        except asyncio.CancelledError:  # the client went away while the instance worked on it
+            self._abort_accepted(instance, message)
+            raise
+        finally:
+            instance.inflight -= 1
+
+    def _abort_accepted(self, instance: Instance, message: Message) -> None:
+        # Encoders keep nothing per request: an encode that was accepted just fills their cache.
+        if instance.role != Role.ENCODER:
+            self.abort_soon(instance, message.request_id)
