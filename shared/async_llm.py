@@ -12,7 +12,6 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from epdserve.shared.compute_threads import set_this_thread
@@ -68,6 +67,10 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._on_dead: list[Callable[[BaseException], None]] = []
         self._stopping = False
+        # Engine thread only: reservations waiting for room, in arrival order, and whether room freed up
+        # since they were last tried.
+        self._reservations: list[tuple[Request, concurrent.futures.Future]] = []
+        self._room = False
         built: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._start, args=(engine, num_threads, built), name="epdserve-engine",
                                         daemon=True)
@@ -111,12 +114,7 @@ class AsyncLLM:
         then decode from `first_token_id`. Yields outputs like `generate`, without the first token."""
         stream = self._open_stream(request.request_id)
         try:
-            deadline = time.monotonic() + wait_timeout
-            while (reservation := await self.call(lambda e: e.reserve_remote_kv(request))) is None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no KV blocks free for request {request.request_id} after {wait_timeout}s")
-                await asyncio.sleep(0.01)
-            await fill_kv(reservation)
+            await fill_kv(await self._reserve(request, wait_timeout))
         except BaseException:
             self._streams.pop(request.request_id, None)
             self._commands.put(("abort", request.request_id))
@@ -124,6 +122,17 @@ class AsyncLLM:
         self._put(("add_prefilled", (request, first_token_id)))
         async for out in self._drain(request.request_id, stream):
             yield out
+
+    async def _reserve(self, request: Request, wait_timeout: float) -> RemoteKVReservation:
+        """Blocks for the request's prompt, reserved as soon as the engine has room: it retries waiting
+        reservations when blocks free up, in arrival order. A caller that gives up must abort the request
+        (it may have got its blocks meanwhile)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(("reserve", (request, future)))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), wait_timeout)
+        except TimeoutError:
+            raise TimeoutError(f"no KV blocks free for request {request.request_id} after {wait_timeout}s") from None
 
     async def generate_recomputed(self, request: Request, first_token_id: int) -> AsyncIterator[RequestOutput]:
         """Continue a request whose first token a peer sampled when its KV cannot be had: recompute the
@@ -204,6 +213,7 @@ class AsyncLLM:
             built.set_exception(exc)
             return
         built.set_result(self.engine)
+        self.engine.scheduler.on_room = self._note_room
         self._run()
 
     def _run(self) -> None:
@@ -217,10 +227,12 @@ class AsyncLLM:
                         self._apply(self._commands.get_nowait())
                     except queue.Empty:
                         break
+                self._retry_reservations()
                 if self.engine.has_work():
                     outputs = self.engine.step()
                     with self.engine.step_timer.phase("output"):
                         self._deliver(outputs)
+                    self._retry_reservations()
         except BaseException as exc:  # the loop must not die silently with requests waiting on it
             logger.exception("engine loop failed")
             self._die(exc)
@@ -234,8 +246,12 @@ class AsyncLLM:
                     kind, arg = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if kind == "call" and arg[1].set_running_or_notify_cancel():
+                if kind in ("call", "reserve") and arg[1].set_running_or_notify_cancel():
                     arg[1].set_exception(error)
+            for _, future in self._reservations:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(error)
+            self._reservations.clear()
         for callback in self._on_dead:  # before the waiters hear of it: by then the service says unhealthy
             callback(cause)
         for stream in list(self._streams.values()):  # no stream opens once `_dead` is set
@@ -255,7 +271,14 @@ class AsyncLLM:
                 future.set_exception(exc)
             return
         if kind == "abort":
+            # Before any later command with the same id (a recomputation): a reservation still waiting
+            # would otherwise take blocks for it.
+            self._reservations = [(r, f) for r, f in self._reservations if r.request_id != arg]
             self._deliver(self.engine.abort_request(arg))
+            return
+        if kind == "reserve":
+            self._reservations.append(arg)
+            self._room = True  # tried at once
             return
         if kind == "stop":
             return  # `_stopping` ends the loop
@@ -274,6 +297,31 @@ class AsyncLLM:
             if not isinstance(exc, ValueError):  # a ValueError is bad input and added nothing
                 logger.exception("request %s could not be added", request.request_id)
                 self.engine.abort_request(request.request_id)
+
+    def _note_room(self) -> None:
+        self._room = True
+
+    def _retry_reservations(self) -> None:
+        """Give the room that freed up to the reservations waiting for it, in arrival order (one that does
+        not fit lets a later, smaller one try)."""
+        if not self._room:
+            return
+        self._room = False
+        waiting, self._reservations = self._reservations, []
+        for request, future in waiting:
+            if future.cancelled():
+                continue  # its caller gave up before it got blocks
+            try:
+                reservation = self.engine.reserve_remote_kv(request)
+            except Exception as exc:  # bad input (too long for the pool, id in use): the caller's error
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(exc)
+                continue
+            if reservation is None:
+                self._reservations.append((request, future))
+            elif future.set_running_or_notify_cancel():
+                future.set_result(reservation)
+            # else its caller gave up just now: the abort it sends frees the blocks
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams: one wake-up of each streams' event loop per step, not one

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 from epdserve.shared.block_manager import BlockManager
 from epdserve.shared.config import SchedulerConfig
@@ -49,6 +49,9 @@ class Scheduler:
         self.held: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}  # by finish reason
+        # Called (on the engine's thread, mid-step included: it must only take note) when blocks or a
+        # running slot free up, so a request waiting for a remote-KV reservation is tried again then.
+        self.on_room: Callable[[], None] | None = None
 
     def add_request(self, request: Request) -> None:
         self._admit(request)
@@ -121,7 +124,7 @@ class Scheduler:
                                bm.take_new_block_ids())
 
     def _preempt(self, request: Request) -> None:
-        self.block_manager.free(request)
+        self._free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -167,21 +170,31 @@ class Scheduler:
         # Only a request that ran to its end keeps its KV for a peer; an aborted or failed one frees it.
         if request.hold_kv and request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.held[request.request_id] = request
+            self._room()  # a running slot, if not blocks
         else:
-            self.block_manager.free(request)
+            self._free(request)
 
     def release_kv(self, request_id: str) -> bool:
         """Free a finished request's held blocks; False if it holds none (already released, or unknown)."""
         request = self.held.pop(request_id, None)
         if request is None:
             return False
-        self.block_manager.free(request)
+        self._free(request)
         return True
+
+    def _free(self, request: Request) -> None:
+        self.block_manager.free(request)
+        self._room()
+
+    def _room(self) -> None:
+        if self.on_room is not None:
+            self.on_room()
 
     # -- requests whose prompt KV comes from another engine -----------------------------------------
     def reserve_remote_kv(self, request: Request) -> RemoteKVReservation | None:
         """Allocate blocks for the request's whole prompt, reusing local prefix hits; None if the pool
-        has no room now. The request then waits outside the queues until `add_prefilled`."""
+        has no room now (`on_room` tells when there may be). The request then waits outside the queues
+        until `add_prefilled`."""
         if len(self.running) >= self.config.max_num_seqs:
             return None
         bm = self.block_manager

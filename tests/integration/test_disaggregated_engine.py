@@ -160,3 +160,73 @@ def test_first_token_that_stops_ends_the_request_at_once(tiny_model_paths):
         assert decode.engine.stats().num_free_blocks == 32
     finally:
         decode.shutdown()
+
+
+def hogged_decode(path):
+    """A decode engine of 8 blocks, 7 of them held by a finished request kept for a peer ("hog")."""
+    decode = AsyncLLM(LLMEngine(build_engine_config(path, num_kv_blocks=8), detokenize=False))
+    attempts = []
+    reserve = decode.engine.reserve_remote_kv
+    decode.engine.reserve_remote_kv = lambda request: attempts.append(request.request_id) or reserve(request)
+
+    async def hog():
+        request = decode.make_request({"prompt_token_ids": list(range(100, 200))}, SamplingParams(max_tokens=1),
+                                      "hog", hold_kv=True)
+        async for _ in decode.generate(request):
+            pass
+        assert (await decode.call(lambda e: e.stats())).num_free_blocks == 1
+
+    return decode, attempts, hog
+
+
+def test_a_reservation_waits_for_room_and_takes_it_when_blocks_free(tiny_model_paths):
+    """The engine says when blocks free up: the reservation is tried when asked and again then, not polled."""
+    decode, attempts, hog = hogged_decode(tiny_model_paths["llama"])
+    filled = asyncio.Event()
+
+    async def fill(reservation):
+        assert len(reservation.block_ids) == 3
+        filled.set()
+
+    async def main():
+        await hog()
+        request = decode.make_request({"prompt_token_ids": list(range(300, 340))}, SamplingParams(max_tokens=3), "b")
+        task = asyncio.create_task(collect(decode.generate_prefilled(request, 7, fill, wait_timeout=30)))
+        await asyncio.sleep(0.5)
+        assert not filled.is_set() and attempts == ["b"]
+        assert await decode.call(lambda e: e.release_kv("hog"))
+        outs = await asyncio.wait_for(task, 30)
+        assert outs[-1].finished
+        return await decode.call(lambda e: e.stats())
+
+    try:
+        stats = asyncio.run(main())
+        assert attempts == ["b", "b"] and stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        decode.shutdown()
+
+
+async def collect(outputs):
+    return [out async for out in outputs]
+
+
+def test_a_reservation_that_times_out_takes_no_blocks_later(tiny_model_paths):
+    decode, attempts, hog = hogged_decode(tiny_model_paths["llama"])
+
+    async def fill(reservation):
+        raise AssertionError("no room was expected")
+
+    async def main():
+        await hog()
+        request = decode.make_request({"prompt_token_ids": list(range(300, 340))}, SamplingParams(max_tokens=3), "b")
+        with pytest.raises(TimeoutError, match="no KV blocks free"):
+            async for _ in decode.generate_prefilled(request, 7, fill, wait_timeout=0.3):
+                pass
+        assert await decode.call(lambda e: e.release_kv("hog"))
+        return await decode.call(lambda e: (e.stats(), dict(e.scheduler.requests)))
+
+    try:
+        stats, requests = asyncio.run(main())
+        assert stats.num_free_blocks == stats.num_total_blocks and not requests and attempts == ["b"]
+    finally:
+        decode.shutdown()
