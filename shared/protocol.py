@@ -11,19 +11,29 @@ Conventions:
 - Fields typed `torch.Tensor` travel out of band as raw frames after the message (see the codec); they
   are excluded from `==` so that messages compare by their control fields.
 - Times are Unix seconds (float) so that they mean the same on every host.
+- Engine types (SamplingParams, the sampler's logprobs, RequestOutput) are converted to and from
+  these structs by `epdserve.shared.wire` and nowhere else.
 
-Bump PROTOCOL_VERSION on any change a peer of the previous version would misread (a field added
-without a default, a field removed or retyped, a tag renamed).
+Compatibility: there is none across versions. Every message carries PROTOCOL_VERSION and the codec
+drops any other version; within a version it requires exactly the declared fields (a default is
+filled in by the constructor, never by the decoder). So any change to the wire schema - a field
+added (with or without a default), removed, renamed or retyped, a tag or an enum value changed -
+bumps PROTOCOL_VERSION, and peers of different versions refuse each other at the handshake.
+tests/unit/test_protocol.py pins a fingerprint of the schema to the version.
+
+This module does not import torch (only the annotations of tensor fields name it), so that the
+proxy's OpenAI layer can use the wire types without loading it.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import ClassVar, Union
+from typing import TYPE_CHECKING, ClassVar, Union
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class Role(str, enum.Enum):
@@ -85,7 +95,8 @@ class TensorSpec:
 
 @dataclass(frozen=True, slots=True)
 class WireSamplingParams:
-    """The engine's SamplingParams as they travel; the services convert to and from it."""
+    """The engine's SamplingParams as they travel: the same fields, minus those only the engine sets
+    (see `epdserve.shared.wire`, which converts, and the test that holds the two field sets equal)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -144,11 +155,17 @@ class KVHandle:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
-    """Log-probabilities for one generated token: the sampled one and the top alternatives."""
+    """Log-probabilities of one generated token: the sampled one and the top-N alternatives, best
+    first. The one logprobs type services send and the proxy formats for the client."""
 
     logprob: float
     top_token_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
+    top_logprobs: tuple[float, ...] = ()  # one per top_token_ids entry
+
+    @property
+    def top(self) -> list[tuple[int, float]]:
+        """The alternatives as (token id, logprob) pairs, best first."""
+        return list(zip(self.top_token_ids, self.top_logprobs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +303,6 @@ class LeaseRenewed:
 class Abort:
     TAG: ClassVar[str] = "abort"
     request_id: str
-    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,7 +341,7 @@ class Error:
     code: ErrorCode
     message: str
     request_id: str | None = None
-    retryable: bool = False
+    retryable: bool = False  # the refusal is about this instance, not the request: another may succeed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,7 +367,9 @@ class BlocksData:
     TAG: ClassVar[str] = "blocks_data"
     request_id: str
     block_ids: tuple[int, ...]
-    # [num_layers, 2, len(block_ids), block_size, num_kv_heads, head_size], blocks in block_ids order
+    # [num_layers, 2 (K, V), len(block_ids), *block], blocks in block_ids order, each block as the
+    # engines' caches store it: head-major, [num_kv_heads, block_size, head_size] (see model_runner).
+    # The handshake's KVLayout makes both sides' block shapes equal, so a block moves as raw bytes.
     data: torch.Tensor = field(compare=False)
 
 

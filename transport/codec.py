@@ -199,7 +199,8 @@ class _Struct(_Field):
         self.tensor_fields: list[str] = []
 
     def compile(self) -> None:
-        hints = typing.get_type_hints(self.cls, vars(protocol))
+        # The protocol names torch only in annotations (it does not import it): resolve them with ours.
+        hints = typing.get_type_hints(self.cls, {**vars(protocol), "torch": torch})
         for f in dataclasses.fields(self.cls):
             if hints[f.name] is torch.Tensor:
                 self.tensor_fields.append(f.name)

@@ -395,7 +395,7 @@ def _valid_body(tag):
         "fetch_blocks": p.FetchBlocks("r", (1, 2)),
         "prefill_request": p.PrefillRequest("r", (1, 2, 3), p.WireSamplingParams(stop=("x",))),
         "status": status_of("e"),
-        "abort": p.Abort("r", "why"),
+        "abort": p.Abort("r"),
     }[tag]
     return codec._MESSAGES[tag].to_wire(sample, tag)
 

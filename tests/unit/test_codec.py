@@ -38,7 +38,7 @@ SAMPLES = [
     p.Release("r1"),
     p.RenewLease("r1"),
     p.LeaseRenewed("r1", 1.8e9),
-    p.Abort("r1", "client disconnected"),
+    p.Abort("r1"),
     p.Ack("r1"),
     p.StatusRequest(),
     p.Status("decode-0", p.Role.DECODE, p.Health.READY, 100, 4096, 3, 1),
@@ -255,7 +255,7 @@ SMALL = Limits(max_message_bytes=4096, max_tensor_bytes=1024, max_str_len=100, m
 
 
 @pytest.mark.parametrize("message, match", [
-    (p.Abort("r", "x" * 101), "max_str_len"),
+    (p.Release("x" * 101), "max_str_len"),
     (p.FetchBlocks("r", tuple(range(51))), "max_array_len"),
     (p.EncodeRequest("r", (p.MMItem("h", b"\0" * 201),)), "max_bin_len"),
     (p.PrefillRequest("r", tuple(range(45)), p.WireSamplingParams(stop=("s" * 95,) * 49)), "exceeds the limit"),

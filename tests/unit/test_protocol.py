@@ -1,11 +1,16 @@
 """The protocol's shape: one tagged union of frozen, slotted structs with a version."""
 import dataclasses
+import enum
+import hashlib
 
+import msgpack
 import pytest
 import torch
 
 from epdserve.shared import protocol
 from epdserve.shared.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Message
+from epdserve.transport import codec
+from epdserve.transport.codec import DecodeError
 
 
 def test_version_is_a_positive_int():
@@ -56,10 +61,41 @@ def test_handshake_carries_version_and_kv_layout():
     }
 
 
-def test_wire_sampling_params_cover_the_engine_fields():
-    names = {f.name for f in dataclasses.fields(protocol.WireSamplingParams)}
-    assert {
-        "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-        "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
-        "skip_special_tokens",
-    } <= names
+def _wire_schema() -> str:
+    """Everything that decides what a peer accepts: each struct's tag and fields (names and declared
+    types, in order) and each enum's values. Defaults do not travel (every field is always sent)."""
+    lines = []
+    for name, obj in sorted(vars(protocol).items()):
+        if not isinstance(obj, type) or obj.__module__ != protocol.__name__:
+            continue
+        if dataclasses.is_dataclass(obj):
+            fields = ", ".join(f"{f.name}: {f.type}" for f in dataclasses.fields(obj))
+            lines.append(f"{name} [{getattr(obj, 'TAG', '')}] ({fields})")
+        elif issubclass(obj, enum.Enum):
+            lines.append(f"{name} {{{', '.join(str(m.value) for m in obj)}}}")
+    return "\n".join(lines)
+
+
+# The schema PROTOCOL_VERSION stands for. The codec accepts one version and exactly the declared
+# fields, so a schema change without a new version would make peers of "the same version" refuse
+# (or misread) each other's messages.
+SCHEMA_FINGERPRINT = (3, "5555671baaf97c36")
+
+
+def test_a_schema_change_comes_with_a_new_protocol_version():
+    digest = hashlib.sha256(_wire_schema().encode()).hexdigest()[:16]
+    assert (PROTOCOL_VERSION, digest) == SCHEMA_FINGERPRINT, (
+        f"the wire schema changed (fingerprint {digest!r}): bump PROTOCOL_VERSION and pin the new pair here")
+
+
+def test_a_field_with_a_default_is_still_required_on_the_wire():
+    # A default serves the constructor only: a peer that lacks the field cannot leave it out.
+    body = codec._MESSAGES["status"].to_wire(protocol.Status("e", protocol.Role.DECODE, protocol.Health.READY,
+                                                             1, 2, 0, 0), "Status")
+    del body["data_addr"]
+    frame = msgpack.packb([PROTOCOL_VERSION, "status", body], use_bin_type=True)
+    with pytest.raises(DecodeError, match="missing fields \\['data_addr'\\]"):
+        codec.decode([frame])
+    frame = msgpack.packb([PROTOCOL_VERSION, "status", {**body, "data_addr": "", "priority": 1}], use_bin_type=True)
+    with pytest.raises(DecodeError, match="unknown fields \\['priority'\\]"):
+        codec.decode([frame])
