@@ -21,25 +21,13 @@ from epdserve.shared.engine import LLMEngine
 from epdserve.shared.outputs import RequestOutput
 from epdserve.shared.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason, GenerateRequest,
                                       Handshake, Health, KVLayout, Message, MMPlaceholder, PrefillRequest, Role,
-                                      Status, TokenDelta, TokenLogprobs)
+                                      Status, TokenDelta)
 from epdserve.shared.request import MultiModalPlaceholder, Request
-from epdserve.shared.sampling_params import from_wire
+from epdserve.shared.wire import logprobs_to_wire, sampling_params_from_wire
 from epdserve.transport.kv_transfer import KVTransferClient, TransferError
 from epdserve.transport.queues import ChannelError
 
 logger = logging.getLogger(__name__)
-
-
-def wire_logprobs(out: RequestOutput, num_top: int | None) -> tuple[TokenLogprobs, ...]:
-    """The engine's per-token logprob dicts (sampled token + top-N by rank) as wire structs."""
-    completion = out.outputs[0]
-    if num_top is None or not completion.logprobs:
-        return ()
-    result = []
-    for token, entry in zip(completion.token_ids, completion.logprobs):
-        top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank <= num_top)
-        result.append(TokenLogprobs(entry[token].logprob, tuple(t for _, t, _ in top), tuple(v for *_, v in top)))
-    return tuple(result)
 
 
 def bad_request(request_id: str | None, message: str) -> Error:
@@ -109,8 +97,9 @@ class EngineWorker:
             for ph in m.mm_placeholders:
                 if ph.mm_hash not in embeddings:
                     embeddings[ph.mm_hash] = await self._fetch_embeddings(ph)
+            params = sampling_params_from_wire(m.sampling_params)
             return self.llm.make_request(
-                {"prompt_token_ids": list(m.prompt_token_ids)}, from_wire(m.sampling_params), m.request_id,
+                {"prompt_token_ids": list(m.prompt_token_ids)}, params, m.request_id,
                 cache_salt=m.cache_salt, hold_kv=hold_kv, mm_embeddings=embeddings,
                 mm_placeholders=tuple(MultiModalPlaceholder(p.offset, p.length, p.mm_hash) for p in m.mm_placeholders))
         except ValueError as exc:
@@ -162,7 +151,7 @@ class EngineWorker:
                 completion = out.outputs[0]
                 reason = FinishReason(completion.finish_reason) if completion.finish_reason else None
                 self.proxies.send_soon(reply_to, TokenDelta(
-                    request_id, tuple(completion.token_ids), wire_logprobs(out, num_top), reason,
+                    request_id, tuple(completion.token_ids), logprobs_to_wire(out, num_top), reason,
                     completion.stop_reason, out.num_cached_tokens if first else None))
                 first = False
                 if out.finished:

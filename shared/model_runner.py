@@ -18,7 +18,7 @@ from epdserve.kernels.backend import select_attention_backend
 from epdserve.shared.config import EngineConfig
 from epdserve.shared.layers.attention import AttentionMetadata
 from epdserve.shared.models import MODEL_CLASSES
-from epdserve.shared.sampler import Sampler, TokenLogprobs
+from epdserve.shared.sampler import SampledLogprobs, Sampler
 from epdserve.shared.scheduler import ScheduledRequest
 from epdserve.shared.step_timer import StepTimer
 from epdserve.shared.weights import iterate_weights, language_model_weights
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 class ModelRunnerOutput(NamedTuple):
     # Only requests whose computed tokens reached their length this step get a token.
     token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprobs]
+    logprobs: dict[str, SampledLogprobs]
     # Requests that failed on their own this step (request id -> why): they get no token.
     failed: dict[str, str]
 

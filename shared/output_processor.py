@@ -8,7 +8,7 @@ from tokenizers import Tokenizer
 from epdserve.shared.detokenizer import IncrementalDetokenizer
 from epdserve.shared.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from epdserve.shared.request import Request
-from epdserve.shared.sampler import TokenLogprobs
+from epdserve.shared.sampler import SampledLogprobs
 from epdserve.shared.sampling_params import RequestOutputKind
 
 
@@ -40,7 +40,7 @@ class OutputProcessor:
                                            sp.skip_special_tokens)
         self.states[request.request_id] = _RequestState(detok, request.arrival_time)
 
-    def process_token(self, request: Request, logprobs: TokenLogprobs | None) -> str | None:
+    def process_token(self, request: Request, logprobs: SampledLogprobs | None) -> str | None:
         """Account for the request's newest token; return a stop string it completed, if any."""
         state = self.states[request.request_id]
         token_id = request.output_token_ids[-1]

@@ -32,15 +32,22 @@ from epdserve.shared.request import Request
 _BLOCK = 256
 
 
-class TokenLogprobs(NamedTuple):
+class SampledLogprobs(NamedTuple):
+    """The engine's logprobs of one sampled token (what travels is `protocol.TokenLogprobs`, made from
+    the engine's outputs by `epdserve.shared.wire`)."""
+
     logprob: float  # of the sampled token
     rank: int  # 1 = the most likely token
     top: list[tuple[int, float]]  # the N most likely (token id, logprob), best first
 
 
+# The former name, still imported by services/proxy/lifecycle.py.
+TokenLogprobs = SampledLogprobs
+
+
 class SamplerOutput(NamedTuple):
     token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
+    logprobs: list[SampledLogprobs | None]
 
 
 def draw_seeded_noise(generator: torch.Generator, vocab_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,7 +89,7 @@ class Sampler:
             token_ids[random_rows] = self._sample(_take(logits, random_rows), [requests[i] for i in random_rows])
 
         ids = token_ids.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        logprobs: list[SampledLogprobs | None] = [None] * len(requests)
         rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         if rows:
             # Of the raw distribution; the working logits are no longer needed, so their buffer takes them.
@@ -94,7 +101,7 @@ class Sampler:
             for j, i in enumerate(rows):
                 n = requests[i].sampling_params.logprobs
                 top = list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist()))
-                logprobs[i] = TokenLogprobs(float(chosen[j]), int(ranks[j]), top)
+                logprobs[i] = SampledLogprobs(float(chosen[j]), int(ranks[j]), top)
         return SamplerOutput(ids, logprobs)
 
     def _buffer(self, name: str, shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -102,24 +102,9 @@ class SamplingParams:
 
 
 def to_wire(params: SamplingParams):
-    """The parameters as the protocol carries them (stop strings included; services ignore them)."""
-    from epdserve.shared.protocol import WireSamplingParams
+    """Same as `epdserve.shared.wire.sampling_params_to_wire`, for callers that still import it from here.
 
-    return WireSamplingParams(
-        n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
-        seed=params.seed, presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
-        stop=tuple(params.stop), stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        include_stop_str_in_output=params.include_stop_str_in_output, logprobs=params.logprobs,
-        skip_special_tokens=params.skip_special_tokens)
+    Imported when called: the wire module imports this one."""
+    from epdserve.shared.wire import sampling_params_to_wire
 
-
-def from_wire(wire, output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> SamplingParams:
-    """Validated engine parameters from the wire (raises ValueError, as for any bad input)."""
-    return SamplingParams(
-        n=wire.n, temperature=wire.temperature, top_p=wire.top_p, top_k=wire.top_k, min_p=wire.min_p,
-        seed=wire.seed, presence_penalty=wire.presence_penalty, frequency_penalty=wire.frequency_penalty,
-        repetition_penalty=wire.repetition_penalty, max_tokens=wire.max_tokens, min_tokens=wire.min_tokens,
-        stop=list(wire.stop), stop_token_ids=list(wire.stop_token_ids), ignore_eos=wire.ignore_eos,
-        include_stop_str_in_output=wire.include_stop_str_in_output, logprobs=wire.logprobs,
-        skip_special_tokens=wire.skip_special_tokens, output_kind=output_kind)
+    return sampling_params_to_wire(params)

@@ -12,9 +12,10 @@ import asyncio
 import logging
 import time
 
-from epdserve.services.engine_worker import EngineWorker, bad_request, wire_logprobs
+from epdserve.services.engine_worker import EngineWorker, bad_request
 from epdserve.shared.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, Handshake, KVHandle, LeaseRenewed,
                                       Message, PrefillDone, PrefillRequest, Release, RenewLease, Role)
+from epdserve.shared.wire import logprobs_to_wire
 from epdserve.transport.kv_transfer import KVTransferServer
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class PrefillWorker(EngineWorker):
             self._tasks.pop(rid, None)
         completion = out.outputs[0]
         first = completion.token_ids[0]
-        logprobs = wire_logprobs(out, request.sampling_params.logprobs)
+        logprobs = logprobs_to_wire(out, request.sampling_params.logprobs)
         first_logprobs = logprobs[0] if logprobs else None
         self.metrics.local_prefills.inc()
         self.metrics.finished(out)  # this engine's part ends here, whether or not decode goes on

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, NamedTuple, Protocol
 
-from epdserve.shared.sampler import TokenLogprobs
+from epdserve.shared.protocol import TokenLogprobs
 from epdserve.shared.sampling_params import SamplingParams
 
 

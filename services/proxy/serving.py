@@ -15,7 +15,7 @@ from epdserve.services.proxy.generation import Backend, Chunk, GenerateInput, Ge
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.openai_protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from epdserve.shared.detokenizer import IncrementalDetokenizer
-from epdserve.shared.sampler import TokenLogprobs
+from epdserve.shared.protocol import TokenLogprobs
 from epdserve.shared.sampling_params import SamplingParams
 from epdserve.shared.tokenizer import Tokenizer
 

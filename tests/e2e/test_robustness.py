@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from epdserve.shared import protocol as p
-from epdserve.shared.sampling_params import SamplingParams, to_wire
+from epdserve.shared.sampling_params import SamplingParams
+from epdserve.shared.wire import sampling_params_to_wire
 from epdserve.transport.queues import ErrorReply, RequestClient
 
 NUM_BLOCKS = 96
@@ -206,7 +207,7 @@ def test_reply_addresses_from_the_wire_keep_fds_bounded(tiny_model_paths, start_
     with socket.socket() as s:  # a port nothing listens on once closed
         s.bind(("127.0.0.1", 0))
         base = s.getsockname()[1]
-    wire = to_wire(SamplingParams(temperature=0.0, max_tokens=1))
+    wire = sampling_params_to_wire(SamplingParams(temperature=0.0, max_tokens=1))
     peak = before
 
     async def main():

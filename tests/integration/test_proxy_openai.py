@@ -16,7 +16,7 @@ from epdserve.services.proxy.app import build_app
 from epdserve.services.proxy.generation import Chunk
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.serving import OpenAIServing
-from epdserve.shared.sampler import TokenLogprobs
+from epdserve.shared.wire import logprobs_to_wire
 
 MODEL = "tiny"
 
@@ -33,11 +33,7 @@ class EngineBackend:
         async for out in self.llm.generate({"prompt_token_ids": gen.prompt_token_ids}, params,
                                            request_id=gen.request_id, cache_salt=gen.cache_salt):
             o = out.outputs[0]
-            logprobs = []
-            for token, entry in zip(o.token_ids, o.logprobs or []):
-                top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank <= params.logprobs)
-                logprobs.append(TokenLogprobs(entry[token].logprob, entry[token].rank, [(t, v) for _, t, v in top]))
-            yield Chunk(list(o.token_ids), logprobs, o.finish_reason, o.stop_reason,
+            yield Chunk(list(o.token_ids), list(logprobs_to_wire(out, params.logprobs)), o.finish_reason, o.stop_reason,
                         out.num_cached_tokens if first else None)
             first = False
 

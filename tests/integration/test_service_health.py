@@ -11,7 +11,8 @@ from epdserve.services.runtime import Service
 from epdserve.shared import protocol as p
 from epdserve.shared.config import ServiceConfig, TransportConfig
 from epdserve.shared.llm import build_engine_config
-from epdserve.shared.sampling_params import SamplingParams, to_wire
+from epdserve.shared.sampling_params import SamplingParams
+from epdserve.shared.wire import sampling_params_to_wire
 from epdserve.transport.queues import ErrorReply, PullChannel, RequestClient
 
 
@@ -52,7 +53,7 @@ async def management(service: Service, path: str) -> httpx.Response:
 
 
 def generate(rid: str, reply_to: str, max_tokens: int = 4) -> p.GenerateRequest:
-    params = to_wire(SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    params = sampling_params_to_wire(SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     return p.GenerateRequest(rid, (1, 2, 3, 4), params, reply_to)
 
 

@@ -1,0 +1,72 @@
+"""Conversions between engine and wire types: derived field sets, exact round trips, no torch in the proxy."""
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from epdserve.shared import protocol as p
+from epdserve.shared.outputs import CompletionOutput, Logprob, RequestOutput
+from epdserve.shared.sampling_params import RequestOutputKind, SamplingParams
+from epdserve.shared.wire import (ENGINE_ONLY_SAMPLING_FIELDS, WIRE_SAMPLING_FIELDS, logprobs_to_wire,
+                                  sampling_params_from_wire, sampling_params_to_wire)
+from epdserve.transport import codec
+
+# Every wire field away from its default (but n, which must be 1).
+PARAMS = SamplingParams(
+    temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=2**63, presence_penalty=0.5, frequency_penalty=-0.5,
+    repetition_penalty=1.1, max_tokens=33, min_tokens=2, stop=["a", "bc"], stop_token_ids=[3, 4], ignore_eos=True,
+    include_stop_str_in_output=True, logprobs=3, skip_special_tokens=False)
+
+
+def test_sampling_params_and_their_wire_form_have_the_same_fields():
+    engine = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert engine == set(WIRE_SAMPLING_FIELDS) | ENGINE_ONLY_SAMPLING_FIELDS
+    assert not ENGINE_ONLY_SAMPLING_FIELDS & set(WIRE_SAMPLING_FIELDS)
+
+
+def test_defaults_agree():
+    assert sampling_params_to_wire(SamplingParams()) == p.WireSamplingParams()
+    assert sampling_params_from_wire(p.WireSamplingParams(), RequestOutputKind.CUMULATIVE) == SamplingParams()
+
+
+def test_every_wire_field_survives_the_trip():
+    wire = sampling_params_to_wire(PARAMS)
+    default = p.WireSamplingParams()
+    assert [f for f in WIRE_SAMPLING_FIELDS if f != "n" and getattr(wire, f) == getattr(default, f)] == []
+    received = codec.decode([bytearray(f) for f in codec.encode(p.GenerateRequest("r", (1,), wire, "tcp://x:1"))])
+    back = sampling_params_from_wire(received.sampling_params)
+    assert back == dataclasses.replace(PARAMS, output_kind=RequestOutputKind.DELTA)
+    assert type(back.stop) is list and type(back.stop_token_ids) is list  # the engine's own form
+    assert back.eos_token_ids == ()  # the receiving engine fills in its model's
+
+
+def test_bad_parameters_from_the_wire_are_rejected_like_any_input():
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_params_from_wire(p.WireSamplingParams(top_p=0.0))
+
+
+def _output(entries, token_ids):
+    completion = CompletionOutput(0, "", token_ids, logprobs=entries)
+    return RequestOutput("r", None, [1], [completion], False)
+
+
+def test_logprobs_keep_the_top_n_by_rank_and_the_sampled_token():
+    out = _output([
+        {5: Logprob(-0.1, 1), 9: Logprob(-2.5, 2), 7: Logprob(-3.0, 3)},  # sampled the best
+        {5: Logprob(-0.2, 1), 9: Logprob(-1.9, 2), 4: Logprob(-6.0, 17)},  # sampled one outside the top 2
+    ], [5, 4])
+    assert logprobs_to_wire(out, 2) == (p.TokenLogprobs(-0.1, (5, 9), (-0.1, -2.5)),
+                                        p.TokenLogprobs(-6.0, (5, 9), (-0.2, -1.9)))
+    assert logprobs_to_wire(out, 0) == (p.TokenLogprobs(-0.1), p.TokenLogprobs(-6.0))
+    assert logprobs_to_wire(out, None) == ()
+    assert p.TokenLogprobs(-0.1, (5, 9), (-0.1, -2.5)).top == [(5, -0.1), (9, -2.5)]
+
+
+def test_the_openai_layer_and_the_wire_types_load_without_torch():
+    modules = ["epdserve.shared.protocol", "epdserve.shared.wire", "epdserve.services.proxy.generation",
+               "epdserve.services.proxy.serving", "epdserve.services.proxy.app"]
+    code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
