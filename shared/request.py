@@ -102,10 +102,7 @@ class Request:
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
-        # [(token_id, logprob, rank, [(top_id, top_logprob), ...])] per output token, when asked.
-        self.logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] = []
         self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -89,17 +89,6 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
-    @property
-    def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    @property
-    def all_stop_token_ids(self) -> set[int]:
-        ids = set(self.stop_token_ids)
-        if not self.ignore_eos:
-            ids.update(self.eos_token_ids)
-        return ids
-
 
 def to_wire(params: SamplingParams):
     """Same as `epdserve.shared.wire.sampling_params_to_wire`, for callers that still import it from here.
