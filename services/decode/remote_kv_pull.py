@@ -1,0 +1,143 @@
+"""`RemoteKVPull`: how one DecodeRequest gets its prompt's KV from the prefill engine that computed it.
+
+    RESERVING --blocks reserved--> FETCHING --blocks pulled--> DECODING --> CLOSED
+        |                              |
+        +---- no room in time ---------+---- pull failed (prefill gone, lease expired) --> RECOMPUTING --> CLOSED
+
+Prefill holds the blocks while the pull is RESERVING or FETCHING, and its lease is renewed meanwhile
+(waiting for room here can take longer than a lease); leaving those states releases them. A failure
+once the KV is in place (DECODING) is the request's failure, never a reason to recompute: tokens may
+have gone out already.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+from epdserve.shared.outputs import RequestOutput
+from epdserve.shared.protocol import DecodeRequest, LeaseRenewed, RenewLease
+from epdserve.shared.request import Request
+from epdserve.shared.scheduler import RemoteKVReservation
+from epdserve.transport.kv_transfer import TransferError
+from epdserve.transport.queues import ChannelError, ErrorReply
+
+if TYPE_CHECKING:
+    from epdserve.services.decode.worker import DecodeWorker
+
+logger = logging.getLogger(__name__)
+
+# What a pull from a peer fails with: the prompt is then recomputed here.
+PULL_ERRORS = (TransferError, ChannelError, TimeoutError)
+
+
+class PullState(enum.Enum):
+    RESERVING = "reserving"  # waiting for room in this engine's pool
+    FETCHING = "fetching"  # blocks reserved; the ones this engine lacks coming from prefill
+    DECODING = "decoding"  # the prompt's KV in place: decoding from prefill's first token
+    RECOMPUTING = "recomputing"  # the KV could not be had: the prompt is recomputed here
+    CLOSED = "closed"  # the stream ended (finished, failed or abandoned)
+
+
+_HOLDING = (PullState.RESERVING, PullState.FETCHING)  # prefill still holds the blocks for us
+
+
+class RemoteKVPull:
+    """Reserve blocks here, fetch the missing ones from prefill, release prefill, decode; or recompute the
+    prompt here when the KV cannot be had. One per DecodeRequest; `state` is changed by this object only."""
+
+    def __init__(self, worker: DecodeWorker, message: DecodeRequest, request: Request) -> None:
+        self.worker = worker
+        self.message = message
+        self.request = request
+        self.state = PullState.RESERVING
+        self._renewal: asyncio.Task | None = None
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The request's outputs after prefill's first token, on the pulled KV or on the recomputed prompt."""
+        if self.message.kv_handle.control_addr:
+            self._renewal = asyncio.create_task(self._keep_lease())
+        try:
+            async for out in self._decode_pulled():
+                yield out
+            if self.state is PullState.RECOMPUTING:
+                async for out in self._recompute():
+                    yield out
+        finally:
+            self._enter(PullState.CLOSED)
+
+    async def _decode_pulled(self) -> AsyncIterator[RequestOutput]:
+        m, llm = self.message, self.worker.llm
+        try:
+            async for out in llm.generate_prefilled(self.request, m.first_token, self._fetch,
+                                                    wait_timeout=self.worker.service.transport.transfer_timeout):
+                yield out
+        except PULL_ERRORS as exc:
+            if self.state not in _HOLDING:
+                raise
+            logger.warning("request %s: KV pull from %s failed while %s (%s); recomputing the prompt here",
+                           m.request_id, m.kv_handle.kv_addr, self.state.value, exc)
+            self._enter(PullState.RECOMPUTING)
+
+    async def _fetch(self, reservation: RemoteKVReservation) -> None:
+        """Pull the blocks this engine lacks into the reserved ones (the engine's `fill_kv`)."""
+        self._enter(PullState.FETCHING)
+        handle, metrics = self.message.kv_handle, self.worker.metrics
+        remote = list(handle.block_ids[reservation.first_remote_block:])
+        metrics.local_kv_hit_blocks.inc(reservation.first_remote_block)
+        if remote:
+            try:
+                result = await self.worker.kv_client.fetch_blocks(
+                    handle.kv_addr, self.request.request_id, remote, reservation.block_ids,
+                    timeout=self.worker.service.transport.transfer_timeout)
+            except PULL_ERRORS:
+                metrics.transfer_failures.inc()
+                raise
+            metrics.transfer_bytes.inc(result.num_bytes)
+            metrics.transfer_seconds.inc(result.seconds)
+            metrics.remote_kv_blocks.inc(len(remote))
+        self._enter(PullState.DECODING)
+        metrics.remote_kv_requests.inc()
+
+    async def _recompute(self) -> AsyncIterator[RequestOutput]:
+        """Recompute the prompt and prefill's first token here and go on from there: the same tokens the
+        pulled KV would have given (penalties, limits and seeded noise included)."""
+        m, llm = self.message, self.worker.llm
+        self.worker.metrics.local_prefills.inc()
+        fallback = llm.make_request(
+            {"prompt_token_ids": list(m.prompt_token_ids)}, self.request.sampling_params, m.request_id,
+            cache_salt=m.cache_salt, mm_placeholders=self.request.mm_placeholders,
+            mm_embeddings=self.request.mm_embeddings)
+        async for out in llm.generate_recomputed(fallback, m.first_token):
+            yield out
+
+    def _enter(self, state: PullState) -> None:
+        if self.state in _HOLDING and state not in _HOLDING:
+            self._release()
+        self.state = state
+
+    def _release(self) -> None:
+        """Tell prefill to free the blocks, in the background: decoding need not wait for its answer."""
+        if self._renewal is not None:
+            self._renewal.cancel()
+        if self.message.kv_handle.control_addr:  # else only the lease frees them
+            self.worker.release_soon(self.message.kv_handle.control_addr, self.request.request_id)
+
+    async def _keep_lease(self) -> None:
+        """Renew the prefill's lease at half-time until the blocks are released."""
+        handle = self.message.kv_handle
+        deadline = handle.lease_deadline  # on prefill's clock: the floor bounds the rate if ours is ahead
+        while True:
+            await asyncio.sleep(max((deadline - time.time()) / 2, 0.25))
+            try:
+                renewed = await self.worker.prefill_client(handle.control_addr).request(
+                    RenewLease(self.request.request_id), timeout=self.worker.service.transport.request_timeout,
+                    expect=LeaseRenewed)
+            except (ErrorReply, ChannelError, TimeoutError) as exc:  # the pull will fail and fall back
+                logger.warning("request %s: lease renewal at %s failed: %s", self.request.request_id,
+                               handle.control_addr, exc)
+                return
+            deadline = renewed.lease_deadline
+            self.worker.metrics.lease_renewals.inc()
