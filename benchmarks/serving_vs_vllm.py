@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -286,6 +287,8 @@ def plot(report: dict, args: argparse.Namespace, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A kill stops the server under test too (its `finally` runs), not only this script.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct, prepared offline)")
     p.add_argument("--served-name", default="SmolLM2-135M-Instruct")
