@@ -71,15 +71,15 @@ def describe(results: list[dict]) -> str:
 
 
 def _log_ticks(ax, values: list[float]) -> None:
-    """A log axis labelled in plain numbers that never collide: 1-2-5 steps over a narrow range, decades
-    otherwise, and no minor-tick labels."""
+    """A log axis labelled in plain numbers that never collide (1, 2, 5, ..., 10k): 1-2-5 steps over a
+    narrow range, 1-3 over a wider one, decades beyond, and no minor-tick labels."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     low, high = min(values), max(values)
     decades = math.log10(high / low) if low > 0 else 99
-    subs = (1.0, 2.0, 5.0) if decades <= 2.5 else (1.0,)
+    subs = (1.0, 2.0, 5.0) if decades <= 1.5 else (1.0, 3.0) if decades <= 3 else (1.0,)
     ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1000:g}k" if v >= 1000 else f"{v:g}"))
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
