@@ -2,8 +2,8 @@
 
 torch's cpp_extension compiles a source with g++ and ninja (about a minute, once) and caches the result
 under ~/.cache/torch_extensions; `-march=native` makes it fast here and wrong elsewhere, so each kind of
-CPU (its feature flags) gets its own build. Where a kernel cannot be built (no compiler), `load` returns
-None and its callers keep the PyTorch path.
+CPU (its feature flags) gets its own build, as does each checkout. Where a kernel cannot be built (no
+compiler), `load` returns None and its callers keep the PyTorch path.
 """
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ def load(source: str, exact_rounding: bool = False):
     `exact_rounding`, a*b + c*d stays two roundings (no fused multiply-add), as PyTorch's separate ops do."""
     from torch.utils.cpp_extension import load as build
 
-    tag = hashlib.blake2b(_cpu_flags().encode(), digest_size=4).hexdigest()
+    # One build per CPU kind and per checkout: torch rebuilds whenever a build's source path changes, so
+    # two checkouts sharing one name would rebuild each other's kernels on every start.
+    tag = hashlib.blake2b(f"{_cpu_flags()}\n{CSRC.resolve()}".encode(), digest_size=4).hexdigest()
     try:
         return build(name=f"epdserve_{Path(source).stem}_{tag}", sources=[str(CSRC / source)],
                      extra_cflags=["-O3", "-march=native", "-fopenmp"] + (["-ffp-contract=off"] if exact_rounding else []),
