@@ -28,9 +28,8 @@ from epdserve.services.proxy.generation import Chunk, GenerateInput, GenerationE
 from epdserve.services.proxy.router import Instance, Router, prefix_key
 from epdserve.shared.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error, GenerateRequest,
                                       MMItem, MMPlaceholder, PrefillDone, PrefillRequest, Role, TokenDelta,
-                                      TokenDeltas, TokenLogprobs as WireLogprobs)
-from epdserve.shared.sampler import TokenLogprobs
-from epdserve.shared.sampling_params import to_wire
+                                      TokenDeltas)
+from epdserve.shared.wire import sampling_params_to_wire
 from epdserve.transport.queues import ChannelError, PullChannel
 
 logger = logging.getLogger(__name__)
@@ -45,10 +44,6 @@ class LifecycleConfig:
     prefill_timeout: float = 600.0  # a whole prefill (long prompts on CPU take a while)
     token_timeout: float = 600.0  # silence allowed between two chunks of a stream
     liveness_check: float = 0.5  # how often a waiting call or stream checks its instance is still alive
-
-
-def _chunk_logprobs(wire: tuple[WireLogprobs, ...] | list) -> list[TokenLogprobs]:
-    return [TokenLogprobs(w.logprob, 0, list(zip(w.top_token_ids, w.top_logprobs))) for w in wire]
 
 
 class ServiceBackend:
@@ -129,12 +124,12 @@ class ServiceBackend:
         return tuple(placeholders)
 
     async def _disaggregated(self, gen: GenerateInput, placeholders) -> AsyncIterator[Chunk]:
-        wire = to_wire(gen.params)
+        wire = sampling_params_to_wire(gen.params)
         prefill, done = await self._failover.call(
             Role.PREFILL, prefix_key(gen.prompt_token_ids, gen.cache_salt),
             PrefillRequest(gen.request_id, tuple(gen.prompt_token_ids), wire, placeholders, gen.cache_salt),
             self.config.prefill_timeout, PrefillDone)
-        first = Chunk([done.first_token], _chunk_logprobs([done.first_logprobs] if done.first_logprobs else []),
+        first = Chunk([done.first_token], [done.first_logprobs] if done.first_logprobs else [],
                       done.finish_reason.value if done.finish_reason else None, None, done.num_cached_tokens)
         if done.kv_handle is None:
             yield first
@@ -152,7 +147,7 @@ class ServiceBackend:
                 self._abort_soon(prefill, gen.request_id)
 
     async def _generate_on(self, role: Role, gen: GenerateInput, placeholders) -> AsyncIterator[Chunk]:
-        request = GenerateRequest(gen.request_id, tuple(gen.prompt_token_ids), to_wire(gen.params),
+        request = GenerateRequest(gen.request_id, tuple(gen.prompt_token_ids), sampling_params_to_wire(gen.params),
                                   self.reply_to, placeholders, gen.cache_salt)
         key = prefix_key(gen.prompt_token_ids, gen.cache_salt) if role == Role.UNIFIED else None
         async for chunk in self._stream_from(role, request, key):
@@ -176,7 +171,7 @@ class ServiceBackend:
                     raise service_error(message, instance)
                 assert isinstance(message, TokenDelta)
                 finished = message.finish_reason is not None
-                yield Chunk(list(message.token_ids), _chunk_logprobs(message.logprobs),
+                yield Chunk(list(message.token_ids), list(message.logprobs),
                             message.finish_reason.value if finished else None, message.stop_reason,
                             message.num_cached_tokens)
         finally:
