@@ -41,10 +41,6 @@ class SampledLogprobs(NamedTuple):
     top: list[tuple[int, float]]  # the N most likely (token id, logprob), best first
 
 
-# The former name, still imported by services/proxy/lifecycle.py.
-TokenLogprobs = SampledLogprobs
-
-
 class SamplerOutput(NamedTuple):
     token_ids: list[int]
     logprobs: list[SampledLogprobs | None]

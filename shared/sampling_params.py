@@ -88,12 +88,3 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
-
-
-def to_wire(params: SamplingParams):
-    """Same as `epdserve.shared.wire.sampling_params_to_wire`, for callers that still import it from here.
-
-    Imported when called: the wire module imports this one."""
-    from epdserve.shared.wire import sampling_params_to_wire
-
-    return sampling_params_to_wire(params)
