@@ -13,6 +13,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
+from epdserve.services.network import client_curve
 from epdserve.services.proxy_channels import ProxyChannels
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.shared.async_llm import AsyncLLM
@@ -24,7 +25,7 @@ from epdserve.shared.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCod
                                       Status, TokenDelta)
 from epdserve.shared.request import MultiModalPlaceholder, Request
 from epdserve.shared.wire import logprobs_to_wire, sampling_params_from_wire
-from epdserve.transport.kv_transfer import KVTransferClient, TransferError
+from epdserve.transport.kv_transfer import KVTransferClient, TransferError, create_client
 from epdserve.transport.queues import ChannelError
 
 logger = logging.getLogger(__name__)
@@ -34,30 +35,56 @@ def bad_request(request_id: str | None, message: str) -> Error:
     return Error(ErrorCode.BAD_REQUEST, message, request_id)
 
 
-class EngineWorker:
-    role: Role = Role.UNIFIED
+def kv_layout(engine: EngineConfig) -> KVLayout:
+    m = engine.model
+    return KVLayout(m.model_id, str(m.dtype).removeprefix("torch."), engine.cache.block_size, m.num_layers,
+                    m.num_kv_heads, m.head_size)
 
-    def __init__(self, service: ServiceConfig, engine_config: EngineConfig, push_kwargs: dict,
-                 kv_client: KVTransferClient | None = None) -> None:
+
+def control_client_kwargs(service: ServiceConfig) -> dict:
+    """How this service dials a peer's control channel or a proxy's inbox: as itself, within the RPC timeout."""
+    transport = service.transport
+    return dict(engine_id=service.engine_id, role=Role(service.role), curve=client_curve(transport),
+                timeout=transport.request_timeout)
+
+
+async def start_engine(service: ServiceConfig, engine_config: EngineConfig,
+                       on_dead: Callable[[BaseException], None]) -> AsyncLLM:
+    """The service's engine, built and run on its own thread (the only one with the service's compute
+    threads); `on_dead(cause)` is called on that thread if its loop dies."""
+    llm = await asyncio.to_thread(AsyncLLM, lambda: LLMEngine(engine_config, detokenize=False),
+                                  num_threads=service.threads)
+    llm.on_dead(on_dead)
+    return llm
+
+
+def kv_transfer_client(service: ServiceConfig, engine_config: EngineConfig, llm: AsyncLLM) -> KVTransferClient:
+    """Pulls KV blocks into, and image embeddings for, `llm`'s cache."""
+    transport = service.transport
+    return create_client(transport.kv_backend, service.engine_id, role=Role(service.role),
+                         kv_cache=llm.engine.runner.kv_cache, layout=kv_layout(engine_config),
+                         timeout=transport.transfer_timeout, curve=client_curve(transport))
+
+
+class EngineWorker:
+    """An engine and the streams of its requests. Owns `llm` and `kv_client`: `close()` closes both."""
+
+    role: Role = Role.UNIFIED
+    data_addr = ""  # where peers pull from; only prefill serves data
+
+    def __init__(self, service: ServiceConfig, engine_config: EngineConfig, llm: AsyncLLM,
+                 kv_client: KVTransferClient, rejected_frames: Callable[[], int]) -> None:
+        """`rejected_frames()`: frames this service's channels dropped (the metric)."""
         self.service = service
         self.engine_config = engine_config
-        # The engine is built and run on its own thread, the only one with the service's compute threads.
-        self.llm = AsyncLLM(lambda: LLMEngine(engine_config, detokenize=False), num_threads=service.threads)
-        self.kv_layout = KVLayout(engine_config.model.model_id, str(engine_config.model.dtype).removeprefix("torch."),
-                                  engine_config.cache.block_size, engine_config.model.num_layers,
-                                  engine_config.model.num_kv_heads, engine_config.model.head_size)
+        self.llm = llm
         self.kv_client = kv_client
         self.metrics = ServiceMetrics(service.role, service.engine_id,
                                       service.served_model_name or Path(engine_config.model.path).name,
-                                      self.llm.engine.stats)
+                                      self.llm.engine.stats, rejected_frames=rejected_frames)
         self.llm.engine.on_step_tokens = self.metrics.iteration_tokens.observe
-        self.data_addr = ""
-        self.proxies = ProxyChannels(push_kwargs, on_failure=self._proxy_unreachable)
+        self.proxies = ProxyChannels(control_client_kwargs(service), on_failure=self._proxy_unreachable)
         self._tasks: dict[str, asyncio.Task] = {}
-
-    @property
-    def kv_cache(self) -> torch.Tensor:
-        return self.llm.engine.runner.kv_cache
 
     def status(self, health: Health) -> Status:
         stats = self.llm.engine.stats()
@@ -108,8 +135,6 @@ class EngineWorker:
             return Error(ErrorCode.INTERNAL, f"could not fetch image embeddings: {exc}", m.request_id, True)
 
     async def _fetch_embeddings(self, ph: MMPlaceholder) -> torch.Tensor:
-        if self.kv_client is None:
-            raise ValueError("this service has no transfer client for image embeddings")
         emb = await self.kv_client.fetch_embeddings(ph.encoder_addr, ph.mm_hash,
                                                     timeout=self.service.transport.transfer_timeout)
         self.metrics.embeddings_fetched.inc()
@@ -178,6 +203,5 @@ class EngineWorker:
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         await self.proxies.close()
-        if self.kv_client is not None:
-            await self.kv_client.close()
+        await self.kv_client.close()
         self.llm.shutdown()

@@ -16,15 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from typing import Callable
 
 from epdserve.services.management import ManagementServer, build_management_app
-from epdserve.services.network import advertised, client_curve, server_curve
+from epdserve.services.network import advertised, server_curve
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.shared.protocol import (MAY_SEND, DecodeRequest, EncodeRequest, Error, ErrorCode, GenerateRequest,
-                                      Handshake, Health, KVLayout, Message, PrefillRequest, Role, Status,
-                                      StatusRequest)
-from epdserve.transport.kv_transfer import create_client, create_server
-from epdserve.transport.queues import ReplyServer, RequestClient
+                                      Handshake, Health, Message, PrefillRequest, Role, Status, StatusRequest)
+from epdserve.transport.queues import ReplyServer
 from epdserve.transport.security import WILDCARD_HOSTS
 
 logger = logging.getLogger(__name__)
@@ -33,12 +32,6 @@ logger = logging.getLogger(__name__)
 NEW_WORK = (EncodeRequest, PrefillRequest, DecodeRequest, GenerateRequest)
 # How long an unhealthy service keeps answering before it exits: its waiters hear why, its pollers see it.
 UNHEALTHY_GRACE_SECONDS = 1.0
-
-
-def kv_layout(engine: EngineConfig) -> KVLayout:
-    m = engine.model
-    return KVLayout(m.model_id, str(m.dtype).removeprefix("torch."), engine.cache.block_size, m.num_layers,
-                    m.num_kv_heads, m.head_size)
 
 
 class Service:
@@ -75,12 +68,7 @@ class Service:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
 
-        worker, kv_server = await _build(config, self.engine, self.model_path, self.dtype, self.device,
-                                         self.control_addr)
-        worker.metrics.rejected_frames = lambda: control.num_rejected + (kv_server.num_rejected if kv_server else 0)
-        if hasattr(worker, "llm"):
-            worker.llm.on_dead(lambda cause: loop.call_soon_threadsafe(self._engine_died, cause))
-        self.worker = worker
+        worker = self.worker = await self._build_worker(lambda: control.num_rejected)
         if self.health == Health.STARTING:
             self.health = Health.READY
         logger.info("%s %s ready: control %s, data %s, http port %d", role.value, config.engine_id,
@@ -95,10 +83,35 @@ class Service:
         serving.cancel()
         await management.close()
         await worker.close()
-        if kv_server is not None and role == Role.ENCODER:
-            await kv_server.close()
         await control.close()
         return self.exit_code
+
+    async def _build_worker(self, control_rejected: Callable[[], int]):
+        """This service's worker, whole: its engine (or encoder) loaded and its data server serving.
+        `control_rejected()`: frames the control channel dropped."""
+        config, engine = self.config, self.engine
+        if self.role == Role.ENCODER:
+            from epdserve.services.encoder.worker import build_encoder_worker
+            from epdserve.shared.config import parse_dtype
+
+            return await build_encoder_worker(config, self.model_path, parse_dtype(self.dtype), self.device,
+                                              control_rejected)
+        loop = asyncio.get_running_loop()
+
+        def on_dead(cause: BaseException) -> None:  # called on the engine thread
+            loop.call_soon_threadsafe(self._engine_died, cause)
+
+        if self.role == Role.PREFILL:
+            from epdserve.services.prefill.worker import build_prefill_worker
+
+            return await build_prefill_worker(config, engine, self.control_addr, control_rejected, on_dead)
+        if self.role == Role.DECODE:
+            from epdserve.services.decode.worker import build_decode_worker
+
+            return await build_decode_worker(config, engine, control_rejected, on_dead)
+        from epdserve.services.unified.worker import build_unified_worker
+
+        return await build_unified_worker(config, engine, control_rejected, on_dead)
 
     def status(self) -> Status:
         if self.worker is None:
@@ -141,54 +154,3 @@ async def run_service(config: ServiceConfig, engine: EngineConfig | None, model_
                       dtype: str = "float32", device: str = "cpu") -> int:
     """Run one service until stopped; its exit code."""
     return await Service(config, engine, model_path, dtype, device).run()
-
-
-async def _build(service: ServiceConfig, engine: EngineConfig | None, model_path: str, dtype: str, device: str,
-                 control_addr: str):
-    """(worker, its data server or None), started."""
-    role = Role(service.role)
-    transport = service.transport
-    wildcard = service.host in WILDCARD_HOSTS
-    push_kwargs = dict(engine_id=service.engine_id, role=role, curve=client_curve(transport),
-                       timeout=transport.request_timeout)
-    kv_server = None
-    if role == Role.ENCODER:
-        from epdserve.services.encoder.worker import EncoderWorker
-        from epdserve.shared.config import parse_dtype
-
-        worker = await asyncio.to_thread(EncoderWorker, service, model_path, parse_dtype(dtype), device)
-        kv_server = create_server(transport.kv_backend, service.engine_id, encoder_cache=worker.cache,
-                                  host=service.host, port=service.data_port, allow_wildcard=wildcard,
-                                  curve=server_curve(transport))
-    else:
-        common = dict(push_kwargs=push_kwargs)
-        if role == Role.PREFILL:
-            from epdserve.services.prefill.worker import PrefillWorker
-
-            # The KV server is built once the engine exists (it serves the engine's cache tensor).
-            worker = await asyncio.to_thread(lambda: PrefillWorker(service, engine, kv_server=None,
-                                                                   control_addr=control_addr, **common))
-            kv_server = create_server(transport.kv_backend, service.engine_id, kv_cache=worker.kv_cache,
-                                      layout=kv_layout(engine), host=service.host, port=service.data_port,
-                                      allow_wildcard=wildcard, curve=server_curve(transport))
-            worker.kv_server = kv_server
-        elif role == Role.DECODE:
-            from epdserve.services.decode.worker import DecodeWorker
-
-            def make_client(address: str) -> RequestClient:
-                return RequestClient(address, **push_kwargs)
-
-            worker = await asyncio.to_thread(lambda: DecodeWorker(service, engine, make_client=make_client, **common))
-        else:
-            from epdserve.services.unified.worker import UnifiedWorker
-
-            worker = await asyncio.to_thread(lambda: UnifiedWorker(service, engine, **common))
-        # Pulls KV into (and image embeddings for) this engine's cache.
-        worker.kv_client = create_client(transport.kv_backend, service.engine_id, role=role,
-                                         kv_cache=worker.kv_cache, layout=kv_layout(engine),
-                                         timeout=transport.transfer_timeout, curve=client_curve(transport))
-    if kv_server is not None:
-        worker.data_addr = advertised(await kv_server.start(), service.host, service.advertise_host)
-    if hasattr(worker, "start"):
-        await worker.start()
-    return worker, kv_server

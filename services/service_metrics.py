@@ -82,13 +82,14 @@ class _EngineCollector:
 
 class ServiceMetrics:
     def __init__(self, role: str, engine_id: str, model_name: str, stats: Callable[[], EngineStats] | None = None,
-                 mm_cache: Callable[[], tuple[int, int]] | None = None) -> None:
-        """`stats()`: the engine's state (engines); `mm_cache()`: (images looked up, images found) (encoders)."""
+                 mm_cache: Callable[[], tuple[int, int]] | None = None,
+                 rejected_frames: Callable[[], int] = lambda: 0) -> None:
+        """`stats()`: the engine's state (engines); `mm_cache()`: (images looked up, images found) (encoders);
+        `rejected_frames()`: frames the service's channels dropped (malformed, oversized, unknown)."""
         self.registry = CollectorRegistry()
         self.labels = {"model_name": model_name, "role": role, "engine_id": engine_id}
         self.role = role
-        # Frames the control channel dropped; set by the service runtime.
-        self.rejected_frames: Callable[[], int] = lambda: 0
+        self.rejected_frames = rejected_frames
         self.mm_cache = mm_cache
         self.registry.register(_EngineCollector(self.labels, stats, self._extra))
         names = list(self.labels)

@@ -12,22 +12,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 from epdserve.services.decode.remote_kv_pull import RemoteKVPull
-from epdserve.services.engine_worker import EngineWorker, bad_request
+from epdserve.services.engine_worker import (EngineWorker, bad_request, control_client_kwargs, kv_transfer_client,
+                                             start_engine)
+from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.shared.protocol import Ack, DecodeRequest, Error, Handshake, Message, Release, Role
 from epdserve.transport.queues import ChannelError, RequestClient
 
 logger = logging.getLogger(__name__)
 
 
+async def build_decode_worker(service: ServiceConfig, engine_config: EngineConfig, control_rejected: Callable[[], int],
+                              on_dead: Callable[[BaseException], None]) -> DecodeWorker:
+    llm = await start_engine(service, engine_config, on_dead)
+    return DecodeWorker(service, engine_config, llm, kv_transfer_client(service, engine_config, llm), control_rejected)
+
+
 class DecodeWorker(EngineWorker):
+    """Also owns its clients to prefills' control channels, one per prefill, opened on first use."""
+
     role = Role.DECODE
 
-    def __init__(self, *args, make_client, **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._make_client = make_client  # address -> RequestClient to a prefill's control channel
-        self._prefill_clients: dict[str, RequestClient] = {}
+        self._prefill_clients: dict[str, RequestClient] = {}  # control address -> client
         self._releases: set[asyncio.Task] = set()
 
     async def handle(self, message: Message, peer: Handshake) -> Message | None:
@@ -46,7 +56,8 @@ class DecodeWorker(EngineWorker):
     def prefill_client(self, control_addr: str) -> RequestClient:
         client = self._prefill_clients.get(control_addr)
         if client is None:
-            client = self._prefill_clients[control_addr] = self._make_client(control_addr)
+            client = self._prefill_clients[control_addr] = RequestClient(control_addr,
+                                                                         **control_client_kwargs(self.service))
         return client
 
     def release_soon(self, control_addr: str, request_id: str) -> None:

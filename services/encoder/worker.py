@@ -12,9 +12,11 @@ import logging
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from epdserve.services.network import advertised, server_curve
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.shared.compute_threads import set_this_thread
 from epdserve.shared.config import ServiceConfig
@@ -23,6 +25,8 @@ from epdserve.shared.models.llava_encoder import LlavaEncoder
 from epdserve.shared.multimodal import mm_hash
 from epdserve.shared.protocol import (EncodeDone, EncodedItem, EncodeRequest, Error, ErrorCode, Handshake, Health,
                                       Message, Role, Status)
+from epdserve.transport.kv_transfer import KVTransferServer, create_server
+from epdserve.transport.security import WILDCARD_HOSTS
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +55,38 @@ class EncoderCache:
         return len(self._items)
 
 
+async def build_encoder_worker(service: ServiceConfig, model_path: str, dtype: torch.dtype, device: str,
+                               control_rejected: Callable[[], int]) -> EncoderWorker:
+    """An encoder worker for `model_path`'s vision tower in `dtype` on `device`, its data server serving."""
+    processor, encoder = await asyncio.to_thread(
+        lambda: (ImageProcessor.from_pretrained(model_path), LlavaEncoder.from_pretrained(model_path, dtype, device)))
+    cache = EncoderCache(service.encoder_cache_items)
+    transport = service.transport
+    kv_server = create_server(transport.kv_backend, service.engine_id, encoder_cache=cache, host=service.host,
+                              port=service.data_port, allow_wildcard=service.host in WILDCARD_HOSTS,
+                              curve=server_curve(transport))
+    data_addr = advertised(await kv_server.start(), service.host, service.advertise_host)
+    return EncoderWorker(service, service.served_model_name or Path(model_path).name, processor, encoder, cache,
+                         kv_server, data_addr, lambda: control_rejected() + kv_server.num_rejected)
+
+
 class EncoderWorker:
+    """Owns the model, its cache and `kv_server`, which serves the cache at `data_addr`."""
+
     role = Role.ENCODER
 
-    def __init__(self, service: ServiceConfig, model_path: str, dtype: torch.dtype, device: str = "cpu") -> None:
+    def __init__(self, service: ServiceConfig, model_name: str, processor: ImageProcessor, encoder: LlavaEncoder,
+                 cache: EncoderCache, kv_server: KVTransferServer, data_addr: str,
+                 rejected_frames: Callable[[], int]) -> None:
         self.service = service
-        self.processor = ImageProcessor.from_pretrained(model_path)
-        self.encoder = LlavaEncoder.from_pretrained(model_path, dtype, device)
-        self.cache = EncoderCache(service.encoder_cache_items)
-        model_name = service.served_model_name or Path(model_path).name
+        self.processor = processor
+        self.encoder = encoder
+        self.cache = cache
+        self.kv_server = kv_server
+        self.data_addr = data_addr
         self.metrics = ServiceMetrics(service.role, service.engine_id, model_name,
-                                      mm_cache=lambda: (self.cache.hits + self.cache.misses, self.cache.hits))
-        self.data_addr = ""
+                                      mm_cache=lambda: (self.cache.hits + self.cache.misses, self.cache.hits),
+                                      rejected_frames=rejected_frames)
         # One image at a time through the model, on the one thread with the service's compute threads; the
         # event loop stays free meanwhile.
         self._lock = asyncio.Lock()
@@ -110,4 +134,5 @@ class EncoderWorker:
         return embeddings
 
     async def close(self) -> None:
+        await self.kv_server.close()
         self._executor.shutdown(wait=False, cancel_futures=True)

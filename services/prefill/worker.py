@@ -11,28 +11,51 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
-from epdserve.services.engine_worker import EngineWorker, bad_request
+from epdserve.services.engine_worker import (EngineWorker, bad_request, kv_layout, kv_transfer_client,
+                                             start_engine)
+from epdserve.services.network import advertised, server_curve
+from epdserve.shared.async_llm import AsyncLLM
+from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.shared.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, Handshake, KVHandle, LeaseRenewed,
                                       Message, PrefillDone, PrefillRequest, Release, RenewLease, Role)
 from epdserve.shared.wire import logprobs_to_wire
-from epdserve.transport.kv_transfer import KVTransferServer
+from epdserve.transport.kv_transfer import KVTransferClient, KVTransferServer, create_server
+from epdserve.transport.security import WILDCARD_HOSTS
 
 logger = logging.getLogger(__name__)
 
 
+async def build_prefill_worker(service: ServiceConfig, engine_config: EngineConfig, control_addr: str,
+                               control_rejected: Callable[[], int],
+                               on_dead: Callable[[BaseException], None]) -> PrefillWorker:
+    """A prefill worker whose KV server is serving; `control_addr`: where decode sends Release."""
+    llm = await start_engine(service, engine_config, on_dead)
+    transport = service.transport
+    kv_server = create_server(transport.kv_backend, service.engine_id, kv_cache=llm.engine.runner.kv_cache,
+                              layout=kv_layout(engine_config), host=service.host, port=service.data_port,
+                              allow_wildcard=service.host in WILDCARD_HOSTS, curve=server_curve(transport))
+    data_addr = advertised(await kv_server.start(), service.host, service.advertise_host)
+    return PrefillWorker(service, engine_config, llm, kv_transfer_client(service, engine_config, llm),
+                         lambda: control_rejected() + kv_server.num_rejected,
+                         kv_server=kv_server, data_addr=data_addr, control_addr=control_addr)
+
+
 class PrefillWorker(EngineWorker):
+    """Also owns `kv_server`, which serves its held KV at `data_addr`."""
+
     role = Role.PREFILL
 
-    def __init__(self, *args, kv_server: KVTransferServer, control_addr: str, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, service: ServiceConfig, engine_config: EngineConfig, llm: AsyncLLM,
+                 kv_client: KVTransferClient, rejected_frames: Callable[[], int], *, kv_server: KVTransferServer,
+                 data_addr: str, control_addr: str) -> None:
+        super().__init__(service, engine_config, llm, kv_client, rejected_frames)
         self.kv_server = kv_server
+        self.data_addr = data_addr
         self.control_addr = control_addr  # where decode sends Release
         self.leases: dict[str, float] = {}  # request id -> monotonic deadline of its held KV
-        self._lease_task: asyncio.Task | None = None
-
-    async def start(self) -> None:
-        self._lease_task = asyncio.create_task(self._expire_leases())
+        self._lease_task: asyncio.Task | None = None  # expires leases; started with the first one
 
     @property
     def busy(self) -> bool:
@@ -88,6 +111,8 @@ class PrefillWorker(EngineWorker):
         block_ids = out.kv_block_ids
         self.kv_server.expose(rid, block_ids)
         self.leases[rid] = time.monotonic() + self.service.lease_seconds
+        if self._lease_task is None:
+            self._lease_task = asyncio.create_task(self._expire_leases())
         handle = KVHandle(self.service.engine_id, self.data_addr, tuple(block_ids), len(m.prompt_token_ids),
                           time.time() + self.service.lease_seconds, self.control_addr)
         return PrefillDone(rid, first, handle, out.num_cached_tokens, None, first_logprobs)
