@@ -1,4 +1,4 @@
-"""Check every Triton kernel against its PyTorch reference on a CUDA GPU, then time it.
+"""Check every Triton kernel against kernels/torch_attention.py (PyTorch) on a CUDA GPU, then time it.
 
 Attention is memory-bound in decode, so each case reports achieved bandwidth: the bytes it must move
 at least (every K/V token a query can see read once, Q read, O written, block tables) over the median
@@ -171,7 +171,7 @@ def build_attention_inputs(case: AttentionCase, dtype: torch.dtype, block_size: 
 
 
 def bench_attention(case, dtype, block_size, args, flush, copy_gbps, gen) -> Result:
-    from epdserve.kernels import reference
+    from epdserve.kernels import torch_attention
     from epdserve.kernels.paged_attention import paged_attention
 
     num_heads, num_kv_heads, head_size = MODELS[case.model]
@@ -189,7 +189,7 @@ def bench_attention(case, dtype, block_size, args, flush, copy_gbps, gen) -> Res
     sub = (query[rows], key_cache, value_cache, block_tables[picks], seq_lens[picks], sub_qsl, scale,
            case.sliding_window)
     got = paged_attention(*sub)
-    want = reference.paged_attention(*sub)
+    want = torch_attention.paged_attention(*sub)
     max_err = (got.float() - want.float()).abs().max().item()
     atol, rtol = TOLERANCES[dtype]
     ok = bool(torch.isclose(got.float(), want.float(), atol=atol, rtol=rtol).all())
@@ -208,7 +208,7 @@ def bench_attention(case, dtype, block_size, args, flush, copy_gbps, gen) -> Res
 
 
 def bench_kv_write(model, num_tokens, dtype, block_size, args, flush, copy_gbps, gen) -> Result:
-    from epdserve.kernels import reference
+    from epdserve.kernels import torch_attention
     from epdserve.kernels.kv_cache_write import kv_cache_write
 
     _, num_kv_heads, head_size = MODELS[model]
@@ -221,7 +221,7 @@ def bench_kv_write(model, num_tokens, dtype, block_size, args, flush, copy_gbps,
     slots = torch.randperm(num_blocks * block_size, device="cuda", generator=gen)[:num_tokens]
 
     want_k, want_v = key_cache.clone(), value_cache.clone()
-    reference.kv_cache_write(key, value, want_k, want_v, slots)
+    torch_attention.kv_cache_write(key, value, want_k, want_v, slots)
     kv_cache_write(key, value, key_cache, value_cache, slots)
     ok = torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
     max_err = max((key_cache.float() - want_k.float()).abs().max().item(),

@@ -1,8 +1,8 @@
 """The attention backend: the one interface through which the engine writes and reads the paged KV cache.
 
-Three implementations share the signatures of `epdserve.kernels.reference`:
-    "torch"  the PyTorch reference (also runs on CUDA, and serves CPUs where "cpu" cannot be built)
-    "cpu"    decodes by a C++ kernel straight from the paged cache, prefills by the reference (CPU only)
+Three implementations share the signatures of `epdserve.kernels.torch_attention`:
+    "torch"  plain PyTorch, torch_attention (also runs on CUDA, and serves CPUs where "cpu" cannot be built)
+    "cpu"    decodes by a C++ kernel straight from the paged cache, prefills by torch_attention (CPU only)
     "triton" the Triton kernels (CUDA; on CPU only under the Triton interpreter, for tests)
 Triton is imported only when the Triton backend is chosen, so this module imports without it.
 """
@@ -12,13 +12,13 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from epdserve.kernels import cpu_attention, reference
+from epdserve.kernels import cpu_attention, torch_attention
 
 BACKEND_NAMES = ("auto", "triton", "cpu", "torch")
 
 
 class AttentionBackend(NamedTuple):
-    """Which implementation runs, and its two entry points (reference signatures)."""
+    """Which implementation runs, and its entry points (torch_attention's signatures)."""
 
     name: str  # "triton" or "torch", never "auto"
     write_kv: Callable[..., None]  # kv_cache_write(key, value, key_cache, value_cache, slot_mapping)
@@ -31,7 +31,7 @@ class AttentionBackend(NamedTuple):
 def select_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """Return the backend called `name` for tensors on `device`.
 
-    "auto" is Triton on CUDA, "cpu" on a CPU where its kernel builds, else the PyTorch reference.
+    "auto" is Triton on CUDA, "cpu" on a CPU where its kernel builds, else "torch".
     "triton" on a non-CUDA device is allowed only when Triton's interpreter is on (TRITON_INTERPRET=1
     before triton is first imported). Raises ValueError for an unknown name and RuntimeError when the
     backend cannot serve the device.
@@ -43,11 +43,12 @@ def select_attention_backend(name: str, device: torch.device | str) -> Attention
         name = "triton" if device.type == "cuda" else "cpu" if device.type == "cpu" and cpu_attention.available() \
             else "torch"
     if name == "torch":
-        return AttentionBackend("torch", reference.kv_cache_write, reference.paged_attention, reference.plan_attention)
+        return AttentionBackend("torch", torch_attention.kv_cache_write, torch_attention.paged_attention,
+                                torch_attention.plan_attention)
     if name == "cpu":
         if device.type != "cpu" or not cpu_attention.available():
             raise RuntimeError(f"the cpu attention backend needs a CPU device and its C++ kernel built, got {device}")
-        return AttentionBackend("cpu", reference.kv_cache_write, cpu_attention.paged_attention,
+        return AttentionBackend("cpu", torch_attention.kv_cache_write, cpu_attention.paged_attention,
                                 cpu_attention.plan_attention)
     return _triton_backend(device)
 

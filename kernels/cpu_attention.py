@@ -1,14 +1,14 @@
 """The CPU attention backend: decodes read straight from the paged KV cache by a C++ kernel.
 
-A decode step attends each sequence's single new token to its whole context. The PyTorch reference does
+A decode step attends each sequence's single new token to its whole context. The PyTorch backend (torch_attention) does
 that with a gather (or a mirror of last step's gather) and two batched matmuls whose rows are a GQA
 group, 3 rows for SmolLM2, which run far below the machine's speed; the kernel in
 csrc/cpu_decode_attention.cpp reads each sequence's K/V blocks in place, once, for every query head (a KV
 head serves its GQA group), and computes in float32 (exact two-pass softmax). Prefill chunks keep the
-reference path (one fused scaled_dot_product_attention per sequence).
+PyTorch path (one fused scaled_dot_product_attention per sequence).
 
 The kernel is built on first use for the CPU it runs on (see cpu_build); where it cannot be built,
-`available()` says so and the engine uses the reference backend.
+`available()` says so and the engine uses the "torch" backend.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from epdserve.kernels import cpu_build, reference
+from epdserve.kernels import cpu_build, torch_attention
 
 
 def _extension():
@@ -67,7 +67,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     plan: CpuAttentionPlan | None = None,
 ) -> torch.Tensor:
-    """`reference.paged_attention`'s contract (see there); the cache must be stored head-major."""
+    """`torch_attention.paged_attention`'s contract (see there); the cache must be stored head-major."""
     if out is None:
         out = torch.empty_like(query)
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -81,6 +81,6 @@ def paged_attention(
         if target is not out:
             out[plan.decode_token_idx] = target[plan.decode_token_idx]
     for start, end, seq_len, row in plan.prefills:
-        out[start:end] = reference._prefill(query[start:end], key_cache, value_cache, block_tables[row], seq_len,
-                                            scale, sliding_window).to(out.dtype)
+        out[start:end] = torch_attention._prefill(query[start:end], key_cache, value_cache, block_tables[row],
+                                                  seq_len, scale, sliding_window).to(out.dtype)
     return out

@@ -66,8 +66,8 @@ def kv_cache_write(
 ) -> None:
     """Write each token's key/value into its cache slot, converting to the cache dtype.
 
-    Same contract as `epdserve.kernels.reference.kv_cache_write`, except that a slot outside the cache
-    (>= num_blocks * block_size) is skipped like padding where the reference raises. Key, value and the
+    Same contract as `epdserve.kernels.torch_attention.kv_cache_write`, except that a slot outside the cache
+    (>= num_blocks * block_size) is skipped like padding where torch_attention raises. Key, value and the
     caches may be strided views (e.g. slices of a fused QKV projection). Slots must be distinct.
     """
     if key.dim() != 3 or key_cache.dim() != 4:

@@ -184,7 +184,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V (cached prefix + new tokens).
 
-    Same contract as `epdserve.kernels.reference.paged_attention`: decode (one new token per sequence),
+    Same contract as `epdserve.kernels.torch_attention.paged_attention`: decode (one new token per sequence),
     prefill and chunked prefill mix freely in one batch; query token i of sequence s sits at position
     `seq_lens[s] - q_len[s] + i`. Softmax runs in float32 and the result is written in `out`'s dtype
     (allocated like `query` when None). The index tensors are trusted: block ids must be valid for the

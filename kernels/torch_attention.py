@@ -1,4 +1,7 @@
-"""PyTorch references for the kernels, and the engine's CPU execution path.
+"""The "torch" attention backend: KV-cache writes and paged attention in plain PyTorch.
+
+This is the engine's CPU path (every step where the C++ decode kernel cannot be built, and prefill chunks
+under the "cpu" backend), it runs on CUDA too, and it is what the Triton and C++ kernels are tested against.
 
 KV-cache layout, shared by every backend (and by the transport, which moves whole blocks):
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
@@ -223,7 +226,7 @@ def dense_causal_attention(
 ) -> torch.Tensor:
     """Plain attention on contiguous K/V (no blocks), the last q_len tokens being the queries.
 
-    A second, independent reference: paged results must equal it on the gathered K/V.
+    An independent check for tests: paged results must equal it on the gathered K/V.
     """
     q_len, num_heads, _ = query.shape
     ctx, num_kv_heads, _ = key.shape

@@ -85,7 +85,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
-                   help="auto: triton on CUDA, the C++ cpu kernel on CPU (the torch reference if it cannot be built)")
+                   help="auto: triton on CUDA, the C++ cpu kernel on CPU (torch if it cannot be built)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, help="compute threads of the engine (or encoder); the service's other "
@@ -98,7 +98,10 @@ def _add_transport_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--curve-dir", default=os.environ.get("EPDSERVE_CURVE_DIR"),
                    help="folder with the deployment's CURVE certificate (epdserve keys DIR); "
                         "default $EPDSERVE_CURVE_DIR; unset = no authentication")
-    g.add_argument("--request-timeout", type=float, default=30.0)
+    g.add_argument("--rpc-timeout", type=float, default=30.0,
+                   help="seconds a control request to a peer may take before it counts as gone")
+    g.add_argument("--request-timeout", dest="rpc_timeout", type=float, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the old name
     g.add_argument("--transfer-timeout", type=float, default=60.0)
 
 
@@ -161,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--local-prefill-threshold", type=int, default=0,
                            help="prompts shorter than this many tokens are prefilled by decode itself")
             p.add_argument("--poll-interval", type=float, default=1.0)
-            p.add_argument("--token-timeout", type=float, default=600.0)
+            p.add_argument("--token-timeout", type=float, default=600.0,
+                           help="seconds allowed between two chunks of a stream; also the longest wait for a "
+                                "stream's first chunk or a whole non-streamed answer")
             p.add_argument("--allowed-image-domains", action="append", metavar="DOMAIN",
                            help="fetch http(s) image URLs only from these domains and their subdomains "
                                 "(repeat or comma-separate; default: any public host)")
@@ -225,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 def transport_config(args: argparse.Namespace):
     from epdserve.shared.config import TransportConfig
 
-    return TransportConfig(args.kv_backend, args.curve_dir, args.request_timeout, args.transfer_timeout)
+    return TransportConfig(args.kv_backend, args.curve_dir, args.rpc_timeout, args.transfer_timeout)
 
 
 def engine_config(args: argparse.Namespace, model: str):
@@ -276,7 +281,7 @@ def proxy_config(args: argparse.Namespace, model: str):
         encoders=_peer_targets(args, "encoder"), prefills=_peer_targets(args, "prefill"),
         decodes=_peer_targets(args, "decode"), unified=_peer_targets(args, "unified"), poll_interval=args.poll_interval,
         lifecycle=LifecycleConfig(local_prefill_threshold=args.local_prefill_threshold,
-                                  request_timeout=transport.request_timeout, token_timeout=args.token_timeout),
+                                  rpc_timeout=transport.rpc_timeout, token_timeout=args.token_timeout),
         transport=transport, allowed_image_domains=_split_targets(args.allowed_image_domains),
         allow_private_image_urls=args.allow_private_image_urls, access_log=args.log_level == "debug")
 

@@ -45,7 +45,7 @@ def control_client_kwargs(service: ServiceConfig) -> dict:
     """How this service dials a peer's control channel or a proxy's inbox: as itself, within the RPC timeout."""
     transport = service.transport
     return dict(engine_id=service.engine_id, role=Role(service.role), curve=client_curve(transport),
-                timeout=transport.request_timeout)
+                timeout=transport.rpc_timeout)
 
 
 async def start_engine(service: ServiceConfig, engine_config: EngineConfig,

@@ -194,13 +194,13 @@ class TransportConfig:
     # Folder holding one CURVE certificate shared by the deployment (`epdserve.key` and
     # `epdserve.key_secret`): every service then authenticates and encrypts every connection.
     curve_dir: str | None = None
-    request_timeout: float = 30.0  # seconds a control request may take before the peer counts as gone
+    rpc_timeout: float = 30.0  # seconds a control request (an RPC) may take before the peer counts as gone
     transfer_timeout: float = 60.0  # seconds one KV or embedding fetch may take
 
     def __post_init__(self):
         if self.kv_backend not in ("zmq", "ucx"):
             raise ValueError(f"kv_backend must be 'zmq' or 'ucx', got {self.kv_backend!r}")
-        if self.request_timeout <= 0 or self.transfer_timeout <= 0:
+        if self.rpc_timeout <= 0 or self.transfer_timeout <= 0:
             raise ValueError("timeouts must be positive")
 
 

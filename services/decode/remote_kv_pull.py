@@ -133,7 +133,7 @@ class RemoteKVPull:
             await asyncio.sleep(max((deadline - time.time()) / 2, 0.25))
             try:
                 renewed = await self.worker.prefill_client(handle.control_addr).request(
-                    RenewLease(self.request.request_id), timeout=self.worker.service.transport.request_timeout,
+                    RenewLease(self.request.request_id), timeout=self.worker.service.transport.rpc_timeout,
                     expect=LeaseRenewed)
             except (ErrorReply, ChannelError, TimeoutError) as exc:  # the pull will fail and fall back
                 logger.warning("request %s: lease renewal at %s failed: %s", self.request.request_id,

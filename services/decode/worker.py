@@ -69,7 +69,7 @@ class DecodeWorker(EngineWorker):
     async def _release(self, control_addr: str, request_id: str) -> None:
         try:
             await self.prefill_client(control_addr).request(
-                Release(request_id), timeout=self.service.transport.request_timeout, expect=Ack)
+                Release(request_id), timeout=self.service.transport.rpc_timeout, expect=Ack)
         except (ChannelError, TimeoutError) as exc:  # the lease frees the blocks anyway
             logger.warning("request %s: release at %s failed: %s", request_id, control_addr, exc)
 

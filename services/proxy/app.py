@@ -200,11 +200,11 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
         headers = {REQUEST_ID_HEADER: request_id}
         if stream:
             # Errors found before the first byte (bad input, no instance) still get a proper status.
-            chunks, first = await _until_disconnected(request, _open(run, request_id), serving.request_timeout,
+            chunks, first = await _until_disconnected(request, _open(run, request_id), serving.response_timeout,
                                                       metrics)
             return StreamingResponse(_with_first(first, chunks, metrics), media_type="text/event-stream",
                                      headers=headers)
-        body = await _until_disconnected(request, run(request_id), serving.request_timeout, metrics)
+        body = await _until_disconnected(request, run(request_id), serving.response_timeout, metrics)
         return JSONResponse(body, headers=headers)
 
     return app

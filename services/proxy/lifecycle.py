@@ -40,7 +40,7 @@ class LifecycleConfig:
     # Prompts with fewer tokens than this are prefilled by decode itself (0: always disaggregate).
     local_prefill_threshold: int = 0
     max_attempts: int = 3  # instances tried for one step before giving up
-    request_timeout: float = 30.0  # a control request (encode, accept a decode...)
+    rpc_timeout: float = 30.0  # a control request (encode, accept a decode...)
     prefill_timeout: float = 600.0  # a whole prefill (long prompts on CPU take a while)
     token_timeout: float = 600.0  # silence allowed between two chunks of a stream
     liveness_check: float = 0.5  # how often a waiting call or stream checks its instance is still alive
@@ -116,7 +116,7 @@ class ServiceBackend:
         for image in gen.images:
             request = EncodeRequest(gen.request_id, (MMItem(image.mm_hash, image.data),))
             instance, done = await self._failover.call(Role.ENCODER, image.mm_hash.encode(), request,
-                                                       self.config.request_timeout, EncodeDone)
+                                                       self.config.rpc_timeout, EncodeDone)
             if done.items[0].num_tokens != image.length:
                 raise GenerationError(f"the encoder made {done.items[0].num_tokens} embeddings for an image with "
                                       f"{image.length} placeholder tokens", 500)
@@ -161,7 +161,7 @@ class ServiceBackend:
         instance = None  # from its acceptance: counts the stream in its load, hears of an abort
         finished = False
         try:
-            instance, _ = await self._failover.call(role, key, request, self.config.request_timeout, Ack)
+            instance, _ = await self._failover.call(role, key, request, self.config.rpc_timeout, Ack)
             # Counted again at once: no other routing decision happens in between.
             instance.inflight += 1
             liveness = Liveness(instance)
@@ -203,6 +203,6 @@ class ServiceBackend:
         if instance is None or not instance.alive:
             return
         try:
-            await instance.client.request(Abort(request_id), timeout=self.config.request_timeout, expect=Ack)
+            await instance.client.request(Abort(request_id), timeout=self.config.rpc_timeout, expect=Ack)
         except (ChannelError, TimeoutError) as exc:
             logger.warning("abort of %s at %s failed: %s", request_id, instance.address, exc)

@@ -76,7 +76,7 @@ async def build_proxy(config: ProxyConfig):
     engine_id = f"proxy-{config.port}"
 
     def make_client(address: str, role: Role) -> RequestClient:
-        return RequestClient(address, engine_id=engine_id, role=Role.PROXY, timeout=config.transport.request_timeout,
+        return RequestClient(address, engine_id=engine_id, role=Role.PROXY, timeout=config.transport.rpc_timeout,
                              curve=client_curve(config.transport))
 
     pools = {role: RolePool(role, targets, make_client)
@@ -94,7 +94,8 @@ async def build_proxy(config: ProxyConfig):
             config.max_image_bytes, allowed_domains=config.allowed_image_domains,
             allow_private=config.allow_private_image_urls))
     serving = OpenAIServing(config.model_name, tokenizer, backend, model_config.max_model_len,
-                            model_config.vocab_size, metrics, chat_encoder, config.lifecycle.token_timeout)
+                            model_config.vocab_size, metrics, chat_encoder,
+                            response_timeout=config.lifecycle.token_timeout)
 
     async def readiness():
         return router.readiness()

@@ -77,7 +77,9 @@ class _Result:
 class OpenAIServing:
     def __init__(self, model_name: str, tokenizer: Tokenizer, backend: Backend, max_model_len: int, vocab_size: int,
                  metrics: ProxyMetrics, chat_encoder: ChatEncoder | None = None,
-                 request_timeout: float = 600.0) -> None:
+                 response_timeout: float = 600.0) -> None:
+        """`response_timeout`: seconds an HTTP request may wait for its answer (a stream's first event, or a
+        whole non-streamed body) before it fails with 504."""
         self.model_name = model_name
         self.vocab_size = vocab_size  # the model's, which may exceed the tokenizer's (padded embeddings)
         self.metrics = metrics
@@ -85,7 +87,7 @@ class OpenAIServing:
         self.backend = backend
         self.max_model_len = max_model_len
         self.chat_encoder = chat_encoder
-        self.request_timeout = request_timeout
+        self.response_timeout = response_timeout
 
     # -- input --------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:

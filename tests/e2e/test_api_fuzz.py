@@ -51,7 +51,7 @@ def inbox_port():
 def stack(short_context_model, stack_factory, inbox_port):
     stack = stack_factory(short_context_model, prefills=1, decodes=1,
                           engine_args=["--num-kv-blocks", str(NUM_BLOCKS)],
-                          proxy_args=["--request-timeout", "30", "--inbox-port", str(inbox_port)])
+                          proxy_args=["--rpc-timeout", "30", "--inbox-port", str(inbox_port)])
     yield stack
     stack.stop()
 

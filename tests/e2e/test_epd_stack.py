@@ -38,7 +38,7 @@ def stack(demo_model, stack_factory):
     return stack_factory(demo_model, encoders=1, prefills=1, decodes=1,
                          engine_args=["--num-kv-blocks", str(NUM_BLOCKS), "--lease-seconds", "5"],
                          # the image URL test serves its picture from 127.0.0.1
-                         proxy_args=["--request-timeout", "10", "--allow-private-image-urls"])
+                         proxy_args=["--rpc-timeout", "10", "--allow-private-image-urls"])
 
 
 @pytest.fixture(scope="module")

@@ -44,13 +44,13 @@ INBOX_PORT = free_port()
 @pytest.fixture(scope="module")
 def pd(tiny_model_paths, stack_factory):
     return stack_factory(tiny_model_paths["llama"], prefills=1, decodes=1, engine_args=ENGINE_ARGS,
-                         proxy_args=["--request-timeout", "5", "--inbox-port", str(INBOX_PORT)])
+                         proxy_args=["--rpc-timeout", "5", "--inbox-port", str(INBOX_PORT)])
 
 
 @pytest.fixture(scope="module")
 def pd2(tiny_model_paths, stack_factory):
     return stack_factory(tiny_model_paths["llama"], prefills=2, decodes=2, engine_args=ENGINE_ARGS,
-                         proxy_args=["--request-timeout", "5"])
+                         proxy_args=["--rpc-timeout", "5"])
 
 
 def greedy(stack, prompt: str = PROMPT, max_tokens: int = 12) -> list[str]:
@@ -201,7 +201,7 @@ def open_fds(pid: int) -> int:
 def test_reply_addresses_from_the_wire_keep_fds_bounded(tiny_model_paths, start_stack):
     """300 requests, each asking for its tokens at a different (unreachable) address."""
     stack = start_stack(tiny_model_paths["llama"], prefills=1, decodes=1,
-                          engine_args=[*ENGINE_ARGS, "--request-timeout", "2"])
+                          engine_args=[*ENGINE_ARGS, "--rpc-timeout", "2"])
     decode = stack.services["decode-0"]
     before = open_fds(decode.proc.pid)
     with socket.socket() as s:  # a port nothing listens on once closed

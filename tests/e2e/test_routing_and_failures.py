@@ -17,7 +17,7 @@ LONG_PREFIX = ("You are a careful assistant. Answer briefly and precisely. " * 1
 def stack(demo_model, stack_factory):
     return stack_factory(demo_model, encoders=1, prefills=2, decodes=2,
                          engine_args=["--num-kv-blocks", str(NUM_BLOCKS), "--lease-seconds", str(LEASE)],
-                         proxy_args=["--request-timeout", "5"])
+                         proxy_args=["--rpc-timeout", "5"])
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ def free_port() -> int:
 
 def make_service(model: str, role: str = "unified") -> Service:
     config = ServiceConfig(role, f"{role}-0", port=free_port(), http_port=free_port(),
-                           transport=TransportConfig(request_timeout=5.0), drain_timeout=30.0)
+                           transport=TransportConfig(rpc_timeout=5.0), drain_timeout=30.0)
     return Service(config, build_engine_config(model, num_kv_blocks=64), model)
 
 

@@ -9,22 +9,22 @@ import pytest
 import torch
 
 from epdserve.kernels import paged_attention as triton_attention
-from epdserve.kernels import cpu_attention, reference
+from epdserve.kernels import cpu_attention, torch_attention
 from epdserve.kernels.backend import AttentionBackend, select_attention_backend
 from epdserve.kernels.kv_cache_write import kv_cache_write
 
 
-def test_auto_on_cpu_is_the_kernel_or_the_reference():
+def test_auto_on_cpu_is_the_kernel_or_torch():
     backend = select_attention_backend("auto", torch.device("cpu"))
     if cpu_attention.available():
-        assert backend == AttentionBackend("cpu", reference.kv_cache_write, cpu_attention.paged_attention,
+        assert backend == AttentionBackend("cpu", torch_attention.kv_cache_write, cpu_attention.paged_attention,
                                            cpu_attention.plan_attention)
     else:
-        assert backend == AttentionBackend("torch", reference.kv_cache_write, reference.paged_attention,
-                                           reference.plan_attention)
+        assert backend == AttentionBackend("torch", torch_attention.kv_cache_write, torch_attention.paged_attention,
+                                           torch_attention.plan_attention)
 
 
-def test_auto_is_the_reference_where_the_kernel_cannot_be_built(monkeypatch):
+def test_auto_is_torch_where_the_kernel_cannot_be_built(monkeypatch):
     monkeypatch.setattr(cpu_attention, "available", lambda: False)
     assert select_attention_backend("auto", torch.device("cpu")).name == "torch"
 

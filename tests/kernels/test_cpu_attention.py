@@ -1,8 +1,8 @@
-"""The C++ CPU decode-attention kernel against the PyTorch reference, on the engine's head-major cache."""
+"""The C++ CPU decode-attention kernel against torch_attention, on the engine's head-major cache."""
 import pytest
 import torch
 
-from epdserve.kernels import cpu_attention, reference
+from epdserve.kernels import cpu_attention, torch_attention
 from epdserve.kernels.backend import select_attention_backend
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the C++ kernel cannot be built here")
@@ -36,7 +36,7 @@ def test_decodes_equal_the_reference(dtype, num_heads, num_kv_heads, head_size, 
     seq_lens = [1, 5, block_size, block_size + 1, 3 * block_size - 1, 200]
     batch = make_batch([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype)
     scale = head_size ** -0.5
-    want = reference.paged_attention(*batch, scale)
+    want = torch_attention.paged_attention(*batch, scale)
     got = cpu_attention.paged_attention(*batch, scale)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -46,16 +46,16 @@ def test_decodes_equal_the_reference(dtype, num_heads, num_kv_heads, head_size, 
 def test_sliding_window(window):
     batch = make_batch([1, 1, 1], [3, 50, 130], 8, 2, 64, 16, torch.float32, seed=1)
     torch.testing.assert_close(cpu_attention.paged_attention(*batch, 0.125, window),
-                               reference.paged_attention(*batch, 0.125, window), atol=2e-5, rtol=2e-5)
+                               torch_attention.paged_attention(*batch, 0.125, window), atol=2e-5, rtol=2e-5)
 
 
 def test_mixed_batch_of_decodes_and_prefill_chunks():
-    """Decodes go to the kernel, prefill chunks (over a cached prefix or not) to the reference path."""
+    """Decodes go to the kernel, prefill chunks (over a cached prefix or not) to the PyTorch path."""
     batch = make_batch([1, 7, 1, 20, 1], [33, 40, 1, 20, 90], 9, 3, 64, 16, torch.float32, seed=2)
     plan = cpu_attention.plan_attention(batch[3], batch[4], batch[5], 16, 3)
     assert plan.decode_token_idx.tolist() == [0, 8, 29] and len(plan.prefills) == 2
     torch.testing.assert_close(cpu_attention.paged_attention(*batch, 0.125, plan=plan),
-                               reference.paged_attention(*batch, 0.125), atol=2e-5, rtol=2e-5)
+                               torch_attention.paged_attention(*batch, 0.125), atol=2e-5, rtol=2e-5)
 
 
 def test_results_land_in_a_given_output_only_at_decode_rows():
@@ -63,7 +63,7 @@ def test_results_land_in_a_given_output_only_at_decode_rows():
     out = torch.full_like(batch[0], float("nan"))
     cpu_attention.paged_attention(*batch, 0.125, out=out)
     assert not out.isnan().any()
-    torch.testing.assert_close(out, reference.paged_attention(*batch, 0.125), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, torch_attention.paged_attention(*batch, 0.125), atol=2e-5, rtol=2e-5)
 
 
 def test_block_ids_outside_the_pool_are_refused():

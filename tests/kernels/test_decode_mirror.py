@@ -3,7 +3,7 @@ batch changes and capacity overflows."""
 import pytest
 import torch
 
-from epdserve.kernels import reference
+from epdserve.kernels import torch_attention
 from epdserve.kernels.decode_mirror import DecodeMirror
 
 BS, HKV, H, D, NUM_BLOCKS = 4, 2, 6, 16, 256
@@ -22,16 +22,17 @@ def step(cache, seqs, g, mirror, sliding_window):
     tables = torch.tensor([seqs[i]["blocks"] + seqs[i]["blocks"][-1:] * (width - len(seqs[i]["blocks"]))
                            for i in ids], dtype=torch.int32)
     slots = torch.tensor([seqs[i]["blocks"][(n - 1) // BS] * BS + (n - 1) % BS for i, n in zip(ids, lens)])
-    reference.kv_cache_write(torch.randn(len(ids), HKV, D, generator=g), torch.randn(len(ids), HKV, D, generator=g),
-                             kc, vc, slots)
+    torch_attention.kv_cache_write(torch.randn(len(ids), HKV, D, generator=g),
+                                   torch.randn(len(ids), HKV, D, generator=g), kc, vc, slots)
     query = torch.randn(len(ids), H, D, generator=g)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     qsl = torch.arange(len(ids) + 1, dtype=torch.int32)
-    plan = reference.plan_attention(tables, seq_lens, qsl, BS, HKV, sliding_window, mirror=mirror,
-                                    seq_ids=tuple(ids), num_layers=1, head_size=D)
+    plan = torch_attention.plan_attention(tables, seq_lens, qsl, BS, HKV, sliding_window, mirror=mirror,
+                                          seq_ids=tuple(ids), num_layers=1, head_size=D)
     assert plan.mirror is mirror
-    with_mirror = reference.paged_attention(query, kc, vc, tables, seq_lens, qsl, 0.25, sliding_window, plan=plan)
-    fresh = reference.paged_attention(query, kc, vc, tables, seq_lens, qsl, 0.25, sliding_window)
+    with_mirror = torch_attention.paged_attention(query, kc, vc, tables, seq_lens, qsl, 0.25, sliding_window,
+                                                  plan=plan)
+    fresh = torch_attention.paged_attention(query, kc, vc, tables, seq_lens, qsl, 0.25, sliding_window)
     torch.testing.assert_close(with_mirror, fresh, atol=1e-6, rtol=1e-6)
     return mirror.appending
 

@@ -1,4 +1,4 @@
-"""Triton KV-cache write against the reference, on a NaN-poisoned cache.
+"""Triton KV-cache write against torch_attention's, on a NaN-poisoned cache.
 
 Only the slots named by `slot_mapping` may change; padding (-1) and every other slot must stay NaN.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epdserve.kernels import reference
+from epdserve.kernels import torch_attention
 from epdserve.kernels.kv_cache_write import kv_cache_write
 from epdserve.kernels.paged_attention import paged_attention
 
@@ -27,7 +27,7 @@ def random_slots(num_tokens, num_slots, num_padding, gen, dtype=torch.int64):
 
 def check_write(key, value, key_cache, value_cache, slot_mapping, atol=0.0, rtol=0.0):
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
-    reference.kv_cache_write(key, value, expected_k, expected_v, slot_mapping)
+    torch_attention.kv_cache_write(key, value, expected_k, expected_v, slot_mapping)
     kv_cache_write(key, value, key_cache, value_cache, slot_mapping)
 
     num_kv_heads, head_size = key_cache.shape[2:]
@@ -124,7 +124,7 @@ def test_write_then_attend_equals_dense_attention():
     out = paged_attention(query, key_cache, value_cache, block_ids.view(1, -1),
                           torch.tensor([seq_len], dtype=torch.int32),
                           torch.tensor([0, seq_len], dtype=torch.int32), 0.125)
-    dense = reference.dense_causal_attention(query, key, value, 0.125)
+    dense = torch_attention.dense_causal_attention(query, key, value, 0.125)
     torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
 
 

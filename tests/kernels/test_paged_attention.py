@@ -1,4 +1,4 @@
-"""Triton paged attention against the paged reference and against dense attention on gathered K/V.
+"""Triton paged attention against torch_attention's paged attention and against dense attention on gathered K/V.
 
 On CPU the kernel runs under the Triton interpreter (tests/conftest.py), so shapes stay small.
 Every cache slot that no sequence owns (tails of partial blocks, spare blocks, block-table padding)
@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epdserve.kernels import reference
+from epdserve.kernels import torch_attention
 from epdserve.kernels.paged_attention import paged_attention
 
 # Per dtype (atol, rtol) against float32 references rounded to the dtype. float16/bfloat16 allow a few
@@ -86,7 +86,7 @@ def check_batch(batch: Batch, sliding_window=None, scale=None) -> None:
     assert not out.isnan().any(), "some output elements were never written (or read unowned slots)"
 
     # The paged reference multiplies zero probabilities by the unowned slots, so it gets a NaN-free cache.
-    expected = reference.paged_attention(
+    expected = torch_attention.paged_attention(
         batch.query, batch.key_cache.nan_to_num(0.0), batch.value_cache.nan_to_num(0.0), batch.block_tables,
         batch.seq_lens, batch.query_start_loc, scale, sliding_window,
     )
@@ -96,7 +96,7 @@ def check_batch(batch: Batch, sliding_window=None, scale=None) -> None:
     for s, (k, v) in enumerate(zip(batch.keys, batch.values)):
         if starts[s + 1] == starts[s]:
             continue
-        dense = reference.dense_causal_attention(
+        dense = torch_attention.dense_causal_attention(
             batch.query[starts[s]:starts[s + 1]].cpu(), k, v, scale, sliding_window
         )
         torch.testing.assert_close(out[starts[s]:starts[s + 1]].cpu(), dense, atol=atol, rtol=rtol)
@@ -210,7 +210,7 @@ def test_strided_query_out_and_cache():
     out = out_buffer[:, :, :64]
     paged_attention(query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
                     batch.query_start_loc, 0.125, out=out)
-    expected = reference.paged_attention(
+    expected = torch_attention.paged_attention(
         batch.query, batch.key_cache.nan_to_num(0.0), batch.value_cache.nan_to_num(0.0), batch.block_tables,
         batch.seq_lens, batch.query_start_loc, 0.125,
     )
@@ -223,7 +223,7 @@ def test_int64_indices_and_out_dtype():
     out = torch.full(batch.query.shape, float("nan"), dtype=torch.float32)
     paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.block_tables.long(),
                     batch.seq_lens.long(), batch.query_start_loc.long(), 0.125, out=out)
-    expected = reference.paged_attention(
+    expected = torch_attention.paged_attention(
         batch.query, batch.key_cache.nan_to_num(0.0), batch.value_cache.nan_to_num(0.0), batch.block_tables,
         batch.seq_lens, batch.query_start_loc, 0.125, out=torch.empty_like(out),
     )

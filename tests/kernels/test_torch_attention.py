@@ -1,9 +1,9 @@
-"""The PyTorch reference (the engine's CPU path) on the engine's own head-major cache layout, against
+"""The PyTorch attention backend (the engine's CPU path) on the engine's own head-major cache layout, against
 dense attention on gathered K/V: mixed decode/prefill/chunked batches, GQA, sliding windows."""
 import pytest
 import torch
 
-from epdserve.kernels import reference
+from epdserve.kernels import torch_attention
 
 
 def head_major_batch(specs, num_heads, num_kv_heads, head_size, block_size, seed):
@@ -34,15 +34,15 @@ def test_head_major_reference_equals_dense(num_heads, num_kv_heads, sliding_wind
     query, kc, vc, tables, seq_lens, qsl = head_major_batch(specs, num_heads, num_kv_heads, 32, 16, seed)
     assert kc.transpose(1, 2).is_contiguous()  # the fast gather path is the one under test
     scale = 32 ** -0.5
-    plan = reference.plan_attention(tables, seq_lens, qsl, 16, num_kv_heads, sliding_window)
-    out = reference.paged_attention(query, kc, vc, tables, seq_lens, qsl, scale, sliding_window,
-                                    out=torch.full_like(query, float("nan")), plan=plan)
+    plan = torch_attention.plan_attention(tables, seq_lens, qsl, 16, num_kv_heads, sliding_window)
+    out = torch_attention.paged_attention(query, kc, vc, tables, seq_lens, qsl, scale, sliding_window,
+                                          out=torch.full_like(query, float("nan")), plan=plan)
     for s, (q_len, n) in enumerate(specs):
         blocks = tables[s, :-(-n // 16)].long()
         k = kc[blocks].flatten(0, 1)[:n]
         v = vc[blocks].flatten(0, 1)[:n]
-        dense = reference.dense_causal_attention(query[qsl[s]:qsl[s + 1]], k, v, scale, sliding_window)
+        dense = torch_attention.dense_causal_attention(query[qsl[s]:qsl[s + 1]], k, v, scale, sliding_window)
         torch.testing.assert_close(out[qsl[s]:qsl[s + 1]], dense, atol=1e-5, rtol=1e-5)
     # Without a plan the function makes the same one itself.
-    again = reference.paged_attention(query, kc, vc, tables, seq_lens, qsl, scale, sliding_window)
+    again = torch_attention.paged_attention(query, kc, vc, tables, seq_lens, qsl, scale, sliding_window)
     assert torch.equal(again, out)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from epdserve.services.cli import build_parser, proxy_config, service_config, stack_config
+from epdserve.services.cli import build_parser, proxy_config, service_config, stack_config, transport_config
 from epdserve.services.launcher import LocalStack, StackConfig, exit_message, free_port
 from epdserve.services.network import split_target
 
@@ -70,6 +70,16 @@ def test_proxy_access_log_only_at_debug(default_model_path):
     argv = ["serve", "proxy", "--decode", "d:1"]
     assert not proxy_config(parse(*argv), str(default_model_path)).access_log
     assert proxy_config(parse(*argv, "--log-level", "debug"), str(default_model_path)).access_log
+
+
+def test_rpc_timeout_still_reads_its_old_spelling(capsys):
+    assert transport_config(parse("serve", "decode")).rpc_timeout == 30.0
+    assert transport_config(parse("serve", "decode", "--rpc-timeout", "5")).rpc_timeout == 5.0
+    assert transport_config(parse("serve", "decode", "--request-timeout", "7")).rpc_timeout == 7.0
+    with pytest.raises(SystemExit):
+        parse("serve", "decode", "--help")
+    usage = capsys.readouterr().out
+    assert "--rpc-timeout" in usage and "--request-timeout" not in usage
 
 
 def test_model_names_one_thing_each():

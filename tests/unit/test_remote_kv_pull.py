@@ -59,7 +59,7 @@ class FakeKVClient:
 def make_pull(llm, kv_client, control_addr="tcp://127.0.0.1:7"):
     metrics = collections.defaultdict(Counter)
     worker = SimpleNamespace(llm=llm, kv_client=kv_client, releases=[],
-                             service=SimpleNamespace(transport=SimpleNamespace(transfer_timeout=5, request_timeout=5)))
+                             service=SimpleNamespace(transport=SimpleNamespace(transfer_timeout=5, rpc_timeout=5)))
     worker.metrics = SimpleNamespace(**{name: metrics[name] for name in (
         "local_kv_hit_blocks", "transfer_bytes", "transfer_seconds", "remote_kv_blocks", "remote_kv_requests",
         "transfer_failures", "local_prefills", "lease_renewals")})
