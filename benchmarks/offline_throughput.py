@@ -31,7 +31,7 @@ Prints, per thread count and workload, each engine's output tok/s and its ratio 
 same workload); for greedy workloads, how many outputs equal epdserve's token for token (over all
 repeats; sampled outputs cannot be compared). With --profile, where epdserve's engine steps spend their
 time over the timed runs, by phase (schedule, prepare, forward, attention, sampler, output; from
-`llm.engine.stats().step_seconds`, see shared/step_timer.py), plus the number of steps and the time
+`llm.engine.stats().step_seconds`, see shared/engine/step_timer.py), plus the number of steps and the time
 `generate` spent outside steps. Writes benchmarks/results/offline_throughput.json and .png.
 
     .venv/bin/python benchmarks/offline_throughput.py --threads 1,2
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     if args.model is None:
-        from epdserve.shared.default_model import prepare_default_model
+        from epdserve.shared.checkpoints.default_model import prepare_default_model
 
         args.model = str(prepare_default_model())
     runs = [make_prompts(args.num_requests, args.prompt_len, args.seed + i) for i in range(args.repeats)]

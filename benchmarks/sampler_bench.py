@@ -1,4 +1,4 @@
-"""The sampler alone: this tree's shared/sampler.py against an earlier one loaded from git.
+"""The sampler alone: this tree's shared/engine/sampler.py against an earlier one loaded from git.
 
 One call samples a decode batch: [64, 49152] float32 logits (SmolLM2's vocabulary, randn * 3), one
 row per request, in these settings:
@@ -9,7 +9,7 @@ row per request, in these settings:
   penalties     temperature 1.0, repetition 1.2, frequency 0.5, presence 0.5, 256 prior tokens each
   greedy        temperature 0
 
-The baseline is, by default, shared/sampler.py as it was just before the commit that removed its
+The baseline is, by default, shared/engine/sampler.py as it was just before the commit that removed its
 per-row exponential race (`--baseline REV` picks another). Old and new calls alternate, so that load from
 elsewhere on the machine hits both alike; the median of --repeats calls is reported, at each thread
 count. For scale, the time of one batch-64 decode step of SmolLM2-135M is measured too when the model
@@ -33,12 +33,14 @@ from pathlib import Path
 
 import torch
 
-from epdserve.shared.request import Request
-from epdserve.shared.sampler import Sampler
-from epdserve.shared.sampling_params import SamplingParams
+from epdserve.shared.engine.request import Request
+from epdserve.shared.engine.sampler import Sampler
+from epdserve.shared.engine.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+SAMPLER_PATH = "shared/engine/sampler.py"
+OLD_SAMPLER_PATH = "shared/sampler.py"
 CASES = {
     "temperature": dict(temperature=1.0),
     "top_p 0.9": dict(temperature=1.0, top_p=0.9),
@@ -56,16 +58,23 @@ def git(*args: str) -> str:
 
 def default_baseline() -> str:
     # The parent of the latest commit that added or removed the per-row exponential race.
-    commit = git("log", "-n1", "--format=%H", "-S", "noise[j].exponential_", "--", "shared/sampler.py")
+    # The sampler lived at shared/sampler.py then; git finds it under that path.
+    commit = git("log", "-n1", "--format=%H", "-S", "noise[j].exponential_", "--", OLD_SAMPLER_PATH)
     if not commit:
-        raise SystemExit("no commit touches the exponential race in shared/sampler.py: pass --baseline")
+        raise SystemExit("no commit touches the exponential race in shared/engine/sampler.py: pass --baseline")
     return f"{commit}^"
 
 
+def sampler_path_at(rev: str) -> str:
+    """Where the sampler's file was at git revision rev (it moved into shared/engine/)."""
+    listed = git("ls-tree", "--name-only", rev, "--", SAMPLER_PATH)
+    return SAMPLER_PATH if listed else OLD_SAMPLER_PATH
+
+
 def load_sampler_at(rev: str, tmp: Path):
-    """The Sampler class of shared/sampler.py at git revision rev."""
+    """The Sampler class of shared/engine/sampler.py at git revision rev."""
     path = tmp / "sampler_baseline.py"
-    path.write_text(git("show", f"{rev}:shared/sampler.py"))
+    path.write_text(git("show", f"{rev}:{sampler_path_at(rev)}"))
     spec = importlib.util.spec_from_file_location("sampler_baseline", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -102,7 +111,7 @@ def time_samplers(samplers: dict, logits: torch.Tensor, requests: dict, repeats:
 
 def decode_step_ms(model: Path, threads: list[int], batch: int) -> dict[int, float]:
     """Median time of a batch-wide decode step (model forward plus this tree's sampler) per thread count."""
-    from epdserve.shared.llm import LLM
+    from epdserve.shared.engine.llm import LLM
 
     llm = LLM(str(model), max_num_seqs=batch)
     runner = llm.engine.runner
@@ -164,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         step = decode_step_ms(model, args.threads, args.batch)
 
     print(f"\nsampler, [{args.batch}, {args.vocab}] float32 logits, median of {args.repeats} calls; "
-          f"old = shared/sampler.py at {baseline_commit}")
+          f"old = shared/engine/sampler.py at {baseline_commit}")
     print(f"| case | threads | old ms | new ms | old/new |{' new / decode step |' if step else ''}")
     print(f"|---|---|---|---|---|{'---|' if step else ''}")
     for r in rows:

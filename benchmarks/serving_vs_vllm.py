@@ -46,7 +46,7 @@ METRICS = (("output_throughput", "out tok/s", True), ("median_ttft_ms", "TTFT p5
 
 
 def default_model() -> str:
-    from epdserve.shared.default_model import prepare_default_model
+    from epdserve.shared.checkpoints.default_model import prepare_default_model
 
     return str(prepare_default_model())
 

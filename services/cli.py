@@ -33,7 +33,7 @@ def _model_command(args: argparse.Namespace) -> int:
 
 
 def prepare_model(which: str, cache_dir: str | None = None, out: str | None = None, seed: int = 0) -> Path:
-    from epdserve.shared.default_model import default_cache_dir, prepare_default_model
+    from epdserve.shared.checkpoints.default_model import default_cache_dir, prepare_default_model
 
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     text_model = prepare_default_model(cache)
@@ -41,12 +41,12 @@ def prepare_model(which: str, cache_dir: str | None = None, out: str | None = No
         return text_model
     folder = Path(out) if out else cache / "models" / which
     if which == "llava-demo":
-        from epdserve.shared.llava_demo import build_llava_demo
+        from epdserve.shared.checkpoints.llava_demo import build_llava_demo
 
         if out is None and (folder / "config.json").is_file():
             return folder  # built before: same seed, same checkpoint
         return build_llava_demo(folder, text_model, seed=seed)
-    from epdserve.shared.tiny_models import build_tiny_model
+    from epdserve.shared.checkpoints.tiny_models import build_tiny_model
 
     return build_tiny_model(which.removeprefix("tiny-"), folder, text_model, seed=seed)
 
@@ -58,7 +58,7 @@ def default_serving_model() -> str:
 
 def model_folder(args: argparse.Namespace) -> str:
     """--model, checked, or the demo model (built on first use)."""
-    from epdserve.shared.model_folder import check_model_folder
+    from epdserve.shared.checkpoints.model_folder import check_model_folder
 
     if args.model is None:
         return default_serving_model()
@@ -234,7 +234,7 @@ def transport_config(args: argparse.Namespace):
 
 
 def engine_config(args: argparse.Namespace, model: str):
-    from epdserve.shared.llm import build_engine_config
+    from epdserve.shared.engine.llm import build_engine_config
 
     return build_engine_config(
         model, dtype=args.dtype, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
@@ -313,7 +313,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     import torch
 
     from epdserve.services.runtime import run_service
-    from epdserve.shared.compute_threads import compute_in_one_thread_by_default
+    from epdserve.shared.engine.compute_threads import compute_in_one_thread_by_default
 
     threads = args.threads or torch.get_num_threads()
     compute_in_one_thread_by_default()  # before any op: only the engine's thread gets `threads`

@@ -16,15 +16,15 @@ import torch
 from epdserve.services.network import client_curve
 from epdserve.services.proxy_channels import ProxyChannels
 from epdserve.services.service_metrics import ServiceMetrics
-from epdserve.shared.async_llm import AsyncLLM
+from epdserve.shared.engine.async_llm import AsyncLLM
 from epdserve.shared.config import EngineConfig, ServiceConfig
-from epdserve.shared.engine import LLMEngine
-from epdserve.shared.outputs import RequestOutput
-from epdserve.shared.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason, GenerateRequest,
+from epdserve.shared.engine.llm_engine import LLMEngine
+from epdserve.shared.engine.outputs import RequestOutput
+from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason, GenerateRequest,
                                       Handshake, Health, KVLayout, Message, MMPlaceholder, PrefillRequest, Role,
                                       Status, TokenDelta)
-from epdserve.shared.request import MultiModalPlaceholder, Request
-from epdserve.shared.wire import logprobs_to_wire, sampling_params_from_wire
+from epdserve.shared.engine.request import MultiModalPlaceholder, Request
+from epdserve.shared.engine.wire import logprobs_to_wire, sampling_params_from_wire
 from epdserve.transport.kv_transfer import KVTransferClient, TransferError, create_client
 from epdserve.transport.queues import ChannelError
 

@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from epdserve.shared.protocol import Error, TokenDelta, TokenDeltas
+from epdserve.transport.protocol import Error, TokenDelta, TokenDeltas
 from epdserve.transport.queues import ChannelError, PushChannel
 
 

@@ -21,7 +21,7 @@ from typing import Callable
 from epdserve.services.management import ManagementServer, build_management_app
 from epdserve.services.network import advertised, server_curve
 from epdserve.shared.config import EngineConfig, ServiceConfig
-from epdserve.shared.protocol import (MAY_SEND, DecodeRequest, EncodeRequest, Error, ErrorCode, GenerateRequest,
+from epdserve.transport.protocol import (MAY_SEND, DecodeRequest, EncodeRequest, Error, ErrorCode, GenerateRequest,
                                       Handshake, Health, Message, PrefillRequest, Role, Status, StatusRequest)
 from epdserve.transport.queues import ReplyServer
 from epdserve.transport.security import WILDCARD_HOSTS

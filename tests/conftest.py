@@ -26,7 +26,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def default_model_path():
     """SmolLM2-135M-Instruct as an HF folder, converted from the packaged GGUF on first use."""
-    from epdserve.shared.default_model import prepare_default_model
+    from epdserve.shared.checkpoints.default_model import prepare_default_model
 
     return prepare_default_model()
 
@@ -34,7 +34,7 @@ def default_model_path():
 @pytest.fixture(scope="session")
 def tiny_model_paths(tmp_path_factory, default_model_path):
     """Random tiny Llama and Qwen2 checkpoints built by the project's own script (fixed seed)."""
-    from epdserve.shared.tiny_models import TINY_CONFIGS, build_tiny_model
+    from epdserve.shared.checkpoints.tiny_models import TINY_CONFIGS, build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: str(build_tiny_model(arch, root / arch, default_model_path)) for arch in TINY_CONFIGS}
@@ -43,7 +43,7 @@ def tiny_model_paths(tmp_path_factory, default_model_path):
 @pytest.fixture(scope="session")
 def llava_demo_path(tmp_path_factory, default_model_path):
     """The demo LLaVA checkpoint (SmolLM2 + a small untrained CLIP tower), built by the project's own builder."""
-    from epdserve.shared.llava_demo import build_llava_demo
+    from epdserve.shared.checkpoints.llava_demo import build_llava_demo
 
     return str(build_llava_demo(tmp_path_factory.mktemp("llava") / "llava-demo", default_model_path))
 

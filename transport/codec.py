@@ -26,8 +26,8 @@ from typing import Any, Union
 import msgpack
 import torch
 
-from epdserve.shared import protocol
-from epdserve.shared.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Message, TensorSpec
+from epdserve.transport import protocol
+from epdserve.transport.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Message, TensorSpec
 
 Buffer = Union[bytes, bytearray, memoryview]
 

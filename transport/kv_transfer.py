@@ -26,7 +26,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from epdserve.shared.protocol import KVLayout
+from epdserve.transport.protocol import KVLayout
 from epdserve.transport.codec import dtype_name
 
 

@@ -33,7 +33,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from epdserve.shared.protocol import (
+from epdserve.transport.protocol import (
     PROTOCOL_VERSION, Error, ErrorCode, Handshake, HandshakeAck, KVLayout, Message, Role,
 )
 from epdserve.transport import codec, security

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from epdserve.shared.protocol import (
+from epdserve.transport.protocol import (
     BlocksSent, EmbeddingsSent, Error, ErrorCode, FetchBlocks, FetchEmbeddings, Handshake, Message,
 )
 from epdserve.transport import codec

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
-from epdserve.shared.protocol import (
+from epdserve.transport.protocol import (
     BlocksData, EmbeddingsData, Error, ErrorCode, FetchBlocks, FetchEmbeddings, Handshake, HandshakeAck,
     KVLayout, MAY_SEND, Message, Role,
 )

@@ -17,10 +17,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
-from epdserve.shared.outputs import RequestOutput
-from epdserve.shared.protocol import DecodeRequest, LeaseRenewed, RenewLease
-from epdserve.shared.request import Request
-from epdserve.shared.scheduler import RemoteKVReservation
+from epdserve.shared.engine.outputs import RequestOutput
+from epdserve.transport.protocol import DecodeRequest, LeaseRenewed, RenewLease
+from epdserve.shared.engine.request import Request
+from epdserve.shared.engine.scheduler import RemoteKVReservation
 from epdserve.transport.kv_transfer import TransferError
 from epdserve.transport.queues import ChannelError, ErrorReply
 

@@ -18,7 +18,7 @@ from epdserve.services.decode.remote_kv_pull import RemoteKVPull
 from epdserve.services.engine_worker import (EngineWorker, bad_request, control_client_kwargs, kv_transfer_client,
                                              start_engine)
 from epdserve.shared.config import EngineConfig, ServiceConfig
-from epdserve.shared.protocol import Ack, DecodeRequest, Error, Handshake, Message, Release, Role
+from epdserve.transport.protocol import Ack, DecodeRequest, Error, Handshake, Message, Release, Role
 from epdserve.transport.queues import ChannelError, RequestClient
 
 logger = logging.getLogger(__name__)

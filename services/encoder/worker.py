@@ -18,12 +18,12 @@ import torch
 
 from epdserve.services.network import advertised, server_curve
 from epdserve.services.service_metrics import ServiceMetrics
-from epdserve.shared.compute_threads import set_this_thread
+from epdserve.shared.engine.compute_threads import set_this_thread
 from epdserve.shared.config import ServiceConfig
-from epdserve.shared.image_processor import ImageProcessor
+from epdserve.shared.processing.image_processor import ImageProcessor
 from epdserve.shared.models.llava_encoder import LlavaEncoder
-from epdserve.shared.multimodal import mm_hash
-from epdserve.shared.protocol import (EncodeDone, EncodedItem, EncodeRequest, Error, ErrorCode, Handshake, Health,
+from epdserve.shared.processing.multimodal import mm_hash
+from epdserve.transport.protocol import (EncodeDone, EncodedItem, EncodeRequest, Error, ErrorCode, Handshake, Health,
                                       Message, Role, Status)
 from epdserve.transport.kv_transfer import KVTransferServer, create_server
 from epdserve.transport.security import WILDCARD_HOSTS

@@ -16,11 +16,11 @@ from typing import Callable
 from epdserve.services.engine_worker import (EngineWorker, bad_request, kv_layout, kv_transfer_client,
                                              start_engine)
 from epdserve.services.network import advertised, server_curve
-from epdserve.shared.async_llm import AsyncLLM
+from epdserve.shared.engine.async_llm import AsyncLLM
 from epdserve.shared.config import EngineConfig, ServiceConfig
-from epdserve.shared.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, Handshake, KVHandle, LeaseRenewed,
+from epdserve.transport.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, Handshake, KVHandle, LeaseRenewed,
                                       Message, PrefillDone, PrefillRequest, Release, RenewLease, Role)
-from epdserve.shared.wire import logprobs_to_wire
+from epdserve.shared.engine.wire import logprobs_to_wire
 from epdserve.transport.kv_transfer import KVTransferClient, KVTransferServer, create_server
 from epdserve.transport.security import WILDCARD_HOSTS
 

@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 from epdserve.services.proxy.generation import GenerationError
 from epdserve.services.proxy.router import Instance, NoInstanceError, Router
-from epdserve.shared.protocol import Error, ErrorCode, Message, Role
+from epdserve.transport.protocol import Error, ErrorCode, Message, Role
 from epdserve.transport.queues import ChannelError, ErrorReply
 
 logger = logging.getLogger(__name__)

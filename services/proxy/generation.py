@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, NamedTuple, Protocol
 
-from epdserve.shared.protocol import TokenLogprobs
-from epdserve.shared.sampling_params import SamplingParams
+from epdserve.transport.protocol import TokenLogprobs
+from epdserve.shared.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,9 +13,9 @@ import httpx
 
 from epdserve.services.proxy.generation import ImageInput
 from epdserve.services.proxy.serving import BadRequest
-from epdserve.shared.image_processor import ImageProcessor
-from epdserve.shared.multimodal import ImagePromptSpec, expand_image_tokens, mm_hash
-from epdserve.shared.tokenizer import Tokenizer
+from epdserve.shared.processing.image_processor import ImageProcessor
+from epdserve.shared.processing.multimodal import ImagePromptSpec, expand_image_tokens, mm_hash
+from epdserve.shared.processing.tokenizer import Tokenizer
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<b64>;base64)?,(?P<data>.*)$", re.S)
 

@@ -26,10 +26,10 @@ from epdserve.services.network import advertised
 from epdserve.services.proxy.failover import Failover, InstanceDown, Liveness, service_error, watched
 from epdserve.services.proxy.generation import Chunk, GenerateInput, GenerationError
 from epdserve.services.proxy.router import Instance, Router, prefix_key
-from epdserve.shared.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error, GenerateRequest,
+from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error, GenerateRequest,
                                       MMItem, MMPlaceholder, PrefillDone, PrefillRequest, Role, TokenDelta,
                                       TokenDeltas)
-from epdserve.shared.wire import sampling_params_to_wire
+from epdserve.shared.engine.wire import sampling_params_to_wire
 from epdserve.transport.queues import ChannelError, PullChannel
 
 logger = logging.getLogger(__name__)

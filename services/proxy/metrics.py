@@ -15,7 +15,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily
 
-from epdserve.shared.sampling_params import SamplingParams
+from epdserve.shared.engine.sampling_params import SamplingParams
 
 disable_created_metrics()  # no `_created` series beside every counter and histogram, as in vLLM
 

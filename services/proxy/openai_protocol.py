@@ -11,7 +11,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from epdserve.shared.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from epdserve.shared.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 
 
 def _first_unencodable(body: Any) -> tuple | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from epdserve.services.network import split_target
-from epdserve.shared.protocol import Health, Role, Status, StatusRequest
+from epdserve.transport.protocol import Health, Role, Status, StatusRequest
 from epdserve.transport.queues import ChannelError, RequestClient
 from epdserve.transport.security import bracketed
 

@@ -16,8 +16,8 @@ from epdserve.services.proxy.router import RolePool, Router
 from epdserve.services.proxy.serving import OpenAIServing
 from epdserve.services.network import client_curve, server_curve
 from epdserve.shared.config import ModelConfig, TransportConfig
-from epdserve.shared.protocol import MAY_SEND, Role
-from epdserve.shared.tokenizer import load_tokenizer
+from epdserve.transport.protocol import MAY_SEND, Role
+from epdserve.shared.processing.tokenizer import load_tokenizer
 from epdserve.transport.queues import PullChannel, RequestClient
 from epdserve.transport.security import WILDCARD_HOSTS
 

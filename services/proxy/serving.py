@@ -14,10 +14,10 @@ from typing import AsyncIterator, Awaitable, Callable
 from epdserve.services.proxy.generation import Backend, Chunk, GenerateInput, GenerationError, ImageInput
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.openai_protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from epdserve.shared.detokenizer import IncrementalDetokenizer
-from epdserve.shared.protocol import TokenLogprobs
-from epdserve.shared.sampling_params import SamplingParams
-from epdserve.shared.tokenizer import Tokenizer
+from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
+from epdserve.transport.protocol import TokenLogprobs
+from epdserve.shared.engine.sampling_params import SamplingParams
+from epdserve.shared.processing.tokenizer import Tokenizer
 
 
 class BadRequest(ValueError):

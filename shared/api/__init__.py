@@ -13,12 +13,12 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LLM": "epdserve.shared.llm",
-    "AsyncLLM": "epdserve.shared.async_llm",
-    "SamplingParams": "epdserve.shared.sampling_params",
-    "RequestOutputKind": "epdserve.shared.sampling_params",
-    "RequestOutput": "epdserve.shared.outputs",
-    "CompletionOutput": "epdserve.shared.outputs",
+    "LLM": "epdserve.shared.engine.llm",
+    "AsyncLLM": "epdserve.shared.engine.async_llm",
+    "SamplingParams": "epdserve.shared.engine.sampling_params",
+    "RequestOutputKind": "epdserve.shared.engine.sampling_params",
+    "RequestOutput": "epdserve.shared.engine.outputs",
+    "CompletionOutput": "epdserve.shared.engine.outputs",
 }
 __all__ = list(_EXPORTS)
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epdserve.shared.layers.linear import Linear
+from epdserve.shared.models.layers.linear import Linear
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdserve.shared.config import ModelConfig
-from epdserve.shared.layers.attention import Attention, AttentionMetadata
-from epdserve.shared.layers.linear import Linear
-from epdserve.shared.layers.rms_norm import RMSNorm
-from epdserve.shared.layers.rotary_embedding import RotaryEmbedding
+from epdserve.shared.models.layers.attention import Attention, AttentionMetadata
+from epdserve.shared.models.layers.linear import Linear
+from epdserve.shared.models.layers.rms_norm import RMSNorm
+from epdserve.shared.models.layers.rotary_embedding import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):

@@ -4,7 +4,7 @@ Reads an HF `LlavaForConditionalGeneration` folder. An image's embeddings are th
 at `vision_feature_layer` (several layers are concatenated along the hidden axis), without the class
 token under the "default" select strategy or with it under "full", mapped into the language model's
 embedding space by linear -> activation -> linear. The language model itself is the engine's business
-(`epdserve.shared.weights.language_model_weights` leaves these tensors out for it).
+(`epdserve.shared.models.weights.language_model_weights` leaves these tensors out for it).
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from epdserve.shared.config import parse_dtype
-from epdserve.shared.layers.linear import Linear
+from epdserve.shared.models.layers.linear import Linear
 from epdserve.shared.models.clip import CLIPVisionConfig, CLIPVisionTransformer, get_activation
-from epdserve.shared.weights import iterate_weights
+from epdserve.shared.models.weights import iterate_weights
 
 SELECT_STRATEGIES = ("default", "full")
 # Where the tower and the projector live in checkpoints of older and newer transformers versions.

@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from epdserve.shared import protocol as p
-from epdserve.shared.sampling_params import SamplingParams
-from epdserve.shared.wire import sampling_params_to_wire
+from epdserve.transport import protocol as p
+from epdserve.shared.engine.sampling_params import SamplingParams
+from epdserve.shared.engine.wire import sampling_params_to_wire
 from epdserve.transport.queues import ErrorReply, RequestClient
 
 NUM_BLOCKS = 96

@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from epdserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
-from epdserve.shared.engine import LLMEngine
-from epdserve.shared.llm import build_engine_config
+from epdserve.shared.engine.llm_engine import LLMEngine
+from epdserve.shared.engine.llm import build_engine_config
 
 PROMPTS = [list(range(200, 200 + n)) for n in (1, 15, 16, 17, 40, 70)]
 MAX_TOKENS = 12

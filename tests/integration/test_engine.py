@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epdserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
-from epdserve.shared.request import RequestStatus
+from epdserve.shared.engine.request import RequestStatus
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

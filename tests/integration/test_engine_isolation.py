@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from epdserve import LLM, AsyncLLM, SamplingParams
-from epdserve.shared.async_llm import EngineDeadError, RequestFailedError
-from epdserve.shared.request import Request
+from epdserve.shared.engine.async_llm import EngineDeadError, RequestFailedError
+from epdserve.shared.engine.request import Request
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, max_tokens=8)
 PROMPTS = ["The lighthouse keeper", "Once upon a time", "In a hole in the ground", "It was a cold day"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 import zmq.auth
 
-from epdserve.shared import protocol as p
+from epdserve.transport import protocol as p
 from epdserve.transport import kv_transfer
 from epdserve.transport.kv_transfer import (
     BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, IncompatiblePeerError, TransferError,

@@ -17,12 +17,12 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from epdserve import LLM, SamplingParams
-from epdserve.shared.image_processor import ImageProcessor
-from epdserve.shared.llava_demo import IMAGE_TOKEN
+from epdserve.shared.processing.image_processor import ImageProcessor
+from epdserve.shared.checkpoints.llava_demo import IMAGE_TOKEN
 from epdserve.shared.models.llava_encoder import LlavaEncoder
-from epdserve.shared.multimodal import ImagePromptSpec, expand_image_tokens, mm_hash
-from epdserve.shared.sampling_params import RequestOutputKind
-from epdserve.shared.weights import iterate_weights, language_model_weights
+from epdserve.shared.processing.multimodal import ImagePromptSpec, expand_image_tokens, mm_hash
+from epdserve.shared.engine.sampling_params import RequestOutputKind
+from epdserve.shared.models.weights import iterate_weights, language_model_weights
 
 MAX_NEW_TOKENS = 16
 BLOCK_SIZE = 16
@@ -149,7 +149,7 @@ def pipeline(llava_demo_path):
 
 @pytest.fixture(scope="module")
 def prepared(pipeline, llava_demo_path):
-    from epdserve.shared.tokenizer import load_tokenizer
+    from epdserve.shared.processing.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(llava_demo_path)
     return {name: pipeline.prepare(tokenizer, messages, [IMAGES[i] for i in images])
@@ -210,7 +210,7 @@ def test_chat_template_renders_text_like_smollm2(llava_demo_path, default_model_
 def test_text_only_output_is_smollm2s(llava_demo_path, default_model_path, near_tie_check):
     from transformers import AutoModelForCausalLM
 
-    from epdserve.shared.tokenizer import load_tokenizer
+    from epdserve.shared.processing.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path)
     prompts = [tokenizer.encode_chat([{"role": "user", "content": q}])
@@ -367,7 +367,7 @@ def test_encoder_refuses_bad_input_and_incomplete_checkpoints(tmp_path, pipeline
 
 def test_cli_builds_the_demo_into_the_cache(monkeypatch, tmp_path, capsys):
     from epdserve.services import cli
-    from epdserve.shared import default_model, llava_demo
+    from epdserve.shared.checkpoints import default_model, llava_demo
 
     calls = []
     monkeypatch.setattr(default_model, "prepare_default_model", lambda cache_dir=None: tmp_path / "smollm2")

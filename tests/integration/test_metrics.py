@@ -14,9 +14,9 @@ from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.serving import OpenAIServing
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.shared.config import ModelConfig
-from epdserve.shared.llm import LLM
-from epdserve.shared.sampling_params import SamplingParams
-from epdserve.shared.tokenizer import load_tokenizer
+from epdserve.shared.engine.llm import LLM
+from epdserve.shared.engine.sampling_params import SamplingParams
+from epdserve.shared.processing.tokenizer import load_tokenizer
 
 
 def samples(text: bytes) -> list:

@@ -4,7 +4,7 @@ import asyncio
 import pytest
 
 from epdserve.services.proxy_channels import ProxyChannels
-from epdserve.shared import protocol as p
+from epdserve.transport import protocol as p
 from epdserve.transport.queues import PullChannel
 
 

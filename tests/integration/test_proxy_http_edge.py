@@ -14,7 +14,7 @@ from epdserve.services.proxy.generation import Chunk
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.serving import OpenAIServing
 from epdserve.shared.config import ModelConfig
-from epdserve.shared.tokenizer import load_tokenizer
+from epdserve.shared.processing.tokenizer import load_tokenizer
 
 AUTH = {"Authorization": "Bearer secret"}
 

@@ -16,7 +16,7 @@ from epdserve.services.proxy.app import build_app
 from epdserve.services.proxy.generation import Chunk
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.serving import OpenAIServing
-from epdserve.shared.wire import logprobs_to_wire
+from epdserve.shared.engine.wire import logprobs_to_wire
 
 MODEL = "tiny"
 
@@ -46,8 +46,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_paths):
-    from epdserve.shared.engine import LLMEngine
-    from epdserve.shared.llm import build_engine_config
+    from epdserve.shared.engine.llm_engine import LLMEngine
+    from epdserve.shared.engine.llm import build_engine_config
 
     path = tiny_model_paths["llama"]
     engine = LLMEngine(build_engine_config(path, num_kv_blocks=256, max_model_len=512), detokenize=False)

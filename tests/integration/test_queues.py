@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epdserve.services.launcher import free_port
-from epdserve.shared import protocol as p
+from epdserve.transport import protocol as p
 from epdserve.transport import codec
 from epdserve.transport.codec import Limits
 from epdserve.transport.queues import (
@@ -172,7 +172,7 @@ def test_unreachable_peer_times_out_instead_of_hanging():
 
 SLOW_SERVER = """
 import asyncio
-from epdserve.shared import protocol as p
+from epdserve.transport import protocol as p
 from epdserve.transport.queues import ReplyServer
 
 async def handle(message, peer):

@@ -8,11 +8,11 @@ import httpx
 import pytest
 
 from epdserve.services.runtime import Service
-from epdserve.shared import protocol as p
+from epdserve.transport import protocol as p
 from epdserve.shared.config import ServiceConfig, TransportConfig
-from epdserve.shared.llm import build_engine_config
-from epdserve.shared.sampling_params import SamplingParams
-from epdserve.shared.wire import sampling_params_to_wire
+from epdserve.shared.engine.llm import build_engine_config
+from epdserve.shared.engine.sampling_params import SamplingParams
+from epdserve.shared.engine.wire import sampling_params_to_wire
 from epdserve.transport.queues import ErrorReply, PullChannel, RequestClient
 
 

@@ -1,9 +1,9 @@
 """Block manager: exact block ids, reference counts and eviction order in scripted scenarios."""
 import pytest
 
-from epdserve.shared.block_manager import BlockManager, hash_block
-from epdserve.shared.request import MultiModalPlaceholder, Request
-from epdserve.shared.sampling_params import SamplingParams
+from epdserve.shared.engine.block_manager import BlockManager, hash_block
+from epdserve.shared.engine.request import MultiModalPlaceholder, Request
+from epdserve.shared.engine.sampling_params import SamplingParams
 
 BS = 4
 

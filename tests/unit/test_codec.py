@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epdserve.shared import protocol as p
+from epdserve.transport import protocol as p
 from epdserve.transport import codec
 from epdserve.transport.codec import DecodeError, EncodeError, Limits, VersionMismatchError
 

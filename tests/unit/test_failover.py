@@ -8,7 +8,7 @@ import pytest
 from epdserve.services.proxy.failover import Failover, InstanceDown, Liveness, watched
 from epdserve.services.proxy.generation import GenerationError
 from epdserve.services.proxy.router import Instance, RolePool, Router
-from epdserve.shared.protocol import Ack, Error, ErrorCode, GenerateRequest, Role, WireSamplingParams
+from epdserve.transport.protocol import Ack, Error, ErrorCode, GenerateRequest, Role, WireSamplingParams
 from epdserve.transport.queues import ChannelError, ErrorReply
 
 

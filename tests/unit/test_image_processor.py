@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from epdserve.shared.image_processor import ImageProcessor, ImageProcessorConfig
+from epdserve.shared.processing.image_processor import ImageProcessor, ImageProcessorConfig
 
 try:  # transformers >= 5 names the PIL-backed processor apart from the torchvision one
     from transformers import CLIPImageProcessorPil as HFProcessor

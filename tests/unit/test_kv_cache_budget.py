@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from epdserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from epdserve.shared.kv_cache_budget import GiB, MemoryLimit, available_memory, size_kv_cache
+from epdserve.shared.engine.kv_cache_budget import GiB, MemoryLimit, available_memory, size_kv_cache
 
 MiB = 1 << 20
 
@@ -34,7 +34,7 @@ def test_weights_of_a_llama_shaped_model_match_its_checkpoint():
 def test_smollm2_weights_are_counted_from_its_config(default_model_path):
     from safetensors import safe_open
 
-    from epdserve.shared.weights import safetensors_files
+    from epdserve.shared.models.weights import safetensors_files
 
     numel = 0
     for path in safetensors_files(default_model_path):
@@ -140,9 +140,9 @@ def test_this_machine_reports_some_memory():
 
 
 def test_the_engine_logs_what_it_chose_and_why(tiny_model_paths, caplog):
-    from epdserve.shared.llm import LLM
+    from epdserve.shared.engine.llm import LLM
 
-    with caplog.at_level(logging.INFO, logger="epdserve.shared.engine"):
+    with caplog.at_level(logging.INFO, logger="epdserve.shared.engine.llm_engine"):
         llm = LLM(model=tiny_model_paths["llama"], max_model_len=256, max_num_seqs=4)
     num_blocks = llm.engine.block_manager.num_blocks
     assert num_blocks == 4 * 256 // 16  # the tiny model's pool is capped by what 4 sequences need

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from epdserve.shared.image_processor import ImageProcessor, ImageProcessorConfig
+from epdserve.shared.processing.image_processor import ImageProcessor, ImageProcessorConfig
 from epdserve.shared.models.llava_encoder import LlavaEncoderConfig
-from epdserve.shared.multimodal import ImagePromptSpec, expand_image_tokens, mm_hash
-from epdserve.shared.request import MultiModalPlaceholder
+from epdserve.shared.processing.multimodal import ImagePromptSpec, expand_image_tokens, mm_hash
+from epdserve.shared.engine.request import MultiModalPlaceholder
 
 IMAGE = 99  # the image token id in these tests
 

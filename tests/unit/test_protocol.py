@@ -7,8 +7,8 @@ import msgpack
 import pytest
 import torch
 
-from epdserve.shared import protocol
-from epdserve.shared.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Message
+from epdserve.transport import protocol
+from epdserve.transport.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Message
 from epdserve.transport import codec
 from epdserve.transport.codec import DecodeError
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from epdserve.services.decode.remote_kv_pull import PullState, RemoteKVPull
-from epdserve.shared.protocol import DecodeRequest, KVHandle, WireSamplingParams
-from epdserve.shared.scheduler import RemoteKVReservation
+from epdserve.transport.protocol import DecodeRequest, KVHandle, WireSamplingParams
+from epdserve.shared.engine.scheduler import RemoteKVReservation
 from epdserve.transport.kv_transfer import TransferError
 
 

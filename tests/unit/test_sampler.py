@@ -3,9 +3,9 @@ reproduce whatever the batch, penalties and min_tokens apply, and odd parameters
 import pytest
 import torch
 
-from epdserve.shared.request import Request
-from epdserve.shared.sampler import Sampler, _inverse_cdf, _kth_largest, draw_seeded_noise
-from epdserve.shared.sampling_params import SamplingParams
+from epdserve.shared.engine.request import Request
+from epdserve.shared.engine.sampler import Sampler, _inverse_cdf, _kth_largest, draw_seeded_noise
+from epdserve.shared.engine.sampling_params import SamplingParams
 
 VOCAB = 50
 

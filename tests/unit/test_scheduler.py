@@ -8,11 +8,11 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epdserve.shared.block_manager import BlockManager
+from epdserve.shared.engine.block_manager import BlockManager
 from epdserve.shared.config import SchedulerConfig
-from epdserve.shared.request import Request, RequestStatus
-from epdserve.shared.sampling_params import SamplingParams
-from epdserve.shared.scheduler import Scheduler
+from epdserve.shared.engine.request import Request, RequestStatus
+from epdserve.shared.engine.sampling_params import SamplingParams
+from epdserve.shared.engine.scheduler import Scheduler
 
 BS = 4
 

@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-from epdserve.shared import protocol as p
-from epdserve.shared.outputs import CompletionOutput, Logprob, RequestOutput
-from epdserve.shared.sampling_params import RequestOutputKind, SamplingParams
-from epdserve.shared.wire import (ENGINE_ONLY_SAMPLING_FIELDS, WIRE_SAMPLING_FIELDS, logprobs_to_wire,
+from epdserve.transport import protocol as p
+from epdserve.shared.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams
+from epdserve.shared.engine.wire import (ENGINE_ONLY_SAMPLING_FIELDS, WIRE_SAMPLING_FIELDS, logprobs_to_wire,
                                   sampling_params_from_wire, sampling_params_to_wire)
 from epdserve.transport import codec
 
@@ -64,7 +64,7 @@ def test_logprobs_keep_the_top_n_by_rank_and_the_sampled_token():
 
 
 def test_the_openai_layer_and_the_wire_types_load_without_torch():
-    modules = ["epdserve.shared.protocol", "epdserve.shared.wire", "epdserve.services.proxy.generation",
+    modules = ["epdserve.transport.protocol", "epdserve.shared.engine.wire", "epdserve.services.proxy.generation",
                "epdserve.services.proxy.serving", "epdserve.services.proxy.app"]
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

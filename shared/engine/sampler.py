@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from epdserve.shared.request import Request
+from epdserve.shared.engine.request import Request
 
 # Inverse-CDF sampling first picks a block of up to this many tokens, then a token inside it; the
 # cumulative sums over blocks and within one block are short, so they are done in float64.
@@ -34,7 +34,7 @@ _BLOCK = 256
 
 class SampledLogprobs(NamedTuple):
     """The engine's logprobs of one sampled token (what travels is `protocol.TokenLogprobs`, made from
-    the engine's outputs by `epdserve.shared.wire`)."""
+    the engine's outputs by `epdserve.shared.engine.wire`)."""
 
     logprob: float  # of the sampled token
     rank: int  # 1 = the most likely token

@@ -13,7 +13,7 @@ from array import array
 from collections import OrderedDict
 from typing import Sequence
 
-from epdserve.shared.request import Request
+from epdserve.shared.engine.request import Request
 
 
 class KVBlock:

@@ -1,4 +1,4 @@
-"""Every conversion between the engine's types and the wire's (`epdserve.shared.protocol`).
+"""Every conversion between the engine's types and the wire's (`epdserve.transport.protocol`).
 
 - SamplingParams <-> WireSamplingParams: the same fields by name, less those only the engine sets.
   The names are read from the wire struct, never listed here; tests/unit/test_wire.py holds the two
@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from epdserve.shared.outputs import RequestOutput
-from epdserve.shared.protocol import TokenLogprobs, WireSamplingParams
-from epdserve.shared.sampling_params import RequestOutputKind, SamplingParams
+from epdserve.shared.engine.outputs import RequestOutput
+from epdserve.transport.protocol import TokenLogprobs, WireSamplingParams
+from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams
 
 # SamplingParams fields that never travel: how the caller takes its outputs, and the model's EOS ids,
 # which the receiving engine fills in itself.

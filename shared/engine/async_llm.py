@@ -14,13 +14,13 @@ import queue
 import threading
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
-from epdserve.shared.compute_threads import set_this_thread
-from epdserve.shared.engine import LLMEngine, PromptType
-from epdserve.shared.llm import build_engine_config
-from epdserve.shared.outputs import RequestOutput
-from epdserve.shared.request import Request
-from epdserve.shared.sampling_params import SamplingParams
-from epdserve.shared.scheduler import RemoteKVReservation
+from epdserve.shared.engine.compute_threads import set_this_thread
+from epdserve.shared.engine.llm_engine import LLMEngine, PromptType
+from epdserve.shared.engine.llm import build_engine_config
+from epdserve.shared.engine.outputs import RequestOutput
+from epdserve.shared.engine.request import Request
+from epdserve.shared.engine.sampling_params import SamplingParams
+from epdserve.shared.engine.scheduler import RemoteKVReservation
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -18,8 +18,8 @@ PREPARE_HINT = "`epdserve model llava-demo` or `epdserve model smollm2` prepares
 def check_model_folder(path: str | Path) -> Path:
     """The folder, if it has everything a stack needs; else FileNotFoundError or ValueError in one line."""
     from epdserve.shared.config import ModelConfig
-    from epdserve.shared.image_processor import ImageProcessorConfig
-    from epdserve.shared.weights import safetensors_files
+    from epdserve.shared.processing.image_processor import ImageProcessorConfig
+    from epdserve.shared.models.weights import safetensors_files
 
     text = str(path)
     folder = Path(path).expanduser()

@@ -11,9 +11,9 @@ import time
 from collections import deque
 from typing import Callable, Iterable, NamedTuple
 
-from epdserve.shared.block_manager import BlockManager
+from epdserve.shared.engine.block_manager import BlockManager
 from epdserve.shared.config import SchedulerConfig
-from epdserve.shared.request import Request, RequestStatus
+from epdserve.shared.engine.request import Request, RequestStatus
 
 
 class ScheduledRequest(NamedTuple):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epdserve.shared.sampling_params import SamplingParams
+from epdserve.shared.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

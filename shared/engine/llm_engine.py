@@ -5,18 +5,18 @@ import logging
 from dataclasses import replace
 from typing import Callable, NamedTuple
 
-from epdserve.shared.block_manager import BlockManager
+from epdserve.shared.engine.block_manager import BlockManager
 from epdserve.shared.config import EngineConfig
-from epdserve.shared.kv_cache_budget import size_kv_cache
-from epdserve.shared.model_runner import ModelRunner
-from epdserve.shared.output_processor import OutputProcessor
-from epdserve.shared.outputs import RequestOutput
-from epdserve.shared.request import MultiModalPlaceholder, Request, RequestStatus
-from epdserve.shared.sampler import draw_seeded_noise
-from epdserve.shared.sampling_params import SamplingParams
-from epdserve.shared.scheduler import RemoteKVReservation, Scheduler
-from epdserve.shared.step_timer import StepTimer
-from epdserve.shared.tokenizer import Tokenizer, load_tokenizer
+from epdserve.shared.engine.kv_cache_budget import size_kv_cache
+from epdserve.shared.engine.model_runner import ModelRunner
+from epdserve.shared.engine.output_processor import OutputProcessor
+from epdserve.shared.engine.outputs import RequestOutput
+from epdserve.shared.engine.request import MultiModalPlaceholder, Request, RequestStatus
+from epdserve.shared.engine.sampler import draw_seeded_noise
+from epdserve.shared.engine.sampling_params import SamplingParams
+from epdserve.shared.engine.scheduler import RemoteKVReservation, Scheduler
+from epdserve.shared.engine.step_timer import StepTimer
+from epdserve.shared.processing.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from epdserve.shared.image_processor import ImageProcessorConfig
-from epdserve.shared.request import MultiModalPlaceholder
+from epdserve.shared.processing.image_processor import ImageProcessorConfig
+from epdserve.shared.engine.request import MultiModalPlaceholder
 
 _HASH_DOMAIN = b"epdserve-image-v1"
 

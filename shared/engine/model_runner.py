@@ -16,12 +16,12 @@ import torch
 
 from epdserve.kernels.backend import select_attention_backend
 from epdserve.shared.config import EngineConfig
-from epdserve.shared.layers.attention import AttentionMetadata
+from epdserve.shared.models.layers.attention import AttentionMetadata
 from epdserve.shared.models import MODEL_CLASSES
-from epdserve.shared.sampler import SampledLogprobs, Sampler
-from epdserve.shared.scheduler import ScheduledRequest
-from epdserve.shared.step_timer import StepTimer
-from epdserve.shared.weights import iterate_weights, language_model_weights
+from epdserve.shared.engine.sampler import SampledLogprobs, Sampler
+from epdserve.shared.engine.scheduler import ScheduledRequest
+from epdserve.shared.engine.step_timer import StepTimer
+from epdserve.shared.models.weights import iterate_weights, language_model_weights
 
 logger = logging.getLogger(__name__)
 

@@ -5,11 +5,11 @@ import time
 
 from tokenizers import Tokenizer
 
-from epdserve.shared.detokenizer import IncrementalDetokenizer
-from epdserve.shared.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from epdserve.shared.request import Request
-from epdserve.shared.sampler import SampledLogprobs
-from epdserve.shared.sampling_params import RequestOutputKind
+from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
+from epdserve.shared.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from epdserve.shared.engine.request import Request
+from epdserve.shared.engine.sampler import SampledLogprobs
+from epdserve.shared.engine.sampling_params import RequestOutputKind
 
 
 class _RequestState:

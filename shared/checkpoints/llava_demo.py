@@ -51,7 +51,7 @@ CHAT_TEMPLATE = (
 def build_llava_demo(out: Path, text_model_dir: Path, seed: int = 0) -> Path:
     """Write the demo LLaVA checkpoint (float32, with processor and tokenizer) to `out`; return `out`.
 
-    `text_model_dir` is the SmolLM2 folder of `epdserve.shared.default_model.prepare_default_model()`.
+    `text_model_dir` is the SmolLM2 folder of `epdserve.shared.checkpoints.default_model.prepare_default_model()`.
     The same seed gives the same checkpoint. `out` is replaced as a whole, never left half-written.
     """
     out = Path(out)
@@ -71,7 +71,7 @@ def _build(out: Path, text_model_dir: Path, seed: int) -> None:
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    from epdserve.shared.weights import iterate_weights
+    from epdserve.shared.models.weights import iterate_weights
 
     tokenizer = AutoTokenizer.from_pretrained(text_model_dir)
     text_vocab = len(tokenizer)

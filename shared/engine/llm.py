@@ -6,9 +6,9 @@ from dataclasses import replace
 from typing import Sequence
 
 from epdserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from epdserve.shared.engine import LLMEngine, PromptType
-from epdserve.shared.outputs import RequestOutput
-from epdserve.shared.sampling_params import RequestOutputKind, SamplingParams
+from epdserve.shared.engine.llm_engine import LLMEngine, PromptType
+from epdserve.shared.engine.outputs import RequestOutput
+from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 def build_engine_config(
