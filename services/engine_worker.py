@@ -26,7 +26,7 @@ from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, Error, Error
 from epdserve.shared.engine.request import MultiModalPlaceholder, Request
 from epdserve.shared.engine.wire import logprobs_to_wire, sampling_params_from_wire
 from epdserve.transport.kv_transfer import KVTransferClient, TransferError, create_client
-from epdserve.transport.queues import ChannelError
+from epdserve.transport.channel import ChannelError
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ from collections import OrderedDict
 from typing import Callable
 
 from epdserve.transport.protocol import Error, TokenDelta, TokenDeltas
-from epdserve.transport.queues import ChannelError, PushChannel
+from epdserve.transport.channel import ChannelError
+from epdserve.transport.request_client import PushChannel
 
 
 class ProxyChannels:

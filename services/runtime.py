@@ -23,7 +23,7 @@ from epdserve.services.network import advertised, server_curve
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.transport.protocol import (MAY_SEND, DecodeRequest, EncodeRequest, Error, ErrorCode, GenerateRequest,
                                       Handshake, Health, Message, PrefillRequest, Role, Status, StatusRequest)
-from epdserve.transport.queues import ReplyServer
+from epdserve.transport.reply_server import ReplyServer
 from epdserve.transport.security import WILDCARD_HOSTS
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,8 @@ from epdserve.transport.protocol import (
 )
 from epdserve.transport import codec
 from epdserve.transport.kv_transfer import TransferError, TransferTimeout, scatter_blocks
-from epdserve.transport.queues import ErrorReply, RequestClient
+from epdserve.transport.channel import ErrorReply
+from epdserve.transport.request_client import RequestClient
 from epdserve.transport.zmq_kv import ZmqKVClient, ZmqKVServer
 
 logger = logging.getLogger(__name__)

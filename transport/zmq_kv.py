@@ -30,9 +30,9 @@ from epdserve.transport.kv_transfer import (
     IncompatiblePeerError, KVTransferClient, KVTransferServer, TransferError, TransferTimeout,
     gather_blocks, layout_mismatch, scatter_blocks,
 )
-from epdserve.transport.queues import (
-    ChannelError, ChannelTimeout, ErrorReply, HandshakeError, ReplyServer, RequestClient,
-)
+from epdserve.transport.channel import ChannelError, ChannelTimeout, ErrorReply, HandshakeError
+from epdserve.transport.reply_server import ReplyServer
+from epdserve.transport.request_client import RequestClient
 from epdserve.transport.security import CurveConfig
 
 _ERROR_CODES = {

@@ -22,7 +22,7 @@ from epdserve.transport.protocol import DecodeRequest, LeaseRenewed, RenewLease
 from epdserve.shared.engine.request import Request
 from epdserve.shared.engine.scheduler import RemoteKVReservation
 from epdserve.transport.kv_transfer import TransferError
-from epdserve.transport.queues import ChannelError, ErrorReply
+from epdserve.transport.channel import ChannelError, ErrorReply
 
 if TYPE_CHECKING:
     from epdserve.services.decode.worker import DecodeWorker

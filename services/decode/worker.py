@@ -19,7 +19,8 @@ from epdserve.services.engine_worker import (EngineWorker, bad_request, control_
                                              start_engine)
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.transport.protocol import Ack, DecodeRequest, Error, Handshake, Message, Release, Role
-from epdserve.transport.queues import ChannelError, RequestClient
+from epdserve.transport.channel import ChannelError
+from epdserve.transport.request_client import RequestClient
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable, Iterator, TypeVar
 from epdserve.services.proxy.generation import GenerationError
 from epdserve.services.proxy.router import Instance, NoInstanceError, Router
 from epdserve.transport.protocol import Error, ErrorCode, Message, Role
-from epdserve.transport.queues import ChannelError, ErrorReply
+from epdserve.transport.channel import ChannelError, ErrorReply
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

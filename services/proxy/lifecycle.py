@@ -30,7 +30,8 @@ from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, EncodeDone, 
                                       MMItem, MMPlaceholder, PrefillDone, PrefillRequest, Role, TokenDelta,
                                       TokenDeltas)
 from epdserve.shared.engine.wire import sampling_params_to_wire
-from epdserve.transport.queues import ChannelError, PullChannel
+from epdserve.transport.channel import ChannelError
+from epdserve.transport.reply_server import PullChannel
 
 logger = logging.getLogger(__name__)
 

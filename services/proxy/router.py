@@ -23,7 +23,8 @@ from typing import Callable, Sequence
 
 from epdserve.services.network import split_target
 from epdserve.transport.protocol import Health, Role, Status, StatusRequest
-from epdserve.transport.queues import ChannelError, RequestClient
+from epdserve.transport.channel import ChannelError
+from epdserve.transport.request_client import RequestClient
 from epdserve.transport.security import bracketed
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ from epdserve.services.network import client_curve, server_curve
 from epdserve.shared.config import ModelConfig, TransportConfig
 from epdserve.transport.protocol import MAY_SEND, Role
 from epdserve.shared.processing.tokenizer import load_tokenizer
-from epdserve.transport.queues import PullChannel, RequestClient
+from epdserve.transport.reply_server import PullChannel
+from epdserve.transport.request_client import RequestClient
 from epdserve.transport.security import WILDCARD_HOSTS
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,8 @@ import pytest
 from epdserve.transport import protocol as p
 from epdserve.shared.engine.sampling_params import SamplingParams
 from epdserve.shared.engine.wire import sampling_params_to_wire
-from epdserve.transport.queues import ErrorReply, RequestClient
+from epdserve.transport.channel import ErrorReply
+from epdserve.transport.request_client import RequestClient
 
 NUM_BLOCKS = 96
 LEASE = 3.0
@@ -179,7 +180,7 @@ def test_a_role_spoof_is_refused(pd):
 
 def test_the_proxy_inbox_takes_tokens_from_engines_only(pd):
     """Anyone can dial the inbox; only an engine's role may push tokens into it (counted otherwise)."""
-    from epdserve.transport.queues import PushChannel
+    from epdserve.transport.request_client import PushChannel
 
     before = proxy_metric(pd, "epdserve:inbox_rejected_frames_total")
 

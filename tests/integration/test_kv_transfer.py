@@ -13,7 +13,8 @@ from epdserve.transport.kv_transfer import (
     BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, IncompatiblePeerError, TransferError,
     TransferTimeout,
 )
-from epdserve.transport.queues import ErrorReply, RequestClient
+from epdserve.transport.channel import ErrorReply
+from epdserve.transport.request_client import RequestClient
 from epdserve.transport.security import CurveConfig
 from epdserve.transport.zmq_kv import ZmqKVClient, ZmqKVServer
 

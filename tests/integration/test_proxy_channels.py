@@ -5,7 +5,7 @@ import pytest
 
 from epdserve.services.proxy_channels import ProxyChannels
 from epdserve.transport import protocol as p
-from epdserve.transport.queues import PullChannel
+from epdserve.transport.reply_server import PullChannel
 
 
 def channels(**kwargs) -> ProxyChannels:

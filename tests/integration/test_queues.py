@@ -18,10 +18,9 @@ from epdserve.services.launcher import free_port
 from epdserve.transport import protocol as p
 from epdserve.transport import codec
 from epdserve.transport.codec import Limits
-from epdserve.transport.queues import (
-    NO_REPLY, ChannelError, ChannelTimeout, ErrorReply, HandshakeError, PullChannel, PushChannel, ReplyServer,
-    RequestClient,
-)
+from epdserve.transport.channel import ChannelError, ChannelTimeout, ErrorReply, HandshakeError, NO_REPLY
+from epdserve.transport.reply_server import PullChannel, ReplyServer
+from epdserve.transport.request_client import PushChannel, RequestClient
 from epdserve.transport.security import CurveConfig, SecurityError
 
 
@@ -173,7 +172,7 @@ def test_unreachable_peer_times_out_instead_of_hanging():
 SLOW_SERVER = """
 import asyncio
 from epdserve.transport import protocol as p
-from epdserve.transport.queues import ReplyServer
+from epdserve.transport.reply_server import ReplyServer
 
 async def handle(message, peer):
     if isinstance(message, p.StatusRequest):

@@ -13,7 +13,9 @@ from epdserve.shared.config import ServiceConfig, TransportConfig
 from epdserve.shared.engine.llm import build_engine_config
 from epdserve.shared.engine.sampling_params import SamplingParams
 from epdserve.shared.engine.wire import sampling_params_to_wire
-from epdserve.transport.queues import ErrorReply, PullChannel, RequestClient
+from epdserve.transport.channel import ErrorReply
+from epdserve.transport.reply_server import PullChannel
+from epdserve.transport.request_client import RequestClient
 
 
 def free_port() -> int:

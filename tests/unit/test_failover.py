@@ -9,7 +9,7 @@ from epdserve.services.proxy.failover import Failover, InstanceDown, Liveness, w
 from epdserve.services.proxy.generation import GenerationError
 from epdserve.services.proxy.router import Instance, RolePool, Router
 from epdserve.transport.protocol import Ack, Error, ErrorCode, GenerateRequest, Role, WireSamplingParams
-from epdserve.transport.queues import ChannelError, ErrorReply
+from epdserve.transport.channel import ChannelError, ErrorReply
 
 
 class FakeClient:
