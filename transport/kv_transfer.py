@@ -134,7 +134,8 @@ def _blocks_view(tensor: torch.Tensor) -> np.ndarray:
 
 
 def gather_blocks(kv_cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Blocks `index` of the cache as one contiguous CPU tensor [layers, 2, n, block_size, kv_heads, head_size].
+    """Blocks `index` of the cache as one contiguous CPU tensor [layers, 2, n, *block], each block in the
+    cache's own order (the engines' caches are head-major: [kv_heads, block_size, head_size]).
 
     `index` must be bounds-checked (block_index). On CPU the copy is numpy's: single-threaded and
     free of OpenMP, whose worker threads otherwise spin after each torch op and starve the socket
