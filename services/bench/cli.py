@@ -17,6 +17,7 @@ import sys
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
+from typing import NamedTuple
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -35,14 +36,18 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def add_bench_parser(subparsers) -> None:
     """Adds `bench serve` to the `epdserve` command's subparsers."""
-    from epdserve.services.bench.datasets import DATASETS
-
     bench = subparsers.add_parser("bench", help="benchmark a running OpenAI-compatible server")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     p = kinds.add_parser("serve", help="send a synthetic workload, report TTFT/TPOT/ITL/E2EL, throughput, goodput",
                          formatter_class=_HelpFormatter)
+    _add_target_options(p.add_argument_group("target"))
+    _add_dataset_options(p.add_argument_group("dataset"))
+    _add_load_options(p.add_argument_group("load"))
+    _add_result_options(p.add_argument_group("results"))
+    p.set_defaults(func=_serve_command)
 
-    target = p.add_argument_group("target")
+
+def _add_target_options(target) -> None:
     target.add_argument("--base-url", help="server root, e.g. http://127.0.0.1:8000 (default: --host/--port)")
     target.add_argument("--host", default="127.0.0.1", help="server host, without --base-url")
     target.add_argument("--port", type=int, default=8000, help="server port, without --base-url")
@@ -57,7 +62,10 @@ def add_bench_parser(subparsers) -> None:
     target.add_argument("--ready-check-timeout-sec", type=float, default=0.0,
                         help="wait this long for GET /v1/models to answer before starting (0: no wait)")
 
-    data = p.add_argument_group("dataset")
+
+def _add_dataset_options(data) -> None:
+    from epdserve.services.bench.datasets import DATASETS
+
     data.add_argument("--dataset-name", default="random", choices=DATASETS,
                       help="random: exact-length random prompts; lognormal: random prompts with log-normal "
                            "lengths; sharegpt: real conversations from --dataset-path; multi-turn: conversations "
@@ -82,7 +90,8 @@ def add_bench_parser(subparsers) -> None:
     data.add_argument("--seed", type=int, default=0,
                       help="seed of prompts, lengths and arrivals; the n-th request rate runs with seed + n")
 
-    load = p.add_argument_group("load")
+
+def _add_load_options(load) -> None:
     load.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                       help="requests per second; several values run one after another; inf sends all at once "
                            "(default: inf)")
@@ -98,7 +107,8 @@ def add_bench_parser(subparsers) -> None:
     load.add_argument("--top-k", type=int, help="sent with every request (unset: the server's default)")
     load.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
 
-    out = p.add_argument_group("results")
+
+def _add_result_options(out) -> None:
     out.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
                      help="comma-separated metrics whose percentiles are reported")
     out.add_argument("--metric-percentiles", default="50,90,99", help="comma-separated percentiles")
@@ -110,7 +120,6 @@ def add_bench_parser(subparsers) -> None:
     out.add_argument("--save-detailed", action="store_true", help="also keep every generated text")
     out.add_argument("--no-plot", action="store_true", help="write no PNG plots")
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    p.set_defaults(func=_serve_command)
 
 
 def _pairs(items: list[str], what: str) -> dict[str, str]:
@@ -208,19 +217,11 @@ def _serve_command(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from epdserve.services.bench import datasets, metrics, runner
+    from epdserve.services.bench import datasets, runner
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the report
 
-    try:
-        goodput = metrics.parse_goodput(args.goodput)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
-    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p]
-    chosen = [m for m in args.percentile_metrics.split(",") if m]
-    unknown = set(chosen) - set(metrics.PERCENTILE_METRICS)
-    if unknown:
-        raise SystemExit(f"--percentile-metrics: unknown {sorted(unknown)}; choose from {metrics.PERCENTILE_METRICS}")
+    report = _ReportOptions.from_args(args)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     endpoint_path = args.endpoint or (CHAT_PATH if args.dataset_name in datasets.CHAT_ONLY else COMPLETIONS_PATH)
     chat = endpoint_path.rstrip("/").endswith("chat/completions")
@@ -229,23 +230,9 @@ def _serve_command(args: argparse.Namespace) -> int:
     headers = _pairs(args.header, "--header")
     if args.api_key:
         headers.setdefault("Authorization", f"Bearer {args.api_key}")
-    if args.dataset_path and args.dataset_name != "sharegpt":
-        raise SystemExit(f"--dataset-path is read by --dataset-name sharegpt, not {args.dataset_name}")
     tokenizer, tokenizer_id = _load_tokenizer(args)
     text = datasets.TextSource(tokenizer)
-    config = datasets.DatasetConfig(
-        args.dataset_name, args.num_prompts, args.seed, args.input_len, args.output_len,
-        range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len,
-        lognormal_sigma=args.lognormal_sigma, lognormal_max_len=args.lognormal_max_len,
-        dataset_path=args.dataset_path, sharegpt_output_len=args.sharegpt_output_len, turns=args.multi_turn_turns,
-        conversation_prefix_len=args.multi_turn_prefix_len, image_width=args.image_width,
-        image_height=args.image_height, images_per_request=args.images_per_request)
-    try:  # every run's prompts before the first request: a bad dataset fails here, not after a run
-        # Each rate gets its own prompts: a prefix cache must not serve one run from an earlier one's.
-        runs = [datasets.sample_requests(replace(config, seed=args.seed + i), text)
-                for i in range(len(args.request_rate))]
-    except ValueError as exc:
-        raise SystemExit(f"epdserve bench serve: {exc}") from None
+    config, runs = _sample_runs(args, text)
     model = args.model if args.model and not Path(args.model).is_dir() else None
     model = model or _server_model(base_url, headers, args.ready_check_timeout_sec)
     warmups = datasets.warmup_requests(config, text, args.num_warmups)
@@ -265,39 +252,85 @@ def _serve_command(args: argparse.Namespace) -> int:
         shape = runner.LoadShape(rate, args.burstiness, args.arrival, args.max_concurrency, args.seed + i)
         outputs, duration = asyncio.run(runner.run_load(endpoint, samples, shape, warmups, not args.disable_tqdm,
                                                         count_tokens))
-        result = {
-            "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-            "endpoint_type": "openai-chat" if chat else "openai",
-            "backend": "openai-chat" if chat else "openai",
-            "label": label,
-            "model_id": model,
-            "tokenizer_id": tokenizer_id,
-            "base_url": base_url,
-            "endpoint": endpoint_path,
-            "dataset_name": args.dataset_name,
-            "seed": args.seed + i,
-            "num_prompts": len(samples),
-            **_pairs(args.metadata, "--metadata"),
-            "request_rate": rate_name(rate) if math.isinf(rate) else rate,
-            "burstiness": args.burstiness,
-            "arrival": args.arrival,
-            "max_concurrency": args.max_concurrency,
-            "goodput_slo_ms": goodput or None,
-            **metrics.summarize(outputs, duration, percentiles, chosen, goodput),
-            **metrics.per_request(outputs, args.save_detailed),
-        }
-        print_summary(result, percentiles, chosen)
-        errors = [e for e in result["errors"] if e]
-        for e in errors[:5]:
-            print(f"error: {e}", file=sys.stderr)
-        path = result_path(args, label, rate)
-        path.write_text(json.dumps(result, indent=1))
-        print(f"wrote {path}")
-        results.append(result)
-
+        kind = "openai-chat" if chat else "openai"
+        header = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": kind, "backend": kind,
+                  "label": label, "model_id": model,
+                  "tokenizer_id": tokenizer_id, "base_url": base_url, "endpoint": endpoint_path,
+                  "dataset_name": args.dataset_name, "seed": args.seed + i, "num_prompts": len(samples)}
+        results.append(_record_run(args, report, header, rate, outputs, duration))
     if not args.no_plot:
         _plot(args, label, results)
     return 0 if all(r["completed"] for r in results) else 1
+
+
+class _ReportOptions(NamedTuple):
+    """What the report measures: goodput SLOs (ms by metric), percentiles and the metrics given them."""
+    goodput: dict[str, float]
+    percentiles: list[float]
+    metrics: list[str]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> _ReportOptions:
+        from epdserve.services.bench import metrics
+
+        try:
+            goodput = metrics.parse_goodput(args.goodput)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        chosen = [m for m in args.percentile_metrics.split(",") if m]
+        unknown = set(chosen) - set(metrics.PERCENTILE_METRICS)
+        if unknown:
+            raise SystemExit(f"--percentile-metrics: unknown {sorted(unknown)}; "
+                             f"choose from {metrics.PERCENTILE_METRICS}")
+        return cls(goodput, [float(p) for p in args.metric_percentiles.split(",") if p], chosen)
+
+
+def _sample_runs(args: argparse.Namespace, text) -> tuple:
+    """The dataset config and every run's prompts, sampled before the first request: a bad dataset fails
+    here, not after a run. Each rate gets its own prompts (seed + n): a prefix cache must not serve one
+    run from an earlier one's."""
+    from epdserve.services.bench import datasets
+
+    if args.dataset_path and args.dataset_name != "sharegpt":
+        raise SystemExit(f"--dataset-path is read by --dataset-name sharegpt, not {args.dataset_name}")
+    config = datasets.DatasetConfig(
+        args.dataset_name, args.num_prompts, args.seed, args.input_len, args.output_len,
+        range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len,
+        lognormal_sigma=args.lognormal_sigma, lognormal_max_len=args.lognormal_max_len,
+        dataset_path=args.dataset_path, sharegpt_output_len=args.sharegpt_output_len, turns=args.multi_turn_turns,
+        conversation_prefix_len=args.multi_turn_prefix_len, image_width=args.image_width,
+        image_height=args.image_height, images_per_request=args.images_per_request)
+    try:
+        runs = [datasets.sample_requests(replace(config, seed=args.seed + i), text)
+                for i in range(len(args.request_rate))]
+    except ValueError as exc:
+        raise SystemExit(f"epdserve bench serve: {exc}") from None
+    return config, runs
+
+
+def _record_run(args: argparse.Namespace, report: _ReportOptions, header: dict, rate: float, outputs,
+                duration: float) -> dict:
+    """One rate's result: summarized, printed, and written as `vllm bench serve`-shaped JSON."""
+    from epdserve.services.bench import metrics
+
+    result = {
+        **header,
+        **_pairs(args.metadata, "--metadata"),
+        "request_rate": rate_name(rate) if math.isinf(rate) else rate,
+        "burstiness": args.burstiness,
+        "arrival": args.arrival,
+        "max_concurrency": args.max_concurrency,
+        "goodput_slo_ms": report.goodput or None,
+        **metrics.summarize(outputs, duration, report.percentiles, report.metrics, report.goodput),
+        **metrics.per_request(outputs, args.save_detailed),
+    }
+    print_summary(result, report.percentiles, report.metrics)
+    for e in [e for e in result["errors"] if e][:5]:
+        print(f"error: {e}", file=sys.stderr)
+    path = result_path(args, header["label"], rate)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    return result
 
 
 def _plot(args: argparse.Namespace, label: str, results: list[dict]) -> None:
