@@ -12,7 +12,7 @@ import itertools
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from epdserve.shared.engine.compute_threads import set_this_thread
 from epdserve.shared.engine.llm_engine import LLMEngine, PromptType
@@ -96,31 +96,34 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType | Request, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
         """Yield outputs as the request progresses (by its `output_kind`); the last one has finished=True.
+        With n > 1, outputs of the n sequences interleave (each completion has its `index`); the request
+        has finished when all have.
 
         Leaving the iteration early (break, cancellation, client gone) aborts the request.
         """
         request = prompt if isinstance(prompt, Request) else self.make_request(prompt, sampling_params,
                                                                                request_id, **kwargs)
-        stream = self._open_stream(request.request_id)
+        stream = self._open_stream(request.group_id)
         self._put(("add", request))
-        async for out in self._drain(request.request_id, stream):
+        async for out in self._drain(request.group_id, stream):
             yield out
 
-    async def generate_prefilled(self, request: Request, first_token_id: int,
+    async def generate_prefilled(self, request: Request, first_token_ids: int | Sequence[int],
                                  fill_kv: Callable[[RemoteKVReservation], Awaitable[None]],
                                  wait_timeout: float = 30.0) -> AsyncIterator[RequestOutput]:
         """Continue a request whose prompt a peer engine computed: reserve blocks (waiting up to
         `wait_timeout` seconds for room), let `fill_kv` write the missing ones into `engine.runner.kv_cache`,
-        then decode from `first_token_id`. Yields outputs like `generate`, without the first token."""
-        stream = self._open_stream(request.request_id)
+        then decode from the first token (one per sequence when n > 1: the sequences fork from the one
+        set of blocks). Yields outputs like `generate`, without the first tokens."""
+        stream = self._open_stream(request.group_id)
         try:
             await fill_kv(await self._reserve(request, wait_timeout))
         except BaseException:
-            self._streams.pop(request.request_id, None)
-            self._commands.put(("abort", request.request_id))
+            self._streams.pop(request.group_id, None)
+            self._commands.put(("abort", request.group_id))
             raise
-        self._put(("add_prefilled", (request, first_token_id)))
-        async for out in self._drain(request.request_id, stream):
+        self._put(("add_prefilled", (request, first_token_ids)))
+        async for out in self._drain(request.group_id, stream):
             yield out
 
     async def _reserve(self, request: Request, wait_timeout: float) -> RemoteKVReservation:
@@ -132,14 +135,15 @@ class AsyncLLM:
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), wait_timeout)
         except TimeoutError:
-            raise TimeoutError(f"no KV blocks free for request {request.request_id} after {wait_timeout}s") from None
+            raise TimeoutError(f"no KV blocks free for request {request.group_id} after {wait_timeout}s") from None
 
-    async def generate_recomputed(self, request: Request, first_token_id: int) -> AsyncIterator[RequestOutput]:
-        """Continue a request whose first token a peer sampled when its KV cannot be had: recompute the
+    async def generate_recomputed(self, request: Request,
+                                  first_token_ids: int | Sequence[int]) -> AsyncIterator[RequestOutput]:
+        """Continue a request whose first token(s) a peer sampled when its KV cannot be had: recompute the
         prompt and that token here, then decode. Yields outputs like `generate_prefilled`."""
-        stream = self._open_stream(request.request_id)
-        self._put(("add_recomputed", (request, first_token_id)))
-        async for out in self._drain(request.request_id, stream):
+        stream = self._open_stream(request.group_id)
+        self._put(("add_recomputed", (request, first_token_ids)))
+        async for out in self._drain(request.group_id, stream):
             yield out
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -273,7 +277,7 @@ class AsyncLLM:
         if kind == "abort":
             # Before any later command with the same id (a recomputation): a reservation still waiting
             # would otherwise take blocks for it.
-            self._reservations = [(r, f) for r, f in self._reservations if r.request_id != arg]
+            self._reservations = [(r, f) for r, f in self._reservations if r.group_id != arg]
             self._deliver(self.engine.abort_request(arg))
             return
         if kind == "reserve":
@@ -291,12 +295,12 @@ class AsyncLLM:
             else:
                 self._deliver(self.engine.add_recomputed(request, first_token_id))
         except Exception as exc:  # this request's failure, not the engine's
-            stream = self._streams.pop(request.request_id, None)  # it hears of the failure, not of the abort
+            stream = self._streams.pop(request.group_id, None)  # it hears of the failure, not of the abort
             if stream is not None:
                 stream.put(exc)
             if not isinstance(exc, ValueError):  # a ValueError is bad input and added nothing
-                logger.exception("request %s could not be added", request.request_id)
-                self.engine.abort_request(request.request_id)
+                logger.exception("request %s could not be added", request.group_id)
+                self.engine.abort_request(request.group_id)
 
     def _note_room(self) -> None:
         self._room = True

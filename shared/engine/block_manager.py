@@ -5,6 +5,11 @@ ids and its extra keys (multimodal item hashes overlapping it; the request's `ca
 block), so equal hashes mean equal prefixes. A hit is also verified against the block's stored token ids.
 Free blocks wait in one LRU queue (an OrderedDict: O(1) removal from the middle when a cached block is
 hit again); a cached block keeps its content until it is popped for reuse, which is the eviction.
+
+Parallel sampling forks a sequence: the child takes a reference on every block of its parent's table
+(`fork`). Full blocks are never written again, so sharing them is free; a shared *partial* last block
+is copied on write - the first sequence to write into it gets a fresh block with the same content (the
+copy is listed for the model runner, which makes it before the step's forward pass).
 """
 from __future__ import annotations
 
@@ -51,6 +56,8 @@ class BlockManager:
         # Blocks handed out fresh since the last `take_new_block_ids`: the model runner zeroes them, so
         # the unwritten tail of a request's last block never holds another request's leftovers.
         self.new_block_ids: list[int] = []
+        # (source, destination) block copies for copy-on-write since the last `take_block_copies`.
+        self.block_copies: list[tuple[int, int]] = []
         # request_id -> how many of its full blocks are registered in `cached_blocks` already.
         self._num_registered: dict[str, int] = {}
         # Prefix-cache statistics in tokens, as vLLM counts them.
@@ -106,7 +113,16 @@ class BlockManager:
     # -- allocation ---------------------------------------------------------------------------------
     def _num_new_blocks(self, request: Request, num_new_tokens: int, num_computed_blocks: int) -> int:
         num_computed = request.num_computed_tokens or num_computed_blocks * self.block_size
-        return self.num_blocks_for(num_computed + num_new_tokens) - len(request.block_ids) - num_computed_blocks
+        num_new = self.num_blocks_for(num_computed + num_new_tokens) - len(request.block_ids) - num_computed_blocks
+        return num_new + (self._shared_partial_block(request) is not None)
+
+    def _shared_partial_block(self, request: Request) -> int | None:
+        """Index in the request's table of the block its next token goes into, if another sequence holds
+        it too (a fork's partial last block): that block must be copied before it is written."""
+        index = request.num_computed_tokens // self.block_size
+        if request.num_computed_tokens % self.block_size == 0 or index >= len(request.block_ids):
+            return None
+        return index if self.blocks[request.block_ids[index]].ref_cnt > 1 else None
 
     def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
         # Hit blocks that sit in the free queue leave it when touched, so they count against it too.
@@ -126,16 +142,41 @@ class BlockManager:
         if computed_blocks:
             self._num_registered[request.request_id] = len(computed_blocks)
         for _ in range(max(num_new, 0)):
-            _, block = self.free_queue.popitem(last=False)
-            if block.block_hash is not None:  # evict its cached content
-                if self.cached_blocks.get(block.block_hash) is block:
-                    del self.cached_blocks[block.block_hash]
-                block.block_hash, block.token_ids = None, ()
-            block.ref_cnt = 1
+        shared = self._shared_partial_block(request)
+        if shared is not None:
+            source, copy = self.blocks[request.block_ids[shared]], self._pop_free()
+            source.ref_cnt -= 1  # still > 0: another sequence holds it
+            request.block_ids[shared] = copy.block_id
+            self.block_copies.append((source.block_id, copy.block_id))
+            num_new -= 1
+            block = self._pop_free()
             request.block_ids.append(block.block_id)
             self.new_block_ids.append(block.block_id)
 
     def take_new_block_ids(self) -> list[int]:
+    def _pop_free(self) -> KVBlock:
+        _, block = self.free_queue.popitem(last=False)
+        if block.block_hash is not None:  # evict its cached content
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+        block.ref_cnt = 1
+        return block
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` the parent's blocks, by reference: its KV so far is the parent's."""
+        assert not child.block_ids, f"request {child.request_id} already has blocks"
+        for block_id in parent.block_ids:
+            self.blocks[block_id].ref_cnt += 1
+        child.block_ids = list(parent.block_ids)
+        child.block_hashes = list(parent.block_hashes)
+        if parent.request_id in self._num_registered:
+            self._num_registered[child.request_id] = self._num_registered[parent.request_id]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        copies, self.block_copies = self.block_copies, []
+        return copies
+
         ids, self.new_block_ids = self.new_block_ids, []
         return ids
 

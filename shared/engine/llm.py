@@ -91,4 +91,4 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     finals[out.request_id] = out
-        return [finals[r.request_id] for r in requests]
+        return [finals[r.group_id] for r in requests]

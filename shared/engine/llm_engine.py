@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 from epdserve.shared.engine.block_manager import BlockManager
 from epdserve.shared.config import EngineConfig
 from epdserve.shared.engine.kv_cache_budget import size_kv_cache
 from epdserve.shared.engine.model_runner import ModelRunner
 from epdserve.shared.engine.output_processor import OutputProcessor
+from epdserve.shared.engine.parallel_sampling import group_members, make_group, ungroup
 from epdserve.shared.engine.outputs import RequestOutput
 from epdserve.shared.engine.request import MultiModalPlaceholder, Request, RequestStatus
 from epdserve.shared.engine.sampler import draw_seeded_noise
@@ -72,14 +73,17 @@ class LLMEngine:
         params = replace(params, eos_token_ids=self.model_config.eos_token_ids)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
-        return Request(request_id, token_ids, params, self.model_config.max_model_len, arrival_time,
-                       cache_salt, tuple(mm_placeholders), text, mm_embeddings, hold_kv)
+        # n > 1: the first of n sequences, the others waiting to fork from it (parallel_sampling.py).
+        return make_group(request_id, params, lambda rid, p: Request(
+            rid, token_ids, p, self.model_config.max_model_len, arrival_time, cache_salt, tuple(mm_placeholders),
+            text, mm_embeddings, hold_kv))
 
     def add_request(self, request_id: str, prompt: PromptType | Request, params: SamplingParams | None = None,
                     **kwargs) -> Request:
         request = prompt if isinstance(prompt, Request) else self.make_request(request_id, prompt, params, **kwargs)
         self.scheduler.add_request(request)
-        self.output_processor.add_request(request)
+        for sequence in group_members(request):
+            self.output_processor.add_request(sequence)
         return request
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -133,6 +137,9 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests wherever they are; every block they held returns to the pool."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n must be at most the engine's max_num_seqs {self.config.scheduler.max_num_seqs}, "
+                             f"got {params.n}")
         for request_id in ids:
             self.scheduler.release_kv(request_id)
         aborted = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
@@ -148,24 +155,33 @@ class LLMEngine:
         caller fills `reservation.block_ids` in `runner.kv_cache`, then calls `add_prefilled`."""
         return self.scheduler.reserve_remote_kv(request)
 
-    def add_prefilled(self, request: Request, first_token_id: int) -> list[RequestOutput]:
-        """Join a reserved request, its prompt KV now in place, with the first token the peer sampled.
-        That token counts as already delivered; outputs (if it ended the request) are returned."""
-        self._take_peer_noise(request)
-        running = self.scheduler.add_prefilled(request, first_token_id)
-        return self._peer_token_output(request, running)
+    def add_prefilled(self, request: Request, first_token_ids: int | Sequence[int]) -> list[RequestOutput]:
+        """Join a reserved request, its prompt KV now in place, with the first token the peer sampled (for
+        n > 1, one per sequence: the others fork from it here). Those tokens count as already delivered;
+        outputs of sequences they ended are returned."""
+        first_token_ids = [first_token_ids] if isinstance(first_token_ids, int) else first_token_ids
+        members = group_members(request)
+        for sequence in members:
+            self._take_peer_noise(sequence)
+        sequences = self.scheduler.add_prefilled(request, first_token_ids)
+        if not sequences:  # aborted meanwhile
+            return [out for m in members if (out := self.output_processor.make_output(m)) is not None]
+        return self._peer_token_outputs(sequences)
 
-    def add_recomputed(self, request: Request, first_token_id: int) -> list[RequestOutput]:
+    def add_recomputed(self, request: Request, first_token_ids: int | Sequence[int]) -> list[RequestOutput]:
         """Add a request whose first token a peer sampled but whose prompt KV never arrived: the prompt
         and that token are recomputed here, as after a preemption, and the request goes on exactly as it
         would have on the peer's KV (the token counts as output for penalties and limits, seeded noise
-        continues). The token counts as already delivered."""
-        self._take_peer_noise(request)
-        request.append_output_token(first_token_id)
-        running = not request.check_stop()
-        if running:
-            self.scheduler.add_request(request)
-        return self._peer_token_output(request, running)
+        continues). The token counts as already delivered. For n > 1 (one token per sequence) each
+        sequence recomputes on its own: a fallback, where sharing the prompt is not worth the states."""
+        first_token_ids = [first_token_ids] if isinstance(first_token_ids, int) else first_token_ids
+        sequences = ungroup(request)
+        for sequence in sequences:
+            self._take_peer_noise(sequence)
+            sequence.append_output_token(first_token_ids[sequence.index])
+            if not sequence.check_stop():
+                self.scheduler.add_request(sequence)
+        return self._peer_token_outputs(sequences)
 
     def _take_peer_noise(self, request: Request) -> None:
         self.output_processor.add_request(request)
@@ -174,10 +190,15 @@ class LLMEngine:
             # samples the same tokens here as it would in one engine.
             draw_seeded_noise(request.generator, self.model_config.vocab_size)
 
-    def _peer_token_output(self, request: Request, running: bool) -> list[RequestOutput]:
-        self.output_processor.process_token(request, None)
-        out = self.output_processor.make_output(request, first_token_delivered=True)
-        return [] if running or out is None else [out]
+    def _peer_token_outputs(self, sequences: list[Request]) -> list[RequestOutput]:
+        """Account for the peer's first tokens; the outputs of the sequences that ended at theirs."""
+        outputs = []
+        for sequence in sequences:
+            self.output_processor.process_token(sequence, None)
+            out = self.output_processor.make_output(sequence, first_token_delivered=True)
+            if sequence.is_finished and out is not None:
+                outputs.append(out)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -195,7 +216,7 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         if sched.scheduled and self.on_step_tokens is not None:
             self.on_step_tokens(sum(item.num_new_tokens for item in sched.scheduled))
-        result = self.runner.execute(sched.scheduled, sched.new_block_ids)
+        result = self.runner.execute(sched.scheduled, sched.new_block_ids, sched.block_copies)
         with timer.phase("output"):
             outputs = self._fail(result.failed)
             for request in self.scheduler.update_from_output(sched, result.token_ids):

@@ -75,14 +75,19 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest], new_block_ids: list[int] = ()) -> ModelRunnerOutput:
+    def execute(self, scheduled: list[ScheduledRequest], new_block_ids: list[int] = (),
+                block_copies: list[tuple[int, int]] = ()) -> ModelRunnerOutput:
         """Run one step. A failure is pinned on the request that caused it: the others still get their
-        tokens and the caller fails only the requests in `failed`."""
+        tokens and the caller fails only the requests in `failed`. `block_copies`: (source, destination)
+        blocks to copy first (copy-on-write of a block that forked sequences share)."""
         if new_block_ids:
             self.kv_cache.index_fill_(2, torch.tensor(new_block_ids, device=self.device), 0)
         if not scheduled:
             return ModelRunnerOutput({}, {}, {})
         try:
+        if block_copies:
+            sources, destinations = (torch.tensor(ids, device=self.device) for ids in zip(*block_copies))
+            self.kv_cache[:, :, destinations] = self.kv_cache[:, :, sources]
             return self._execute(scheduled)
         except Exception as exc:
             if self.decode_mirror is not None:
@@ -162,8 +167,9 @@ class ModelRunner:
             q_lens.append(num_new)
             tables.append(request.block_ids)
             if end == request.num_tokens:
-                sample_rows.append(len(token_ids) - 1)
-                sample_requests.append(request)
+                # Sequences waiting to fork from this one sample their first tokens from the same row.
+                sample_rows.extend([len(token_ids) - 1] * (1 + len(request.forks)))
+                sample_requests.extend([request, *request.forks])
         num_seqs = len(scheduled)
         max_blocks = max(len(t) for t in tables)
         # Rows are padded with the sequence's own last block: padding is never attended to, but a kernel

@@ -1,6 +1,11 @@
-"""Turns engine progress into `RequestOutput`s: detokenization, stop strings, logprobs, output kinds."""
+"""Turns engine progress into `RequestOutput`s: detokenization, stop strings, logprobs, output kinds.
+
+The n sequences of a request with n > 1 have a state each and answer as one request: outputs carry the
+group's id, each completion its sequence's index, and `finished` only once every sequence has.
+"""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from tokenizers import Tokenizer
@@ -24,6 +29,14 @@ class _RequestState:
         self.metrics = RequestMetrics(arrival_time)
 
 
+class _GroupState:
+    __slots__ = ("num_unfinished", "latest")
+
+    def __init__(self) -> None:
+        self.num_unfinished = 0
+        self.latest: dict[int, CompletionOutput] = {}  # sequence index -> its latest completion
+
+
 class OutputProcessor:
     """Owns the per-request output state; the engine tells it about new tokens and endings."""
 
@@ -31,6 +44,7 @@ class OutputProcessor:
         # tokenizer: the fast `tokenizers.Tokenizer`; None = no text (token ids only).
         self.tokenizer = tokenizer
         self.states: dict[str, _RequestState] = {}
+        self.groups: dict[str, _GroupState] = {}  # group id -> its sequences' common state (n > 1)
 
     def add_request(self, request: Request) -> None:
         sp = request.sampling_params
@@ -39,6 +53,8 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(self.tokenizer, sp.stop, sp.include_stop_str_in_output,
                                            sp.skip_special_tokens)
         self.states[request.request_id] = _RequestState(detok, request.arrival_time)
+        if request.group_id != request.request_id:
+            self.groups.setdefault(request.group_id, _GroupState()).num_unfinished += 1
 
     def process_token(self, request: Request, logprobs: SampledLogprobs | None) -> str | None:
         """Account for the request's newest token; return a stop string it completed, if any."""
@@ -90,7 +106,7 @@ class OutputProcessor:
             token_ids = list(token_ids)
             logprobs = list(logprobs) if logprobs is not None else None
         completion = CompletionOutput(
-            index=0, text=text, token_ids=token_ids,
+            index=request.index, text=text, token_ids=token_ids,
             cumulative_logprob=state.cumulative_logprob if sp.logprobs is not None else None,
             logprobs=logprobs,
             finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
@@ -99,5 +115,23 @@ class OutputProcessor:
             state.metrics.finished_time = time.monotonic()
             del self.states[request.request_id]
         held = list(request.block_ids) if finished and request.hold_kv and request.block_ids else None
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             finished, max(request.num_cached_tokens, 0), state.metrics, held, request.error)
+        output = RequestOutput(request.group_id, request.prompt, request.prompt_token_ids, [completion],
+                               finished, max(request.num_cached_tokens, 0), state.metrics, held, request.error)
+        return output if request.group_id == request.request_id else self._group_output(request, output)
+
+    def _group_output(self, request: Request, output: RequestOutput) -> RequestOutput | None:
+        """One sequence's output as its group's: finished once every sequence is. DELTA outputs go out per
+        sequence; the other kinds carry every sequence's latest completion (FINAL_ONLY once, at the end)."""
+        group = self.groups[request.group_id]
+        completion = output.outputs[0]
+        group.latest[completion.index] = completion
+        group.num_unfinished -= output.finished
+        done = group.num_unfinished == 0
+        if done:
+            del self.groups[request.group_id]
+        kind = request.sampling_params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not done:
+            return None
+        completions = [completion] if kind == RequestOutputKind.DELTA else \
+            [group.latest[i] for i in sorted(group.latest)]
+        return dataclasses.replace(output, outputs=completions, finished=done)

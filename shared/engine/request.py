@@ -93,6 +93,14 @@ class Request:
         self.block_hashes: list[bytes] = []
 
         limit = max_model_len - len(prompt_token_ids)
+        # Parallel sampling (n > 1, see parallel_sampling.py): the id its caller knows the request by (the
+        # parent's, shared by its n sequences; else its own), and this sequence's index among the n.
+        self.group_id = request_id
+        self.index = 0
+        # On the sequence that computes the prompt, until it has: the group's other sequences, which then
+        # fork from it. On each of those, meanwhile: that sequence.
+        self.forks: list[Request] = []
+        self.fork_of: Request | None = None
         self.max_output_tokens = limit if sampling_params.max_tokens is None else min(
             sampling_params.max_tokens, limit)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids) | (

@@ -54,8 +54,8 @@ class SamplingParams:
         def fail(msg: str) -> None:
             raise ValueError(f"invalid sampling parameters: {msg}")
 
-        if self.n != 1:
-            fail(f"n must be 1, got {self.n}")
+        if not isinstance(self.n, int) or self.n < 1:
+            fail(f"n must be a positive integer, got {self.n!r}")
         if not 0.0 <= self.temperature < math.inf:
             fail(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -4,15 +4,20 @@ Each step has a token budget (`max_num_batched_tokens`) shared by decodes (one t
 chunks; running requests go first, in arrival order, then waiting ones. When the pool runs out of blocks,
 the most recently started running request is preempted: its blocks are freed (its full blocks stay in
 the prefix cache, so the recompute is mostly hits) and it goes back to the front of the queue.
+
+A request with n > 1 is a group of sequences (parallel_sampling.py): the first is scheduled, the others
+wait on it and fork from it - sharing its blocks - in the step that completes its prompt. A group is
+let in only when the running batch has room for all of it.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 from epdserve.shared.engine.block_manager import BlockManager
 from epdserve.shared.config import SchedulerConfig
+from epdserve.shared.engine.parallel_sampling import group_members
 from epdserve.shared.engine.request import Request, RequestStatus
 
 
@@ -26,6 +31,7 @@ class SchedulerOutput(NamedTuple):
     num_batched_tokens: int
     preempted: list[Request]
     new_block_ids: list[int]  # blocks allocated fresh this step (to be zeroed before use)
+    block_copies: Sequence[tuple[int, int]] = ()  # (source, destination): copy-on-write, before the forward pass
 
 
 class RemoteKVReservation(NamedTuple):
@@ -45,6 +51,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Group id -> its sequences' ids, for requests with n > 1 (aborts and releases name the group).
+        self.groups: dict[str, list[str]] = {}
         # Finished requests whose blocks are kept until `release_kv` (hold_kv).
         self.held: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -58,15 +66,32 @@ class Scheduler:
         self.waiting.append(request)
 
     def _admit(self, request: Request) -> None:
-        if request.request_id in self.requests or request.request_id in self.held:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        members = group_members(request)
+        if any(r.request_id in self.requests or r.request_id in self.held for r in members) or \
+                (request.index == 0 and request.group_id in self.groups):
+            raise ValueError(f"request id {request.group_id!r} is already in use")
+        if len(members) > self.config.max_num_seqs:
+            raise ValueError(f"n ({len(members)}) must not exceed the engine's max_num_seqs "
+                             f"({self.config.max_num_seqs})")
         # A request that could not fit even alone would be preempted forever.
         needed = self.block_manager.num_blocks_for(request.num_prompt_tokens + request.max_output_tokens)
         if needed > self.block_manager.num_blocks:
             raise ValueError(
                 f"request needs {needed} KV blocks (prompt {request.num_prompt_tokens} + up to "
                 f"{request.max_output_tokens} new tokens) but the cache has {self.block_manager.num_blocks}")
-        self.requests[request.request_id] = request
+        for member in members:
+            self.requests[member.request_id] = member
+            if member.group_id != member.request_id:  # (sequences that recompute alone are added one by one)
+                self.groups.setdefault(member.group_id, []).append(member.request_id)
+
+    def member_ids(self, request_id: str) -> list[str]:
+        """The engine ids a caller's request id stands for: a group's sequences, or the id itself."""
+        return self.groups.get(request_id, [request_id])
+
+    def _forget_group(self, request: Request) -> None:
+        ids = self.groups.get(request.group_id)
+        if ids is not None and not any(i in self.requests or i in self.held for i in ids):
+            del self.groups[request.group_id]
 
     @property
     def num_unfinished(self) -> int:
@@ -102,7 +127,8 @@ class Scheduler:
             break
 
         # New requests join only in a step that preempted nobody: the pool is tight otherwise.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and not preempted and \
+                len(self.running) + 1 + len(self.waiting[0].forks) <= self.config.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_cached = bm.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
@@ -121,7 +147,7 @@ class Scheduler:
             budget -= num_new
 
         return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted,
-                               bm.take_new_block_ids())
+                               bm.take_new_block_ids(), bm.take_block_copies())
 
     def _preempt(self, request: Request) -> None:
         self._free(request)
@@ -141,16 +167,32 @@ class Scheduler:
             self.block_manager.cache_full_blocks(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk that did not reach the end yet
-            request.append_output_token(sampled_token_ids[request.request_id])
-            with_new_token.append(request)
-            if request.check_stop():
-                self._remove(request)
+            # The waiting sequences of its group were sampled from the same logits (the model runner).
+            for sequence in [request, *self._fork(request)]:
+                sequence.append_output_token(sampled_token_ids[sequence.request_id])
+                with_new_token.append(sequence)
+                if sequence.check_stop():
+                    self._remove(sequence)
         return with_new_token
+
+    def _fork(self, request: Request) -> list[Request]:
+        """The sequences waiting on `request`, which has just computed its prompt, now share its blocks and
+        run; returned in index order."""
+        forked, request.forks = request.forks, []
+        for sequence in forked:
+            self.block_manager.fork(request, sequence)
+            sequence.fork_of = None
+            sequence.num_computed_tokens = request.num_computed_tokens
+            sequence.num_cached_tokens = request.num_cached_tokens
+            sequence.first_scheduled_time = request.first_scheduled_time
+            sequence.status = RequestStatus.RUNNING
+            self.running.append(sequence)
+        return forked
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests from outside (abort, stop string); frees everything they hold."""
         finished = []
-        for request_id in request_ids:
+        for request_id in [i for rid in request_ids for i in self.member_ids(rid)]:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
@@ -165,6 +207,15 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if request.fork_of is not None:  # ended while waiting to fork
+            request.fork_of.forks.remove(request)
+            request.fork_of = None
+        if request.forks:  # ended before computing the prompt: the next sequence computes it instead
+            heir, *rest = request.forks
+            heir.fork_of, heir.forks, request.forks = None, rest, []
+            for sequence in rest:
+                sequence.fork_of = heir
+            self.waiting.appendleft(heir)
         del self.requests[request.request_id]
         self.num_finished[request.status.finish_reason] += 1
         # Only a request that ran to its end keeps its KV for a peer; an aborted or failed one frees it.
@@ -173,14 +224,19 @@ class Scheduler:
             self._room()  # a running slot, if not blocks
         else:
             self._free(request)
+        self._forget_group(request)
 
     def release_kv(self, request_id: str) -> bool:
-        """Free a finished request's held blocks; False if it holds none (already released, or unknown)."""
-        request = self.held.pop(request_id, None)
-        if request is None:
-            return False
-        self._free(request)
-        return True
+        """Free a finished request's held blocks (a group's: all its sequences'); False if it holds none
+        (already released, or unknown)."""
+        released = False
+        for member_id in self.member_ids(request_id):
+            request = self.held.pop(member_id, None)
+            if request is not None:
+                self._free(request)
+                self._forget_group(request)
+                released = True
+        return released
 
     def _free(self, request: Request) -> None:
         self.block_manager.free(request)
@@ -195,7 +251,7 @@ class Scheduler:
         """Allocate blocks for the request's whole prompt, reusing local prefix hits; None if the pool
         has no room now (`on_room` tells when there may be). The request then waits outside the queues
         until `add_prefilled`."""
-        if len(self.running) >= self.config.max_num_seqs:
+        if len(self.running) + 1 + len(request.forks) > self.config.max_num_seqs:
             return None
         bm = self.block_manager
         num_prompt = request.num_prompt_tokens
@@ -209,18 +265,20 @@ class Scheduler:
         request.num_cached_tokens = num_cached
         return RemoteKVReservation(num_cached, len(hits), fill)
 
-    def add_prefilled(self, request: Request, first_token_id: int) -> bool:
-        """The reserved blocks now hold the prompt's KV: the request joins the running batch with its
-        first token (sampled by the engine that computed the prompt). Returns False if it already ended
-        (stop on the first token, or aborted meanwhile)."""
+    def add_prefilled(self, request: Request, first_token_ids: Sequence[int]) -> list[Request]:
+        """The reserved blocks now hold the prompt's KV: the request - with a group's waiting sequences
+        forked from it - joins the running batch, sequence i with `first_token_ids[i]` (sampled by the
+        engine that computed the prompt). Returns those sequences; the ones that ended at their first
+        token are finished already; none if the request was aborted meanwhile."""
         if request.request_id not in self.requests:
-            return False
+            return []
         request.num_computed_tokens = request.num_prompt_tokens
         self.block_manager.cache_full_blocks(request)
-        request.append_output_token(first_token_id)
-        if request.check_stop():
-            self._remove(request)
-            return False
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        return True
+        sequences = [request, *self._fork(request)]
+        for sequence in sequences:
+            sequence.append_output_token(first_token_ids[sequence.index])
+            if sequence.check_stop():
+                self._remove(sequence)
+        return sequences

@@ -123,7 +123,7 @@ def test_bad_prompt_raises_and_leaves_others_alone(llm, bad, message):
     (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(logprobs=100), "logprobs"),
     (dict(stop=[""]), "stop"),
-    (dict(n=3), "n must be 1"),
+    (dict(n=0), "n must be a positive integer"),
 ])
 def test_bad_sampling_params_raise(params, message):
     with pytest.raises(ValueError, match=message):
