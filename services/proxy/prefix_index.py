@@ -1,0 +1,152 @@
+"""Where every prefix lives: the KV blocks each engine instance reports it holds, indexed by block hash.
+
+Engines report the blocks their prefix cache gains and loses as numbered events (`KVEvents`: chained
+block hashes, see shared/engine/block_hash.py). The router applies them here and asks, for a prompt's
+block hashes, how many leading blocks each instance holds. Event numbers make loss visible: an event
+batch that does not start where the last one ended (lost, or the instance restarted and counts from 1
+again) clears what the index knows of that instance and asks for a snapshot, which replaces it whole.
+
+Memory is bounded: a block is keyed by the first 8 bytes of its hash (an int; a collision can only
+make the router over-estimate a cached prefix, never corrupt a cache - the engine checks its own
+hashes and token ids), and each instance may hold at most `max_blocks_per_instance` keys; past that its
+oldest are forgotten, as the engine itself would evict them first.
+"""
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from typing import Sequence
+
+
+def block_key(block_hash: bytes) -> int:
+    return int.from_bytes(block_hash[:8], "little")
+
+
+class _Holdings:
+    __slots__ = ("slot", "keys", "next_seq", "synced")
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.keys: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.next_seq = 1  # the number the next event batch must start at
+        self.synced = False  # False until a snapshot (or events from 1) has been applied
+
+
+class PrefixIndex:
+    """Block key -> the instances holding it; instance -> its keys. One owner: the router."""
+
+    def __init__(self, max_blocks_per_instance: int = 1 << 20) -> None:
+        self.max_blocks_per_instance = max_blocks_per_instance
+        # Most blocks live on one instance: its slot is stored as an int, a set only once shared.
+        self._holders: dict[int, int | set[int]] = {}
+        self._instances: dict[str, _Holdings] = {}
+        self._names: dict[int, str] = {}
+        self._free_slots: list[int] = []
+        self.num_resyncs = 0
+
+    # -- events ---------------------------------------------------------------------------------------
+    def apply(self, instance: str, first_seq: int, last_seq: int, stored: Sequence[bytes],
+              removed: Sequence[bytes], snapshot: bool = False) -> bool:
+        """Apply events [first_seq, last_seq] of `instance` (a snapshot: all it holds, as of last_seq).
+
+        Returns False when they do not follow what was applied before: the instance's entry is then
+        cleared and the caller must ask for a snapshot."""
+        holdings = self._instances.get(instance) or self._add(instance)
+        # A new entry takes batches from 1 on: the instance's whole history.
+        follows = first_seq == holdings.next_seq and (holdings.synced or first_seq == 1)
+        if snapshot:
+            self._clear(holdings)
+        elif not follows:
+            self.num_resyncs += 1
+            self._clear(holdings)
+            holdings.synced, holdings.next_seq = False, 0  # only a snapshot is taken now
+            return False
+        holdings.synced = True
+        for h in removed:
+            self._remove(holdings, block_key(h))
+        for h in stored:
+            self._store(holdings, block_key(h))
+        holdings.next_seq = last_seq + 1
+        return True
+
+    def next_seq(self, instance: str) -> int | None:
+        """The first event number the index wants from `instance`; None: a snapshot."""
+        holdings = self._instances.get(instance)
+        return holdings.next_seq if holdings is not None and holdings.synced else None
+
+    def drop(self, instance: str) -> None:
+        """Forget an instance (it died or left)."""
+        holdings = self._instances.pop(instance, None)
+        if holdings is not None:
+            self._clear(holdings)
+            del self._names[holdings.slot]
+            self._free_slots.append(holdings.slot)
+
+    # -- queries --------------------------------------------------------------------------------------
+    def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        """Instance name -> how many of the leading `block_hashes` it holds (instances holding none
+        are absent)."""
+        counts: dict[int, int] = {}
+        matching: set[int] | None = None
+        for i, h in enumerate(block_hashes):
+            held = self._holders.get(block_key(h))
+            if held is None:
+                break
+            held = {held} if isinstance(held, int) else held
+            matching = set(held) if matching is None else matching & held
+            if not matching:
+                break
+            for slot in matching:
+                counts[slot] = i + 1
+        return {self._names[slot]: n for slot, n in counts.items()}
+
+    def num_blocks(self, instance: str) -> int:
+        holdings = self._instances.get(instance)
+        return len(holdings.keys) if holdings else 0
+
+    def memory_bytes(self) -> int:
+        """An estimate of what the index takes (keys, maps and shared-holder sets)."""
+        total = sys.getsizeof(self._holders)
+        for key, held in self._holders.items():
+            total += sys.getsizeof(key) + (sys.getsizeof(held) if isinstance(held, set) else 0)
+        for holdings in self._instances.values():
+            total += sys.getsizeof(holdings.keys)  # its int keys are the ones counted above
+        return total
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _add(self, instance: str) -> _Holdings:
+        slot = self._free_slots.pop() if self._free_slots else len(self._names)
+        holdings = self._instances[instance] = _Holdings(slot)
+        self._names[slot] = instance
+        return holdings
+
+    def _store(self, holdings: _Holdings, key: int) -> None:
+        if key in holdings.keys:
+            holdings.keys.move_to_end(key)
+            return
+        holdings.keys[key] = None
+        held = self._holders.get(key)
+        if held is None:
+            self._holders[key] = holdings.slot
+        elif isinstance(held, int):
+            self._holders[key] = {held, holdings.slot}
+        else:
+            held.add(holdings.slot)
+        if len(holdings.keys) > self.max_blocks_per_instance:
+            self._remove(holdings, next(iter(holdings.keys)))
+
+    def _remove(self, holdings: _Holdings, key: int) -> None:
+        if key not in holdings.keys:
+            return  # not held (its store event was lost, or it was forgotten for the bound)
+        del holdings.keys[key]
+        held = self._holders[key]
+        if isinstance(held, int):
+            del self._holders[key]
+            return
+        held.discard(holdings.slot)
+        if len(held) == 1:
+            self._holders[key] = next(iter(held))
+
+    def _clear(self, holdings: _Holdings) -> None:
+        for key in list(holdings.keys):
+            self._remove(holdings, key)

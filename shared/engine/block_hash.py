@@ -1,0 +1,50 @@
+"""The prefix cache's block identity: a chained hash over full blocks of tokens.
+
+A block's hash covers its parent's hash, its token ids and its extra keys (the hashes of images whose
+placeholder tokens overlap it; the request's `cache_salt` on the first block), so equal hashes mean equal
+prefixes. The hash is stable across processes (unlike `hash()` of strings): engines report the hashes
+of the blocks they hold, and the proxy's router hashes a prompt the same way to find where it is cached.
+Imports neither torch nor the engine, so the proxy can use it.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Protocol, Sequence
+
+
+class ImageSpan(Protocol):
+    """Prompt positions [offset, offset + length) hold image `mm_hash`'s embeddings: the engine's
+    MultiModalPlaceholder and the wire's MMPlaceholder both are one."""
+    offset: int
+    length: int
+    mm_hash: str
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash or b"\0" * 16)
+    h.update(array("q", token_ids).tobytes())
+    for key in extra_keys:
+        h.update(b"\x1f" + key.encode())
+    return h.digest()
+
+
+def block_extra_keys(block_index: int, block_size: int, images: Sequence[ImageSpan],
+                     cache_salt: str | None) -> tuple[str, ...]:
+    """The keys besides its tokens that a block's hash covers."""
+    start, end = block_index * block_size, (block_index + 1) * block_size
+    keys = [p.mm_hash for p in images if p.offset < end and p.offset + p.length > start]
+    if block_index == 0 and cache_salt:
+        keys.insert(0, "salt:" + cache_salt)
+    return tuple(keys)
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
+                        images: Sequence[ImageSpan] = (), cache_salt: str | None = None) -> list[bytes]:
+    """Appends to `hashes` the hashes of the full blocks of `token_ids` it lacks; returns it."""
+    for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[i - 1] if i else None
+        hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
+                                 block_extra_keys(i, block_size, images, cache_salt)))
+    return hashes
