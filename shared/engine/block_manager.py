@@ -141,7 +141,6 @@ class BlockManager:
             request.block_ids.append(block.block_id)
         if computed_blocks:
             self._num_registered[request.request_id] = len(computed_blocks)
-        for _ in range(max(num_new, 0)):
         shared = self._shared_partial_block(request)
         if shared is not None:
             source, copy = self.blocks[request.block_ids[shared]], self._pop_free()
@@ -149,11 +148,11 @@ class BlockManager:
             request.block_ids[shared] = copy.block_id
             self.block_copies.append((source.block_id, copy.block_id))
             num_new -= 1
+        for _ in range(max(num_new, 0)):
             block = self._pop_free()
             request.block_ids.append(block.block_id)
             self.new_block_ids.append(block.block_id)
 
-    def take_new_block_ids(self) -> list[int]:
     def _pop_free(self) -> KVBlock:
         _, block = self.free_queue.popitem(last=False)
         if block.block_hash is not None:  # evict its cached content
@@ -177,6 +176,7 @@ class BlockManager:
         copies, self.block_copies = self.block_copies, []
         return copies
 
+    def take_new_block_ids(self) -> list[int]:
         ids, self.new_block_ids = self.new_block_ids, []
         return ids
 

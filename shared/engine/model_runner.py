@@ -82,12 +82,12 @@ class ModelRunner:
         blocks to copy first (copy-on-write of a block that forked sequences share)."""
         if new_block_ids:
             self.kv_cache.index_fill_(2, torch.tensor(new_block_ids, device=self.device), 0)
-        if not scheduled:
-            return ModelRunnerOutput({}, {}, {})
-        try:
         if block_copies:
             sources, destinations = (torch.tensor(ids, device=self.device) for ids in zip(*block_copies))
             self.kv_cache[:, :, destinations] = self.kv_cache[:, :, sources]
+        if not scheduled:
+            return ModelRunnerOutput({}, {}, {})
+        try:
             return self._execute(scheduled)
         except Exception as exc:
             if self.decode_mirror is not None:

@@ -91,8 +91,6 @@ class Request:
         # the decode engine that will pull it.
         self.hold_kv = hold_kv
         self.block_hashes: list[bytes] = []
-
-        limit = max_model_len - len(prompt_token_ids)
         # Parallel sampling (n > 1, see parallel_sampling.py): the id its caller knows the request by (the
         # parent's, shared by its n sequences; else its own), and this sequence's index among the n.
         self.group_id = request_id
@@ -101,6 +99,8 @@ class Request:
         # fork from it. On each of those, meanwhile: that sequence.
         self.forks: list[Request] = []
         self.fork_of: Request | None = None
+
+        limit = max_model_len - len(prompt_token_ids)
         self.max_output_tokens = limit if sampling_params.max_tokens is None else min(
             sampling_params.max_tokens, limit)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids) | (
