@@ -4,7 +4,8 @@ Prefix caching is a chained hash over *full* blocks: a block's hash covers its p
 ids and its extra keys (multimodal item hashes overlapping it; the request's `cache_salt` on the first
 block), so equal hashes mean equal prefixes. A hit is also verified against the block's stored token ids.
 Free blocks wait in one LRU queue (an OrderedDict: O(1) removal from the middle when a cached block is
-hit again); a cached block keeps its content until it is popped for reuse, which is the eviction.
+hit again); a cached block keeps its content until it is popped for reuse, which is the eviction. Each
+registration and eviction is logged (`events`) for routers that follow what this cache holds.
 
 Parallel sampling forks a sequence: the child takes a reference on every block of its parent's table
 (`fork`). Full blocks are never written again, so sharing them is free; a shared *partial* last block
@@ -13,11 +14,11 @@ copy is listed for the model runner, which makes it before the step's forward pa
 """
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from typing import Sequence
 
+from epdserve.shared.engine.block_hash import extend_block_hashes
+from epdserve.shared.engine.kv_events import KVEventLog
 from epdserve.shared.engine.request import Request
 
 
@@ -30,16 +31,6 @@ class KVBlock:
         # Set while the block holds a full, registered block of some prefix; None otherwise.
         self.block_hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
-
-
-def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()) -> bytes:
-    """Stable across processes (unlike `hash()` of strings), so peers can compare prefixes."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent_hash or b"\0" * 16)
-    h.update(array("q", token_ids).tobytes())
-    for key in extra_keys:
-        h.update(b"\x1f" + key.encode())
-    return h.digest()
 
 
 class BlockManager:
@@ -63,6 +54,8 @@ class BlockManager:
         # Prefix-cache statistics in tokens, as vLLM counts them.
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        # Registered and evicted hashes, for routers that follow what this cache holds.
+        self.events = KVEventLog()
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,25 +70,17 @@ class BlockManager:
 
     # -- prefix cache -------------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> None:
-        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[i - 1] if i else None
-            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs], self._extra_keys(request, i)))
-
-    def _extra_keys(self, request: Request, block_index: int) -> tuple[str, ...]:
-        start, end = block_index * self.block_size, (block_index + 1) * self.block_size
-        keys = [p.mm_hash for p in request.mm_placeholders if p.offset < end and p.offset + p.length > start]
-        if block_index == 0 and request.cache_salt:
-            keys.insert(0, "salt:" + request.cache_salt)
-        return tuple(keys)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.mm_placeholders,
+                            request.cache_salt)
 
     def get_computed_blocks(self, request: Request, max_tokens: int | None = None) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request's first `max_tokens` tokens, in whole blocks.
 
         By default never its last token: that token must be computed for its logits. A request whose
-        prompt KV comes from another engine needs no logits and may hit every full block.
+        prompt KV comes from another engine needs no logits and may hit every full block. A request that
+        wants its prompt's logprobs needs the logits of every prompt position: it hits nothing (as in vLLM).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(request)
         bs, tokens = self.block_size, request.all_token_ids
@@ -158,6 +143,7 @@ class BlockManager:
         if block.block_hash is not None:  # evict its cached content
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
+                self.events.removed(block.block_hash)
             block.block_hash, block.token_ids = None, ()
         block.ref_cnt = 1
         return block
@@ -202,6 +188,7 @@ class BlockManager:
             block = self.blocks[request.block_ids[i]]
             block.block_hash, block.token_ids = block_hash, tuple(tokens[i * bs:(i + 1) * bs])
             self.cached_blocks[block_hash] = block
+            self.events.stored(block_hash)
         self._num_registered[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -222,6 +209,8 @@ class BlockManager:
         """Forget every cached block; only possible while no block is in use."""
         if self.num_free_blocks != self.num_blocks:
             return False
+        for block_hash in self.cached_blocks:
+            self.events.removed(block_hash)
         for block in self.blocks:
             block.block_hash, block.token_ids = None, ()
         self.cached_blocks.clear()

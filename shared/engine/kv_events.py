@@ -1,10 +1,11 @@
 """What the prefix cache gained and lost, as numbered batches a router can follow.
 
 The block manager records each block hash it registers (`stored`) and each registered block whose
-content it drops (`removed`: evicted for reuse, or the whole cache reset); the engine seals what a step
-recorded into one batch with the next sequence number. A reader asks for the batches after the last
-number it applied; when those are no longer kept (it fell more than `max_batches` steps behind, or this
-engine restarted) it gets a snapshot instead: every hash the cache holds now, as of the last number.
+content it drops (`removed`: evicted for reuse, or the whole cache reset); what was recorded since the
+last read is sealed into one batch with the next sequence number when a reader asks. A reader asks for
+the batches after the last number it applied; when those are no longer kept (it fell more than
+`max_batches` batches behind, or this engine restarted) it gets a snapshot instead: every hash the cache
+holds now, as of the last number.
 
 Cost: one list append per block registered or evicted, and a bounded deque of batches.
 """
@@ -39,7 +40,7 @@ class KVEventLog:
         self._removed.append(block_hash)
 
     def seal(self) -> None:
-        """Close the step's batch (nothing is numbered for a step that changed nothing)."""
+        """Close the open batch (nothing is numbered when nothing changed)."""
         if not self._stored and not self._removed:
             return
         self.last_seq += 1
