@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class Role(str, enum.Enum):
@@ -114,6 +114,7 @@ class WireSamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
 
@@ -161,6 +162,7 @@ class TokenLogprobs:
     logprob: float
     top_token_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()  # one per top_token_ids entry
+    rank: int | None = None  # of the token itself (1 = the most likely); None where unknown
 
     @property
     def top(self) -> list[tuple[int, float]]:
@@ -228,6 +230,8 @@ class PrefillDone:
     num_cached_tokens: int = 0  # prompt tokens served from the prefill engine's prefix cache
     finish_reason: FinishReason | None = None
     first_logprobs: TokenLogprobs | None = None
+    # With prompt_logprobs: one per prompt token after the first (nothing predicts the first).
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +272,8 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that finished it
     num_cached_tokens: int | None = None  # on a stream's first delta: prompt tokens found in a prefix cache
+    # On a stream's first delta, with prompt_logprobs: one per prompt token after the first.
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -219,6 +219,11 @@ class LLMEngine:
         result = self.runner.execute(sched.scheduled, sched.new_block_ids, sched.block_copies)
         with timer.phase("output"):
             outputs = self._fail(result.failed)
+            for request_id, scores in result.prompt_logprobs.items():
+                request = self.scheduler.requests.get(request_id)
+                if request is not None:
+                    self.output_processor.process_prompt_logprobs(request_id, scores.first_token, scores.entries,
+                                                                  request.prompt_token_ids)
             for request in self.scheduler.update_from_output(sched, result.token_ids):
                 stop = self.output_processor.process_token(request, result.logprobs.get(request.request_id))
                 if stop is not None and not request.is_finished:

@@ -18,6 +18,7 @@ from epdserve.kernels.backend import select_attention_backend
 from epdserve.shared.config import EngineConfig
 from epdserve.shared.models.layers.attention import AttentionMetadata
 from epdserve.shared.models import MODEL_CLASSES
+from epdserve.shared.engine.prompt_logprobs import PromptScores, prompt_span, score_prompt_spans
 from epdserve.shared.engine.sampler import SampledLogprobs, Sampler
 from epdserve.shared.engine.scheduler import ScheduledRequest
 from epdserve.shared.engine.step_timer import StepTimer
@@ -32,6 +33,8 @@ class ModelRunnerOutput(NamedTuple):
     logprobs: dict[str, SampledLogprobs]
     # Requests that failed on their own this step (request id -> why): they get no token.
     failed: dict[str, str]
+    # Requests with prompt_logprobs whose prompt positions this step computed (chunk by chunk).
+    prompt_logprobs: dict[str, PromptScores] = {}
 
 
 def load_model(config: EngineConfig) -> torch.nn.Module:
@@ -99,18 +102,20 @@ class ModelRunner:
             # the same values, so the requests that are fine end up exactly as if the step had worked.
             logger.exception("a step of %d requests failed; running them one at a time", len(scheduled))
             outputs = [self.execute([item]) for item in scheduled]
-            return ModelRunnerOutput(*({k: v for out in outputs for k, v in out[i].items()} for i in range(3)))
+            return ModelRunnerOutput(*({k: v for out in outputs for k, v in out[i].items()}
+                                       for i in range(len(ModelRunnerOutput._fields))))
 
     def _execute(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
         with self.timer.phase("prepare"):
-            input_ids, positions, meta, sample_rows, sample_requests = self._prepare(scheduled)
+            input_ids, positions, meta, sample_rows, sample_requests, spans = self._prepare(scheduled)
         with self.timer.phase("forward"):
             hidden = self.model(input_ids, positions, meta, self._multimodal_embeds(scheduled, input_ids))
+            prompt_logprobs = score_prompt_spans(hidden, spans, self.model.compute_logits) if spans else {}
             if not sample_requests:
-                return ModelRunnerOutput({}, {}, {})
+                return ModelRunnerOutput({}, {}, {}, prompt_logprobs)
             logits = self.model.compute_logits(hidden[sample_rows]).cpu()
         with self.timer.phase("sampler"):
-            return self._sample(logits, sample_requests)
+            return self._sample(logits, sample_requests)._replace(prompt_logprobs=prompt_logprobs)
 
     def _sample(self, logits: torch.Tensor, requests: list) -> ModelRunnerOutput:
         try:
@@ -159,9 +164,12 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_requests = []
+        spans = []  # prompt tokens scored this step, for requests that want prompt logprobs
         for request, num_new in scheduled:
             start = request.num_computed_tokens
             end = start + num_new
+            if (span := prompt_span(request, start, end, len(token_ids))) is not None:
+                spans.append(span)
             token_ids.extend(request.all_token_ids[start:end])
             starts.append(start)
             q_lens.append(num_new)
@@ -195,4 +203,4 @@ class ModelRunner:
             meta.plan = self.backend.plan(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs,
                                           m.num_kv_heads, m.sliding_window, **extra)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        return input_ids, positions.to(dev), meta, torch.tensor(sample_rows, device=dev), sample_requests
+        return input_ids, positions.to(dev), meta, torch.tensor(sample_rows, device=dev), sample_requests, spans

@@ -18,7 +18,8 @@ from epdserve.shared.engine.sampling_params import RequestOutputKind
 
 
 class _RequestState:
-    __slots__ = ("detokenizer", "logprobs", "cumulative_logprob", "num_sent_tokens", "num_sent_chars", "metrics")
+    __slots__ = ("detokenizer", "logprobs", "cumulative_logprob", "num_sent_tokens", "num_sent_chars", "metrics",
+                 "prompt_logprobs", "prompt_logprobs_sent")
 
     def __init__(self, detokenizer: IncrementalDetokenizer | None, arrival_time: float) -> None:
         self.detokenizer = detokenizer
@@ -27,6 +28,9 @@ class _RequestState:
         self.num_sent_tokens = 0  # for DELTA outputs
         self.num_sent_chars = 0
         self.metrics = RequestMetrics(arrival_time)
+        # [None] + one entry per prompt token scored so far, when the request asked for prompt logprobs.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.prompt_logprobs_sent = False  # for DELTA outputs
 
 
 class _GroupState:
@@ -52,9 +56,24 @@ class OutputProcessor:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, sp.stop, sp.include_stop_str_in_output,
                                            sp.skip_special_tokens)
-        self.states[request.request_id] = _RequestState(detok, request.arrival_time)
+        state = self.states[request.request_id] = _RequestState(detok, request.arrival_time)
         if request.group_id != request.request_id:
             self.groups.setdefault(request.group_id, _GroupState()).num_unfinished += 1
+        if sp.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+
+    def process_prompt_logprobs(self, request_id: str, first_token: int, entries: list[SampledLogprobs],
+                                token_ids: list[int]) -> None:
+        """Record prompt tokens first_token, first_token + 1, ... scored by a step; positions scored
+        before (a recompute after preemption) keep their first score."""
+        state = self.states.get(request_id)
+        if state is None or state.prompt_logprobs is None:
+            return
+        known = len(state.prompt_logprobs)
+        for index, lp in enumerate(entries[max(known - first_token, 0):], start=max(known, first_token)):
+            if index != len(state.prompt_logprobs):
+                break  # a gap cannot happen: chunks come in order
+            state.prompt_logprobs.append(self._logprob_entry(token_ids[index], lp))
 
     def process_token(self, request: Request, logprobs: SampledLogprobs | None) -> str | None:
         """Account for the request's newest token; return a stop string it completed, if any."""
@@ -69,12 +88,16 @@ class OutputProcessor:
             state.logprobs.append({})
         elif logprobs is not None:
             state.cumulative_logprob += logprobs.logprob
-            entry = {tid: Logprob(lp, rank + 1, self._decode_one(tid)) for rank, (tid, lp) in enumerate(logprobs.top)}
-            entry[token_id] = Logprob(logprobs.logprob, logprobs.rank, self._decode_one(token_id))
-            state.logprobs.append(entry)
+            state.logprobs.append(self._logprob_entry(token_id, logprobs))
         if state.detokenizer is None:
             return None
         return state.detokenizer.add_token(token_id, request.num_output_tokens >= request.sampling_params.min_tokens)
+
+    def _logprob_entry(self, token_id: int, logprobs: SampledLogprobs) -> dict[int, Logprob]:
+        """vLLM's per-position shape: the top alternatives by rank, and the token itself."""
+        entry = {tid: Logprob(lp, rank + 1, self._decode_one(tid)) for rank, (tid, lp) in enumerate(logprobs.top)}
+        entry[token_id] = Logprob(logprobs.logprob, logprobs.rank, self._decode_one(token_id))
+        return entry
 
     def _decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -116,7 +139,8 @@ class OutputProcessor:
             del self.states[request.request_id]
         held = list(request.block_ids) if finished and request.hold_kv and request.block_ids else None
         output = RequestOutput(request.group_id, request.prompt, request.prompt_token_ids, [completion],
-                               finished, max(request.num_cached_tokens, 0), state.metrics, held, request.error)
+                               finished, max(request.num_cached_tokens, 0), state.metrics, held, request.error,
+                               self._take_prompt_logprobs(state, sp.output_kind))
         return output if request.group_id == request.request_id else self._group_output(request, output)
 
     def _group_output(self, request: Request, output: RequestOutput) -> RequestOutput | None:
@@ -135,3 +159,10 @@ class OutputProcessor:
         completions = [completion] if kind == RequestOutputKind.DELTA else \
             [group.latest[i] for i in sorted(group.latest)]
         return dataclasses.replace(output, outputs=completions, finished=done)
+
+    @staticmethod
+    def _take_prompt_logprobs(state: _RequestState, kind: RequestOutputKind) -> list | None:
+        if state.prompt_logprobs is None or (kind == RequestOutputKind.DELTA and state.prompt_logprobs_sent):
+            return None
+        state.prompt_logprobs_sent = True
+        return list(state.prompt_logprobs)

@@ -41,11 +41,23 @@ def logprobs_to_wire(output: RequestOutput, num_top: int | None) -> tuple[TokenL
     completion = output.outputs[0]
     if num_top is None or not completion.logprobs:
         return ()
-    result = []
-    for token, entry in zip(completion.token_ids, completion.logprobs):
-        top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank <= num_top)
-        result.append(TokenLogprobs(entry[token].logprob, tuple(t for _, t, _ in top), tuple(v for *_, v in top)))
-    return tuple(result)
+    return tuple(_entry_to_wire(token, entry, num_top) for token, entry in zip(completion.token_ids,
+                                                                               completion.logprobs))
+
+
+def prompt_logprobs_to_wire(output: RequestOutput, num_top: int | None) -> tuple[TokenLogprobs, ...]:
+    """The output's prompt logprobs, one per prompt token after the first (which has none); () when the
+    output carries none."""
+    if num_top is None or not output.prompt_logprobs:
+        return ()
+    return tuple(_entry_to_wire(token, entry, num_top)
+                 for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]))
+
+
+def _entry_to_wire(token: int, entry: dict, num_top: int) -> TokenLogprobs:
+    top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank <= num_top)
+    return TokenLogprobs(entry[token].logprob, tuple(t for _, t, _ in top), tuple(v for *_, v in top),
+                         entry[token].rank)
 
 
 def _to_tuple(value: Any) -> Any:

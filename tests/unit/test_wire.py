@@ -9,7 +9,7 @@ from epdserve.transport import protocol as p
 from epdserve.shared.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams
 from epdserve.shared.engine.wire import (ENGINE_ONLY_SAMPLING_FIELDS, WIRE_SAMPLING_FIELDS, logprobs_to_wire,
-                                  sampling_params_from_wire, sampling_params_to_wire)
+                                  prompt_logprobs_to_wire, sampling_params_from_wire, sampling_params_to_wire)
 from epdserve.transport import codec
 
 # Every wire field away from its default (but n, which must be 1).
@@ -56,10 +56,21 @@ def test_logprobs_keep_the_top_n_by_rank_and_the_sampled_token():
         {5: Logprob(-0.1, 1), 9: Logprob(-2.5, 2), 7: Logprob(-3.0, 3)},  # sampled the best
         {5: Logprob(-0.2, 1), 9: Logprob(-1.9, 2), 4: Logprob(-6.0, 17)},  # sampled one outside the top 2
     ], [5, 4])
-    assert logprobs_to_wire(out, 2) == (p.TokenLogprobs(-0.1, (5, 9), (-0.1, -2.5)),
-                                        p.TokenLogprobs(-6.0, (5, 9), (-0.2, -1.9)))
-    assert logprobs_to_wire(out, 0) == (p.TokenLogprobs(-0.1), p.TokenLogprobs(-6.0))
+    assert logprobs_to_wire(out, 2) == (p.TokenLogprobs(-0.1, (5, 9), (-0.1, -2.5), 1),
+                                        p.TokenLogprobs(-6.0, (5, 9), (-0.2, -1.9), 17))
+    assert logprobs_to_wire(out, 0) == (p.TokenLogprobs(-0.1, rank=1), p.TokenLogprobs(-6.0, rank=17))
     assert logprobs_to_wire(out, None) == ()
+
+
+def test_prompt_logprobs_skip_the_first_token_which_nothing_predicts():
+    completion = CompletionOutput(0, "", [8])
+    out = RequestOutput("r", None, [3, 5, 4], [completion], False,
+                        prompt_logprobs=[None, {5: Logprob(-0.1, 1), 9: Logprob(-2.5, 2)},
+                                         {5: Logprob(-0.2, 1), 4: Logprob(-6.0, 17)}])
+    assert prompt_logprobs_to_wire(out, 1) == (p.TokenLogprobs(-0.1, (5,), (-0.1,), 1),
+                                               p.TokenLogprobs(-6.0, (5,), (-0.2,), 17))
+    assert prompt_logprobs_to_wire(out, None) == ()
+    assert prompt_logprobs_to_wire(RequestOutput("r", None, [3], [completion], False), 1) == ()
     assert p.TokenLogprobs(-0.1, (5, 9), (-0.1, -2.5)).top == [(5, -0.1), (9, -2.5)]
 
 
