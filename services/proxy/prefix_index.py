@@ -14,7 +14,6 @@ oldest are forgotten, as the engine itself would evict them first.
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
 from typing import Sequence
 
 
@@ -27,7 +26,7 @@ class _Holdings:
 
     def __init__(self, slot: int) -> None:
         self.slot = slot
-        self.keys: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.keys: dict[int, None] = {}  # insertion order: oldest first
         self.next_seq = 1  # the number the next event batch must start at
         self.synced = False  # False until a snapshot (or events from 1) has been applied
 
@@ -122,7 +121,8 @@ class PrefixIndex:
 
     def _store(self, holdings: _Holdings, key: int) -> None:
         if key in holdings.keys:
-            holdings.keys.move_to_end(key)
+            del holdings.keys[key]  # stored again: now the newest
+            holdings.keys[key] = None
             return
         holdings.keys[key] = None
         held = self._holders.get(key)

@@ -77,3 +77,20 @@ def test_removing_an_unknown_block_is_harmless():
     index = PrefixIndex()
     index.apply("a", 1, 1, (), hashes(list(range(8))))
     assert index.num_blocks("a") == 0
+
+
+def test_extending_hashes_chains_block_by_block_however_it_is_split():
+    from types import SimpleNamespace
+
+    from epdserve.shared.engine.block_hash import block_extra_keys, hash_block
+
+    tokens = list(range(100, 200))
+    images = [SimpleNamespace(offset=20, length=30, mm_hash="img")]
+    expected = []
+    for i in range(len(tokens) // 8):
+        expected.append(hash_block(expected[-1] if expected else None, tokens[i * 8:(i + 1) * 8],
+                                   block_extra_keys(i, 8, images, "salt")))
+    assert extend_block_hashes([], tokens, 8, images, "salt") == expected
+    part = extend_block_hashes([], tokens[:21], 8, images, "salt")
+    assert extend_block_hashes(part, tokens, 8, images, "salt") == expected
+    assert expected != extend_block_hashes([], tokens, 8)  # the image and the salt are in the hashes
