@@ -121,6 +121,9 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         if params.min_tokens >= max_len:
             raise ValueError(f"min_tokens must be less than the model's length {max_len}, got {params.min_tokens}")
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n must be at most the engine's max_num_seqs {self.config.scheduler.max_num_seqs}, "
+                             f"got {params.n}")
 
     def _check_multimodal(self, num_tokens: int, placeholders, embeddings: dict) -> None:
         end = 0
@@ -137,9 +140,6 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests wherever they are; every block they held returns to the pool."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise ValueError(f"n must be at most the engine's max_num_seqs {self.config.scheduler.max_num_seqs}, "
-                             f"got {params.n}")
         for request_id in ids:
             self.scheduler.release_kv(request_id)
         aborted = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
