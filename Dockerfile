@@ -24,6 +24,17 @@ RUN python -m venv /opt/epdserve \
     && groupadd --system --gid 10001 epdserve \
     && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin epdserve
 
+# g++: torch's cpp_extension builds the C++ CPU kernels (kernels/csrc) when an engine starts, for the CPU
+# it runs on; without a compiler engines keep the slower PyTorch attention path. The build lands in
+# TORCH_EXTENSIONS_DIR, owned by the service user: compose.yaml mounts one volume there for every engine,
+# so one build serves all replicas. (DL3008 asks for pinned versions: the base image's Debian release fixes g++'s.)
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && mkdir -p /var/cache/epdserve/kernels \
+    && chown 10001:10001 /var/cache/epdserve/kernels
+
 # torch before the project: left to the resolver, pip would fetch the default (CUDA) build.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
@@ -49,7 +60,8 @@ ENV EPDSERVE_CACHE_DIR=/models \
     HF_HUB_OFFLINE=1 \
     XDG_CACHE_HOME=/tmp/.cache \
     HF_HOME=/tmp/.cache/huggingface \
-    TRITON_HOME=/tmp
+    TRITON_HOME=/tmp \
+    TORCH_EXTENSIONS_DIR=/var/cache/epdserve/kernels
 # /tmp is emptied after: caches the build left there would belong to root.
 RUN epdserve model llava-demo && chmod -R a+rX /models && rm -rf /tmp/* /tmp/.[!.]*
 

@@ -171,3 +171,29 @@ def test_grafana_provisions_the_charts_dashboard_on_prometheus(compose_config):
     assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == dashboards[0]["target"]
     (published,) = grafana["ports"]
     assert published["host_ip"] == "127.0.0.1"
+
+
+def test_docker_waits_for_every_drain_before_killing(compose_config, epdserve_services):
+    # `docker compose stop` sends SIGTERM, waits stop_grace_period, then kills: the drain must end first,
+    # with a few seconds to cut what is left and exit.
+    for drain in (None, "45"):
+        env = {} if drain is None else {"EPDSERVE_DRAIN_TIMEOUT": drain}
+        for name, (service, args) in epdserve_services(compose_config("gpu", **env)).items():
+            grace = service["stop_grace_period"]
+            assert grace.endswith("s") and grace[:-1].isdigit(), grace
+            if "--drain-timeout" not in service["command"]:
+                assert args.role == "proxy", f"{name} must be given its drain timeout"
+                continue
+            if drain is None:
+                assert args.drain_timeout + 10 <= int(grace[:-1]), f"{name}: drain {args.drain_timeout} s, grace {grace}"
+            else:  # the documented ceiling of EPDSERVE_DRAIN_TIMEOUT
+                assert args.drain_timeout <= int(grace[:-1]), name
+
+
+def test_engine_replicas_share_one_build_of_the_cpp_kernels(compose_config, epdserve_services):
+    # The image points torch's extension builds at this folder (Dockerfile: TORCH_EXTENSIONS_DIR).
+    for name, (service, args) in epdserve_services(compose_config("gpu")).items():
+        if args.role == "proxy":
+            continue
+        (mount,) = [v for v in service["volumes"] if v["target"] == "/var/cache/epdserve/kernels"]
+        assert mount["type"] == "volume" and mount["source"] == "kernels", name

@@ -125,3 +125,10 @@ def test_healthcheck_refuses_a_random_port(healthcheck):
     with pytest.raises(SystemExit, match="random"):
         healthcheck.health_url(["serve", "prefill", "--port", "7000"])
     assert healthcheck.server_args(["/usr/bin/tini", "--", "sleep"]) is None
+
+
+def test_the_image_can_build_the_cpp_kernels(env, runs):
+    # Without a compiler an engine keeps the slower PyTorch attention path (kernels/cpu_build.py).
+    assert any(re.search(r"apt-get install [^&]*\bg\+\+", c) for c in runs)
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    assert f"kernels:{env['TORCH_EXTENSIONS_DIR']}" in compose["x-service"]["volumes"]

