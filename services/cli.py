@@ -5,6 +5,7 @@
     epdserve up [--model PATH] [--port 8000] [--encoders N --prefills N --decodes N | --unified]
     epdserve keys DIR                                            make the CURVE certificate services share
     epdserve bench serve [--base-url URL] [--dataset-name ...]   load-test an OpenAI-compatible server
+    epdserve run-batch -i IN.jsonl -o OUT.jsonl [--model PATH | --base-url URL]   an OpenAI batch file
 
 Configuration is parsed here, once, into the frozen config objects the services receive. A user's
 mistake found here (a missing model folder, a malformed peer address) ends the command with one line
@@ -18,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from epdserve.services.batch.cli import add_run_batch_parser
 from epdserve.services.bench.cli import add_bench_parser
 
 ROLES = ("encoder", "prefill", "decode", "unified", "proxy")
@@ -173,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--allow-private-image-urls", action="store_true",
                            help="also fetch image URLs from loopback, private and link-local addresses "
                                 "(refused by default: the proxy must not become a way into your network)")
+            p.add_argument("--max-request-body-bytes", type=int, default=64 << 20,
+                           help="larger request bodies get HTTP 413 (default: %(default)s)")
             _add_transport_args(p)
         else:
             p.add_argument("--port", type=int, default=0, help="control channel port")
@@ -224,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.set_defaults(func=_keys_command)
 
     add_bench_parser(sub)
+    add_run_batch_parser(sub, _add_engine_args)
     return parser
 
 
@@ -283,7 +288,8 @@ def proxy_config(args: argparse.Namespace, model: str):
         lifecycle=LifecycleConfig(local_prefill_threshold=args.local_prefill_threshold,
                                   rpc_timeout=transport.rpc_timeout, token_timeout=args.token_timeout),
         transport=transport, allowed_image_domains=_split_targets(args.allowed_image_domains),
-        allow_private_image_urls=args.allow_private_image_urls, access_log=args.log_level == "debug")
+        allow_private_image_urls=args.allow_private_image_urls, access_log=args.log_level == "debug",
+        max_request_body_bytes=args.max_request_body_bytes)
 
 
 def service_config(args: argparse.Namespace, threads: int = 1):

@@ -20,7 +20,7 @@ from epdserve.shared.engine.async_llm import AsyncLLM
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.transport.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, Handshake, KVHandle, LeaseRenewed,
                                       Message, PrefillDone, PrefillRequest, Release, RenewLease, Role)
-from epdserve.shared.engine.wire import logprobs_to_wire
+from epdserve.shared.engine.wire import logprobs_to_wire, prompt_logprobs_to_wire
 from epdserve.transport.kv_transfer import KVTransferClient, KVTransferServer, create_server
 from epdserve.transport.security import WILDCARD_HOSTS
 
@@ -89,9 +89,10 @@ class PrefillWorker(EngineWorker):
         task = asyncio.current_task()
         self._tasks[rid] = task
         try:
-            out = None
+            out, prompt_logprobs = None, ()
             async for out in self.llm.generate(request):
-                pass
+                prompt_logprobs = prompt_logprobs_to_wire(out, request.sampling_params.prompt_logprobs) or \
+                    prompt_logprobs
         except asyncio.CancelledError:  # aborted by the proxy while prefilling
             self.llm.call_soon(lambda e: e.release_kv(rid))
             return Error(ErrorCode.ABORTED, "aborted", rid)
@@ -106,7 +107,7 @@ class PrefillWorker(EngineWorker):
         if completion.finish_reason == "stop" or not wants_more:
             self.llm.call_soon(lambda e: e.release_kv(rid))
             return PrefillDone(rid, first, None, out.num_cached_tokens, FinishReason(completion.finish_reason),
-                               first_logprobs)
+                               first_logprobs, prompt_logprobs=prompt_logprobs)
         # From the output itself: asking the engine thread would wait out the step it is running.
         block_ids = out.kv_block_ids
         self.kv_server.expose(rid, block_ids)
@@ -115,7 +116,7 @@ class PrefillWorker(EngineWorker):
             self._lease_task = asyncio.create_task(self._expire_leases())
         handle = KVHandle(self.service.engine_id, self.data_addr, tuple(block_ids), len(m.prompt_token_ids),
                           time.time() + self.service.lease_seconds, self.control_addr)
-        return PrefillDone(rid, first, handle, out.num_cached_tokens, None, first_logprobs)
+        return PrefillDone(rid, first, handle, out.num_cached_tokens, None, first_logprobs, prompt_logprobs=prompt_logprobs)
 
     async def abort(self, request_id: str) -> None:
         task = self._tasks.get(request_id)

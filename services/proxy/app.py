@@ -1,9 +1,11 @@
 """The proxy's HTTP surface: OpenAI routes, tokenizer routes, health, readiness and metrics.
 
 Errors are OpenAI-shaped ({"error": {"message", "type", "param", "code"}}): 400 for bad input (a body that is
-not a JSON object included; `param` names the field), 401 without the API key (when one is set; /health is
-open), 404 for an unknown model or route, 405 for a wrong method, 503 when a role has no healthy instance, 504
-on timeout. A client that disconnects, before its first token or after, aborts its request on every service.
+not valid JSON or not a JSON object included; `param` names the field), 401 without the API key (when one is
+set; /health is open), 404 for an unknown model or route, 405 for a wrong method, 413 for a body over the
+size limit, 415 for a body that is declared as something other than JSON, 503 when a role has no healthy
+instance, 504 on timeout. A client that disconnects, before its first token or after, aborts its request on
+every service.
 """
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # What the OpenAPI schema says bad input gets (FastAPI's default would be a 422 with its own body).
 BAD_INPUT = {400: {"model": ErrorResponse, "description": "Bad input"}}
 HTTP_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                    405: "MethodNotAllowedError"}
+                    405: "MethodNotAllowedError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError"}
+# The default limit on a request body: room for a few base64 images of the default maximum image size.
+MAX_BODY_BYTES = 64 << 20
 
 
 def error_body(message: str, error_type: str, status: int, param: str | None = None) -> dict:
@@ -68,6 +72,46 @@ class _RequireApiKey:
         await self.app(scope, receive, send)
 
 
+class _CheckBody:
+    """A request body must be JSON (when its type is declared at all: FastAPI reads an undeclared body as
+    JSON) and at most `max_bytes` long, whether it declares its length or streams in chunks. Plain ASGI,
+    like _RequireApiKey."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+            response = error_response(f"the body must be JSON (Content-Type: application/json), not {media_type}",
+                                      "UnsupportedMediaTypeError", 415)
+            return await response(scope, receive, send)
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:  # raised where the route reads the body: FastAPI answers it
+                raise HTTPException(413, self._too_large_message)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    @property
+    def _too_large_message(self) -> str:
+        return f"the request body is larger than the limit of {self.max_bytes} bytes"
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await error_response(self._too_large_message, "RequestTooLargeError", 413)(scope, receive, send)
+
+
 class _CountResponses:
     """Every HTTP response counted by status, a 401 from the API key check and an unhandled error's 500
     included. Plain ASGI, like _RequireApiKey."""
@@ -96,10 +140,13 @@ class _CountResponses:
 
 
 def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None = None,
-              readiness: Callable[[], Awaitable[tuple[bool, dict]]] | None = None) -> FastAPI:
-    """`readiness()` -> (ready, details): whether every role has a healthy instance."""
+              readiness: Callable[[], Awaitable[tuple[bool, dict]]] | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """`readiness()` -> (ready, details): whether every role has a healthy instance. `max_body_bytes`: the
+    largest request body taken (413 beyond)."""
     app = FastAPI(title="epdserve", docs_url=None, redoc_url=None)
 
+    app.add_middleware(_CheckBody, max_bytes=max_body_bytes)  # inside the key check: strangers get a 401
     if api_key:
         app.add_middleware(_RequireApiKey, api_key=api_key)
     app.add_middleware(_CountResponses, metrics=metrics)  # added last: outermost, it sees the key check's 401s
@@ -129,7 +176,12 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
-        return error_response(str(exc.detail), HTTP_ERROR_TYPES.get(exc.status_code, "HTTPError"), exc.status_code,
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":  # the router's: no such route
+            message = f"there is no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        return error_response(message, HTTP_ERROR_TYPES.get(exc.status_code, "HTTPError"), exc.status_code,
                               headers=exc.headers)
 
     @app.exception_handler(BadRequest)
@@ -162,10 +214,18 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    def model_card() -> dict:
+        return {"id": serving.model_name, "object": "model", "created": 0, "owned_by": "epdserve",
+                "max_model_len": serving.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": 0,
-                                            "owned_by": "epdserve", "max_model_len": serving.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", responses={404: {"model": ErrorResponse, "description": "Unknown model"}})
+    async def model(model_id: str) -> dict:
+        serving.check_model(model_id)
+        return model_card()
 
     @app.post("/tokenize", responses=BAD_INPUT)
     async def tokenize(body: TokenizeRequest) -> dict:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from epdserve.services.network import advertised
@@ -131,15 +131,17 @@ class ServiceBackend:
             PrefillRequest(gen.request_id, tuple(gen.prompt_token_ids), wire, placeholders, gen.cache_salt),
             self.config.prefill_timeout, PrefillDone)
         first = Chunk([done.first_token], [done.first_logprobs] if done.first_logprobs else [],
-                      done.finish_reason.value if done.finish_reason else None, None, done.num_cached_tokens)
+                      done.finish_reason.value if done.finish_reason else None, None, done.num_cached_tokens,
+                      list(done.prompt_logprobs) if done.prompt_logprobs else None)
         if done.kv_handle is None:
             yield first
             return
         finished = False
         try:
             yield first
+            # Prefill scored the prompt: decode, even when it recomputes the prompt, must not do it again.
             request = DecodeRequest(gen.request_id, tuple(gen.prompt_token_ids), done.first_token, done.kv_handle,
-                                    wire, placeholders, gen.cache_salt, self.reply_to)
+                                    replace(wire, prompt_logprobs=None), placeholders, gen.cache_salt, self.reply_to)
             async for chunk in self._stream_from(Role.DECODE, request, None):
                 finished = chunk.finish_reason is not None
                 yield chunk
@@ -174,7 +176,7 @@ class ServiceBackend:
                 finished = message.finish_reason is not None
                 yield Chunk(list(message.token_ids), list(message.logprobs),
                             message.finish_reason.value if finished else None, message.stop_reason,
-                            message.num_cached_tokens)
+                            message.num_cached_tokens, list(message.prompt_logprobs) or None)
         finally:
             self._streams.pop(rid, None)
             if instance is not None:

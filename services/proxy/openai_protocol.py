@@ -1,12 +1,14 @@
 """OpenAI API request bodies, validated: anything malformed becomes a 400 with an OpenAI error body.
 
 Fields follow the OpenAI API plus the extensions vLLM users rely on (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, cache_salt).
-Unknown fields are ignored, as the OpenAI API and vLLM do.
+min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, cache_salt,
+prompt_logprobs). A field of the OpenAI API reference that is not implemented is refused with a 400 naming it
+(`REFUSED_FIELDS`), never dropped; a field outside the reference is kept aside (`model_extra`) for the
+serving layer to log once per request, as vLLM does, and otherwise ignored.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -43,8 +45,8 @@ def _encodes(text: str) -> bool:
 
 
 class _Request(BaseModel):
-    """A request body: unknown fields ignored, floats finite, every string valid UTF-8."""
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    """A request body: unknown fields kept aside in `model_extra`, floats finite, every string valid UTF-8."""
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -55,6 +57,37 @@ class _Request(BaseModel):
             raise ValidationError.from_exception_data(cls.__name__, [InitErrorDetails(type=error, loc=path,
                                                                                        input=None)])
         return data
+
+
+def _refuse(field: str, message: str) -> ValidationError:
+    error = PydanticCustomError("unsupported", message)
+    return ValidationError.from_exception_data("request", [InitErrorDetails(type=error, loc=(field,), input=None)])
+
+
+def _is_set(value: Any) -> bool:
+    """Whether a refused field asks for anything: null, false, "" and empty lists or objects do not."""
+    return value not in (None, False, "", [], {})
+
+
+# Fields of the OpenAI API reference that this server does not implement: name -> why (the 400 says
+# "<name>: <why>").
+REFUSED_FIELDS = {
+    "chat": {
+        "audio": "audio output is not supported",
+        "functions": "deprecated and not supported: use tools",
+        "function_call": "deprecated and not supported: use tool_choice",
+        "prediction": "predicted outputs are not supported",
+        "reasoning_effort": "not supported: this model does not reason",
+        "verbosity": "not supported",
+        "web_search_options": "web search is not supported",
+        "store": "stored completions are not supported",
+        "metadata": "only for stored completions, which are not supported",
+        "prompt_cache_key": "not supported (prefix caching is automatic)",
+    },
+    "completions": {
+        "suffix": "not supported: this model has no fill-in-the-middle mode",
+    },
+}
 
 
 class ErrorInfo(BaseModel):
@@ -96,6 +129,32 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>" (exact ids, as in vLLM)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's: top-N per prompt token
+    service_tier: Literal["auto", "default"] | None = None  # one tier here: only the ones that mean "ours"
+    modalities: list[Literal["text"]] | None = None  # text out only; "audio" is refused
+
+    _refused: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, why in cls._refused.items():
+                if _is_set(data.get(name)):
+                    raise _refuse(name, why)
+            data = {k: v for k, v in data.items() if k not in cls._refused}  # null: asks for nothing
+        return data
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise _refuse("prompt_logprobs", "not available when stream is true")
+        return self
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        """Fields outside the API reference and our extensions (ignored; the serving layer logs them)."""
+        return sorted(self.model_extra or ())
 
     @field_validator("stop")
     @classmethod
@@ -132,10 +191,18 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
+    _refused: ClassVar[dict[str, str]] = REFUSED_FIELDS["completions"]
+
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    max_tokens: int | None = Field(default=16, ge=0)  # 0: only with echo (the prompt and its logprobs)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+
+    @model_validator(mode="after")
+    def _zero_tokens_only_with_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise _refuse("max_tokens", "must be at least 1 (0 only with echo)")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt: text or token ids (n>1 prompts per request is not supported)."""
@@ -147,6 +214,9 @@ class CompletionRequest(_SamplingFields):
         if isinstance(p, list) and not p:
             raise ValueError("prompt must not be empty")
         return [p]
+
+
+SUPPORTED_PARTS = ("text", "image_url")
 
 
 class ImageURL(BaseModel):
@@ -175,8 +245,22 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _supported_parts(cls, content: Any) -> Any:
+        # Named here: the union's own error would list a mismatch for every member instead.
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in SUPPORTED_PARTS:
+                raise PydanticCustomError("unsupported", "content part {index} is of type {kind}, which is not "
+                                          "supported: parts may be text or image_url",
+                                          {"index": i, "kind": kind})
+        return content
+
 
 class ChatCompletionRequest(_SamplingFields):
+    _refused: ClassVar[dict[str, str]] = REFUSED_FIELDS["chat"]
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)

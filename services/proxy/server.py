@@ -8,7 +8,7 @@ from pathlib import Path
 
 import uvicorn
 
-from epdserve.services.proxy.app import build_app
+from epdserve.services.proxy.app import MAX_BODY_BYTES, build_app
 from epdserve.services.proxy.images import ImageFetcher, MultimodalChatEncoder
 from epdserve.services.proxy.lifecycle import LifecycleConfig, ServiceBackend
 from epdserve.services.proxy.metrics import ProxyMetrics
@@ -46,6 +46,7 @@ class ProxyConfig:
     max_image_bytes: int = 20 << 20
     allowed_image_domains: tuple[str, ...] = ()  # empty: any public host
     allow_private_image_urls: bool = False  # image URLs on loopback/private/link-local hosts
+    max_request_body_bytes: int = MAX_BODY_BYTES  # larger bodies get 413
     # uvicorn's line per HTTP request and its startup chatter (`--log-level debug`); off, a stack starting
     # up would print a line per readiness probe.
     access_log: bool = False
@@ -101,7 +102,7 @@ async def build_proxy(config: ProxyConfig):
     async def readiness():
         return router.readiness()
 
-    app = build_app(serving, metrics, config.api_key, readiness)
+    app = build_app(serving, metrics, config.api_key, readiness, config.max_request_body_bytes)
     return app, router, backend
 
 

@@ -6,6 +6,7 @@ stop strings, logprob formatting and usage on the way out. Services only ever se
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import replace
@@ -14,10 +15,14 @@ from typing import AsyncIterator, Awaitable, Callable
 from epdserve.services.proxy.generation import Backend, Chunk, GenerateInput, GenerationError, ImageInput
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.openai_protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from epdserve.services.proxy.prompt_logprobs import Echo, echo_logprobs, vllm_prompt_logprobs
 from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
 from epdserve.transport.protocol import TokenLogprobs
 from epdserve.shared.engine.sampling_params import SamplingParams
 from epdserve.shared.processing.tokenizer import Tokenizer
+
+
+logger = logging.getLogger(__name__)
 
 
 class BadRequest(ValueError):
@@ -45,10 +50,13 @@ class _Result:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt token after the first
 
     def add(self, chunk: Chunk) -> None:
         if chunk.num_cached_tokens is not None:
             self.num_cached_tokens = chunk.num_cached_tokens
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs = chunk.prompt_logprobs
         for i, token in enumerate(chunk.token_ids):
             self.token_ids.append(token)
             if chunk.logprobs:
@@ -135,6 +143,18 @@ class OpenAIServing:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
+    @staticmethod
+    def log_unknown_fields(req: _SamplingFields, request_id: str) -> None:
+        if req.unknown_fields:
+            logger.warning("request %s: ignoring fields outside the API: %s", request_id,
+                           ", ".join(req.unknown_fields))
+
+    @staticmethod
+    def with_prompt_logprobs(sampling: SamplingParams, *wanted: int | None) -> SamplingParams:
+        """`sampling` asking the engine for the most prompt logprobs any of `wanted` asks for (None: none)."""
+        asked = [n for n in wanted if n is not None]
+        return replace(sampling, prompt_logprobs=max(asked)) if asked else sampling
+
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise BadRequest(f"token ids must be in [0, {self.vocab_size})", param=param)
@@ -184,6 +204,7 @@ class OpenAIServing:
     # -- /v1/completions ----------------------------------------------------------------------------
     async def completion(self, req: CompletionRequest, request_id: str) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
+        self.log_unknown_fields(req, request_id)
         try:
             (prompt,) = req.prompts()
         except ValueError as exc:
@@ -194,29 +215,51 @@ class OpenAIServing:
             ids = list(prompt)
             self.check_token_ids(ids, "prompt")
             prompt = self.tokenizer.decode(ids, skip_special_tokens=False)
-        sampling = self._sampling(req, len(ids), req.max_tokens, req.logprobs, "prompt", "max_tokens")
+        # max_tokens 0 (echo only) still runs the prompt, for its logprobs: one token, not answered.
+        sampling = self._sampling(req, len(ids), 1 if req.max_tokens == 0 else req.max_tokens, req.logprobs,
+                                  "prompt", "max_tokens")
+        sampling = self.with_prompt_logprobs(sampling, req.prompt_logprobs, req.logprobs if req.echo else None)
         gen = self._input(_internal_id(request_id), ids, sampling, [], req.cache_salt)
         created = int(time.time())
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
-        echo = prompt if req.echo else ""
+        echo = Echo(prompt, ids, req.max_tokens == 0) if req.echo else None
+        as_ids = req.return_tokens_as_token_ids
         if req.stream:
-            return self._stream_completion(gen, sampling, head, echo, req.include_usage, req.return_tokens_as_token_ids)
+            return self._stream_completion(gen, sampling, head, echo, req.include_usage, as_ids)
         result = None
         async for result in self._run(gen, sampling):
             pass
-        text, tokens, logprobs = result.take_delta()
-        choice = {"index": 0, "text": echo + text, "finish_reason": result.finish_reason,
-                  "stop_reason": result.stop_reason,
-                  "logprobs": self._completion_logprobs(tokens, logprobs, len(echo), req.return_tokens_as_token_ids)
-                  if req.logprobs is not None else None}
-        return head | {"choices": [choice], "usage": self._usage(len(ids), result)}
+        text, tokens, logprobs = ("", [], []) if echo and echo.only else result.take_delta()
+        offset = len(echo.text) if echo else 0
+        lp = self._completion_logprobs(tokens, logprobs, offset, as_ids) if req.logprobs is not None else None
+        if lp is not None and echo:
+            lp = {key: value + lp[key] for key, value in self._echo_logprobs(echo, result, as_ids).items()}
+        choice = {"index": 0, "text": (echo.text if echo else "") + text, "logprobs": lp,
+                  **self._finish(result, echo)}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(ids, result.prompt_logprobs, self._token_text)
+        return head | {"choices": [choice], "usage": self._usage(len(ids), result, echo)}
+
+    def _echo_logprobs(self, echo: Echo, result: _Result, as_ids: bool) -> dict:
+        return echo_logprobs(echo, result.prompt_logprobs, lambda t: self._token_label(t, as_ids), self._token_text)
+
+    @staticmethod
+    def _finish(result: _Result, echo: Echo | None) -> dict:
+        if echo and echo.only:
+            return {"finish_reason": "length", "stop_reason": None}
+        return {"finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
 
     async def _stream_completion(self, gen, sampling, head, echo, include_usage, as_ids) -> AsyncIterator[str]:
-        offset = len(echo)
-        if echo:
-            yield _sse(head | {"choices": [{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}]})
+        offset, echo_pending = 0, echo is not None
         result = None
         async for result in self._run(gen, sampling):
+            if echo_pending:  # the prompt's logprobs come with the first token
+                lp = self._echo_logprobs(echo, result, as_ids) if sampling.logprobs is not None else None
+                yield _sse(head | {"choices": [{"index": 0, "text": echo.text, "logprobs": lp,
+                                                "finish_reason": None}]})
+                offset, echo_pending = len(echo.text), False
+            if echo and echo.only:
+                continue  # its one token is no answer; the loop ends after it
             text, tokens, logprobs = result.take_delta()
             if not text and not tokens and not result.finished:
                 continue
@@ -225,8 +268,10 @@ class OpenAIServing:
             yield _sse(head | {"choices": [{"index": 0, "text": text, "logprobs": lp,
                                             "finish_reason": result.finish_reason,
                                             "stop_reason": result.stop_reason}]})
+        if echo and echo.only:
+            yield _sse(head | {"choices": [{"index": 0, "text": "", "logprobs": None, **self._finish(result, echo)}]})
         if include_usage:
-            yield _sse(head | {"choices": [], "usage": self._usage(len(gen.prompt_token_ids), result)})
+            yield _sse(head | {"choices": [], "usage": self._usage(len(gen.prompt_token_ids), result, echo)})
         yield "data: [DONE]\n\n"
 
     def _completion_logprobs(self, tokens: list[int], logprobs: list[TokenLogprobs], offset: int,
@@ -244,9 +289,11 @@ class OpenAIServing:
     # -- /v1/chat/completions -----------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
+        self.log_unknown_fields(req, request_id)
         ids, images = await self.encode_chat(req)
         sampling = self._sampling(req, len(ids), req.effective_max_tokens, req.num_logprobs, "messages",
                                   req.max_tokens_field)
+        sampling = self.with_prompt_logprobs(sampling, req.prompt_logprobs)
         gen = self._input(_internal_id(request_id), ids, sampling, images, req.cache_salt)
         head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
@@ -260,7 +307,10 @@ class OpenAIServing:
                   "logprobs": {"content": self._chat_logprobs(tokens, logprobs, req.return_tokens_as_token_ids)}
                   if sampling.logprobs is not None else None,
                   "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
-        return head | {"choices": [choice], "usage": self._usage(len(ids), result)}
+        body = head | {"choices": [choice], "usage": self._usage(len(ids), result)}
+        if req.prompt_logprobs is not None:  # vLLM's extension, beside the choices as there
+            body["prompt_logprobs"] = vllm_prompt_logprobs(ids, result.prompt_logprobs, self._token_text)
+        return body
 
     async def _stream_chat(self, gen, sampling, head, include_usage, as_ids) -> AsyncIterator[str]:
         result = None
@@ -295,8 +345,8 @@ class OpenAIServing:
         return f"token_id:{token_id}" if as_id else self._token_text(token_id)
 
     @staticmethod
-    def _usage(prompt_tokens: int, result: _Result) -> dict:
-        completion = len(result.token_ids)
+    def _usage(prompt_tokens: int, result: _Result, echo: Echo | None = None) -> dict:
+        completion = 0 if echo and echo.only else len(result.token_ids)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": result.num_cached_tokens}}

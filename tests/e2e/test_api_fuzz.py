@@ -139,7 +139,7 @@ POISON = [
     (CHAT, chat('"hi"', ', "max_completion_tokens": 1000000000000000000000000'), "max_completion_tokens"),
     (C, '{"prompt": "' + "word " * MAX_MODEL_LEN + '"}', "prompt"),
     (C, '{"prompt": [1, ' + str(VOCAB) + "]}", "prompt"),
-    (C, completion('"logprobs": 6'), "logprobs"),
+    (C, completion('"logprobs": 21'), "logprobs"),
     (CHAT, chat('"hi"', ', "logprobs": true, "top_logprobs": 21'), "top_logprobs"),
     (DETOK, '{"tokens": [' + str(VOCAB) + "]}", "tokens"),
     (DETOK, '{"tokens": [-1]}', "tokens"),
@@ -216,7 +216,7 @@ SAMPLING = st.fixed_dictionaries({"max_tokens": st.integers(1, 48)}, optional={
 # No control characters: a few of them tokenize to nothing, and an empty prompt is a 400.
 PROMPT = st.text(st.characters(exclude_categories=["Cc", "Cs"]), min_size=1, max_size=24)
 COMPLETION = st.fixed_dictionaries({"prompt": PROMPT | st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=64)},
-                                   optional={"echo": st.booleans(), "logprobs": st.integers(0, 5)})
+                                   optional={"echo": st.booleans(), "logprobs": st.integers(0, 20)})
 CHAT_BODY = st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries({
     "role": st.just("user"), "content": text(8) | st.lists(st.fixed_dictionaries({
         "type": st.just("text"), "text": text(4)}), min_size=1, max_size=2)}), min_size=1, max_size=2)},
