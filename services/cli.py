@@ -21,6 +21,7 @@ from pathlib import Path
 
 from epdserve.services.batch.cli import add_run_batch_parser
 from epdserve.services.bench.cli import add_bench_parser
+from epdserve.services.proxy.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 
 ROLES = ("encoder", "prefill", "decode", "unified", "proxy")
 MODELS = ("llava-demo", "smollm2", "tiny-llama", "tiny-qwen2")
@@ -169,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--token-timeout", type=float, default=600.0,
                            help="seconds allowed between two chunks of a stream; also the longest wait for a "
                                 "stream's first chunk or a whole non-streamed answer")
+            p.add_argument("--drain-timeout", type=float, default=10.0,
+                           help="on SIGTERM or Ctrl-C, seconds requests in flight get to finish (new ones are "
+                                "refused with 503, /ready turns 503) before the rest are cut - a stream with an "
+                                "error event and [DONE]; a second signal cuts at once (default: %(default)s)")
             p.add_argument("--allowed-image-domains", action="append", metavar="DOMAIN",
                            help="fetch http(s) image URLs only from these domains and their subdomains "
                                 "(repeat or comma-separate; default: any public host)")
@@ -177,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(refused by default: the proxy must not become a way into your network)")
             p.add_argument("--max-request-body-bytes", type=int, default=64 << 20,
                            help="larger request bodies get HTTP 413 (default: %(default)s)")
+            p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSER_NAMES),
+                           help="how tool calls are read from the text when tool_choice is auto (default: %(default)s)")
             _add_transport_args(p)
         else:
             p.add_argument("--port", type=int, default=0, help="control channel port")
@@ -188,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--lease-seconds", type=float, default=10.0)
             p.add_argument("--encoder-cache-items", type=int, default=256)
             p.add_argument("--drain-timeout", type=float, default=10.0,
-                           help="on SIGTERM, seconds to finish in-flight requests (taking no new ones) before exiting")
+                           help="on SIGTERM or Ctrl-C, seconds to finish requests in flight (taking no new ones, "
+                                "/ready 503, DRAINING to the proxies) before the rest are cut and the service "
+                                "exits (default: %(default)s)")
             _add_engine_args(p)
             _add_transport_args(p)
         p.set_defaults(func=_serve_command)
@@ -216,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="read the API key from this file (default: $EPDSERVE_API_KEY_FILE)")
     up.add_argument("--threads", type=int, default=1, metavar="N",
                     help="compute threads per engine process (default: %(default)s)")
+    up.add_argument("--drain-timeout", type=float, default=10.0, metavar="SECONDS",
+                    help="on Ctrl-C or SIGTERM, seconds the proxy, then each engine, gets to finish requests in "
+                         "flight; a second Ctrl-C cuts them, a third kills (default: %(default)s)")
     up.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS",
                     help="seconds to wait for every service to be ready (default: %(default)s)")
     _add_log_level(up)
@@ -289,7 +301,8 @@ def proxy_config(args: argparse.Namespace, model: str):
                                   rpc_timeout=transport.rpc_timeout, token_timeout=args.token_timeout),
         transport=transport, allowed_image_domains=_split_targets(args.allowed_image_domains),
         allow_private_image_urls=args.allow_private_image_urls, access_log=args.log_level == "debug",
-        max_request_body_bytes=args.max_request_body_bytes)
+        tool_call_parser=args.tool_call_parser,
+        drain_timeout=args.drain_timeout, max_request_body_bytes=args.max_request_body_bytes)
 
 
 def service_config(args: argparse.Namespace, threads: int = 1):
@@ -336,7 +349,7 @@ def stack_config(args: argparse.Namespace, model: str):
 
     for flag, value, least in (("--port", args.port, 1), ("--prefills", args.prefills, 0),
                                ("--decodes", args.decodes, 0), ("--encoders", args.encoders, 0),
-                               ("--threads", args.threads, 1)):
+                               ("--threads", args.threads, 1), ("--drain-timeout", args.drain_timeout, 0)):
         if value is not None and value < least:
             raise SystemExit(f"epdserve: error: {flag} must be at least {least}, got {value}")
     if args.port > 65535:
@@ -346,7 +359,7 @@ def stack_config(args: argparse.Namespace, model: str):
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
     encoders = args.encoders if args.encoders is not None else int(is_multimodal(model))
     return StackConfig(model, args.host, args.port, encoders, args.prefills, args.decodes, args.unified,
-                       _api_key(args), args.threads, args.log_level, tuple(extra))
+                       _api_key(args), args.threads, args.log_level, tuple(extra), args.drain_timeout)
 
 
 def _up_command(args: argparse.Namespace) -> int:

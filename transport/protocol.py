@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class Role(str, enum.Enum):
@@ -94,6 +94,20 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class LogitBias:
+    token_id: int
+    bias: float
+
+
+@dataclass(frozen=True, slots=True)
+class WireStructuredOutputs:
+    """An output constraint (the engine's StructuredOutputsParams): what a grammar is compiled from."""
+
+    kind: str  # json | json_object | regex | choice | grammar
+    spec: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class WireSamplingParams:
     """The engine's SamplingParams as they travel: the same fields, minus those only the engine sets
     (see `epdserve.shared.engine.wire`, which converts, and the test that holds the two field sets equal)."""
@@ -116,6 +130,8 @@ class WireSamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: tuple[LogitBias, ...] = ()
+    structured_outputs: WireStructuredOutputs | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +168,15 @@ class KVHandle:
     num_tokens: int  # tokens whose KV the blocks hold (the last block may be partial)
     lease_deadline: float  # Unix seconds; the blocks are freed after it unless renewed
     control_addr: str = ""  # the prefill engine's control channel, where Release goes
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """The first token prefill sampled for one of a request's n sequences (n > 1)."""
+
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+    finish_reason: FinishReason | None = None  # set only when the whole request ended at its first tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +257,9 @@ class PrefillDone:
     first_logprobs: TokenLogprobs | None = None
     # With prompt_logprobs: one per prompt token after the first (nothing predicts the first).
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    # With n > 1, the first tokens of sequences 1 .. n-1 (the fields above are sequence 0's); all of them
+    # share the prompt's KV in `kv_handle`.
+    other_first_tokens: tuple[FirstToken, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +274,9 @@ class DecodeRequest:
     mm_placeholders: tuple[MMPlaceholder, ...] = ()
     cache_salt: str | None = None
     reply_to: str = ""  # the proxy inbox (pull channel) that TokenDeltas are pushed to
+    # With n > 1, the first tokens prefill sampled for sequences 1 .. n-1: decode pulls the prompt's KV
+    # once and forks every sequence from it.
+    other_first_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +305,7 @@ class TokenDelta:
     num_cached_tokens: int | None = None  # on a stream's first delta: prompt tokens found in a prefix cache
     # On a stream's first delta, with prompt_logprobs: one per prompt token after the first.
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    index: int = 0  # which of the request's n sequences the tokens belong to
 
 
 @dataclass(frozen=True, slots=True)

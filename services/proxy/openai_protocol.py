@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from epdserve.shared.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from epdserve.services.proxy.output_constraints import ConstraintFields, ToolCallItem, ToolFields
 
 
 def _first_unencodable(body: Any) -> tuple | None:
@@ -69,6 +70,9 @@ def _is_set(value: Any) -> bool:
     return value not in (None, False, "", [], {})
 
 
+# Most choices one request may ask for (n, best_of, and n times the prompts of a completion), as OpenAI.
+MAX_CHOICES = 128
+
 # Fields of the OpenAI API reference that this server does not implement: name -> why (the 400 says
 # "<name>: <why>").
 REFUSED_FIELDS = {
@@ -106,11 +110,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(ConstraintFields, _Request):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # sequences per prompt, the prompt computed once
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -118,6 +122,7 @@ class _SamplingFields(_Request):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
+    safety_identifier: str | None = None  # like user: who asks, for abuse monitoring; no effect on the output
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -167,6 +172,7 @@ class _SamplingFields(_Request):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; raises ValueError (-> 400) on values the engine refuses."""
         return SamplingParams(
+            n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
@@ -197,6 +203,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=16, ge=0)  # 0: only with echo (the prompt and its logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    # Sequences generated per prompt, of which the n with the highest cumulative logprob are returned.
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
 
     @model_validator(mode="after")
     def _zero_tokens_only_with_echo(self):
@@ -204,16 +212,25 @@ class CompletionRequest(_SamplingFields):
             raise _refuse("max_tokens", "must be at least 1 (0 only with echo)")
         return self
 
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_covers_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of < n:
+            raise ValueError(f"best_of ({best_of}) must be at least n ({n})")
+        if best_of is not None and best_of > 1 and info.data.get("stream"):
+            raise ValueError("best_of cannot be used with stream")
+        return best_of
+
     def prompts(self) -> list[str | list[int]]:
-        """One prompt: text or token ids (n>1 prompts per request is not supported)."""
+        """The prompts, each text or token ids: a completion has one choice per prompt and n."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError("prompt: exactly one prompt per request is supported")
-            p = p[0]
-        if isinstance(p, list) and not p:
+        prompts = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if any(isinstance(q, list) and not q for q in prompts) or p == []:
             raise ValueError("prompt must not be empty")
-        return [p]
+        if len(prompts) * max(self.n, self.best_of or 1) > MAX_CHOICES:
+            raise ValueError(f"prompt: at most {MAX_CHOICES} choices per request (prompts times n or best_of)")
+        return prompts
 
 
 SUPPORTED_PARTS = ("text", "image_url")
@@ -244,6 +261,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's calls, in the history
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -258,7 +277,7 @@ class ChatMessage(BaseModel):
         return content
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(ToolFields, _SamplingFields):
     _refused: ClassVar[dict[str, str]] = REFUSED_FIELDS["chat"]
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -282,6 +301,12 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:  # as OpenAI: asked for, it would otherwise go unanswered
+            raise _refuse("top_logprobs", "needs logprobs: true")
+        return self
 
 
 class TokenizeRequest(_Request):

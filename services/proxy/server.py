@@ -1,14 +1,22 @@
-"""Builds the proxy from its config and serves it: router + service backend + OpenAI layer on uvicorn."""
+"""Builds the proxy from its config and serves it: router + service backend + OpenAI layer on uvicorn.
+
+SIGTERM or SIGINT drains the proxy (drain.py): /ready turns 503, new requests are refused with a 503,
+requests in flight get `drain_timeout` seconds to finish; a second signal cuts them at once.
+"""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
 
 from epdserve.services.proxy.app import MAX_BODY_BYTES, build_app
+from epdserve.services.proxy.drain import Drain, DrainGate
 from epdserve.services.proxy.images import ImageFetcher, MultimodalChatEncoder
 from epdserve.services.proxy.lifecycle import LifecycleConfig, ServiceBackend
 from epdserve.services.proxy.metrics import ProxyMetrics
@@ -50,8 +58,14 @@ class ProxyConfig:
     # uvicorn's line per HTTP request and its startup chatter (`--log-level debug`); off, a stack starting
     # up would print a line per readiness probe.
     access_log: bool = False
+    # On SIGTERM: seconds requests in flight get to finish before they are cut (an error event and
+    # `data: [DONE]` for a stream). A pod's terminationGracePeriodSeconds must exceed it.
+    drain_timeout: float = 10.0
+    tool_call_parser: str = "hermes"  # see tool_parsers.TOOL_PARSERS
 
     def __post_init__(self):
+        if self.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be at least 0, got {self.drain_timeout:g}")
         if not self.unified and not (self.prefills or self.decodes):
             raise ValueError("give --unified instances, or --prefill and --decode instances")
         if self.unified and (self.prefills or self.decodes):
@@ -70,7 +84,8 @@ def is_multimodal(model_path: str) -> bool:
 
 
 async def build_proxy(config: ProxyConfig):
-    """(app, router, backend): the app is ready to serve once `router.start()` and `backend.start()` ran."""
+    """(app, router, backend, drain): the app is ready to serve once `router.start()` and `backend.start()`
+    ran; `drain.run()` shuts it down gracefully."""
     model_config = ModelConfig.from_pretrained(config.model)
     tokenizer = load_tokenizer(config.model)
     if tokenizer is None:
@@ -97,25 +112,57 @@ async def build_proxy(config: ProxyConfig):
             allow_private=config.allow_private_image_urls))
     serving = OpenAIServing(config.model_name, tokenizer, backend, model_config.max_model_len,
                             model_config.vocab_size, metrics, chat_encoder,
-                            response_timeout=config.lifecycle.token_timeout)
+                            response_timeout=config.lifecycle.token_timeout, tool_call_parser=config.tool_call_parser)
+
+    drain = Drain(config.drain_timeout)
+    drain.on_cut(backend.cut)
 
     async def readiness():
-        return router.readiness()
+        ready, details = router.readiness()
+        return ready and not drain.draining, details | {"draining": drain.draining}
 
-    app = build_app(serving, metrics, config.api_key, readiness, config.max_request_body_bytes)
-    return app, router, backend
+    app = DrainGate(build_app(serving, metrics, config.api_key, readiness, config.max_request_body_bytes), drain,
+                    metrics.responded)
+    return app, router, backend, drain
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: a signal starts the proxy's drain instead (run_proxy)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
 
 
 async def run_proxy(config: ProxyConfig) -> None:
-    app, router, backend = await build_proxy(config)
+    app, router, backend, drain = await build_proxy(config)
     await backend.start()
     await router.start()
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                           log_level="info" if config.access_log else "warning",
-                                           access_log=config.access_log, timeout_graceful_shutdown=5))
+    # Requests are over when the drain ends; the shutdown's own timeout only bounds idle connections.
+    server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                    log_level="info" if config.access_log else "warning",
+                                    access_log=config.access_log, timeout_graceful_shutdown=2))
+    draining: list[asyncio.Task] = []
+
+    async def drain_then_exit() -> None:
+        await drain.run()
+        server.should_exit = True
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not draining:
+            logger.info("%s: draining (up to %.0fs; a second signal cuts at once)", sig.name, config.drain_timeout)
+            draining.append(asyncio.create_task(drain_then_exit()))
+        else:
+            drain.cut()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
     logger.info("proxy for %s on http://%s:%d", config.model_name, config.host, config.port)
     try:
-        await server.serve()  # returns on SIGTERM/SIGINT
+        await server.serve()  # returns once the drain is over
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
         await router.close()
         await backend.close()

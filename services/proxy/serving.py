@@ -12,9 +12,12 @@ import uuid
 from dataclasses import replace
 from typing import AsyncIterator, Awaitable, Callable
 
+from epdserve.services.proxy.choices import best_of, merge
 from epdserve.services.proxy.generation import Backend, Chunk, GenerateInput, GenerationError, ImageInput
 from epdserve.services.proxy.metrics import ProxyMetrics
+from epdserve.services.proxy.chat_tools import ChatAnswer
 from epdserve.services.proxy.openai_protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from epdserve.services.proxy.output_constraints import ConstraintError
 from epdserve.services.proxy.prompt_logprobs import Echo, echo_logprobs, vllm_prompt_logprobs
 from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
 from epdserve.transport.protocol import TokenLogprobs
@@ -40,9 +43,10 @@ ChatEncoder = Callable[[list[dict], bool, dict], Awaitable["tuple[list[int], lis
 class _Result:
     """Accumulates one request's output as chunks arrive."""
 
-    def __init__(self, detok: IncrementalDetokenizer, params: SamplingParams) -> None:
+    def __init__(self, detok: IncrementalDetokenizer, params: SamplingParams, index: int = 0) -> None:
         self.detok = detok
         self.params = params
+        self.index = index  # the choice's
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
         self.sent_chars = 0
@@ -73,6 +77,10 @@ class _Result:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs)
+
     def take_delta(self) -> tuple[str, list[int], list[TokenLogprobs]]:
         """What the client has not seen yet (text held back while it may still start a stop string)."""
         text = self.detok.visible_text(self.finished)
@@ -85,7 +93,7 @@ class _Result:
 class OpenAIServing:
     def __init__(self, model_name: str, tokenizer: Tokenizer, backend: Backend, max_model_len: int, vocab_size: int,
                  metrics: ProxyMetrics, chat_encoder: ChatEncoder | None = None,
-                 response_timeout: float = 600.0) -> None:
+                 response_timeout: float = 600.0, tool_call_parser: str = "hermes") -> None:
         """`response_timeout`: seconds an HTTP request may wait for its answer (a stream's first event, or a
         whole non-streamed body) before it fails with 504."""
         self.model_name = model_name
@@ -96,6 +104,7 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.chat_encoder = chat_encoder
         self.response_timeout = response_timeout
+        self.tool_call_parser = tool_call_parser  # reads calls out of the text when tool_choice is auto
 
     # -- input --------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -104,7 +113,9 @@ class OpenAIServing:
 
     async def encode_chat(self, request: ChatCompletionRequest) -> tuple[list[int], list[ImageInput]]:
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
-        kwargs = request.chat_template_kwargs or {}
+        kwargs = dict(request.chat_template_kwargs or {})
+        if request.tools:
+            kwargs["tools"] = request.tools_for_template()
         if self.chat_encoder is not None:
             return await self.chat_encoder(messages, request.add_generation_prompt, kwargs)
         for m in messages:
@@ -139,9 +150,28 @@ class OpenAIServing:
         if any(not 0 <= t < self.vocab_size for t in req.stop_token_ids or ()):
             raise BadRequest(f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids")
         try:
-            return req.sampling_params(max_tokens, logprobs)
+            params = req.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+        return self._constrained(req, params)
+
+    def _constrained(self, req: _SamplingFields, params: SamplingParams) -> SamplingParams:
+        """`params` with the request's logit_bias and output constraint (a forced tool call's included)."""
+        try:
+            constraint, field = req.output_constraint()
+            forced_call = req.tool_call_constraint() if isinstance(req, ChatCompletionRequest) else None
+            biases = req.token_biases(self.vocab_size)
+        except ConstraintError as exc:
+            raise BadRequest(str(exc), param=exc.param) from None
+        if forced_call is not None:
+            if constraint is not None:
+                raise BadRequest(f"{field} cannot be combined with a forced tool_choice", param=field)
+            constraint = forced_call
+        return replace(params, logit_bias=biases, structured_outputs=constraint)
+
+    def _chat_answer(self, req: ChatCompletionRequest) -> ChatAnswer:
+        mode = req.tool_mode()
+        return ChatAnswer(mode, self.tool_call_parser, req.tool_choice.function.name if mode == "named" else None)
 
     @staticmethod
     def log_unknown_fields(req: _SamplingFields, request_id: str) -> None:
@@ -160,10 +190,13 @@ class OpenAIServing:
             raise BadRequest(f"token ids must be in [0, {self.vocab_size})", param=param)
 
     # -- running ------------------------------------------------------------------------------------
-    async def _run(self, gen: GenerateInput, sampling: SamplingParams) -> AsyncIterator[_Result]:
-        """Yield the result after each chunk; stops the backend stream once a stop string is hit."""
-        result = _Result(IncrementalDetokenizer(self.tokenizer.fast, sampling.stop, sampling.include_stop_str_in_output,
-                                                sampling.skip_special_tokens), sampling)
+    async def _run(self, gen: GenerateInput, sampling: SamplingParams, first_index: int = 0) -> AsyncIterator[_Result]:
+        """Yield a sequence's result after each chunk of it (n > 1: the n sequences' interleave; choice index
+        `first_index` + the sequence's); stops the backend stream once every sequence has finished, a stop
+        string included (with n > 1 the engine runs a sequence a stop string ended here to its own end)."""
+        results = [_Result(IncrementalDetokenizer(self.tokenizer.fast, sampling.stop,
+                                                  sampling.include_stop_str_in_output, sampling.skip_special_tokens),
+                           sampling, first_index + i) for i in range(sampling.n)]
         m = self.metrics
         start = last = time.monotonic()
         ttft = None
@@ -171,8 +204,11 @@ class OpenAIServing:
         stream = self.backend.generate(gen)
         try:
             async for chunk in stream:
+                result = results[chunk.index]
+                if result.finished:
+                    continue
                 now = time.monotonic()
-                if not result.token_ids:
+                if ttft is None:
                     ttft = now - start
                     m.ttft.observe(ttft)
                 elif chunk.token_ids:
@@ -180,8 +216,11 @@ class OpenAIServing:
                         m.itl.observe((now - last) / len(chunk.token_ids))
                 last = now
                 result.add(chunk)
+                if chunk.prompt_logprobs:  # the prompt's, scored once for all its sequences
+                    for other in results:
+                        other.prompt_logprobs = chunk.prompt_logprobs
                 yield result
-                if result.finished:
+                if all(r.finished for r in results):
                     break
         except GenerationError as exc:
             m.failed(exc.status)
@@ -189,11 +228,25 @@ class OpenAIServing:
         finally:
             m.running.dec()
             await stream.aclose()  # aborts the request on the services if it did not finish there
-        if not result.finished:
+        if not all(r.finished for r in results):
             m.failed(502)
             raise GenerationError("the request ended without a finish reason", 502, "BadGatewayError")
-        m.finished(result.finish_reason, len(gen.prompt_token_ids), result.num_cached_tokens, len(result.token_ids),
-                   sampling, time.monotonic() - start, ttft)
+        m.finished(results[0].finish_reason, len(gen.prompt_token_ids), max(r.num_cached_tokens for r in results),
+                   sum(len(r.token_ids) for r in results), sampling, time.monotonic() - start, ttft)
+
+    async def _run_all(self, gens: list[GenerateInput], samplings: list[SamplingParams]) -> AsyncIterator[_Result]:
+        """`_run` for each prompt's request, side by side: choice indices prompt_index * n + i."""
+        streams = [self._run(gen, sampling, i * sampling.n) for i, (gen, sampling) in enumerate(zip(gens, samplings))]
+        async for result in merge(streams):
+            yield result
+
+    @staticmethod
+    async def _finals(results: AsyncIterator[_Result]) -> list[_Result]:
+        """Every choice's final result, by index."""
+        finals = {}
+        async for result in results:
+            finals[result.index] = result
+        return [finals[i] for i in sorted(finals)]
 
     def _input(self, request_id: str, ids: list[int], sampling: SamplingParams, images: list[ImageInput],
                salt: str | None) -> GenerateInput:
@@ -206,39 +259,53 @@ class OpenAIServing:
         self.check_model(req.model)
         self.log_unknown_fields(req, request_id)
         try:
-            (prompt,) = req.prompts()
+            prompts = req.prompts()
         except ValueError as exc:
             raise BadRequest(str(exc), param="prompt") from None
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            self.check_token_ids(ids, "prompt")
-            prompt = self.tokenizer.decode(ids, skip_special_tokens=False)
-        # max_tokens 0 (echo only) still runs the prompt, for its logprobs: one token, not answered.
-        sampling = self._sampling(req, len(ids), 1 if req.max_tokens == 0 else req.max_tokens, req.logprobs,
-                                  "prompt", "max_tokens")
-        sampling = self.with_prompt_logprobs(sampling, req.prompt_logprobs, req.logprobs if req.echo else None)
-        gen = self._input(_internal_id(request_id), ids, sampling, [], req.cache_salt)
+        gens, samplings, echoes = [], [], []
+        for prompt in prompts:  # each prompt is a request of its own, routed on its own
+            if isinstance(prompt, str):
+                ids = self.tokenizer.encode(prompt)
+            else:
+                ids = list(prompt)
+                self.check_token_ids(ids, "prompt")
+                prompt = self.tokenizer.decode(ids, skip_special_tokens=False)
+            # max_tokens 0 (echo only) still runs the prompt, for its logprobs: one token, not answered.
+            sampling = self._sampling(req, len(ids), 1 if req.max_tokens == 0 else req.max_tokens, req.logprobs,
+                                      "prompt", "max_tokens")
+            sampling = self.with_prompt_logprobs(sampling, req.prompt_logprobs, req.logprobs if req.echo else None)
+            if req.best_of is not None:  # ranked by cumulative logprob: every token's is needed
+                sampling = replace(sampling, n=req.best_of, logprobs=sampling.logprobs or 0)
+            gens.append(self._input(_internal_id(request_id), ids, sampling, [], req.cache_salt))
+            samplings.append(sampling)
+            echoes.append(Echo(prompt, ids, req.max_tokens == 0) if req.echo else None)
         created = int(time.time())
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
-        echo = Echo(prompt, ids, req.max_tokens == 0) if req.echo else None
         as_ids = req.return_tokens_as_token_ids
         if req.stream:
-            return self._stream_completion(gen, sampling, head, echo, req.include_usage, as_ids)
-        result = None
-        async for result in self._run(gen, sampling):
-            pass
-        text, tokens, logprobs = ("", [], []) if echo and echo.only else result.take_delta()
-        offset = len(echo.text) if echo else 0
-        lp = self._completion_logprobs(tokens, logprobs, offset, as_ids) if req.logprobs is not None else None
-        if lp is not None and echo:
-            lp = {key: value + lp[key] for key, value in self._echo_logprobs(echo, result, as_ids).items()}
-        choice = {"index": 0, "text": (echo.text if echo else "") + text, "logprobs": lp,
-                  **self._finish(result, echo)}
-        if req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(ids, result.prompt_logprobs, self._token_text)
-        return head | {"choices": [choice], "usage": self._usage(len(ids), result, echo)}
+            return self._stream_completion(gens, samplings, head, echoes, req.include_usage, as_ids)
+        results = await self._finals(self._run_all(gens, samplings))
+        returned = results
+        if req.best_of is not None:
+            per_prompt = gens[0].params.n
+            returned = [r for i in range(len(gens))
+                        for r in best_of(results[i * per_prompt:(i + 1) * per_prompt], req.n,
+                                         lambda r: r.cumulative_logprob)]
+        choices = []
+        for index, result in enumerate(returned):
+            prompt_index = result.index // gens[0].params.n
+            echo, ids = echoes[prompt_index], gens[prompt_index].prompt_token_ids
+            text, tokens, logprobs = ("", [], []) if echo and echo.only else result.take_delta()
+            offset = len(echo.text) if echo else 0
+            lp = self._completion_logprobs(tokens, logprobs, offset, as_ids) if req.logprobs is not None else None
+            if lp is not None and echo:
+                lp = {key: value + lp[key] for key, value in self._echo_logprobs(echo, result, as_ids).items()}
+            choice = {"index": index, "text": (echo.text if echo else "") + text, "logprobs": lp,
+                      **self._finish(result, echo)}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(ids, result.prompt_logprobs, self._token_text)
+            choices.append(choice)
+        return head | {"choices": choices, "usage": self._usage(gens, results, echoes[0])}
 
     def _echo_logprobs(self, echo: Echo, result: _Result, as_ids: bool) -> dict:
         return echo_logprobs(echo, result.prompt_logprobs, lambda t: self._token_label(t, as_ids), self._token_text)
@@ -249,29 +316,38 @@ class OpenAIServing:
             return {"finish_reason": "length", "stop_reason": None}
         return {"finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
 
-    async def _stream_completion(self, gen, sampling, head, echo, include_usage, as_ids) -> AsyncIterator[str]:
-        offset, echo_pending = 0, echo is not None
-        result = None
-        async for result in self._run(gen, sampling):
-            if echo_pending:  # the prompt's logprobs come with the first token
-                lp = self._echo_logprobs(echo, result, as_ids) if sampling.logprobs is not None else None
-                yield _sse(head | {"choices": [{"index": 0, "text": echo.text, "logprobs": lp,
-                                                "finish_reason": None}]})
-                offset, echo_pending = len(echo.text), False
+    async def _stream_completion(self, gens, samplings, head, echoes, include_usage, as_ids) -> AsyncIterator[str]:
+        n = gens[0].params.n
+        offsets: dict[int, int] = {}  # choice index -> text sent so far (its echo included)
+        finals: dict[int, _Result] = {}
+        async for result in self._run_all(gens, samplings):
+            index, echo = result.index, echoes[result.index // n]
+            finals[index] = result
+            if index not in offsets:  # the prompt's logprobs come with the first token
+                offsets[index] = 0
+                if echo:
+                    lp = self._echo_logprobs(echo, result, as_ids) if result.params.logprobs is not None else None
+                    yield _sse(head | {"choices": [{"index": index, "text": echo.text, "logprobs": lp,
+                                                    "finish_reason": None}]})
+                    offsets[index] = len(echo.text)
             if echo and echo.only:
                 continue  # its one token is no answer; the loop ends after it
             text, tokens, logprobs = result.take_delta()
             if not text and not tokens and not result.finished:
                 continue
-            lp = self._completion_logprobs(tokens, logprobs, offset, as_ids) if sampling.logprobs is not None else None
-            offset += len(text)
-            yield _sse(head | {"choices": [{"index": 0, "text": text, "logprobs": lp,
+            lp = self._completion_logprobs(tokens, logprobs, offsets[index], as_ids) \
+                if result.params.logprobs is not None else None
+            offsets[index] += len(text)
+            yield _sse(head | {"choices": [{"index": index, "text": text, "logprobs": lp,
                                             "finish_reason": result.finish_reason,
                                             "stop_reason": result.stop_reason}]})
-        if echo and echo.only:
-            yield _sse(head | {"choices": [{"index": 0, "text": "", "logprobs": None, **self._finish(result, echo)}]})
+        for index, result in sorted(finals.items()):
+            echo = echoes[index // n]
+            if echo and echo.only:
+                yield _sse(head | {"choices": [{"index": index, "text": "", "logprobs": None,
+                                                **self._finish(result, echo)}]})
         if include_usage:
-            yield _sse(head | {"choices": [], "usage": self._usage(len(gen.prompt_token_ids), result, echo)})
+            yield _sse(head | {"choices": [], "usage": self._usage(gens, list(finals.values()), echoes[0])})
         yield "data: [DONE]\n\n"
 
     def _completion_logprobs(self, tokens: list[int], logprobs: list[TokenLogprobs], offset: int,
@@ -298,35 +374,47 @@ class OpenAIServing:
         head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
             return self._stream_chat(gen, sampling, head | {"object": "chat.completion.chunk"}, req.include_usage,
-                                     req.return_tokens_as_token_ids)
-        result = None
-        async for result in self._run(gen, sampling):
-            pass
-        text, tokens, logprobs = result.take_delta()
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": {"content": self._chat_logprobs(tokens, logprobs, req.return_tokens_as_token_ids)}
-                  if sampling.logprobs is not None else None,
-                  "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
-        body = head | {"choices": [choice], "usage": self._usage(len(ids), result)}
+                                     req.return_tokens_as_token_ids, lambda: self._chat_answer(req))
+        results = await self._finals(self._run(gen, sampling))
+        choices = []
+        for result in results:
+            text, tokens, logprobs = result.take_delta()
+            message, finish_reason = self._chat_answer(req).message(text, result.finish_reason)
+            choices.append({"index": result.index, "message": message,
+                            "logprobs": {"content": self._chat_logprobs(tokens, logprobs,
+                                                                        req.return_tokens_as_token_ids)}
+                            if sampling.logprobs is not None else None,
+                            "finish_reason": finish_reason, "stop_reason": result.stop_reason})
+        body = head | {"choices": choices, "usage": self._usage([gen], results)}
         if req.prompt_logprobs is not None:  # vLLM's extension, beside the choices as there
-            body["prompt_logprobs"] = vllm_prompt_logprobs(ids, result.prompt_logprobs, self._token_text)
+            body["prompt_logprobs"] = vllm_prompt_logprobs(ids, results[0].prompt_logprobs, self._token_text)
         return body
 
-    async def _stream_chat(self, gen, sampling, head, include_usage, as_ids) -> AsyncIterator[str]:
-        result = None
+    async def _stream_chat(self, gen, sampling, head, include_usage, as_ids,
+                           new_answer: Callable[[], ChatAnswer]) -> AsyncIterator[str]:
+        finals: dict[int, _Result] = {}
+        texts: dict[int, tuple[str, ChatAnswer]] = {}  # choice index -> (its text so far, its answer parser)
         async for result in self._run(gen, sampling):
+            index = result.index
+            finals[index] = result
             if result.sent_tokens == 0:  # announce the role once the request is known to run
-                yield _sse(head | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                yield _sse(head | {"choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
             text, tokens, logprobs = result.take_delta()
             if not text and not tokens and not result.finished:
                 continue
             lp = {"content": self._chat_logprobs(tokens, logprobs, as_ids)} if sampling.logprobs is not None else None
-            yield _sse(head | {"choices": [{"index": 0, "delta": {"content": text} if text else {},
-                                            "logprobs": lp, "finish_reason": result.finish_reason,
+            full_text, answer = texts.get(index) or ("", new_answer())
+            full_text += text
+            texts[index] = (full_text, answer)
+            delta = answer.delta(full_text, result.finished)
+            if not delta and not tokens and not result.finished:
+                continue  # text held back (a tool call being parsed) and nothing else to say
+            yield _sse(head | {"choices": [{"index": index, "delta": delta,
+                                            "logprobs": lp, "finish_reason": answer.finish_reason(result.finish_reason),
                                             "stop_reason": result.stop_reason}]})
         if include_usage:
-            yield _sse(head | {"choices": [], "usage": self._usage(len(gen.prompt_token_ids), result)})
+            yield _sse(head | {"choices": [], "usage": self._usage([gen], list(finals.values()))})
         yield "data: [DONE]\n\n"
 
     def _chat_logprobs(self, tokens: list[int], logprobs: list[TokenLogprobs], as_ids: bool) -> list[dict]:
@@ -345,11 +433,16 @@ class OpenAIServing:
         return f"token_id:{token_id}" if as_id else self._token_text(token_id)
 
     @staticmethod
-    def _usage(prompt_tokens: int, result: _Result, echo: Echo | None = None) -> dict:
-        completion = 0 if echo and echo.only else len(result.token_ids)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": result.num_cached_tokens}}
+    def _usage(gens: list[GenerateInput], results: list[_Result], echo: Echo | None = None) -> dict:
+        """Each prompt counted once, every generated sequence's tokens (best_of's unreturned ones too)."""
+        prompt = sum(len(gen.prompt_token_ids) for gen in gens)
+        completion = 0 if echo and echo.only else sum(len(r.token_ids) for r in results)
+        cached: dict[int, int] = {}  # per prompt: its sequences share one prefill
+        for r in results:
+            key = r.index // gens[0].params.n
+            cached[key] = max(cached.get(key, 0), r.num_cached_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 def new_request_id(prefix: str) -> str:

@@ -12,11 +12,13 @@ from epdserve.shared.engine.model_runner import ModelRunner
 from epdserve.shared.engine.output_processor import OutputProcessor
 from epdserve.shared.engine.parallel_sampling import group_members, make_group, ungroup
 from epdserve.shared.engine.outputs import RequestOutput
+from epdserve.shared.engine.kv_events import KVEventBatch
 from epdserve.shared.engine.request import MultiModalPlaceholder, Request, RequestStatus
 from epdserve.shared.engine.sampler import draw_seeded_noise
 from epdserve.shared.engine.sampling_params import SamplingParams
 from epdserve.shared.engine.scheduler import RemoteKVReservation, Scheduler
 from epdserve.shared.engine.step_timer import StepTimer
+from epdserve.shared.engine.structured_output import GrammarCompiler
 from epdserve.shared.processing.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,9 @@ class LLMEngine:
         self.step_timer = StepTimer()
         self.runner = ModelRunner(config, num_blocks, self.step_timer)
         self.output_processor = OutputProcessor(self.tokenizer.fast if self.tokenizer and detokenize else None)
+        # Structured outputs need the vocabulary's token strings, hence a tokenizer.
+        self.grammar_compiler = None if self.tokenizer is None else GrammarCompiler(
+            self.tokenizer.hf, config.model.vocab_size, config.model.eos_token_ids)
         # Called on the engine's thread with the tokens each step computes (a service's metrics).
         self.on_step_tokens: Callable[[int], None] | None = None
         logger.info("engine ready: %s (%s), %d KV blocks of %d tokens, attention backend %s",
@@ -76,7 +81,15 @@ class LLMEngine:
         # n > 1: the first of n sequences, the others waiting to fork from it (parallel_sampling.py).
         return make_group(request_id, params, lambda rid, p: Request(
             rid, token_ids, p, self.model_config.max_model_len, arrival_time, cache_salt, tuple(mm_placeholders),
-            text, mm_embeddings, hold_kv))
+            text, mm_embeddings, hold_kv, self._grammar(p)))
+
+    def _grammar(self, params: SamplingParams):
+        """A fresh matcher for a constrained request (compiled grammars are cached); raises ValueError."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammar_compiler is None:
+            raise ValueError("structured outputs need a tokenizer; this engine has none")
+        return self.grammar_compiler.new_state(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt: PromptType | Request, params: SamplingParams | None = None,
                     **kwargs) -> Request:
@@ -119,6 +132,8 @@ class LLMEngine:
             raise ValueError(f"top_k must be at most the vocabulary size {vocab}, got {params.top_k}")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias or ()):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if params.min_tokens >= max_len:
             raise ValueError(f"min_tokens must be less than the model's length {max_len}, got {params.min_tokens}")
         if params.n > self.config.scheduler.max_num_seqs:
@@ -243,6 +258,13 @@ class LLMEngine:
         for request in failed:
             request.error = errors[request.request_id]
         return [out for r in failed if (out := self.output_processor.make_output(r)) is not None]
+
+    def kv_events(self, next_seq: int | None) -> KVEventBatch:
+        """What the prefix cache gained and lost from event batch `next_seq` on; a snapshot of what it
+        holds when `next_seq` is None or those batches are gone."""
+        manager = self.scheduler.block_manager
+        manager.events.seal()
+        return manager.events.since(next_seq, manager.cached_blocks)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from epdserve.shared.engine.sampling_params import SamplingParams
+from epdserve.shared.engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -65,6 +66,7 @@ class Request:
         prompt: str | None = None,
         mm_embeddings: dict[str, torch.Tensor] | None = None,
         hold_kv: bool = False,
+        grammar: GrammarState | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -111,6 +113,8 @@ class Request:
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
         self.first_scheduled_time: float | None = None
+        # The structured-output matcher, fed every output token (see `structured_output`).
+        self.grammar = grammar
 
     @property
     def num_tokens(self) -> int:
@@ -131,10 +135,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def check_stop(self) -> bool:
         """Sets a finished status if the last token ends the request (token stops; strings are the engine's)."""
         last = self.output_token_ids[-1]
+        if self.grammar is not None and self._check_grammar_stop():
+            return True
         if self.num_output_tokens >= self.sampling_params.min_tokens and last in self.stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = None if last in self.sampling_params.eos_token_ids and \
@@ -142,5 +150,18 @@ class Request:
             return True
         if self.num_output_tokens >= self.max_output_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _check_grammar_stop(self) -> bool:
+        if self.grammar.rejected_token is not None:
+            # Only a token sampled without the bitmask (a peer's first token) can get here.
+            self.status = RequestStatus.FINISHED_ERROR
+            self.error = f"token {self.grammar.rejected_token} does not fit the request's structured output"
+            return True
+        if self.grammar.is_terminated:
+            self.status = RequestStatus.FINISHED_STOPPED
+            last = self.output_token_ids[-1]
+            self.stop_reason = last if last in self.sampling_params.stop_token_ids else None
             return True
         return False

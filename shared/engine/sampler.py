@@ -1,8 +1,10 @@
 """Turns one step's logits into tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
-The order is vLLM's: min_tokens masking and penalties first (they change what greedy picks too), then
-greedy rows take the argmax; random rows are scaled by temperature and filtered by min-p, top-k and top-p.
-Logprobs are of the raw model distribution, as vLLM reports them.
+The order is vLLM's: logit_bias, min_tokens masking and penalties first (they change what greedy picks
+too), then the grammar bitmask of structured outputs (last, so that nothing can lift a forbidden token
+back), then greedy rows take the argmax; random rows are scaled by temperature and filtered by min-p,
+top-k and top-p. Logprobs are of the raw model distribution, as vLLM reports them. A batch that uses
+none of these processors samples from the model's logits as they are, with no copy.
 
 Random rows are sampled by inverse CDF with one uniform per draw, not by an exponential race: a race
 needs one random number per vocabulary entry, and generating those costs far more than the rest of the
@@ -21,11 +23,14 @@ from __future__ import annotations
 import itertools
 from typing import NamedTuple
 
+import time
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from epdserve.shared.engine.request import Request
+from epdserve.shared.engine.structured_output import apply_bitmask
 
 # Inverse-CDF sampling first picks a block of up to this many tokens, then a token inside it; the
 # cumulative sums over blocks and within one block are short, so they are done in float64.
@@ -66,12 +71,14 @@ class Sampler:
         # Noise for unseeded requests; seeded ones use their own generator.
         self.generator = torch.Generator().manual_seed(seed)
         self._scratch: dict[str, torch.Tensor] = {}
+        # Time spent filling and applying grammar bitmasks (structured outputs), summed over calls.
+        self.grammar_seconds = 0.0
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Sample one token per row. logits: [num_requests, vocab_size] float32, row i is requests[i]'s;
         left unchanged."""
         raw = logits = logits.float()
-        logits = self._apply_min_tokens_and_penalties(logits, requests)
+        logits = self._apply_logits_processors(logits, requests)
         greedy = [r.sampling_params.is_greedy for r in requests]
         greedy_rows = [i for i, g in enumerate(greedy) if g]
         random_rows = [i for i, g in enumerate(greedy) if not g]
@@ -108,10 +115,13 @@ class Sampler:
             flat = self._scratch[name] = torch.empty(size, dtype=dtype)
         return flat[:size].view(shape)
 
-    def _apply_min_tokens_and_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """logits itself when nothing applies, else a scratch copy with stop tokens masked for requests short
-        of min_tokens, then the repetition, frequency and presence penalties applied."""
+    def _apply_logits_processors(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """logits itself when nothing applies, else a scratch copy with logit_bias added, stop tokens masked
+        for requests short of min_tokens, the repetition, frequency and presence penalties applied, and
+        last the tokens each constrained request's grammar forbids masked."""
         vocab = logits.shape[-1]
+        bias_rows = [i for i, r in enumerate(requests) if r.sampling_params.logit_bias]
+        grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         # Ids outside the vocabulary cannot be sampled anyway; skipping them keeps a bad id from failing the batch.
         stops = [(i, t) for i, r in enumerate(requests)
                  if r.num_output_tokens < r.sampling_params.min_tokens for t in r.stop_token_ids if 0 <= t < vocab]
@@ -119,9 +129,16 @@ class Sampler:
         rep_rows = [i for i, r in enumerate(requests) if r.sampling_params.repetition_penalty != 1.0]
         count_rows = [i for i, r in enumerate(requests)
                       if r.sampling_params.frequency_penalty or r.sampling_params.presence_penalty]
-        if not stops and not rep_rows and not count_rows:
+        if not stops and not rep_rows and not count_rows and not bias_rows and not grammar_rows:
             return logits
         logits = self._buffer("logits", logits.shape).copy_(logits)
+        if bias_rows:
+            # Ids outside the vocabulary are refused at the edge; skipping them here keeps the batch alive.
+            pairs = [(i, t, b) for i in bias_rows for t, b in requests[i].sampling_params.logit_bias.items() if t < vocab]
+            if pairs:
+                rows, cols, values = zip(*pairs)
+                logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(values, dtype=logits.dtype),
+                                  accumulate=True)
         if stops:
             rows, cols = torch.tensor(stops, dtype=torch.long).unbind(1)
             logits[rows, cols] = float("-inf")
@@ -135,6 +152,11 @@ class Sampler:
             freq = torch.tensor([r.sampling_params.frequency_penalty for r in requests])[rows]
             pres = torch.tensor([r.sampling_params.presence_penalty for r in requests])[rows]
             logits[rows, cols] -= freq * counts + pres
+        if grammar_rows:
+            start = time.perf_counter()
+            bitmask = self._buffer("bitmask", (len(requests), (vocab + 31) // 32), torch.int32)
+            apply_bitmask(logits, [requests[i].grammar for i in grammar_rows], grammar_rows, bitmask)
+            self.grammar_seconds += time.perf_counter() - start
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

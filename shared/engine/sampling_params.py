@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -10,12 +11,44 @@ GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 # What a torch.Generator takes, and what the wire (msgpack) can carry.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# logit_bias values, as in the OpenAI API.
+LOGIT_BIAS_MIN, LOGIT_BIAS_MAX = -100.0, 100.0
 
 
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries all text/tokens so far
     DELTA = 1  # every output carries only what is new since the last one
     FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """A constraint on the output, vLLM's `StructuredOutputsParams` in one normalized form: `kind` is
+    json (`spec` a JSON schema as JSON text), json_object (any JSON object; `spec` empty), regex, choice
+    (`spec` a JSON list of the allowed strings) or grammar (EBNF, the GBNF dialect). `(kind, spec)` is
+    what the engine compiles and caches grammars by, and what travels on the wire."""
+
+    kind: str
+    spec: str = ""
+
+    KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"invalid sampling parameters: structured output kind must be one of {self.KINDS}, "
+                             f"got {self.kind!r}")
+        if self.kind != "json_object" and (not isinstance(self.spec, str) or not self.spec):
+            raise ValueError(f"invalid sampling parameters: a {self.kind} constraint needs a non-empty spec")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool | str) -> "StructuredOutputsParams":
+        return cls("json", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def choices(cls, options: list[str]) -> "StructuredOutputsParams":
+        if not options or any(not isinstance(o, str) for o in options):
+            raise ValueError("invalid sampling parameters: choice needs a non-empty list of strings")
+        return cls("choice", json.dumps(list(options)))
 
 
 @dataclass(slots=True)
@@ -40,6 +73,9 @@ class SamplingParams:
     # predicts; as in vLLM, such a request computes its whole prompt (no prefix-cache hits).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # token id -> added to its logit before sampling (greedy included), in [-100, 100].
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the engine: the model's EOS ids, which also count as stops unless ignore_eos.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
@@ -89,6 +125,14 @@ class SamplingParams:
             fail("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids must be non-negative integers")
+        if self.logit_bias is not None:
+            if any(not isinstance(t, int) or t < 0 for t in self.logit_bias):
+                fail("logit_bias keys must be non-negative token ids")
+            if any(not isinstance(b, (int, float)) or not LOGIT_BIAS_MIN <= b <= LOGIT_BIAS_MAX
+                   for b in self.logit_bias.values()):
+                fail(f"logit_bias values must be in [{LOGIT_BIAS_MIN:g}, {LOGIT_BIAS_MAX:g}]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs must be a StructuredOutputsParams")
 
     @property
     def is_greedy(self) -> bool:

@@ -3,6 +3,8 @@
 - SamplingParams <-> WireSamplingParams: the same fields by name, less those only the engine sets.
   The names are read from the wire struct, never listed here; tests/unit/test_wire.py holds the two
   field sets equal, so a sampling field added to one class and not the other fails there.
+  Two fields change form on the way: logit_bias (a dict <-> LogitBias pairs sorted by token id) and
+  structured_outputs (StructuredOutputsParams <-> WireStructuredOutputs, the same kind and spec).
 - The engine's per-token logprobs (vLLM-shaped `dict[int, Logprob]` of a RequestOutput) ->
   TokenLogprobs, the one logprobs type that services send and the proxy formats.
 
@@ -14,8 +16,8 @@ import dataclasses
 from typing import Any
 
 from epdserve.shared.engine.outputs import RequestOutput
-from epdserve.transport.protocol import TokenLogprobs, WireSamplingParams
-from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams
+from epdserve.transport.protocol import LogitBias, TokenLogprobs, WireSamplingParams, WireStructuredOutputs
+from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # SamplingParams fields that never travel: how the caller takes its outputs, and the model's EOS ids,
 # which the receiving engine fills in itself.
@@ -25,13 +27,20 @@ WIRE_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(WireSamplingPara
 
 def sampling_params_to_wire(params: SamplingParams) -> WireSamplingParams:
     """The parameters as the protocol carries them (stop strings included; services ignore them)."""
-    return WireSamplingParams(**{name: _to_tuple(getattr(params, name)) for name in WIRE_SAMPLING_FIELDS})
+    fields = {name: _to_tuple(getattr(params, name)) for name in WIRE_SAMPLING_FIELDS}
+    fields["logit_bias"] = tuple(LogitBias(t, float(b)) for t, b in sorted((params.logit_bias or {}).items()))
+    so = params.structured_outputs
+    fields["structured_outputs"] = None if so is None else WireStructuredOutputs(so.kind, so.spec)
+    return WireSamplingParams(**fields)
 
 
 def sampling_params_from_wire(wire: WireSamplingParams,
                               output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> SamplingParams:
     """Validated engine parameters from the wire (raises ValueError, as for any bad input)."""
     fields = {name: _to_list(getattr(wire, name)) for name in WIRE_SAMPLING_FIELDS}
+    fields["logit_bias"] = {b.token_id: b.bias for b in wire.logit_bias} or None
+    so = wire.structured_outputs
+    fields["structured_outputs"] = None if so is None else StructuredOutputsParams(so.kind, so.spec)
     return SamplingParams(**fields, output_kind=output_kind)
 
 

@@ -5,6 +5,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as FastTokenizer
 
+from epdserve.shared.processing.tool_prompt import (messages_for_tool_template, messages_with_inline_tools,
+                                                    template_reads_tools)
+
 
 class Tokenizer:
     """Wraps the HF tokenizer of a model folder; loaded once per process."""
@@ -20,9 +23,19 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        if not getattr(self.hf, "chat_template", None):
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        """The prompt text. Tools and tool-call history are rendered by the template when it reads
+        `tools`, else written into the turns (see `tool_prompt`)."""
+        template = getattr(self.hf, "chat_template", None)
+        if not template:
             raise ValueError("this model's tokenizer has no chat template")
+        if template_reads_tools(template):
+            messages = messages_for_tool_template(messages)
+            if tools:
+                kwargs["tools"] = tools
+        else:
+            messages = messages_with_inline_tools(messages, tools)
         return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                            tokenize=False, **kwargs)
 

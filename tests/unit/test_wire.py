@@ -7,7 +7,7 @@ import pytest
 
 from epdserve.transport import protocol as p
 from epdserve.shared.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams
+from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from epdserve.shared.engine.wire import (ENGINE_ONLY_SAMPLING_FIELDS, WIRE_SAMPLING_FIELDS, logprobs_to_wire,
                                   prompt_logprobs_to_wire, sampling_params_from_wire, sampling_params_to_wire)
 from epdserve.transport import codec
@@ -16,7 +16,8 @@ from epdserve.transport import codec
 PARAMS = SamplingParams(
     temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=2**63, presence_penalty=0.5, frequency_penalty=-0.5,
     repetition_penalty=1.1, max_tokens=33, min_tokens=2, stop=["a", "bc"], stop_token_ids=[3, 4], ignore_eos=True,
-    include_stop_str_in_output=True, logprobs=3, skip_special_tokens=False)
+    include_stop_str_in_output=True, logprobs=3, prompt_logprobs=2, skip_special_tokens=False,
+    logit_bias={7: -100.0, 3: 2.5}, structured_outputs=StructuredOutputsParams("regex", "[a-z]+"))
 
 
 def test_sampling_params_and_their_wire_form_have_the_same_fields():

@@ -1,0 +1,169 @@
+"""Structured outputs in the engine: the grammar cache, matchers fed token by token or replayed, the
+bitmask in the sampler, and logit_bias. Uses the real SmolLM2 tokenizer (xgrammar needs a vocabulary)."""
+import json
+
+import pytest
+import torch
+
+from epdserve.shared.engine.request import Request, RequestStatus
+from epdserve.shared.engine.sampler import Sampler
+from epdserve.shared.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from epdserve.shared.engine.structured_output import GrammarCompiler, apply_bitmask
+from epdserve.shared.processing.tokenizer import load_tokenizer
+
+EOS = 2  # SmolLM2's <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    return load_tokenizer(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer.hf, 49152, (EOS,), max_cached=2)
+
+
+@pytest.fixture(scope="module")
+def vocab(tokenizer):
+    return len(tokenizer.hf)
+
+
+def request(compiler, so: StructuredOutputsParams | None, **params) -> Request:
+    params = SamplingParams(structured_outputs=so, eos_token_ids=(EOS,), **params)
+    return Request("r", [1, 2, 3], params, max_model_len=1000, grammar=compiler.new_state(so) if so else None)
+
+
+def allowed(compiler, state, vocab) -> set[int]:
+    logits = torch.zeros(1, vocab)
+    apply_bitmask(logits, [state], [0], torch.empty(1, (vocab + 31) // 32, dtype=torch.int32))
+    return set(torch.nonzero(logits[0] == 0).flatten().tolist())
+
+
+def test_grammars_are_compiled_once_per_spec_and_evicted_least_recent_first(tokenizer):
+    compiler = GrammarCompiler(tokenizer.hf, 49152, (EOS,), max_cached=2)
+    a, b, c = (StructuredOutputsParams("regex", r) for r in ("a+", "b+", "c+"))
+    first = compiler.compile(a)
+    assert compiler.compile(StructuredOutputsParams("regex", "a+")) is first
+    assert (compiler.num_compiled, compiler.num_hits) == (1, 1)
+    compiler.compile(b)
+    compiler.compile(a)  # a is now the most recent: c evicts b
+    compiler.compile(c)
+    assert len(compiler) == 2 and compiler.compile(a) is first and compiler.num_compiled == 3
+    compiler.compile(b)
+    assert compiler.num_compiled == 4  # b was evicted, so compiled again
+    # The same text under another kind is another grammar.
+    assert compiler.compile(StructuredOutputsParams("grammar", 'root ::= "a"')) is not first
+
+
+@pytest.mark.parametrize("so, message", [
+    (StructuredOutputsParams("json", '{"type": "nonsense"}'), "invalid JSON schema"),
+    (StructuredOutputsParams("json", "not json"), "invalid JSON schema"),
+    (StructuredOutputsParams("regex", "[a-"), "invalid regex"),
+    (StructuredOutputsParams("grammar", "root ::= undefined_rule"), "invalid grammar"),
+])
+def test_a_spec_that_does_not_compile_is_a_value_error(compiler, so, message):
+    with pytest.raises(ValueError, match=message):
+        compiler.new_state(so)
+
+
+def test_the_bitmask_allows_exactly_the_grammar_s_next_tokens(compiler, tokenizer, vocab):
+    state = compiler.new_state(StructuredOutputsParams.choices(["yes", "no"]))
+    first = allowed(compiler, state, vocab)
+    assert first and all(tokenizer.decode([t]) and ("yes".startswith(tokenizer.decode([t])) or
+                                                    "no".startswith(tokenizer.decode([t]))) for t in first)
+    assert EOS not in first
+    for token in tokenizer.encode("yes", add_special_tokens=False):
+        state.accept(token)
+    assert allowed(compiler, state, vocab) == {EOS}  # complete: only the stop token
+    state.accept(EOS)
+    assert state.is_terminated and state.rejected_token is None
+
+
+def test_apply_bitmask_touches_only_the_constrained_rows(compiler, vocab):
+    logits = torch.randn(3, vocab)
+    before = logits.clone()
+    state = compiler.new_state(StructuredOutputsParams("regex", "[0-9]+"))
+    apply_bitmask(logits, [state], [1], torch.zeros(3, (vocab + 31) // 32, dtype=torch.int32))
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    kept = logits[1] > float("-inf")
+    assert 0 < int(kept.sum()) < 1000
+    assert torch.equal(logits[1][kept], before[1][kept])
+
+
+def test_replaying_the_tokens_into_a_fresh_matcher_gives_the_same_state(compiler, tokenizer, vocab):
+    so = StructuredOutputsParams.json_schema({"type": "object", "properties": {"n": {"type": "integer"}},
+                                               "required": ["n"]})
+    tokens = tokenizer.encode('{"n": 12', add_special_tokens=False)
+    live = request(compiler, so)
+    masks = []
+    for t in tokens:
+        masks.append(allowed(compiler, live.grammar, vocab))
+        live.append_output_token(t)
+    # A peer engine taking the request over: a new request, the same tokens appended.
+    replayed = request(compiler, so)
+    for t in tokens:
+        replayed.append_output_token(t)
+    assert allowed(compiler, replayed.grammar, vocab) == allowed(compiler, live.grammar, vocab)
+    assert replayed.grammar.num_accepted == len(tokens) and not replayed.check_stop()
+    assert all(t in m for t, m in zip(tokens, masks))
+
+
+def test_the_request_finishes_when_its_grammar_ends_and_fails_on_a_token_outside_it(compiler, tokenizer):
+    done = request(compiler, StructuredOutputsParams("regex", "ok"), ignore_eos=True, max_tokens=50)
+    for t in tokenizer.encode("ok", add_special_tokens=False) + [EOS]:
+        done.append_output_token(t)
+    assert done.check_stop() and done.status == RequestStatus.FINISHED_STOPPED and done.stop_reason is None
+
+    bad = request(compiler, StructuredOutputsParams("regex", "ok"))
+    bad.append_output_token(tokenizer.encode("no", add_special_tokens=False)[0])
+    assert bad.check_stop() and bad.status == RequestStatus.FINISHED_ERROR and "structured output" in bad.error
+
+
+def test_the_sampler_picks_only_allowed_tokens_greedy_or_random(compiler, tokenizer, vocab):
+    so = StructuredOutputsParams.choices(["yes", "no"])
+    greedy = request(compiler, so, temperature=0.0)
+    random = request(compiler, so, temperature=1.0, seed=3)
+    free = request(compiler, None, temperature=0.0)
+    logits = torch.randn(3, vocab)
+    favourite = int(logits[2].argmax())
+    out = Sampler()(logits, [greedy, random, free])
+    first_tokens = allowed(compiler, compiler.new_state(so), vocab)
+    assert out.token_ids[0] in first_tokens and out.token_ids[1] in first_tokens
+    assert out.token_ids[0] == max(first_tokens, key=lambda t: float(logits[0, t]))
+    assert out.token_ids[2] == favourite  # the unconstrained row is untouched
+
+
+def test_nothing_is_copied_when_no_request_uses_a_processor(compiler, vocab):
+    logits = torch.randn(2, vocab)
+    assert Sampler()._apply_logits_processors(logits, [request(compiler, None), request(compiler, None)]) is logits
+
+
+def test_logit_bias_forces_and_bans_tokens_greedy_and_random(compiler, vocab):
+    logits = torch.randn(4, vocab)
+    best = logits.argmax(-1).tolist()
+    forced = request(compiler, None, temperature=0.0, logit_bias={7: 100.0})
+    banned = request(compiler, None, temperature=0.0, logit_bias={best[1]: -100.0})
+    forced_random = request(compiler, None, temperature=1.0, seed=1, logit_bias={9: 100.0})
+    free = request(compiler, None, temperature=0.0)
+    raw = logits.clone()
+    out = Sampler()(logits, [forced, banned, forced_random, free])
+    assert out.token_ids[0] == 7 and out.token_ids[2] == 9 and out.token_ids[3] == best[3]
+    runner_up = int(raw[1].topk(2).indices[1])
+    assert out.token_ids[1] == runner_up
+    assert torch.equal(logits, raw)  # the model's logits are left as they were
+
+
+def test_logit_bias_is_validated():
+    with pytest.raises(ValueError, match="logit_bias values"):
+        SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(ValueError, match="logit_bias keys"):
+        SamplingParams(logit_bias={-1: 1.0})
+
+
+def test_choice_specs_are_json_lists_and_kinds_are_checked():
+    assert json.loads(StructuredOutputsParams.choices(["a|b", "c"]).spec) == ["a|b", "c"]
+    with pytest.raises(ValueError, match="kind"):
+        StructuredOutputsParams("xml", "x")
+    with pytest.raises(ValueError, match="non-empty spec"):
+        StructuredOutputsParams("regex", "")
