@@ -24,7 +24,7 @@ from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, Error, Error
                                       Handshake, Health, KVLayout, Message, MMPlaceholder, PrefillRequest, Role,
                                       Status, TokenDelta)
 from epdserve.shared.engine.request import MultiModalPlaceholder, Request
-from epdserve.shared.engine.wire import logprobs_to_wire, prompt_logprobs_to_wire, sampling_params_from_wire
+from epdserve.shared.engine.wire import logprobs_to_wire, sampling_params_from_wire
 from epdserve.transport.kv_transfer import KVTransferClient, TransferError, create_client
 from epdserve.transport.channel import ChannelError
 
@@ -151,15 +151,14 @@ class EngineWorker:
     def spawn_stream(self, request: Request, outputs: Callable[[], AsyncIterator[RequestOutput]],
                      reply_to: str) -> Message:
         """Stream `outputs()` to the proxy at `reply_to` in a task of its own; the answer to the request."""
-        request_id = request.request_id
+        request_id = request.group_id  # the id the proxy knows (a request with n > 1 has n sequences)
         try:
             push = self.proxies.acquire(reply_to)
         except ValueError as exc:
             return bad_request(request_id, str(exc))
         if push is None:
             return Error(ErrorCode.OVERLOADED, f"streams to {len(self.proxies)} proxies already", request_id, True)
-        task = asyncio.create_task(self._stream(request_id, outputs(), reply_to, request.sampling_params.logprobs,
-                                                request.sampling_params.prompt_logprobs))
+        task = asyncio.create_task(self._stream(request_id, outputs(), reply_to, request.sampling_params.logprobs))
         self._tasks[request_id] = task
 
         def done(_) -> None:
@@ -170,7 +169,7 @@ class EngineWorker:
         return Ack(request_id)
 
     async def _stream(self, request_id: str, outputs: AsyncIterator[RequestOutput], reply_to: str,
-                      num_top: int | None, num_prompt_top: int | None = None) -> None:
+                      num_top: int | None) -> None:
         first = True
         try:
             async for out in outputs:
@@ -178,8 +177,7 @@ class EngineWorker:
                 reason = FinishReason(completion.finish_reason) if completion.finish_reason else None
                 self.proxies.send_soon(reply_to, TokenDelta(
                     request_id, tuple(completion.token_ids), logprobs_to_wire(out, num_top), reason,
-                    completion.stop_reason, out.num_cached_tokens if first else None,
-                    prompt_logprobs_to_wire(out, num_prompt_top)))
+                    completion.stop_reason, out.num_cached_tokens if first else None, index=completion.index))
                 first = False
                 if out.finished:
                     self.metrics.finished(out)

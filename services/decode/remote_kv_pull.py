@@ -8,6 +8,9 @@ Prefill holds the blocks while the pull is RESERVING or FETCHING, and its lease 
 (waiting for room here can take longer than a lease); leaving those states releases them. A failure
 once the KV is in place (DECODING) is the request's failure, never a reason to recompute: tokens may
 have gone out already.
+
+A request with n > 1 is pulled once: its sequences fork from the one set of blocks, each continuing
+from the first token prefill sampled for it.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from epdserve.shared.engine.outputs import RequestOutput
 from epdserve.transport.protocol import DecodeRequest, LeaseRenewed, RenewLease
 from epdserve.shared.engine.request import Request
 from epdserve.shared.engine.scheduler import RemoteKVReservation
+from epdserve.shared.engine.wire import sampling_params_from_wire
 from epdserve.transport.kv_transfer import TransferError
 from epdserve.transport.channel import ChannelError, ErrorReply
 
@@ -54,6 +58,8 @@ class RemoteKVPull:
         self.request = request
         self.state = PullState.RESERVING
         self._renewal: asyncio.Task | None = None
+        # Prefill's first token of each sequence (n > 1: of each of the n).
+        self.first_tokens = [message.first_token, *message.other_first_tokens]
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The request's outputs after prefill's first token, on the pulled KV or on the recomputed prompt."""
@@ -71,7 +77,7 @@ class RemoteKVPull:
     async def _decode_pulled(self) -> AsyncIterator[RequestOutput]:
         m, llm = self.message, self.worker.llm
         try:
-            async for out in llm.generate_prefilled(self.request, m.first_token, self._fetch,
+            async for out in llm.generate_prefilled(self.request, self.first_tokens, self._fetch,
                                                     wait_timeout=self.worker.service.transport.transfer_timeout):
                 yield out
         except PULL_ERRORS as exc:
@@ -90,7 +96,7 @@ class RemoteKVPull:
         if remote:
             try:
                 result = await self.worker.kv_client.fetch_blocks(
-                    handle.kv_addr, self.request.request_id, remote, reservation.block_ids,
+                    handle.kv_addr, self.message.request_id, remote, reservation.block_ids,
                     timeout=self.worker.service.transport.transfer_timeout)
             except PULL_ERRORS:
                 metrics.transfer_failures.inc()
@@ -107,10 +113,11 @@ class RemoteKVPull:
         m, llm = self.message, self.worker.llm
         self.worker.metrics.local_prefills.inc()
         fallback = llm.make_request(
-            {"prompt_token_ids": list(m.prompt_token_ids)}, self.request.sampling_params, m.request_id,
+            {"prompt_token_ids": list(m.prompt_token_ids)}, sampling_params_from_wire(m.sampling_params),
+            m.request_id,
             cache_salt=m.cache_salt, mm_placeholders=self.request.mm_placeholders,
             mm_embeddings=self.request.mm_embeddings)
-        async for out in llm.generate_recomputed(fallback, m.first_token):
+        async for out in llm.generate_recomputed(fallback, self.first_tokens):
             yield out
 
     def _enter(self, state: PullState) -> None:
@@ -123,7 +130,7 @@ class RemoteKVPull:
         if self._renewal is not None:
             self._renewal.cancel()
         if self.message.kv_handle.control_addr:  # else only the lease frees them
-            self.worker.release_soon(self.message.kv_handle.control_addr, self.request.request_id)
+            self.worker.release_soon(self.message.kv_handle.control_addr, self.message.request_id)
 
     async def _keep_lease(self) -> None:
         """Renew the prefill's lease at half-time until the blocks are released."""
@@ -133,10 +140,10 @@ class RemoteKVPull:
             await asyncio.sleep(max((deadline - time.time()) / 2, 0.25))
             try:
                 renewed = await self.worker.prefill_client(handle.control_addr).request(
-                    RenewLease(self.request.request_id), timeout=self.worker.service.transport.rpc_timeout,
+                    RenewLease(self.message.request_id), timeout=self.worker.service.transport.rpc_timeout,
                     expect=LeaseRenewed)
             except (ErrorReply, ChannelError, TimeoutError) as exc:  # the pull will fail and fall back
-                logger.warning("request %s: lease renewal at %s failed: %s", self.request.request_id,
+                logger.warning("request %s: lease renewal at %s failed: %s", self.message.request_id,
                                handle.control_addr, exc)
                 return
             deadline = renewed.lease_deadline

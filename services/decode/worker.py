@@ -49,6 +49,8 @@ class DecodeWorker(EngineWorker):
     async def _start_decode(self, m: DecodeRequest) -> Message:
         if not m.prompt_token_ids or m.kv_handle.num_tokens != len(m.prompt_token_ids):
             return bad_request(m.request_id, "the KV handle does not cover the prompt")
+        if len(m.other_first_tokens) != m.sampling_params.n - 1:
+            return bad_request(m.request_id, "a decode request needs one first token per sequence (n)")
         request = await self.make_request(m)
         if isinstance(request, Error):
             return request

@@ -5,6 +5,9 @@ the request (a stop token, or max_tokens == 1) the blocks are freed at once; oth
 allocated under a lease and are exposed, for that request id only, on this service's KV transfer server.
 They are freed when decode sends Release, when the proxy aborts the request, or when the lease runs out
 (seconds, renewable, counted in a metric): a dead decode never pins them for long.
+
+A request with n > 1 is prefilled once and samples n first tokens, one per sequence (each with its own
+seed stream); the sequences share one set of prompt blocks, which is what decode pulls.
 """
 from __future__ import annotations
 
@@ -18,9 +21,12 @@ from epdserve.services.engine_worker import (EngineWorker, bad_request, kv_layou
 from epdserve.services.network import advertised, server_curve
 from epdserve.shared.engine.async_llm import AsyncLLM
 from epdserve.shared.config import EngineConfig, ServiceConfig
-from epdserve.transport.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, Handshake, KVHandle, LeaseRenewed,
-                                      Message, PrefillDone, PrefillRequest, Release, RenewLease, Role)
-from epdserve.shared.engine.wire import logprobs_to_wire, prompt_logprobs_to_wire
+from epdserve.shared.engine.outputs import RequestOutput
+from epdserve.shared.engine.parallel_sampling import group_members
+from epdserve.transport.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, FirstToken, Handshake, KVHandle,
+                                      LeaseRenewed, Message, PrefillDone, PrefillRequest, Release, RenewLease, Role,
+                                      TokenLogprobs)
+from epdserve.shared.engine.wire import logprobs_to_wire
 from epdserve.transport.kv_transfer import KVTransferClient, KVTransferServer, create_server
 from epdserve.transport.security import WILDCARD_HOSTS
 
@@ -85,29 +91,36 @@ class PrefillWorker(EngineWorker):
         if isinstance(request, Error):
             return request
         wants_more = request.max_output_tokens > 1
-        request.max_output_tokens = 1  # this engine's part ends at the first token
+        for sequence in group_members(request):  # n > 1: one prefill, then a first token per sequence
+            sequence.max_output_tokens = 1  # this engine's part ends at the first token
         task = asyncio.current_task()
         self._tasks[rid] = task
         try:
-            out, prompt_logprobs = None, ()
+            firsts: dict[int, RequestOutput] = {}  # sequence index -> the output with its first token
             async for out in self.llm.generate(request):
-                prompt_logprobs = prompt_logprobs_to_wire(out, request.sampling_params.prompt_logprobs) or \
-                    prompt_logprobs
+                if out.outputs[0].token_ids:
+                    firsts[out.outputs[0].index] = out
         except asyncio.CancelledError:  # aborted by the proxy while prefilling
             self.llm.call_soon(lambda e: e.release_kv(rid))
             return Error(ErrorCode.ABORTED, "aborted", rid)
         finally:
             self._tasks.pop(rid, None)
+        out = firsts[0]
         completion = out.outputs[0]
         first = completion.token_ids[0]
-        logprobs = logprobs_to_wire(out, request.sampling_params.logprobs)
-        first_logprobs = logprobs[0] if logprobs else None
+        num_top = request.sampling_params.logprobs
+        first_logprobs = self._first_logprobs(out, num_top)
         self.metrics.local_prefills.inc()
         self.metrics.finished(out)  # this engine's part ends here, whether or not decode goes on
-        if completion.finish_reason == "stop" or not wants_more:
+        if all(f.outputs[0].finish_reason == "stop" for f in firsts.values()) or not wants_more:
             self.llm.call_soon(lambda e: e.release_kv(rid))
+            others = tuple(FirstToken(f.outputs[0].token_ids[0], self._first_logprobs(f, num_top),
+                                      FinishReason(f.outputs[0].finish_reason)) for _, f in sorted(firsts.items())[1:])
             return PrefillDone(rid, first, None, out.num_cached_tokens, FinishReason(completion.finish_reason),
-                               first_logprobs, prompt_logprobs=prompt_logprobs)
+                               first_logprobs, other_first_tokens=others)
+        # The sequences share the prompt's blocks (those that stopped hold them too, until the release).
+        others = tuple(FirstToken(f.outputs[0].token_ids[0], self._first_logprobs(f, num_top))
+                       for _, f in sorted(firsts.items())[1:])
         # From the output itself: asking the engine thread would wait out the step it is running.
         block_ids = out.kv_block_ids
         self.kv_server.expose(rid, block_ids)
@@ -116,7 +129,13 @@ class PrefillWorker(EngineWorker):
             self._lease_task = asyncio.create_task(self._expire_leases())
         handle = KVHandle(self.service.engine_id, self.data_addr, tuple(block_ids), len(m.prompt_token_ids),
                           time.time() + self.service.lease_seconds, self.control_addr)
-        return PrefillDone(rid, first, handle, out.num_cached_tokens, None, first_logprobs, prompt_logprobs=prompt_logprobs)
+        return PrefillDone(rid, first, handle, out.num_cached_tokens, None, first_logprobs,
+                           other_first_tokens=others)
+
+    @staticmethod
+    def _first_logprobs(out: RequestOutput, num_top: int | None) -> TokenLogprobs | None:
+        logprobs = logprobs_to_wire(out, num_top)
+        return logprobs[0] if logprobs else None
 
     async def abort(self, request_id: str) -> None:
         task = self._tasks.get(request_id)

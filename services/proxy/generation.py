@@ -39,8 +39,7 @@ class Chunk(NamedTuple):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int | None = None  # set on the first chunk: prompt tokens served from a prefix cache
-    # Set on the first chunk with prompt_logprobs: one per prompt token after the first.
-    prompt_logprobs: list[TokenLogprobs] | None = None
+    index: int = 0  # which of the request's n sequences (SamplingParams.n) the tokens belong to
 
 
 class GenerationError(Exception):
@@ -54,5 +53,6 @@ class GenerationError(Exception):
 
 class Backend(Protocol):
     def generate(self, request: GenerateInput) -> AsyncIterator[Chunk]:
-        """Chunks of new tokens; the last has a finish_reason. Raises GenerationError."""
+        """Chunks of new tokens; each sequence's last has a finish_reason (with n > 1, the sequences'
+        chunks interleave, told apart by `index`). Raises GenerationError."""
         ...

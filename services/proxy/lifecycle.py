@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from epdserve.services.network import advertised
@@ -131,19 +131,27 @@ class ServiceBackend:
             PrefillRequest(gen.request_id, tuple(gen.prompt_token_ids), wire, placeholders, gen.cache_salt),
             self.config.prefill_timeout, PrefillDone)
         first = Chunk([done.first_token], [done.first_logprobs] if done.first_logprobs else [],
-                      done.finish_reason.value if done.finish_reason else None, None, done.num_cached_tokens,
-                      list(done.prompt_logprobs) if done.prompt_logprobs else None)
+                      done.finish_reason.value if done.finish_reason else None, None, done.num_cached_tokens)
+        # n > 1: every sequence's first token, sampled by prefill from the one prefill of the prompt.
+        firsts = [first] + [Chunk([f.token_id], [f.logprobs] if f.logprobs else [],
+                                  f.finish_reason.value if f.finish_reason else None, index=i)
+                            for i, f in enumerate(done.other_first_tokens, 1)]
         if done.kv_handle is None:
-            yield first
+            for chunk in firsts:
+                yield chunk
             return
         finished = False
         try:
-            yield first
-            # Prefill scored the prompt: decode, even when it recomputes the prompt, must not do it again.
+            for chunk in firsts:
+                yield chunk
             request = DecodeRequest(gen.request_id, tuple(gen.prompt_token_ids), done.first_token, done.kv_handle,
-                                    replace(wire, prompt_logprobs=None), placeholders, gen.cache_salt, self.reply_to)
+                                    wire, placeholders, gen.cache_salt, self.reply_to,
+                                    other_first_tokens=tuple(f.token_id for f in done.other_first_tokens))
+            unfinished = set(range(gen.params.n))
             async for chunk in self._stream_from(Role.DECODE, request, None):
-                finished = chunk.finish_reason is not None
+                if chunk.finish_reason is not None:
+                    unfinished.discard(chunk.index)
+                finished = not unfinished
                 yield chunk
         finally:
             if not finished:  # decode may not have pulled (and released) the KV: free it now, not at lease end
@@ -157,12 +165,14 @@ class ServiceBackend:
             yield chunk
 
     async def _stream_from(self, role: Role, request, key: bytes | None) -> AsyncIterator[Chunk]:
-        """Send `request` to an instance of `role` that accepts it, then yield what it pushes back."""
+        """Send `request` to an instance of `role` that accepts it, then yield what it pushes back, until
+        every one of its sequences (n) has finished."""
         rid = request.request_id
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
         instance = None  # from its acceptance: counts the stream in its load, hears of an abort
         finished = False
+        unfinished = set(range(request.sampling_params.n))
         try:
             instance, _ = await self._failover.call(role, key, request, self.config.rpc_timeout, Ack)
             # Counted again at once: no other routing decision happens in between.
@@ -173,10 +183,12 @@ class ServiceBackend:
                 if isinstance(message, Error):
                     raise service_error(message, instance)
                 assert isinstance(message, TokenDelta)
-                finished = message.finish_reason is not None
+                if message.finish_reason is not None:
+                    unfinished.discard(message.index)
+                finished = not unfinished
                 yield Chunk(list(message.token_ids), list(message.logprobs),
-                            message.finish_reason.value if finished else None, message.stop_reason,
-                            message.num_cached_tokens, list(message.prompt_logprobs) or None)
+                            message.finish_reason.value if message.finish_reason else None, message.stop_reason,
+                            message.num_cached_tokens, index=message.index)
         finally:
             self._streams.pop(rid, None)
             if instance is not None:

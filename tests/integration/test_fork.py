@@ -1,6 +1,8 @@
 """Parallel sampling (n > 1) on SmolLM2: the prompt computed once, its blocks shared by reference count,
 copy-on-write of the shared partial block, every block back when the sequences end, are aborted or are
 preempted - and each sequence exactly the request with n = 1 and seed + index."""
+import asyncio
+
 import pytest
 
 from epdserve import LLM, SamplingParams
@@ -132,3 +134,51 @@ def test_preempting_one_sequence_leaves_the_others_exact(default_model_path):
 def test_a_group_larger_than_the_batch_is_refused(llm):
     with pytest.raises(ValueError, match="max_num_seqs"):
         llm.engine.make_request("big", PROMPT, SamplingParams(n=1000))
+
+
+@pytest.mark.parametrize("pulled", [True, False])
+def test_disaggregated_group_equals_one_engine(llm, default_model_path, pulled):
+    """Prefill runs the group to its n first tokens on one set of blocks; decode fills one reservation and
+    forks it (or, when the KV cannot be had, recomputes each sequence): the tokens of one engine."""
+    from dataclasses import replace
+
+    from epdserve import AsyncLLM, RequestOutputKind
+    from epdserve.shared.engine.llm import build_engine_config
+    from epdserve.shared.engine.parallel_sampling import group_members
+
+    params = SamplingParams(n=3, seed=3, **SAMPLED)
+    unified = [c.token_ids for c in llm.generate(PROMPT, params)[0].outputs]
+    config = build_engine_config(default_model_path, block_size=BS, num_kv_blocks=48)
+    prefill = LLMEngine(config, detokenize=False)
+    decode = AsyncLLM(LLMEngine(config, detokenize=False))
+    try:
+        request = prefill.make_request("g", PROMPT, params, hold_kv=True)
+        for sequence in group_members(request):
+            sequence.max_output_tokens = 1
+        prefill.add_request("g", request)
+        firsts, held = {}, None
+        while prefill.has_unfinished_requests():
+            for out in prefill.step():
+                firsts |= {c.index: c.token_ids[0] for c in out.outputs}  # CUMULATIVE: every sequence's
+                held = out.kv_block_ids or held
+        assert len(held) == 3 and prefill.stats().num_free_blocks == 48 - 3  # one set of blocks for three
+        first_tokens = [firsts[i] for i in range(3)]
+
+        async def fill_kv(reservation):
+            src = held[reservation.first_remote_block:]
+            decode.engine.runner.kv_cache[:, :, reservation.block_ids] = prefill.runner.kv_cache[:, :, src]
+
+        async def main():
+            group = decode.make_request(PROMPT, replace(params, output_kind=RequestOutputKind.DELTA), "g")
+            tokens = {i: [t] for i, t in enumerate(first_tokens)}
+            outputs = decode.generate_prefilled(group, first_tokens, fill_kv) if pulled else \
+                decode.generate_recomputed(group, first_tokens)
+            async for out in outputs:
+                tokens[out.outputs[0].index] += out.outputs[0].token_ids
+            return [tokens[i] for i in range(3)]
+
+        assert asyncio.run(main()) == unified
+        assert prefill.release_kv("g") and prefill.stats().num_free_blocks == 48
+        assert_clean(decode.engine)
+    finally:
+        decode.shutdown()

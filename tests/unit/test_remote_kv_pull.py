@@ -100,7 +100,7 @@ def test_a_pull_fetches_only_what_is_missing_then_releases_and_decodes():
 def test_a_failed_pull_releases_prefill_once_and_recomputes(llm, kv, failed_while, caplog):
     pull, worker = make_pull(llm, kv)
     outs, renewal = run(pull)
-    assert outs == ["recomputed-1"] and llm.recomputed == [(list(range(40)), 9)]
+    assert outs == ["recomputed-1"] and llm.recomputed == [(list(range(40)), [9])]
     assert worker.releases == [("tcp://127.0.0.1:7", "r1")] and renewal.cancelled()
     assert worker.metrics.local_prefills.value == 1 and worker.metrics.remote_kv_requests.value == 0
     assert worker.metrics.transfer_failures.value == (failed_while is PullState.FETCHING)
