@@ -15,6 +15,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -95,7 +96,7 @@ class Stack:
 
     def http_get(self, container: str, path: str, port: int = 9000) -> tuple[int, str]:
         """GET 127.0.0.1:port/path inside a container (engines publish no port): (status, body)."""
-        script = ("import sys, urllib.request, urllib.error\n"
+        script = ("import urllib.request, urllib.error\n"
                   "try:\n"
                   f"    r = urllib.request.urlopen('http://127.0.0.1:{port}{path}', timeout=10)\n"
                   "    print(r.status); print(r.read().decode())\n"
@@ -155,20 +156,19 @@ def model_folder(image, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def stack(references) -> Stack:
+def stack(references) -> Iterator[Stack]:
     """encoder, prefill, 2 decodes, the proxy and Prometheus, up and ready; `down -v` at the end.
 
     Depends on `references` so the local models are computed and freed before the containers start."""
-    stack = Stack(
-        compose_argv=[*shlex.split(os.environ["EPDSERVE_COMPOSE"]), "-f", str(REPO / "compose.yaml"),
-                      "--profile", "monitoring"],
-        env={**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "EPDSERVE_API_KEY": API_KEY,
-             # One torch thread per engine: four engines share this machine's cores.
-             "EPDSERVE_THREADS": os.environ.get("EPDSERVE_THREADS", "1"),
-             "EPDSERVE_PORT": str(free_port()), "EPDSERVE_PROMETHEUS_PORT": str(free_port())},
-        api_port=0, prometheus_port=0)
-    stack.api_port = int(stack.env["EPDSERVE_PORT"])
-    stack.prometheus_port = int(stack.env["EPDSERVE_PROMETHEUS_PORT"])
+    api_port, prometheus_port = free_port(), free_port()
+    # --env-file: a developer's own .env beside compose.yaml must not change what is tested.
+    argv = [*shlex.split(os.environ["EPDSERVE_COMPOSE"]), "--env-file", os.devnull, "-f", str(REPO / "compose.yaml"),
+            "--profile", "monitoring"]
+    env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "EPDSERVE_API_KEY": API_KEY,
+           # One torch thread per engine: four engines share this machine's cores.
+           "EPDSERVE_THREADS": os.environ.get("EPDSERVE_THREADS", "1"),
+           "EPDSERVE_PORT": str(api_port), "EPDSERVE_PROMETHEUS_PORT": str(prometheus_port)}
+    stack = Stack(argv, env, api_port, prometheus_port)
     try:
         # Only Prometheus from the monitoring profile (and what it depends on): Grafana adds nothing
         # to test here, and its image may not be at hand where no registry is.

@@ -46,8 +46,8 @@ summary() {
 cleanup() {
   local rc=$?
   if [ -n "${COMPOSE_CMD:-}" ] && docker info >/dev/null 2>&1; then
-    COMPOSE_PROJECT_NAME=epdserve-test $COMPOSE_CMD -f compose.yaml --profile monitoring down -v --remove-orphans \
-      --timeout 60 >/dev/null 2>&1 || true
+    COMPOSE_PROJECT_NAME=epdserve-test $COMPOSE_CMD --env-file /dev/null -f compose.yaml --profile monitoring \
+      down -v --remove-orphans --timeout 60 >/dev/null 2>&1 || true
     left=$(docker ps -aq --filter label=com.docker.compose.project=epdserve-test)
     volumes=$(docker volume ls -q --filter label=com.docker.compose.project=epdserve-test)
     if [ -n "$left$volumes" ]; then
@@ -105,7 +105,8 @@ EOP
   fi
   # The classic builder where BuildKit's buildx plugin is missing (Debian's docker.io has none).
   docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
-  nice -n 10 docker build -q "${args[@]}" -t "$TAG" . >/dev/null || return 1
+  nice -n 10 docker build "${args[@]}" -t "$TAG" . >"$WORK/build.log" 2>&1 \
+    || { tail -n 40 "$WORK/build.log"; return 1; }
   docker image inspect --format 'image {{.Id}}: {{.Size}} bytes' "$TAG"
   PROMETHEUS_BASE=$base
 }
