@@ -11,7 +11,8 @@ timeout. Each attempt ends in one of four outcomes:
 - failed (instance dead, connection lost, no answer in time): the instance is marked failed, the call
   aborted there (it may have been accepted with only the answer lost), and the next instance tried.
 
-A call cancelled while an instance works on it (the client went away) is aborted on that instance too.
+A call cancelled while an instance works on it (the client went away), or given up because the proxy's
+drain grace ran out, is aborted on that instance too.
 """
 from __future__ import annotations
 
@@ -33,18 +34,25 @@ class InstanceDown(ChannelError):
     """The instance working on a request was found dead while we waited for it."""
 
 
+def _never() -> None:
+    pass
+
+
 class Liveness:
     """Whether an instance has stayed up since this was made: the router still counts it alive and its
-    connection never dropped (a dropped connection loses the answers in flight)."""
+    connection never dropped (a dropped connection loses the answers in flight). `cut()` raises once
+    the proxy stops waiting for anyone (its drain grace ran out)."""
 
-    __slots__ = ("instance", "_disconnects")
+    __slots__ = ("instance", "_disconnects", "_cut")
 
-    def __init__(self, instance: Instance) -> None:
+    def __init__(self, instance: Instance, cut: Callable[[], None] = _never) -> None:
         self.instance = instance
         self._disconnects = instance.client.num_disconnects
+        self._cut = cut
 
     def check(self) -> None:
-        """Raises InstanceDown if the instance went down."""
+        """Raises InstanceDown if the instance went down, the cut's GenerationError after a cut."""
+        self._cut()
         instance = self.instance
         if not instance.alive or instance.client.num_disconnects != self._disconnects:
             raise InstanceDown(f"{instance.role.value} instance {instance.address} stopped answering")
@@ -73,6 +81,9 @@ def service_error(error: Error, instance: Instance) -> GenerationError:
     """The client's error for an `Error` an instance answered (or pushed) for a request."""
     if error.code == ErrorCode.BAD_REQUEST:
         return GenerationError(error.message, 400, "BadRequestError")
+    if error.code == ErrorCode.ABORTED:  # the instance stopped it: it is shutting down
+        return GenerationError(f"{instance.role.value} {instance.address}: {error.message}", 503,
+                               "ServiceUnavailableError")
     return GenerationError(f"{instance.role.value} {instance.address}: {error.message}", 500)
 
 
@@ -95,8 +106,9 @@ class Failover:
     """Runs one call of a request on the instances of a role, best first, until one answers."""
 
     def __init__(self, router: Router, abort_soon: Callable[[Instance, str], None], max_attempts: int = 3,
-                 liveness_check: float = 0.5) -> None:
+                 liveness_check: float = 0.5, cut: Callable[[], None] = _never) -> None:
         self.router = router
+        self.cut = cut  # raises a GenerationError once the proxy stops waiting (see Liveness)
         self.abort_soon = abort_soon  # (instance, request id): abort there, without waiting
         self.max_attempts = max_attempts
         self.liveness_check = liveness_check  # seconds between two liveness checks of a waiting call
@@ -138,8 +150,8 @@ class Failover:
         instance.inflight += 1
         try:
             call = instance.client.request(message, timeout=timeout, expect=expect)
-            return await watched(call, Liveness(instance), self.liveness_check)
-        except asyncio.CancelledError:  # the client went away while the instance worked on it
+            return await watched(call, Liveness(instance, self.cut), self.liveness_check)
+        except (asyncio.CancelledError, GenerationError):  # the client went away, or the proxy's grace ran out
             self._abort_accepted(instance, message)
             raise
         finally:

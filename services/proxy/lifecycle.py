@@ -13,6 +13,8 @@ Every call to a service (encode, prefill, start a stream) goes through one failo
 request may have caused never retried - only before anything of that step reached the client. A client
 that goes away cancels the request's task: whatever a service may have accepted is aborted there, and
 leaving a stream early (client gone, stop string) aborts the request on every service that holds it.
+When the proxy's drain grace runs out (`cut`), every request still waiting on a service ends the same way,
+with the cut's error.
 """
 from __future__ import annotations
 
@@ -47,6 +49,10 @@ class LifecycleConfig:
     liveness_check: float = 0.5  # how often a waiting call or stream checks its instance is still alive
 
 
+# Put on every stream's queue by `cut`: wakes a stream waiting for its next tokens.
+_CUT = object()
+
+
 class ServiceBackend:
     """Runs requests on the services the router knows; implements the OpenAI layer's Backend."""
 
@@ -60,11 +66,25 @@ class ServiceBackend:
         self._streams: dict[str, asyncio.Queue] = {}
         self._task: asyncio.Task | None = None
         self._aborts: set[asyncio.Task] = set()
-        self._failover = Failover(router, self._abort_soon, config.max_attempts, config.liveness_check)
+        self._cut: GenerationError | None = None  # set once: every wait on a service ends with it
+        self._failover = Failover(router, self._abort_soon, config.max_attempts, config.liveness_check,
+                                  self._check_cut)
 
     async def start(self) -> None:
         self.reply_to = advertised(await self.inbox.start(), self._bind_host, self._advertise_host)
         self._task = asyncio.create_task(self._dispatch())
+
+    def cut(self, error: GenerationError) -> None:
+        """End every request now with `error` (the proxy's drain grace ran out): streams at once, calls
+        to services at their next liveness check; each is aborted where it runs."""
+        self._cut = error
+        for queue in self._streams.values():
+            queue.put_nowait(_CUT)
+
+    def _check_cut(self) -> None:
+        cut = self._cut
+        if cut is not None:  # a fresh exception for each request: each gets its own traceback
+            raise GenerationError(str(cut), cut.status, cut.error_type)
 
     async def close(self) -> None:
         if self._task:
@@ -177,9 +197,11 @@ class ServiceBackend:
             instance, _ = await self._failover.call(role, key, request, self.config.rpc_timeout, Ack)
             # Counted again at once: no other routing decision happens in between.
             instance.inflight += 1
-            liveness = Liveness(instance)
+            liveness = Liveness(instance, self._check_cut)
             while not finished:
                 message = await self._next(queue, liveness)
+                if message is _CUT:
+                    self._check_cut()
                 if isinstance(message, Error):
                     raise service_error(message, instance)
                 assert isinstance(message, TokenDelta)
@@ -197,6 +219,8 @@ class ServiceBackend:
                     self._abort_soon(instance, rid)
 
     async def _next(self, queue: asyncio.Queue, liveness: Liveness):
+        if self._cut is not None:
+            return _CUT
         if not queue.empty():  # the common case under load: no waiting, no task
             return queue.get_nowait()
         try:

@@ -6,6 +6,12 @@ and go. Every instance is polled for its Status over its control channel; one th
 READY (starting, draining, unhealthy), misses `max_misses` polls in a row, or misses one after its
 connection dropped, is dropped from routing until it answers READY again.
 
+Routing and liveness are two things: a DRAINING instance takes no new request but is alive, and the
+streams it holds go on until it finishes them. An instance that DNS stops naming (a pod that turned
+unready, a container that stopped) is likewise kept - polled, never routed to - for as long as this
+proxy has requests there, so those streams end with its answers or, if it went away, with an error
+once its polls fail, never with a wait on an address nobody watches.
+
 Choices: prefill (and unified) by prefix affinity - rendezvous hashing of the prompt's first blocks, so
 requests sharing a prefix land where it is cached - unless that instance is much busier than the least
 busy one; decode by free KV blocks and load; encoders by `mm_hash` affinity, so an image is encoded once.
@@ -39,7 +45,8 @@ class Instance:
     client: RequestClient
     status: Status | None = None
     misses: int = 0
-    alive: bool = False
+    alive: bool = False  # answers its polls (ready, starting or draining): what it holds goes on
+    draining: bool = False  # reported STARTING or DRAINING, or DNS no longer names it: takes nothing new
     # Requests this proxy has sent and not seen finish: load the status poll has not reported yet.
     inflight: int = 0
     last_seen: float = field(default=0.0)
@@ -49,6 +56,10 @@ class Instance:
     def load(self) -> int:
         s = self.status
         return self.inflight + (s.num_running + s.num_waiting if s else 0)
+
+    @property
+    def routable(self) -> bool:
+        return self.alive and not self.draining
 
     @property
     def data_addr(self) -> str:
@@ -74,6 +85,8 @@ class RolePool:
         self.max_misses = max_misses
         self.poll_timeout = poll_timeout
         self.instances: dict[str, Instance] = {}
+        # Gone from DNS with requests of this proxy still there: polled until those end, never routed to.
+        self.retiring: dict[str, Instance] = {}
         self.unresolved: set[str] = set()  # host names whose last lookup failed (warned about once)
 
     @property
@@ -100,15 +113,35 @@ class RolePool:
             ipv4 = [info for info in infos if info[0] == socket.AF_INET]
             found.update(f"tcp://{bracketed(info[4][0])}:{port}" for info in ipv4 or infos)
         for address in found - self.instances.keys():
-            logger.info("discovered %s instance %s", self.role.value, address)
-            self.instances[address] = Instance(self.role, address, self.make_client(address, self.role))
+            instance = self.retiring.pop(address, None)
+            if instance is not None:
+                instance.draining = False  # its next poll tells whether it takes requests again
+            else:
+                logger.info("discovered %s instance %s", self.role.value, address)
+                instance = Instance(self.role, address, self.make_client(address, self.role))
+            self.instances[address] = instance
         for address in self.instances.keys() - found:
             instance = self.instances.pop(address)
-            logger.info("%s instance %s is gone from DNS", self.role.value, address)
-            await instance.client.close()
+            instance.draining = True
+            if instance.inflight and instance.alive:
+                logger.info("%s instance %s is gone from DNS; watching it until %d request(s) there end",
+                            self.role.value, address, instance.inflight)
+                self.retiring[address] = instance
+            else:
+                logger.info("%s instance %s is gone from DNS", self.role.value, address)
+                await self._close_instance(instance)
 
     async def poll(self) -> None:
-        await asyncio.gather(*(self._poll_one(i) for i in list(self.instances.values())))
+        await asyncio.gather(*(self._poll_one(i) for i in [*self.instances.values(), *self.retiring.values()]))
+        for address, instance in list(self.retiring.items()):
+            if not instance.inflight or not instance.alive:
+                del self.retiring[address]
+                await self._close_instance(instance)
+
+    @staticmethod
+    async def _close_instance(instance: Instance) -> None:
+        instance.alive = False  # whoever still holds it (an abort on its way) leaves it alone
+        await instance.client.close()
 
     async def _poll_one(self, instance: Instance) -> None:
         try:
@@ -123,19 +156,22 @@ class RolePool:
                 instance.alive = False
             return
         ready = status.health == Health.READY
-        if instance.alive != ready:
+        retiring = instance.address in self.retiring
+        if instance.routable != (ready and not retiring):
             logger.info("%s instance %s (%s) is %s", self.role.value, instance.address, status.engine_id,
                         status.health.value)
         instance.status, instance.misses, instance.last_seen = status, 0, time.monotonic()
         instance.disconnects_seen = instance.client.num_disconnects
-        instance.alive = ready
+        instance.alive = status.health != Health.UNHEALTHY
+        instance.draining = not ready or retiring
 
     def mark_failed(self, instance: Instance) -> None:
         """A request to it failed at the transport level: stop routing to it until it answers a poll."""
         instance.alive = False
 
     def healthy(self) -> list[Instance]:
-        return [i for i in self.instances.values() if i.alive]
+        """The instances new requests may go to."""
+        return [i for i in self.instances.values() if i.routable]
 
     def _require(self, exclude: Sequence[Instance] = ()) -> list[Instance]:
         candidates = [i for i in self.healthy() if i not in exclude]
@@ -156,9 +192,10 @@ class RolePool:
         return max(candidates, key=lambda i: ((i.status.num_free_blocks if i.status else 0) / (1 + i.load), -i.load))
 
     async def close(self) -> None:
-        for instance in self.instances.values():
+        for instance in [*self.instances.values(), *self.retiring.values()]:
             await instance.client.close()
         self.instances.clear()
+        self.retiring.clear()
 
 
 def prefix_key(prompt_token_ids: Sequence[int], cache_salt: str | None, num_tokens: int = 64) -> bytes:
@@ -208,7 +245,7 @@ class Router:
     def find(self, engine_id: str) -> Instance | None:
         """The instance whose status reports `engine_id`."""
         for pool in self.pools.values():
-            for instance in pool.instances.values():
+            for instance in [*pool.instances.values(), *pool.retiring.values()]:
                 if instance.status is not None and instance.status.engine_id == engine_id:
                     return instance
         return None
