@@ -85,6 +85,7 @@ class EngineWorker:
         self.llm.engine.on_step_tokens = self.metrics.iteration_tokens.observe
         self.proxies = ProxyChannels(control_client_kwargs(service), on_failure=self._proxy_unreachable)
         self._tasks: dict[str, asyncio.Task] = {}
+        self._stop_reason: str | None = None  # set by stop_streams: the streams it stops tell their proxy why
 
     def status(self, health: Health) -> Status:
         stats = self.llm.engine.stats()
@@ -182,6 +183,8 @@ class EngineWorker:
                 if out.finished:
                     self.metrics.finished(out)
         except asyncio.CancelledError:
+            if self._stop_reason is not None:  # the service is going away: the proxy ends the stream at once
+                self.proxies.send_soon(reply_to, Error(ErrorCode.ABORTED, self._stop_reason, request_id))
             raise  # aborted; the engine request was aborted by the iterator's cleanup
         except Exception as exc:
             logger.exception("request %s failed", request_id)
@@ -197,6 +200,12 @@ class EngineWorker:
             task = self._tasks.get(request_id)
             if task is not None:
                 task.cancel()
+
+    def stop_streams(self, reason: str) -> None:
+        """Stop every stream (the drain grace is over), each telling its proxy `reason`; close() sends that."""
+        self._stop_reason = reason
+        for task in list(self._tasks.values()):
+            task.cancel()
 
     async def close(self) -> None:
         for task in list(self._tasks.values()):

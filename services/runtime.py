@@ -7,7 +7,9 @@ blocks or embeddings from. Addresses handed to peers use the advertised host.
 Health, as the control channel's Status and the management port report it:
     STARTING   from the first moment, while the model loads (status answers; requests are refused)
     READY      serving
-    DRAINING   after SIGTERM: takes nothing new, finishes what it holds (up to `drain_timeout`), exits 0
+    DRAINING   after SIGTERM (or SIGINT): takes nothing new, finishes what it holds (up to `drain_timeout`,
+               or until a second signal), then stops the streams still running - each proxy hears why
+               and ends its client's stream with an error event - and exits 0
     UNHEALTHY  the engine loop died: every waiter has been failed; the process exits 1 for its
                supervisor to restart it
 """
@@ -47,6 +49,7 @@ class Service:
         self.worker = None
         self.exit_code = 0
         self.stop = asyncio.Event()
+        self.hurry = asyncio.Event()  # a second signal: the drain ends at once
         self.control_addr = ""
         self.http_port = 0
 
@@ -66,7 +69,7 @@ class Service:
         serving = asyncio.create_task(control.serve(self.handle))  # answers STARTING until the worker is built
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop.set)
+            loop.add_signal_handler(sig, self._on_signal)
 
         worker = self.worker = await self._build_worker(lambda: control.num_rejected)
         if self.health == Health.STARTING:
@@ -127,6 +130,11 @@ class Service:
                          getattr(message, "request_id", None), True)
         return await self.worker.handle(message, peer)
 
+    def _on_signal(self) -> None:
+        if self.stop.is_set():
+            self.hurry.set()
+        self.stop.set()
+
     def _management_state(self) -> tuple[Health, dict]:
         return self.health, {"role": self.role.value, "engine_id": self.config.engine_id}
 
@@ -143,11 +151,16 @@ class Service:
         self.health = Health.DRAINING
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_timeout
-        while self.worker.busy and loop.time() < deadline:
+        while self.worker.busy and loop.time() < deadline and not self.hurry.is_set():
             await asyncio.sleep(0.1)
         if self.worker.busy:
-            logger.warning("%s %s: stopping with requests still in flight after %.0fs of draining",
-                           self.role.value, self.config.engine_id, self.config.drain_timeout)
+            drained = self.config.drain_timeout - max(deadline - loop.time(), 0.0)
+            logger.warning("%s %s: stopping with requests still in flight after %.1fs of draining",
+                           self.role.value, self.config.engine_id, drained)
+            stop_streams = getattr(self.worker, "stop_streams", None)  # encoders hold no streams
+            if stop_streams is not None:
+                stop_streams(f"{self.role.value} {self.config.engine_id} shut down before the request finished "
+                             f"(after {drained:.1f}s of draining)")
 
 
 async def run_service(config: ServiceConfig, engine: EngineConfig | None, model_path: str,
