@@ -2,7 +2,11 @@
 
 Ports come from the OS (free ports on 127.0.0.1); the proxy gets --port. The URL is printed once the
 proxy's /ready answers 200 (every role has a healthy instance). Ctrl-C, SIGTERM, or any child dying
-stops every child, by pid.
+stops every child, by pid, as a deployment would drain: the proxy first (it refuses new requests and
+gives those in flight up to `drain_timeout` seconds), then the engines, which have nothing left in flight.
+A second Ctrl-C or SIGTERM hurries it (every child is told again: streams still running are cut with an
+error event), a third kills what is left. Children run in their own process group: a terminal's Ctrl-C
+reaches only this process, which tells each child once.
 """
 from __future__ import annotations
 
@@ -73,17 +77,23 @@ class StackConfig:
     threads: int = 1  # compute threads per engine
     log_level: str = "info"
     engine_args: tuple[str, ...] = ()  # passed to every engine service
+    drain_timeout: float = 10.0  # on stop: seconds the proxy, then each engine, gets to finish requests
 
 
 class LocalStack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.children: list[tuple[str, subprocess.Popen]] = []
+        self.signals = 0  # Ctrl-Cs and SIGTERMs received: the first stops the stack, more hurry it
+
+    def _on_signal(self, *_) -> None:
+        self.signals += 1
 
     def commands(self) -> list[tuple[str, list[str]]]:
         """(name, argv) of every process, the proxy last."""
         c = self.config
         base = [sys.executable, "-m", "epdserve.services.cli", "--log-level", c.log_level, "serve"]
+        drain = ["--drain-timeout", f"{c.drain_timeout:g}"]
         procs, targets = [], {"encoder": [], "prefill": [], "decode": [], "unified": []}
         counts = [("encoder", c.encoders)]
         counts += [("unified", 1)] if c.unified else [("prefill", c.prefills), ("decode", c.decodes)]
@@ -93,11 +103,12 @@ class LocalStack:
                 argv = [*base, role, "--model", c.model, "--host", "127.0.0.1", "--port", str(port),
                         "--data-port", str(free_port()), "--http-port", str(free_port()),
                         "--engine-id", f"{role}-{i}"]
+                argv += drain
                 if role != "encoder":
                     argv += ["--threads", str(c.threads), *c.engine_args]
                 procs.append((f"{role}-{i}", argv))
                 targets[role].append(f"127.0.0.1:{port}")
-        proxy = [*base, "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port)]
+        proxy = [*base, "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port), *drain]
         for role, addrs in targets.items():
             if addrs:
                 proxy += [f"--{role}", ",".join(addrs)]
@@ -112,54 +123,79 @@ class LocalStack:
 
     def run(self, startup_timeout: float) -> int:
         check_port_free(self.config.host, self.config.port)
-        stop = []
-        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
         # Ctrl-C stops the stack even when started from a script's background job (which ignores SIGINT).
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
         try:
             for name, argv in self.commands():
-                self.children.append((name, subprocess.Popen(argv, env=self.environment(name))))
+                # Its own process group: a terminal's Ctrl-C is this process's to forward, once, in order.
+                self.children.append((name, subprocess.Popen(argv, env=self.environment(name),
+                                                             start_new_session=True)))
             url = f"http://{self.config.host}:{self.config.port}"
-            self._wait_ready(url, startup_timeout)
+            if not self._wait_ready(url, startup_timeout):
+                return 0
             print(f"epdserve is ready: {url}/v1 (model {Path(self.config.model).name}); Ctrl-C stops it", flush=True)
-            while not stop:
+            while not self.signals:
                 for name, proc in self.children:
                     if proc.poll() is not None:
                         print(f"epdserve up: {exit_message(name, proc.returncode)}; stopping the stack",
                               file=sys.stderr)
                         return 1
-                time.sleep(0.5)
-            return 0
-        except KeyboardInterrupt:
+                time.sleep(0.2)
             return 0
         finally:
             self.stop()
 
-    def _wait_ready(self, url: str, timeout: float) -> None:
+    def _wait_ready(self, url: str, timeout: float) -> bool:
+        """True once the proxy is ready; False if told to stop first."""
         deadline = time.monotonic() + timeout
         key = self.config.api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         while time.monotonic() < deadline:
+            if self.signals:
+                return False
             for name, proc in self.children:
                 if proc.poll() is not None:
                     raise SystemExit(f"epdserve up: during startup, {exit_message(name, proc.returncode)}")
             try:
                 with urllib.request.urlopen(urllib.request.Request(url + "/ready", headers=headers), timeout=2) as r:
                     if r.status == 200:
-                        return
+                        return True
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
         raise SystemExit(f"epdserve up: the stack was not ready within {timeout:.0f}s (--startup-timeout)")
 
     def stop(self) -> None:
-        for _, proc in reversed(self.children):
+        """Drain front to back - the proxy, then the engines - each child told by pid."""
+        proxies = [proc for name, proc in self.children if name == "proxy"]
+        engines = [proc for name, proc in self.children if name != "proxy"]
+        hurried = self.signals + 1  # the signal count at which the stop is hurried
+        # Each step's bound: its drain, then the cut's last events and closing down.
+        for group in (proxies, engines):
+            self._terminate(group)
+            if not self._wait(group, self.config.drain_timeout + 15, hurried):
+                break
+        # Hurried (or a child outlived its bound): every child told again; killed after one more signal.
+        self._terminate(proxies + engines)
+        if not self._wait(proxies + engines, 15, hurried + 1):
+            for proc in proxies + engines:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+    @staticmethod
+    def _terminate(procs: list[subprocess.Popen]) -> None:
+        for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for _, proc in self.children:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+
+    def _wait(self, procs: list[subprocess.Popen], timeout: float, until_signals: int) -> bool:
+        """True once every one of `procs` exited within `timeout`, False if not or on the
+        `until_signals`-th signal."""
+        deadline = time.monotonic() + timeout
+        while any(proc.poll() is None for proc in procs):
+            if time.monotonic() > deadline or self.signals >= until_signals:
+                return False
+            time.sleep(0.1)
+        return True
