@@ -87,7 +87,8 @@ stop() {
   [ -f "$DIR/dockerd.pid" ] || return 0
   local pid
   pid=$(cat "$DIR/dockerd.pid")
-  if kill "$pid" 2>/dev/null; then
+  # Only the dockerd started here: a stale file's pid may belong to another process by now.
+  if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = dockerd ] && kill "$pid" 2>/dev/null; then
     for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
     kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
   fi
