@@ -63,7 +63,7 @@ app.kubernetes.io/part-of: epdserve
 {{- $ports := $root.Values.ports }}
 - serve
 - {{ $role }}
-{{- with $root.Values.model.path }}
+{{- with include "epdserve.modelPath" $root }}
 - --model
 - {{ . | quote }}
 {{- end }}
@@ -107,12 +107,23 @@ app.kubernetes.io/part-of: epdserve
 - {{ . | quote }}
 {{- end }}
 {{- end }}
+- --drain-timeout
+- {{ $root.Values.shutdown.drainTimeoutSeconds | quote }}
 {{- if $root.Values.curve.existingSecret }}
 - --curve-dir
 - /etc/epdserve/curve
 {{- end }}
 {{- range $v.args }}
 - {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* --model of every role: model.path, else where source hub downloads to, else empty (the demo model). */}}
+{{- define "epdserve.modelPath" -}}
+{{- if .Values.model.path }}
+{{- .Values.model.path }}
+{{- else if eq .Values.model.source "hub" }}
+{{- printf "/models/%s" .Values.model.hub.repo }}
 {{- end }}
 {{- end }}
 
