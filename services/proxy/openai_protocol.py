@@ -89,6 +89,7 @@ class _SamplingFields(_Request):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
+    safety_identifier: str | None = None  # like user: who asks, for abuse monitoring; no effect on the output
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -214,6 +215,12 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:  # as OpenAI: asked for, it would otherwise go unanswered
+            raise _refuse("top_logprobs", "needs logprobs: true")
+        return self
 
 
 class TokenizeRequest(_Request):
