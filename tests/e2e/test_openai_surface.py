@@ -167,7 +167,8 @@ def test_logprobs_go_up_to_20(client):
 
 @pytest.mark.parametrize("field, value", [("suffix", " and then?"), ("audio", {"voice": "alloy", "format": "wav"}),
                                           ("reasoning_effort", "low"), ("store", True), ("prediction", {"x": 1}),
-                                          ("modalities", ["text", "audio"]), ("service_tier", "flex")])
+                                          ("modalities", ["text", "audio"]), ("service_tier", "flex"),
+                                          ("top_logprobs", 3)])
 def test_fields_we_do_not_implement_are_a_400_naming_them(client, field, value):
     with pytest.raises(openai.BadRequestError) as err:
         if field == "suffix":
