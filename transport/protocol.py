@@ -94,6 +94,20 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class LogitBias:
+    token_id: int
+    bias: float
+
+
+@dataclass(frozen=True, slots=True)
+class WireStructuredOutputs:
+    """An output constraint (the engine's StructuredOutputsParams): what a grammar is compiled from."""
+
+    kind: str  # json | json_object | regex | choice | grammar
+    spec: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class WireSamplingParams:
     """The engine's SamplingParams as they travel: the same fields, minus those only the engine sets
     (see `epdserve.shared.engine.wire`, which converts, and the test that holds the two field sets equal)."""
@@ -116,6 +130,8 @@ class WireSamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: tuple[LogitBias, ...] = ()
+    structured_outputs: WireStructuredOutputs | None = None
 
 
 @dataclass(frozen=True, slots=True)
