@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -31,20 +32,24 @@ DEFAULT_CACHE_SIZE = 128
 class GrammarState:
     """One request's matcher. `accept` is called once per output token, in order."""
 
-    __slots__ = ("matcher", "num_accepted", "rejected_token")
+    __slots__ = ("matcher", "num_accepted", "rejected_token", "compiler")
 
-    def __init__(self, matcher: "xgrammar.GrammarMatcher") -> None:
+    def __init__(self, matcher: "xgrammar.GrammarMatcher", compiler: "GrammarCompiler | None" = None) -> None:
         self.matcher = matcher
         self.num_accepted = 0
         self.rejected_token: int | None = None  # a token the grammar did not allow (the request fails)
+        self.compiler = compiler  # counts the time matchers spend taking tokens
 
     def accept(self, token_id: int) -> None:
         if self.rejected_token is not None or self.matcher.is_terminated():
             return
+        start = time.perf_counter()
         if self.matcher.accept_token(token_id):
             self.num_accepted += 1
         else:
             self.rejected_token = token_id
+        if self.compiler is not None:
+            self.compiler.accept_seconds += time.perf_counter() - start
 
     @property
     def is_terminated(self) -> bool:
@@ -70,12 +75,13 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.num_hits = 0
         self.num_compiled = 0
+        self.accept_seconds = 0.0  # matchers taking tokens, summed (the bitmask's time is the sampler's)
 
     def new_state(self, params: StructuredOutputsParams) -> GrammarState:
         """A fresh matcher for `params` (raises ValueError when the constraint does not compile)."""
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(self.compile(params), override_stop_tokens=self.stop_token_ids))
+        return GrammarState(xgr.GrammarMatcher(self.compile(params), override_stop_tokens=self.stop_token_ids), self)
 
     def compile(self, params: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
         key = (params.kind, params.spec)
