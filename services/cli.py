@@ -21,6 +21,7 @@ from pathlib import Path
 
 from epdserve.services.batch.cli import add_run_batch_parser
 from epdserve.services.bench.cli import add_bench_parser
+from epdserve.services.proxy.kv_routing import KVRoutingConfig, RoutingPolicy
 from epdserve.services.proxy.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 
 ROLES = ("encoder", "prefill", "decode", "unified", "proxy")
@@ -166,6 +167,19 @@ def build_parser() -> argparse.ArgumentParser:
                                help=f"{name} control address(es); repeat or comma-separate; DNS names are re-resolved")
             p.add_argument("--local-prefill-threshold", type=int, default=0,
                            help="prompts shorter than this many tokens are prefilled by decode itself")
+            p.add_argument("--routing-policy", choices=[policy.value for policy in RoutingPolicy], default="kv",
+                           help="kv: prefill and decode chosen by the prompt blocks each caches (the engines' KV "
+                                "events) weighed against load; load: prefill by a hash of the prompt's head, "
+                                "decode by free blocks and load (default: %(default)s)")
+            p.add_argument("--kv-load-weight", type=float, default=0.25,
+                           help="kv routing: what one queued request costs, as a fraction of recomputing the "
+                                "whole prompt (default: %(default)s)")
+            p.add_argument("--kv-local-prefill-tokens", type=int, default=256,
+                           help="kv routing: a decode that caches all but at most this many prompt tokens "
+                                "computes them itself, with no prefill and no transfer (default: %(default)s)")
+            p.add_argument("--prefill-timeout", type=float, default=600.0,
+                           help="seconds a whole prefill may take (long prompts on CPU take a while; "
+                                "default: %(default)s)")
             p.add_argument("--poll-interval", type=float, default=1.0)
             p.add_argument("--token-timeout", type=float, default=600.0,
                            help="seconds allowed between two chunks of a stream; also the longest wait for a "
@@ -298,7 +312,10 @@ def proxy_config(args: argparse.Namespace, model: str):
         encoders=_peer_targets(args, "encoder"), prefills=_peer_targets(args, "prefill"),
         decodes=_peer_targets(args, "decode"), unified=_peer_targets(args, "unified"), poll_interval=args.poll_interval,
         lifecycle=LifecycleConfig(local_prefill_threshold=args.local_prefill_threshold,
-                                  rpc_timeout=transport.rpc_timeout, token_timeout=args.token_timeout),
+                                  rpc_timeout=transport.rpc_timeout, prefill_timeout=args.prefill_timeout,
+                                  token_timeout=args.token_timeout,
+                                  kv_routing=KVRoutingConfig(RoutingPolicy(args.routing_policy), args.kv_load_weight,
+                                                             args.kv_local_prefill_tokens)),
         transport=transport, allowed_image_domains=_split_targets(args.allowed_image_domains),
         allow_private_image_urls=args.allow_private_image_urls, access_log=args.log_level == "debug",
         tool_call_parser=args.tool_call_parser,

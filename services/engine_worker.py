@@ -21,10 +21,10 @@ from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.shared.engine.llm_engine import LLMEngine
 from epdserve.shared.engine.outputs import RequestOutput
 from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason, GenerateRequest,
-                                      Handshake, Health, KVLayout, Message, MMPlaceholder, PrefillRequest, Role,
-                                      Status, TokenDelta)
+                                      Handshake, Health, KVEvents, KVEventsRequest, KVLayout, Message, MMPlaceholder,
+                                      PrefillRequest, Role, Status, TokenDelta)
 from epdserve.shared.engine.request import MultiModalPlaceholder, Request
-from epdserve.shared.engine.wire import logprobs_to_wire, sampling_params_from_wire
+from epdserve.shared.engine.wire import logprobs_to_wire, prompt_logprobs_to_wire, sampling_params_from_wire
 from epdserve.transport.kv_transfer import KVTransferClient, TransferError, create_client
 from epdserve.transport.channel import ChannelError
 
@@ -103,8 +103,16 @@ class EngineWorker:
             return Ack(message.request_id)
         if isinstance(message, GenerateRequest):
             return await self._start_generate(message)
+        if isinstance(message, KVEventsRequest):
+            return await self._kv_events(message)
         return bad_request(getattr(message, "request_id", None),
                            f"a {self.role.value} service does not take {type(message).__name__}")
+
+    async def _kv_events(self, m: KVEventsRequest) -> KVEvents:
+        """What the prefix cache stored and evicted since batch `m.next_seq` (routers follow it)."""
+        batch = await self.llm.call(lambda engine: engine.kv_events(m.next_seq))
+        return KVEvents(self.service.engine_id, self.engine_config.cache.block_size, batch.first_seq, batch.last_seq,
+                        b"".join(batch.stored), b"".join(batch.removed), batch.snapshot)
 
     async def abort(self, request_id: str) -> None:
         task = self._tasks.get(request_id)
@@ -159,7 +167,8 @@ class EngineWorker:
             return bad_request(request_id, str(exc))
         if push is None:
             return Error(ErrorCode.OVERLOADED, f"streams to {len(self.proxies)} proxies already", request_id, True)
-        task = asyncio.create_task(self._stream(request_id, outputs(), reply_to, request.sampling_params.logprobs))
+        task = asyncio.create_task(self._stream(request_id, outputs(), reply_to, request.sampling_params.logprobs,
+                                                request.sampling_params.prompt_logprobs))
         self._tasks[request_id] = task
 
         def done(_) -> None:
@@ -170,7 +179,7 @@ class EngineWorker:
         return Ack(request_id)
 
     async def _stream(self, request_id: str, outputs: AsyncIterator[RequestOutput], reply_to: str,
-                      num_top: int | None) -> None:
+                      num_top: int | None, num_prompt_top: int | None = None) -> None:
         first = True
         try:
             async for out in outputs:
@@ -178,7 +187,8 @@ class EngineWorker:
                 reason = FinishReason(completion.finish_reason) if completion.finish_reason else None
                 self.proxies.send_soon(reply_to, TokenDelta(
                     request_id, tuple(completion.token_ids), logprobs_to_wire(out, num_top), reason,
-                    completion.stop_reason, out.num_cached_tokens if first else None, index=completion.index))
+                    completion.stop_reason, out.num_cached_tokens if first else None,
+                    prompt_logprobs_to_wire(out, num_prompt_top), index=completion.index))
                 first = False
                 if out.finished:
                     self.metrics.finished(out)

@@ -374,6 +374,28 @@ class Status:
 
 
 @dataclass(frozen=True, slots=True)
+class KVEventsRequest:
+    """What an engine's prefix cache stored and evicted from event batch `next_seq` on (see
+    shared/engine/kv_events.py); None: a snapshot of everything it holds."""
+    TAG: ClassVar[str] = "kv_events_request"
+    next_seq: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvents:
+    TAG: ClassVar[str] = "kv_events"
+    engine_id: str
+    block_size: int  # tokens per block: what a router hashes a prompt's blocks by
+    first_seq: int
+    last_seq: int
+    # 16-byte chained block hashes, concatenated (shared/engine/block_hash.py). A reader applies the
+    # removals before the stores.
+    stored: bytes = b""
+    removed: bytes = b""
+    snapshot: bool = False  # `stored` is all the cache holds as of `last_seq`; forget the rest
+
+
+@dataclass(frozen=True, slots=True)
 class Error:
     TAG: ClassVar[str] = "error"
     code: ErrorCode
@@ -445,7 +467,7 @@ Message = Union[
     Handshake, HandshakeAck,
     EncodeRequest, EncodeDone, PrefillRequest, PrefillDone, DecodeRequest, GenerateRequest, TokenDelta,
     TokenDeltas, Release, RenewLease, LeaseRenewed, Abort, Ack,
-    StatusRequest, Status, Error,
+    StatusRequest, Status, KVEventsRequest, KVEvents, Error,
     FetchBlocks, BlocksData, BlocksSent, FetchEmbeddings, EmbeddingsData, EmbeddingsSent,
 ]
 
@@ -455,7 +477,8 @@ MESSAGE_TYPES: dict[str, type] = {cls.TAG: cls for cls in Message.__args__}
 # nothing else. A peer's role is what its handshake claims; with CURVE on, only holders of the
 # deployment's key get that far.
 MAY_SEND: dict[Role, frozenset[type]] = {
-    Role.PROXY: frozenset({StatusRequest, EncodeRequest, PrefillRequest, DecodeRequest, GenerateRequest, Abort}),
+    Role.PROXY: frozenset({StatusRequest, KVEventsRequest, EncodeRequest, PrefillRequest, DecodeRequest,
+                           GenerateRequest, Abort}),
     # Engines pull embeddings and KV, hand prefill's blocks back, and push tokens to proxies.
     Role.PREFILL: frozenset({FetchEmbeddings, TokenDelta, TokenDeltas, Error}),
     Role.DECODE: frozenset({FetchEmbeddings, FetchBlocks, RenewLease, Release, TokenDelta, TokenDeltas, Error}),

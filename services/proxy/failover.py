@@ -22,7 +22,7 @@ import logging
 from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 from epdserve.services.proxy.generation import GenerationError
-from epdserve.services.proxy.router import Instance, NoInstanceError, Router
+from epdserve.services.proxy.router import Instance, NoInstanceError, Route, Router
 from epdserve.transport.protocol import Error, ErrorCode, Message, Role
 from epdserve.transport.channel import ChannelError, ErrorReply
 
@@ -113,12 +113,12 @@ class Failover:
         self.max_attempts = max_attempts
         self.liveness_check = liveness_check  # seconds between two liveness checks of a waiting call
 
-    async def call(self, role: Role, key: bytes | None, message: Message, timeout: float,
+    async def call(self, role: Role, route: Route, message: Message, timeout: float,
                    expect: type) -> tuple[Instance, Any]:
-        """(the instance that answered `message` with an `expect`, its answer). `key`: route by affinity
-        (None: least loaded). The instance counts the call in its load while working on it."""
+        """(the instance that answered `message` with an `expect`, its answer), instances chosen by
+        `route`. The instance counts the call in its load while working on it."""
         last: Exception | None = None
-        for attempt, instance in self._candidates(role, key):
+        for attempt, instance in self._candidates(role, route):
             try:
                 return instance, await self._attempt(instance, message, timeout, expect)
             except (ChannelError, TimeoutError) as exc:
@@ -133,13 +133,13 @@ class Failover:
                            type(message).__name__, attempt + 1, last)
         raise GenerationError(f"{role.value} failed: {last}", 503, "ServiceUnavailableError")
 
-    def _candidates(self, role: Role, key: bytes | None) -> Iterator[tuple[int, Instance]]:
+    def _candidates(self, role: Role, route: Route) -> Iterator[tuple[int, Instance]]:
         """Up to max_attempts distinct healthy instances, best first."""
         pool = self.router.pool(role)
         tried: list[Instance] = []
         for attempt in range(self.max_attempts):
             try:
-                instance = pool.pick_affine(key, tried) if key is not None else pool.pick_least_loaded(tried)
+                instance = pool.pick(route, tried)
             except NoInstanceError:
                 what = f"no healthy {role.value} instance" if not tried else f"every {role.value} instance tried failed"
                 raise GenerationError(what, 503, "ServiceUnavailableError") from None

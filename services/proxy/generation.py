@@ -39,6 +39,8 @@ class Chunk(NamedTuple):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int | None = None  # set on the first chunk: prompt tokens served from a prefix cache
+    # Set on the first chunk with prompt_logprobs: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
     index: int = 0  # which of the request's n sequences (SamplingParams.n) the tokens belong to
 
 

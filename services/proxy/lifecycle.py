@@ -1,12 +1,19 @@
 """One request's life across the services: encode -> prefill -> decode (or unified, or decode alone).
 
 1. Images go to encoders (by mm_hash affinity), which keep their embeddings for prefill to pull.
-2. Prefill (chosen by prefix affinity) computes the prompt, samples the first token - streamed to the
-   client at once - and holds the KV under a lease.
-3. Decode (chosen by free KV and load) pulls the blocks it lacks, releases prefill, and streams the rest
-   back to this proxy's inbox (a pull channel services push a step's TokenDeltas to, one message per step).
+2. Prefill (chosen by the prompt blocks it caches and its load) computes the prompt, samples the first
+   token - streamed to the client at once - and holds the KV under a lease.
+3. Decode (chosen likewise) pulls the blocks it lacks, releases prefill, and streams the rest back to
+   this proxy's inbox (a pull channel services push a step's TokenDeltas to, one message per step).
 
 Short uncached prompts, or no healthy prefill, go straight to decode, which prefills them itself.
+
+Routing is KV-aware by default (kv_routing.py): the router's prefix index knows which instance holds
+which blocks (the engines' KV events), so prefill and decode are each chosen by the prompt blocks they
+hold weighed against their load, and a decode that already holds all but a few tokens of the prompt (a
+chat's next turn) prefills the rest itself, with nothing transferred. Every such decision is counted by
+path and reason (`routed`). `--routing-policy load` keeps the older choice: prefill by a hash of the
+prompt's head, decode by free blocks and load.
 
 Every call to a service (encode, prefill, start a stream) goes through one failover path
 (`failover.Failover`): instances tried best first, their liveness watched while they work, a refusal the
@@ -21,16 +28,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from dataclasses import dataclass
-from typing import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Callable, NamedTuple
 
 from epdserve.services.network import advertised
 from epdserve.services.proxy.failover import Failover, InstanceDown, Liveness, service_error, watched
+from epdserve.services.proxy import kv_routing
 from epdserve.services.proxy.generation import Chunk, GenerateInput, GenerationError
-from epdserve.services.proxy.router import Instance, Router, prefix_key
+from epdserve.services.proxy.kv_routing import KVRoutingConfig, RoutingPolicy
+from epdserve.services.proxy.router import Instance, Route, Router, prefix_key
 from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error, GenerateRequest,
                                       MMItem, MMPlaceholder, PrefillDone, PrefillRequest, Role, TokenDelta,
                                       TokenDeltas)
+from epdserve.shared.engine.block_hash import extend_block_hashes
 from epdserve.shared.engine.wire import sampling_params_to_wire
 from epdserve.transport.channel import ChannelError
 from epdserve.transport.reply_server import PullChannel
@@ -47,6 +57,15 @@ class LifecycleConfig:
     prefill_timeout: float = 600.0  # a whole prefill (long prompts on CPU take a while)
     token_timeout: float = 600.0  # silence allowed between two chunks of a stream
     liveness_check: float = 0.5  # how often a waiting call or stream checks its instance is still alive
+    kv_routing: KVRoutingConfig = field(default_factory=KVRoutingConfig)
+
+
+class _Plan(NamedTuple):
+    """Where one request goes: its path, why, and how each role's instance is chosen."""
+    path: str  # prefill_decode | decode_only | unified
+    reason: str
+    route: Route  # decode and unified
+    prefill_route: Route
 
 
 # Put on every stream's queue by `cut`: wakes a stream waiting for its next tokens.
@@ -57,8 +76,10 @@ class ServiceBackend:
     """Runs requests on the services the router knows; implements the OpenAI layer's Backend."""
 
     def __init__(self, router: Router, inbox: PullChannel, config: LifecycleConfig, bind_host: str = "127.0.0.1",
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None, routed: Callable[[str, str], None] = lambda path, reason: None,
+                 ) -> None:
         self.router = router
+        self.routed = routed  # (path, reason) of each request, for the metrics
         self.inbox = inbox
         self.config = config
         self._bind_host, self._advertise_host = bind_host, advertise_host
@@ -116,18 +137,41 @@ class ServiceBackend:
             # Checked first: prefill would otherwise stream a first token that nobody can continue.
             raise GenerationError("no healthy decode instance", 503, "ServiceUnavailableError")
         placeholders = await self._encode(gen) if gen.images else ()
-        if not self.router.disaggregated:
-            stream = self._generate_on(Role.UNIFIED, gen, placeholders)
-        elif len(gen.prompt_token_ids) < self.config.local_prefill_threshold or \
-                not self.router.pool(Role.PREFILL).healthy():
-            stream = self._generate_on(Role.DECODE, gen, placeholders)
+        plan = self._plan(gen, placeholders)
+        self.routed(plan.path, plan.reason)
+        if plan.path == "prefill_decode":
+            stream = self._disaggregated(gen, placeholders, plan)
         else:
-            stream = self._disaggregated(gen, placeholders)
+            stream = self._generate_on(Role.UNIFIED if plan.path == "unified" else Role.DECODE, gen, placeholders,
+                                       plan.route)
         try:
             async for chunk in stream:
                 yield chunk
         finally:
             await stream.aclose()
+
+    def _plan(self, gen: GenerateInput, placeholders: tuple[MMPlaceholder, ...]) -> _Plan:
+        prompt = gen.prompt_token_ids
+        affinity = Route(key=prefix_key(prompt, gen.cache_salt))
+        index, kv = self.router.index, self.config.kv_routing
+        route, reason = Route(), "load"
+        if kv.policy is RoutingPolicy.KV and index is not None and index.block_size is not None:
+            hashes = extend_block_hashes([], prompt, index.block_size, placeholders, gen.cache_salt)
+            cached = index.match(hashes)
+            route = affinity = Route(cached=cached, prompt_blocks=len(hashes), load_weight=kv.load_weight)
+            reason = "cached_prefix" if cached else "no_cached_prefix"
+        if not self.router.disaggregated:
+            return _Plan("unified", reason if route.cached is not None else "prefix_affinity", affinity, affinity)
+        if len(prompt) < self.config.local_prefill_threshold:
+            return _Plan("decode_only", "short_prompt", route, affinity)
+        if not self.router.pool(Role.PREFILL).healthy():
+            return _Plan("decode_only", "no_prefill", route, affinity)
+        if route.cached:
+            decodes = self.router.pool(Role.DECODE).healthy()
+            _, held = kv_routing.pick(decodes, route.cached, route.prompt_blocks, route.load_weight)
+            if held and len(prompt) - held * index.block_size <= kv.local_prefill_tokens:
+                return _Plan("decode_only", "decode_holds_prefix", route, affinity)
+        return _Plan("prefill_decode", reason, route, affinity)
 
     async def _encode(self, gen: GenerateInput) -> tuple[MMPlaceholder, ...]:
         if not self.router.pool(Role.ENCODER).configured:
@@ -136,7 +180,7 @@ class ServiceBackend:
         placeholders = []
         for image in gen.images:
             request = EncodeRequest(gen.request_id, (MMItem(image.mm_hash, image.data),))
-            instance, done = await self._failover.call(Role.ENCODER, image.mm_hash.encode(), request,
+            instance, done = await self._failover.call(Role.ENCODER, Route(key=image.mm_hash.encode()), request,
                                                        self.config.rpc_timeout, EncodeDone)
             if done.items[0].num_tokens != image.length:
                 raise GenerationError(f"the encoder made {done.items[0].num_tokens} embeddings for an image with "
@@ -144,14 +188,15 @@ class ServiceBackend:
             placeholders.append(MMPlaceholder(image.offset, image.length, image.mm_hash, instance.data_addr))
         return tuple(placeholders)
 
-    async def _disaggregated(self, gen: GenerateInput, placeholders) -> AsyncIterator[Chunk]:
+    async def _disaggregated(self, gen: GenerateInput, placeholders, plan: _Plan) -> AsyncIterator[Chunk]:
         wire = sampling_params_to_wire(gen.params)
         prefill, done = await self._failover.call(
-            Role.PREFILL, prefix_key(gen.prompt_token_ids, gen.cache_salt),
+            Role.PREFILL, plan.prefill_route,
             PrefillRequest(gen.request_id, tuple(gen.prompt_token_ids), wire, placeholders, gen.cache_salt),
             self.config.prefill_timeout, PrefillDone)
         first = Chunk([done.first_token], [done.first_logprobs] if done.first_logprobs else [],
-                      done.finish_reason.value if done.finish_reason else None, None, done.num_cached_tokens)
+                      done.finish_reason.value if done.finish_reason else None, None, done.num_cached_tokens,
+                      list(done.prompt_logprobs) if done.prompt_logprobs else None)
         # n > 1: every sequence's first token, sampled by prefill from the one prefill of the prompt.
         firsts = [first] + [Chunk([f.token_id], [f.logprobs] if f.logprobs else [],
                                   f.finish_reason.value if f.finish_reason else None, index=i)
@@ -164,11 +209,12 @@ class ServiceBackend:
         try:
             for chunk in firsts:
                 yield chunk
+            # Prefill scored the prompt: decode, even when it recomputes the prompt, must not do it again.
             request = DecodeRequest(gen.request_id, tuple(gen.prompt_token_ids), done.first_token, done.kv_handle,
-                                    wire, placeholders, gen.cache_salt, self.reply_to,
+                                    replace(wire, prompt_logprobs=None), placeholders, gen.cache_salt, self.reply_to,
                                     other_first_tokens=tuple(f.token_id for f in done.other_first_tokens))
             unfinished = set(range(gen.params.n))
-            async for chunk in self._stream_from(Role.DECODE, request, None):
+            async for chunk in self._stream_from(Role.DECODE, request, plan.route):
                 if chunk.finish_reason is not None:
                     unfinished.discard(chunk.index)
                 finished = not unfinished
@@ -177,14 +223,13 @@ class ServiceBackend:
             if not finished:  # decode may not have pulled (and released) the KV: free it now, not at lease end
                 self._abort_soon(prefill, gen.request_id)
 
-    async def _generate_on(self, role: Role, gen: GenerateInput, placeholders) -> AsyncIterator[Chunk]:
+    async def _generate_on(self, role: Role, gen: GenerateInput, placeholders, route: Route) -> AsyncIterator[Chunk]:
         request = GenerateRequest(gen.request_id, tuple(gen.prompt_token_ids), sampling_params_to_wire(gen.params),
                                   self.reply_to, placeholders, gen.cache_salt)
-        key = prefix_key(gen.prompt_token_ids, gen.cache_salt) if role == Role.UNIFIED else None
-        async for chunk in self._stream_from(role, request, key):
+        async for chunk in self._stream_from(role, request, route):
             yield chunk
 
-    async def _stream_from(self, role: Role, request, key: bytes | None) -> AsyncIterator[Chunk]:
+    async def _stream_from(self, role: Role, request, route: Route) -> AsyncIterator[Chunk]:
         """Send `request` to an instance of `role` that accepts it, then yield what it pushes back, until
         every one of its sequences (n) has finished."""
         rid = request.request_id
@@ -194,7 +239,7 @@ class ServiceBackend:
         finished = False
         unfinished = set(range(request.sampling_params.n))
         try:
-            instance, _ = await self._failover.call(role, key, request, self.config.rpc_timeout, Ack)
+            instance, _ = await self._failover.call(role, route, request, self.config.rpc_timeout, Ack)
             # Counted again at once: no other routing decision happens in between.
             instance.inflight += 1
             liveness = Liveness(instance, self._check_cut)
@@ -210,7 +255,7 @@ class ServiceBackend:
                 finished = not unfinished
                 yield Chunk(list(message.token_ids), list(message.logprobs),
                             message.finish_reason.value if message.finish_reason else None, message.stop_reason,
-                            message.num_cached_tokens, index=message.index)
+                            message.num_cached_tokens, list(message.prompt_logprobs) or None, message.index)
         finally:
             self._streams.pop(rid, None)
             if instance is not None:

@@ -13,8 +13,9 @@ from typing import Callable
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from epdserve.services.proxy.prefix_index import PrefixIndex
 from epdserve.shared.engine.sampling_params import SamplingParams
 
 disable_created_metrics()  # no `_created` series beside every counter and histogram, as in vLLM
@@ -71,6 +72,9 @@ class ProxyMetrics:
         self.generation_tokens = counter("epdserve:generation_tokens", "Generated tokens.")
         self._aborts = Counter("epdserve:request_aborts", "Requests aborted before they finished, by reason.",
                                labels + ["reason"], registry=self.registry)
+        self._routes = Counter("epdserve:routing_decisions", "Where requests were sent (path: prefill_decode, "
+                               "decode_only, unified) and why (reason).", labels + ["path", "reason"],
+                               registry=self.registry)
         if rejected_frames is not None:
             self.registry.register(_ReadAtScrape("epdserve:inbox_rejected_frames",
                                                  "Frames the proxy's inbox dropped as malformed, oversized or "
@@ -104,8 +108,32 @@ class ProxyMetrics:
     def aborted(self, reason: str) -> None:
         self._aborts.labels(self.model_name, reason).inc()
 
+    def routed(self, path: str, reason: str) -> None:
+        self._routes.labels(self.model_name, path, reason).inc()
+
+    def watch_prefix_index(self, index: PrefixIndex) -> None:
+        """Export what the KV-aware router knows: blocks indexed per instance, resyncs, memory."""
+        self.registry.register(_PrefixIndexCollector(self.model_name, index))
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _PrefixIndexCollector:
+    def __init__(self, model_name: str, index: PrefixIndex) -> None:
+        self.model_name, self.index = model_name, index
+
+    def collect(self):
+        blocks = GaugeMetricFamily("epdserve:kv_index_blocks", "Cached blocks the router knows each instance holds "
+                                   "(from its KV events).", labels=["model_name", "instance"])
+        for instance, num in self.index.blocks_per_instance().items():
+            blocks.add_metric([self.model_name, instance], num)
+        yield blocks
+        resyncs = CounterMetricFamily("epdserve:kv_index_resyncs", "KV event batches that did not follow the last "
+                                      "one applied (lost, or the instance restarted): a snapshot was asked for.",
+                                      labels=["model_name"])
+        resyncs.add_metric([self.model_name], self.index.num_resyncs)
+        yield resyncs
 
 
 class _ReadAtScrape:

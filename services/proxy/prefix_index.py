@@ -42,6 +42,7 @@ class PrefixIndex:
         self._names: dict[int, str] = {}
         self._free_slots: list[int] = []
         self.num_resyncs = 0
+        self.block_size: int | None = None  # tokens per block, as the engines report it
 
     # -- events ---------------------------------------------------------------------------------------
     def apply(self, instance: str, first_seq: int, last_seq: int, stored: Sequence[bytes],
@@ -98,6 +99,9 @@ class PrefixIndex:
             for slot in matching:
                 counts[slot] = i + 1
         return {self._names[slot]: n for slot, n in counts.items()}
+
+    def blocks_per_instance(self) -> dict[str, int]:
+        return {name: len(holdings.keys) for name, holdings in self._instances.items()}
 
     def num_blocks(self, instance: str) -> int:
         holdings = self._instances.get(instance)

@@ -24,11 +24,13 @@ import logging
 import socket
 import time
 from array import array
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
 
 from epdserve.services.network import split_target
-from epdserve.transport.protocol import Health, Role, Status, StatusRequest
+from epdserve.services.proxy import kv_routing
+from epdserve.services.proxy.prefix_index import PrefixIndex
+from epdserve.transport.protocol import Health, KVEvents, KVEventsRequest, Role, Status, StatusRequest
 from epdserve.transport.channel import ChannelError
 from epdserve.transport.request_client import RequestClient
 from epdserve.transport.security import bracketed
@@ -36,6 +38,7 @@ from epdserve.transport.security import bracketed
 logger = logging.getLogger(__name__)
 
 ClientFactory = Callable[[str, Role], RequestClient]
+HASH_BYTES = 16  # a block hash (shared/engine/block_hash.py)
 
 
 @dataclass(eq=False)
@@ -49,7 +52,6 @@ class Instance:
     draining: bool = False  # reported STARTING or DRAINING, or DNS no longer names it: takes nothing new
     # Requests this proxy has sent and not seen finish: load the status poll has not reported yet.
     inflight: int = 0
-    last_seen: float = field(default=0.0)
     disconnects_seen: int = 0  # the client's disconnect count at the last answered poll
 
     @property
@@ -66,6 +68,16 @@ class Instance:
         return self.status.data_addr if self.status else ""
 
 
+class Route(NamedTuple):
+    """How an instance of a role is chosen for a request: by the leading blocks of its prompt each one
+    holds (`cached`: address -> blocks, of `prompt_blocks`; see kv_routing), else by affinity `key`,
+    else the least loaded."""
+    key: bytes | None = None
+    cached: dict[str, int] | None = None
+    prompt_blocks: int = 0
+    load_weight: float = 0.0
+
+
 class NoInstanceError(Exception):
     """No healthy instance of a role (the client gets 503)."""
 
@@ -78,8 +90,9 @@ class RolePool:
     """The instances of one role: discovery, health polling, and choosing."""
 
     def __init__(self, role: Role, targets: Sequence[str], make_client: ClientFactory, max_misses: int = 3,
-                 poll_timeout: float = 2.0) -> None:
+                 poll_timeout: float = 2.0, index: PrefixIndex | None = None) -> None:
         self.role = role
+        self.index = index  # fed with what each instance's prefix cache holds (KV-aware routing)
         self.targets = [split_target(t) for t in targets]
         self.make_client = make_client
         self.max_misses = max_misses
@@ -138,9 +151,10 @@ class RolePool:
                 del self.retiring[address]
                 await self._close_instance(instance)
 
-    @staticmethod
-    async def _close_instance(instance: Instance) -> None:
+    async def _close_instance(self, instance: Instance) -> None:
         instance.alive = False  # whoever still holds it (an abort on its way) leaves it alone
+        if self.index is not None:
+            self.index.drop(instance.address)
         await instance.client.close()
 
     async def _poll_one(self, instance: Instance) -> None:
@@ -154,16 +168,41 @@ class RolePool:
                 logger.warning("%s instance %s missed %d polls%s: dropped (%s)", self.role.value, instance.address,
                                instance.misses, " after its connection dropped" if dropped else "", exc)
                 instance.alive = False
+                if self.index is not None:  # if it comes back, a snapshot tells what it holds then
+                    self.index.drop(instance.address)
             return
         ready = status.health == Health.READY
         retiring = instance.address in self.retiring
         if instance.routable != (ready and not retiring):
             logger.info("%s instance %s (%s) is %s", self.role.value, instance.address, status.engine_id,
                         status.health.value)
-        instance.status, instance.misses, instance.last_seen = status, 0, time.monotonic()
+        instance.status, instance.misses = status, 0
         instance.disconnects_seen = instance.client.num_disconnects
         instance.alive = status.health != Health.UNHEALTHY
         instance.draining = not ready or retiring
+        if self.index is not None and instance.alive:
+            await self._poll_kv_events(instance)
+
+    async def _poll_kv_events(self, instance: Instance) -> None:
+        """Apply what the instance's prefix cache stored and evicted since the last poll (a snapshot when
+        the index does not follow it yet). A failure here says nothing of liveness: the status poll does."""
+        index = self.index
+        try:
+            events = await instance.client.request(KVEventsRequest(index.next_seq(instance.address)),
+                                                   timeout=self.poll_timeout, expect=KVEvents)
+        except (ChannelError, TimeoutError) as exc:
+            logger.debug("%s instance %s: no KV events (%s)", self.role.value, instance.address, exc)
+            return
+        if index.block_size is None:
+            index.block_size = events.block_size
+        elif events.block_size != index.block_size:
+            logger.warning("%s instance %s caches blocks of %d tokens, not %d: not indexed", self.role.value,
+                           instance.address, events.block_size, index.block_size)
+            return
+        if not index.apply(instance.address, events.first_seq, events.last_seq, _hashes(events.stored),
+                           _hashes(events.removed), events.snapshot):
+            logger.info("%s instance %s: KV events from %d do not follow; asking for a snapshot",
+                        self.role.value, instance.address, events.first_seq)
 
     def mark_failed(self, instance: Instance) -> None:
         """A request to it failed at the transport level: stop routing to it until it answers a poll."""
@@ -178,6 +217,13 @@ class RolePool:
         if not candidates:
             raise NoInstanceError(f"no healthy {self.role.value} instance")
         return candidates
+
+    def pick(self, route: Route, exclude: Sequence[Instance] = ()) -> Instance:
+        if route.cached is not None:
+            return kv_routing.pick(self._require(exclude), route.cached, route.prompt_blocks, route.load_weight)[0]
+        if route.key is not None:
+            return self.pick_affine(route.key, exclude)
+        return self.pick_least_loaded(exclude)
 
     def pick_affine(self, key: bytes, exclude: Sequence[Instance] = (), slack: int = 4) -> Instance:
         """The key's rendezvous-hash favourite, unless it carries `slack` more requests than the least loaded."""
@@ -198,6 +244,11 @@ class RolePool:
         self.retiring.clear()
 
 
+def _hashes(packed: bytes) -> list[bytes]:
+    """Block hashes sent concatenated (KVEvents)."""
+    return [packed[i:i + HASH_BYTES] for i in range(0, len(packed) - HASH_BYTES + 1, HASH_BYTES)]
+
+
 def prefix_key(prompt_token_ids: Sequence[int], cache_salt: str | None, num_tokens: int = 64) -> bytes:
     """Affinity key of a prompt: its first `num_tokens` tokens (a few blocks) and its cache salt."""
     head = array("q", prompt_token_ids[:num_tokens]).tobytes()
@@ -207,8 +258,10 @@ def prefix_key(prompt_token_ids: Sequence[int], cache_salt: str | None, num_toke
 class Router:
     """The pools of every role, kept fresh by one background task."""
 
-    def __init__(self, pools: dict[Role, RolePool], poll_interval: float = 1.0, resolve_interval: float = 5.0) -> None:
+    def __init__(self, pools: dict[Role, RolePool], poll_interval: float = 1.0, resolve_interval: float = 5.0,
+                 index: PrefixIndex | None = None) -> None:
         self.pools = pools
+        self.index = index  # what the engines' prefix caches hold, when routing is KV-aware
         self.poll_interval = poll_interval
         self.resolve_interval = resolve_interval
         self._task: asyncio.Task | None = None

@@ -18,8 +18,10 @@ import uvicorn
 from epdserve.services.proxy.app import MAX_BODY_BYTES, build_app
 from epdserve.services.proxy.drain import Drain, DrainGate
 from epdserve.services.proxy.images import ImageFetcher, MultimodalChatEncoder
+from epdserve.services.proxy.kv_routing import RoutingPolicy
 from epdserve.services.proxy.lifecycle import LifecycleConfig, ServiceBackend
 from epdserve.services.proxy.metrics import ProxyMetrics
+from epdserve.services.proxy.prefix_index import PrefixIndex
 from epdserve.services.proxy.router import RolePool, Router
 from epdserve.services.proxy.serving import OpenAIServing
 from epdserve.services.network import client_curve, server_curve
@@ -96,15 +98,19 @@ async def build_proxy(config: ProxyConfig):
         return RequestClient(address, engine_id=engine_id, role=Role.PROXY, timeout=config.transport.rpc_timeout,
                              curve=client_curve(config.transport))
 
-    pools = {role: RolePool(role, targets, make_client)
+    # KV-aware routing: what every engine's prefix cache holds, from its KV events (encoders have none).
+    index = PrefixIndex() if config.lifecycle.kv_routing.policy is RoutingPolicy.KV else None
+    pools = {role: RolePool(role, targets, make_client, index=None if role == Role.ENCODER else index)
              for role, targets in ((Role.ENCODER, config.encoders), (Role.PREFILL, config.prefills),
                                    (Role.DECODE, config.decodes), (Role.UNIFIED, config.unified))}
-    router = Router(pools, config.poll_interval, config.resolve_interval)
+    router = Router(pools, config.poll_interval, config.resolve_interval, index)
     wildcard = config.host in WILDCARD_HOSTS
     inbox = PullChannel(engine_id, host=config.host, port=config.inbox_port, allow_wildcard=wildcard,
                         curve=server_curve(config.transport), senders=MAY_SEND)
-    backend = ServiceBackend(router, inbox, config.lifecycle, config.host, config.advertise_host)
     metrics = ProxyMetrics(config.model_name, rejected_frames=lambda: inbox.num_rejected)
+    if index is not None:
+        metrics.watch_prefix_index(index)
+    backend = ServiceBackend(router, inbox, config.lifecycle, config.host, config.advertise_host, metrics.routed)
     chat_encoder = None
     if is_multimodal(config.model):
         chat_encoder = MultimodalChatEncoder(tokenizer, config.model, ImageFetcher(

@@ -7,7 +7,7 @@ import pytest
 
 from epdserve.services.proxy.failover import Failover, InstanceDown, Liveness, watched
 from epdserve.services.proxy.generation import GenerationError
-from epdserve.services.proxy.router import Instance, RolePool, Router
+from epdserve.services.proxy.router import Instance, RolePool, Route, Router
 from epdserve.transport.protocol import Ack, Error, ErrorCode, GenerateRequest, Role, WireSamplingParams
 from epdserve.transport.channel import ChannelError, ErrorReply
 
@@ -50,7 +50,7 @@ def refusal(code: ErrorCode, retryable: bool = False) -> ErrorReply:
 
 
 def call(failover, timeout: float = 5.0):
-    return asyncio.run(failover.call(Role.DECODE, None, REQUEST, timeout, Ack))
+    return asyncio.run(failover.call(Role.DECODE, Route(), REQUEST, timeout, Ack))
 
 
 def test_a_retryable_refusal_moves_on_without_marking_the_instance():
@@ -95,7 +95,7 @@ def test_a_dead_instance_is_given_up_on_at_its_next_liveness_check():
     failover, (first, second), aborted = make_failover(FakeClient("hang"), FakeClient(Ack("r1")))
 
     async def main():
-        task = asyncio.create_task(failover.call(Role.DECODE, None, REQUEST, 600, Ack))
+        task = asyncio.create_task(failover.call(Role.DECODE, Route(), REQUEST, 600, Ack))
         await asyncio.sleep(0.1)
         first.client.num_disconnects += 1  # its connection dropped: answers in flight are lost
         started = time.monotonic()
@@ -120,7 +120,7 @@ def test_a_call_cancelled_while_an_instance_works_on_it_is_aborted_there():
     failover, (first,), aborted = make_failover(FakeClient("hang"))
 
     async def main():
-        task = asyncio.create_task(failover.call(Role.DECODE, None, REQUEST, 600, Ack))
+        task = asyncio.create_task(failover.call(Role.DECODE, Route(), REQUEST, 600, Ack))
         await asyncio.sleep(0.1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

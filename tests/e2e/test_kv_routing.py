@@ -1,0 +1,113 @@
+"""KV-aware routing on a real 1 prefill + 2 decode stack: a chat's next turn goes where its KV is.
+
+The engines report what their prefix caches hold (KV events); the proxy's router indexes it. A follow-up
+turn then goes to the decode that served the turn before, which pulls only the blocks it lacks; a
+follow-up it holds all but a few tokens of is prefilled there, with no prefill and no transfer; a
+decode that dies leaves the index.
+"""
+import time
+
+import httpx
+import openai
+import pytest
+
+BLOCK_SIZE = 16
+ENGINE_ARGS = ["--num-kv-blocks", "512", "--block-size", str(BLOCK_SIZE)]
+
+
+def proxy_metrics(stack) -> dict[str, float]:
+    """The proxy's samples by full name with labels (the router's series are per instance)."""
+    out = {}
+    for line in httpx.get(stack.url + "/metrics", timeout=5).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def routed(stack, path: str, reason: str) -> float:
+    return sum(v for k, v in proxy_metrics(stack).items()
+               if k.startswith("epdserve:routing_decisions_total") and f'path="{path}"' in k
+               and f'reason="{reason}"' in k)
+
+
+def indexed_blocks(stack) -> dict[str, float]:
+    return {k.split('instance="')[1].split('"')[0]: v for k, v in proxy_metrics(stack).items()
+            if k.startswith("epdserve:kv_index_blocks")}
+
+
+def decodes(stack):
+    return [s for s in stack.services.values() if s.role == "decode"]
+
+
+def served(service) -> float:
+    return service.metrics().get("epdserve:engine_requests_finished_total", 0.0)
+
+
+def wait_for_index(stack, predicate, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        blocks = indexed_blocks(stack)
+        if predicate(blocks):
+            return blocks
+        time.sleep(0.3)
+    raise AssertionError(f"the router's index never got there: {indexed_blocks(stack)}")
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory, tiny_model_paths):
+    # Local prefill only for follow-ups missing at most 2 blocks, so the second turn below still
+    # goes through prefill and shows what decode pulls.
+    return stack_factory(tiny_model_paths["llama"], prefills=1, decodes=2, engine_args=ENGINE_ARGS,
+                         proxy_args=["--kv-local-prefill-tokens", str(2 * BLOCK_SIZE)])
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+
+
+def complete(client, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """The reply's token ids (greedy, exactly max_tokens of them)."""
+    out = client.completions.create(model="demo", prompt=prompt_ids, max_tokens=max_tokens, temperature=0,
+                                    logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    return [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
+
+
+def test_a_follow_up_turn_goes_to_the_decode_holding_it_and_pulls_only_what_is_new(stack, client):
+    turn1 = [(7 * i) % 300 + 5 for i in range(12 * BLOCK_SIZE)]
+    before = {s.name: (served(s), s.metrics().get("epdserve:remote_kv_blocks_total", 0.0)) for s in decodes(stack)}
+    reply = complete(client, turn1, 3 * BLOCK_SIZE)
+    holder = next(s for s in decodes(stack) if served(s) > before[s.name][0])
+    other = next(s for s in decodes(stack) if s is not holder)
+    # The holder's events reach the index within a poll or two: the prompt and the reply's full blocks.
+    wait_for_index(stack, lambda b: any(v >= 14 for v in b.values()))
+
+    turn2 = turn1 + reply + [(11 * i) % 300 + 5 for i in range(5 * BLOCK_SIZE)]
+    pulled_before = holder.metrics().get("epdserve:remote_kv_blocks_total", 0.0)
+    complete(client, turn2, 8)
+    assert served(holder) == before[holder.name][0] + 2 and served(other) == before[other.name][0]
+    pulled = holder.metrics().get("epdserve:remote_kv_blocks_total", 0.0) - pulled_before
+    # 15 of turn 2's 20 full blocks were on the decode already (12 of the prompt, 3 of the reply).
+    assert pulled <= len(turn2) // BLOCK_SIZE - 15 + 1, pulled
+
+
+def test_a_follow_up_held_but_for_a_few_tokens_is_prefilled_by_that_decode(stack, client):
+    turn1 = [(13 * i) % 300 + 5 for i in range(10 * BLOCK_SIZE)]
+    reply = complete(client, turn1, 2 * BLOCK_SIZE)
+    wait_for_index(stack, lambda b: any(v >= 11 for v in b.values()))
+    prefill = stack.services["prefill-0"]
+    prefilled = served(prefill)
+    local = routed(stack, "decode_only", "decode_holds_prefix")
+    complete(client, turn1 + reply + [9, 8, 7, 6, 5], 4)
+    assert routed(stack, "decode_only", "decode_holds_prefix") == local + 1
+    assert served(prefill) == prefilled  # no prefill, no transfer
+
+
+def test_a_dead_decode_leaves_the_index(stack, client):
+    blocks = wait_for_index(stack, lambda b: len(b) == 3)  # the prefill and both decodes report
+    victim = decodes(stack)[0]
+    victim_key = next(k for k in blocks if k.endswith(f":{victim.port}"))
+    victim.stop(sig=9)
+    wait_for_index(stack, lambda b: victim_key not in b)
+    assert complete(client, [5, 6, 7, 8] * 8, 4)  # the other decode serves
