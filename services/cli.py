@@ -232,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decodes", type=int, default=1, metavar="N",
                     help="decode engine processes (default: %(default)s)")
     up.add_argument("--unified", action="store_true", help="one unified engine instead of prefills and decodes")
+    up.add_argument("--routing-policy", choices=[policy.value for policy in RoutingPolicy], default="kv",
+                    help="how the proxy picks instances: kv (by the prompt blocks each caches, and load) or load "
+                         "(default: %(default)s)")
     up.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"), metavar="KEY",
                     help="Bearer token the API requires (default: $EPDSERVE_API_KEY; unset: open). A key on the "
                          "command line shows in `ps`: prefer --api-key-file or the variable")
@@ -376,7 +379,8 @@ def stack_config(args: argparse.Namespace, model: str):
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
     encoders = args.encoders if args.encoders is not None else int(is_multimodal(model))
     return StackConfig(model, args.host, args.port, encoders, args.prefills, args.decodes, args.unified,
-                       _api_key(args), args.threads, args.log_level, tuple(extra), args.drain_timeout)
+                       _api_key(args), args.threads, args.log_level, tuple(extra), args.drain_timeout,
+                       args.routing_policy)
 
 
 def _up_command(args: argparse.Namespace) -> int:

@@ -78,6 +78,7 @@ class StackConfig:
     log_level: str = "info"
     engine_args: tuple[str, ...] = ()  # passed to every engine service
     drain_timeout: float = 10.0  # on stop: seconds the proxy, then each engine, gets to finish requests
+    routing_policy: str = "kv"  # the proxy's --routing-policy
 
 
 class LocalStack:
@@ -108,7 +109,8 @@ class LocalStack:
                     argv += ["--threads", str(c.threads), *c.engine_args]
                 procs.append((f"{role}-{i}", argv))
                 targets[role].append(f"127.0.0.1:{port}")
-        proxy = [*base, "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port), *drain]
+        proxy = [*base, "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port), *drain,
+                 "--routing-policy", c.routing_policy]
         for role, addrs in targets.items():
             if addrs:
                 proxy += [f"--{role}", ",".join(addrs)]
