@@ -5,7 +5,9 @@ How the calls are found depends on `tool_choice` (see `output_constraints.ToolFi
 - auto: the configured tool parser reads calls out of the text (`tool_parsers`).
 - named: the output was constrained to the function's arguments, so the text is the arguments.
 - required: the output was constrained to a JSON list of {"name", "parameters"} objects.
-A choice with calls that stopped on its own finishes with "tool_calls", as in the OpenAI API.
+A choice with calls that stopped on its own finishes with "tool_calls", as in the OpenAI API. With
+parallel_tool_calls false, only the first call the parser finds is returned ("required" is held to one
+call by its schema already).
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from epdserve.services.proxy.tool_parsers import ToolCall, call_deltas, get_tool
 class ChatAnswer:
     """Builds the message (whole) or the deltas (streamed) of one choice; one instance per choice."""
 
-    def __init__(self, mode: str | None, parser_name: str = "hermes", function_name: str | None = None) -> None:
+    def __init__(self, mode: str | None, parser_name: str = "hermes", function_name: str | None = None,
+                 parallel: bool = True) -> None:
         self.mode = mode if mode in ("auto", "named", "required") else None
+        self.parallel = parallel
         self.parser = get_tool_parser(parser_name) if self.mode == "auto" else None
         self.function_name = function_name  # for "named"
         self._call_id = new_call_id()
@@ -40,6 +44,8 @@ class ChatAnswer:
             return {"content": new} if new else {}
         if self.mode == "auto":
             content, calls = self.parser.parse_delta(text, finished)
+            if not self.parallel:
+                calls = [c for c in calls if c["index"] == 0]
             self._num_calls += sum(1 for c in calls if "id" in c)
             return _delta(content, calls)
         if self.mode == "named":
@@ -68,7 +74,7 @@ class ChatAnswer:
             return text, []
         if self.mode == "auto":
             parsed = self.parser.parse(text)
-            return parsed.content, parsed.tool_calls
+            return parsed.content, parsed.tool_calls if self.parallel else parsed.tool_calls[:1]
         if self.mode == "named":
             return None, [ToolCall(self.function_name, _compact(text), self._call_id)]
         try:

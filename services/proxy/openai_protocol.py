@@ -1,17 +1,22 @@
 """OpenAI API request bodies, validated: anything malformed becomes a 400 with an OpenAI error body.
 
 Fields follow the OpenAI API plus the extensions vLLM users rely on (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, cache_salt).
-Unknown fields are ignored, as the OpenAI API and vLLM do.
+min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, cache_salt,
+prompt_logprobs). A field of the OpenAI API reference that is not implemented is refused with a 400 naming it
+(`REFUSED_FIELDS`), never dropped; a field outside the reference is kept aside (`model_extra`) for the
+serving layer to log once per request, as vLLM does, and otherwise ignored. The fields that constrain or
+steer the output (response_format, structured_outputs, guided_*, logit_bias, tools, tool_choice,
+parallel_tool_calls) are declared in `output_constraints`, mixed in here.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from epdserve.shared.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from epdserve.services.proxy.output_constraints import ConstraintFields, ToolCallItem, ToolFields
 
 
 def _first_unencodable(body: Any) -> tuple | None:
@@ -43,8 +48,8 @@ def _encodes(text: str) -> bool:
 
 
 class _Request(BaseModel):
-    """A request body: unknown fields ignored, floats finite, every string valid UTF-8."""
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    """A request body: unknown fields kept aside in `model_extra`, floats finite, every string valid UTF-8."""
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -57,8 +62,38 @@ class _Request(BaseModel):
         return data
 
 
+def _refuse(field: str, message: str) -> ValidationError:
+    error = PydanticCustomError("unsupported", message)
+    return ValidationError.from_exception_data("request", [InitErrorDetails(type=error, loc=(field,), input=None)])
+
+
+def _is_set(value: Any) -> bool:
+    """Whether a refused field asks for anything: null, false, "" and empty lists or objects do not."""
+    return value not in (None, False, "", [], {})
+
+
 # Most choices one request may ask for (n, best_of, and n times the prompts of a completion), as OpenAI.
 MAX_CHOICES = 128
+
+# Fields of the OpenAI API reference that this server does not implement: name -> why (the 400 says
+# "<name>: <why>").
+REFUSED_FIELDS = {
+    "chat": {
+        "audio": "audio output is not supported",
+        "functions": "deprecated and not supported: use tools",
+        "function_call": "deprecated and not supported: use tool_choice",
+        "prediction": "predicted outputs are not supported",
+        "reasoning_effort": "not supported: this model does not reason",
+        "verbosity": "not supported",
+        "web_search_options": "web search is not supported",
+        "store": "stored completions are not supported",
+        "metadata": "only for stored completions, which are not supported",
+        "prompt_cache_key": "not supported (prefix caching is automatic)",
+    },
+    "completions": {
+        "suffix": "not supported: this model has no fill-in-the-middle mode",
+    },
+}
 
 
 class ErrorInfo(BaseModel):
@@ -77,7 +112,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(ConstraintFields, _Request):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -101,6 +136,32 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>" (exact ids, as in vLLM)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's: top-N per prompt token
+    service_tier: Literal["auto", "default"] | None = None  # one tier here: only the ones that mean "ours"
+    modalities: list[Literal["text"]] | None = None  # text out only; "audio" is refused
+
+    _refused: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, why in cls._refused.items():
+                if _is_set(data.get(name)):
+                    raise _refuse(name, why)
+            data = {k: v for k, v in data.items() if k not in cls._refused}  # null: asks for nothing
+        return data
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise _refuse("prompt_logprobs", "not available when stream is true")
+        return self
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        """Fields outside the API reference and our extensions (ignored; the serving layer logs them)."""
+        return sorted(self.model_extra or ())
 
     @field_validator("stop")
     @classmethod
@@ -138,12 +199,20 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
+    _refused: ClassVar[dict[str, str]] = REFUSED_FIELDS["completions"]
+
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    max_tokens: int | None = Field(default=16, ge=0)  # 0: only with echo (the prompt and its logprobs)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     # Sequences generated per prompt, of which the n with the highest cumulative logprob are returned.
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+
+    @model_validator(mode="after")
+    def _zero_tokens_only_with_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise _refuse("max_tokens", "must be at least 1 (0 only with echo)")
+        return self
 
     @field_validator("best_of")
     @classmethod
@@ -164,6 +233,9 @@ class CompletionRequest(_SamplingFields):
         if len(prompts) * max(self.n, self.best_of or 1) > MAX_CHOICES:
             raise ValueError(f"prompt: at most {MAX_CHOICES} choices per request (prompts times n or best_of)")
         return prompts
+
+
+SUPPORTED_PARTS = ("text", "image_url")
 
 
 class ImageURL(BaseModel):
@@ -191,9 +263,25 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's calls, in the history
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _supported_parts(cls, content: Any) -> Any:
+        # Named here: the union's own error would list a mismatch for every member instead.
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in SUPPORTED_PARTS:
+                raise PydanticCustomError("unsupported", "content part {index} is of type {kind}, which is not "
+                                          "supported: parts may be text or image_url",
+                                          {"index": i, "kind": kind})
+        return content
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(ToolFields, _SamplingFields):
+    _refused: ClassVar[dict[str, str]] = REFUSED_FIELDS["chat"]
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)

@@ -234,4 +234,6 @@ def _json_schema(schema: Any, param: str) -> StructuredOutputsParams:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise ConstraintError(f"{param}: invalid JSON schema: {exc.message}", param) from None
+    except Exception as exc:  # a metaschema the validator cannot use, an unknown type: still the request's fault
+        raise ConstraintError(f"{param}: invalid JSON schema: {exc}", param) from None
     return StructuredOutputsParams.json_schema(schema)

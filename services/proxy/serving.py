@@ -6,6 +6,7 @@ stop strings, logprob formatting and usage on the way out. Services only ever se
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import replace
@@ -14,11 +15,17 @@ from typing import AsyncIterator, Awaitable, Callable
 from epdserve.services.proxy.choices import best_of, merge
 from epdserve.services.proxy.generation import Backend, Chunk, GenerateInput, GenerationError, ImageInput
 from epdserve.services.proxy.metrics import ProxyMetrics
+from epdserve.services.proxy.chat_tools import ChatAnswer
 from epdserve.services.proxy.openai_protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from epdserve.services.proxy.output_constraints import ConstraintError
+from epdserve.services.proxy.prompt_logprobs import Echo, echo_logprobs, vllm_prompt_logprobs
 from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
 from epdserve.transport.protocol import TokenLogprobs
 from epdserve.shared.engine.sampling_params import SamplingParams
 from epdserve.shared.processing.tokenizer import Tokenizer
+
+
+logger = logging.getLogger(__name__)
 
 
 class BadRequest(ValueError):
@@ -47,10 +54,13 @@ class _Result:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt token after the first
 
     def add(self, chunk: Chunk) -> None:
         if chunk.num_cached_tokens is not None:
             self.num_cached_tokens = chunk.num_cached_tokens
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs = chunk.prompt_logprobs
         for i, token in enumerate(chunk.token_ids):
             self.token_ids.append(token)
             if chunk.logprobs:
@@ -83,7 +93,7 @@ class _Result:
 class OpenAIServing:
     def __init__(self, model_name: str, tokenizer: Tokenizer, backend: Backend, max_model_len: int, vocab_size: int,
                  metrics: ProxyMetrics, chat_encoder: ChatEncoder | None = None,
-                 response_timeout: float = 600.0) -> None:
+                 response_timeout: float = 600.0, tool_call_parser: str = "hermes") -> None:
         """`response_timeout`: seconds an HTTP request may wait for its answer (a stream's first event, or a
         whole non-streamed body) before it fails with 504."""
         self.model_name = model_name
@@ -94,6 +104,7 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.chat_encoder = chat_encoder
         self.response_timeout = response_timeout
+        self.tool_call_parser = tool_call_parser  # reads calls out of the text when tool_choice is auto
 
     # -- input --------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -102,7 +113,9 @@ class OpenAIServing:
 
     async def encode_chat(self, request: ChatCompletionRequest) -> tuple[list[int], list[ImageInput]]:
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
-        kwargs = request.chat_template_kwargs or {}
+        kwargs = dict(request.chat_template_kwargs or {})
+        if request.tools:
+            kwargs["tools"] = request.tools_for_template()
         if self.chat_encoder is not None:
             return await self.chat_encoder(messages, request.add_generation_prompt, kwargs)
         for m in messages:
@@ -137,9 +150,41 @@ class OpenAIServing:
         if any(not 0 <= t < self.vocab_size for t in req.stop_token_ids or ()):
             raise BadRequest(f"stop_token_ids must be in [0, {self.vocab_size})", param="stop_token_ids")
         try:
-            return req.sampling_params(max_tokens, logprobs)
+            params = req.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+        return self._constrained(req, params)
+
+    def _constrained(self, req: _SamplingFields, params: SamplingParams) -> SamplingParams:
+        """`params` with the request's logit_bias and output constraint (a forced tool call's included)."""
+        try:
+            constraint, field = req.output_constraint()
+            forced_call = req.tool_call_constraint() if isinstance(req, ChatCompletionRequest) else None
+            biases = req.token_biases(self.vocab_size)
+        except ConstraintError as exc:
+            raise BadRequest(str(exc), param=exc.param) from None
+        if forced_call is not None:
+            if constraint is not None:
+                raise BadRequest(f"{field} cannot be combined with a forced tool_choice", param=field)
+            constraint = forced_call
+        return replace(params, logit_bias=biases, structured_outputs=constraint)
+
+    def _chat_answer(self, req: ChatCompletionRequest) -> ChatAnswer:
+        mode = req.tool_mode()
+        return ChatAnswer(mode, self.tool_call_parser, req.tool_choice.function.name if mode == "named" else None,
+                          req.parallel_tool_calls)
+
+    @staticmethod
+    def log_unknown_fields(req: _SamplingFields, request_id: str) -> None:
+        if req.unknown_fields:
+            logger.warning("request %s: ignoring fields outside the API: %s", request_id,
+                           ", ".join(req.unknown_fields))
+
+    @staticmethod
+    def with_prompt_logprobs(sampling: SamplingParams, *wanted: int | None) -> SamplingParams:
+        """`sampling` asking the engine for the most prompt logprobs any of `wanted` asks for (None: none)."""
+        asked = [n for n in wanted if n is not None]
+        return replace(sampling, prompt_logprobs=max(asked)) if asked else sampling
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if any(not 0 <= t < self.vocab_size for t in ids):
@@ -172,6 +217,9 @@ class OpenAIServing:
                         m.itl.observe((now - last) / len(chunk.token_ids))
                 last = now
                 result.add(chunk)
+                if chunk.prompt_logprobs:  # the prompt's, scored once for all its sequences
+                    for other in results:
+                        other.prompt_logprobs = chunk.prompt_logprobs
                 yield result
                 if all(r.finished for r in results):
                     break
@@ -210,6 +258,7 @@ class OpenAIServing:
     # -- /v1/completions ----------------------------------------------------------------------------
     async def completion(self, req: CompletionRequest, request_id: str) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
+        self.log_unknown_fields(req, request_id)
         try:
             prompts = req.prompts()
         except ValueError as exc:
@@ -222,12 +271,15 @@ class OpenAIServing:
                 ids = list(prompt)
                 self.check_token_ids(ids, "prompt")
                 prompt = self.tokenizer.decode(ids, skip_special_tokens=False)
-            sampling = self._sampling(req, len(ids), req.max_tokens, req.logprobs, "prompt", "max_tokens")
+            # max_tokens 0 (echo only) still runs the prompt, for its logprobs: one token, not answered.
+            sampling = self._sampling(req, len(ids), 1 if req.max_tokens == 0 else req.max_tokens, req.logprobs,
+                                      "prompt", "max_tokens")
+            sampling = self.with_prompt_logprobs(sampling, req.prompt_logprobs, req.logprobs if req.echo else None)
             if req.best_of is not None:  # ranked by cumulative logprob: every token's is needed
                 sampling = replace(sampling, n=req.best_of, logprobs=sampling.logprobs or 0)
             gens.append(self._input(_internal_id(request_id), ids, sampling, [], req.cache_salt))
             samplings.append(sampling)
-            echoes.append(prompt if req.echo else "")
+            echoes.append(Echo(prompt, ids, req.max_tokens == 0) if req.echo else None)
         created = int(time.time())
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
         as_ids = req.return_tokens_as_token_ids
@@ -242,13 +294,28 @@ class OpenAIServing:
                                          lambda r: r.cumulative_logprob)]
         choices = []
         for index, result in enumerate(returned):
-            echo = echoes[result.index // gens[0].params.n]
-            text, tokens, logprobs = result.take_delta()
-            choices.append({"index": index, "text": echo + text, "finish_reason": result.finish_reason,
-                            "stop_reason": result.stop_reason,
-                            "logprobs": self._completion_logprobs(tokens, logprobs, len(echo), as_ids)
-                            if req.logprobs is not None else None})
-        return head | {"choices": choices, "usage": self._usage(gens, results)}
+            prompt_index = result.index // gens[0].params.n
+            echo, ids = echoes[prompt_index], gens[prompt_index].prompt_token_ids
+            text, tokens, logprobs = ("", [], []) if echo and echo.only else result.take_delta()
+            offset = len(echo.text) if echo else 0
+            lp = self._completion_logprobs(tokens, logprobs, offset, as_ids) if req.logprobs is not None else None
+            if lp is not None and echo:
+                lp = {key: value + lp[key] for key, value in self._echo_logprobs(echo, result, as_ids).items()}
+            choice = {"index": index, "text": (echo.text if echo else "") + text, "logprobs": lp,
+                      **self._finish(result, echo)}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(ids, result.prompt_logprobs, self._token_text)
+            choices.append(choice)
+        return head | {"choices": choices, "usage": self._usage(gens, results, echoes[0])}
+
+    def _echo_logprobs(self, echo: Echo, result: _Result, as_ids: bool) -> dict:
+        return echo_logprobs(echo, result.prompt_logprobs, lambda t: self._token_label(t, as_ids), self._token_text)
+
+    @staticmethod
+    def _finish(result: _Result, echo: Echo | None) -> dict:
+        if echo and echo.only:
+            return {"finish_reason": "length", "stop_reason": None}
+        return {"finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
 
     async def _stream_completion(self, gens, samplings, head, echoes, include_usage, as_ids) -> AsyncIterator[str]:
         n = gens[0].params.n
@@ -257,11 +324,15 @@ class OpenAIServing:
         async for result in self._run_all(gens, samplings):
             index, echo = result.index, echoes[result.index // n]
             finals[index] = result
-            if index not in offsets:
-                offsets[index] = len(echo)
+            if index not in offsets:  # the prompt's logprobs come with the first token
+                offsets[index] = 0
                 if echo:
-                    yield _sse(head | {"choices": [{"index": index, "text": echo, "logprobs": None,
+                    lp = self._echo_logprobs(echo, result, as_ids) if result.params.logprobs is not None else None
+                    yield _sse(head | {"choices": [{"index": index, "text": echo.text, "logprobs": lp,
                                                     "finish_reason": None}]})
+                    offsets[index] = len(echo.text)
+            if echo and echo.only:
+                continue  # its one token is no answer; the loop ends after it
             text, tokens, logprobs = result.take_delta()
             if not text and not tokens and not result.finished:
                 continue
@@ -271,8 +342,13 @@ class OpenAIServing:
             yield _sse(head | {"choices": [{"index": index, "text": text, "logprobs": lp,
                                             "finish_reason": result.finish_reason,
                                             "stop_reason": result.stop_reason}]})
+        for index, result in sorted(finals.items()):
+            echo = echoes[index // n]
+            if echo and echo.only:
+                yield _sse(head | {"choices": [{"index": index, "text": "", "logprobs": None,
+                                                **self._finish(result, echo)}]})
         if include_usage:
-            yield _sse(head | {"choices": [], "usage": self._usage(gens, list(finals.values()))})
+            yield _sse(head | {"choices": [], "usage": self._usage(gens, list(finals.values()), echoes[0])})
         yield "data: [DONE]\n\n"
 
     def _completion_logprobs(self, tokens: list[int], logprobs: list[TokenLogprobs], offset: int,
@@ -290,27 +366,35 @@ class OpenAIServing:
     # -- /v1/chat/completions -----------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict | AsyncIterator[str]:
         self.check_model(req.model)
+        self.log_unknown_fields(req, request_id)
         ids, images = await self.encode_chat(req)
         sampling = self._sampling(req, len(ids), req.effective_max_tokens, req.num_logprobs, "messages",
                                   req.max_tokens_field)
+        sampling = self.with_prompt_logprobs(sampling, req.prompt_logprobs)
         gen = self._input(_internal_id(request_id), ids, sampling, images, req.cache_salt)
         head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
             return self._stream_chat(gen, sampling, head | {"object": "chat.completion.chunk"}, req.include_usage,
-                                     req.return_tokens_as_token_ids)
+                                     req.return_tokens_as_token_ids, lambda: self._chat_answer(req))
         results = await self._finals(self._run(gen, sampling))
         choices = []
         for result in results:
             text, tokens, logprobs = result.take_delta()
-            choices.append({"index": result.index, "message": {"role": "assistant", "content": text},
+            message, finish_reason = self._chat_answer(req).message(text, result.finish_reason)
+            choices.append({"index": result.index, "message": message,
                             "logprobs": {"content": self._chat_logprobs(tokens, logprobs,
                                                                         req.return_tokens_as_token_ids)}
                             if sampling.logprobs is not None else None,
-                            "finish_reason": result.finish_reason, "stop_reason": result.stop_reason})
-        return head | {"choices": choices, "usage": self._usage([gen], results)}
+                            "finish_reason": finish_reason, "stop_reason": result.stop_reason})
+        body = head | {"choices": choices, "usage": self._usage([gen], results)}
+        if req.prompt_logprobs is not None:  # vLLM's extension, beside the choices as there
+            body["prompt_logprobs"] = vllm_prompt_logprobs(ids, results[0].prompt_logprobs, self._token_text)
+        return body
 
-    async def _stream_chat(self, gen, sampling, head, include_usage, as_ids) -> AsyncIterator[str]:
+    async def _stream_chat(self, gen, sampling, head, include_usage, as_ids,
+                           new_answer: Callable[[], ChatAnswer]) -> AsyncIterator[str]:
         finals: dict[int, _Result] = {}
+        texts: dict[int, tuple[str, ChatAnswer]] = {}  # choice index -> (its text so far, its answer parser)
         async for result in self._run(gen, sampling):
             index = result.index
             finals[index] = result
@@ -321,8 +405,14 @@ class OpenAIServing:
             if not text and not tokens and not result.finished:
                 continue
             lp = {"content": self._chat_logprobs(tokens, logprobs, as_ids)} if sampling.logprobs is not None else None
-            yield _sse(head | {"choices": [{"index": index, "delta": {"content": text} if text else {},
-                                            "logprobs": lp, "finish_reason": result.finish_reason,
+            full_text, answer = texts.get(index) or ("", new_answer())
+            full_text += text
+            texts[index] = (full_text, answer)
+            delta = answer.delta(full_text, result.finished)
+            if not delta and not tokens and not result.finished:
+                continue  # text held back (a tool call being parsed) and nothing else to say
+            yield _sse(head | {"choices": [{"index": index, "delta": delta,
+                                            "logprobs": lp, "finish_reason": answer.finish_reason(result.finish_reason),
                                             "stop_reason": result.stop_reason}]})
         if include_usage:
             yield _sse(head | {"choices": [], "usage": self._usage([gen], list(finals.values()))})
@@ -344,10 +434,10 @@ class OpenAIServing:
         return f"token_id:{token_id}" if as_id else self._token_text(token_id)
 
     @staticmethod
-    def _usage(gens: list[GenerateInput], results: list[_Result]) -> dict:
+    def _usage(gens: list[GenerateInput], results: list[_Result], echo: Echo | None = None) -> dict:
         """Each prompt counted once, every generated sequence's tokens (best_of's unreturned ones too)."""
         prompt = sum(len(gen.prompt_token_ids) for gen in gens)
-        completion = sum(len(r.token_ids) for r in results)
+        completion = 0 if echo and echo.only else sum(len(r.token_ids) for r in results)
         cached: dict[int, int] = {}  # per prompt: its sequences share one prefill
         for r in results:
             key = r.index // gens[0].params.n

@@ -95,7 +95,7 @@ class GrammarCompiler:
         # Compiled outside the lock: two threads may compile the same key once each, never wait on each other.
         try:
             grammar = _compile(compiler, params)
-        except (RuntimeError, ValueError) as exc:
+        except Exception as exc:  # xgrammar's errors are RuntimeErrors, but any failure is this request's alone
             raise ValueError(f"invalid {_FIELD_NAMES[params.kind]}: {_first_line(exc)}") from None
         with self._lock:
             self.num_compiled += 1

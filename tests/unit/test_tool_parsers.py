@@ -79,6 +79,10 @@ def test_answers_for_each_tool_choice():
     assert reason == "tool_calls" and message["content"] == "I will look both up."
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"]
     assert ChatAnswer("auto").message(TWO_CALLS, "length")[1] == "length"
+    single, _ = ChatAnswer("auto", parallel=False).message(TWO_CALLS, "stop")
+    assert [c["function"]["name"] for c in single["tool_calls"]] == ["get_weather"]
+    streamed = ChatAnswer("auto", parallel=False).delta(TWO_CALLS, True)
+    assert {c["index"] for c in streamed["tool_calls"]} == {0}
     assert ChatAnswer(None).message(ONE_CALL, "stop") == ({"role": "assistant", "content": ONE_CALL}, "stop")
 
     named, reason = ChatAnswer("named", function_name="get_weather").message('{"city": "Rome"}', "stop")
