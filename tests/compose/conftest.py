@@ -123,6 +123,20 @@ class Stack:
         body = httpx.get(f"http://127.0.0.1:{self.prometheus_port}/api/v1/targets", timeout=10).json()
         return body["data"]["activeTargets"]
 
+    def wait_proxy_ready(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            try:
+                if httpx.get(self.url + "/ready", headers={"Authorization": f"Bearer {API_KEY}"},
+                             timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"the proxy never got ready:\n{self.tail_logs()}"
+            time.sleep(1)
+
     def wait_ready(self, containers: list[str]) -> None:
         """Until each engine container's /ready answers 200 (its model loaded, its kernels built)."""
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -174,24 +188,10 @@ def stack(references) -> Iterator[Stack]:
         # to test here, and its image may not be at hand where no registry is.
         stack.compose("up", "--detach", "--pull", "never", "--wait", "--scale", "decode=2", "prometheus")
         stack.wait_ready(stack.engine_containers())
-        wait_proxy_ready(stack)
+        stack.wait_proxy_ready()
         yield stack
     finally:
         stack.compose("down", "-v", "--remove-orphans", "--timeout", "60", timeout=300, check=False)
-
-
-def wait_proxy_ready(stack: Stack) -> None:
-    import httpx
-
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while True:
-        try:
-            if httpx.get(stack.url + "/ready", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"the proxy never got ready:\n{stack.tail_logs()}"
-        time.sleep(1)
 
 
 @pytest.fixture(scope="session")

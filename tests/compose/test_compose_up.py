@@ -1,6 +1,6 @@
 """`docker compose up` of the real image: answers equal to local ones, scaling, a killed decode, a
-drained decode, Prometheus. One stack for the whole file; the tests run in this order and the last two
-take decodes away."""
+drained proxy and decode, Prometheus. One stack for the whole file; the tests run in this order, and
+the kill and the last stop take decodes away."""
 from __future__ import annotations
 
 import base64
@@ -158,6 +158,22 @@ def test_killing_a_decode_mid_stream_spares_the_other_streams(stack, client, doc
         reply = client.chat.completions.create(model="llava-demo", messages=references.text_messages,
                                                **greedy(references))
         assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_compose_stop_drains_the_proxy_mid_stream(stack, client, docker_cli):
+    (proxy,) = stack.containers("proxy")
+    stream = Stream(client, DRAIN_TOKENS)
+    assert stream.started.wait(120) and stream.error is None, stream.error
+    chunks_before_stop = len(stream.text)
+    stopped = stack.compose("stop", "proxy", check=False)  # returns once the proxy has exited
+    stream.join()
+    assert stopped.returncode == 0, stopped.stderr
+    assert chunks_before_stop < DRAIN_TOKENS // 2, "the stop came too late to test a drain"
+    assert stream.completed, (stream.error, stream.finish_reason, stream.completion_tokens, len(stream.text))
+    state = docker_cli("inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}", proxy).stdout.split()
+    assert state == ["exited", "0"], (state, stack.logs(proxy)[-2000:])
+    stack.compose("start", "proxy")
+    stack.wait_proxy_ready()
 
 
 def test_compose_stop_drains_a_decode_mid_stream(stack, client, docker_cli):
