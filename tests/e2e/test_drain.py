@@ -1,18 +1,24 @@
 """Graceful shutdown of real processes: a SIGTERMed decode finishes its streams while new requests go
 elsewhere; a SIGTERMed proxy turns unready, refuses new requests and lets its streams finish - or, at the
 end of a short grace, ends them with an error event and `data: [DONE]`; a decode killed outright ends its
-streams with an error event and `[DONE]` within seconds, never a hang.
+streams with an error event and `[DONE]` within seconds, never a hang; `epdserve up` drains its whole
+stack when it is stopped.
 
 Streams are read as raw server-sent events (httpx), so that `[DONE]` and error events are seen as sent;
 requests that must be refused go through the official openai client."""
 import asyncio
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
 import openai
 import pytest
+
+from epdserve.services.launcher import free_port
 
 ENGINE_ARGS = ["--num-kv-blocks", "384", "--drain-timeout", "120"]
 STREAM_TIMEOUT = httpx.Timeout(180, connect=10)
@@ -21,8 +27,8 @@ STREAM_TIMEOUT = httpx.Timeout(180, connect=10)
 class SSEStream:
     """One streamed completion read event by event: its payloads, whether `[DONE]` ended it, and when."""
 
-    def __init__(self, url: str, prompt: str, max_tokens: int) -> None:
-        self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
+    def __init__(self, url: str, prompt: str, max_tokens: int, model: str = "demo") -> None:
+        self.url, self.prompt, self.max_tokens, self.model = url, prompt, max_tokens, model
         self.events: list[dict] = []
         self.done = False
         self.after_done: list[str] = []  # anything sent after [DONE] (nothing should be)
@@ -47,7 +53,7 @@ class SSEStream:
         return [c["finish_reason"] for e in self.events for c in e.get("choices", []) if c.get("finish_reason")]
 
     async def run(self, client: httpx.AsyncClient) -> "SSEStream":
-        body = {"model": "demo", "prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0,
+        body = {"model": self.model, "prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         async with client.stream("POST", self.url + "/v1/completions", json=body) as response:
             self.status = response.status_code
@@ -213,3 +219,60 @@ def test_a_killed_decode_ends_its_stream_with_an_error_event_and_done(default_mo
     assert "decode" in error["message"] and error["code"] == 502
     assert stream.done and not stream.after_done
     assert stream.num_chunks < 400
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    return state != "Z"  # a zombie has exited (its parent has not reaped it yet)
+
+
+def test_epdserve_up_drains_its_whole_stack_when_stopped(default_model_path, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "up.log"
+    up = subprocess.Popen([sys.executable, "-m", "epdserve.services.cli", "--log-level", "info", "up", "--model",
+                           str(default_model_path), "--unified", "--port", str(port), "--drain-timeout", "300",
+                           "--", "--num-kv-blocks", "384"], stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            children = children_of(up.pid) or children  # known from the start: stopped even if `up` dies
+            assert up.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        assert len(children) == 2  # the unified engine and the proxy
+        stream = SSEStream(url, "Tell me a long story about a lighthouse.", 60, model=default_model_path.name)
+
+        async def main():
+            async with httpx.AsyncClient(timeout=STREAM_TIMEOUT) as client:
+                task = asyncio.create_task(stream.run(client))
+                await wait_for(lambda: stream.num_chunks >= 3, 120, "the stream started",
+                               lambda: f"status {stream.status}, events {stream.events}")
+                up.send_signal(signal.SIGTERM)
+                await wait_for(lambda: httpx.get(url + "/ready").status_code == 503, 10, "the proxy drains")
+                return await task
+
+        asyncio.run(main())
+        assert not stream.errors and stream.done and stream.text_tokens == 60, stream.errors
+        assert up.wait(120) == 0, log.read_text()[-3000:]
+        assert not [pid for pid in children if is_running(pid)], "every child stopped with the stack"
+    finally:
+        for pid in [up.pid, *children]:
+            if is_running(pid):
+                os.kill(pid, signal.SIGKILL)
+        up.wait()
