@@ -36,6 +36,11 @@ def indexed_blocks(stack) -> dict[str, float]:
             if k.startswith("epdserve:kv_index_blocks")}
 
 
+def index_key(stack, service) -> str:
+    """The router's name for a service: its control address."""
+    return f"tcp://127.0.0.1:{service.port}"
+
+
 def decodes(stack):
     return [s for s in stack.services.values() if s.role == "decode"]
 
@@ -81,7 +86,7 @@ def test_a_follow_up_turn_goes_to_the_decode_holding_it_and_pulls_only_what_is_n
     holder = next(s for s in decodes(stack) if served(s) > before[s.name][0])
     other = next(s for s in decodes(stack) if s is not holder)
     # The holder's events reach the index within a poll or two: the prompt and the reply's full blocks.
-    wait_for_index(stack, lambda b: any(v >= 14 for v in b.values()))
+    wait_for_index(stack, lambda b: b.get(index_key(stack, holder), 0) >= 14)
 
     turn2 = turn1 + reply + [(11 * i) % 300 + 5 for i in range(5 * BLOCK_SIZE)]
     pulled_before = holder.metrics().get("epdserve:remote_kv_blocks_total", 0.0)
@@ -94,8 +99,13 @@ def test_a_follow_up_turn_goes_to_the_decode_holding_it_and_pulls_only_what_is_n
 
 def test_a_follow_up_held_but_for_a_few_tokens_is_prefilled_by_that_decode(stack, client):
     turn1 = [(13 * i) % 300 + 5 for i in range(10 * BLOCK_SIZE)]
+    served_before = {s.name: served(s) for s in decodes(stack)}
+    indexed_before = indexed_blocks(stack)
     reply = complete(client, turn1, 2 * BLOCK_SIZE)
-    wait_for_index(stack, lambda b: any(v >= 11 for v in b.values()))
+    holder = next(s for s in decodes(stack) if served(s) > served_before[s.name])
+    key = index_key(stack, holder)
+    # The index has the turn's 12 full blocks on that decode (prompt and reply) once its events arrive.
+    wait_for_index(stack, lambda b: b.get(key, 0) >= indexed_before.get(key, 0) + 11)
     prefill = stack.services["prefill-0"]
     prefilled = served(prefill)
     local = routed(stack, "decode_only", "decode_holds_prefix")
@@ -104,10 +114,16 @@ def test_a_follow_up_held_but_for_a_few_tokens_is_prefilled_by_that_decode(stack
     assert served(prefill) == prefilled  # no prefill, no transfer
 
 
-def test_a_dead_decode_leaves_the_index(stack, client):
+def test_a_dead_decode_leaves_the_index_and_a_restarted_one_is_indexed_afresh(stack, client):
     blocks = wait_for_index(stack, lambda b: len(b) == 3)  # the prefill and both decodes report
-    victim = decodes(stack)[0]
-    victim_key = next(k for k in blocks if k.endswith(f":{victim.port}"))
+    victim = max(decodes(stack), key=lambda s: blocks.get(index_key(stack, s), 0))  # the earlier turns' holder
+    victim_key = index_key(stack, victim)
+    assert blocks[victim_key] > 0
     victim.stop(sig=9)
     wait_for_index(stack, lambda b: victim_key not in b)
     assert complete(client, [5, 6, 7, 8] * 8, 4)  # the other decode serves
+    # Restarted on the same address, its events count from 1 again over an empty cache: the index takes
+    # its snapshot, holding nothing of what the dead process had.
+    victim.start()
+    blocks = wait_for_index(stack, lambda b: victim_key in b, timeout=120)
+    assert blocks[victim_key] == 0
