@@ -125,12 +125,17 @@ def summarize(runs: dict) -> dict:
         ttft_load, ttft_kv = med(load, "later_turn_ttft_p50_s"), med(kv, "later_turn_ttft_p50_s")
         summary[topology] = {
             "load_kv_mib_per_later_turn": bytes_load / 2**20, "kv_kv_mib_per_later_turn": bytes_kv / 2**20,
-            "bytes_ratio_load_over_kv": bytes_load / bytes_kv if bytes_kv else float("inf"),
+            # None where kv routing pulled nothing at all (every later turn prefilled on its decode).
+            "bytes_ratio_load_over_kv": bytes_load / bytes_kv if bytes_kv else None,
             "load_later_ttft_p50_ms": ttft_load * 1e3, "kv_later_ttft_p50_ms": ttft_kv * 1e3,
             "ttft_ratio_load_over_kv": ttft_load / ttft_kv,
             "same_replies": all(a["replies"] == b["replies"] for a, b in zip(load, kv)),
         }
     return summary
+
+
+def _ratio(value: float | None) -> str:
+    return "all" if value is None else f"{value:.1f}x"
 
 
 def plot(summary: dict, path: Path) -> bool:
@@ -178,14 +183,16 @@ def main() -> None:
     summary = summarize(runs)
     report = {"benchmark": "kv_routing", "command": "python benchmarks/kv_routing.py " + " ".join(sys.argv[1:]),
               "statistic": f"median of {args.repeats} rounds per stack",
-              "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "output"},
+              "config": {**{k: v for k, v in vars(args).items() if k not in ("output", "model")},
+                         "model": Path(args.model).name},
               "machine": machine(), "summary": summary,
               "runs": {name: [{k: v for k, v in r.items() if k != "replies"} for r in rounds]
                        for name, rounds in runs.items()}}
     args.output.write_text(json.dumps(report, indent=1) + "\n")
     for topology, s in summary.items():
         print(f"{topology}: KV per later turn {s['load_kv_mib_per_later_turn']:.2f} MiB (load) vs "
-              f"{s['kv_kv_mib_per_later_turn']:.2f} MiB (kv): {s['bytes_ratio_load_over_kv']:.1f}x less; later-turn "
+              f"{s['kv_kv_mib_per_later_turn']:.2f} MiB (kv): "
+              f"{_ratio(s['bytes_ratio_load_over_kv'])} less; later-turn "
               f"TTFT p50 {s['load_later_ttft_p50_ms']:.0f} vs {s['kv_later_ttft_p50_ms']:.0f} ms: "
               f"{s['ttft_ratio_load_over_kv']:.2f}x; same replies: {s['same_replies']}")
     drawn = plot(summary, args.output.with_suffix(".png"))
