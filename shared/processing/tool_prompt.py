@@ -30,21 +30,23 @@ def template_reads_tools(chat_template: str | None) -> bool:
 
 
 def messages_for_tool_template(messages: list[dict]) -> list[dict]:
-    """Messages for a template that renders tools itself: tool-call arguments as objects, a null content
-    as an empty string."""
+    """Messages for a template that renders tools itself: tool-call arguments as objects, and the null
+    content of an assistant turn that only calls tools as an empty string. Other messages are left as
+    they are (a template that refuses them is the request's error)."""
     out = []
     for message in messages:
-        message = dict(message)
-        if message.get("content") is None:
-            message["content"] = ""
         if message.get("tool_calls"):
+            message = dict(message)
             message["tool_calls"] = [_with_parsed_arguments(call) for call in message["tool_calls"]]
+            if message.get("content") is None:
+                message["content"] = ""
         out.append(message)
     return out
 
 
 def messages_with_inline_tools(messages: list[dict], tools: list[dict] | None) -> list[dict]:
-    """Messages for a template that ignores tools: tools, calls and results written into the text."""
+    """Messages for a template that ignores tools: tools, calls and results written into the text. Other
+    messages are left as they are (a template that refuses them is the request's error)."""
     out = []
     for message in messages:
         role, content = message.get("role"), message.get("content") or ""
@@ -54,12 +56,11 @@ def messages_with_inline_tools(messages: list[dict], tools: list[dict] | None) -
         elif role == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
         else:
-            out.append({k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")}
-                       | {"content": content})
+            out.append(message)
     if tools:
         listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
         prompt = TOOL_SYSTEM_PROMPT.format(tools=listing)
-        if out and out[0]["role"] == "system":
+        if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
             out[0] = out[0] | {"content": f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt}
         else:
             out.insert(0, {"role": "system", "content": prompt})
