@@ -17,6 +17,7 @@ _EXPORTS = {
     "AsyncLLM": "epdserve.shared.engine.async_llm",
     "SamplingParams": "epdserve.shared.engine.sampling_params",
     "RequestOutputKind": "epdserve.shared.engine.sampling_params",
+    "StructuredOutputsParams": "epdserve.shared.engine.sampling_params",
     "RequestOutput": "epdserve.shared.engine.outputs",
     "CompletionOutput": "epdserve.shared.engine.outputs",
 }
