@@ -1,0 +1,180 @@
+"""The options of every `epdserve` subcommand, apart from what the commands do with them (cli.py)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from epdserve.services.proxy.kv_routing import RoutingPolicy
+from epdserve.services.proxy.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
+
+ROLES = ("encoder", "prefill", "decode", "unified", "proxy")
+MODELS = ("llava-demo", "smollm2", "tiny-llama", "tiny-qwen2")
+SERVED_BY_DEFAULT = "llava-demo"  # what `up` and `serve` run without --model
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def log_level(value: str) -> str:
+    if value.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{value!r}: choose from {', '.join(LOG_LEVELS)}")
+    return value.lower()
+
+
+def add_log_level(p: argparse.ArgumentParser) -> None:
+    # SUPPRESS: given after the command it overrides `epdserve --log-level`; absent, it leaves that alone.
+    p.add_argument("--log-level", type=log_level, default=argparse.SUPPRESS, metavar="LEVEL",
+                   help="debug, info, warning, error or critical; debug adds a line per HTTP request "
+                        "(default: $EPDSERVE_LOG_LEVEL or info)")
+
+
+def add_model_options(model: argparse.ArgumentParser) -> None:
+    model.add_argument("which", choices=MODELS,
+                       help=f"{SERVED_BY_DEFAULT}: what `epdserve up` and `make run` serve without --model "
+                            "(SmolLM2-135M-Instruct behind an untrained CLIP vision tower, LLaVA layout); "
+                            "smollm2: SmolLM2-135M-Instruct alone, converted from its packaged GGUF; "
+                            "tiny-*: random test models")
+    model.add_argument("--cache-dir", help="where prepared models live (default: $EPDSERVE_CACHE_DIR or ~/.cache/epdserve)")
+    model.add_argument("--out", help="output folder (tiny and llava-demo models)")
+    model.add_argument("--seed", type=int, default=0)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (overrides --kv-cache-memory)")
+    g.add_argument("--kv-cache-memory", type=float,
+                   help="KV pool size in GiB (default: sized from the memory available, see "
+                        "--kv-cache-memory-fraction)")
+    g.add_argument("--kv-cache-memory-fraction", type=float,
+                   help="share of the memory available at start-up, after the weights, that the KV pool takes when "
+                        "no size is given (default 0.05 on CPU, 0.9 on a GPU)")
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
+                   help="auto: triton on CUDA, the C++ cpu kernel on CPU (torch if it cannot be built)")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--threads", type=int, help="compute threads of the engine (or encoder); the service's other "
+                                                "threads use one (default: one per core)")
+
+
+def add_transport_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("transport")
+    g.add_argument("--kv-backend", default="zmq", choices=["zmq", "ucx"])
+    g.add_argument("--curve-dir", default=os.environ.get("EPDSERVE_CURVE_DIR"),
+                   help="folder with the deployment's CURVE certificate (epdserve keys DIR); "
+                        "default $EPDSERVE_CURVE_DIR; unset = no authentication")
+    g.add_argument("--rpc-timeout", type=float, default=30.0,
+                   help="seconds a control request to a peer may take before it counts as gone")
+    g.add_argument("--request-timeout", dest="rpc_timeout", type=float, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the old name
+    g.add_argument("--transfer-timeout", type=float, default=60.0)
+
+
+def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
+    """`epdserve serve <role>`'s options (every role has a `--model` and the log level too)."""
+    p.add_argument("--model", metavar="FOLDER",
+                   help=f"local HF model folder (default: the {SERVED_BY_DEFAULT} model, built on first use)")
+    add_log_level(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes every interface)")
+    p.add_argument("--advertise-host", help="host peers use to reach this process (default: --host)")
+    if role == "proxy":
+        _add_proxy_options(p)
+    else:
+        p.add_argument("--port", type=int, default=0, help="control channel port")
+        p.add_argument("--data-port", type=int, default=0, help="KV / embedding transfer port (prefill, encoder)")
+        p.add_argument("--http-port", type=int, default=0, help="/health, /ready, /metrics")
+        p.add_argument("--engine-id", help="default: <role>-<hostname>-<port>")
+        p.add_argument("--served-model-name", help="model_name label of its metrics (default: the model "
+                                                   "folder's name, as the proxy's)")
+        p.add_argument("--lease-seconds", type=float, default=10.0)
+        p.add_argument("--encoder-cache-items", type=int, default=256)
+        p.add_argument("--drain-timeout", type=float, default=10.0,
+                       help="on SIGTERM or Ctrl-C, seconds to finish requests in flight (taking no new ones, "
+                            "/ready 503, DRAINING to the proxies) before the rest are cut and the service "
+                            "exits (default: %(default)s)")
+        add_engine_args(p)
+    add_transport_args(p)
+
+
+def _add_proxy_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--inbox-port", type=int, default=0, help="where services push tokens back (0: any)")
+    p.add_argument("--served-model-name")
+    p.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"),
+                   help="required Bearer token (default $EPDSERVE_API_KEY; unset = open)")
+    p.add_argument("--api-key-file", default=os.environ.get("EPDSERVE_API_KEY_FILE"),
+                   help="read the API key from this file instead (a mounted secret; default "
+                        "$EPDSERVE_API_KEY_FILE)")
+    for name in ("encoder", "prefill", "decode", "unified"):
+        p.add_argument(f"--{name}", action="append", metavar="HOST:PORT",
+                       help=f"{name} control address(es); repeat or comma-separate; DNS names are re-resolved")
+    p.add_argument("--local-prefill-threshold", type=int, default=0,
+                   help="prompts shorter than this many tokens are prefilled by decode itself")
+    p.add_argument("--routing-policy", choices=[policy.value for policy in RoutingPolicy], default="kv",
+                   help="kv: prefill and decode chosen by the prompt blocks each caches (the engines' KV "
+                        "events) weighed against load; load: prefill by a hash of the prompt's head, "
+                        "decode by free blocks and load (default: %(default)s)")
+    p.add_argument("--kv-load-weight", type=float, default=0.25,
+                   help="kv routing: what one queued request costs, as a fraction of recomputing the "
+                        "whole prompt (default: %(default)s)")
+    p.add_argument("--kv-local-prefill-tokens", type=int, default=256,
+                   help="kv routing: a decode that caches all but at most this many prompt tokens "
+                        "computes them itself, with no prefill and no transfer (default: %(default)s)")
+    p.add_argument("--prefill-timeout", type=float, default=600.0,
+                   help="seconds a whole prefill may take (long prompts on CPU take a while; "
+                        "default: %(default)s)")
+    p.add_argument("--poll-interval", type=float, default=1.0)
+    p.add_argument("--token-timeout", type=float, default=600.0,
+                   help="seconds allowed between two chunks of a stream; also the longest wait for a "
+                        "stream's first chunk or a whole non-streamed answer")
+    p.add_argument("--drain-timeout", type=float, default=10.0,
+                   help="on SIGTERM or Ctrl-C, seconds requests in flight get to finish (new ones are "
+                        "refused with 503, /ready turns 503) before the rest are cut - a stream with an "
+                        "error event and [DONE]; a second signal cuts at once (default: %(default)s)")
+    p.add_argument("--allowed-image-domains", action="append", metavar="DOMAIN",
+                   help="fetch http(s) image URLs only from these domains and their subdomains "
+                        "(repeat or comma-separate; default: any public host)")
+    p.add_argument("--allow-private-image-urls", action="store_true",
+                   help="also fetch image URLs from loopback, private and link-local addresses "
+                        "(refused by default: the proxy must not become a way into your network)")
+    p.add_argument("--max-request-body-bytes", type=int, default=64 << 20,
+                   help="larger request bodies get HTTP 413 (default: %(default)s)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSER_NAMES),
+                   help="how tool calls are read from the text when tool_choice is auto (default: %(default)s)")
+
+
+def add_up_options(up: argparse.ArgumentParser) -> None:
+    up.add_argument("--model", metavar="FOLDER",
+                    help=f"local HF model folder (default: the {SERVED_BY_DEFAULT} model, built on first use)")
+    up.add_argument("--port", type=int, default=8000, help="port of the OpenAI API (default: %(default)s)")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="bind address of the API; 0.0.0.0 exposes it on every interface (default: %(default)s; "
+                         "the other services always bind 127.0.0.1)")
+    up.add_argument("--encoders", type=int, metavar="N",
+                    help="encoder processes (default: 1 for a multimodal model, else 0)")
+    up.add_argument("--prefills", type=int, default=1, metavar="N",
+                    help="prefill engine processes (default: %(default)s)")
+    up.add_argument("--decodes", type=int, default=1, metavar="N",
+                    help="decode engine processes (default: %(default)s)")
+    up.add_argument("--unified", action="store_true", help="one unified engine instead of prefills and decodes")
+    up.add_argument("--routing-policy", choices=[policy.value for policy in RoutingPolicy], default="kv",
+                    help="how the proxy picks instances: kv (by the prompt blocks each caches, and load) or load "
+                         "(default: %(default)s)")
+    up.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"), metavar="KEY",
+                    help="Bearer token the API requires (default: $EPDSERVE_API_KEY; unset: open). A key on the "
+                         "command line shows in `ps`: prefer --api-key-file or the variable")
+    up.add_argument("--api-key-file", default=os.environ.get("EPDSERVE_API_KEY_FILE"), metavar="FILE",
+                    help="read the API key from this file (default: $EPDSERVE_API_KEY_FILE)")
+    up.add_argument("--threads", type=int, default=1, metavar="N",
+                    help="compute threads per engine process (default: %(default)s)")
+    up.add_argument("--drain-timeout", type=float, default=10.0, metavar="SECONDS",
+                    help="on Ctrl-C or SIGTERM, seconds the proxy, then each engine, gets to finish requests in "
+                         "flight; a second Ctrl-C cuts them, a third kills (default: %(default)s)")
+    up.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS",
+                    help="seconds to wait for every service to be ready (default: %(default)s)")
+    add_log_level(up)
+    up.add_argument("extra", nargs=argparse.REMAINDER, metavar="-- ENGINE_OPTION",
+                    help="after --: options passed to every engine service (see `epdserve serve decode --help`)")
