@@ -145,11 +145,20 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
     """`readiness()` -> (ready, details): whether every role has a healthy instance. `max_body_bytes`: the
     largest request body taken (413 beyond)."""
     app = FastAPI(title="epdserve", docs_url=None, redoc_url=None)
-
     app.add_middleware(_CheckBody, max_bytes=max_body_bytes)  # inside the key check: strangers get a 401
     if api_key:
         app.add_middleware(_RequireApiKey, api_key=api_key)
     app.add_middleware(_CountResponses, metrics=metrics)  # added last: outermost, it sees the key check's 401s
+    _install_openapi(app)
+    _install_error_handlers(app)
+    _add_management_routes(app, metrics, readiness)
+    _add_model_and_tokenizer_routes(app, serving)
+    _add_generation_routes(app, serving, metrics)
+    return app
+
+
+def _install_openapi(app: FastAPI) -> None:
+    """The schema without FastAPI's 422 validation responses: bad input is a 400 here."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -162,6 +171,10 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error, whatever raised it, as an OpenAI-shaped body."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError):
@@ -200,6 +213,9 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
     async def generation_failed(request: Request, exc: GenerationError):
         return error_response(str(exc), exc.error_type, exc.status)
 
+
+def _add_management_routes(app: FastAPI, metrics: ProxyMetrics,
+                           readiness: Callable[[], Awaitable[tuple[bool, dict]]] | None) -> None:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
@@ -214,6 +230,8 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+
+def _add_model_and_tokenizer_routes(app: FastAPI, serving: OpenAIServing) -> None:
     def model_card() -> dict:
         return {"id": serving.model_name, "object": "model", "created": 0, "owned_by": "epdserve",
                 "max_model_len": serving.max_model_len}
@@ -245,6 +263,8 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
         serving.check_token_ids(body.tokens, "tokens")
         return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
+
+def _add_generation_routes(app: FastAPI, serving: OpenAIServing, metrics: ProxyMetrics) -> None:
     @app.post("/v1/completions", responses=BAD_INPUT)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _respond(request, body.stream, lambda rid: serving.completion(body, rid), "cmpl")
@@ -266,8 +286,6 @@ def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None
                                      headers=headers)
         body = await _until_disconnected(request, run(request_id), serving.response_timeout, metrics)
         return JSONResponse(body, headers=headers)
-
-    return app
 
 
 class _ClientGone(Exception):
