@@ -108,6 +108,8 @@ EOP
   nice -n 10 docker build "${args[@]}" -t "$TAG" . >"$WORK/build.log" 2>&1 \
     || { tail -n 40 "$WORK/build.log"; return 1; }
   docker image inspect --format 'image {{.Id}}: {{.Size}} bytes' "$TAG"
+  # An engine of our own keeps its image store between runs: drop what earlier builds left untagged.
+  [ -f "$WORK/dockerd.pid" ] && docker image prune -f >/dev/null
   PROMETHEUS_BASE=$base
 }
 if [ -n "${EPDSERVE_IMAGE:-}" ]; then
