@@ -26,7 +26,7 @@ from epdserve.shared.engine.parallel_sampling import group_members
 from epdserve.transport.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, FirstToken, Handshake, KVHandle,
                                       LeaseRenewed, Message, PrefillDone, PrefillRequest, Release, RenewLease, Role,
                                       TokenLogprobs)
-from epdserve.shared.engine.wire import logprobs_to_wire
+from epdserve.shared.engine.wire import logprobs_to_wire, prompt_logprobs_to_wire
 from epdserve.transport.kv_transfer import KVTransferClient, KVTransferServer, create_server
 from epdserve.transport.security import WILDCARD_HOSTS
 
@@ -96,10 +96,13 @@ class PrefillWorker(EngineWorker):
         task = asyncio.current_task()
         self._tasks[rid] = task
         try:
+            out, prompt_logprobs = None, ()
             firsts: dict[int, RequestOutput] = {}  # sequence index -> the output with its first token
             async for out in self.llm.generate(request):
                 if out.outputs[0].token_ids:
                     firsts[out.outputs[0].index] = out
+                prompt_logprobs = prompt_logprobs_to_wire(out, request.sampling_params.prompt_logprobs) or \
+                    prompt_logprobs
         except asyncio.CancelledError:  # aborted by the proxy while prefilling
             self.llm.call_soon(lambda e: e.release_kv(rid))
             return Error(ErrorCode.ABORTED, "aborted", rid)
@@ -117,7 +120,7 @@ class PrefillWorker(EngineWorker):
             others = tuple(FirstToken(f.outputs[0].token_ids[0], self._first_logprobs(f, num_top),
                                       FinishReason(f.outputs[0].finish_reason)) for _, f in sorted(firsts.items())[1:])
             return PrefillDone(rid, first, None, out.num_cached_tokens, FinishReason(completion.finish_reason),
-                               first_logprobs, other_first_tokens=others)
+                               first_logprobs, other_first_tokens=others, prompt_logprobs=prompt_logprobs)
         # The sequences share the prompt's blocks (those that stopped hold them too, until the release).
         others = tuple(FirstToken(f.outputs[0].token_ids[0], self._first_logprobs(f, num_top))
                        for _, f in sorted(firsts.items())[1:])
@@ -130,7 +133,7 @@ class PrefillWorker(EngineWorker):
         handle = KVHandle(self.service.engine_id, self.data_addr, tuple(block_ids), len(m.prompt_token_ids),
                           time.time() + self.service.lease_seconds, self.control_addr)
         return PrefillDone(rid, first, handle, out.num_cached_tokens, None, first_logprobs,
-                           other_first_tokens=others)
+                           other_first_tokens=others, prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _first_logprobs(out: RequestOutput, num_top: int | None) -> TokenLogprobs | None:
