@@ -149,6 +149,9 @@ class Service:
         if self.health != Health.READY or self.worker is None:
             return
         self.health = Health.DRAINING
+        if self.worker.busy:
+            logger.info("%s %s draining: finishing the requests in flight, up to %gs (a second signal ends it)",
+                        self.role.value, self.config.engine_id, self.config.drain_timeout)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_timeout
         while self.worker.busy and loop.time() < deadline and not self.hurry.is_set():
