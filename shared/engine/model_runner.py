@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from epdserve.kernels import cpu_layer_ops
 from epdserve.kernels.backend import select_attention_backend
 from epdserve.shared.config import EngineConfig
 from epdserve.shared.models.layers.attention import AttentionMetadata
@@ -69,6 +70,10 @@ class ModelRunner:
             attn.backend = backend
         self.backend = backend
         self.attention_backend = backend.name
+        if self.device.type == "cpu":
+            # Build (or load) the C++ RMSNorm/rotary ops now: built at the first forward pass instead, they
+            # would hold up a ready engine's first request for as long as the compiler runs.
+            cpu_layer_ops.available()
         # The CPU path keeps the decode batch's K/V contiguous across steps, within the pool's own size.
         self.decode_mirror = None
         if backend.name == "torch" and self.device.type == "cpu":
