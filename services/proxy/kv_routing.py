@@ -15,6 +15,7 @@ prefill and the transfer (`local_prefill_tokens`).
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass
 from typing import Protocol, Sequence, TypeVar
 
@@ -51,10 +52,12 @@ class Candidate(Protocol):
 C = TypeVar("C", bound=Candidate)
 
 
-def pick(candidates: Sequence[C], cached_blocks: dict[str, int], prompt_blocks: int,
-         load_weight: float) -> tuple[C, int]:
+def pick(candidates: Sequence[C], cached_blocks: dict[str, int], prompt_blocks: int, load_weight: float,
+         key: bytes = b"") -> tuple[C, int]:
     """The cheapest candidate and how many leading blocks it holds. `cached_blocks`: address -> blocks
-    held (from the prefix index; absent: none)."""
+    held (from the prefix index; absent: none). Equal costs - above all a prompt nobody caches yet - go
+    by rendezvous hashing of `key` (the prompt's head): distinct prompts spread, and requests that share
+    a new prefix meet where its blocks will be, before any engine has reported them."""
     scale = load_weight * max(prompt_blocks, 1)
 
     def cost(candidate: C) -> tuple[bool, float]:
@@ -62,5 +65,13 @@ def pick(candidates: Sequence[C], cached_blocks: dict[str, int], prompt_blocks: 
         free = candidate.status.num_free_blocks if candidate.status is not None else 0
         return free < missing, missing + scale * candidate.load
 
-    best = min(candidates, key=cost)
+    costs = [(cost(c), c) for c in candidates]
+    lowest = min(c for c, _ in costs)
+    tied = [candidate for c, candidate in costs if c == lowest]
+    best = tied[0] if len(tied) == 1 else max(tied, key=lambda c: rendezvous(key, c.address))
     return best, cached_blocks.get(best.address, 0)
+
+
+def rendezvous(key: bytes, address: str) -> bytes:
+    """The instance's score for `key` in rendezvous (highest random weight) hashing."""
+    return hashlib.blake2b(key + address.encode(), digest_size=8).digest()

@@ -12,9 +12,11 @@ unready, a container that stopped) is likewise kept - polled, never routed to - 
 proxy has requests there, so those streams end with its answers or, if it went away, with an error
 once its polls fail, never with a wait on an address nobody watches.
 
-Choices: prefill (and unified) by prefix affinity - rendezvous hashing of the prompt's first blocks, so
-requests sharing a prefix land where it is cached - unless that instance is much busier than the least
-busy one; decode by free KV blocks and load; encoders by `mm_hash` affinity, so an image is encoded once.
+Choices (`Route`): with KV-aware routing, prefill, decode and unified by the prompt blocks each instance
+holds - what its KV events reported, kept in the prefix index - weighed against its load (kv_routing.py);
+otherwise prefill (and unified) by prefix affinity - rendezvous hashing of the prompt's first blocks,
+unless that instance is much busier than the least busy one - and decode by free KV blocks and load.
+Encoders always by `mm_hash` affinity, so an image is encoded once.
 """
 from __future__ import annotations
 
@@ -80,10 +82,6 @@ class Route(NamedTuple):
 
 class NoInstanceError(Exception):
     """No healthy instance of a role (the client gets 503)."""
-
-
-def _score(key: bytes, instance: Instance) -> bytes:
-    return hashlib.blake2b(key + instance.address.encode(), digest_size=8).digest()
 
 
 class RolePool:
@@ -220,7 +218,8 @@ class RolePool:
 
     def pick(self, route: Route, exclude: Sequence[Instance] = ()) -> Instance:
         if route.cached is not None:
-            return kv_routing.pick(self._require(exclude), route.cached, route.prompt_blocks, route.load_weight)[0]
+            return kv_routing.pick(self._require(exclude), route.cached, route.prompt_blocks, route.load_weight,
+                                   route.key or b"")[0]
         if route.key is not None:
             return self.pick_affine(route.key, exclude)
         return self.pick_least_loaded(exclude)
@@ -228,7 +227,7 @@ class RolePool:
     def pick_affine(self, key: bytes, exclude: Sequence[Instance] = (), slack: int = 4) -> Instance:
         """The key's rendezvous-hash favourite, unless it carries `slack` more requests than the least loaded."""
         candidates = self._require(exclude)
-        favourite = max(candidates, key=lambda i: _score(key, i))
+        favourite = max(candidates, key=lambda i: kv_routing.rendezvous(key, i.address))
         least = min(candidates, key=lambda i: i.load)
         return least if favourite.load > least.load + slack else favourite
 

@@ -21,11 +21,15 @@ ALARM = {"type": "function", "function": {
     "name": "set_alarm", "parameters": {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}},
                                         "required": ["hour"], "additionalProperties": False}}}
 
+# Load routing on the disaggregated stacks: every request takes the prefill -> decode handoff these tests
+# are about (KV-aware routing would let the decode that holds a repeated prompt prefill it itself).
+HANDOFF = ["--routing-policy", "load"]
 STACKS = {
     "unified": dict(unified=1),
-    "prefill-decode": dict(prefills=1, decodes=1),
+    "prefill-decode": dict(prefills=1, decodes=1, proxy_args=HANDOFF),
     # The lease ends before decode can pull: every request falls back to recomputing on decode.
-    "prefill-decode-recompute": dict(prefills=1, decodes=1, engine_args=["--lease-seconds", "0.001"]),
+    "prefill-decode-recompute": dict(prefills=1, decodes=1, engine_args=["--lease-seconds", "0.001"],
+                                     proxy_args=HANDOFF),
 }
 
 
