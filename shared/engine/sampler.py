@@ -131,6 +131,7 @@ class Sampler:
                       if r.sampling_params.frequency_penalty or r.sampling_params.presence_penalty]
         if not stops and not rep_rows and not count_rows and not bias_rows and not grammar_rows:
             return logits
+        raw = logits
         logits = self._buffer("logits", logits.shape).copy_(logits)
         if bias_rows:
             # Ids outside the vocabulary are refused at the edge; skipping them here keeps the batch alive.
@@ -156,8 +157,23 @@ class Sampler:
             start = time.perf_counter()
             bitmask = self._buffer("bitmask", (len(requests), (vocab + 31) // 32), torch.int32)
             apply_bitmask(logits, [requests[i].grammar for i in grammar_rows], grammar_rows, bitmask)
+            if stops:
+                self._let_grammars_end(logits, raw, requests, grammar_rows, bitmask)
             self.grammar_seconds += time.perf_counter() - start
         return logits
+
+    @staticmethod
+    def _let_grammars_end(logits: torch.Tensor, raw: torch.Tensor, requests: list[Request], grammar_rows: list[int],
+                          bitmask: torch.Tensor) -> None:
+        """A grammar that allows nothing but its end while min_tokens masks the stop tokens would leave
+        its row without a single token: the grammar wins there, and its stop tokens get their raw logits
+        back (under the bitmask), so the request ends as its output format demands."""
+        rows = torch.tensor(grammar_rows)
+        empty = rows[torch.isneginf(logits[rows]).all(dim=1)].tolist()
+        for i in empty:
+            stop_ids = torch.tensor(sorted(requests[i].stop_token_ids), dtype=torch.long)
+            logits[i, stop_ids] = raw[i, stop_ids]
+            apply_bitmask(logits, [requests[i].grammar], [i], bitmask)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         vocab = logits.shape[-1]

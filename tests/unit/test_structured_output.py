@@ -134,6 +134,20 @@ def test_the_sampler_picks_only_allowed_tokens_greedy_or_random(compiler, tokeni
     assert out.token_ids[2] == favourite  # the unconstrained row is untouched
 
 
+def test_a_grammar_that_can_only_end_ends_the_request_despite_min_tokens(compiler, tokenizer, vocab):
+    """min_tokens masks EOS, the finished regex allows only EOS: the grammar wins, no row is left empty."""
+    done = request(compiler, StructuredOutputsParams("regex", "ok"), min_tokens=10, temperature=1.0, seed=1)
+    for t in tokenizer.encode("ok", add_special_tokens=False):
+        done.append_output_token(t)
+    other = request(compiler, None, min_tokens=10, temperature=0.0)
+    logits = torch.randn(2, vocab)
+    out = Sampler()(logits, [done, other])
+    assert out.token_ids[0] == EOS
+    assert out.token_ids[1] != EOS  # an unconstrained row keeps min_tokens
+    done.append_output_token(out.token_ids[0])
+    assert done.check_stop() and done.status == RequestStatus.FINISHED_STOPPED
+
+
 def test_nothing_is_copied_when_no_request_uses_a_processor(compiler, vocab):
     logits = torch.randn(2, vocab)
     assert Sampler()._apply_logits_processors(logits, [request(compiler, None), request(compiler, None)]) is logits
