@@ -1,5 +1,5 @@
-"""A response's many choices: a completion's prompts run as requests of their own, side by side, and
-`best_of` keeps the most likely of a prompt's sequences.
+"""A response's choices: each one's output as it arrives (`Choice`), a completion's prompts run as requests of
+their own side by side (`merge`), and `best_of` keeping the most likely of a prompt's sequences.
 
 Choice `prompt_index * n + i` is sequence i of prompt `prompt_index`, as in vLLM and the OpenAI API.
 """
@@ -8,7 +8,63 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Callable, Sequence, TypeVar
 
+from epdserve.services.proxy.generation import Chunk
+from epdserve.shared.engine.sampling_params import SamplingParams
+from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
+from epdserve.transport.protocol import TokenLogprobs
+
 T = TypeVar("T")
+
+
+class Choice:
+    """One choice's output, accumulated as its chunks arrive: tokens, logprobs, the text the client has
+    not seen yet (held back while it may still start a stop string), and how it finished."""
+
+    def __init__(self, detok: IncrementalDetokenizer, params: SamplingParams, index: int = 0) -> None:
+        self.detok = detok
+        self.params = params
+        self.index = index  # the choice's
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt token after the first
+
+    def add(self, chunk: Chunk) -> None:
+        if chunk.num_cached_tokens is not None:
+            self.num_cached_tokens = chunk.num_cached_tokens
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs = chunk.prompt_logprobs
+        for i, token in enumerate(chunk.token_ids):
+            self.token_ids.append(token)
+            if chunk.logprobs:
+                self.logprobs.append(chunk.logprobs[i])
+            # As in vLLM, stop strings count only once min_tokens are out.
+            stop = self.detok.add_token(token, len(self.token_ids) >= self.params.min_tokens)
+            if stop is not None:
+                self.finish_reason, self.stop_reason = "stop", stop
+                return
+        if chunk.finish_reason is not None:
+            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs)
+
+    def take_delta(self) -> tuple[str, list[int], list[TokenLogprobs]]:
+        """What the client has not seen yet (text held back while it may still start a stop string)."""
+        text = self.detok.visible_text(self.finished)
+        delta = text[self.sent_chars:]
+        tokens, logprobs = self.token_ids[self.sent_tokens:], self.logprobs[self.sent_tokens:]
+        self.sent_chars, self.sent_tokens = len(text), len(self.token_ids)
+        return delta, tokens, logprobs
 
 
 async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:

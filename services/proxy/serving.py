@@ -12,8 +12,8 @@ import uuid
 from dataclasses import replace
 from typing import AsyncIterator, Awaitable, Callable
 
-from epdserve.services.proxy.choices import best_of, merge
-from epdserve.services.proxy.generation import Backend, Chunk, GenerateInput, GenerationError, ImageInput
+from epdserve.services.proxy.choices import Choice, best_of, merge
+from epdserve.services.proxy.generation import Backend, GenerateInput, GenerationError, ImageInput
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.chat_tools import ChatAnswer
 from epdserve.services.proxy.openai_protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -38,56 +38,6 @@ class BadRequest(ValueError):
 
 # Turns chat messages into (prompt token ids, images with placeholders) for multimodal models.
 ChatEncoder = Callable[[list[dict], bool, dict], Awaitable["tuple[list[int], list[ImageInput]]"]]
-
-
-class _Result:
-    """Accumulates one request's output as chunks arrive."""
-
-    def __init__(self, detok: IncrementalDetokenizer, params: SamplingParams, index: int = 0) -> None:
-        self.detok = detok
-        self.params = params
-        self.index = index  # the choice's
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs] = []
-        self.sent_chars = 0
-        self.sent_tokens = 0
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.num_cached_tokens = 0
-        self.prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt token after the first
-
-    def add(self, chunk: Chunk) -> None:
-        if chunk.num_cached_tokens is not None:
-            self.num_cached_tokens = chunk.num_cached_tokens
-        if chunk.prompt_logprobs:
-            self.prompt_logprobs = chunk.prompt_logprobs
-        for i, token in enumerate(chunk.token_ids):
-            self.token_ids.append(token)
-            if chunk.logprobs:
-                self.logprobs.append(chunk.logprobs[i])
-            # As in vLLM, stop strings count only once min_tokens are out.
-            stop = self.detok.add_token(token, len(self.token_ids) >= self.params.min_tokens)
-            if stop is not None:
-                self.finish_reason, self.stop_reason = "stop", stop
-                return
-        if chunk.finish_reason is not None:
-            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def cumulative_logprob(self) -> float:
-        return sum(lp.logprob for lp in self.logprobs)
-
-    def take_delta(self) -> tuple[str, list[int], list[TokenLogprobs]]:
-        """What the client has not seen yet (text held back while it may still start a stop string)."""
-        text = self.detok.visible_text(self.finished)
-        delta = text[self.sent_chars:]
-        tokens, logprobs = self.token_ids[self.sent_tokens:], self.logprobs[self.sent_tokens:]
-        self.sent_chars, self.sent_tokens = len(text), len(self.token_ids)
-        return delta, tokens, logprobs
 
 
 class OpenAIServing:
@@ -191,11 +141,11 @@ class OpenAIServing:
             raise BadRequest(f"token ids must be in [0, {self.vocab_size})", param=param)
 
     # -- running ------------------------------------------------------------------------------------
-    async def _run(self, gen: GenerateInput, sampling: SamplingParams, first_index: int = 0) -> AsyncIterator[_Result]:
+    async def _run(self, gen: GenerateInput, sampling: SamplingParams, first_index: int = 0) -> AsyncIterator[Choice]:
         """Yield a sequence's result after each chunk of it (n > 1: the n sequences' interleave; choice index
         `first_index` + the sequence's); stops the backend stream once every sequence has finished, a stop
         string included (with n > 1 the engine runs a sequence a stop string ended here to its own end)."""
-        results = [_Result(IncrementalDetokenizer(self.tokenizer.fast, sampling.stop,
+        results = [Choice(IncrementalDetokenizer(self.tokenizer.fast, sampling.stop,
                                                   sampling.include_stop_str_in_output, sampling.skip_special_tokens),
                            sampling, first_index + i) for i in range(sampling.n)]
         m = self.metrics
@@ -235,14 +185,14 @@ class OpenAIServing:
         m.finished(results[0].finish_reason, len(gen.prompt_token_ids), max(r.num_cached_tokens for r in results),
                    sum(len(r.token_ids) for r in results), sampling, time.monotonic() - start, ttft)
 
-    async def _run_all(self, gens: list[GenerateInput], samplings: list[SamplingParams]) -> AsyncIterator[_Result]:
+    async def _run_all(self, gens: list[GenerateInput], samplings: list[SamplingParams]) -> AsyncIterator[Choice]:
         """`_run` for each prompt's request, side by side: choice indices prompt_index * n + i."""
         streams = [self._run(gen, sampling, i * sampling.n) for i, (gen, sampling) in enumerate(zip(gens, samplings))]
         async for result in merge(streams):
             yield result
 
     @staticmethod
-    async def _finals(results: AsyncIterator[_Result]) -> list[_Result]:
+    async def _finals(results: AsyncIterator[Choice]) -> list[Choice]:
         """Every choice's final result, by index."""
         finals = {}
         async for result in results:
@@ -308,11 +258,11 @@ class OpenAIServing:
             choices.append(choice)
         return head | {"choices": choices, "usage": self._usage(gens, results, echoes[0])}
 
-    def _echo_logprobs(self, echo: Echo, result: _Result, as_ids: bool) -> dict:
+    def _echo_logprobs(self, echo: Echo, result: Choice, as_ids: bool) -> dict:
         return echo_logprobs(echo, result.prompt_logprobs, lambda t: self._token_label(t, as_ids), self._token_text)
 
     @staticmethod
-    def _finish(result: _Result, echo: Echo | None) -> dict:
+    def _finish(result: Choice, echo: Echo | None) -> dict:
         if echo and echo.only:
             return {"finish_reason": "length", "stop_reason": None}
         return {"finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
@@ -320,7 +270,7 @@ class OpenAIServing:
     async def _stream_completion(self, gens, samplings, head, echoes, include_usage, as_ids) -> AsyncIterator[str]:
         n = gens[0].params.n
         offsets: dict[int, int] = {}  # choice index -> text sent so far (its echo included)
-        finals: dict[int, _Result] = {}
+        finals: dict[int, Choice] = {}
         async for result in self._run_all(gens, samplings):
             index, echo = result.index, echoes[result.index // n]
             finals[index] = result
@@ -393,7 +343,7 @@ class OpenAIServing:
 
     async def _stream_chat(self, gen, sampling, head, include_usage, as_ids,
                            new_answer: Callable[[], ChatAnswer]) -> AsyncIterator[str]:
-        finals: dict[int, _Result] = {}
+        finals: dict[int, Choice] = {}
         texts: dict[int, tuple[str, ChatAnswer]] = {}  # choice index -> (its text so far, its answer parser)
         async for result in self._run(gen, sampling):
             index = result.index
@@ -434,7 +384,7 @@ class OpenAIServing:
         return f"token_id:{token_id}" if as_id else self._token_text(token_id)
 
     @staticmethod
-    def _usage(gens: list[GenerateInput], results: list[_Result], echo: Echo | None = None) -> dict:
+    def _usage(gens: list[GenerateInput], results: list[Choice], echo: Echo | None = None) -> dict:
         """Each prompt counted once, every generated sequence's tokens (best_of's unreturned ones too)."""
         prompt = sum(len(gen.prompt_token_ids) for gen in gens)
         completion = 0 if echo and echo.only else sum(len(r.token_ids) for r in results)
