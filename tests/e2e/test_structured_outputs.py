@@ -1,12 +1,17 @@
 """Structured outputs and forced tool calls on real stacks, through the official `openai` client: unified,
 1 prefill + 1 decode (prefill samples the first token under the grammar, decode the rest on the pulled KV),
-and 1 prefill + 1 decode whose KV pull always fails (a lease shorter than the handoff), so decode
-recomputes the prompt and replays prefill's first token into its own matcher."""
+1 prefill + 1 decode whose KV pull always fails (a lease shorter than the handoff), so decode
+recomputes the prompt and replays prefill's first token into its own matcher, and 1 encoder + 1 prefill
++ 1 decode on the demo model, where the JSON answers are about an image."""
+import base64
+import io
 import json
 
 import jsonschema
+import numpy as np
 import openai
 import pytest
+from PIL import Image
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -30,13 +35,24 @@ STACKS = {
     # The lease ends before decode can pull: every request falls back to recomputing on decode.
     "prefill-decode-recompute": dict(prefills=1, decodes=1, engine_args=["--lease-seconds", "0.001"],
                                      proxy_args=HANDOFF),
+    # The demo model (SmolLM2 behind a vision tower): constrained answers about an image.
+    "encoder-prefill-decode": dict(encoders=1, prefills=1, decodes=1, proxy_args=HANDOFF),
 }
 
 
+def picture_url() -> str:
+    y, x = np.mgrid[0:64, 0:96] / 96
+    rgb = np.stack([np.sin(x * (3 + c)) * np.cos(y * 5) for c in range(3)], -1)
+    buf = io.BytesIO()
+    Image.fromarray(((rgb + 1) * 127.5).astype(np.uint8)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 @pytest.fixture(scope="module", params=list(STACKS))
-def stack(request, default_model_path, stack_factory):
+def stack(request, default_model_path, demo_model, stack_factory):
     """One stack at a time: each is stopped before the next starts (a machine holds few SmolLM2 engines)."""
-    started = stack_factory(default_model_path, **STACKS[request.param])
+    model = demo_model if STACKS[request.param].get("encoders") else default_model_path
+    started = stack_factory(model, **STACKS[request.param])
     started.name = request.param
     yield started
     started.stop()
@@ -56,8 +72,11 @@ def decode_recomputes(stack) -> float:
 @pytest.mark.parametrize("temperature, seed", [(0.0, None), (1.0, 4)])
 def test_json_schema_answer_validates(stack, client, temperature, seed):
     before = decode_recomputes(stack)
+    ask = "Invent a character and describe them as JSON."
+    content = ask if "encoder-0" not in stack.services else [
+        {"type": "image_url", "image_url": {"url": picture_url()}}, {"type": "text", "text": ask}]
     resp = client.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "Invent a character and describe them as JSON."}],
+        model="demo", messages=[{"role": "user", "content": content}],
         max_tokens=80, temperature=temperature, seed=seed,
         response_format={"type": "json_schema", "json_schema": {"name": "character", "schema": SCHEMA,
                                                                 "strict": True}})
@@ -66,7 +85,7 @@ def test_json_schema_answer_validates(stack, client, temperature, seed):
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
     if stack.name == "prefill-decode-recompute":
         assert decode_recomputes(stack) > before  # the fallback ran
-    elif stack.name == "prefill-decode":
+    elif stack.name in ("prefill-decode", "encoder-prefill-decode"):
         assert decode_recomputes(stack) == before  # pulled, not recomputed
 
 
