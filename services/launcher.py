@@ -25,10 +25,17 @@ from pathlib import Path
 ENGINE_ROLES = ("prefill", "decode", "unified")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", taken: set[int] | None = None) -> int:
+    """A port nothing listens on now, not in `taken` (added to it): the OS may offer a port again once the
+    probe socket is closed, and two services given the same one would race for it at startup."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if taken is None or port not in taken:
+            if taken is not None:
+                taken.add(port)
+            return port
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -96,13 +103,14 @@ class LocalStack:
         base = [sys.executable, "-m", "epdserve.services.cli", "--log-level", c.log_level, "serve"]
         drain = ["--drain-timeout", f"{c.drain_timeout:g}"]
         procs, targets = [], {"encoder": [], "prefill": [], "decode": [], "unified": []}
+        taken = {c.port}
         counts = [("encoder", c.encoders)]
         counts += [("unified", 1)] if c.unified else [("prefill", c.prefills), ("decode", c.decodes)]
         for role, count in counts:
             for i in range(count):
-                port = free_port()
+                port = free_port(taken=taken)
                 argv = [*base, role, "--model", c.model, "--host", "127.0.0.1", "--port", str(port),
-                        "--data-port", str(free_port()), "--http-port", str(free_port()),
+                        "--data-port", str(free_port(taken=taken)), "--http-port", str(free_port(taken=taken)),
                         "--engine-id", f"{role}-{i}"]
                 argv += drain
                 if role != "encoder":
