@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
 def transport_config(args: argparse.Namespace):
     from epdserve.shared.config import TransportConfig
 
-    return TransportConfig(args.kv_backend, args.curve_dir, args.rpc_timeout, args.transfer_timeout)
+    return TransportConfig(args.kv_transport, args.curve_dir, args.rpc_timeout, args.transfer_timeout,
+                           args.ucx_net_devices)
 
 
 def engine_config(args: argparse.Namespace, model: str):
@@ -223,10 +224,31 @@ def stack_config(args: argparse.Namespace, model: str):
     if not args.unified and args.decodes < 1:
         raise SystemExit("epdserve: error: a stack needs at least one decode (--decodes), or --unified")
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    for flag in ("--kv-transport", "--kv-backend", "--ucx-net-devices"):
+        if any(arg == flag or arg.startswith(flag + "=") for arg in extra):
+            # After --, it would reach prefills and decodes but not the encoders.
+            raise SystemExit(f"epdserve: error: give {flag} before --: `epdserve up {flag} ...` passes it to "
+                             "every engine, the encoders included")
+    if args.kv_transport == "ucx":
+        _check_ucx(args.ucx_net_devices)
     encoders = args.encoders if args.encoders is not None else int(is_multimodal(model))
     return StackConfig(model, args.host, args.port, encoders, args.prefills, args.decodes, args.unified,
                        _api_key(args), args.threads, args.log_level, tuple(extra), args.drain_timeout,
-                       args.routing_policy)
+                       args.routing_policy, args.kv_transport, args.ucx_net_devices)
+
+
+def _check_ucx(net_devices: str) -> None:
+    """Refuse `up --kv-transport ucx` here, once, rather than in every child it would start."""
+    import importlib.util
+
+    from epdserve.shared.config import TransportConfig
+
+    try:
+        TransportConfig("ucx", ucx_net_devices=net_devices)
+    except ValueError as exc:
+        raise SystemExit(f"epdserve: error: --ucx-net-devices: {exc}") from None
+    if importlib.util.find_spec("ucxx") is None:
+        raise SystemExit("epdserve: error: --kv-transport ucx needs the 'ucx' extra: pip install 'epdserve[ucx]'")
 
 
 def _up_command(args: argparse.Namespace) -> int:

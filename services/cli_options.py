@@ -60,9 +60,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                                                 "threads use one (default: one per core)")
 
 
+def add_kv_transport_args(g: argparse._ActionsContainer) -> None:
+    """--kv-transport and --ucx-net-devices: every engine service's, and `up`'s, which passes them to each."""
+    g.add_argument("--kv-transport", default="zmq", choices=["zmq", "ucx"],
+                   help="how KV blocks and image embeddings move between services; every encoder, prefill "
+                        "and decode of a deployment must use the same (ucx needs the 'ucx' extra; "
+                        "default: %(default)s)")
+    g.add_argument("--kv-backend", dest="kv_transport", choices=["zmq", "ucx"], default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the old name
+    g.add_argument("--ucx-net-devices", default="all", metavar="DEVICES",
+                   help="with --kv-transport ucx: the network devices UCX may use, comma-separated "
+                        "(e.g. eth0 or mlx5_0:1; default: %(default)s, which reaches other hosts)")
+
+
 def add_transport_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("transport")
-    g.add_argument("--kv-backend", default="zmq", choices=["zmq", "ucx"])
+    add_kv_transport_args(g)
     g.add_argument("--curve-dir", default=os.environ.get("EPDSERVE_CURVE_DIR"),
                    help="folder with the deployment's CURVE certificate (epdserve keys DIR); "
                         "default $EPDSERVE_CURVE_DIR; unset = no authentication")
@@ -163,6 +176,7 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
     up.add_argument("--routing-policy", choices=[policy.value for policy in RoutingPolicy], default="kv",
                     help="how the proxy picks instances: kv (by the prompt blocks each caches, and load) or load "
                          "(default: %(default)s)")
+    add_kv_transport_args(up)
     up.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"), metavar="KEY",
                     help="Bearer token the API requires (default: $EPDSERVE_API_KEY; unset: open). A key on the "
                          "command line shows in `ps`: prefer --api-key-file or the variable")

@@ -86,6 +86,10 @@ class StackConfig:
     engine_args: tuple[str, ...] = ()  # passed to every engine service
     drain_timeout: float = 10.0  # on stop: seconds the proxy, then each engine, gets to finish requests
     routing_policy: str = "kv"  # the proxy's --routing-policy
+    # Given to every encoder, prefill, decode and unified engine alike: peers on different transports
+    # cannot exchange embeddings or KV blocks.
+    kv_transport: str = "zmq"
+    ucx_net_devices: str = "all"
 
 
 class LocalStack:
@@ -102,6 +106,9 @@ class LocalStack:
         c = self.config
         base = [sys.executable, "-m", "epdserve.services.cli", "--log-level", c.log_level, "serve"]
         drain = ["--drain-timeout", f"{c.drain_timeout:g}"]
+        transport = ["--kv-transport", c.kv_transport]
+        if c.kv_transport == "ucx":
+            transport += ["--ucx-net-devices", c.ucx_net_devices]
         procs, targets = [], {"encoder": [], "prefill": [], "decode": [], "unified": []}
         taken = {c.port}
         counts = [("encoder", c.encoders)]
@@ -112,7 +119,7 @@ class LocalStack:
                 argv = [*base, role, "--model", c.model, "--host", "127.0.0.1", "--port", str(port),
                         "--data-port", str(free_port(taken=taken)), "--http-port", str(free_port(taken=taken)),
                         "--engine-id", f"{role}-{i}"]
-                argv += drain
+                argv += [*drain, *transport]
                 if role != "encoder":
                     argv += ["--threads", str(c.threads), *c.engine_args]
                 procs.append((f"{role}-{i}", argv))

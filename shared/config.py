@@ -190,18 +190,27 @@ class EngineConfig:
 class TransportConfig:
     """How services reach each other."""
 
-    kv_backend: str = "zmq"  # data plane for KV blocks and embeddings: "zmq" or "ucx"
+    kv_transport: str = "zmq"  # data plane for KV blocks and embeddings: "zmq" or "ucx"
     # Folder holding one CURVE certificate shared by the deployment (`epdserve.key` and
     # `epdserve.key_secret`): every service then authenticates and encrypts every connection.
     curve_dir: str | None = None
     rpc_timeout: float = 30.0  # seconds a control request (an RPC) may take before the peer counts as gone
     transfer_timeout: float = 60.0  # seconds one KV or embedding fetch may take
+    # UCX's NET_DEVICES: the interfaces the ucx transport may use. "all" (UCX's own default) reaches
+    # peers on other hosts; name the fabric (e.g. "mlx5_0:1" or "eth0") to keep it off the others.
+    ucx_net_devices: str = "all"
 
     def __post_init__(self):
-        if self.kv_backend not in ("zmq", "ucx"):
-            raise ValueError(f"kv_backend must be 'zmq' or 'ucx', got {self.kv_backend!r}")
+        if self.kv_transport not in ("zmq", "ucx"):
+            raise ValueError(f"kv_transport must be 'zmq' or 'ucx', got {self.kv_transport!r}")
+        if not self.ucx_net_devices.strip():
+            raise ValueError("ucx_net_devices must name devices, or be 'all'")
         if self.rpc_timeout <= 0 or self.transfer_timeout <= 0:
             raise ValueError("timeouts must be positive")
+
+    def transfer_options(self) -> dict:
+        """Keyword arguments of kv_transfer.create_server / create_client for the chosen transport."""
+        return {"net_devices": self.ucx_net_devices} if self.kv_transport == "ucx" else {}
 
 
 @dataclass(frozen=True, slots=True)
