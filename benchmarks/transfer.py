@@ -1,19 +1,22 @@
 """KV transfer throughput between two processes: ZMQ and UCX backends against a plain TCP socket.
 
 Payload: the KV blocks of a 1k- and an 8k-token SmolLM2-135M request (30 layers, 3 KV heads, head
-size 64, block size 16) in float32 and bfloat16, fetched from shuffled remote block ids into
-shuffled local block ids of a second process's cache.
+size 64, block size 16) in float32 and bfloat16, fetched into a second process's cache. Block ids:
+`contiguous` (a run on each side, at random offsets: what the engines' block manager hands a request
+out of a fresh pool), and `shuffled` (random ids on both sides: the worst case, one segment per
+block, layer and K/V).
 
 Methods, all between the same two processes and interleaved round by round so that load from
 elsewhere on the machine hits them alike (the median round is reported):
   tcp       a plain socket sending the same number of bytes from one preallocated buffer into
             another: no gather, no scatter, the ceiling any transfer layer can approach;
-  tcp_copy  a plain socket moving the blocks the simplest way: gather, send, receive, scatter
-            (the same gather/scatter code as the backends), one message, no pipelining;
+  tcp_copy  a plain socket moving the blocks the simplest way: gather into a buffer, send, receive
+            into a buffer, scatter; one message, no pipelining;
   zmq, ucx  the KVTransfer backends (epdserve.transport.zmq_kv / ucx_kv).
 
     python benchmarks/transfer.py                       # every backend available; JSON (+ PNG) in results/
-    python benchmarks/transfer.py --backends tcp,zmq --rounds 3
+    python benchmarks/transfer.py --backends tcp,zmq --rounds 3 --layouts contiguous
+    python benchmarks/transfer.py --profile             # + where the receiving process spends its time
 """
 from __future__ import annotations
 
@@ -29,9 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
-
-from epdserve.transport.kv_transfer import gather_blocks, scatter_blocks
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 30, 3, 64, 16
 MODEL_ID = "SmolLM2-135M-Instruct"
@@ -40,6 +42,7 @@ DTYPES = ("float32", "bfloat16")
 NUM_BLOCKS = max(PAYLOAD_TOKENS) // BLOCK_SIZE + 64
 RESULTS = Path(__file__).resolve().parent / "results"
 SOCKET_METHODS = ("tcp", "tcp_copy")
+LAYOUTS = ("contiguous", "shuffled")
 
 
 def make_cache(dtype: str, seed: int) -> torch.Tensor:
@@ -55,6 +58,12 @@ def ucx_available() -> bool:
         return True
     except ImportError:
         return False
+
+
+def _blocks_view(cache: torch.Tensor) -> np.ndarray:
+    """[layers * 2, num_blocks, block bytes / itemsize] integer view: numpy moves the bits."""
+    bits = {2: torch.int16, 4: torch.int32}[cache.element_size()]
+    return cache.view(bits).numpy().reshape(cache.shape[0] * 2, cache.shape[2], -1)
 
 
 def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
@@ -89,8 +98,8 @@ def serve_socket(listener: socket.socket, payload: memoryview, caches: dict[str,
                 count = int.from_bytes(meta[1:], "little")
                 ids = torch.empty(count, dtype=torch.int64)
                 _recv_exactly(conn, memoryview(ids.numpy()).cast("B"))
-                data = gather_blocks(caches[names[meta[0]]], ids)
-                conn.sendall(memoryview(data.view(torch.uint8).numpy()).cast("B"))
+                data = np.take(_blocks_view(caches[names[meta[0]]]), ids.numpy(), axis=1)
+                conn.sendall(memoryview(data).cast("B"))
 
 
 async def run_server(backends: list[str]) -> None:
@@ -137,13 +146,20 @@ class SocketClient:
         ids = torch.tensor(remote, dtype=torch.int64)
         self.conn.sendall((1 << 63).to_bytes(8, "little") + bytes([dtype_index]) + len(remote).to_bytes(4, "little"))
         self.conn.sendall(memoryview(ids.numpy()).cast("B"))
-        shape = (cache.shape[0], 2, len(remote), *cache.shape[3:])
-        data = self.buffer[:cache[:, :, :len(remote)].nbytes].view(cache.dtype).view(shape)
-        _recv_exactly(self.conn, memoryview(self.buffer.numpy())[:data.nbytes])
-        scatter_blocks(cache, torch.tensor(local, dtype=torch.int64), data)
+        view = _blocks_view(cache)
+        num_bytes = view[:, :len(remote)].nbytes
+        _recv_exactly(self.conn, memoryview(self.buffer.numpy())[:num_bytes])
+        view[:, local] = self.buffer[:num_bytes].numpy().view(view.dtype).reshape(view.shape[0], len(remote), -1)
 
 
-async def run_client(addresses: dict[str, str], backends: list[str], rounds: int) -> list[dict]:
+def block_ids(layout: str, num_blocks: int, gen: torch.Generator) -> list[int]:
+    if layout == "shuffled":
+        return torch.randperm(NUM_BLOCKS, generator=gen)[:num_blocks].tolist()
+    start = int(torch.randint(0, NUM_BLOCKS - num_blocks + 1, (1,), generator=gen))
+    return list(range(start, start + num_blocks))
+
+
+async def run_client(addresses: dict[str, str], backends: list[str], rounds: int, layouts: list[str]) -> list[dict]:
     from epdserve.transport import kv_transfer
 
     caches = {dtype: make_cache(dtype, seed=2) for dtype in DTYPES}
@@ -158,48 +174,86 @@ async def run_client(addresses: dict[str, str], backends: list[str], rounds: int
 
     gen = torch.Generator().manual_seed(3)
     results = []
-    for dtype_index, dtype in enumerate(DTYPES):
-        for num_tokens in PAYLOAD_TOKENS:
-            num_blocks = num_tokens // BLOCK_SIZE
-            num_bytes = caches[dtype][:, :, :num_blocks].nbytes
-            seconds: dict[str, list[float]] = {b: [] for b in backends}
-            for round_ in range(rounds + 1):  # round 0 warms up connections and allocators
-                remote = torch.randperm(NUM_BLOCKS, generator=gen)[:num_blocks].tolist()
-                local = torch.randperm(NUM_BLOCKS, generator=gen)[:num_blocks].tolist()
-                want = make_cache(dtype, seed=1)[:, :, remote] if round_ == rounds else None
-                for backend in backends:
-                    started = time.perf_counter()
-                    if backend == "tcp":
-                        await asyncio.to_thread(sock.raw, num_bytes)
-                    elif backend == "tcp_copy":
-                        await asyncio.to_thread(sock.blocks, caches[dtype], dtype_index, remote, local)
-                    else:
-                        result = await clients[backend, dtype].fetch_blocks(
-                            addresses[f"{backend}/{dtype}"], "bench", remote, local, timeout=120)
-                        assert result.num_bytes == num_bytes
-                    if round_:
-                        seconds[backend].append(time.perf_counter() - started)
-                    if want is not None and backend != "tcp":  # every block mover landed the exact bytes
-                        assert torch.equal(caches[dtype][:, :, local], want), f"{backend} moved wrong bytes"
-                        caches[dtype][:, :, local] = 0
-            row = {"dtype": dtype, "num_tokens": num_tokens, "num_blocks": num_blocks, "num_bytes": num_bytes}
-            for backend, times in seconds.items():
-                row[f"{backend}_gbps"] = round(num_bytes / statistics.median(times) / 1e9, 3)
-            if "tcp" in backends:
-                for backend in backends:
-                    if backend != "tcp":
-                        # Per round, so that a slow phase of the machine hits both sides of the ratio.
-                        ratios = [t / s for s, t in zip(seconds[backend], seconds["tcp"])]
-                        row[f"{backend}_vs_tcp"] = round(statistics.median(ratios), 3)
-            results.append(row)
-            print(_format_row(row, backends), flush=True)
+    for layout, (dtype_index, dtype), num_tokens in (
+            (layout, d, n) for layout in layouts for d in enumerate(DTYPES) for n in PAYLOAD_TOKENS):
+        num_blocks = num_tokens // BLOCK_SIZE
+        num_bytes = caches[dtype][:, :, :num_blocks].nbytes
+        seconds: dict[str, list[float]] = {b: [] for b in backends}
+        for round_ in range(rounds + 1):  # round 0 warms up connections and allocators
+            remote, local = block_ids(layout, num_blocks, gen), block_ids(layout, num_blocks, gen)
+            want = make_cache(dtype, seed=1)[:, :, remote] if round_ == rounds else None
+            for backend in backends:
+                started = time.perf_counter()
+                if backend == "tcp":
+                    await asyncio.to_thread(sock.raw, num_bytes)
+                elif backend == "tcp_copy":
+                    await asyncio.to_thread(sock.blocks, caches[dtype], dtype_index, remote, local)
+                else:
+                    result = await clients[backend, dtype].fetch_blocks(
+                        addresses[f"{backend}/{dtype}"], "bench", remote, local, timeout=120)
+                    assert result.num_bytes == num_bytes
+                if round_:
+                    seconds[backend].append(time.perf_counter() - started)
+                if want is not None and backend != "tcp":  # every block mover landed the exact bytes
+                    assert torch.equal(caches[dtype][:, :, local], want), f"{backend} moved wrong bytes"
+                    caches[dtype][:, :, local] = 0
+        row = {"layout": layout, "dtype": dtype, "num_tokens": num_tokens, "num_blocks": num_blocks,
+               "num_bytes": num_bytes}
+        for backend, times in seconds.items():
+            row[f"{backend}_gbps"] = round(num_bytes / statistics.median(times) / 1e9, 3)
+        if "tcp" in backends:
+            for backend in backends:
+                if backend != "tcp":
+                    # Per round, so that a slow phase of the machine hits both sides of the ratio.
+                    ratios = [t / s for s, t in zip(seconds[backend], seconds["tcp"])]
+                    row[f"{backend}_vs_tcp"] = round(statistics.median(ratios), 3)
+        results.append(row)
+        print(_format_row(row, backends), flush=True)
     for client in clients.values():
         await client.close()
     return results
 
 
+async def profile_receives(addresses: dict[str, str], backends: list[str], fetches: int = 5) -> list[dict]:
+    """Where the receiving process spends a fetch (8k tokens, float32, contiguous blocks): the copy
+    from received memory into the cache (`copy_segment`), the one a receive costs beyond the
+    socket's, against the fetch's wall time. UCX receives into the cache: it makes no such call."""
+    import cProfile
+    import pstats
+
+    from epdserve.transport import kv_transfer
+
+    num_blocks = max(PAYLOAD_TOKENS) // BLOCK_SIZE
+    rows = []
+    for backend in (b for b in backends if b not in SOCKET_METHODS):
+        cache = make_cache("float32", seed=2)
+        client = kv_transfer.create_client(backend, f"profile-{backend}", kv_cache=cache, model_id=MODEL_ID)
+        ids = list(range(num_blocks))
+        await client.fetch_blocks(addresses[f"{backend}/float32"], "bench", ids, ids)  # warm-up
+        profiler = cProfile.Profile()
+        started = time.perf_counter()
+        profiler.enable()
+        for _ in range(fetches):
+            await client.fetch_blocks(addresses[f"{backend}/float32"], "bench", ids, ids)
+        profiler.disable()
+        wall = time.perf_counter() - started
+        await client.close()
+        copy_calls, copy_seconds = 0, 0.0
+        for (_, _, name), (_, calls, _, cumulative, _) in pstats.Stats(profiler).stats.items():
+            if name == "copy_segment":
+                copy_calls, copy_seconds = copy_calls + calls, copy_seconds + cumulative
+        rows.append({"backend": backend, "fetch_ms": round(wall / fetches * 1e3, 1),
+                     "receive_copy_ms": round(copy_seconds / fetches * 1e3, 1),
+                     "receive_copy_share": round(copy_seconds / wall, 3),
+                     "receive_copies_per_fetch": copy_calls // fetches})
+        print(f"profile {backend}: fetch {rows[-1]['fetch_ms']} ms, copies into the cache beyond the socket's: "
+              f"{rows[-1]['receive_copies_per_fetch']} calls, {rows[-1]['receive_copy_ms']} ms "
+              f"({rows[-1]['receive_copy_share']:.0%} of the fetch; under the profiler)", flush=True)
+    return rows
+
+
 def _format_row(row: dict, backends: list[str]) -> str:
-    parts = [f"{row['dtype']:>8} {row['num_tokens']:>5} tok {row['num_bytes'] / 1e6:6.1f} MB"]
+    parts = [f"{row['layout']:>10} {row['dtype']:>8} {row['num_tokens']:>5} tok {row['num_bytes'] / 1e6:6.1f} MB"]
     for backend in backends:
         ratio = f" ({row[f'{backend}_vs_tcp']:.2f}x)" if f"{backend}_vs_tcp" in row else ""
         parts.append(f"{backend} {row[f'{backend}_gbps']:.2f} GB/s{ratio}")
@@ -213,9 +267,9 @@ def plot(results: list[dict], backends: list[str], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    labels = [f"{r['dtype']}\n{r['num_tokens']} tokens" for r in results]
+    labels = [f"{r['layout']}\n{r['dtype']}\n{r['num_tokens']} tok" for r in results]
     width = 0.8 / len(backends)
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(12, 4.8))
     for i, backend in enumerate(backends):
         xs = [j + (i - (len(backends) - 1) / 2) * width for j in range(len(results))]
         ax.bar(xs, [r[f"{backend}_gbps"] for r in results], width, label=backend)
@@ -232,7 +286,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default=None,
                         help="comma-separated subset of tcp,tcp_copy,zmq,ucx (default: all available)")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ",".join(LAYOUTS))
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the receiving side of each backend (copies beyond the socket's)")
     parser.add_argument("--output", type=Path, default=RESULTS / "transfer.json")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server process
     args = parser.parse_args()
@@ -249,7 +306,8 @@ def main() -> None:
     )
     try:
         addresses = json.loads(server.stdout.readline())
-        results = asyncio.run(run_client(addresses, backends, args.rounds))
+        results = asyncio.run(run_client(addresses, backends, args.rounds, args.layouts.split(",")))
+        profile = asyncio.run(profile_receives(addresses, backends)) if args.profile else None
     finally:
         server.stdin.close()
         try:
@@ -260,11 +318,13 @@ def main() -> None:
         "benchmark": "kv_transfer",
         "command": "python " + " ".join(sys.argv),
         "layout": {"model": MODEL_ID, "num_layers": NUM_LAYERS, "num_kv_heads": NUM_KV_HEADS,
-                   "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE, "block_ids": "shuffled on both sides"},
+                   "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE,
+                   "block_ids": "contiguous: one run per side; shuffled: random on both sides"},
         "rounds": args.rounds,
         "statistic": "median round; *_vs_tcp is the median of per-round ratios to the plain socket",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "results": results,
+        "receive_profile": profile,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")

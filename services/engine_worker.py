@@ -61,9 +61,10 @@ async def start_engine(service: ServiceConfig, engine_config: EngineConfig,
 def kv_transfer_client(service: ServiceConfig, engine_config: EngineConfig, llm: AsyncLLM) -> KVTransferClient:
     """Pulls KV blocks into, and image embeddings for, `llm`'s cache."""
     transport = service.transport
-    return create_client(transport.kv_backend, service.engine_id, role=Role(service.role),
+    return create_client(transport.kv_transport, service.engine_id, role=Role(service.role),
                          kv_cache=llm.engine.runner.kv_cache, layout=kv_layout(engine_config),
-                         timeout=transport.transfer_timeout, curve=client_curve(transport))
+                         timeout=transport.transfer_timeout, curve=client_curve(transport),
+                         **transport.transfer_options())
 
 
 class EngineWorker:

@@ -2,8 +2,9 @@
 
 Wire format of one message, as a list of frames:
     frame 0:  msgpack [PROTOCOL_VERSION, tag, {field: value, ...}]
-    frame k:  the raw bytes of the message's k-th tensor field (declaration order), C-contiguous,
-              native (little-endian) byte order; its body entry is the tensor's {"dtype", "shape"}.
+    frame k:  the raw bytes of the message's k-th tensor (tensor fields in declaration order, the
+              tensors of a tuple field in tuple order), C-contiguous, native (little-endian) byte
+              order; a tensor's body entry is its {"dtype", "shape"} (a tuple field's, a list of them).
 
 Decoding is strict: every field of the tagged struct must be present with its declared type, no
 other field may be, nested structs are checked the same way, and strings, lists, binaries and the
@@ -196,7 +197,8 @@ class _Struct(_Field):
     def __init__(self, cls: type):
         self.cls = cls
         self.fields: dict[str, _Field] = {}
-        self.tensor_fields: list[str] = []
+        self.tensor_fields: list[str] = []  # fields of one tensor or of a tuple of tensors
+        self.tensor_tuples: set[str] = set()  # those of the latter kind
 
     def compile(self) -> None:
         # The protocol names torch only in annotations (it does not import it): resolve them with ours.
@@ -205,6 +207,10 @@ class _Struct(_Field):
             if hints[f.name] is torch.Tensor:
                 self.tensor_fields.append(f.name)
                 self.fields[f.name] = _struct(TensorSpec)
+            elif hints[f.name] == tuple[torch.Tensor, ...]:
+                self.tensor_fields.append(f.name)
+                self.tensor_tuples.add(f.name)
+                self.fields[f.name] = _Tuple(_struct(TensorSpec))
             else:
                 self.fields[f.name] = _compile(hints[f.name], f"{self.cls.__name__}.{f.name}")
 
@@ -214,12 +220,24 @@ class _Struct(_Field):
         body = {}
         for name, conv in self.fields.items():
             item = getattr(value, name)
-            if name in self.tensor_fields:
+            if name in self.tensor_tuples:
+                if not isinstance(item, tuple):
+                    _fail_encode(f"{path}.{name}", "a tuple of tensors", item)
+                item = tuple(map(tensor_spec, item))
+            elif name in self.tensor_fields:
                 item = tensor_spec(item)
             body[name] = conv.to_wire(item, f"{path}.{name}")
         return body
 
-    def from_wire(self, value, path, tensors: Sequence[torch.Tensor] = ()):
+    def tensors(self, message) -> list[torch.Tensor]:
+        """The message's tensors in frame order."""
+        out = []
+        for name in self.tensor_fields:
+            value = getattr(message, name)
+            out.extend(value) if name in self.tensor_tuples else out.append(value)
+        return out
+
+    def from_wire(self, value, path, tensors: Sequence = ()):
         if type(value) is not dict:
             _fail_decode(path, f"a {self.cls.__name__} map", value)
         if value.keys() != self.fields.keys():
@@ -228,7 +246,7 @@ class _Struct(_Field):
             raise DecodeError(f"{path}: unknown fields {unknown}, missing fields {missing}")
         kwargs = {name: conv.from_wire(value[name], f"{path}.{name}") for name, conv in self.fields.items()}
         for name, tensor in zip(self.tensor_fields, tensors):
-            kwargs[name] = tensor
+            kwargs[name] = tensor  # a tensor, or a tuple of them for a tuple field
         return self.cls(**kwargs)
 
 
@@ -333,7 +351,7 @@ def encode(message: Message) -> list[Buffer]:
         head = msgpack.packb([PROTOCOL_VERSION, conv.cls.TAG, body], use_bin_type=True)
     except (ValueError, TypeError, OverflowError) as e:  # e.g. an int beyond 64 bits, a lone surrogate
         raise EncodeError(f"{conv.cls.__name__}: {e}") from e
-    return [head, *(tensor_buffer(getattr(message, name)) for name in conv.tensor_fields)]
+    return [head, *map(tensor_buffer, conv.tensors(message))]
 
 
 def decode(frames: Sequence[Buffer], limits: Limits = DEFAULT_LIMITS) -> Message:
@@ -361,13 +379,20 @@ def decode(frames: Sequence[Buffer], limits: Limits = DEFAULT_LIMITS) -> Message
     conv = _MESSAGES.get(tag) if type(tag) is str else None
     if conv is None:
         raise DecodeError(f"unknown message tag {str(tag)[:64]!r}")
-    if len(frames) != 1 + len(conv.tensor_fields):
-        raise DecodeError(f"{tag}: expected {1 + len(conv.tensor_fields)} frames, got {len(frames)}")
     if type(body) is not dict:
         raise DecodeError(f"{tag}: body is not a map")
-    specs = {name: body.get(name) for name in conv.tensor_fields}
-    tensors = []
-    for i, name in enumerate(conv.tensor_fields, start=1):
-        spec = _struct(TensorSpec).from_wire(specs[name], f"{conv.cls.__name__}.{name}")
-        tensors.append(tensor_from_buffer(spec, frames[i], limits))
+    specs = {name: conv.fields[name].from_wire(body.get(name), f"{conv.cls.__name__}.{name}")
+             for name in conv.tensor_fields}
+    num_frames = 1 + sum(len(specs[name]) if name in conv.tensor_tuples else 1 for name in conv.tensor_fields)
+    if len(frames) != num_frames:
+        raise DecodeError(f"{tag}: expected {num_frames} frames, got {len(frames)}")
+    tensors, next_frame = [], 1
+    for name in conv.tensor_fields:
+        if name in conv.tensor_tuples:
+            tensors.append(tuple(tensor_from_buffer(spec, frames[next_frame + i], limits)
+                                 for i, spec in enumerate(specs[name])))
+            next_frame += len(specs[name])
+        else:
+            tensors.append(tensor_from_buffer(specs[name], frames[next_frame], limits))
+            next_frame += 1
     return conv.from_wire(body, conv.cls.__name__, tensors)

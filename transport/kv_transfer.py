@@ -12,8 +12,15 @@ head size) in the connection handshake. Block ids and sizes that come from the w
 against the local cache on both sides: a server serves only blocks it exposed for that request, and
 a client writes only blocks it named, with exactly the shape its own cache has.
 
-Backends: `zmq_kv` (default; data as zero-copy ZMQ frames) and `ucx_kv` (data over UCX, control
-over the same ZMQ channel). `create_server` / `create_client` pick one by name.
+Blocks move as runs: a client pairs remote and local block ids into runs consecutive on both sides
+(`common_runs`; the block manager allocates so that a request's blocks usually are), and each run
+moves as one segment per layer and K/V, straight from the server's cache memory into the client's -
+no gather or scatter buffer on either side.
+
+Backends: `zmq_kv` (default; segments as zero-copy ZMQ frames) and `ucx_kv` (segments as UCX tagged
+messages received into the cache; control over the same ZMQ channel). `create_server` /
+`create_client` pick one by name; both ends of a transfer must use the same one, which the
+handshake checks.
 """
 from __future__ import annotations
 
@@ -124,36 +131,72 @@ def block_index(block_ids: Sequence[int], num_blocks: int, what: str, unique: bo
     return index
 
 
+class Run(NamedTuple):
+    """Consecutive blocks: `first`, first + 1, ..., first + length - 1."""
+
+    first: int
+    length: int
+
+
+def common_runs(remote_ids: Sequence[int], local_ids: Sequence[int]) -> list[tuple[Run, Run]]:
+    """The pairs (remote run, local run) of equal length that map `remote_ids` onto `local_ids`
+    pairwise: maximal stretches where both sides' ids are consecutive. A stretch moves as one
+    contiguous copy per layer and K/V, so the fewer the runs the fewer the copies and frames."""
+    pairs: list[tuple[Run, Run]] = []
+    start = 0
+    for i in range(1, len(remote_ids) + 1):
+        if (i == len(remote_ids) or remote_ids[i] != remote_ids[i - 1] + 1
+                or local_ids[i] != local_ids[i - 1] + 1):
+            pairs.append((Run(remote_ids[start], i - start), Run(local_ids[start], i - start)))
+            start = i
+    return pairs
+
+
+def split_runs(block_ids: Sequence[int], run_lengths: Sequence[int], num_blocks: int) -> list[Run]:
+    """`block_ids` cut into runs of `run_lengths`; BlockRangeError unless every run is consecutive,
+    non-empty and inside [0, num_blocks), and the lengths add up to len(block_ids)."""
+    if sum(run_lengths) != len(block_ids) or any(n <= 0 for n in run_lengths):
+        raise BlockRangeError(f"run lengths {list(run_lengths[:8])}... do not cut {len(block_ids)} blocks into runs")
+    runs, i = [], 0
+    for n in run_lengths:
+        first = block_ids[i]
+        if block_ids[i + n - 1] != first + n - 1 or any(block_ids[i + k] != first + k for k in range(1, n - 1)):
+            raise BlockRangeError(f"blocks {list(block_ids[i:i + min(n, 8)])}... are not consecutive")
+        if first < 0 or first + n > num_blocks:
+            raise BlockRangeError(f"blocks [{first}, {first + n}) outside [0, {num_blocks})")
+        runs.append(Run(first, n))
+        i += n
+    return runs
+
+
+def run_segments(kv_cache: torch.Tensor, runs: Sequence[Run]) -> list[torch.Tensor]:
+    """Views of the cache, one per run, layer and K/V (in that order): kv_cache[layer, kv, run].
+    Each is contiguous memory of the cache itself: sending or receiving one copies nothing else."""
+    num_layers = kv_cache.shape[0]
+    return [kv_cache[layer, kv, run.first:run.first + run.length]
+            for run in runs for layer in range(num_layers) for kv in (0, 1)]
+
+
 # Integer dtype of each element size: block copies move bits, and numpy lacks bfloat16 and float8.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _blocks_view(tensor: torch.Tensor) -> np.ndarray:
-    """[layers * 2, num_blocks, block_bytes / itemsize] integer view of a (gathered) KV tensor."""
-    return tensor.view(_BITS[tensor.element_size()]).numpy().reshape(tensor.shape[0] * 2, tensor.shape[2], -1)
+def as_bytes(tensor: torch.Tensor):
+    """A contiguous tensor's memory as a flat uint8 array: numpy for CPU memory (what sockets and
+    UCX take), the tensor itself for device memory (UCX reads its CUDA array interface)."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return flat.numpy() if flat.device.type == "cpu" else flat
 
 
-def gather_blocks(kv_cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Blocks `index` of the cache as one contiguous CPU tensor [layers, 2, n, *block], each block in the
-    cache's own order (the engines' caches are head-major: [kv_heads, block_size, head_size]).
-
-    `index` must be bounds-checked (block_index). On CPU the copy is numpy's: single-threaded and
-    free of OpenMP, whose worker threads otherwise spin after each torch op and starve the socket
-    threads of the cores a transfer needs (measured: 10x slower transfers on 2 cores).
-    """
-    if kv_cache.device.type != "cpu":
-        return kv_cache.index_select(2, index.to(kv_cache.device)).cpu()
-    data = np.take(_blocks_view(kv_cache), index.numpy(), axis=1, mode="clip")  # "clip": checked already
-    return torch.from_numpy(data).view(kv_cache.dtype).view(
-        kv_cache.shape[0], 2, index.numel(), *kv_cache.shape[3:])
-
-
-def scatter_blocks(kv_cache: torch.Tensor, index: torch.Tensor, data: torch.Tensor) -> None:
-    """Write `data` (as from gather_blocks) into blocks `index` (bounds-checked, unique) of the cache."""
-    if kv_cache.device.type != "cpu":
-        kv_cache.index_copy_(2, index.to(kv_cache.device), data.to(kv_cache.device, non_blocking=True))
+def copy_segment(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src, bits only. On CPU the copy is numpy's: single-threaded and free of OpenMP,
+    whose worker threads otherwise spin after each torch op and starve the socket threads of the
+    cores a transfer needs (measured: 10x slower transfers on 2 cores)."""
+    if dst.device.type != "cpu":
+        dst.copy_(src.view(dst.dtype).view(dst.shape), non_blocking=True)
         return
-    _blocks_view(kv_cache)[:, index.numpy()] = _blocks_view(data)
+    bits = _BITS[dst.element_size()]
+    np.copyto(dst.view(bits).numpy(), src.view(bits).numpy().reshape(dst.shape), casting="no")
 
 
 class EmbeddingSource(Protocol):
@@ -199,6 +242,12 @@ class KVTransferServer(abc.ABC):
     def withdraw(self, request_id: str) -> None:
         """Stop serving the request's blocks (released, aborted or lease expired)."""
         self._exposed.pop(request_id, None)
+
+    async def wait_sent(self, request_id: str, timeout: float = 60.0) -> bool:
+        """Wait until no send still reads the request's blocks: blocks go out straight from the
+        cache, so the engine frees withdrawn blocks only after this. False if some send still held
+        them after `timeout` (a peer that stopped reading)."""
+        return True
 
     @property
     def num_exposed_requests(self) -> int:
@@ -248,16 +297,14 @@ class KVTransferClient(abc.ABC):
         self.layout = kv_layout(kv_cache, model_id, layout) if kv_cache is not None else None
         self.stats = TransferStats()
 
-    def blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of `num_blocks` blocks as they travel: this cache's block shape (peers match it)."""
-        return (self.kv_cache.shape[0], 2, num_blocks, *self.kv_cache.shape[3:])
-
-    def local_index(self, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> torch.Tensor:
+    def runs(self, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> list[tuple[Run, Run]]:
+        """The (remote, local) run pairs of a fetch, local ids checked against this cache."""
         if self.kv_cache is None:
             raise RuntimeError(f"{self.engine_id} has no KV cache to fetch into")
         if len(remote_block_ids) != len(local_block_ids):
             raise BlockRangeError(f"{len(remote_block_ids)} remote blocks for {len(local_block_ids)} local ones")
-        return block_index(local_block_ids, self.kv_cache.shape[2], "local", unique=True)
+        block_index(local_block_ids, self.kv_cache.shape[2], "local", unique=True)
+        return common_runs(list(map(int, remote_block_ids)), list(map(int, local_block_ids)))
 
     @abc.abstractmethod
     async def fetch_blocks(

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class Role(str, enum.Enum):
@@ -195,6 +195,19 @@ class TokenLogprobs:
         return list(zip(self.top_token_ids, self.top_logprobs))
 
 
+@dataclass(frozen=True, slots=True)
+class TraceSpan:
+    """One timed stage of a request inside one service. Services return their spans with the request's
+    answer; the proxy assembles them into the request's trace (services/proxy/tracing.py)."""
+
+    name: str  # e.g. "prefill.queue", "prefill.compute", "kv.transfer", "decode.first_step"
+    engine_id: str
+    start: float  # Unix seconds
+    end: float
+    num_bytes: int = 0  # data moved in the stage (KV blocks, embeddings)
+    num_blocks: int = 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Handshake (first message on every connection)
 
@@ -206,6 +219,7 @@ class Handshake:
     role: Role
     engine_id: str
     kv_layout: KVLayout | None = None  # set by KV transfer clients; must equal the server's
+    kv_transport: str | None = None  # set by KV transfer clients ("zmq" | "ucx"); must equal the server's
     ucx_address: bytes | None = None  # UCX worker address of a UCX transfer client
 
 
@@ -215,6 +229,7 @@ class HandshakeAck:
     protocol_version: int
     engine_id: str
     kv_layout: KVLayout | None = None
+    kv_transport: str | None = None  # set by KV transfer servers
     ucx_address: bytes | None = None
 
 
@@ -234,6 +249,7 @@ class EncodeDone:
     TAG: ClassVar[str] = "encode_done"
     request_id: str
     items: tuple[EncodedItem, ...]
+    trace: tuple[TraceSpan, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +276,7 @@ class PrefillDone:
     # With n > 1, the first tokens of sequences 1 .. n-1 (the fields above are sequence 0's); all of them
     # share the prompt's KV in `kv_handle`.
     other_first_tokens: tuple[FirstToken, ...] = ()
+    trace: tuple[TraceSpan, ...] = ()  # queue and compute time in the prefill engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,6 +323,9 @@ class TokenDelta:
     # On a stream's first delta, with prompt_logprobs: one per prompt token after the first.
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     index: int = 0  # which of the request's n sequences the tokens belong to
+    # On a request's first delta: the engine's stages until then (queue, KV pull or local prefill,
+    # first decode step).
+    trace: tuple[TraceSpan, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,13 +432,19 @@ class Error:
 class FetchBlocks:
     """Ask a KV transfer server for blocks it exposes for `request_id`.
 
-    With `ucx_tag` set, the data goes over UCX with that tag and the reply is BlocksSent;
-    otherwise the reply is BlocksData carrying the data.
+    `run_lengths` splits `block_ids` into runs of consecutive ids (they sum to len(block_ids)). The
+    data of a run is one segment per layer and K/V, sent straight from the server's cache: segment
+    [run_length, *block] = kv_cache[layer, k_or_v, first_id : first_id + run_length], in the order
+    run by run, then layer, then K before V.
+
+    With `ucx_tag` set, segment i goes over UCX with tag `ucx_tag + i` and the reply is BlocksSent;
+    otherwise the reply is BlocksData carrying the segments.
     """
 
     TAG: ClassVar[str] = "fetch_blocks"
     request_id: str
     block_ids: tuple[int, ...]
+    run_lengths: tuple[int, ...]
     ucx_tag: int | None = None
 
 
@@ -427,17 +453,17 @@ class BlocksData:
     TAG: ClassVar[str] = "blocks_data"
     request_id: str
     block_ids: tuple[int, ...]
-    # [num_layers, 2 (K, V), len(block_ids), *block], blocks in block_ids order, each block as the
-    # engines' caches store it: head-major, [num_kv_heads, block_size, head_size] (see model_runner).
-    # The handshake's KVLayout makes both sides' block shapes equal, so a block moves as raw bytes.
-    data: torch.Tensor = field(compare=False)
+    # The segments FetchBlocks describes, each [run_length, *block] with blocks as the engines' caches
+    # store them: head-major, [num_kv_heads, block_size, head_size] (see model_runner). The handshake's
+    # KVLayout makes both sides' block shapes equal, so a block moves as raw bytes.
+    segments: tuple[torch.Tensor, ...] = field(compare=False)
 
 
 @dataclass(frozen=True, slots=True)
 class BlocksSent:
     TAG: ClassVar[str] = "blocks_sent"
     request_id: str
-    spec: TensorSpec
+    num_segments: int  # sent over UCX with tags ucx_tag .. ucx_tag + num_segments - 1
 
 
 @dataclass(frozen=True, slots=True)

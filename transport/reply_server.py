@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import zmq
 import zmq.asyncio
@@ -30,7 +30,9 @@ class ReplyServer:
     Handlers run concurrently (at most `max_inflight` at once; beyond that the socket is not read,
     which pushes back on senders). With `ordered=True` each message is handled to completion before
     the next is read, which keeps a stream's order. With `senders`, a message its peer's role may not
-    send is refused (an Error reply) and counted as rejected.
+    send is refused (an Error reply) and counted as rejected. With `on_sent`, a reply carrying tensors
+    is sent tracked and the tracker handed to it: ZMQ sends tensor frames from the tensors' own memory
+    on its IO thread, so whoever owns that memory must not reuse it before the tracker is done.
     """
 
     def __init__(
@@ -43,7 +45,9 @@ class ReplyServer:
         curve: CurveConfig | None = None,
         limits: Limits = DEFAULT_LIMITS,
         kv_layout: KVLayout | None = None,
+        kv_transport: str | None = None,
         ucx_address: bytes | None = None,
+        on_sent: Callable[[Message, zmq.MessageTracker], None] | None = None,
         check_handshake: HandshakeCheck | None = None,
         max_inflight: int = 64,
         max_peers: int = 4096,
@@ -53,7 +57,9 @@ class ReplyServer:
         self.engine_id = engine_id
         self.limits = limits
         self.kv_layout = kv_layout
+        self.kv_transport = kv_transport
         self.ucx_address = ucx_address
+        self._on_sent = on_sent
         self._endpoint = security.bind_endpoint(host, port, allow_wildcard)
         self._curve = curve
         self._check_handshake = check_handshake
@@ -174,7 +180,8 @@ class ReplyServer:
         self._peers.move_to_end(identity)
         while len(self._peers) > self._max_peers:
             self._peers.popitem(last=False)
-        return HandshakeAck(PROTOCOL_VERSION, self.engine_id, self.kv_layout, self.ucx_address)
+        return HandshakeAck(PROTOCOL_VERSION, self.engine_id, kv_layout=self.kv_layout, kv_transport=self.kv_transport,
+                            ucx_address=self.ucx_address)
 
     async def _send(self, identity: bytes, corr: bytes, reply: Message) -> None:
         if corr == NO_REPLY and not isinstance(reply, Error):
@@ -188,6 +195,10 @@ class ReplyServer:
             return
         # ROUTER drops messages to a peer that is gone or over its high-water mark instead of
         # blocking, so a dead peer cannot stall replies to the others.
+        if self._on_sent is not None and len(frames) > 1:
+            tracker = await self._sock.send_multipart([identity, corr, *frames], copy=False, track=True)
+            self._on_sent(reply, tracker)
+            return
         await self._sock.send_multipart([identity, corr, *frames], copy=False)
 
     def _send_nowait(self, identity: bytes, corr: bytes, reply: Message) -> None:

@@ -53,6 +53,7 @@ class RequestClient:
         curve: CurveConfig | None = None,
         limits: Limits = DEFAULT_LIMITS,
         kv_layout: KVLayout | None = None,
+        kv_transport: str | None = None,
         ucx_address: bytes | None = None,
         check_ack: AckCheck | None = None,
     ):
@@ -60,7 +61,8 @@ class RequestClient:
         self.timeout = timeout
         self.limits = limits
         self.peer: HandshakeAck | None = None  # the server's answer to our handshake
-        self._hello = Handshake(PROTOCOL_VERSION, role, engine_id, kv_layout, ucx_address)
+        self._hello = Handshake(PROTOCOL_VERSION, role, engine_id, kv_layout=kv_layout, kv_transport=kv_transport,
+                                ucx_address=ucx_address)
         self._curve = curve
         self._check_ack = check_ack
         self._rejections = Rejections(f"client of {address}")

@@ -1,16 +1,19 @@
 """KVTransfer over UCX (ucxx): block and embedding bytes go as UCX tagged messages; the handshake,
 fetch requests and errors go over the same typed ZMQ channel as the default backend.
 
-No UCX listener is opened (ucxx's would bind every interface): each client sends its UCX worker
-address in the ZMQ handshake (bound and optionally CURVE-authenticated like any other channel),
-the server connects an endpoint to it, and data flows server -> client only, tagged with a random
-64-bit tag the client chose for that message. UCX parses worker addresses from peers, so enable
-this backend between trusted peers (CURVE) only.
+No UCX listener is opened (ucxx's would bind every interface): each side sends its UCX worker
+address in the ZMQ handshake (bound and optionally CURVE-authenticated like any other channel), the
+server connects an endpoint to the client's to send, and the client one to the server's, through
+which it posts its receives (so that closing it cancels them). UCX parses worker addresses from
+peers, so enable this backend between trusted peers (CURVE) only.
 
-One fetch message: client -> FetchBlocks(ucx_tag) -> server gathers the blocks, starts the UCX
-send and answers BlocksSent(spec) at once; the client checks the spec against its own cache,
-receives into a buffer of exactly that size (UCX holds a large message at the sender until the
-receive is posted) and scatters it. `ucxx` is an optional extra, imported on first use.
+One fetch message: the client posts one receive per segment (run x layer x K/V) straight into the
+destination blocks of its cache, with tags ucx_tag .. ucx_tag + n - 1, then sends FetchBlocks; the
+server starts one send per segment from its own cache and answers BlocksSent at once. The receives
+are posted before the data leaves, so UCX delivers into the cache without holding an unexpected
+copy; on the server nothing is gathered. A receive that fails or times out aborts the endpoint,
+which cancels every receive still posted on it: no late data lands in blocks the caller reuses.
+`ucxx` is an optional extra, imported on first use.
 """
 from __future__ import annotations
 
@@ -22,21 +25,25 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from epdserve.transport.protocol import (
     BlocksSent, EmbeddingsSent, Error, ErrorCode, FetchBlocks, FetchEmbeddings, Handshake, Message,
 )
 from epdserve.transport import codec
-from epdserve.transport.kv_transfer import TransferError, TransferTimeout, scatter_blocks
+from epdserve.transport.kv_transfer import (
+    BlockRangeError, Run, TransferError, TransferTimeout, as_bytes, run_segments,
+)
 from epdserve.transport.channel import ErrorReply
 from epdserve.transport.request_client import RequestClient
-from epdserve.transport.zmq_kv import ZmqKVClient, ZmqKVServer
+from epdserve.transport.zmq_kv import ZmqKVClient, ZmqKVServer, _request_of
 
 logger = logging.getLogger(__name__)
 
 MAX_WORKER_ADDRESS_BYTES = 64 << 10
+# A message's segments take consecutive tags from its ucx_tag: the client draws ucx_tag with these
+# low bits clear, so that no two messages' tags meet.
+SEGMENT_TAG_BITS = 24
 _init_lock = threading.Lock()
 _initialised = False
 
@@ -78,25 +85,23 @@ def _ucx(net_devices: str | None, ucx_options: Mapping[str, str] | None) -> Any:
     return ucxx
 
 
-def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
-    """A flat uint8 numpy view of a contiguous CPU tensor (ucxx takes numpy buffers)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
-
-
 class UcxKVServer(ZmqKVServer):
-    """UCX data path behind the ZMQ control channel; clients without UCX get ZMQ frames.
+    """UCX data path behind the ZMQ control channel.
 
-    `net_devices` limits the interfaces UCX uses (default: loopback only, like the default bind
-    address); set it to the NIC for multi-host deployments, e.g. "eth0" or "mlx5_0:1".
-    `ucx_options` (UCX settings without the UCX_ prefix) replace TCP_OPTIONS.
+    `net_devices` limits the interfaces UCX uses (UCX's NET_DEVICES; None or "all": every one, which
+    reaches other hosts); e.g. "eth0" or "mlx5_0:1" keeps it on one fabric. `ucx_options` (UCX
+    settings without the UCX_ prefix) replace TCP_OPTIONS.
     """
 
-    def __init__(self, engine_id: str, *, net_devices: str | None = "lo",
+    TRANSPORT = "ucx"
+
+    def __init__(self, engine_id: str, *, net_devices: str | None = None,
                  ucx_options: Mapping[str, str] | None = None, max_inflight_sends: int = 8,
                  send_timeout: float = 30.0, **kwargs):
         self._net_devices, self._ucx_options = net_devices, ucx_options
         self._endpoints: dict[bytes, Any] = {}  # client worker address -> UCX endpoint
         self._sends: set[asyncio.Task] = set()
+        self._sends_of: dict[str, set[asyncio.Task]] = {}  # request id -> its block sends in flight
         self._send_slots: asyncio.Semaphore | None = None
         self._max_inflight_sends = max_inflight_sends
         self._send_timeout = send_timeout
@@ -125,37 +130,59 @@ class UcxKVServer(ZmqKVServer):
             self._endpoints[hello.ucx_address] = endpoint
         return None
 
-    async def _reply_blocks(self, message: FetchBlocks, peer: Handshake, data: torch.Tensor) -> Message:
+    async def _reply_blocks(self, message: FetchBlocks, peer: Handshake, segments: list[torch.Tensor]) -> Message:
         if message.ucx_tag is None:
-            return await super()._reply_blocks(message, peer, data)
-        await self._send_later(peer, data, message.ucx_tag, message.request_id)
-        return BlocksSent(message.request_id, codec.tensor_spec(data))
+            raise ErrorReply(Error(ErrorCode.BAD_REQUEST, f"{self.engine_id} sends blocks over UCX only",
+                                   message.request_id))
+        if len(segments) >= 1 << SEGMENT_TAG_BITS or message.ucx_tag + len(segments) >= 1 << 64:
+            raise ErrorReply(Error(ErrorCode.OUT_OF_RANGE, "too many segments for the tag range", message.request_id))
+        await self._send_later(peer, segments, message.ucx_tag, message.request_id)
+        return BlocksSent(message.request_id, len(segments))
 
     async def _reply_embeddings(self, message: FetchEmbeddings, peer: Handshake, tensor: torch.Tensor) -> Message:
         if message.ucx_tag is None:
-            return await super()._reply_embeddings(message, peer, tensor)
+            raise ErrorReply(Error(ErrorCode.BAD_REQUEST, f"{self.engine_id} sends embeddings over UCX only"))
         tensor = tensor.detach().contiguous().cpu()
-        await self._send_later(peer, tensor, message.ucx_tag, None)
+        await self._send_later(peer, [tensor], message.ucx_tag, None)
         return EmbeddingsSent(message.mm_hash, codec.tensor_spec(tensor))
 
-    async def _send_later(self, peer: Handshake, data: torch.Tensor, tag: int, request_id: str | None) -> None:
-        """Start sending `data` with `tag`; it completes once the client posts its receive."""
+    async def _send_later(self, peer: Handshake, tensors: list[torch.Tensor], tag: int, request_id: str | None) -> None:
+        """Start sending tensor i with tag + i (from its own memory); the sends complete on their own."""
         endpoint = self._endpoints.get(peer.ucx_address) if peer.ucx_address else None
         if endpoint is None:
             raise ErrorReply(Error(ErrorCode.INCOMPATIBLE, "no UCX endpoint to this client (handshake without a UCX address)", request_id))
-        if data.numel() == 0:
-            return  # nothing to send; the client posts no receive for it either
-        await self._send_slots.acquire()  # bounds the gathered copies waiting for their receivers
-        task = asyncio.create_task(self._send(endpoint, data, tag, peer))
+        await self._send_slots.acquire()  # bounds the messages waiting for their receivers
+        task = asyncio.create_task(self._send(endpoint, tensors, tag, peer))
         self._sends.add(task)
-        task.add_done_callback(lambda t: (self._sends.discard(t), self._send_slots.release()))
+        if request_id is not None:
+            self._sends_of.setdefault(request_id, set()).add(task)
+        task.add_done_callback(lambda t: self._sent(t, request_id))
 
-    async def _send(self, endpoint: Any, data: torch.Tensor, tag: int, peer: Handshake) -> None:
+    def _sent(self, task: asyncio.Task, request_id: str | None) -> None:
+        self._sends.discard(task)
+        self._send_slots.release()
+        sends = self._sends_of.get(request_id)
+        if sends is not None:
+            sends.discard(task)
+            if not sends:
+                del self._sends_of[request_id]
+
+    async def _send(self, endpoint: Any, tensors: list[torch.Tensor], tag: int, peer: Handshake) -> None:
+        sends = [endpoint.send(as_bytes(t), tag=tag + i, force_tag=True) for i, t in enumerate(tensors) if t.numel()]
         try:
-            await asyncio.wait_for(endpoint.send(_bytes_of(data), tag=tag, force_tag=True), self._send_timeout)
+            await asyncio.wait_for(asyncio.gather(*sends), self._send_timeout)
         except Exception as e:  # the client died or gave up; its fetch fails on its side
             logger.warning("%s: UCX send to %s failed: %s", self.engine_id, peer.engine_id, e or type(e).__name__)
             self._endpoints.pop(peer.ucx_address, None)
+            endpoint.abort()  # cancels the sends still reading the cache
+
+    async def wait_sent(self, request_id: str, timeout: float = 60.0) -> bool:
+        sends = list(self._sends_of.get(request_id, ()))
+        if sends:
+            _, pending = await asyncio.wait(sends, timeout=timeout)
+            if pending:
+                return False
+        return await super().wait_sent(request_id, timeout)
 
     async def close(self) -> None:
         for task in list(self._sends):
@@ -169,11 +196,14 @@ class UcxKVServer(ZmqKVServer):
 class UcxKVClient(ZmqKVClient):
     """Fetches over UCX; see UcxKVServer for `net_devices` and the message flow."""
 
-    def __init__(self, engine_id: str, *, net_devices: str | None = "lo",
+    TRANSPORT = "ucx"
+
+    def __init__(self, engine_id: str, *, net_devices: str | None = None,
                  ucx_options: Mapping[str, str] | None = None, **kwargs):
         super().__init__(engine_id, **kwargs)
         self._net_devices, self._ucx_options = net_devices, ucx_options
         self._ucxx = import_ucxx()
+        self._endpoints: dict[str, Any] = {}  # server address -> endpoint to its UCX worker
         # Receives that timed out: kept alive with their buffers until UCX completes them, since
         # UCX would otherwise write into freed memory if the data arrives after all.
         self._abandoned: set[asyncio.Future] = set()
@@ -182,19 +212,59 @@ class UcxKVClient(ZmqKVClient):
         self._ucxx = _ucx(self._net_devices, self._ucx_options)
         return bytes(self._ucxx.get_worker_address())
 
+    async def _endpoint(self, client: RequestClient) -> Any:
+        """This worker's endpoint to the server's, through which receives are posted."""
+        endpoint = self._endpoints.get(client.address)
+        if endpoint is None or endpoint.closed:
+            if not client.peer.ucx_address or len(client.peer.ucx_address) > MAX_WORKER_ADDRESS_BYTES:
+                raise TransferError(f"{client.address} sent no usable UCX worker address")
+            self._ucxx = _ucx(self._net_devices, self._ucx_options)
+            try:
+                address = self._ucxx.get_ucx_address_from_buffer(client.peer.ucx_address)
+                endpoint = await self._ucxx.create_endpoint_from_worker_address(address)
+            except Exception as e:  # UCX raises its own exception types
+                raise TransferError(f"cannot reach the UCX worker of {client.address}: {e}") from e
+            self._endpoints[client.address] = endpoint
+        return endpoint
+
     async def _fetch_chunk(
-        self, client: RequestClient, request_id: str, remote_ids: tuple[int, ...], local_index: torch.Tensor,
-        deadline: float,
+        self, client: RequestClient, request_id: str, pairs: list[tuple[Run, Run]], deadline: float,
     ) -> int:
-        tag = secrets.randbits(64)
-        reply = await client.request(
-            FetchBlocks(request_id, remote_ids, ucx_tag=tag), timeout=self._remaining(deadline), expect=BlocksSent,
-        )
-        self._check_blocks(reply.spec, len(remote_ids))
-        data = torch.empty(self.blocks_shape(len(remote_ids)), dtype=self.kv_cache.dtype)
-        await self._receive(data, tag, deadline, client.address)
-        scatter_blocks(self.kv_cache, local_index, data)
-        return data.nbytes
+        endpoint = await self._endpoint(client)
+        destinations = run_segments(self.kv_cache, [local for _, local in pairs])
+        tag = secrets.randbits(64 - SEGMENT_TAG_BITS) << SEGMENT_TAG_BITS
+        receives = [asyncio.ensure_future(endpoint.recv(as_bytes(d), tag=tag + i, force_tag=True))
+                    for i, d in enumerate(destinations) if d.numel()]
+        try:
+            remote_ids, run_lengths = _request_of(pairs)
+            reply = await client.request(FetchBlocks(request_id, remote_ids, run_lengths, ucx_tag=tag),
+                                         timeout=self._remaining(deadline), expect=BlocksSent)
+            if reply.num_segments != len(destinations):
+                raise BlockRangeError(f"peer sends {reply.num_segments} segments, expected {len(destinations)}")
+            try:
+                await asyncio.wait_for(asyncio.gather(*receives), self._remaining(deadline))
+            except asyncio.TimeoutError:
+                raise TransferTimeout(f"{client.address}: UCX data did not arrive in time") from None
+            except Exception as e:  # UCX's own exception types (truncated message, endpoint error)
+                raise TransferError(f"{client.address}: UCX receive failed: {e}") from e
+        except BaseException:
+            await self._cancel(client.address, endpoint, receives)
+            raise
+        return sum(d.nbytes for d in destinations)
+
+    async def _cancel(self, address: str, endpoint: Any, receives: list[asyncio.Future]) -> None:
+        """Abort the endpoint: UCX cancels the receives still posted on it, so that no late data
+        lands in cache blocks the caller is about to reuse. Fetches sharing it fail too (and retry
+        on a fresh endpoint): a server that misses a deadline is rarely healthy for the others."""
+        if self._endpoints.get(address) is endpoint:
+            del self._endpoints[address]
+        endpoint.abort()
+        _, pending = await asyncio.wait(receives, timeout=1.0) if receives else (None, ())
+        for receive in receives:
+            if receive.done() and not receive.cancelled():
+                receive.exception()  # retrieved: its error is the endpoint's abort
+        if pending:
+            logger.error("%s: %d UCX receives into the KV cache outlived their endpoint", self.engine_id, len(pending))
 
     async def _fetch_embeddings(self, client: RequestClient, mm_hash: str, deadline: float) -> torch.Tensor:
         tag = secrets.randbits(64)
@@ -212,7 +282,7 @@ class UcxKVClient(ZmqKVClient):
         self._ucxx = _ucx(self._net_devices, self._ucx_options)
         if data.numel() == 0:
             return
-        receive = asyncio.ensure_future(self._ucxx.recv(_bytes_of(data), tag))
+        receive = asyncio.ensure_future(self._ucxx.recv(as_bytes(data), tag))
         try:
             await asyncio.wait_for(asyncio.shield(receive), self._remaining(deadline))
         except asyncio.TimeoutError:
@@ -221,3 +291,9 @@ class UcxKVClient(ZmqKVClient):
             raise TransferTimeout(f"{address}: UCX data did not arrive in time") from None
         except Exception as e:  # UCX's own exception types (truncated message, endpoint error)
             raise TransferError(f"{address}: UCX receive failed: {e}") from e
+
+    async def close(self) -> None:
+        for endpoint in self._endpoints.values():
+            endpoint.abort()
+        self._endpoints.clear()
+        await super().close()

@@ -1,23 +1,26 @@
 """The default KVTransfer backend: blocks and embeddings as zero-copy ZMQ frames.
 
 A fetch is split into messages of a few MiB, up to `max_inflight_messages` of them in flight, so
-that the server gathers the next message while ZMQ's IO threads move the previous one and the
-client scatters one while the next arrives. Each message costs one contiguous gather on the server
-(one `take` over the block dim, no per-block loop), one frame that ZMQ sends from the gathered
-memory, and one scatter on the client straight from the received frame's memory: no copy beyond
-gather, socket and scatter. The copies run on the event loop thread: one takes about a millisecond
-per 8 MiB, and handing it to a worker thread cost more in wake-ups than it saved (measured on two
-cores: up to 1.5x slower fetches).
+that the client copies one message's segments into its cache while the next arrives. The server
+answers a message with one frame per segment (run x layer x K/V) that ZMQ sends straight from the
+cache's memory - no gather - and keeps the frames' trackers so that the blocks are not freed while
+ZMQ's IO thread still reads them (`wait_sent`). The client receives each frame into memory libzmq
+allocates for it and copies it once, contiguously, into its destination blocks: ZMQ has no receive
+into caller memory for a multipart message, so this copy is the one a ZMQ receive costs beyond the
+kernel's (UCX receives into the cache itself). Copies run on the event loop thread: handing them to
+a worker thread cost more in wake-ups than it saved (measured on two cores: up to 1.5x slower).
 """
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 import typing
 from collections.abc import Awaitable, Callable, Sequence
 
 import torch
+import zmq
 
 from epdserve.transport.protocol import (
     BlocksData, EmbeddingsData, Error, ErrorCode, FetchBlocks, FetchEmbeddings, Handshake, HandshakeAck,
@@ -27,13 +30,15 @@ from epdserve.transport import codec
 from epdserve.transport.codec import DEFAULT_LIMITS, Limits, TensorSpec
 from epdserve.transport.kv_transfer import (
     BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, EmbeddingSource, FetchResult,
-    IncompatiblePeerError, KVTransferClient, KVTransferServer, TransferError, TransferTimeout,
-    gather_blocks, layout_mismatch, scatter_blocks,
+    IncompatiblePeerError, KVTransferClient, KVTransferServer, Run, TransferError, TransferTimeout,
+    copy_segment, layout_mismatch, run_segments, split_runs,
 )
 from epdserve.transport.channel import ChannelError, ChannelTimeout, ErrorReply, HandshakeError
 from epdserve.transport.reply_server import ReplyServer
 from epdserve.transport.request_client import RequestClient
 from epdserve.transport.security import CurveConfig
+
+logger = logging.getLogger(__name__)
 
 _ERROR_CODES = {
     BlockRangeError: ErrorCode.OUT_OF_RANGE,
@@ -48,8 +53,18 @@ def _error_reply(error: TransferError, request_id: str | None = None) -> ErrorRe
     return ErrorReply(Error(code, str(error), request_id))
 
 
+def transport_mismatch(ours: str, theirs: str | None, us: str, them: str) -> str | None:
+    """Why two ends cannot move data between them, or None: each must use the same transport."""
+    if theirs is None or theirs == ours:
+        return None
+    return (f"{us} moves KV and embeddings over {ours}, {them} over {theirs}: start every encoder, "
+            f"prefill and decode of a deployment with the same --kv-transport")
+
+
 class ZmqKVServer(KVTransferServer):
     """KV transfer server on a ROUTER socket; see KVTransferServer."""
+
+    TRANSPORT = "zmq"
 
     def __init__(
         self,
@@ -67,12 +82,14 @@ class ZmqKVServer(KVTransferServer):
         max_inflight: int = 8,
     ):
         super().__init__(engine_id, kv_cache=kv_cache, model_id=model_id, encoder_cache=encoder_cache, layout=layout)
-        # Few in flight: each holds a gathered copy of its blocks until ZMQ has sent it.
         self._server = ReplyServer(
             engine_id, host=host, port=port, allow_wildcard=allow_wildcard, curve=curve, limits=limits,
-            kv_layout=self.layout, check_handshake=self._check_peer, max_inflight=max_inflight, senders=MAY_SEND,
+            kv_layout=self.layout, kv_transport=self.TRANSPORT, on_sent=self._on_sent,
+            check_handshake=self._check_peer, max_inflight=max_inflight, senders=MAY_SEND,
         )
         self._serve_task: asyncio.Task | None = None
+        # request id -> trackers of replies whose frames ZMQ may still be reading from the cache.
+        self._unsent: dict[str, list[zmq.MessageTracker]] = {}
 
     @property
     def address(self) -> str:
@@ -100,9 +117,25 @@ class ZmqKVServer(KVTransferServer):
         await self._server.close()
 
     async def _check_peer(self, hello: Handshake) -> str | None:
-        if self.layout is not None and hello.kv_layout is not None:
-            return layout_mismatch(self.layout, hello.kv_layout, self.engine_id, hello.engine_id)
-        return None
+        refusal = transport_mismatch(self.TRANSPORT, hello.kv_transport, self.engine_id, hello.engine_id)
+        if refusal is None and self.layout is not None and hello.kv_layout is not None:
+            refusal = layout_mismatch(self.layout, hello.kv_layout, self.engine_id, hello.engine_id)
+        return refusal
+
+    def _on_sent(self, reply: Message, tracker: zmq.MessageTracker) -> None:
+        if isinstance(reply, BlocksData) and not tracker.done:
+            trackers = self._unsent.setdefault(reply.request_id, [])
+            trackers[:] = [t for t in trackers if not t.done]
+            trackers.append(tracker)
+
+    async def wait_sent(self, request_id: str, timeout: float = 60.0) -> bool:
+        trackers = self._unsent.pop(request_id, [])
+        deadline = time.monotonic() + timeout
+        while any(not t.done for t in trackers):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.001)
+        return True
 
     async def _handle(self, message: Message, peer: Handshake) -> Message:
         if isinstance(message, FetchBlocks):
@@ -122,19 +155,20 @@ class ZmqKVServer(KVTransferServer):
         if self.layout is None or peer.kv_layout != self.layout:
             raise ErrorReply(Error(ErrorCode.INCOMPATIBLE, "no KV layout agreed in the handshake", message.request_id))
         try:
-            index = self.exposed_index(message.request_id, message.block_ids)
+            self.exposed_index(message.request_id, message.block_ids)
+            runs = split_runs(message.block_ids, message.run_lengths, self.kv_cache.shape[2])
         except TransferError as e:
             raise _error_reply(e, message.request_id) from None
         started = time.perf_counter()
-        data = gather_blocks(self.kv_cache, index)
-        reply = await self._reply_blocks(message, peer, data)
-        self.stats.record(data.nbytes, started)
+        segments = run_segments(self.kv_cache, runs)
+        reply = await self._reply_blocks(message, peer, segments)
+        self.stats.record(sum(segment.nbytes for segment in segments), started)
         return reply
 
-    async def _reply_blocks(self, message: FetchBlocks, peer: Handshake, data: torch.Tensor) -> Message:
+    async def _reply_blocks(self, message: FetchBlocks, peer: Handshake, segments: list[torch.Tensor]) -> Message:
         if message.ucx_tag is not None:
             raise ErrorReply(Error(ErrorCode.BAD_REQUEST, f"{self.engine_id} has no UCX data path", message.request_id))
-        return BlocksData(message.request_id, message.block_ids, data)
+        return BlocksData(message.request_id, message.block_ids, tuple(_host_segments(segments)))
 
     async def _reply_embeddings(self, message: FetchEmbeddings, peer: Handshake, tensor: torch.Tensor) -> Message:
         if message.ucx_tag is not None:
@@ -142,8 +176,26 @@ class ZmqKVServer(KVTransferServer):
         return EmbeddingsData(message.mm_hash, tensor.detach().cpu())  # a GPU encoder cache sends host bytes
 
 
+def _host_segments(segments: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Segments in host memory, for a socket to send: device segments are copied into one pinned
+    staging buffer (torch's pinned-memory cache hands the same memory back to the next message)."""
+    if not segments or segments[0].device.type == "cpu":
+        return segments
+    staging = torch.empty(sum(s.numel() for s in segments), dtype=segments[0].dtype, pin_memory=True)
+    views, offset = [], 0
+    for segment in segments:
+        view = staging[offset:offset + segment.numel()].view(segment.shape)
+        view.copy_(segment, non_blocking=True)
+        views.append(view)
+        offset += segment.numel()
+    torch.cuda.current_stream(segments[0].device).synchronize()
+    return views
+
+
 class ZmqKVClient(KVTransferClient):
     """KV transfer client with one DEALER connection per server address; see KVTransferClient."""
+
+    TRANSPORT = "zmq"
 
     def __init__(
         self,
@@ -164,9 +216,9 @@ class ZmqKVClient(KVTransferClient):
         self.role = role
         self.timeout = timeout
         self.limits = limits
-        # Messages of a few MiB: under glibc's largest mmap threshold (32 MiB), freed gather and
-        # receive buffers are reused instead of faulting in fresh pages on every message; yet big
-        # enough that per-message costs stay small. 16 MiB x 3 in flight measured best on 2 cores.
+        # Messages of a few MiB: under glibc's largest mmap threshold (32 MiB), freed receive
+        # buffers are reused instead of faulting in fresh pages on every message; yet big enough
+        # that per-message costs stay small. 16 MiB x 3 in flight measured best on 2 cores.
         self.max_message_bytes = max_message_bytes
         self.min_message_bytes = min_message_bytes
         self.max_inflight_messages = max_inflight_messages
@@ -177,17 +229,18 @@ class ZmqKVClient(KVTransferClient):
         return None
 
     def _check_ack(self, ack: HandshakeAck) -> str | None:
-        if self.layout is not None and ack.kv_layout is not None:
-            return layout_mismatch(self.layout, ack.kv_layout, self.engine_id, ack.engine_id)
-        return None
+        refusal = transport_mismatch(self.TRANSPORT, ack.kv_transport, self.engine_id, ack.engine_id)
+        if refusal is None and self.layout is not None and ack.kv_layout is not None:
+            refusal = layout_mismatch(self.layout, ack.kv_layout, self.engine_id, ack.engine_id)
+        return refusal
 
     def _client(self, address: str) -> RequestClient:
         client = self._clients.get(address)
         if client is None:
             client = self._clients[address] = RequestClient(
                 address, engine_id=self.engine_id, role=self.role, timeout=self.timeout, curve=self._curve,
-                limits=self.limits, kv_layout=self.layout, ucx_address=self._ucx_address(),
-                check_ack=self._check_ack,
+                limits=self.limits, kv_layout=self.layout, kv_transport=self.TRANSPORT,
+                ucx_address=self._ucx_address(), check_ack=self._check_ack,
             )
         return client
 
@@ -203,19 +256,17 @@ class ZmqKVClient(KVTransferClient):
         *,
         timeout: float | None = None,
     ) -> FetchResult:
-        local_index = self.local_index(remote_block_ids, local_block_ids)
+        pairs = self.runs(remote_block_ids, local_block_ids)
         started = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + (self.timeout if timeout is None else timeout)
-        remote = tuple(remote_block_ids)
-        step = self._blocks_per_message(len(remote))
-        chunks = [(remote[i:i + step], local_index[i:i + step]) for i in range(0, len(remote), step)]
+        chunks = _messages(pairs, self._blocks_per_message(len(remote_block_ids)))
         try:
             client = self._client(kv_addr)
             await client.connect(self._remaining(deadline))
             if client.peer.kv_layout != self.layout:
                 raise IncompatiblePeerError(f"{kv_addr} ({client.peer.engine_id}) has no matching KV cache")
             num_bytes = sum(await self._bounded(
-                [functools.partial(self._fetch_chunk, client, request_id, ids, index, deadline) for ids, index in chunks]
+                [functools.partial(self._fetch_chunk, client, request_id, chunk, deadline) for chunk in chunks]
             ))
         except BaseException as e:
             self._fail(e, kv_addr)
@@ -223,7 +274,7 @@ class ZmqKVClient(KVTransferClient):
 
     def _blocks_per_message(self, num_blocks: int) -> int:
         """At most max_message_bytes, and small enough that a fetch spans several messages: the
-        first gather and the last scatter are not overlapped with anything, so they must be short."""
+        last message's copy into the cache is not overlapped with anything, so it must be short."""
         block_bytes = self.kv_cache[:, :, 0].nbytes
         target = min(self.max_message_bytes, max(self.min_message_bytes, num_blocks * block_bytes // 8))
         return max(1, target // block_bytes)
@@ -244,23 +295,27 @@ class ZmqKVClient(KVTransferClient):
                 task.cancel()
 
     async def _fetch_chunk(
-        self, client: RequestClient, request_id: str, remote_ids: tuple[int, ...], local_index: torch.Tensor,
-        deadline: float,
+        self, client: RequestClient, request_id: str, pairs: list[tuple[Run, Run]], deadline: float,
     ) -> int:
+        remote_ids, run_lengths = _request_of(pairs)
         reply = await client.request(
-            FetchBlocks(request_id, remote_ids), timeout=self._remaining(deadline), expect=BlocksData,
+            FetchBlocks(request_id, remote_ids, run_lengths), timeout=self._remaining(deadline), expect=BlocksData,
         )
         if reply.block_ids != remote_ids:
             raise TransferError(f"{client.address} answered with blocks {reply.block_ids[:8]}..., not those asked for")
-        self._check_blocks(TensorSpec(codec.dtype_name(reply.data.dtype), tuple(reply.data.shape)), len(remote_ids))
-        scatter_blocks(self.kv_cache, local_index, reply.data)
-        return reply.data.nbytes
+        destinations = run_segments(self.kv_cache, [local for _, local in pairs])
+        if len(reply.segments) != len(destinations):
+            raise BlockRangeError(f"peer sent {len(reply.segments)} segments, expected {len(destinations)}")
+        for segment, destination in zip(reply.segments, destinations):
+            self._check_segment(codec.tensor_spec(segment), destination)
+            copy_segment(destination, segment)
+        return sum(destination.nbytes for destination in destinations)
 
-    def _check_blocks(self, spec: TensorSpec, num_blocks: int) -> None:
-        """The data for `num_blocks` blocks must have exactly our cache's block shape and dtype."""
-        expected = self.blocks_shape(num_blocks)
-        if spec.dtype != self.layout.dtype or tuple(spec.shape) != expected:
-            raise BlockRangeError(f"peer sent {spec.dtype}{list(spec.shape)}, expected {self.layout.dtype}{list(expected)}")
+    def _check_segment(self, spec: TensorSpec, destination: torch.Tensor) -> None:
+        """A segment must have exactly the shape and dtype of the blocks it is written into."""
+        if spec.dtype != self.layout.dtype or tuple(spec.shape) != tuple(destination.shape):
+            raise BlockRangeError(f"peer sent {spec.dtype}{list(spec.shape)}, expected "
+                                  f"{self.layout.dtype}{list(destination.shape)}")
 
     async def fetch_embeddings(self, encoder_addr: str, mm_hash: str, *, timeout: float | None = None) -> torch.Tensor:
         started = time.perf_counter()
@@ -292,6 +347,30 @@ class ZmqKVClient(KVTransferClient):
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             await client.close()
+
+
+def _messages(pairs: list[tuple[Run, Run]], blocks_per_message: int) -> list[list[tuple[Run, Run]]]:
+    """Run pairs grouped into messages of at most `blocks_per_message` blocks; a longer run is cut
+    (any stretch of a run is a run on both sides)."""
+    messages: list[list[tuple[Run, Run]]] = [[]]
+    room = blocks_per_message
+    for remote, local in pairs:
+        done = 0
+        while done < remote.length:
+            if room == 0:
+                messages.append([])
+                room = blocks_per_message
+            n = min(room, remote.length - done)
+            messages[-1].append((Run(remote.first + done, n), Run(local.first + done, n)))
+            done += n
+            room -= n
+    return [m for m in messages if m]
+
+
+def _request_of(pairs: list[tuple[Run, Run]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """FetchBlocks' block_ids and run_lengths for the remote side of `pairs`."""
+    block_ids = tuple(i for remote, _ in pairs for i in range(remote.first, remote.first + remote.length))
+    return block_ids, tuple(remote.length for remote, _ in pairs)
 
 
 def _as_transfer_error(error: BaseException, address: str, mm_hash: str | None = None) -> BaseException:

@@ -62,9 +62,9 @@ async def build_encoder_worker(service: ServiceConfig, model_path: str, dtype: t
         lambda: (ImageProcessor.from_pretrained(model_path), LlavaEncoder.from_pretrained(model_path, dtype, device)))
     cache = EncoderCache(service.encoder_cache_items)
     transport = service.transport
-    kv_server = create_server(transport.kv_backend, service.engine_id, encoder_cache=cache, host=service.host,
+    kv_server = create_server(transport.kv_transport, service.engine_id, encoder_cache=cache, host=service.host,
                               port=service.data_port, allow_wildcard=service.host in WILDCARD_HOSTS,
-                              curve=server_curve(transport))
+                              curve=server_curve(transport), **transport.transfer_options())
     data_addr = advertised(await kv_server.start(), service.host, service.advertise_host)
     return EncoderWorker(service, service.served_model_name or Path(model_path).name, processor, encoder, cache,
                          kv_server, data_addr, lambda: control_rejected() + kv_server.num_rejected)

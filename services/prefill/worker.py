@@ -39,9 +39,10 @@ async def build_prefill_worker(service: ServiceConfig, engine_config: EngineConf
     """A prefill worker whose KV server is serving; `control_addr`: where decode sends Release."""
     llm = await start_engine(service, engine_config, on_dead)
     transport = service.transport
-    kv_server = create_server(transport.kv_backend, service.engine_id, kv_cache=llm.engine.runner.kv_cache,
+    kv_server = create_server(transport.kv_transport, service.engine_id, kv_cache=llm.engine.runner.kv_cache,
                               layout=kv_layout(engine_config), host=service.host, port=service.data_port,
-                              allow_wildcard=service.host in WILDCARD_HOSTS, curve=server_curve(transport))
+                              allow_wildcard=service.host in WILDCARD_HOSTS, curve=server_curve(transport),
+                              **transport.transfer_options())
     data_addr = advertised(await kv_server.start(), service.host, service.advertise_host)
     return PrefillWorker(service, engine_config, llm, kv_transfer_client(service, engine_config, llm),
                          lambda: control_rejected() + kv_server.num_rejected,
@@ -151,6 +152,9 @@ class PrefillWorker(EngineWorker):
         if self.leases.pop(request_id, None) is None:
             return
         self.kv_server.withdraw(request_id)  # no peer reads them from now on
+        if not await self.kv_server.wait_sent(request_id):
+            logger.warning("%s: blocks of %s still queued for a peer that stopped reading; freeing them",
+                           self.service.engine_id, request_id)
         self.llm.call_soon(lambda e: e.release_kv(request_id))  # freed at the engine's next step boundary
 
     async def _expire_leases(self) -> None:

@@ -55,6 +55,67 @@ def test_blocks_land_bit_exact_in_shuffled_local_blocks(dtype, message_bytes):
     assert not local_cache[:, :, untouched].any()  # nothing else written
 
 
+def test_contiguous_runs_move_as_whole_segments_straight_from_the_cache():
+    """Blocks consecutive on both sides go as one frame per layer and K/V (cut only at message size),
+    and the server's frames are its cache's own memory until ZMQ lets go of them."""
+    remote_cache, local_cache = make_cache(seed=4), torch.zeros(make_cache().shape)
+    remote_ids, local_ids = list(range(10, 30)) + [2, 3], list(range(5, 25)) + [40, 45]
+    block_bytes = remote_cache[:, :, 0].nbytes
+
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
+            server.expose("r1", remote_ids)
+            sent: list[p.BlocksData] = []
+            on_sent = server._on_sent
+            server._server._on_sent = lambda reply, tracker: (sent.append(reply), on_sent(reply, tracker))
+            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m",
+                                   max_message_bytes=8 * block_bytes, min_message_bytes=8 * block_bytes) as client:
+                await client.fetch_blocks(server.address, "r1", remote_ids, local_ids)
+            assert await server.wait_sent("r1")
+        # Runs (remote -> local): 10..29 -> 5..24, 2 -> 40, 3 -> 45; messages of at most 8 blocks.
+        assert [reply.block_ids for reply in sent] == [tuple(range(10, 18)), tuple(range(18, 26)),
+                                                       (*range(26, 30), 2, 3)]
+        assert [len(reply.segments) for reply in sent] == [2 * NUM_LAYERS, 2 * NUM_LAYERS, 3 * 2 * NUM_LAYERS]
+        first = sent[0].segments[0]
+        assert first.data_ptr() == remote_cache[0, 0, 10].data_ptr() and first.shape[0] == 8  # no gather
+
+    asyncio.run(main())
+    assert torch.equal(local_cache[:, :, local_ids], remote_cache[:, :, remote_ids])
+
+
+def test_runs_that_are_not_consecutive_are_refused():
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=make_cache(), model_id="m") as server:
+            server.expose("r1", [1, 2, 3, 7])
+            async with RequestClient(server.address, engine_id="decode", role=p.Role.DECODE,
+                                     kv_layout=server.layout) as client:
+                for ids, runs in (((1, 2, 7), (3,)), ((1, 2), (1,)), ((1, 2), (3, -1)), ((1,), (0, 1))):
+                    with pytest.raises(ErrorReply, match="out_of_range|consecutive|run lengths"):
+                        await client.request(p.FetchBlocks("r1", ids, runs))
+
+    asyncio.run(main())
+
+
+def test_common_runs_pair_stretches_consecutive_on_both_sides():
+    Run = kv_transfer.Run
+    assert kv_transfer.common_runs([4, 5, 6, 9, 10], [0, 1, 7, 8, 9]) == [
+        (Run(4, 2), Run(0, 2)), (Run(6, 1), Run(7, 1)), (Run(9, 2), Run(8, 2))]
+    assert kv_transfer.common_runs([], []) == []
+
+
+def test_a_transport_mismatch_is_refused_naming_the_option():
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=make_cache(), model_id="m") as server:
+            server.expose("r1", [1])
+            hello = dict(engine_id="decode-0", role=p.Role.DECODE, kv_layout=server.layout, kv_transport="ucx")
+            async with RequestClient(server.address, **hello) as client:
+                with pytest.raises(Exception, match="prefill-0 moves KV and embeddings over zmq, decode-0 over "
+                                                    "ucx.*same --kv-transport"):
+                    await client.request(p.FetchBlocks("r1", (1,), (1,)))
+
+    asyncio.run(main())
+
+
 def test_fetch_of_a_subset_and_of_nothing():
     remote_cache, local_cache = make_cache(seed=3), torch.zeros(make_cache().shape)
 
@@ -131,7 +192,7 @@ def test_a_client_without_kv_layout_cannot_fetch_blocks():
             server.expose("r1", [1])
             async with RequestClient(server.address, engine_id="decode", role=p.Role.DECODE) as client:
                 with pytest.raises(Exception, match="incompatible"):
-                    await client.request(p.FetchBlocks("r1", (1,)))
+                    await client.request(p.FetchBlocks("r1", (1,), (1,)))
 
     asyncio.run(main())
 
@@ -145,7 +206,7 @@ def test_only_engines_that_pull_may_fetch():
             for role in (p.Role.PROXY, p.Role.ENCODER, p.Role.PREFILL):
                 async with RequestClient(server.address, engine_id="x", role=role, kv_layout=layout) as client:
                     with pytest.raises(ErrorReply, match=f"{role.value} peers may not send FetchBlocks"):
-                        await client.request(p.FetchBlocks("r1", (1,)))
+                        await client.request(p.FetchBlocks("r1", (1,), (1,)))
             assert server.num_rejected == 3
 
     asyncio.run(main())

@@ -116,6 +116,31 @@ def test_ucx_bounds_and_layout_checks(server):
     asyncio.run(main())
 
 
+def test_ucx_refuses_a_zmq_peer_with_a_clear_error(server):
+    from epdserve.transport.zmq_kv import ZmqKVClient
+
+    async def main():
+        async with ZmqKVClient("decode-zmq", kv_cache=torch.zeros(SHAPE, dtype=torch.bfloat16), model_id="m") as c:
+            with pytest.raises(IncompatiblePeerError, match="over ucx, decode-zmq over zmq.*same --kv-transport"):
+                await c.fetch_blocks(server, "r1", [1], [0])
+
+    asyncio.run(main())
+
+
+def test_contiguous_runs_land_bit_exact_over_ucx(server):
+    local_cache = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    remote_ids, local_ids = list(range(4, 40)), list(range(10, 46))
+
+    async def main():
+        async with client(local_cache, max_message_bytes=5 * local_cache[:, :, 0].nbytes, min_message_bytes=1) as c:
+            await c.fetch_blocks(server, "r1", remote_ids, local_ids)
+
+    asyncio.run(main())
+    want = expected_cache()[:, :, remote_ids]
+    assert torch.equal(local_cache[:, :, local_ids].view(torch.int16), want.view(torch.int16))
+    assert not local_cache[:, :, :10].any() and not local_cache[:, :, 46:].any()
+
+
 def test_ucx_peer_dying_mid_transfer_fails_the_fetch():
     proc, address = start_server("bfloat16")
     local_cache = torch.zeros(SHAPE, dtype=torch.bfloat16)

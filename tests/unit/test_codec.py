@@ -19,20 +19,23 @@ HANDLE = p.KVHandle("prefill-0", "tcp://127.0.0.1:6000", (7, 3, 11), 40, 1.8e9 +
 LOGPROBS = p.TokenLogprobs(-0.25, (5, 9), (-0.25, -2.5))
 
 SAMPLES = [
-    p.Handshake(p.PROTOCOL_VERSION, p.Role.DECODE, "decode-0", LAYOUT, b"\x00ucx\xff"),
+    p.Handshake(p.PROTOCOL_VERSION, p.Role.DECODE, "decode-0", LAYOUT, "ucx", b"\x00ucx\xff"),
     p.Handshake(p.PROTOCOL_VERSION, p.Role.PROXY, "proxy-0"),
-    p.HandshakeAck(p.PROTOCOL_VERSION, "prefill-0", LAYOUT),
+    p.HandshakeAck(p.PROTOCOL_VERSION, "prefill-0", LAYOUT, "zmq"),
     p.EncodeRequest("r1", (p.MMItem("ab" * 32, b"\x89PNG\r\n"), p.MMItem("cd" * 32, b""))),
     p.EncodeDone("r1", (p.EncodedItem("ab" * 32, 576),)),
+    p.EncodeDone("r1", (), (p.TraceSpan("encode", "encoder-0", 1.8e9, 1.8e9 + 0.5),)),
     p.PrefillRequest("r1", tuple(range(100)), SAMPLING, (PLACEHOLDER,), cache_salt="tenant-a"),
     p.PrefillRequest("r2", (1,), p.WireSamplingParams()),
     p.PrefillDone("r1", 42, HANDLE, num_cached_tokens=32, first_logprobs=LOGPROBS),
     p.PrefillDone("r3", 2, None, finish_reason=p.FinishReason.STOP),
+    p.PrefillDone("r4", 2, HANDLE, trace=(p.TraceSpan("prefill.compute", "prefill-0", 1.8e9, 1.8e9 + 1),)),
     p.DecodeRequest("r1", tuple(range(100)), 42, HANDLE, SAMPLING, (PLACEHOLDER,), "tenant-a", "tcp://10.0.0.1:7000"),
     p.GenerateRequest("r2", (1, 2, 3), SAMPLING, "tcp://10.0.0.1:7000", (PLACEHOLDER,), None),
     p.TokenDelta("r1", (5, 6, 7), (LOGPROBS,) * 3),
     p.TokenDelta("r1", (), finish_reason=p.FinishReason.STOP, stop_reason="</s>"),
     p.TokenDelta("r1", (2,), finish_reason=p.FinishReason.STOP, stop_reason=2),
+    p.TokenDelta("r1", (2,), trace=(p.TraceSpan("kv.transfer", "decode-0", 1.8e9, 1.8e9 + 0.1, 1 << 20, 4),)),
     p.TokenDeltas((p.TokenDelta("r1", (5,), (LOGPROBS,)), p.TokenDelta("r2", (), finish_reason=p.FinishReason.LENGTH))),
     p.TokenDeltas(()),
     p.Release("r1"),
@@ -48,10 +51,11 @@ SAMPLES = [
     p.Status("decode-0", p.Role.DECODE, p.Health.READY, 100, 4096, 3, 1),
     p.Status("prefill-0", p.Role.PREFILL, p.Health.READY, 100, 4096, 3, 1, data_addr="tcp://10.0.0.2:7001"),
     p.Error(p.ErrorCode.NOT_FOUND, "no such request", "r1", retryable=False),
-    p.FetchBlocks("r1", (7, 3, 11)),
-    p.FetchBlocks("r1", (7,), ucx_tag=2**64 - 1),
-    p.BlocksData("r1", (7, 3), torch.randn(2, 2, 2, 4, 1, 8)),
-    p.BlocksSent("r1", p.TensorSpec("float32", (30, 2, 2, 16, 3, 64))),
+    p.FetchBlocks("r1", (7, 3, 11), (1, 1, 1)),
+    p.FetchBlocks("r1", (7,), (1,), ucx_tag=2**64 - 1),
+    p.BlocksData("r1", (7, 8, 3), (torch.randn(2, 4, 1, 8), torch.randn(1, 4, 1, 8).to(torch.bfloat16))),
+    p.BlocksData("r1", (), ()),
+    p.BlocksSent("r1", 120),
     p.FetchEmbeddings("ab" * 32),
     p.EmbeddingsData("ab" * 32, torch.randn(5, 16).to(torch.bfloat16)),
     p.EmbeddingsSent("ab" * 32, p.TensorSpec("bfloat16", (576, 576))),
@@ -77,8 +81,10 @@ def test_round_trip(message):
     decoded = roundtrip(message)
     assert type(decoded) is type(message)
     assert decoded == message
-    for name in codec._MESSAGES[message.TAG].tensor_fields:
-        sent, got = getattr(message, name), getattr(decoded, name)
+    conv = codec._MESSAGES[message.TAG]
+    sent_tensors, got_tensors = conv.tensors(message), conv.tensors(decoded)
+    assert len(got_tensors) == len(sent_tensors)
+    for sent, got in zip(sent_tensors, got_tensors):
         assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent)
 
 
@@ -151,6 +157,19 @@ def test_encode_sends_the_tensor_storage_itself():
     assert torch.frombuffer(bytearray(frame), dtype=torch.float32)[0].item() == 123.0
 
 
+def test_a_tuple_of_tensors_travels_as_one_frame_each_from_their_own_storage():
+    cache = torch.randn(4, 2, 8, 3)
+    message = p.BlocksData("r", (2, 3, 6), (cache[0, 0, 2:4], cache[1, 1, 6:7]))
+    head, *frames = codec.encode(message)
+    assert len(frames) == 2
+    cache[0, 0, 2, 0] = 7.0  # a frame is the cache's own memory: no gather copy
+    assert torch.frombuffer(bytearray(frames[0]), dtype=torch.float32)[0].item() == 7.0
+    with pytest.raises(DecodeError, match="expected 3 frames"):
+        codec.decode([head, frames[0]])
+    with pytest.raises(DecodeError, match="needs"):
+        codec.decode([head, frames[1], frames[0]])
+
+
 def test_tensor_frame_size_must_match_its_header():
     head, raw = codec.encode(p.EmbeddingsData("h", torch.randn(4, 4)))
     with pytest.raises(DecodeError, match="needs 64 bytes"):
@@ -191,7 +210,7 @@ def test_encoding_rejects_cuda_free_unsupported_dtypes():
 # ---------------------------------------------------------------------------------------------
 # Strict decoding of control frames
 
-GOOD = {"request_id": "r1", "block_ids": [1, 2], "ucx_tag": None}
+GOOD = {"request_id": "r1", "block_ids": [1, 2], "run_lengths": [2], "ucx_tag": None}
 
 
 @pytest.mark.parametrize("body, match", [
@@ -202,7 +221,7 @@ GOOD = {"request_id": "r1", "block_ids": [1, 2], "ucx_tag": None}
     ({**GOOD, "request_id": 5}, "expected str"),
     ({**GOOD, "request_id": None}, "expected str"),
     ({**GOOD, "ucx_tag": "x"}, "ucx_tag: expected int"),
-    ({"request_id": "r1", "block_ids": [1]}, "missing fields \\['ucx_tag'\\]"),
+    ({"request_id": "r1", "block_ids": [1], "run_lengths": [1]}, "missing fields \\['ucx_tag'\\]"),
     ({**GOOD, "priority": 1}, "unknown fields \\['priority'\\]"),
     ([1, 2, 3], "map"),
 ])
@@ -260,7 +279,7 @@ SMALL = Limits(max_message_bytes=4096, max_tensor_bytes=1024, max_str_len=100, m
 
 @pytest.mark.parametrize("message, match", [
     (p.Release("x" * 101), "max_str_len"),
-    (p.FetchBlocks("r", tuple(range(51))), "max_array_len"),
+    (p.FetchBlocks("r", tuple(range(51)), (51,)), "max_array_len"),
     (p.EncodeRequest("r", (p.MMItem("h", b"\0" * 201),)), "max_bin_len"),
     (p.PrefillRequest("r", tuple(range(45)), p.WireSamplingParams(stop=("s" * 95,) * 49)), "exceeds the limit"),
     (p.EmbeddingsData("h", torch.zeros(257)), "exceeds the limit"),
@@ -274,11 +293,11 @@ def test_encoding_checks_field_types():
     with pytest.raises(EncodeError, match="request_id"):
         codec.encode(p.Release(7))
     with pytest.raises(EncodeError, match="block_ids"):
-        codec.encode(p.FetchBlocks("r", (1, "2")))
+        codec.encode(p.FetchBlocks("r", (1, "2"), (2,)))
     with pytest.raises(EncodeError, match="Health"):
         codec.encode(p.Status("e", p.Role.DECODE, "ready", 1, 1, 1, 1))
     with pytest.raises(EncodeError):
-        codec.encode(p.FetchBlocks("r", (2**70,)))  # beyond msgpack's 64-bit integers
+        codec.encode(p.FetchBlocks("r", (2**70,), (1,)))  # beyond msgpack's 64-bit integers
     with pytest.raises(EncodeError, match="not a protocol message"):
         codec.encode({"tag": "ack"})
 
