@@ -2,12 +2,14 @@
 
 A request's tokens go back to the proxy that sent it as `TokenDelta`s on a push channel to the proxy's
 address (`reply_to`); a failure mid-stream is pushed as an `Error` for that request. The engine sees
-token ids only: text, stop strings and response formats are the proxy's.
+token ids only: text, stop strings and response formats are the proxy's. The first delta of a request
+carries the stages it went through here (`RequestSpans`): embeddings fetched, queue and compute.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -15,6 +17,7 @@ import torch
 
 from epdserve.services.network import client_curve
 from epdserve.services.proxy_channels import ProxyChannels
+from epdserve.services.request_spans import RequestSpans
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.shared.engine.async_llm import AsyncLLM
 from epdserve.shared.config import EngineConfig, ServiceConfig
@@ -123,17 +126,20 @@ class EngineWorker:
             await self.llm.abort(request_id)
 
     # -- prompt to engine request -------------------------------------------------------------------
-    async def make_request(self, m: GenerateRequest | PrefillRequest | DecodeRequest,
+    async def make_request(self, m: GenerateRequest | PrefillRequest | DecodeRequest, spans: RequestSpans,
                            hold_kv: bool = False) -> Request | Error:
-        """The engine request for `m`, its image embeddings fetched from the encoders that hold them;
-        or the Error to answer with (a request id in use, bad input, embeddings out of reach)."""
+        """The engine request for `m`, its image embeddings fetched from the encoders that hold them (each
+        fetch an `embeddings.fetch` span); or the Error to answer with (a request id in use, bad input,
+        embeddings out of reach)."""
         if m.request_id in self._tasks:
             return bad_request(m.request_id, "request id already in use")
         try:
             embeddings = {}
             for ph in m.mm_placeholders:
                 if ph.mm_hash not in embeddings:
+                    started = time.monotonic()
                     embeddings[ph.mm_hash] = await self._fetch_embeddings(ph)
+                    spans.add("embeddings.fetch", started, time.monotonic(), embeddings[ph.mm_hash].nbytes)
             params = sampling_params_from_wire(m.sampling_params)
             return self.llm.make_request(
                 {"prompt_token_ids": list(m.prompt_token_ids)}, params, m.request_id,
@@ -152,15 +158,31 @@ class EngineWorker:
 
     # -- streaming back -----------------------------------------------------------------------------
     async def _start_generate(self, message: GenerateRequest) -> Message:
-        request = await self.make_request(message)
+        spans = RequestSpans(self.service.engine_id)
+        request = await self.make_request(message, spans)
         if isinstance(request, Error):
             return request
         self.metrics.local_prefills.inc()
-        return self.spawn_stream(request, lambda: self.llm.generate(request), message.reply_to)
+        return self.spawn_stream(request, lambda: self._timed(self.llm.generate(request), spans), message.reply_to,
+                                 spans)
+
+    @staticmethod
+    async def _timed(outputs: AsyncIterator[RequestOutput], spans: RequestSpans) -> AsyncIterator[RequestOutput]:
+        """`outputs` of a request this engine prefills; its queue and compute stages recorded by the first."""
+        try:
+            first = True
+            async for out in outputs:
+                if first:
+                    spans.add_engine_stages(out.metrics)
+                    first = False
+                yield out
+        finally:
+            await outputs.aclose()  # aborts the request in the engine if it did not finish
 
     def spawn_stream(self, request: Request, outputs: Callable[[], AsyncIterator[RequestOutput]],
-                     reply_to: str) -> Message:
-        """Stream `outputs()` to the proxy at `reply_to` in a task of its own; the answer to the request."""
+                     reply_to: str, spans: RequestSpans) -> Message:
+        """Stream `outputs()` to the proxy at `reply_to` in a task of its own; the answer to the request. The
+        first delta carries `spans`, as recorded by then."""
         request_id = request.group_id  # the id the proxy knows (a request with n > 1 has n sequences)
         try:
             push = self.proxies.acquire(reply_to)
@@ -168,7 +190,8 @@ class EngineWorker:
             return bad_request(request_id, str(exc))
         if push is None:
             return Error(ErrorCode.OVERLOADED, f"streams to {len(self.proxies)} proxies already", request_id, True)
-        task = asyncio.create_task(self._stream(request_id, outputs(), reply_to, request.sampling_params.logprobs,
+        task = asyncio.create_task(self._stream(request_id, outputs(), reply_to, spans,
+                                                request.sampling_params.logprobs,
                                                 request.sampling_params.prompt_logprobs))
         self._tasks[request_id] = task
 
@@ -180,7 +203,7 @@ class EngineWorker:
         return Ack(request_id)
 
     async def _stream(self, request_id: str, outputs: AsyncIterator[RequestOutput], reply_to: str,
-                      num_top: int | None, num_prompt_top: int | None = None) -> None:
+                      spans: RequestSpans, num_top: int | None, num_prompt_top: int | None = None) -> None:
         first = True
         try:
             async for out in outputs:
@@ -189,7 +212,8 @@ class EngineWorker:
                 self.proxies.send_soon(reply_to, TokenDelta(
                     request_id, tuple(completion.token_ids), logprobs_to_wire(out, num_top), reason,
                     completion.stop_reason, out.num_cached_tokens if first else None,
-                    prompt_logprobs_to_wire(out, num_prompt_top), index=completion.index))
+                    prompt_logprobs_to_wire(out, num_prompt_top), index=completion.index,
+                    trace=spans.take() if first else ()))
                 first = False
                 if out.finished:
                     self.metrics.finished(out)

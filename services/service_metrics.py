@@ -31,6 +31,8 @@ _BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                         240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# A request's KV pull: 64 KiB to 16 GiB, by factors of 4.
+TRANSFER_BYTE_BUCKETS = tuple(float(1 << b) for b in range(16, 35, 2))
 
 
 class _EngineCollector:
@@ -112,6 +114,12 @@ class ServiceMetrics:
                                           ITERATION_TOKEN_BUCKETS)
         self.transfer_bytes = counter("epdserve:kv_transfer_bytes", "Bytes of KV blocks and embeddings moved.")
         self.transfer_seconds = counter("epdserve:kv_transfer_seconds", "Seconds spent moving KV and embeddings.")
+        # Per request, beside the totals above (which also count embeddings): the counters' names are
+        # taken, hence `request_` as the other per-request histograms.
+        self.request_transfer_seconds = histogram("epdserve:request_kv_transfer_seconds",
+                                                  "Time of one request's KV pull from prefill.", _BUCKETS)
+        self.request_transfer_bytes = histogram("epdserve:request_kv_transfer_bytes",
+                                                "Bytes of one request's KV pull from prefill.", TRANSFER_BYTE_BUCKETS)
         self.transfer_failures = counter("epdserve:kv_transfer_failures", "Transfers that failed.")
         self.remote_kv_requests = counter("epdserve:remote_kv_requests", "Requests decoded on KV pulled from prefill.")
         self.remote_kv_blocks = counter("epdserve:remote_kv_blocks", "KV blocks pulled from prefill.")

@@ -11,15 +11,22 @@ have gone out already.
 
 A request with n > 1 is pulled once: its sequences fork from the one set of blocks, each continuing
 from the first token prefill sampled for it.
+
+Each handoff records its stages for the request's trace: `decode.queue` (arrival until blocks are
+reserved), `kv.transfer` (the pull, with its bytes and blocks), `decode.first_step` (KV in place until the
+first token decoded here); or, when the pull failed, `kv.recompute:<reason>` (the failure until the first
+token decoded on the recomputed prompt).
 """
 from __future__ import annotations
 
 import asyncio
 import enum
 import logging
+import re
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
+from epdserve.services.request_spans import RequestSpans
 from epdserve.shared.engine.outputs import RequestOutput
 from epdserve.transport.protocol import DecodeRequest, LeaseRenewed, RenewLease
 from epdserve.shared.engine.request import Request
@@ -52,12 +59,15 @@ class RemoteKVPull:
     """Reserve blocks here, fetch the missing ones from prefill, release prefill, decode; or recompute the
     prompt here when the KV cannot be had. One per DecodeRequest; `state` is changed by this object only."""
 
-    def __init__(self, worker: DecodeWorker, message: DecodeRequest, request: Request) -> None:
+    def __init__(self, worker: DecodeWorker, message: DecodeRequest, request: Request, spans: RequestSpans) -> None:
         self.worker = worker
         self.message = message
         self.request = request
+        self.spans = spans
         self.state = PullState.RESERVING
         self._renewal: asyncio.Task | None = None
+        self._kv_ready: float | None = None  # monotonic: when the prompt's KV was in place
+        self._failed: tuple[float, str] | None = None  # monotonic time and reason of a failed pull
         # Prefill's first token of each sequence (n > 1: of each of the n).
         self.first_tokens = [message.first_token, *message.other_first_tokens]
 
@@ -79,17 +89,27 @@ class RemoteKVPull:
         try:
             async for out in llm.generate_prefilled(self.request, self.first_tokens, self._fetch,
                                                     wait_timeout=self.worker.service.transport.transfer_timeout):
+                if self._kv_ready is not None:
+                    self.spans.add("decode.first_step", self._kv_ready, time.monotonic())
+                    self._kv_ready = None
                 yield out
         except PULL_ERRORS as exc:
             if self.state not in _HOLDING:
                 raise
-            logger.warning("request %s: KV pull from %s failed while %s (%s); recomputing the prompt here",
-                           m.request_id, m.kv_handle.kv_addr, self.state.value, exc)
+            reason = failure_reason(exc, self.state)
+            logger.warning("request %s: KV pull from %s failed while %s (%s: %s); recomputing the prompt here",
+                           m.request_id, m.kv_handle.kv_addr, self.state.value, reason, exc)
+            now = time.monotonic()
+            if self.state is PullState.RESERVING:  # it queued here until it gave up
+                self.spans.add("decode.queue", self.request.arrival_time, now)
+            self._failed = (now, reason)
             self._enter(PullState.RECOMPUTING)
 
     async def _fetch(self, reservation: RemoteKVReservation) -> None:
         """Pull the blocks this engine lacks into the reserved ones (the engine's `fill_kv`)."""
         self._enter(PullState.FETCHING)
+        started = time.monotonic()
+        self.spans.add("decode.queue", self.request.arrival_time, started)
         handle, metrics = self.message.kv_handle, self.worker.metrics
         remote = list(handle.block_ids[reservation.first_remote_block:])
         metrics.local_kv_hit_blocks.inc(reservation.first_remote_block)
@@ -100,10 +120,15 @@ class RemoteKVPull:
                     timeout=self.worker.service.transport.transfer_timeout)
             except PULL_ERRORS:
                 metrics.transfer_failures.inc()
+                self.spans.add("kv.transfer:failed", started, time.monotonic(), 0, len(remote))
                 raise
+            self.spans.add("kv.transfer", started, time.monotonic(), result.num_bytes, len(remote))
             metrics.transfer_bytes.inc(result.num_bytes)
             metrics.transfer_seconds.inc(result.seconds)
+            metrics.request_transfer_bytes.observe(result.num_bytes)
+            metrics.request_transfer_seconds.observe(result.seconds)
             metrics.remote_kv_blocks.inc(len(remote))
+        self._kv_ready = time.monotonic()
         self._enter(PullState.DECODING)
         metrics.remote_kv_requests.inc()
 
@@ -117,7 +142,12 @@ class RemoteKVPull:
             m.request_id,
             cache_salt=m.cache_salt, mm_placeholders=self.request.mm_placeholders,
             mm_embeddings=self.request.mm_embeddings)
+        failed, reason = self._failed or (time.monotonic(), "unknown")
+        first = True
         async for out in llm.generate_recomputed(fallback, self.first_tokens):
+            if first:
+                self.spans.add(f"kv.recompute:{reason}", failed, time.monotonic())
+                first = False
             yield out
 
     def _enter(self, state: PullState) -> None:
@@ -148,3 +178,11 @@ class RemoteKVPull:
                 return
             deadline = renewed.lease_deadline
             self.worker.metrics.lease_renewals.inc()
+
+
+def failure_reason(exc: BaseException, state: PullState) -> str:
+    """Why a pull failed, as a span name's suffix: `no_room` (no blocks free here in time), else the
+    error's kind (`blocks_not_found`: prefill released them or their lease ran out; `transfer_timeout`...)."""
+    if state is PullState.RESERVING:
+        return "no_room"
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower().removesuffix("_error")

@@ -17,6 +17,7 @@ from typing import Callable
 from epdserve.services.decode.remote_kv_pull import RemoteKVPull
 from epdserve.services.engine_worker import (EngineWorker, bad_request, control_client_kwargs, kv_transfer_client,
                                              start_engine)
+from epdserve.services.request_spans import RequestSpans
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.transport.protocol import Ack, DecodeRequest, Error, Handshake, Message, Release, Role
 from epdserve.transport.channel import ChannelError
@@ -51,10 +52,11 @@ class DecodeWorker(EngineWorker):
             return bad_request(m.request_id, "the KV handle does not cover the prompt")
         if len(m.other_first_tokens) != m.sampling_params.n - 1:
             return bad_request(m.request_id, "a decode request needs one first token per sequence (n)")
-        request = await self.make_request(m)
+        spans = RequestSpans(self.service.engine_id)
+        request = await self.make_request(m, spans)
         if isinstance(request, Error):
             return request
-        return self.spawn_stream(request, RemoteKVPull(self, m, request).outputs, m.reply_to)
+        return self.spawn_stream(request, RemoteKVPull(self, m, request, spans).outputs, m.reply_to, spans)
 
     def prefill_client(self, control_addr: str) -> RequestClient:
         client = self._prefill_clients.get(control_addr)

@@ -4,11 +4,15 @@ An EncodeRequest carries each image's bytes and the mm_hash the proxy computed. 
 the bytes itself and recomputes the hash: a peer cannot plant embeddings under another image's hash.
 Results live in a bounded LRU cache keyed by mm_hash, which the KV transfer server reads from; an image
 already cached costs nothing.
+
+EncodeDone carries the request's stages here: `encode` (the whole request, with the embeddings' bytes)
+and, for each image not cached, `encode.queue` (waiting for the model) and `encode.compute`.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,6 +21,7 @@ from typing import Callable
 import torch
 
 from epdserve.services.network import advertised, server_curve
+from epdserve.services.request_spans import RequestSpans
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.shared.engine.compute_threads import set_this_thread
 from epdserve.shared.config import ServiceConfig
@@ -106,21 +111,25 @@ class EncoderWorker:
                      getattr(message, "request_id", None))
 
     async def _encode(self, m: EncodeRequest) -> Message:
-        done = []
+        started = time.monotonic()
+        spans = RequestSpans(self.service.engine_id)
+        done, num_bytes = [], 0
         for item in m.items:
             cached = self.cache.get(item.mm_hash)
             if cached is None:
                 self.cache.misses += 1
                 try:
-                    cached = await self._compute(item.mm_hash, item.data)
+                    cached = await self._compute(item.mm_hash, item.data, spans)
                 except ValueError as exc:
                     return Error(ErrorCode.BAD_REQUEST, str(exc), m.request_id)
             else:
                 self.cache.hits += 1
             done.append(EncodedItem(item.mm_hash, cached.shape[0]))
-        return EncodeDone(m.request_id, tuple(done))
+            num_bytes += cached.nbytes
+        spans.add("encode", started, time.monotonic(), num_bytes)
+        return EncodeDone(m.request_id, tuple(done), trace=spans.take())
 
-    async def _compute(self, item_hash: str, data: bytes) -> torch.Tensor:
+    async def _compute(self, item_hash: str, data: bytes, spans: RequestSpans) -> torch.Tensor:
         def run() -> torch.Tensor:
             rgb = self.processor.load(data)
             if mm_hash(rgb, self.processor.config) != item_hash:
@@ -128,8 +137,12 @@ class EncoderWorker:
             # Kept on the host: the transfer server sends host bytes.
             return self.encoder.encode(self.processor.preprocess(rgb).unsqueeze(0))[0].cpu().contiguous()
 
+        queued = time.monotonic()
         async with self._lock:
+            computing = time.monotonic()
             embeddings = await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        spans.add("encode.queue", queued, computing)
+        spans.add("encode.compute", computing, time.monotonic(), embeddings.nbytes)
         self.cache.put(item_hash, embeddings)
         return embeddings
 

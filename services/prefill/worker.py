@@ -8,6 +8,9 @@ They are freed when decode sends Release, when the proxy aborts the request, or 
 
 A request with n > 1 is prefilled once and samples n first tokens, one per sequence (each with its own
 seed stream); the sequences share one set of prompt blocks, which is what decode pulls.
+
+PrefillDone carries the request's stages here: `embeddings.fetch` (per image), `prefill.queue` (arrival
+until first scheduled) and `prefill.compute` (first scheduled until the first token).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Callable
 from epdserve.services.engine_worker import (EngineWorker, bad_request, kv_layout, kv_transfer_client,
                                              start_engine)
 from epdserve.services.network import advertised, server_curve
+from epdserve.services.request_spans import RequestSpans
 from epdserve.shared.engine.async_llm import AsyncLLM
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.shared.engine.outputs import RequestOutput
@@ -88,7 +92,8 @@ class PrefillWorker(EngineWorker):
         rid = m.request_id
         if rid in self.leases:
             return bad_request(rid, "request id already in use")
-        request = await self.make_request(m, hold_kv=True)
+        spans = RequestSpans(self.service.engine_id)
+        request = await self.make_request(m, spans, hold_kv=True)
         if isinstance(request, Error):
             return request
         wants_more = request.max_output_tokens > 1
@@ -116,12 +121,14 @@ class PrefillWorker(EngineWorker):
         first_logprobs = self._first_logprobs(out, num_top)
         self.metrics.local_prefills.inc()
         self.metrics.finished(out)  # this engine's part ends here, whether or not decode goes on
+        spans.add_engine_stages(out.metrics)
         if all(f.outputs[0].finish_reason == "stop" for f in firsts.values()) or not wants_more:
             self.llm.call_soon(lambda e: e.release_kv(rid))
             others = tuple(FirstToken(f.outputs[0].token_ids[0], self._first_logprobs(f, num_top),
                                       FinishReason(f.outputs[0].finish_reason)) for _, f in sorted(firsts.items())[1:])
             return PrefillDone(rid, first, None, out.num_cached_tokens, FinishReason(completion.finish_reason),
-                               first_logprobs, other_first_tokens=others, prompt_logprobs=prompt_logprobs)
+                               first_logprobs, other_first_tokens=others, prompt_logprobs=prompt_logprobs,
+                               trace=spans.take())
         # The sequences share the prompt's blocks (those that stopped hold them too, until the release).
         others = tuple(FirstToken(f.outputs[0].token_ids[0], self._first_logprobs(f, num_top))
                        for _, f in sorted(firsts.items())[1:])
@@ -134,7 +141,7 @@ class PrefillWorker(EngineWorker):
         handle = KVHandle(self.service.engine_id, self.data_addr, tuple(block_ids), len(m.prompt_token_ids),
                           time.time() + self.service.lease_seconds, self.control_addr)
         return PrefillDone(rid, first, handle, out.num_cached_tokens, None, first_logprobs,
-                           other_first_tokens=others, prompt_logprobs=prompt_logprobs)
+                           other_first_tokens=others, prompt_logprobs=prompt_logprobs, trace=spans.take())
 
     @staticmethod
     def _first_logprobs(out: RequestOutput, num_top: int | None) -> TokenLogprobs | None:

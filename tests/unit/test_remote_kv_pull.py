@@ -2,11 +2,13 @@
 is released exactly once on every path, and that a failure after the KV is in place is never recomputed."""
 import asyncio
 import collections
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from epdserve.services.decode.remote_kv_pull import PullState, RemoteKVPull
+from epdserve.services.request_spans import RequestSpans
 from epdserve.transport.protocol import DecodeRequest, KVHandle, WireSamplingParams
 from epdserve.shared.engine.scheduler import RemoteKVReservation
 from epdserve.transport.kv_transfer import TransferError
@@ -15,9 +17,13 @@ from epdserve.transport.kv_transfer import TransferError
 class Counter:
     def __init__(self) -> None:
         self.value = 0
+        self.observed = []
 
     def inc(self, amount=1) -> None:
         self.value += amount
+
+    def observe(self, value) -> None:
+        self.observed.append(value)
 
 
 class FakeLLM:
@@ -62,14 +68,16 @@ def make_pull(llm, kv_client, control_addr="tcp://127.0.0.1:7"):
                              service=SimpleNamespace(transport=SimpleNamespace(transfer_timeout=5, rpc_timeout=5)))
     worker.metrics = SimpleNamespace(**{name: metrics[name] for name in (
         "local_kv_hit_blocks", "transfer_bytes", "transfer_seconds", "remote_kv_blocks", "remote_kv_requests",
-        "transfer_failures", "local_prefills", "lease_renewals")})
+        "transfer_failures", "local_prefills", "lease_renewals", "request_transfer_bytes",
+        "request_transfer_seconds")})
     worker.release_soon = lambda addr, rid: worker.releases.append((addr, rid))
     # The lease is far from its end: no renewal is due while these tests run.
     handle = KVHandle("prefill-0", "tcp://127.0.0.1:8", (3, 4, 5), 40, lease_deadline=1e12,
                       control_addr=control_addr)
     message = DecodeRequest("r1", tuple(range(40)), 9, handle, WireSamplingParams(), reply_to="tcp://127.0.0.1:9")
-    request = SimpleNamespace(request_id="r1", sampling_params=None, mm_placeholders=(), mm_embeddings=None)
-    return RemoteKVPull(worker, message, request), worker
+    request = SimpleNamespace(request_id="r1", sampling_params=None, mm_placeholders=(), mm_embeddings=None,
+                              arrival_time=time.monotonic())
+    return RemoteKVPull(worker, message, request, RequestSpans("decode-0")), worker
 
 
 def run(pull):
@@ -91,6 +99,11 @@ def test_a_pull_fetches_only_what_is_missing_then_releases_and_decodes():
     m = worker.metrics
     assert (m.local_kv_hit_blocks.value, m.remote_kv_blocks.value, m.remote_kv_requests.value) == (1, 2, 1)
     assert m.local_prefills.value == 0
+    assert m.request_transfer_bytes.observed == [100] and m.request_transfer_seconds.observed == [0.01]
+    spans = pull.spans.take()
+    assert [s.name for s in spans] == ["decode.queue", "kv.transfer", "decode.first_step"]
+    assert (spans[1].num_bytes, spans[1].num_blocks, spans[1].engine_id) == (100, 2, "decode-0")
+    assert all(a.end <= b.start + 1e-3 and a.start <= a.end for a, b in zip(spans, spans[1:]))
 
 
 @pytest.mark.parametrize("llm, kv, failed_while", [
@@ -105,6 +118,12 @@ def test_a_failed_pull_releases_prefill_once_and_recomputes(llm, kv, failed_whil
     assert worker.metrics.local_prefills.value == 1 and worker.metrics.remote_kv_requests.value == 0
     assert worker.metrics.transfer_failures.value == (failed_while is PullState.FETCHING)
     assert f"failed while {failed_while.value}" in caplog.text
+    names = [s.name for s in pull.spans.take()]
+    if failed_while is PullState.FETCHING:
+        assert names == ["decode.queue", "kv.transfer:failed", "kv.recompute:transfer"]
+    else:
+        assert names == ["decode.queue", "kv.recompute:no_room"]
+    assert not worker.metrics.request_transfer_bytes.observed  # only pulls that brought KV are observed
 
 
 def test_a_failure_once_the_kv_is_in_place_is_the_requests_not_a_recompute():
