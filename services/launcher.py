@@ -90,6 +90,8 @@ class StackConfig:
     # cannot exchange embeddings or KV blocks.
     kv_transport: str = "zmq"
     ucx_net_devices: str = "all"
+    otlp_traces_endpoint: str | None = None  # the proxy's --otlp-traces-endpoint
+    request_trace: bool = False  # the proxy's --request-trace
 
 
 class LocalStack:
@@ -126,6 +128,10 @@ class LocalStack:
                 targets[role].append(f"127.0.0.1:{port}")
         proxy = [*base, "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port), *drain,
                  "--routing-policy", c.routing_policy]
+        if c.otlp_traces_endpoint:
+            proxy += ["--otlp-traces-endpoint", c.otlp_traces_endpoint]
+        if c.request_trace:
+            proxy.append("--request-trace")
         for role, addrs in targets.items():
             if addrs:
                 proxy += [f"--{role}", ",".join(addrs)]

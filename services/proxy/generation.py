@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, NamedTuple, Protocol
 
-from epdserve.transport.protocol import TokenLogprobs
+from epdserve.transport.protocol import TokenLogprobs, TraceSpan
 from epdserve.shared.engine.sampling_params import SamplingParams
 
 
@@ -42,6 +42,9 @@ class Chunk(NamedTuple):
     # Set on the first chunk with prompt_logprobs: one per prompt token after the first.
     prompt_logprobs: list[TokenLogprobs] | None = None
     index: int = 0  # which of the request's n sequences (SamplingParams.n) the tokens belong to
+    # Stages of the request the services (and the proxy's calls to them) timed until this chunk: on the
+    # first chunk, and on the first of decode's (see tracing.py).
+    trace: tuple[TraceSpan, ...] = ()
 
 
 class GenerationError(Exception):

@@ -22,12 +22,17 @@ that goes away cancels the request's task: whatever a service may have accepted 
 leaving a stream early (client gone, stop string) aborts the request on every service that holds it.
 When the proxy's drain grace runs out (`cut`), every request still waiting on a service ends the same way,
 with the cut's error.
+
+The spans services return (EncodeDone, PrefillDone, a stream's first TokenDelta), with `proxy.encode` and
+`proxy.prefill` (each call as this proxy waited for it), ride on the chunks to the OpenAI layer, which
+assembles the request's trace (tracing.py).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable, NamedTuple
 
@@ -39,7 +44,7 @@ from epdserve.services.proxy.kv_routing import KVRoutingConfig, RoutingPolicy
 from epdserve.services.proxy.router import Instance, Route, Router, prefix_key
 from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error, GenerateRequest,
                                       MMItem, MMPlaceholder, PrefillDone, PrefillRequest, Role, TokenDelta,
-                                      TokenDeltas)
+                                      TokenDeltas, TraceSpan)
 from epdserve.shared.engine.block_hash import extend_block_hashes
 from epdserve.shared.engine.wire import sampling_params_to_wire
 from epdserve.transport.channel import ChannelError
@@ -77,8 +82,9 @@ class ServiceBackend:
 
     def __init__(self, router: Router, inbox: PullChannel, config: LifecycleConfig, bind_host: str = "127.0.0.1",
                  advertise_host: str | None = None, routed: Callable[[str, str], None] = lambda path, reason: None,
-                 ) -> None:
+                 engine_id: str = "proxy") -> None:
         self.router = router
+        self.engine_id = engine_id  # on the proxy's own spans
         self.routed = routed  # (path, reason) of each request, for the metrics
         self.inbox = inbox
         self.config = config
@@ -136,7 +142,8 @@ class ServiceBackend:
         if self.router.disaggregated and not self.router.pool(Role.DECODE).healthy():
             # Checked first: prefill would otherwise stream a first token that nobody can continue.
             raise GenerationError("no healthy decode instance", 503, "ServiceUnavailableError")
-        placeholders = await self._encode(gen) if gen.images else ()
+        spans: list[TraceSpan] = []  # the encoders', and proxy.encode: they ride on the first chunk
+        placeholders = await self._encode(gen, spans) if gen.images else ()
         plan = self._plan(gen, placeholders)
         self.routed(plan.path, plan.reason)
         if plan.path == "prefill_decode":
@@ -146,9 +153,15 @@ class ServiceBackend:
                                        plan.route)
         try:
             async for chunk in stream:
+                if spans:
+                    chunk, spans = chunk._replace(trace=(*spans, *chunk.trace)), []
                 yield chunk
         finally:
             await stream.aclose()
+
+    def _span(self, name: str, start: float) -> TraceSpan:
+        """A span of this proxy's from `start` (Unix seconds) until now."""
+        return TraceSpan(name, self.engine_id, start, time.time())
 
     def _plan(self, gen: GenerateInput, placeholders: tuple[MMPlaceholder, ...]) -> _Plan:
         prompt = gen.prompt_token_ids
@@ -173,15 +186,17 @@ class ServiceBackend:
                 return _Plan("decode_only", "decode_holds_prefix", route, affinity)
         return _Plan("prefill_decode", reason, route, affinity)
 
-    async def _encode(self, gen: GenerateInput) -> tuple[MMPlaceholder, ...]:
+    async def _encode(self, gen: GenerateInput, spans: list[TraceSpan]) -> tuple[MMPlaceholder, ...]:
         if not self.router.pool(Role.ENCODER).configured:
             raise GenerationError("this deployment has no encoder: image inputs are not served", 400,
                                   "BadRequestError")
         placeholders = []
         for image in gen.images:
             request = EncodeRequest(gen.request_id, (MMItem(image.mm_hash, image.data),))
+            started = time.time()
             instance, done = await self._failover.call(Role.ENCODER, Route(key=image.mm_hash.encode()), request,
                                                        self.config.rpc_timeout, EncodeDone)
+            spans += [self._span("proxy.encode", started), *done.trace]
             if done.items[0].num_tokens != image.length:
                 raise GenerationError(f"the encoder made {done.items[0].num_tokens} embeddings for an image with "
                                       f"{image.length} placeholder tokens", 500)
@@ -190,13 +205,15 @@ class ServiceBackend:
 
     async def _disaggregated(self, gen: GenerateInput, placeholders, plan: _Plan) -> AsyncIterator[Chunk]:
         wire = sampling_params_to_wire(gen.params)
+        started = time.time()
         prefill, done = await self._failover.call(
             Role.PREFILL, plan.prefill_route,
             PrefillRequest(gen.request_id, tuple(gen.prompt_token_ids), wire, placeholders, gen.cache_salt),
             self.config.prefill_timeout, PrefillDone)
         first = Chunk([done.first_token], [done.first_logprobs] if done.first_logprobs else [],
                       done.finish_reason.value if done.finish_reason else None, None, done.num_cached_tokens,
-                      list(done.prompt_logprobs) if done.prompt_logprobs else None)
+                      list(done.prompt_logprobs) if done.prompt_logprobs else None,
+                      trace=(self._span("proxy.prefill", started), *done.trace))
         # n > 1: every sequence's first token, sampled by prefill from the one prefill of the prompt.
         firsts = [first] + [Chunk([f.token_id], [f.logprobs] if f.logprobs else [],
                                   f.finish_reason.value if f.finish_reason else None, index=i)
@@ -255,7 +272,8 @@ class ServiceBackend:
                 finished = not unfinished
                 yield Chunk(list(message.token_ids), list(message.logprobs),
                             message.finish_reason.value if message.finish_reason else None, message.stop_reason,
-                            message.num_cached_tokens, list(message.prompt_logprobs) or None, message.index)
+                            message.num_cached_tokens, list(message.prompt_logprobs) or None, message.index,
+                            message.trace)
         finally:
             self._streams.pop(rid, None)
             if instance is not None:

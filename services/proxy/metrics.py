@@ -4,7 +4,8 @@ The proxy sees every request once, whichever engines served it (and however ofte
 its series are the request-level ones: `request_success_total` is the request count (engines report
 their share as `engine_requests_finished_total`), with TTFT, ITL, TPOT and end-to-end latency as the
 client saw them, token counts, request lengths and parameters. `http_responses_total` counts every HTTP
-response by status, errors refused before any engine was involved included. See
+response by status, errors refused before any engine was involved included. `request_stage_seconds`
+breaks requests down by stage (`stage`: a span name of their traces, see tracing.py). See
 services/service_metrics.py for the engines' series.
 """
 from __future__ import annotations
@@ -79,6 +80,9 @@ class ProxyMetrics:
             self.registry.register(_ReadAtScrape("epdserve:inbox_rejected_frames",
                                                  "Frames the proxy's inbox dropped as malformed, oversized or "
                                                  "unknown.", model_name, rejected_frames))
+        self._stages = Histogram("epdserve:request_stage_seconds", "Time requests spent in each stage of their "
+                                 "traces (proxy.request, prefill.queue, kv.transfer, ...), one observation per "
+                                 "span.", labels + ["stage"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.running = Gauge("epdserve:num_requests_running", "Requests in flight at this proxy.", labels,
                              registry=self.registry).labels(model_name)
         self.model_name = model_name
@@ -107,6 +111,9 @@ class ProxyMetrics:
 
     def aborted(self, reason: str) -> None:
         self._aborts.labels(self.model_name, reason).inc()
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        self._stages.labels(self.model_name, stage).observe(seconds)
 
     def routed(self, path: str, reason: str) -> None:
         self._routes.labels(self.model_name, path, reason).inc()

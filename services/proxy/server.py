@@ -24,6 +24,7 @@ from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.prefix_index import PrefixIndex
 from epdserve.services.proxy.router import RolePool, Router
 from epdserve.services.proxy.serving import OpenAIServing
+from epdserve.services.proxy.tracing import OTelExport, Tracer, check_otlp_endpoint
 from epdserve.services.network import client_curve, server_curve
 from epdserve.shared.config import ModelConfig, TransportConfig
 from epdserve.transport.protocol import MAY_SEND, Role
@@ -64,6 +65,10 @@ class ProxyConfig:
     # `data: [DONE]` for a stream). A pod's terminationGracePeriodSeconds must exceed it.
     drain_timeout: float = 10.0
     tool_call_parser: str = "hermes"  # see tool_parsers.TOOL_PARSERS
+    # Each request's trace (tracing.py): exported over OTLP/HTTP to this URL (None: not exported), and
+    # returned in its response (`epdserve_trace`) when `request_trace`.
+    otlp_traces_endpoint: str | None = None
+    request_trace: bool = False
 
     def __post_init__(self):
         if self.drain_timeout < 0:
@@ -74,6 +79,8 @@ class ProxyConfig:
             raise ValueError("give either --unified instances or --prefill/--decode instances, not both")
         if not self.unified and not self.decodes:
             raise ValueError("a disaggregated deployment needs at least one --decode instance")
+        if self.otlp_traces_endpoint:
+            check_otlp_endpoint(self.otlp_traces_endpoint)
 
     @property
     def model_name(self) -> str:
@@ -86,8 +93,8 @@ def is_multimodal(model_path: str) -> bool:
 
 
 async def build_proxy(config: ProxyConfig):
-    """(app, router, backend, drain): the app is ready to serve once `router.start()` and `backend.start()`
-    ran; `drain.run()` shuts it down gracefully."""
+    """(app, router, backend, drain, tracer): the app is ready to serve once `router.start()` and
+    `backend.start()` ran; `drain.run()` shuts it down gracefully; `tracer.shutdown()` sends the last traces."""
     model_config = ModelConfig.from_pretrained(config.model)
     tokenizer = load_tokenizer(config.model)
     if tokenizer is None:
@@ -110,7 +117,10 @@ async def build_proxy(config: ProxyConfig):
     metrics = ProxyMetrics(config.model_name, rejected_frames=lambda: inbox.num_rejected)
     if index is not None:
         metrics.watch_prefix_index(index)
-    backend = ServiceBackend(router, inbox, config.lifecycle, config.host, config.advertise_host, metrics.routed)
+    backend = ServiceBackend(router, inbox, config.lifecycle, config.host, config.advertise_host, metrics.routed,
+                             engine_id)
+    export = OTelExport.otlp(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
+    tracer = Tracer(engine_id, metrics.observe_stage, export)
     chat_encoder = None
     if is_multimodal(config.model):
         chat_encoder = MultimodalChatEncoder(tokenizer, config.model, ImageFetcher(
@@ -118,7 +128,8 @@ async def build_proxy(config: ProxyConfig):
             allow_private=config.allow_private_image_urls))
     serving = OpenAIServing(config.model_name, tokenizer, backend, model_config.max_model_len,
                             model_config.vocab_size, metrics, chat_encoder,
-                            response_timeout=config.lifecycle.token_timeout, tool_call_parser=config.tool_call_parser)
+                            response_timeout=config.lifecycle.token_timeout, tool_call_parser=config.tool_call_parser,
+                            tracer=tracer, request_trace=config.request_trace)
 
     drain = Drain(config.drain_timeout)
     drain.on_cut(backend.cut)
@@ -129,7 +140,7 @@ async def build_proxy(config: ProxyConfig):
 
     app = DrainGate(build_app(serving, metrics, config.api_key, readiness, config.max_request_body_bytes), drain,
                     metrics.responded)
-    return app, router, backend, drain
+    return app, router, backend, drain, tracer
 
 
 class _Server(uvicorn.Server):
@@ -141,7 +152,7 @@ class _Server(uvicorn.Server):
 
 
 async def run_proxy(config: ProxyConfig) -> None:
-    app, router, backend, drain = await build_proxy(config)
+    app, router, backend, drain, tracer = await build_proxy(config)
     await backend.start()
     await router.start()
     # Requests are over when the drain ends; the shutdown's own timeout only bounds idle connections.
@@ -172,3 +183,4 @@ async def run_proxy(config: ProxyConfig) -> None:
             loop.remove_signal_handler(sig)
         await router.close()
         await backend.close()
+        await asyncio.to_thread(tracer.shutdown)  # the exporter's last batch, sent from its own thread

@@ -1,7 +1,9 @@
 """The OpenAI layer: requests in, token chunks through the backend, OpenAI-shaped responses out.
 
 It owns everything textual: tokenization and chat templates on the way in; incremental detokenization,
-stop strings, logprob formatting and usage on the way out. Services only ever see token ids.
+stop strings, logprob formatting and usage on the way out. Services only ever see token ids. Each request's
+trace (tracing.py) is assembled here, from its arrival to its last token; with `request_trace` it is
+returned as the response's `epdserve_trace` field (one entry per prompt; streamed: in the last chunk).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from epdserve.services.proxy.chat_tools import ChatAnswer
 from epdserve.services.proxy.openai_protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from epdserve.services.proxy.output_constraints import ConstraintError
 from epdserve.services.proxy.prompt_logprobs import Echo, echo_logprobs, vllm_prompt_logprobs
+from epdserve.services.proxy.tracing import RequestTrace, Tracer
 from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
 from epdserve.transport.protocol import TokenLogprobs
 from epdserve.shared.engine.sampling_params import SamplingParams
@@ -43,9 +46,11 @@ ChatEncoder = Callable[[list[dict], bool, dict], Awaitable["tuple[list[int], lis
 class OpenAIServing:
     def __init__(self, model_name: str, tokenizer: Tokenizer, backend: Backend, max_model_len: int, vocab_size: int,
                  metrics: ProxyMetrics, chat_encoder: ChatEncoder | None = None,
-                 response_timeout: float = 600.0, tool_call_parser: str = "hermes") -> None:
+                 response_timeout: float = 600.0, tool_call_parser: str = "hermes", tracer: Tracer | None = None,
+                 request_trace: bool = False) -> None:
         """`response_timeout`: seconds an HTTP request may wait for its answer (a stream's first event, or a
-        whole non-streamed body) before it fails with 504."""
+        whole non-streamed body) before it fails with 504. `tracer`: where each request's trace goes (default:
+        the DEBUG log and the stage histogram); `request_trace`: also return it in the response."""
         self.model_name = model_name
         self.vocab_size = vocab_size  # the model's, which may exceed the tokenizer's (padded embeddings)
         self.metrics = metrics
@@ -55,6 +60,8 @@ class OpenAIServing:
         self.chat_encoder = chat_encoder
         self.response_timeout = response_timeout
         self.tool_call_parser = tool_call_parser  # reads calls out of the text when tool_choice is auto
+        self.tracer = tracer or Tracer(observe_stage=metrics.observe_stage)
+        self.request_trace = request_trace
 
     # -- input --------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -141,20 +148,25 @@ class OpenAIServing:
             raise BadRequest(f"token ids must be in [0, {self.vocab_size})", param=param)
 
     # -- running ------------------------------------------------------------------------------------
-    async def _run(self, gen: GenerateInput, sampling: SamplingParams, first_index: int = 0) -> AsyncIterator[Choice]:
+    async def _run(self, gen: GenerateInput, sampling: SamplingParams, trace: RequestTrace,
+                   first_index: int = 0) -> AsyncIterator[Choice]:
         """Yield a sequence's result after each chunk of it (n > 1: the n sequences' interleave; choice index
         `first_index` + the sequence's); stops the backend stream once every sequence has finished, a stop
-        string included (with n > 1 the engine runs a sequence a stop string ended here to its own end)."""
+        string included (with n > 1 the engine runs a sequence a stop string ended here to its own end).
+        The chunks' spans go into `trace`, which is closed (logged, exported) when the request ends."""
         results = [Choice(IncrementalDetokenizer(self.tokenizer.fast, sampling.stop,
                                                   sampling.include_stop_str_in_output, sampling.skip_special_tokens),
                            sampling, first_index + i) for i in range(sampling.n)]
         m = self.metrics
         start = last = time.monotonic()
         ttft = None
+        trace_error: str | None = "ended before its last token (the client went away)"
         m.running.inc()
         stream = self.backend.generate(gen)
         try:
             async for chunk in stream:
+                if chunk.trace:
+                    trace.add(chunk.trace)
                 result = results[chunk.index]
                 if result.finished:
                     continue
@@ -162,6 +174,7 @@ class OpenAIServing:
                 if ttft is None:
                     ttft = now - start
                     m.ttft.observe(ttft)
+                    trace.add_own("proxy.first_token", trace.start)
                 elif chunk.token_ids:
                     for _ in chunk.token_ids:
                         m.itl.observe((now - last) / len(chunk.token_ids))
@@ -173,21 +186,26 @@ class OpenAIServing:
                 yield result
                 if all(r.finished for r in results):
                     break
+            trace_error = None if all(r.finished for r in results) else "ended without a finish reason"
         except GenerationError as exc:
+            trace_error = str(exc)
             m.failed(exc.status)
             raise
         finally:
             m.running.dec()
             await stream.aclose()  # aborts the request on the services if it did not finish there
+            self.tracer.close(trace, trace_error)
         if not all(r.finished for r in results):
             m.failed(502)
             raise GenerationError("the request ended without a finish reason", 502, "BadGatewayError")
         m.finished(results[0].finish_reason, len(gen.prompt_token_ids), max(r.num_cached_tokens for r in results),
                    sum(len(r.token_ids) for r in results), sampling, time.monotonic() - start, ttft)
 
-    async def _run_all(self, gens: list[GenerateInput], samplings: list[SamplingParams]) -> AsyncIterator[Choice]:
+    async def _run_all(self, gens: list[GenerateInput], samplings: list[SamplingParams],
+                       traces: list[RequestTrace]) -> AsyncIterator[Choice]:
         """`_run` for each prompt's request, side by side: choice indices prompt_index * n + i."""
-        streams = [self._run(gen, sampling, i * sampling.n) for i, (gen, sampling) in enumerate(zip(gens, samplings))]
+        streams = [self._run(gen, sampling, trace, i * sampling.n)
+                   for i, (gen, sampling, trace) in enumerate(zip(gens, samplings, traces))]
         async for result in merge(streams):
             yield result
 
@@ -207,6 +225,7 @@ class OpenAIServing:
 
     # -- /v1/completions ----------------------------------------------------------------------------
     async def completion(self, req: CompletionRequest, request_id: str) -> dict | AsyncIterator[str]:
+        arrived = time.time()
         self.check_model(req.model)
         self.log_unknown_fields(req, request_id)
         try:
@@ -233,9 +252,10 @@ class OpenAIServing:
         created = int(time.time())
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
         as_ids = req.return_tokens_as_token_ids
+        traces = [self.tracer.new(gen.request_id, arrived) for gen in gens]
         if req.stream:
-            return self._stream_completion(gens, samplings, head, echoes, req.include_usage, as_ids)
-        results = await self._finals(self._run_all(gens, samplings))
+            return self._stream_completion(gens, samplings, head, echoes, req.include_usage, as_ids, traces)
+        results = await self._finals(self._run_all(gens, samplings, traces))
         returned = results
         if req.best_of is not None:
             per_prompt = gens[0].params.n
@@ -256,7 +276,7 @@ class OpenAIServing:
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(ids, result.prompt_logprobs, self._token_text)
             choices.append(choice)
-        return head | {"choices": choices, "usage": self._usage(gens, results, echoes[0])}
+        return head | {"choices": choices, "usage": self._usage(gens, results, echoes[0])} | self._trace_field(traces)
 
     def _echo_logprobs(self, echo: Echo, result: Choice, as_ids: bool) -> dict:
         return echo_logprobs(echo, result.prompt_logprobs, lambda t: self._token_label(t, as_ids), self._token_text)
@@ -267,11 +287,14 @@ class OpenAIServing:
             return {"finish_reason": "length", "stop_reason": None}
         return {"finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
 
-    async def _stream_completion(self, gens, samplings, head, echoes, include_usage, as_ids) -> AsyncIterator[str]:
+    async def _stream_completion(self, gens, samplings, head, echoes, include_usage, as_ids,
+                                 traces) -> AsyncIterator[str]:
         n = gens[0].params.n
         offsets: dict[int, int] = {}  # choice index -> text sent so far (its echo included)
         finals: dict[int, Choice] = {}
-        async for result in self._run_all(gens, samplings):
+        echo_only = bool(echoes[0] and echoes[0].only)  # then the last chunks come after the loop
+        ended: set[int] = set()  # choices whose last chunk is out (their results change on, meanwhile)
+        async for result in self._run_all(gens, samplings, traces):
             index, echo = result.index, echoes[result.index // n]
             finals[index] = result
             if index not in offsets:  # the prompt's logprobs come with the first token
@@ -289,16 +312,23 @@ class OpenAIServing:
             lp = self._completion_logprobs(tokens, logprobs, offsets[index], as_ids) \
                 if result.params.logprobs is not None else None
             offsets[index] += len(text)
+            if result.finished:
+                ended.add(index)
+            last = not include_usage and not echo_only and len(ended) == len(gens) * n
             yield _sse(head | {"choices": [{"index": index, "text": text, "logprobs": lp,
                                             "finish_reason": result.finish_reason,
-                                            "stop_reason": result.stop_reason}]})
+                                            "stop_reason": result.stop_reason}]}
+                       | (self._trace_field(traces) if last else {}))
         for index, result in sorted(finals.items()):
             echo = echoes[index // n]
             if echo and echo.only:
+                last = not include_usage and index == max(finals)
                 yield _sse(head | {"choices": [{"index": index, "text": "", "logprobs": None,
-                                                **self._finish(result, echo)}]})
+                                                **self._finish(result, echo)}]}
+                           | (self._trace_field(traces) if last else {}))
         if include_usage:
-            yield _sse(head | {"choices": [], "usage": self._usage(gens, list(finals.values()), echoes[0])})
+            yield _sse(head | {"choices": [], "usage": self._usage(gens, list(finals.values()), echoes[0])}
+                       | self._trace_field(traces))
         yield "data: [DONE]\n\n"
 
     def _completion_logprobs(self, tokens: list[int], logprobs: list[TokenLogprobs], offset: int,
@@ -315,6 +345,7 @@ class OpenAIServing:
 
     # -- /v1/chat/completions -----------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict | AsyncIterator[str]:
+        arrived = time.time()
         self.check_model(req.model)
         self.log_unknown_fields(req, request_id)
         ids, images = await self.encode_chat(req)
@@ -323,10 +354,11 @@ class OpenAIServing:
         sampling = self.with_prompt_logprobs(sampling, req.prompt_logprobs)
         gen = self._input(_internal_id(request_id), ids, sampling, images, req.cache_salt)
         head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
+        trace = self.tracer.new(gen.request_id, arrived)
         if req.stream:
             return self._stream_chat(gen, sampling, head | {"object": "chat.completion.chunk"}, req.include_usage,
-                                     req.return_tokens_as_token_ids, lambda: self._chat_answer(req))
-        results = await self._finals(self._run(gen, sampling))
+                                     req.return_tokens_as_token_ids, lambda: self._chat_answer(req), trace)
+        results = await self._finals(self._run(gen, sampling, trace))
         choices = []
         for result in results:
             text, tokens, logprobs = result.take_delta()
@@ -339,13 +371,14 @@ class OpenAIServing:
         body = head | {"choices": choices, "usage": self._usage([gen], results)}
         if req.prompt_logprobs is not None:  # vLLM's extension, beside the choices as there
             body["prompt_logprobs"] = vllm_prompt_logprobs(ids, results[0].prompt_logprobs, self._token_text)
-        return body
+        return body | self._trace_field([trace])
 
     async def _stream_chat(self, gen, sampling, head, include_usage, as_ids,
-                           new_answer: Callable[[], ChatAnswer]) -> AsyncIterator[str]:
+                           new_answer: Callable[[], ChatAnswer], trace: RequestTrace) -> AsyncIterator[str]:
         finals: dict[int, Choice] = {}
         texts: dict[int, tuple[str, ChatAnswer]] = {}  # choice index -> (its text so far, its answer parser)
-        async for result in self._run(gen, sampling):
+        ended: set[int] = set()  # choices whose last chunk is out
+        async for result in self._run(gen, sampling, trace):
             index = result.index
             finals[index] = result
             if result.sent_tokens == 0:  # announce the role once the request is known to run
@@ -361,11 +394,16 @@ class OpenAIServing:
             delta = answer.delta(full_text, result.finished)
             if not delta and not tokens and not result.finished:
                 continue  # text held back (a tool call being parsed) and nothing else to say
+            if result.finished:
+                ended.add(index)
+            last = not include_usage and len(ended) == sampling.n
             yield _sse(head | {"choices": [{"index": index, "delta": delta,
                                             "logprobs": lp, "finish_reason": answer.finish_reason(result.finish_reason),
-                                            "stop_reason": result.stop_reason}]})
+                                            "stop_reason": result.stop_reason}]}
+                       | (self._trace_field([trace]) if last else {}))
         if include_usage:
-            yield _sse(head | {"choices": [], "usage": self._usage([gen], list(finals.values()))})
+            yield _sse(head | {"choices": [], "usage": self._usage([gen], list(finals.values()))}
+                       | self._trace_field([trace]))
         yield "data: [DONE]\n\n"
 
     def _chat_logprobs(self, tokens: list[int], logprobs: list[TokenLogprobs], as_ids: bool) -> list[dict]:
@@ -377,6 +415,15 @@ class OpenAIServing:
                 for t, lp in zip(tokens, logprobs)]
 
     # -- shared -------------------------------------------------------------------------------------
+    def _trace_field(self, traces: list[RequestTrace]) -> dict:
+        """`epdserve_trace` (with request_trace): each prompt's trace, ended now if it is not yet (the last
+        chunk of a stream leaves before its request's end is recorded)."""
+        if not self.request_trace:
+            return {}
+        for trace in traces:
+            trace.finish()
+        return {"epdserve_trace": [trace.breakdown() for trace in traces]}
+
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.fast.decode([token_id], skip_special_tokens=False)
 
