@@ -118,6 +118,10 @@ def _add_result_options(out) -> None:
     out.add_argument("--result-filename", help="JSON file name (several rates: _<rate>qps is inserted)")
     out.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="recorded in the JSON")
     out.add_argument("--save-detailed", action="store_true", help="also keep every generated text")
+    out.add_argument("--trace", action="store_true",
+                     help="record each request's server-side breakdown (an epdserve proxy started with "
+                          "--request-trace sends it) in the JSON's `traces`, and summarize the KV transfer: "
+                          "median time, bytes, and share of TTFT")
     out.add_argument("--no-plot", action="store_true", help="write no PNG plots")
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
@@ -210,6 +214,14 @@ def print_summary(result: dict, percentiles: list[float], metrics: list[str]) ->
         for p in percentiles:
             key = percentile_key(p)
             row(f"{key.upper()} {short} (ms):", result[f"{key}_{metric}_ms"], "{:<10.2f}")
+    if "traced_requests" in result:
+        print("{:-^50}".format("Server-side traces"))
+        row("Traced requests:", result["traced_requests"])
+        row("Requests that pulled KV:", result["kv_transfer_requests"])
+        row("Requests that recomputed the prompt:", result["kv_recompute_requests"])
+        row("Median KV transfer (ms):", result["median_kv_transfer_ms"], "{:<10.2f}")
+        row("Median KV transfer (bytes):", result["median_kv_transfer_bytes"], "{:<10.0f}")
+        row("Median KV transfer / TTFT:", result["median_kv_transfer_ttft_ratio"], "{:<10.3f}")
     print("=" * 50, flush=True)
 
 
@@ -324,6 +336,14 @@ def _record_run(args: argparse.Namespace, report: _ReportOptions, header: dict, 
         **metrics.summarize(outputs, duration, report.percentiles, report.metrics, report.goodput),
         **metrics.per_request(outputs, args.save_detailed),
     }
+    if args.trace:
+        result |= metrics.trace_summary(outputs)
+        result.setdefault("traces", [None] * len(outputs))
+        if not result["traced_requests"]:
+            print("--trace: no response carried epdserve_trace (start the proxy, or `epdserve up`, with "
+                  "--request-trace)", file=sys.stderr)
+    else:
+        result.pop("traces", None)
     print_summary(result, report.percentiles, report.metrics)
     for e in [e for e in result["errors"] if e][:5]:
         print(f"error: {e}", file=sys.stderr)

@@ -11,6 +11,11 @@ Definitions follow `vllm bench serve` so numbers and JSON fields compare one to 
 
 Times are seconds in `RequestOutput`; every reported statistic is in milliseconds. Percentiles are
 numpy's linear interpolation; an empty sample reports 0, as vLLM does.
+
+With `--trace` (an epdserve proxy run with --request-trace), each request also keeps the server's
+breakdown of it (`epdserve_trace`: spans of the proxy, prefill, KV transfer, decode...), and the summary
+says what the KV transfer cost: over the requests that pulled KV, the median transfer time and bytes, and
+the median of each request's transfer time over its TTFT.
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ class RequestOutput:
     turn: int | None = None  # multi-turn conversations: 0 for a conversation's first request
     generated_text: str = ""
     error: str = ""
+    # The server's breakdown (`epdserve_trace`: one trace per prompt, each {"request_id", "spans"}), if sent.
+    trace: list[dict] | None = None
 
     @property
     def tpot(self) -> float:
@@ -168,4 +175,31 @@ def per_request(outputs: list[RequestOutput], with_texts: bool = False) -> dict[
         arrays["turns"] = [o.turn for o in outputs]
     if with_texts:
         arrays["generated_texts"] = [o.generated_text for o in outputs]
+    if any(o.trace is not None for o in outputs):
+        arrays["traces"] = [o.trace for o in outputs]
     return arrays
+
+
+def kv_transfer(output: RequestOutput) -> tuple[float, int] | None:
+    """(seconds, bytes) of a request's KV pulls (its `kv.transfer` spans), or None if it pulled none."""
+    spans = [span for trace in output.trace or () for span in trace.get("spans", ()) if span["name"] == "kv.transfer"]
+    if not spans:
+        return None
+    return sum(span["end"] - span["start"] for span in spans), sum(span["num_bytes"] for span in spans)
+
+
+def trace_summary(outputs: list[RequestOutput]) -> dict:
+    """What the server's traces say about the KV transfer, over the completed requests that sent one."""
+    traced = [o for o in outputs if o.success and o.trace]
+    pulls = [(o, pulled) for o in traced if (pulled := kv_transfer(o)) is not None]
+    recomputes = sum(any(span["name"].startswith("kv.recompute") for trace in o.trace for span in trace["spans"])
+                     for o in traced)
+    median = lambda values: float(np.median(values)) if values else 0.0  # noqa: E731
+    return {
+        "traced_requests": len(traced),
+        "kv_transfer_requests": len(pulls),
+        "kv_recompute_requests": recomputes,
+        "median_kv_transfer_ms": median([seconds * 1000.0 for _, (seconds, _) in pulls]),
+        "median_kv_transfer_bytes": median([num_bytes for _, (_, num_bytes) in pulls]),
+        "median_kv_transfer_ttft_ratio": median([seconds / o.ttft for o, (seconds, _) in pulls if o.ttft > 0]),
+    }

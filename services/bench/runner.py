@@ -149,6 +149,7 @@ async def send_request(client: httpx.AsyncClient, endpoint: Endpoint, body: dict
                     out.error = f"stream error: {json.dumps(chunk['error'])[:500]}"
                     return out
                 usage = chunk.get("usage") or usage
+                out.trace = chunk.get("epdserve_trace") or out.trace  # an epdserve proxy's, in the last chunk
                 choices = chunk.get("choices")
                 if choices:
                     is_token, text = _is_token_chunk(choices[0], endpoint.chat)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from epdserve.services.bench.metrics import (RequestOutput, distribution, is_good, parse_goodput, peak_output_rate,
-                                             per_request, percentile_key, summarize)
+                                             per_request, percentile_key, summarize, trace_summary)
 from epdserve.services.bench.runner import Endpoint, LoadShape, arrival_times, send_request
 
 
@@ -190,3 +190,30 @@ def test_failures_are_recorded_not_raised():
     assert not out.success and "boom" in out.error
     out = _stream(CHAT, _sse("[DONE]"))
     assert not out.success and "without a token" in out.error
+
+
+def traced(ttft: float, *spans: tuple[str, float, int]) -> RequestOutput:
+    """A completed request whose server trace holds `spans` (name, seconds, bytes), one after another."""
+    start, entries = 100.0, []
+    for name, seconds, num_bytes in spans:
+        entries.append({"name": name, "engine_id": "decode-0", "start": start, "end": start + seconds,
+                        "num_bytes": num_bytes, "num_blocks": num_bytes // 1024})
+        start += seconds
+    return RequestOutput(success=True, ttft=ttft, latency=1.0, output_len=4,
+                         trace=[{"request_id": "r", "spans": entries}])
+
+
+def test_trace_summary_medians_over_the_requests_that_pulled_kv():
+    outputs = [traced(0.5, ("prefill.compute", 0.3, 0), ("kv.transfer", 0.01, 4096)),
+               traced(0.2, ("kv.transfer", 0.03, 2048), ("kv.transfer", 0.01, 2048)),  # two pulls: summed
+               traced(0.4, ("kv.transfer", 0.02, 8192)),
+               traced(0.3, ("kv.recompute:blocks_not_found", 0.2, 0)),
+               RequestOutput(success=True, ttft=0.1, latency=1.0, output_len=4)]  # no trace
+    summary = trace_summary(outputs)
+    assert (summary["traced_requests"], summary["kv_transfer_requests"], summary["kv_recompute_requests"]) == (4, 3, 1)
+    assert summary["median_kv_transfer_ms"] == pytest.approx(20.0)
+    assert summary["median_kv_transfer_bytes"] == 4096
+    assert summary["median_kv_transfer_ttft_ratio"] == pytest.approx(0.05)  # of 0.02, 0.2 and 0.05
+    arrays = per_request(outputs)
+    assert arrays["traces"][4] is None and arrays["traces"][0][0]["spans"][1]["name"] == "kv.transfer"
+    assert "traces" not in per_request(outputs[4:])
