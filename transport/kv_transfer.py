@@ -15,7 +15,8 @@ a client writes only blocks it named, with exactly the shape its own cache has.
 Blocks move as runs: a client pairs remote and local block ids into runs consecutive on both sides
 (`common_runs`; the block manager allocates so that a request's blocks usually are), and each run
 moves as one segment per layer and K/V, straight from the server's cache memory into the client's -
-no gather or scatter buffer on either side.
+no gather or scatter buffer on either side. Blocks in runs too short for that (a segment per block,
+layer and K/V costs more per byte than copying it) are gathered into one segment instead.
 
 Backends: `zmq_kv` (default; segments as zero-copy ZMQ frames) and `ucx_kv` (segments as UCX tagged
 messages received into the cache; control over the same ZMQ channel). `create_server` /
@@ -186,6 +187,29 @@ def as_bytes(tensor: torch.Tensor):
     UCX take), the tensor itself for device memory (UCX reads its CUDA array interface)."""
     flat = tensor.reshape(-1).view(torch.uint8)
     return flat.numpy() if flat.device.type == "cpu" else flat
+
+
+def _blocks_view(tensor: torch.Tensor) -> np.ndarray:
+    """[layers * 2, num_blocks, block_bytes / itemsize] integer view of a CPU cache (or gathered blocks)."""
+    return tensor.view(_BITS[tensor.element_size()]).numpy().reshape(tensor.shape[0] * 2, tensor.shape[2], -1)
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    """Blocks `block_ids` (in range) as one new tensor [layers, 2, n, *block]: how blocks that form no
+    runs worth a segment each travel. On CPU the copy is numpy's (see copy_segment)."""
+    if kv_cache.device.type != "cpu":
+        return kv_cache.index_select(2, torch.as_tensor(block_ids, device=kv_cache.device))
+    data = np.take(_blocks_view(kv_cache), np.asarray(block_ids, dtype=np.int64), axis=1)
+    return torch.from_numpy(data).view(kv_cache.dtype).view(kv_cache.shape[0], 2, len(block_ids), *kv_cache.shape[3:])
+
+
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int], data: torch.Tensor) -> None:
+    """Write `data` (as from gather_blocks) into blocks `block_ids` (in range, unique) of the cache."""
+    if kv_cache.device.type != "cpu":
+        index = torch.as_tensor(block_ids, device=kv_cache.device)
+        kv_cache.index_copy_(2, index, data.to(kv_cache.device, non_blocking=True))
+        return
+    _blocks_view(kv_cache)[:, np.asarray(block_ids, dtype=np.int64)] = _blocks_view(data)
 
 
 def copy_segment(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -437,6 +437,9 @@ class FetchBlocks:
     [run_length, *block] = kv_cache[layer, k_or_v, first_id : first_id + run_length], in the order
     run by run, then layer, then K before V.
 
+    Empty `run_lengths`: the blocks are gathered into one segment [num_layers, 2, len(block_ids), *block]
+    in block_ids order (blocks scattered over the cache move cheaper so than as tiny segments).
+
     With `ucx_tag` set, segment i goes over UCX with tag `ucx_tag + i` and the reply is BlocksSent;
     otherwise the reply is BlocksData carrying the segments.
     """

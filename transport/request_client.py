@@ -250,6 +250,9 @@ class RequestClient:
         self._fail_pending(ChannelError(f"client of {self.address} closed"))
         self._pending.clear()
         if self._sock is not None:
+            # Unbind the monitor's inproc endpoint now: it is named after the socket's file number,
+            # which the next socket may get before libzmq has reaped this one ("Address already in use").
+            self._sock.disable_monitor()
             self._sock.close(linger=0)
             self._sock = None
 

@@ -8,8 +8,9 @@ which it posts its receives (so that closing it cancels them). UCX parses worker
 peers, so enable this backend between trusted peers (CURVE) only.
 
 One fetch message: the client posts one receive per segment (run x layer x K/V) straight into the
-destination blocks of its cache, with tags ucx_tag .. ucx_tag + n - 1, then sends FetchBlocks; the
-server starts one send per segment from its own cache and answers BlocksSent at once. The receives
+destination blocks of its cache (blocks that form no runs: into one buffer, scattered after), with
+tags ucx_tag .. ucx_tag + n - 1, then sends FetchBlocks; the server starts one send per segment from
+its own cache and answers BlocksSent at once. The receives
 are posted before the data leaves, so UCX delivers into the cache without holding an unexpected
 copy; on the server nothing is gathered. A receive that fails or times out aborts the endpoint,
 which cancels every receive still posted on it: no late data lands in blocks the caller reuses.
@@ -32,11 +33,11 @@ from epdserve.transport.protocol import (
 )
 from epdserve.transport import codec
 from epdserve.transport.kv_transfer import (
-    BlockRangeError, Run, TransferError, TransferTimeout, as_bytes, run_segments,
+    BlockRangeError, TransferError, TransferTimeout, as_bytes, run_segments, scatter_blocks,
 )
 from epdserve.transport.channel import ErrorReply
 from epdserve.transport.request_client import RequestClient
-from epdserve.transport.zmq_kv import ZmqKVClient, ZmqKVServer, _request_of
+from epdserve.transport.zmq_kv import Chunk, ZmqKVClient, ZmqKVServer
 
 logger = logging.getLogger(__name__)
 
@@ -227,20 +228,20 @@ class UcxKVClient(ZmqKVClient):
             self._endpoints[client.address] = endpoint
         return endpoint
 
-    async def _fetch_chunk(
-        self, client: RequestClient, request_id: str, pairs: list[tuple[Run, Run]], deadline: float,
-    ) -> int:
+    async def _fetch_chunk(self, client: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
         endpoint = await self._endpoint(client)
-        destinations = run_segments(self.kv_cache, [local for _, local in pairs])
+        if chunk.gathered:  # into one buffer, then scattered: these blocks form no runs worth a segment
+            buffers = [torch.empty(self._segment_shapes(chunk)[0], dtype=self.kv_cache.dtype, device=self.kv_cache.device)]
+        else:
+            buffers = run_segments(self.kv_cache, chunk.local_runs)
         tag = secrets.randbits(64 - SEGMENT_TAG_BITS) << SEGMENT_TAG_BITS
-        receives = [asyncio.ensure_future(endpoint.recv(as_bytes(d), tag=tag + i, force_tag=True))
-                    for i, d in enumerate(destinations) if d.numel()]
+        receives = [asyncio.ensure_future(endpoint.recv(as_bytes(b), tag=tag + i, force_tag=True))
+                    for i, b in enumerate(buffers) if b.numel()]
         try:
-            remote_ids, run_lengths = _request_of(pairs)
-            reply = await client.request(FetchBlocks(request_id, remote_ids, run_lengths, ucx_tag=tag),
-                                         timeout=self._remaining(deadline), expect=BlocksSent)
-            if reply.num_segments != len(destinations):
-                raise BlockRangeError(f"peer sends {reply.num_segments} segments, expected {len(destinations)}")
+            reply = await client.request(chunk.request(request_id, tag), timeout=self._remaining(deadline),
+                                         expect=BlocksSent)
+            if reply.num_segments != len(buffers):
+                raise BlockRangeError(f"peer sends {reply.num_segments} segments, expected {len(buffers)}")
             try:
                 await asyncio.wait_for(asyncio.gather(*receives), self._remaining(deadline))
             except asyncio.TimeoutError:
@@ -250,7 +251,9 @@ class UcxKVClient(ZmqKVClient):
         except BaseException:
             await self._cancel(client.address, endpoint, receives)
             raise
-        return sum(d.nbytes for d in destinations)
+        if chunk.gathered:
+            scatter_blocks(self.kv_cache, chunk.local_ids, buffers[0])
+        return sum(b.nbytes for b in buffers)
 
     async def _cancel(self, address: str, endpoint: Any, receives: list[asyncio.Future]) -> None:
         """Abort the endpoint: UCX cancels the receives still posted on it, so that no late data

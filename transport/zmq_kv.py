@@ -1,7 +1,7 @@
 """The default KVTransfer backend: blocks and embeddings as zero-copy ZMQ frames.
 
-A fetch is split into messages of a few MiB, up to `max_inflight_messages` of them in flight, so
-that the client copies one message's segments into its cache while the next arrives. The server
+A fetch is split into messages (see ZmqKVClient._messages), up to `max_inflight_messages` of them in
+flight, so that the client copies one message's segments into its cache while the next arrives. The server
 answers a message with one frame per segment (run x layer x K/V) that ZMQ sends straight from the
 cache's memory - no gather - and keeps the frames' trackers so that the blocks are not freed while
 ZMQ's IO thread still reads them (`wait_sent`). The client receives each frame into memory libzmq
@@ -17,6 +17,7 @@ import functools
 import logging
 import time
 import typing
+from dataclasses import dataclass
 from collections.abc import Awaitable, Callable, Sequence
 
 import torch
@@ -31,7 +32,7 @@ from epdserve.transport.codec import DEFAULT_LIMITS, Limits, TensorSpec
 from epdserve.transport.kv_transfer import (
     BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, EmbeddingSource, FetchResult,
     IncompatiblePeerError, KVTransferClient, KVTransferServer, Run, TransferError, TransferTimeout,
-    copy_segment, layout_mismatch, run_segments, split_runs,
+    copy_segment, gather_blocks, layout_mismatch, run_segments, scatter_blocks, split_runs,
 )
 from epdserve.transport.channel import ChannelError, ChannelTimeout, ErrorReply, HandshakeError
 from epdserve.transport.reply_server import ReplyServer
@@ -156,11 +157,13 @@ class ZmqKVServer(KVTransferServer):
             raise ErrorReply(Error(ErrorCode.INCOMPATIBLE, "no KV layout agreed in the handshake", message.request_id))
         try:
             self.exposed_index(message.request_id, message.block_ids)
-            runs = split_runs(message.block_ids, message.run_lengths, self.kv_cache.shape[2])
+            runs = (split_runs(message.block_ids, message.run_lengths, self.kv_cache.shape[2])
+                    if message.run_lengths else None)
         except TransferError as e:
             raise _error_reply(e, message.request_id) from None
         started = time.perf_counter()
-        segments = run_segments(self.kv_cache, runs)
+        segments = (run_segments(self.kv_cache, runs) if runs is not None
+                    else [gather_blocks(self.kv_cache, message.block_ids)] if message.block_ids else [])
         reply = await self._reply_blocks(message, peer, segments)
         self.stats.record(sum(segment.nbytes for segment in segments), started)
         return reply
@@ -208,20 +211,24 @@ class ZmqKVClient(KVTransferClient):
         timeout: float = 30.0,
         curve: CurveConfig | None = None,
         limits: Limits = DEFAULT_LIMITS,
-        max_message_bytes: int = 16 << 20,
-        min_message_bytes: int = 1 << 20,
-        max_inflight_messages: int = 3,
+        max_message_bytes: int = 256 << 20,
+        min_message_bytes: int = 64 << 20,
+        max_inflight_messages: int = 2,
+        min_segment_bytes: int = 64 << 10,
     ):
         super().__init__(engine_id, kv_cache=kv_cache, model_id=model_id, layout=layout)
         self.role = role
         self.timeout = timeout
         self.limits = limits
-        # Messages of a few MiB: under glibc's largest mmap threshold (32 MiB), freed receive
-        # buffers are reused instead of faulting in fresh pages on every message; yet big enough
-        # that per-message costs stay small. 16 MiB x 3 in flight measured best on 2 cores.
+        # Large messages: runs cost no gather, so a message costs a round trip and Python work per
+        # segment, and few large ones measured fastest (64-256 MiB x 2 in flight on 2 cores; ZMQ
+        # receives each segment into its own frame, far below a message's size).
         self.max_message_bytes = max_message_bytes
         self.min_message_bytes = min_message_bytes
         self.max_inflight_messages = max_inflight_messages
+        # A run whose segments are smaller than this travels gathered: pyzmq copies frames under
+        # 64 KiB anyway, and per-segment costs outweigh one gather and one scatter.
+        self.min_segment_bytes = min_segment_bytes
         self._curve = curve
         self._clients: dict[str, RequestClient] = {}  # address -> connection, reused across fetches
 
@@ -259,7 +266,7 @@ class ZmqKVClient(KVTransferClient):
         pairs = self.runs(remote_block_ids, local_block_ids)
         started = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + (self.timeout if timeout is None else timeout)
-        chunks = _messages(pairs, self._blocks_per_message(len(remote_block_ids)))
+        chunks = self._messages(pairs)
         try:
             client = self._client(kv_addr)
             await client.connect(self._remaining(deadline))
@@ -272,12 +279,21 @@ class ZmqKVClient(KVTransferClient):
             self._fail(e, kv_addr)
         return self.stats.record(num_bytes, started)
 
-    def _blocks_per_message(self, num_blocks: int) -> int:
-        """At most max_message_bytes, and small enough that a fetch spans several messages: the
-        last message's copy into the cache is not overlapped with anything, so it must be short."""
-        block_bytes = self.kv_cache[:, :, 0].nbytes
-        target = min(self.max_message_bytes, max(self.min_message_bytes, num_blocks * block_bytes // 8))
-        return max(1, target // block_bytes)
+    def _messages(self, pairs: list[tuple[Run, Run]]) -> list[Chunk]:
+        """The fetch's messages: runs whose segments reach `min_segment_bytes` in messages of their own,
+        shorter ones gathered; at most max_message_bytes each, and small enough that a fetch spans a few
+        messages (the last one's copy into the cache overlaps nothing, so it must be short)."""
+        block_bytes, segment_bytes = self.kv_cache[:, :, 0].nbytes, self.kv_cache[0, 0, 0].nbytes
+        long, short = [], []
+        for pair in pairs:
+            (long if pair[0].length * segment_bytes >= self.min_segment_bytes else short).append(pair)
+        chunks = []
+        for group, gathered, largest in ((long, False, self.max_message_bytes),
+                                         (short, True, min(self.max_message_bytes, GATHERED_MESSAGE_BYTES))):
+            num_blocks = sum(remote.length for remote, _ in group)
+            target = min(largest, max(self.min_message_bytes, num_blocks * block_bytes // 4))
+            chunks += [Chunk(part, gathered) for part in _split(group, max(1, target // block_bytes))]
+        return chunks
 
     async def _bounded(self, jobs: list[Callable[[], Awaitable[int]]]) -> list[int]:
         """Run jobs at most `max_inflight_messages` at a time; the first failure cancels the rest."""
@@ -294,28 +310,32 @@ class ZmqKVClient(KVTransferClient):
             for task in tasks:
                 task.cancel()
 
-    async def _fetch_chunk(
-        self, client: RequestClient, request_id: str, pairs: list[tuple[Run, Run]], deadline: float,
-    ) -> int:
-        remote_ids, run_lengths = _request_of(pairs)
-        reply = await client.request(
-            FetchBlocks(request_id, remote_ids, run_lengths), timeout=self._remaining(deadline), expect=BlocksData,
-        )
-        if reply.block_ids != remote_ids:
+    async def _fetch_chunk(self, client: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
+        reply = await client.request(chunk.request(request_id), timeout=self._remaining(deadline), expect=BlocksData)
+        if reply.block_ids != chunk.remote_ids:
             raise TransferError(f"{client.address} answered with blocks {reply.block_ids[:8]}..., not those asked for")
-        destinations = run_segments(self.kv_cache, [local for _, local in pairs])
-        if len(reply.segments) != len(destinations):
-            raise BlockRangeError(f"peer sent {len(reply.segments)} segments, expected {len(destinations)}")
-        for segment, destination in zip(reply.segments, destinations):
-            self._check_segment(codec.tensor_spec(segment), destination)
-            copy_segment(destination, segment)
-        return sum(destination.nbytes for destination in destinations)
+        shapes = self._segment_shapes(chunk)
+        if len(reply.segments) != len(shapes):
+            raise BlockRangeError(f"peer sent {len(reply.segments)} segments, expected {len(shapes)}")
+        for segment, shape in zip(reply.segments, shapes):
+            self._check_segment(codec.tensor_spec(segment), shape)
+        if chunk.gathered:
+            scatter_blocks(self.kv_cache, chunk.local_ids, reply.segments[0])
+        else:
+            for segment, destination in zip(reply.segments, run_segments(self.kv_cache, chunk.local_runs)):
+                copy_segment(destination, segment)
+        return sum(segment.nbytes for segment in reply.segments)
 
-    def _check_segment(self, spec: TensorSpec, destination: torch.Tensor) -> None:
+    def _segment_shapes(self, chunk: Chunk) -> list[tuple[int, ...]]:
+        """The shapes of the segments that carry `chunk`, as our cache holds them."""
+        if chunk.gathered:
+            return [(self.kv_cache.shape[0], 2, len(chunk.local_ids), *self.kv_cache.shape[3:])]
+        return [tuple(d.shape) for d in run_segments(self.kv_cache, chunk.local_runs)]
+
+    def _check_segment(self, spec: TensorSpec, shape: tuple[int, ...]) -> None:
         """A segment must have exactly the shape and dtype of the blocks it is written into."""
-        if spec.dtype != self.layout.dtype or tuple(spec.shape) != tuple(destination.shape):
-            raise BlockRangeError(f"peer sent {spec.dtype}{list(spec.shape)}, expected "
-                                  f"{self.layout.dtype}{list(destination.shape)}")
+        if spec.dtype != self.layout.dtype or tuple(spec.shape) != shape:
+            raise BlockRangeError(f"peer sent {spec.dtype}{list(spec.shape)}, expected {self.layout.dtype}{list(shape)}")
 
     async def fetch_embeddings(self, encoder_addr: str, mm_hash: str, *, timeout: float | None = None) -> torch.Tensor:
         started = time.perf_counter()
@@ -349,7 +369,37 @@ class ZmqKVClient(KVTransferClient):
             await client.close()
 
 
-def _messages(pairs: list[tuple[Run, Run]], blocks_per_message: int) -> list[list[tuple[Run, Run]]]:
+# Blocks gathered for want of runs travel in messages of at most this size: each is gathered into a
+# fresh buffer on the server and received into one on the client, which glibc reuses below its mmap
+# threshold (32 MiB) instead of faulting in fresh pages on every message.
+GATHERED_MESSAGE_BYTES = 16 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One fetch message: the (remote, local) run pairs it moves, as runs or gathered."""
+
+    pairs: list[tuple[Run, Run]]
+    gathered: bool
+
+    @property
+    def remote_ids(self) -> tuple[int, ...]:
+        return tuple(i for remote, _ in self.pairs for i in range(remote.first, remote.first + remote.length))
+
+    @property
+    def local_ids(self) -> list[int]:
+        return [i for _, local in self.pairs for i in range(local.first, local.first + local.length)]
+
+    @property
+    def local_runs(self) -> list[Run]:
+        return [local for _, local in self.pairs]
+
+    def request(self, request_id: str, ucx_tag: int | None = None) -> FetchBlocks:
+        run_lengths = () if self.gathered else tuple(remote.length for remote, _ in self.pairs)
+        return FetchBlocks(request_id, self.remote_ids, run_lengths, ucx_tag=ucx_tag)
+
+
+def _split(pairs: list[tuple[Run, Run]], blocks_per_message: int) -> list[list[tuple[Run, Run]]]:
     """Run pairs grouped into messages of at most `blocks_per_message` blocks; a longer run is cut
     (any stretch of a run is a run on both sides)."""
     messages: list[list[tuple[Run, Run]]] = [[]]
@@ -365,12 +415,6 @@ def _messages(pairs: list[tuple[Run, Run]], blocks_per_message: int) -> list[lis
             done += n
             room -= n
     return [m for m in messages if m]
-
-
-def _request_of(pairs: list[tuple[Run, Run]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """FetchBlocks' block_ids and run_lengths for the remote side of `pairs`."""
-    block_ids = tuple(i for remote, _ in pairs for i in range(remote.first, remote.first + remote.length))
-    return block_ids, tuple(remote.length for remote, _ in pairs)
 
 
 def _as_transfer_error(error: BaseException, address: str, mm_hash: str | None = None) -> BaseException:

@@ -133,10 +133,12 @@ class BlockManager:
             request.block_ids[shared] = copy.block_id
             self.block_copies.append((source.block_id, copy.block_id))
             num_new -= 1
-        for _ in range(max(num_new, 0)):
-            block = self._pop_free()
-            request.block_ids.append(block.block_id)
-            self.new_block_ids.append(block.block_id)
+        # Which blocks are reused is the LRU queue's choice; their order in the table is ours, and
+        # ascending ids make them contiguous in the cache wherever the queue hands out a freed run
+        # (freed tables join it reversed), so a KV transfer moves them as a few runs, not block by block.
+        fresh = sorted(self._pop_free().block_id for _ in range(max(num_new, 0)))
+        request.block_ids.extend(fresh)
+        self.new_block_ids.extend(fresh)
 
     def _pop_free(self) -> KVBlock:
         _, block = self.free_queue.popitem(last=False)

@@ -33,7 +33,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("message_bytes", [1, 1 << 20], ids=["one_block_per_message", "one_message"])
-def test_blocks_land_bit_exact_in_shuffled_local_blocks(dtype, message_bytes):
+@pytest.mark.parametrize("min_segment_bytes", [1, 1 << 20], ids=["as_runs", "gathered"])
+def test_blocks_land_bit_exact_in_shuffled_local_blocks(dtype, message_bytes, min_segment_bytes):
     remote_cache, local_cache = make_cache(dtype, seed=1), torch.zeros(make_cache(dtype).shape, dtype=dtype)
     gen = torch.Generator().manual_seed(2)
     remote_ids = torch.randperm(NUM_BLOCKS, generator=gen)[:20].tolist()
@@ -44,7 +45,8 @@ def test_blocks_land_bit_exact_in_shuffled_local_blocks(dtype, message_bytes):
         async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
             server.expose("r1", remote_ids)
             async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m",
-                                   max_message_bytes=message_bytes, min_message_bytes=1) as client:
+                                   max_message_bytes=message_bytes, min_message_bytes=1,
+                                   min_segment_bytes=min_segment_bytes) as client:
                 result = await client.fetch_blocks(server.address, "r1", remote_ids, local_ids)
                 assert result.num_bytes == remote_cache[:, :, remote_ids].nbytes
                 assert client.stats.num_transfers == 1 and client.stats.num_bytes == result.num_bytes
@@ -57,10 +59,11 @@ def test_blocks_land_bit_exact_in_shuffled_local_blocks(dtype, message_bytes):
 
 def test_contiguous_runs_move_as_whole_segments_straight_from_the_cache():
     """Blocks consecutive on both sides go as one frame per layer and K/V (cut only at message size),
-    and the server's frames are its cache's own memory until ZMQ lets go of them."""
+    and the server's frames are its cache's own memory until ZMQ lets go of them; blocks in runs too
+    short for that travel gathered into one frame."""
     remote_cache, local_cache = make_cache(seed=4), torch.zeros(make_cache().shape)
     remote_ids, local_ids = list(range(10, 30)) + [2, 3], list(range(5, 25)) + [40, 45]
-    block_bytes = remote_cache[:, :, 0].nbytes
+    block_bytes, segment_bytes = remote_cache[:, :, 0].nbytes, remote_cache[0, 0, 0].nbytes
 
     async def main():
         async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
@@ -68,16 +71,17 @@ def test_contiguous_runs_move_as_whole_segments_straight_from_the_cache():
             sent: list[p.BlocksData] = []
             on_sent = server._on_sent
             server._server._on_sent = lambda reply, tracker: (sent.append(reply), on_sent(reply, tracker))
-            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m",
+            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m", min_segment_bytes=2 * segment_bytes,
                                    max_message_bytes=8 * block_bytes, min_message_bytes=8 * block_bytes) as client:
                 await client.fetch_blocks(server.address, "r1", remote_ids, local_ids)
             assert await server.wait_sent("r1")
-        # Runs (remote -> local): 10..29 -> 5..24, 2 -> 40, 3 -> 45; messages of at most 8 blocks.
+        # Runs (remote -> local): 10..29 -> 5..24 in messages of at most 8 blocks; 2 -> 40 and 3 -> 45 gathered.
         assert [reply.block_ids for reply in sent] == [tuple(range(10, 18)), tuple(range(18, 26)),
-                                                       (*range(26, 30), 2, 3)]
-        assert [len(reply.segments) for reply in sent] == [2 * NUM_LAYERS, 2 * NUM_LAYERS, 3 * 2 * NUM_LAYERS]
+                                                       tuple(range(26, 30)), (2, 3)]
+        assert [len(reply.segments) for reply in sent] == [2 * NUM_LAYERS] * 3 + [1]
         first = sent[0].segments[0]
         assert first.data_ptr() == remote_cache[0, 0, 10].data_ptr() and first.shape[0] == 8  # no gather
+        assert sent[3].segments[0].shape == (NUM_LAYERS, 2, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
 
     asyncio.run(main())
     assert torch.equal(local_cache[:, :, local_ids], remote_cache[:, :, remote_ids])

@@ -132,7 +132,8 @@ def test_contiguous_runs_land_bit_exact_over_ucx(server):
     remote_ids, local_ids = list(range(4, 40)), list(range(10, 46))
 
     async def main():
-        async with client(local_cache, max_message_bytes=5 * local_cache[:, :, 0].nbytes, min_message_bytes=1) as c:
+        async with client(local_cache, max_message_bytes=5 * local_cache[:, :, 0].nbytes, min_message_bytes=1,
+                          min_segment_bytes=1) as c:
             await c.fetch_blocks(server, "r1", remote_ids, local_ids)
 
     asyncio.run(main())

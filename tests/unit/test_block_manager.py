@@ -52,7 +52,7 @@ def test_allocate_share_free_and_evict_in_lru_order():
 
     c = make_request("c", range(100, 132))  # 8 blocks: takes every uncached block
     schedule(bm, c)
-    assert c.block_ids == [3, 2, 4, 5, 6, 7, 8, 9]
+    assert c.block_ids == [2, 3, 4, 5, 6, 7, 8, 9]  # in ascending order: one run in the cache
     assert len(bm.cached_blocks) == 2 + 8
     d = make_request("d", [200])  # one more block: evicts block 1 (prefix tail), keeps block 0
     schedule(bm, d)
@@ -60,6 +60,25 @@ def test_allocate_share_free_and_evict_in_lru_order():
     e = make_request("e", [*range(8), 7])
     hits, num_cached = bm.get_computed_blocks(e)
     assert [blk.block_id for blk in hits] == [0] and num_cached == 4
+
+
+def test_a_freed_table_is_reused_as_one_ascending_run():
+    """Freed tables join the queue reversed; the next request still gets them as consecutive ids, so
+    that a KV transfer moves its blocks as one run instead of block by block."""
+    bm = BlockManager(num_blocks=32, block_size=BS)
+    a, b = make_request("a", range(40)), make_request("b", range(100, 140))
+    schedule(bm, a)
+    schedule(bm, b)
+    assert a.block_ids == list(range(10)) and b.block_ids == list(range(10, 20))
+    bm.free(b)
+    bm.free(a)
+    assert list(bm.free_queue) == [*range(20, 32), *range(19, 9, -1), *range(9, -1, -1)]
+    c = make_request("c", range(200, 240))
+    schedule(bm, c)
+    assert c.block_ids == list(range(20, 30))
+    d = make_request("d", range(300, 340))  # the last 2 never-used blocks, then b's, its prefix tail first
+    schedule(bm, d)
+    assert d.block_ids == [*range(12, 20), 30, 31]
 
 
 def test_last_prompt_token_is_always_recomputed():
