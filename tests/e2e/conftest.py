@@ -70,7 +70,9 @@ class Stack:
     """encoders/prefills/decodes/unified counts -> processes + a proxy; `url` is the OpenAI base URL."""
 
     def __init__(self, model: str, log_dir: Path, encoders=0, prefills=0, decodes=0, unified=0,
-                 engine_args=(), proxy_args=(), host="127.0.0.1") -> None:
+                 engine_args=(), proxy_args=(), host="127.0.0.1", transport_args=()) -> None:
+        """`engine_args` go to prefill, decode and unified engines; `transport_args` to those and the
+        encoders (e.g. --kv-transport ucx: every peer of a transfer must use the same)."""
         self.model = model
         self.services: dict[str, Service] = {}
         base = [sys.executable, "-m", "epdserve.services.cli", "--log-level", "INFO", "serve"]
@@ -80,7 +82,8 @@ class Stack:
                 name = f"{role}-{i}"
                 port, data_port, http_port = free_port(host), free_port(host), free_port(host)
                 argv = [*base, role, "--model", model, "--host", host, "--port", str(port),
-                        "--data-port", str(data_port), "--http-port", str(http_port), "--engine-id", name]
+                        "--data-port", str(data_port), "--http-port", str(http_port), "--engine-id", name,
+                        *transport_args]
                 if role != "encoder":
                     argv += ["--threads", "1", *engine_args]
                 self.services[name] = Service(name, role, argv, port, data_port, http_port, log_dir / f"{name}.log",
@@ -177,3 +180,53 @@ def token_ids(logprobs_tokens: list[str]) -> list[int]:
 @pytest.fixture(scope="session")
 def ids_of():
     return token_ids
+
+
+def kill_prefill_during_pull(stack: Stack, prompt: str, max_tokens: int):
+    """Kill (SIGKILL) the stack's only prefill while decode-0 pulls `prompt`'s KV from it; the completion
+    (greedy, token ids as logprob tokens), which decode must answer by recomputing the prompt itself.
+
+    The stack's decode seats one sequence (--max-num-seqs 1), and the proxy routes prefill -> decode
+    (--routing-policy load). A long stream takes the seat; the request under test is prefilled and waits
+    on decode for room, renewing prefill's lease. Prefill is then stopped (SIGSTOP: it answers nothing
+    more), the seat freed, so that decode asks the stopped prefill for the blocks, and prefill is killed
+    with that fetch in flight."""
+    import asyncio
+    import concurrent.futures
+
+    import openai
+
+    decode, prefill = stack.services["decode-0"], stack.services["prefill-0"]
+    renewed = decode.metrics().get("epdserve:kv_lease_renewals_total", 0)
+    http = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as c:
+            long = await c.completions.create(model="demo", prompt="Count slowly:", max_tokens=4000,
+                                              temperature=0, stream=True, extra_body={"ignore_eos": True})
+            await long.__anext__()  # prefill's token
+            await long.__anext__()  # decode's: it runs on decode and takes its only seat
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(http.completions.create, model="demo", prompt=prompt, logprobs=0,
+                                      temperature=0, max_tokens=max_tokens,
+                                      extra_body={"return_tokens_as_token_ids": True})
+                deadline = time.monotonic() + 60
+                while decode.metrics().get("epdserve:kv_lease_renewals_total", 0) <= renewed:  # it waits for room
+                    assert time.monotonic() < deadline and not waiting.done(), "the request never waited on decode"
+                    await asyncio.sleep(0.1)
+                prefill.proc.send_signal(signal.SIGSTOP)
+                await long.response.aclose()  # the seat frees: decode reserves blocks and asks prefill for them
+                await asyncio.sleep(1.0)
+                prefill.proc.send_signal(signal.SIGKILL)
+                prefill.proc.wait()
+                return await asyncio.wrap_future(waiting)
+
+    return asyncio.run(main())
+
+
+
+@pytest.fixture(scope="session")
+def prefill_killed_during_pull():
+    """kill(stack, prompt, max_tokens) -> the completion decode recomputed (kill_prefill_during_pull)."""
+    return kill_prefill_during_pull

@@ -372,3 +372,26 @@ def test_decode_renews_the_lease_while_a_request_waits_for_room(default_model_pa
         assert prefill.metrics()["epdserve:kv_lease_expired_total"] == 0
     finally:
         stack.stop()
+
+
+def test_a_prefill_killed_during_the_pull_is_recomputed_on_decode(default_model_path, start_stack, smollm2,
+                                                                   hf_greedy, near_tie_check, ids_of,
+                                                                   prefill_killed_during_pull):
+    """Over ZeroMQ: decode's fetch fails as the connection drops, and decode recomputes the prompt, to the
+    same tokens. test_ucx_stack.py kills its prefill the same way over UCX."""
+    stack = start_stack(default_model_path, prefills=1, decodes=1,
+                        engine_args=["--num-kv-blocks", str(NUM_BLOCKS), "--max-num-seqs", "1", "--lease-seconds", "5"],
+                        proxy_args=["--routing-policy", "load"])
+    try:
+        decode = stack.services["decode-0"]
+        resp = prefill_killed_during_pull(stack, TEXT_PROMPTS[0], MAX_TOKENS)
+        model, tokenizer = smollm2
+        ref, logits = hf_greedy(model, tokenizer.encode(TEXT_PROMPTS[0]), MAX_TOKENS)
+        near_tie_check(TEXT_PROMPTS[0], ids_of(resp.choices[0].logprobs.tokens), ref, logits)
+        m = decode.metrics()
+        # The long stream was pulled; the request under test failed its fetch and was recomputed.
+        assert (m["epdserve:remote_kv_requests_total"], m["epdserve:local_prefills_total"],
+                m["epdserve:kv_transfer_failures_total"]) == (1, 1, 1), m
+        assert "failed while fetching" in decode.log.read_text()
+    finally:
+        stack.stop()
