@@ -323,3 +323,24 @@ def test_backend_factory():
         kv_transfer.create_client("carrier-pigeon", "d")
     with pytest.raises(ValueError, match="kv_cache must be"):
         ZmqKVServer("p", kv_cache=torch.zeros(2, 3, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("min_segment_bytes", [1, 1 << 30], ids=["as_runs", "gathered"])
+def test_blocks_between_gpu_caches(min_segment_bytes):
+    """Device caches: the server stages segments through pinned host memory, the client copies them
+    into device blocks; bit-exact either way."""
+    remote_cache = make_cache(torch.bfloat16, seed=5).cuda()
+    local_cache = torch.zeros_like(remote_cache)
+    remote_ids, local_ids = [*range(4, 20), 30, 2], [*range(10, 26), 1, 40]
+
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
+            server.expose("r1", remote_ids)
+            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m",
+                                   min_segment_bytes=min_segment_bytes) as client:
+                await client.fetch_blocks(server.address, "r1", remote_ids, local_ids)
+        torch.cuda.synchronize()
+
+    asyncio.run(main())
+    assert torch.equal(bits(local_cache[:, :, local_ids].cpu()), bits(remote_cache[:, :, remote_ids].cpu()))
