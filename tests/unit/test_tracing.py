@@ -2,6 +2,7 @@
 part (services/request_spans.py); exported through the real OpenTelemetry SDK, into its in-memory exporter
 and, over OTLP/HTTP, to a receiver on 127.0.0.1 that decodes the protobuf with opentelemetry-proto."""
 import http.server
+import logging
 import threading
 import time
 
@@ -57,13 +58,16 @@ def test_finish_fixes_the_end_once():
     assert trace.spans()[0].end == end
 
 
-def test_a_closed_trace_is_observed_per_stage_once():
+def test_a_closed_trace_is_logged_and_observed_per_stage_once(caplog):
     metrics = ProxyMetrics("demo")
     tracer = Tracer("proxy-8000", metrics.observe_stage)
     trace = disaggregated_trace()
     trace.add([TraceSpan("kv.recompute:blocks_not_found", "decode-0", T0 + 0.2, T0 + 0.3)])
-    tracer.close(trace)
-    tracer.close(trace)
+    with caplog.at_level(logging.DEBUG, logger="epdserve.services.proxy.tracing"):
+        tracer.close(trace)
+        tracer.close(trace)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"request {RID} trace: proxy.request ") and "kv.recompute:blocks_not_found 100.0ms" in line
     text = metrics.render()[0].decode()
     count = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
              if line.startswith("epdserve:request_stage_seconds_count")}
