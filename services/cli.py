@@ -169,7 +169,8 @@ def proxy_config(args: argparse.Namespace, model: str):
         transport=transport, allowed_image_domains=_split_targets(args.allowed_image_domains),
         allow_private_image_urls=args.allow_private_image_urls, access_log=args.log_level == "debug",
         tool_call_parser=args.tool_call_parser,
-        drain_timeout=args.drain_timeout, max_request_body_bytes=args.max_request_body_bytes)
+        drain_timeout=args.drain_timeout, max_request_body_bytes=args.max_request_body_bytes,
+        otlp_traces_endpoint=args.otlp_traces_endpoint, request_trace=args.request_trace)
 
 
 def service_config(args: argparse.Namespace, threads: int = 1):
@@ -231,10 +232,18 @@ def stack_config(args: argparse.Namespace, model: str):
                              "every engine, the encoders included")
     if args.kv_transport == "ucx":
         _check_ucx(args.ucx_net_devices)
+    if args.otlp_traces_endpoint:  # checked here, not by the proxy child after every engine started
+        from epdserve.services.proxy.tracing import check_otlp_endpoint
+
+        try:
+            check_otlp_endpoint(args.otlp_traces_endpoint)
+        except ValueError as exc:
+            raise SystemExit(f"epdserve: error: {exc}") from None
     encoders = args.encoders if args.encoders is not None else int(is_multimodal(model))
     return StackConfig(model, args.host, args.port, encoders, args.prefills, args.decodes, args.unified,
                        _api_key(args), args.threads, args.log_level, tuple(extra), args.drain_timeout,
-                       args.routing_policy, args.kv_transport, args.ucx_net_devices)
+                       args.routing_policy, args.kv_transport, args.ucx_net_devices, args.otlp_traces_endpoint,
+                       args.request_trace)
 
 
 def _check_ucx(net_devices: str) -> None:

@@ -157,6 +157,18 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies get HTTP 413 (default: %(default)s)")
     p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSER_NAMES),
                    help="how tool calls are read from the text when tool_choice is auto (default: %(default)s)")
+    _add_trace_options(p)
+
+
+def _add_trace_options(p: argparse.ArgumentParser) -> None:
+    """Per-request traces (the proxy's; `up` passes them on)."""
+    p.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="export each request's trace (proxy, encoder, prefill, KV transfer, decode stages) with "
+                        "OpenTelemetry over OTLP/HTTP to this URL, e.g. http://127.0.0.1:4318/v1/traces (needs "
+                        "the 'tracing' extra; default: not exported)")
+    p.add_argument("--request-trace", action="store_true",
+                   help="return each request's trace in its response, as the extra field epdserve_trace "
+                        "(streamed: in the last chunk)")
 
 
 def add_up_options(up: argparse.ArgumentParser) -> None:
@@ -177,6 +189,7 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
                     help="how the proxy picks instances: kv (by the prompt blocks each caches, and load) or load "
                          "(default: %(default)s)")
     add_kv_transport_args(up)
+    _add_trace_options(up)
     up.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"), metavar="KEY",
                     help="Bearer token the API requires (default: $EPDSERVE_API_KEY; unset: open). A key on the "
                          "command line shows in `ps`: prefer --api-key-file or the variable")

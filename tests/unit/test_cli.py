@@ -160,3 +160,21 @@ def test_every_log_level_the_deployments_allow(monkeypatch):
     for level in levels:  # the chart and compose pass it as $EPDSERVE_LOG_LEVEL, in capitals
         monkeypatch.setenv("EPDSERVE_LOG_LEVEL", level)
         assert parse("up").log_level == level.lower()
+
+
+def test_request_traces_reach_the_proxy_from_serve_and_up(default_model_path):
+    serve = ["serve", "proxy", "--decode", "d:1", "--prefill", "p:1"]
+    plain = proxy_config(parse(*serve), str(default_model_path))
+    assert (plain.otlp_traces_endpoint, plain.request_trace) == (None, False)  # off by default
+    url = "http://127.0.0.1:4318/v1/traces"
+    traced = proxy_config(parse(*serve, "--otlp-traces-endpoint", url, "--request-trace"), str(default_model_path))
+    assert (traced.otlp_traces_endpoint, traced.request_trace) == (url, True)
+    commands = dict(LocalStack(stack_config(parse("up", "--request-trace", "--otlp-traces-endpoint", url),
+                                            str(default_model_path))).commands())
+    proxy = commands.pop("proxy")
+    assert proxy[proxy.index("--otlp-traces-endpoint") + 1] == url and "--request-trace" in proxy
+    # Read back as the proxy reads its command line.
+    assert proxy_config(parse(*proxy[proxy.index("serve"):]), str(default_model_path)).request_trace
+    assert not any("--request-trace" in argv or "--otlp-traces-endpoint" in argv for argv in commands.values())
+    with pytest.raises(SystemExit, match="http"):
+        stack_config(parse("up", "--otlp-traces-endpoint", "collector:4317"), str(default_model_path))
