@@ -110,8 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
 def transport_config(args: argparse.Namespace):
     from epdserve.shared.config import TransportConfig
 
-    return TransportConfig(args.kv_transport, args.curve_dir, args.rpc_timeout, args.transfer_timeout,
-                           args.ucx_net_devices)
+    try:
+        return TransportConfig(args.kv_transport, args.curve_dir, args.rpc_timeout, args.transfer_timeout,
+                               args.ucx_net_devices)
+    except ValueError as exc:  # argparse checks no default: $EPDSERVE_KV_TRANSPORT may hold anything
+        raise SystemExit(f"epdserve: error: {exc}") from None
 
 
 def engine_config(args: argparse.Namespace, model: str):
@@ -230,8 +233,7 @@ def stack_config(args: argparse.Namespace, model: str):
             # After --, it would reach prefills and decodes but not the encoders.
             raise SystemExit(f"epdserve: error: give {flag} before --: `epdserve up {flag} ...` passes it to "
                              "every engine, the encoders included")
-    if args.kv_transport == "ucx":
-        _check_ucx(args.ucx_net_devices)
+    _check_kv_transport(args)
     if args.otlp_traces_endpoint:  # checked here, not by the proxy child after every engine started
         from epdserve.services.proxy.tracing import check_otlp_endpoint
 
@@ -246,17 +248,17 @@ def stack_config(args: argparse.Namespace, model: str):
                        args.request_trace)
 
 
-def _check_ucx(net_devices: str) -> None:
-    """Refuse `up --kv-transport ucx` here, once, rather than in every child it would start."""
+def _check_kv_transport(args: argparse.Namespace) -> None:
+    """Refuse a transport `up` cannot run here, once, rather than in every child it would start."""
     import importlib.util
 
     from epdserve.shared.config import TransportConfig
 
     try:
-        TransportConfig("ucx", ucx_net_devices=net_devices)
-    except ValueError as exc:
-        raise SystemExit(f"epdserve: error: --ucx-net-devices: {exc}") from None
-    if importlib.util.find_spec("ucxx") is None:
+        TransportConfig(args.kv_transport, ucx_net_devices=args.ucx_net_devices)
+    except ValueError as exc:  # argparse checks no default: $EPDSERVE_KV_TRANSPORT may hold anything
+        raise SystemExit(f"epdserve: error: {exc}") from None
+    if args.kv_transport == "ucx" and importlib.util.find_spec("ucxx") is None:
         raise SystemExit("epdserve: error: --kv-transport ucx needs the 'ucx' extra: pip install 'epdserve[ucx]'")
 
 

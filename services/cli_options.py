@@ -62,15 +62,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_kv_transport_args(g: argparse._ActionsContainer) -> None:
     """--kv-transport and --ucx-net-devices: every engine service's, and `up`'s, which passes them to each."""
-    g.add_argument("--kv-transport", default="zmq", choices=["zmq", "ucx"],
+    # Defaults from the environment, as --curve-dir's: a compose overlay or a pod's environment switches
+    # every service of a deployment at once (compose.ucx.yaml).
+    g.add_argument("--kv-transport", default=os.environ.get("EPDSERVE_KV_TRANSPORT", "zmq"), choices=["zmq", "ucx"],
                    help="how KV blocks and image embeddings move between services; every encoder, prefill "
                         "and decode of a deployment must use the same (ucx needs the 'ucx' extra; "
-                        "default: %(default)s)")
+                        "default: $EPDSERVE_KV_TRANSPORT or zmq)")
     g.add_argument("--kv-backend", dest="kv_transport", choices=["zmq", "ucx"], default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the old name
-    g.add_argument("--ucx-net-devices", default="all", metavar="DEVICES",
+    g.add_argument("--ucx-net-devices", default=os.environ.get("EPDSERVE_UCX_NET_DEVICES", "all"), metavar="DEVICES",
                    help="with --kv-transport ucx: the network devices UCX may use, comma-separated "
-                        "(e.g. eth0 or mlx5_0:1; default: %(default)s, which reaches other hosts)")
+                        "(e.g. eth0 or mlx5_0:1; default: $EPDSERVE_UCX_NET_DEVICES or all, which reaches "
+                        "other hosts)")
 
 
 def add_transport_args(p: argparse.ArgumentParser) -> None:

@@ -34,7 +34,7 @@ def test_proxy_needs_a_way_to_decode(default_model_path):
 
 def test_service_config_from_args():
     args = parse("serve", "prefill", "--host", "0.0.0.0", "--port", "7000", "--data-port", "7100",
-                 "--lease-seconds", "3", "--kv-backend", "zmq")
+                 "--lease-seconds", "3", "--kv-transport", "zmq")
     config = service_config(args)
     assert (config.role, config.host, config.port, config.data_port, config.lease_seconds) == \
         ("prefill", "0.0.0.0", 7000, 7100, 3.0)
@@ -100,6 +100,53 @@ def test_up_keeps_the_api_key_off_every_command_line(tmp_path, default_model_pat
     assert all(argv[argv.index("--log-level") + 1] == "warning" for _, argv in commands)
     assert stack.environment("proxy")["EPDSERVE_API_KEY"] == "s3cret"
     assert "EPDSERVE_API_KEY" not in stack.environment("decode-0")
+
+
+def test_up_gives_every_engine_the_same_kv_transport(default_model_path):
+    def transports(*argv):
+        commands = LocalStack(stack_config(parse("up", "--encoders", "1", *argv), str(default_model_path))).commands()
+        engines = {name: argv[argv.index("serve"):] for name, argv in commands if name != "proxy"}
+        assert set(engines) == {"encoder-0", "prefill-0", "decode-0"}
+        (proxy,) = [argv for name, argv in commands if name == "proxy"]
+        assert "--kv-transport" not in proxy  # the proxy moves no KV
+        # Each engine's command line, read back as `epdserve serve` reads it.
+        return {name: transport_config(parse(*serve)) for name, serve in engines.items()}
+
+    assert [(t.kv_transport, t.transfer_options()) for t in transports().values()] == [("zmq", {})] * 3
+    ucx = transports("--kv-transport", "ucx", "--ucx-net-devices", "lo", "--", "--max-num-seqs", "4")
+    assert {(t.kv_transport, t.ucx_net_devices) for t in ucx.values()} == {("ucx", "lo")}
+    assert {(t.kv_transport, t.ucx_net_devices) for t in transports("--kv-transport", "ucx").values()} == \
+        {("ucx", "all")}
+    assert transport_config(parse("serve", "decode", "--kv-backend", "ucx")).kv_transport == "ucx"  # the old name
+
+
+@pytest.mark.parametrize("extra", [["--kv-transport", "ucx"], ["--kv-backend=ucx"], ["--ucx-net-devices", "lo"]])
+def test_up_refuses_a_kv_transport_after_the_double_dash(default_model_path, extra):
+    # After --, the option would reach prefills and decodes but not the encoders: a stack at odds with itself.
+    with pytest.raises(SystemExit, match=f"give {extra[0].split('=')[0]} before --"):
+        stack_config(parse("up", "--", "--max-num-seqs", "4", *extra), str(default_model_path))
+
+
+def test_up_refuses_empty_ucx_net_devices(default_model_path):
+    with pytest.raises(SystemExit, match="ucx_net_devices must name devices"):
+        stack_config(parse("up", "--kv-transport", "ucx", "--ucx-net-devices", " "), str(default_model_path))
+
+
+def test_the_kv_transport_defaults_to_the_environment(monkeypatch, default_model_path):
+    # How compose.ucx.yaml switches every engine of a deployment at once.
+    monkeypatch.setenv("EPDSERVE_KV_TRANSPORT", "ucx")
+    monkeypatch.setenv("EPDSERVE_UCX_NET_DEVICES", "eth0")
+    config = transport_config(parse("serve", "prefill"))
+    assert (config.kv_transport, config.transfer_options()) == ("ucx", {"net_devices": "eth0"})
+    assert transport_config(parse("serve", "prefill", "--kv-transport", "zmq")).transfer_options() == {}
+    up = stack_config(parse("up"), str(default_model_path))
+    assert (up.kv_transport, up.ucx_net_devices) == ("ucx", "eth0")
+    # argparse checks no default against its choices: the config does, in one line.
+    monkeypatch.setenv("EPDSERVE_KV_TRANSPORT", "UCX")
+    with pytest.raises(SystemExit, match="kv_transport must be 'zmq' or 'ucx', got 'UCX'"):
+        transport_config(parse("serve", "prefill"))
+    with pytest.raises(SystemExit, match="kv_transport must be"):
+        stack_config(parse("up"), str(default_model_path))
 
 
 def test_a_killed_engine_is_reported_as_out_of_memory_with_the_options_that_help():
