@@ -38,7 +38,8 @@ class EngineBackend:
                 yield Chunk(list(completion.token_ids), list(logprobs_to_wire(out, params.logprobs)),
                             completion.finish_reason, completion.stop_reason,
                             out.num_cached_tokens if first else None,
-                            list(prompt_logprobs_to_wire(out, params.prompt_logprobs)) or None)
+                            list(prompt_logprobs_to_wire(out, params.prompt_logprobs)) or None,
+                            index=completion.index)
                 first = False
         except (RequestFailedError, EngineDeadError) as exc:
             raise GenerationError(str(exc), 500) from None

@@ -27,9 +27,13 @@ API_ERRORS = {  # lines the API itself refuses: (status, param)
     79: ({"model": "other", "prompt": "x"}, 404, "model"),
 }
 NUM_LINES = 100
+PARALLEL = 88  # a line with n = 3: three sampled choices of one prompt
 
 
 def good_line(i: int) -> dict:
+    if i == PARALLEL:
+        return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
+                "body": {"prompt": GOOD_PROMPT, "max_tokens": 3, "n": 3, "seed": 1}}
     if i % 2:
         return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
                 "body": {"model": "demo", "messages": [{"role": "user", "content": f"Say {i}"}], "max_tokens": 2}}
@@ -83,7 +87,10 @@ def check_results(out) -> None:
         assert response["status_code"] == 200 and result["error"] is None
         body = response["body"]
         assert body["model"] == "demo" and body["id"] == response["request_id"]
-        if i % 2:
+        if i == PARALLEL:
+            assert [choice["index"] for choice in body["choices"]] == [0, 1, 2]
+            assert body["usage"]["completion_tokens"] == 9
+        elif i % 2:
             assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 2
         else:
             assert body["choices"][0]["text"] == " Paris."
