@@ -65,6 +65,7 @@ class TransferTimeout(TransferError, TimeoutError):
 class FetchResult(NamedTuple):
     num_bytes: int
     seconds: float
+    connect_seconds: float = 0.0  # of `seconds`: connecting and the handshake, when the fetch had to connect
 
 
 @dataclass(slots=True)
@@ -76,8 +77,8 @@ class TransferStats:
     num_transfers: int = 0
     num_failures: int = 0
 
-    def record(self, num_bytes: int, started: float) -> FetchResult:
-        result = FetchResult(num_bytes, time.perf_counter() - started)
+    def record(self, num_bytes: int, started: float, connect_seconds: float = 0.0) -> FetchResult:
+        result = FetchResult(num_bytes, time.perf_counter() - started, connect_seconds)
         self.num_bytes += result.num_bytes
         self.seconds += result.seconds
         self.num_transfers += 1

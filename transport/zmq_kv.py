@@ -267,9 +267,12 @@ class ZmqKVClient(KVTransferClient):
         started = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + (self.timeout if timeout is None else timeout)
         chunks = self._messages(pairs)
+        connect_seconds = 0.0
         try:
             client = self._client(kv_addr)
-            await client.connect(self._remaining(deadline))
+            if client.peer is None:
+                await client.connect(self._remaining(deadline))
+                connect_seconds = time.perf_counter() - started
             if client.peer.kv_layout != self.layout:
                 raise IncompatiblePeerError(f"{kv_addr} ({client.peer.engine_id}) has no matching KV cache")
             num_bytes = sum(await self._bounded(
@@ -277,7 +280,7 @@ class ZmqKVClient(KVTransferClient):
             ))
         except BaseException as e:
             self._fail(e, kv_addr)
-        return self.stats.record(num_bytes, started)
+        return self.stats.record(num_bytes, started, connect_seconds)
 
     def _messages(self, pairs: list[tuple[Run, Run]]) -> list[Chunk]:
         """The fetch's messages: runs whose segments reach `min_segment_bytes` in messages of their own,

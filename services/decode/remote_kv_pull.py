@@ -13,7 +13,8 @@ A request with n > 1 is pulled once: its sequences fork from the one set of bloc
 from the first token prefill sampled for it.
 
 Each handoff records its stages for the request's trace: `decode.queue` (arrival until blocks are
-reserved), `kv.transfer` (the pull, with its bytes and blocks), `decode.first_step` (KV in place until the
+reserved), `kv.handshake` (within the pull, when it had to connect to the prefill first), `kv.transfer` (the
+pull, with its bytes and blocks), `decode.first_step` (KV in place until the
 first token decoded here); or, when the pull failed, `kv.recompute:<reason>` (the failure until the first
 token decoded on the recomputed prompt).
 """
@@ -122,6 +123,8 @@ class RemoteKVPull:
                 metrics.transfer_failures.inc()
                 self.spans.add("kv.transfer:failed", started, time.monotonic(), 0, len(remote))
                 raise
+            if result.connect_seconds:  # this pull opened the connection to the prefill
+                self.spans.add("kv.handshake", started, started + result.connect_seconds)
             self.spans.add("kv.transfer", started, time.monotonic(), result.num_bytes, len(remote))
             metrics.transfer_bytes.inc(result.num_bytes)
             metrics.transfer_seconds.inc(result.seconds)

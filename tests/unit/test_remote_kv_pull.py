@@ -11,7 +11,7 @@ from epdserve.services.decode.remote_kv_pull import PullState, RemoteKVPull
 from epdserve.services.request_spans import RequestSpans
 from epdserve.transport.protocol import DecodeRequest, KVHandle, WireSamplingParams
 from epdserve.shared.engine.scheduler import RemoteKVReservation
-from epdserve.transport.kv_transfer import TransferError
+from epdserve.transport.kv_transfer import FetchResult, TransferError
 
 
 class Counter:
@@ -59,7 +59,7 @@ class FakeKVClient:
         self.fetched.append((remote, local))
         if self.error:
             raise self.error
-        return SimpleNamespace(num_bytes=100, seconds=0.01)
+        return FetchResult(num_bytes=100, seconds=0.01, connect_seconds=0.002)
 
 
 def make_pull(llm, kv_client, control_addr="tcp://127.0.0.1:7"):
@@ -101,9 +101,12 @@ def test_a_pull_fetches_only_what_is_missing_then_releases_and_decodes():
     assert m.local_prefills.value == 0
     assert m.request_transfer_bytes.observed == [100] and m.request_transfer_seconds.observed == [0.01]
     spans = pull.spans.take()
-    assert [s.name for s in spans] == ["decode.queue", "kv.transfer", "decode.first_step"]
-    assert (spans[1].num_bytes, spans[1].num_blocks, spans[1].engine_id) == (100, 2, "decode-0")
-    assert all(a.end <= b.start + 1e-3 and a.start <= a.end for a, b in zip(spans, spans[1:]))
+    assert [s.name for s in spans] == ["decode.queue", "kv.handshake", "kv.transfer", "decode.first_step"]
+    handshake, transfer = spans[1], spans[2]
+    assert (transfer.num_bytes, transfer.num_blocks, transfer.engine_id) == (100, 2, "decode-0")
+    assert handshake.start == transfer.start and handshake.end - handshake.start == pytest.approx(0.002, abs=1e-5)
+    stages = [span for span in spans if span is not handshake]  # the handshake is part of the transfer
+    assert all(a.end <= b.start + 1e-3 and a.start <= a.end for a, b in zip(stages, stages[1:]))
 
 
 @pytest.mark.parametrize("llm, kv, failed_while", [
