@@ -3,10 +3,12 @@
 These tests run only under `make test-compose` (tests/compose/run.sh), which starts an engine when none
 runs, builds the image and sets EPDSERVE_COMPOSE_TEST=1 with the image's tag and the compose command.
 Under a plain `pytest` they are skipped. The stack is one per session: brought up once with two decodes
-and the monitoring profile's Prometheus, always taken down with `down -v`.
+and the monitoring profile's Prometheus, always taken down with `down -v`; test_compose_ucx.py's, with
+the UCX overlay, is up only while that module runs, before it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -169,24 +171,23 @@ def model_folder(image, tmp_path_factory) -> Path:
     return dest / Path(MODEL_IN_IMAGE).name
 
 
-@pytest.fixture(scope="session")
-def stack(references) -> Iterator[Stack]:
-    """encoder, prefill, 2 decodes, the proxy and Prometheus, up and ready; `down -v` at the end.
-
-    Depends on `references` so the local models are computed and freed before the containers start."""
+@contextlib.contextmanager
+def compose_up(files: list[str], services: list[str], profiles: tuple[str, ...] = (),
+               scale: dict[str, int] | None = None) -> Iterator[Stack]:
+    """`compose up --wait` of `services` (and what they depend on) from the repo's compose `files`, every
+    engine and the proxy ready; `down -v` on leaving, whatever happened."""
     api_port, prometheus_port = free_port(), free_port()
     # --env-file: a developer's own .env beside compose.yaml must not change what is tested.
-    argv = [*shlex.split(os.environ["EPDSERVE_COMPOSE"]), "--env-file", os.devnull, "-f", str(REPO / "compose.yaml"),
-            "--profile", "monitoring"]
+    argv = [*shlex.split(os.environ["EPDSERVE_COMPOSE"]), "--env-file", os.devnull,
+            *[a for f in files for a in ("-f", str(REPO / f))], *[a for p in profiles for a in ("--profile", p)]]
     env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "EPDSERVE_API_KEY": API_KEY,
-           # One torch thread per engine: four engines share this machine's cores.
+           # One torch thread per engine: the engines share this machine's cores.
            "EPDSERVE_THREADS": os.environ.get("EPDSERVE_THREADS", "1"),
            "EPDSERVE_PORT": str(api_port), "EPDSERVE_PROMETHEUS_PORT": str(prometheus_port)}
     stack = Stack(argv, env, api_port, prometheus_port)
     try:
-        # Only Prometheus from the monitoring profile (and what it depends on): Grafana adds nothing
-        # to test here, and its image may not be at hand where no registry is.
-        stack.compose("up", "--detach", "--pull", "never", "--wait", "--scale", "decode=2", "prometheus")
+        stack.compose("up", "--detach", "--pull", "never", "--wait",
+                      *[a for name, n in (scale or {}).items() for a in ("--scale", f"{name}={n}")], *services)
         stack.wait_ready(stack.engine_containers())
         stack.wait_proxy_ready()
         yield stack
@@ -195,11 +196,39 @@ def stack(references) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="session")
-def client(stack):
+def stack(references) -> Iterator[Stack]:
+    """encoder, prefill, 2 decodes, the proxy and Prometheus, up and ready; `down -v` at the end.
+
+    Depends on `references` so the local models are computed and freed before the containers start."""
+    # Only Prometheus from the monitoring profile (and what it depends on): Grafana adds nothing
+    # to test here, and its image may not be at hand where no registry is.
+    with compose_up(["compose.yaml"], ["prometheus"], profiles=("monitoring",), scale={"decode": 2}) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def ucx_stack(references) -> Iterator[Stack]:
+    """encoder, prefill, decode and the proxy with compose.ucx.yaml: every engine on UCX. Its module's
+    alone, taken down when that module ends, so that it never runs beside the session's stack."""
+    with compose_up(["compose.yaml", "compose.ucx.yaml"], ["proxy"]) as stack:
+        yield stack
+
+
+def api_client(stack: Stack):
     import openai
 
     # No retries: a failure must show. The timeout bounds a hung stream; nothing asserts on time.
     return openai.OpenAI(base_url=stack.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def client(stack):
+    return api_client(stack)
+
+
+@pytest.fixture(scope="module")
+def ucx_client(ucx_stack):
+    return api_client(ucx_stack)
 
 
 TEXT_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

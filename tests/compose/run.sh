@@ -8,6 +8,8 @@
 #      `docker compose down -v`
 #   5. the engine stopped, by its pid, if this script started it
 #
+# Arguments go to pytest instead of tests/compose, to run fewer of its tests, e.g.
+#   tests/compose/run.sh tests/compose/test_compose_ucx.py
 # Exits 0 after a one-line notice when this environment cannot run containers at all (unless
 # EPDSERVE_REQUIRE_DOCKER=1); any other failure fails. Environment:
 #   EPDSERVE_DOCKER_DIR   work folder of an engine started here (default /var/tmp/epdserve-docker; its
@@ -126,4 +128,4 @@ export EPDSERVE_PROMETHEUS_IMAGE
 
 # 4. the tests
 export EPDSERVE_COMPOSE_TEST=1 EPDSERVE_COMPOSE="$COMPOSE_CMD" EPDSERVE_COMPOSE_REPORT="$REPORT"
-step "compose tests" nice -n 10 "$PYTHON" -m pytest -q -p no:cacheprovider $HERE
+step "compose tests" nice -n 10 "$PYTHON" -m pytest -q -p no:cacheprovider "${@:-$HERE}"

@@ -8,6 +8,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose.yaml"
 CURVE_OVERLAY = REPO / "deploy" / "compose.curve.yaml"
+UCX_OVERLAY = REPO / "compose.ucx.yaml"
 PROFILES = [(), ("gpu",), ("monitoring",), ("gpu", "monitoring")]
 ENGINE_ROLES = ("encoder", "prefill", "decode")
 
@@ -138,6 +139,36 @@ def test_curve_overlay_gives_every_service_the_certificate(compose, parse_cli, e
         assert parse_cli(service["command"]).curve_dir == mount["target"], name
     done = compose("config", "-q", files=files)
     assert done.returncode != 0 and "EPDSERVE_CURVE_DIR" in done.stderr, "the folder must be named"
+
+
+def test_ucx_overlay_switches_every_engine_and_only_the_engines(compose, compose_config, parse_cli, epdserve_services,
+                                                                monkeypatch):
+    import json
+
+    def project(**env):
+        done = compose("--profile", "gpu", "config", "--format", "json", files=(COMPOSE_FILE, UCX_OVERLAY), **env)
+        assert done.returncode == 0, done.stderr
+        return epdserve_services(json.loads(done.stdout))
+
+    for env, devices in (({}, "all"), ({"EPDSERVE_UCX_NET_DEVICES": "eth0"}, "eth0")):
+        services = project(**env)
+        assert sorted(services) == ["decode", "decode-gpu", "encoder", "prefill", "prefill-gpu", "proxy"]
+        for name, (service, _) in services.items():
+            # The CLI reads the service's environment as the container's process would.
+            for variable in ("EPDSERVE_KV_TRANSPORT", "EPDSERVE_UCX_NET_DEVICES"):
+                monkeypatch.delenv(variable, raising=False)
+                if variable in service["environment"]:
+                    monkeypatch.setenv(variable, service["environment"][variable])
+            args = parse_cli(service["command"])
+            if name == "proxy":
+                assert "EPDSERVE_KV_TRANSPORT" not in service["environment"]
+                continue
+            assert (args.kv_transport, args.ucx_net_devices) == ("ucx", devices), name
+            assert service["environment"]["EPDSERVE_LOG_LEVEL"], f"{name}: the overlay replaced the environment"
+    monkeypatch.delenv("EPDSERVE_KV_TRANSPORT", raising=False)
+    for name, (service, args) in epdserve_services(compose_config("gpu")).items():
+        assert "EPDSERVE_KV_TRANSPORT" not in service["environment"]
+        assert args.kv_transport == "zmq", f"{name}: without the overlay every service stays on ZMQ"
 
 
 def test_prometheus_scrapes_every_metrics_port(compose_config, epdserve_services):
