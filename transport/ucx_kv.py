@@ -78,7 +78,12 @@ def _ucx(net_devices: str | None, ucx_options: Mapping[str, str] | None) -> Any:
             if net_devices:
                 options["NET_DEVICES"] = net_devices
             try:
-                ucxx.init(options=options)
+                # Completions set asyncio futures from ucxx's notifier thread, and the worker is
+                # progressed when its file descriptor wakes this loop. ucxx's defaults (a progress
+                # thread, and awaits that poll with sleep(0)) spin the loop once per pending receive:
+                # with a message's receives posted up front they took the cores the data needed
+                # (measured 1.7 -> 3.7 GB/s on 2 cores).
+                ucxx.init(options=options, progress_mode="blocking", enable_python_future=True)
             except RuntimeError:
                 pass  # initialised by other code of this process, with its options
             _initialised = True
