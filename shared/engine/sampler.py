@@ -147,12 +147,13 @@ class Sampler:
             rows, cols, _ = _token_counts(rep_rows, [requests[i].all_token_ids for i in rep_rows], vocab)
             penalty = torch.tensor([r.sampling_params.repetition_penalty for r in requests])[rows]
             seen = logits[rows, cols]
-            logits[rows, cols] = torch.where(seen > 0, seen / penalty, seen * penalty)
+            logits[rows, cols] = _finite(torch.where(seen > 0, seen / penalty, seen * penalty), seen)
         if count_rows:
             rows, cols, counts = _token_counts(count_rows, [requests[i].output_token_ids for i in count_rows], vocab)
             freq = torch.tensor([r.sampling_params.frequency_penalty for r in requests])[rows]
             pres = torch.tensor([r.sampling_params.presence_penalty for r in requests])[rows]
-            logits[rows, cols] -= freq * counts + pres
+            seen = logits[rows, cols]
+            logits[rows, cols] = _finite(seen - (freq * counts + pres), seen)
         if grammar_rows:
             start = time.perf_counter()
             bitmask = self._buffer("bitmask", (len(requests), (vocab + 31) // 32), torch.int32)
@@ -236,6 +237,13 @@ class Sampler:
             active, weights = active[rejected], above[rejected]
             token_ids[active] = _inverse_cdf(weights, redraw(active.tolist()))
         return token_ids
+
+
+def _finite(penalised: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """Penalised logits kept finite where they were: a huge penalty (repetition_penalty 1e300 is valid)
+    overflows to -inf, and a row whose grammar allows only penalised tokens would then allow none."""
+    info = torch.finfo(penalised.dtype)
+    return torch.where(torch.isfinite(before), penalised.clamp(info.min, info.max), penalised)
 
 
 def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -134,6 +134,20 @@ def test_the_sampler_picks_only_allowed_tokens_greedy_or_random(compiler, tokeni
     assert out.token_ids[2] == favourite  # the unconstrained row is untouched
 
 
+def test_a_huge_penalty_on_every_allowed_token_still_leaves_them_allowed(compiler, tokenizer, vocab):
+    """repetition_penalty 1e307 overflows negative logits to -inf; a choice whose every first token the
+    request has seen would then allow nothing, and a forbidden token came out."""
+    so = StructuredOutputsParams.choices(["yes", "no"])
+    first_tokens = allowed(compiler, compiler.new_state(so), vocab)
+    rows = [request(compiler, so, temperature=t, seed=5, repetition_penalty=1.9988932900897771e307) for t in (0.0, 1.0)]
+    for r in rows:
+        r.all_token_ids += sorted(first_tokens)  # every allowed token seen before
+    logits = torch.full((2, vocab), 3.0)
+    logits[:, sorted(first_tokens)] = -1.0
+    out = Sampler()(logits, rows)
+    assert set(out.token_ids) <= first_tokens
+
+
 def test_a_grammar_that_can_only_end_ends_the_request_despite_min_tokens(compiler, tokenizer, vocab):
     """min_tokens masks EOS, the finished regex allows only EOS: the grammar wins, no row is left empty."""
     done = request(compiler, StructuredOutputsParams("regex", "ok"), min_tokens=10, temperature=1.0, seed=1)
