@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from datetime import datetime
 from pathlib import Path
 
+from serving_vs_vllm import epdserve_bench
 from stacks import ROOT, Stack, machine
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -31,18 +31,12 @@ CELL = ("median_kv_transfer_ms", "median_kv_transfer_bytes", "median_ttft_ms", "
 
 
 def bench(url: str, model: str, input_len: int, args: argparse.Namespace, seed: int, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "epdserve.services.cli", "bench", "serve", "--base-url", url, "--tokenizer", model,
-           "--dataset-name", "random", "--input-len", str(input_len), "--output-len", str(args.output_len),
-           "--num-prompts", str(args.num_prompts), "--max-concurrency", "1", "--ignore-eos", "--trace",
-           "--seed", str(seed), "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm",
-           "--no-plot"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"bench serve failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    result = json.loads(out.read_text())
-    if result["completed"] != args.num_prompts or result["kv_transfer_requests"] != args.num_prompts:
-        raise RuntimeError(f"{result['completed']} completed, {result['kv_transfer_requests']} pulled their KV, "
-                           f"{result['kv_recompute_requests']} recomputed, of {args.num_prompts}")
+    result = epdserve_bench(url, args, [
+        "--tokenizer", model, "--dataset-name", "random", "--input-len", str(input_len), "--output-len",
+        str(args.output_len), "--num-prompts", str(args.num_prompts), "--max-concurrency", "1", "--trace"], seed, out)
+    if result["kv_transfer_requests"] != args.num_prompts:
+        raise RuntimeError(f"{result['kv_transfer_requests']} of {args.num_prompts} requests pulled their KV, "
+                           f"{result['kv_recompute_requests']} recomputed")
     return result
 
 

@@ -32,8 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
+
+from epdserve.transport.kv_transfer import gather_blocks, scatter_blocks
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 30, 3, 64, 16
 MODEL_ID = "SmolLM2-135M-Instruct"
@@ -58,12 +59,6 @@ def ucx_available() -> bool:
         return True
     except ImportError:
         return False
-
-
-def _blocks_view(cache: torch.Tensor) -> np.ndarray:
-    """[layers * 2, num_blocks, block bytes / itemsize] integer view: numpy moves the bits."""
-    bits = {2: torch.int16, 4: torch.int32}[cache.element_size()]
-    return cache.view(bits).numpy().reshape(cache.shape[0] * 2, cache.shape[2], -1)
 
 
 def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
@@ -98,8 +93,8 @@ def serve_socket(listener: socket.socket, payload: memoryview, caches: dict[str,
                 count = int.from_bytes(meta[1:], "little")
                 ids = torch.empty(count, dtype=torch.int64)
                 _recv_exactly(conn, memoryview(ids.numpy()).cast("B"))
-                data = np.take(_blocks_view(caches[names[meta[0]]]), ids.numpy(), axis=1)
-                conn.sendall(memoryview(data).cast("B"))
+                data = gather_blocks(caches[names[meta[0]]], ids.tolist())
+                conn.sendall(memoryview(data.view(torch.uint8).numpy()).cast("B"))
 
 
 async def run_server(backends: list[str]) -> None:
@@ -146,10 +141,10 @@ class SocketClient:
         ids = torch.tensor(remote, dtype=torch.int64)
         self.conn.sendall((1 << 63).to_bytes(8, "little") + bytes([dtype_index]) + len(remote).to_bytes(4, "little"))
         self.conn.sendall(memoryview(ids.numpy()).cast("B"))
-        view = _blocks_view(cache)
-        num_bytes = view[:, :len(remote)].nbytes
-        _recv_exactly(self.conn, memoryview(self.buffer.numpy())[:num_bytes])
-        view[:, local] = self.buffer[:num_bytes].numpy().view(view.dtype).reshape(view.shape[0], len(remote), -1)
+        shape = (cache.shape[0], 2, len(remote), *cache.shape[3:])
+        data = self.buffer[:cache[:, :, :len(remote)].nbytes].view(cache.dtype).view(shape)
+        _recv_exactly(self.conn, memoryview(self.buffer.numpy())[:data.nbytes])
+        scatter_blocks(cache, local, data)
 
 
 def block_ids(layout: str, num_blocks: int, gen: torch.Generator) -> list[int]:

@@ -154,18 +154,16 @@ def common_runs(remote_ids: Sequence[int], local_ids: Sequence[int]) -> list[tup
     return pairs
 
 
-def split_runs(block_ids: Sequence[int], run_lengths: Sequence[int], num_blocks: int) -> list[Run]:
-    """`block_ids` cut into runs of `run_lengths`; BlockRangeError unless every run is consecutive,
-    non-empty and inside [0, num_blocks), and the lengths add up to len(block_ids)."""
+def split_runs(block_ids: Sequence[int], run_lengths: Sequence[int]) -> list[Run]:
+    """`block_ids` cut into runs of `run_lengths`; BlockRangeError unless every run is consecutive and
+    non-empty and the lengths add up to len(block_ids)."""
     if sum(run_lengths) != len(block_ids) or any(n <= 0 for n in run_lengths):
         raise BlockRangeError(f"run lengths {list(run_lengths[:8])}... do not cut {len(block_ids)} blocks into runs")
     runs, i = [], 0
     for n in run_lengths:
         first = block_ids[i]
-        if block_ids[i + n - 1] != first + n - 1 or any(block_ids[i + k] != first + k for k in range(1, n - 1)):
+        if tuple(block_ids[i:i + n]) != tuple(range(first, first + n)):
             raise BlockRangeError(f"blocks {list(block_ids[i:i + min(n, 8)])}... are not consecutive")
-        if first < 0 or first + n > num_blocks:
-            raise BlockRangeError(f"blocks [{first}, {first + n}) outside [0, {num_blocks})")
         runs.append(Run(first, n))
         i += n
     return runs
@@ -278,14 +276,14 @@ class KVTransferServer(abc.ABC):
     def num_exposed_requests(self) -> int:
         return len(self._exposed)
 
-    def exposed_index(self, request_id: str, block_ids: Sequence[int]) -> torch.Tensor:
-        """The index of blocks a peer asks for, if every one is exposed for that request."""
+    def check_exposed(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Refuse a fetch of blocks not exposed for the request (exposed ids were checked against the
+        cache by `expose`)."""
         exposed = self._exposed.get(request_id)
         if exposed is None:
             raise BlocksNotFoundError(f"{self.engine_id} holds no blocks for request {request_id!r}")
         if not exposed.issuperset(block_ids):
             raise BlockRangeError(f"request {request_id!r}: asked for blocks not exposed for it")
-        return block_index(block_ids, self.kv_cache.shape[2], f"fetch {request_id}")
 
     def embeddings(self, mm_hash: str) -> torch.Tensor:
         tensor = self.encoder_cache.get(mm_hash) if self.encoder_cache is not None else None

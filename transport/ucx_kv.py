@@ -10,9 +10,8 @@ peers, so enable this backend between trusted peers (CURVE) only.
 One fetch message: the client posts one receive per segment (run x layer x K/V) straight into the
 destination blocks of its cache (blocks that form no runs: into one buffer, scattered after), with
 tags ucx_tag .. ucx_tag + n - 1, then sends FetchBlocks; the server starts one send per segment from
-its own cache and answers BlocksSent at once. The receives
-are posted before the data leaves, so UCX delivers into the cache without holding an unexpected
-copy; on the server nothing is gathered. A receive that fails or times out aborts the endpoint,
+its own cache and answers BlocksSent at once. The receives are posted before the data leaves, so UCX
+delivers into the cache without holding an unexpected copy; on the server nothing is gathered. A receive that fails or times out aborts the endpoint,
 which cancels every receive still posted on it: no late data lands in blocks the caller reuses.
 `ucxx` is an optional extra, imported on first use.
 """
@@ -72,8 +71,8 @@ TCP_OPTIONS = {"TCP_TX_SEG_SIZE": "1m", "TCP_RX_SEG_SIZE": "1m", "RNDV_THRESH": 
 
 
 def _ucx(net_devices: str | None, ucx_options: Mapping[str, str] | None) -> Any:
-    """ucxx, initialised once per process (the first caller's options apply to the process), with
-    its progress tied to the running event loop so that completions wake this loop's awaits."""
+    """ucxx, initialised once per process (the first caller's options apply to the process), its worker
+    progressed by ucxx's thread for the running event loop (completions are polled: `_completed`)."""
     global _initialised
     ucxx = import_ucxx()
     with _init_lock:
@@ -239,9 +238,6 @@ class UcxKVClient(ZmqKVClient):
         self._net_devices, self._ucx_options = net_devices, ucx_options
         self._ucxx = import_ucxx()
         self._endpoints: dict[str, Any] = {}  # server address -> endpoint to its UCX worker
-        # Receives that timed out: kept alive with their buffers until UCX completes them, since
-        # UCX would otherwise write into freed memory if the data arrives after all.
-        self._abandoned: set[asyncio.Future] = set()
 
     def _ucx_address(self) -> bytes:
         self._ucxx = _ucx(self._net_devices, self._ucx_options)
@@ -263,27 +259,13 @@ class UcxKVClient(ZmqKVClient):
         return endpoint
 
     async def _fetch_chunk(self, client: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
-        endpoint = await self._endpoint(client)
         if chunk.gathered:  # into one buffer, then scattered: these blocks form no runs worth a segment
-            buffers = [torch.empty(self._segment_shapes(chunk)[0], dtype=self.kv_cache.dtype, device=self.kv_cache.device)]
+            buffers = [torch.empty(self._gathered_shape(chunk), dtype=self.kv_cache.dtype, device=self.kv_cache.device)]
         else:
             buffers = run_segments(self.kv_cache, chunk.local_runs)
         tag = secrets.randbits(64 - SEGMENT_TAG_BITS) << SEGMENT_TAG_BITS
-        receives = _post(endpoint, buffers, tag, send=False)
-        try:
-            reply = await client.request(chunk.request(request_id, tag), timeout=self._remaining(deadline),
-                                         expect=BlocksSent)
-            if reply.num_segments != len(buffers):
-                raise BlockRangeError(f"peer sends {reply.num_segments} segments, expected {len(buffers)}")
-            try:
-                await _completed(receives, self._remaining(deadline))
-            except asyncio.TimeoutError:
-                raise TransferTimeout(f"{client.address}: UCX data did not arrive in time") from None
-            except Exception as e:  # UCX's own exception types (truncated message, endpoint error)
-                raise TransferError(f"{client.address}: UCX receive failed: {e}") from e
-        except BaseException:
-            await self._cancel(client.address, endpoint, receives)
-            raise
+        # Posted before the request leaves: the data lands in the blocks, never in UCX's unexpected queue.
+        await self._receive(client, buffers, tag, deadline, chunk.request(request_id, tag))
         if chunk.gathered:
             scatter_blocks(self.kv_cache, chunk.local_ids, buffers[0])
         return sum(b.nbytes for b in buffers)
@@ -311,22 +293,29 @@ class UcxKVClient(ZmqKVClient):
             raise ErrorReply(Error(ErrorCode.BAD_REQUEST, f"answered with embeddings of {reply.mm_hash!r}"))
         dtype, _ = codec.check_spec(reply.spec, self.limits)
         data = torch.empty(reply.spec.shape, dtype=dtype)
-        await self._receive(data, tag, deadline, client.address)
+        await self._receive(client, [data], tag, deadline)
         return data
 
-    async def _receive(self, data: torch.Tensor, tag: int, deadline: float, address: str) -> None:
-        self._ucxx = _ucx(self._net_devices, self._ucx_options)
-        if data.numel() == 0:
-            return
-        receive = asyncio.ensure_future(self._ucxx.recv(as_bytes(data), tag))
+    async def _receive(self, client: RequestClient, buffers: list[torch.Tensor], tag: int, deadline: float,
+                       request: Message | None = None) -> None:
+        """Post a receive per buffer (tags tag, tag + 1, ...), send `request` if any, and wait for the data;
+        on any failure abort the endpoint (see _cancel)."""
+        address, endpoint = client.address, await self._endpoint(client)
+        receives = _post(endpoint, buffers, tag, send=False)
         try:
-            await asyncio.wait_for(asyncio.shield(receive), self._remaining(deadline))
-        except asyncio.TimeoutError:
-            self._abandoned.add(receive)
-            receive.add_done_callback(self._abandoned.discard)
-            raise TransferTimeout(f"{address}: UCX data did not arrive in time") from None
-        except Exception as e:  # UCX's own exception types (truncated message, endpoint error)
-            raise TransferError(f"{address}: UCX receive failed: {e}") from e
+            if request is not None:
+                reply = await client.request(request, timeout=self._remaining(deadline), expect=BlocksSent)
+                if reply.num_segments != len(buffers):
+                    raise BlockRangeError(f"peer sends {reply.num_segments} segments, expected {len(buffers)}")
+            try:
+                await _completed(receives, self._remaining(deadline))
+            except asyncio.TimeoutError:
+                raise TransferTimeout(f"{address}: UCX data did not arrive in time") from None
+            except Exception as e:  # UCX's own exception types (truncated message, endpoint error)
+                raise TransferError(f"{address}: UCX receive failed: {e}") from e
+        except BaseException:
+            await self._cancel(address, endpoint, receives)
+            raise
 
     async def close(self) -> None:
         for endpoint in self._endpoints.values():

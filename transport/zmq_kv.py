@@ -28,7 +28,7 @@ from epdserve.transport.protocol import (
     KVLayout, MAY_SEND, Message, Role,
 )
 from epdserve.transport import codec
-from epdserve.transport.codec import DEFAULT_LIMITS, Limits, TensorSpec
+from epdserve.transport.codec import DEFAULT_LIMITS, Limits
 from epdserve.transport.kv_transfer import (
     BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, EmbeddingSource, FetchResult,
     IncompatiblePeerError, KVTransferClient, KVTransferServer, Run, TransferError, TransferTimeout,
@@ -156,9 +156,8 @@ class ZmqKVServer(KVTransferServer):
         if self.layout is None or peer.kv_layout != self.layout:
             raise ErrorReply(Error(ErrorCode.INCOMPATIBLE, "no KV layout agreed in the handshake", message.request_id))
         try:
-            self.exposed_index(message.request_id, message.block_ids)
-            runs = (split_runs(message.block_ids, message.run_lengths, self.kv_cache.shape[2])
-                    if message.run_lengths else None)
+            self.check_exposed(message.request_id, message.block_ids)
+            runs = split_runs(message.block_ids, message.run_lengths) if message.run_lengths else None
         except TransferError as e:
             raise _error_reply(e, message.request_id) from None
         started = time.perf_counter()
@@ -314,31 +313,29 @@ class ZmqKVClient(KVTransferClient):
                 task.cancel()
 
     async def _fetch_chunk(self, client: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
-        reply = await client.request(chunk.request(request_id), timeout=self._remaining(deadline), expect=BlocksData)
-        if reply.block_ids != chunk.remote_ids:
+        request = chunk.request(request_id)
+        reply = await client.request(request, timeout=self._remaining(deadline), expect=BlocksData)
+        if reply.block_ids != request.block_ids:
             raise TransferError(f"{client.address} answered with blocks {reply.block_ids[:8]}..., not those asked for")
-        shapes = self._segment_shapes(chunk)
+        destinations = None if chunk.gathered else run_segments(self.kv_cache, chunk.local_runs)
+        shapes = [self._gathered_shape(chunk)] if chunk.gathered else [d.shape for d in destinations]
         if len(reply.segments) != len(shapes):
             raise BlockRangeError(f"peer sent {len(reply.segments)} segments, expected {len(shapes)}")
         for segment, shape in zip(reply.segments, shapes):
-            self._check_segment(codec.tensor_spec(segment), shape)
+            if segment.dtype != self.kv_cache.dtype or segment.shape != shape:
+                raise BlockRangeError(f"peer sent {segment.dtype}{list(segment.shape)}, expected "
+                                      f"{self.kv_cache.dtype}{list(shape)}")
         if chunk.gathered:
             scatter_blocks(self.kv_cache, chunk.local_ids, reply.segments[0])
         else:
-            for segment, destination in zip(reply.segments, run_segments(self.kv_cache, chunk.local_runs)):
+            for segment, destination in zip(reply.segments, destinations):
                 copy_segment(destination, segment)
         return sum(segment.nbytes for segment in reply.segments)
 
-    def _segment_shapes(self, chunk: Chunk) -> list[tuple[int, ...]]:
-        """The shapes of the segments that carry `chunk`, as our cache holds them."""
-        if chunk.gathered:
-            return [(self.kv_cache.shape[0], 2, len(chunk.local_ids), *self.kv_cache.shape[3:])]
-        return [tuple(d.shape) for d in run_segments(self.kv_cache, chunk.local_runs)]
-
-    def _check_segment(self, spec: TensorSpec, shape: tuple[int, ...]) -> None:
-        """A segment must have exactly the shape and dtype of the blocks it is written into."""
-        if spec.dtype != self.layout.dtype or tuple(spec.shape) != shape:
-            raise BlockRangeError(f"peer sent {spec.dtype}{list(spec.shape)}, expected {self.layout.dtype}{list(shape)}")
+    def _gathered_shape(self, chunk: Chunk) -> torch.Size:
+        """The one segment a gathered message's blocks travel in: [layers, 2, n, *block], as our cache's."""
+        return torch.Size((self.kv_cache.shape[0], 2, sum(local.length for local in chunk.local_runs),
+                           *self.kv_cache.shape[3:]))
 
     async def fetch_embeddings(self, encoder_addr: str, mm_hash: str, *, timeout: float | None = None) -> torch.Tensor:
         started = time.perf_counter()

@@ -67,6 +67,7 @@ class PrefillWorker(EngineWorker):
         self.control_addr = control_addr  # where decode sends Release
         self.leases: dict[str, float] = {}  # request id -> monotonic deadline of its held KV
         self._lease_task: asyncio.Task | None = None  # expires leases; started with the first one
+        self._freeing: set[asyncio.Task] = set()  # released blocks waiting for their last sends
 
     @property
     def busy(self) -> bool:
@@ -159,6 +160,13 @@ class PrefillWorker(EngineWorker):
         if self.leases.pop(request_id, None) is None:
             return
         self.kv_server.withdraw(request_id)  # no peer reads them from now on
+        # Freed once no send still reads them (at once, unless a peer stopped reading), in a task of its own:
+        # neither the Release's answer nor the lease expiry of other requests waits for a stuck peer.
+        task = asyncio.create_task(self._free_when_sent(request_id))
+        self._freeing.add(task)
+        task.add_done_callback(self._freeing.discard)
+
+    async def _free_when_sent(self, request_id: str) -> None:
         if not await self.kv_server.wait_sent(request_id):
             logger.warning("%s: blocks of %s still queued for a peer that stopped reading; freeing them",
                            self.service.engine_id, request_id)
@@ -176,5 +184,7 @@ class PrefillWorker(EngineWorker):
     async def close(self) -> None:
         if self._lease_task:
             self._lease_task.cancel()
+        for task in self._freeing:
+            task.cancel()
         await self.kv_server.close()
         await super().close()

@@ -1,4 +1,5 @@
 """Real stacks for end-to-end tests: every service its own process on 127.0.0.1 (or ::1), stopped by pid."""
+import io
 import os
 import signal
 import socket
@@ -8,7 +9,10 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import torch
+from PIL import Image
 
 
 # Ports handed out by this test process: the OS may offer a port again once the probe socket is closed,
@@ -170,6 +174,25 @@ def start_stack(tmp_path_factory):
     stacks = _Stacks(tmp_path_factory)
     yield stacks
     stacks.stop_all()
+
+
+@pytest.fixture(scope="module")
+def smollm2(default_model_path):
+    """HF transformers' SmolLM2 and its tokenizer: the reference the text answers must equal."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval(),
+            AutoTokenizer.from_pretrained(default_model_path))
+
+
+def picture_png(seed: int, size=(240, 320)) -> bytes:
+    """A smooth synthetic picture, as PNG bytes, the same for a seed."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size[0], 0:size[1]] / max(size)
+    rgb = np.stack([np.sin(x * rng.uniform(2, 9) + c) * np.cos(y * rng.uniform(2, 9)) for c in range(3)], -1)
+    buf = io.BytesIO()
+    Image.fromarray(((rgb + 1) * 127.5).astype(np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def token_ids(logprobs_tokens: list[str]) -> list[int]:

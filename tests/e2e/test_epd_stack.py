@@ -10,12 +10,13 @@ import io
 import time
 
 import httpx
-import numpy as np
 import openai
 import pytest
 import torch
 import zmq
 from PIL import Image
+
+from tests.e2e.conftest import picture_png
 
 MAX_TOKENS = 16
 NUM_BLOCKS = 512
@@ -44,23 +45,6 @@ def stack(demo_model, stack_factory):
 @pytest.fixture(scope="module")
 def client(stack):
     return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def smollm2(default_model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return (AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(default_model_path))
-
-
-def picture_png(seed: int, size=(240, 320)) -> bytes:
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:size[0], 0:size[1]] / max(size)
-    rgb = np.stack([np.sin(x * rng.uniform(2, 9) + c) * np.cos(y * rng.uniform(2, 9)) for c in range(3)], -1)
-    buf = io.BytesIO()
-    Image.fromarray(((rgb + 1) * 127.5).astype(np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def data_url(png: bytes) -> str:

@@ -9,11 +9,12 @@ as over ZeroMQ (test_epd_stack.py). One stack for the module; the kill comes las
 import base64
 import io
 
-import numpy as np
 import openai
 import pytest
 import torch
 from PIL import Image
+
+from tests.e2e.conftest import picture_png
 
 MAX_TOKENS = 16
 NUM_BLOCKS = 512
@@ -40,26 +41,9 @@ def client(stack):
     return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def smollm2(default_model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return (AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(default_model_path))
-
-
 def decode_counts(stack) -> dict[str, float]:
     metrics = stack.services["decode-0"].metrics()
     return {name: metrics.get(name, 0.0) for name in (PULLED, RECOMPUTED, FAILED)}
-
-
-def picture_png(size=(240, 320)) -> bytes:
-    rng = np.random.default_rng(3)
-    y, x = np.mgrid[0:size[0], 0:size[1]] / max(size)
-    rgb = np.stack([np.sin(x * rng.uniform(2, 9) + c) * np.cos(y * rng.uniform(2, 9)) for c in range(3)], -1)
-    buf = io.BytesIO()
-    Image.fromarray(((rgb + 1) * 127.5).astype(np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def test_text_completions_equal_hf_with_the_kv_pulled_over_ucx(stack, client, smollm2, hf_greedy, near_tie_check,
@@ -90,7 +74,7 @@ def test_image_chat_equals_hf_llava(stack, client, demo_model, near_tie_check, i
 
     model = LlavaForConditionalGeneration.from_pretrained(demo_model, dtype=torch.float32).eval()
     processor = AutoProcessor.from_pretrained(demo_model)
-    png, question = picture_png(), "What is in this picture?"
+    png, question = picture_png(3), "What is in this picture?"
     hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
     text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, images=[Image.open(io.BytesIO(png))], return_tensors="pt")
