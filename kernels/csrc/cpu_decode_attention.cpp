@@ -1,9 +1,14 @@
 // Decode attention on CPU, read straight from the paged KV cache (one query token per sequence).
 //
-// The cache is stored head-major: [num_blocks, num_kv_heads, block_size, head_size], so one block of every
-// head is one contiguous run. Work is split over sequences: each reads its K and V blocks once, in order,
-// for every query head (a KV head serves its GQA group), and computes in float32: scores, an exact
-// two-pass softmax, and the probability-weighted sum of V.
+// The cache is stored head-major: [num_blocks, num_kv_heads, block_size, head_size], so one head of one
+// block is one contiguous run. A work item is one sequence and one KV head with its GQA group of query
+// heads; it reads that head's K and V blocks once each, in order, and computes in float32: the scores, an
+// exact two-pass softmax, and the probability-weighted sum of V (normalised once, at the end).
+//
+// With AVX-512 and a head size that is a multiple of 16 (float32 and bfloat16 caches), the scores of 16
+// tokens come out of one transposing reduction instead of 16 horizontal sums, the softmax runs 16 lanes
+// at a time, and the weighted sum of V keeps its accumulators in registers across the whole context; the
+// plain loops below serve every other case.
 #include <torch/extension.h>
 
 #include <omp.h>
@@ -23,9 +28,8 @@
 
 namespace {
 
-// exp for x <= 0 (scores minus their maximum), within 2 ulp of std::exp for x >= -87, written so that the
-// compiler vectorizes loops over it: Cody-Waite range reduction, a degree-6 polynomial (Cephes expf) and
-// the power of two put together in the exponent bits.
+// exp for x <= 0 (scores minus their maximum), within 2 ulp of std::exp for x >= -87: Cody-Waite range
+// reduction, a degree-6 polynomial (Cephes expf) and the power of two put together in the exponent bits.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
@@ -44,159 +48,266 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// Dot products and row updates over head_size values: AVX-512 when the build has it and head_size is a
-// multiple of 16, plain loops otherwise. (A `#pragma omp simd` reduction leaves a 16-step scalar sum per
-// dot product, which made the whole kernel several times slower.)
-inline float dot(const float* a, const float* b, int64_t n) {
-#ifdef __AVX512F__
-  if (n % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-    return _mm512_reduce_add_ps(acc);
-  }
-#endif
-  float sum = 0.0f;
-  for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
-  return sum;
+// Asks for blocks ahead of their use: the blocks of a sequence are scattered, so the hardware prefetcher
+// cannot guess the next one, and a decode is bound by reading K and V from memory. Into L2, not L1: a
+// block is 64 lines, more than L1 can have in flight, and asking for L1 stalled the loads (measured).
+constexpr int64_t PREFETCH_BLOCKS = 4;
+
+inline void prefetch(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
 }
 
-inline void add_scaled(float* y, float p, const float* x, int64_t n) {  // y += p * x
-#ifdef __AVX512F__
-  if (n % 16 == 0) {
-    const __m512 pv = _mm512_set1_ps(p);
-    for (int64_t d = 0; d < n; d += 16)
-      _mm512_storeu_ps(y + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + d), _mm512_loadu_ps(y + d)));
-    return;
-  }
-#endif
-  for (int64_t d = 0; d < n; ++d) y[d] += p * x[d];
-}
-
-// A row of the cache as float32: the row itself when it is float32, else converted into `buffer`.
+// One work item's view of the cache: one KV head of one sequence's blocks.
 template <typename T>
-inline const float* as_float(const T* row, float* buffer, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    return row;
-  } else {
+struct HeadRows {
+  const T* cache;
+  const int64_t* table;
+  int64_t block_elems, head_offset, block_size, head_size;
 
-    for (int64_t d = 0; d < n; ++d) buffer[d] = static_cast<float>(row[d]);
-    return buffer;
+  const T* block(int64_t b) const { return cache + table[b] * block_elems + head_offset; }
+  // Row of token t (in block b = t / block_size).
+  const T* row(int64_t t) const { return block(t / block_size) + (t % block_size) * head_size; }
+  void prefetch_block(int64_t b) const {
+    prefetch(block(b), block_size * head_size * static_cast<int64_t>(sizeof(T)));
+  }
+};
+
+// Softmax numerators in place over each of `rows` rows of `ctx` scores; returns nothing but writes each
+// row's 1 / sum into inv_sum.
+inline void softmax_rows_plain(float* scores, int64_t rows, int64_t ctx, float* inv_sum) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* s = scores + g * ctx;
+    float max = s[0];
+    for (int64_t i = 1; i < ctx; ++i) max = s[i] > max ? s[i] : max;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < ctx; ++i) {
+      s[i] = exp_nonpositive(s[i] - max);
+      sum += s[i];
+    }
+    inv_sum[g] = 1.0f / sum;
+  }
+}
+
+// The plain loops: any dtype, any head size, any ISA.
+template <typename T>
+void attend_plain(const HeadRows<T>& keys, const HeadRows<T>& values, const float* q, int64_t group,
+                  int64_t first, int64_t len, float* scores, float* inv_sum, float* acc) {
+  const int64_t ctx = len - first, d_n = keys.head_size;
+  for (int64_t t = first; t < len; ++t) {
+    const T* k = keys.row(t);
+    for (int64_t g = 0; g < group; ++g) {
+      float s = 0.0f;
+      for (int64_t d = 0; d < d_n; ++d) s += q[g * d_n + d] * static_cast<float>(k[d]);
+      scores[g * ctx + (t - first)] = s;
+    }
+  }
+  softmax_rows_plain(scores, group, ctx, inv_sum);
+  std::fill(acc, acc + group * d_n, 0.0f);
+  for (int64_t t = first; t < len; ++t) {
+    const T* v = values.row(t);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * ctx + (t - first)];
+      for (int64_t d = 0; d < d_n; ++d) acc[g * d_n + d] += p * static_cast<float>(v[d]);
+    }
   }
 }
 
 #ifdef __AVX512F__
-// 16 bfloat16 values as float32: a bfloat16 is the top half of a float32.
+// 16 cache values as float32: a bfloat16 is the top half of a float32.
 inline __m512 load16(const c10::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-#endif
 
-// q . row and acc += p * row for a cache row of type T, widened to float32 in registers where the build
-// has AVX-512 (float32, bfloat16), else through `buffer`.
-template <typename T>
-inline float dot_row(const float* q, const T* row, float* buffer, int64_t n) {
-#ifdef __AVX512F__
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    if (n % 16 == 0) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(row + d), acc);
-      return _mm512_reduce_add_ps(acc);
-    }
+// r[i] = the sum of v[i]'s 16 lanes: a transposing tree of 15 shuffle-and-add steps.
+inline __m512 sum_lanes16(__m512 v[16]) {
+  __m512 s2[8], s4[4];
+  for (int i = 0; i < 8; ++i)  // lanes alternate v[2i], v[2i+1] in each 128-bit quarter
+    s2[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // each quarter holds partial sums of v[4i..4i+3]
+    const __m512d a = _mm512_castps_pd(s2[2 * i]), b = _mm512_castps_pd(s2[2 * i + 1]);
+    s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
-#endif
-  return dot(q, as_float(row, buffer, n), n);
+  const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[0], s4[1], 0x88), _mm512_shuffle_f32x4(s4[0], s4[1], 0xdd));
+  const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2], s4[3], 0x88), _mm512_shuffle_f32x4(s4[2], s4[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xdd));
 }
 
-template <typename T>
-inline void add_scaled_row(float* acc, float p, const T* row, float* buffer, int64_t n) {
-#ifdef __AVX512F__
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    if (n % 16 == 0) {
-      const __m512 pv = _mm512_set1_ps(p);
-      for (int64_t d = 0; d < n; d += 16)
-        _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(row + d), _mm512_loadu_ps(acc + d)));
-      return;
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+
+inline void softmax_rows16(float* scores, int64_t rows, int64_t ctx, float* inv_sum) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* s = scores + g * ctx;
+    __m512 max = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < ctx; i += 16)
+      max = _mm512_mask_max_ps(max, first_lanes(ctx - i), max, _mm512_maskz_loadu_ps(first_lanes(ctx - i), s + i));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(max));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < ctx; i += 16) {
+      const __mmask16 k = first_lanes(ctx - i);
+      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), m));
+      _mm512_mask_storeu_ps(s + i, k, e);
+      sum = _mm512_mask_add_ps(sum, k, sum, e);
     }
+    inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
   }
-#endif
-  add_scaled(acc, p, as_float(row, buffer, n), n);
 }
 
-// Asks for a block ahead of its use: the blocks of a sequence are scattered, so the
-// hardware prefetcher cannot guess the next one, and a decode is bound by reading K and V from memory.
-inline void prefetch(const void* start, int64_t bytes) {
-  const char* p = static_cast<const char*>(start);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
-}
-
-// Calls row_fn(kv_head, t, row) for every KV head and every token t in [first, len) of one sequence, block
-// by block (a block of every KV head is one contiguous run), prefetching two blocks ahead: one block's
-// arithmetic is shorter than fetching the next from memory.
-template <typename T, typename RowFn>
-inline void for_each_row(const T* cache, const int64_t* table, int64_t first, int64_t len, int64_t num_kv_heads,
-                         int64_t block_size, int64_t head_size, RowFn&& row_fn) {
-  const int64_t block_elems = num_kv_heads * block_size * head_size;
-  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
-  const int64_t first_block = first / block_size, last_block = (len - 1) / block_size;
-  for (int64_t b = first_block; b <= std::min(last_block, first_block + 1); ++b)
-    prefetch(cache + table[b] * block_elems, block_bytes);
+// scores[g][t - first] = q[g] . K[t] for the group's query heads and tokens [first, len), 16 tokens of a
+// block at a time; a block's rows are read from memory for the first head of the group, from L1 after.
+template <typename T>
+void scores16(const HeadRows<T>& keys, const float* q, int64_t group, int64_t first, int64_t len, float* scores) {
+  const int64_t ctx = len - first, d_n = keys.head_size, bs = keys.block_size;
+  const int64_t first_block = first / bs, last_block = (len - 1) / bs;
+  for (int64_t b = first_block; b < std::min(last_block + 1, first_block + PREFETCH_BLOCKS); ++b) keys.prefetch_block(b);
   for (int64_t b = first_block; b <= last_block; ++b) {
-    if (b + 2 <= last_block) prefetch(cache + table[b + 2] * block_elems, block_bytes);
-    const T* block = cache + table[b] * block_elems;
-    const int64_t lo = std::max(first, b * block_size), hi = std::min(len, (b + 1) * block_size);
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t t = lo; t < hi; ++t) row_fn(h, t, block + (h * block_size + t % block_size) * head_size);
+    if (b + PREFETCH_BLOCKS <= last_block) keys.prefetch_block(b + PREFETCH_BLOCKS);
+    const T* block = keys.block(b);
+    for (int64_t start = b * bs; start < (b + 1) * bs && start < len; start += 16) {
+      const int64_t n = std::min<int64_t>({16, (b + 1) * bs - start, len - start});
+      const int64_t skip = std::max<int64_t>(0, first - start);  // leading rows before the window
+      if (skip >= n) continue;
+      const T* rows = block + (start - b * bs) * d_n;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * d_n;
+        __m512 v[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          __m512 a = _mm512_setzero_ps();
+          if (i < n)
+            for (int64_t d = 0; d < d_n; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), load16(rows + i * d_n + d), a);
+          v[i] = a;
+        }
+        // Lanes [skip, n) are this window's tokens start + i, at scores index start + i - first.
+        float* dst = scores + g * ctx + (start - first);
+        _mm512_mask_storeu_ps(dst, first_lanes(n) & ~first_lanes(skip), sum_lanes16(v));
+      }
+    }
   }
 }
+
+// acc[g][d] = sum over t of p[g][t] V[t][d] for GT query heads and VC vectors of 16 values from d0, the
+// accumulators kept in registers for the whole context.
+template <typename T, int GT, int VC>
+void weighted_values16(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t len,
+                       int64_t d0, float* acc, int64_t acc_stride) {
+  __m512 a[GT][VC];
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < VC; ++c) a[g][c] = _mm512_setzero_ps();
+  const int64_t bs = values.block_size, first_block = first / bs, last_block = (len - 1) / bs;
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    if (b + PREFETCH_BLOCKS <= last_block) values.prefetch_block(b + PREFETCH_BLOCKS);
+    const T* block = values.block(b);
+    const int64_t lo = std::max(first, b * bs), hi = std::min(len, (b + 1) * bs);
+    for (int64_t t = lo; t < hi; ++t) {
+      const T* row = block + (t - b * bs) * values.head_size + d0;
+      __m512 x[VC];
+      for (int c = 0; c < VC; ++c) x[c] = load16(row + 16 * c);
+      for (int g = 0; g < GT; ++g) {
+        const __m512 w = _mm512_set1_ps(p[g * ctx + (t - first)]);
+        for (int c = 0; c < VC; ++c) a[g][c] = _mm512_fmadd_ps(w, x[c], a[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < VC; ++c) _mm512_storeu_ps(acc + g * acc_stride + d0 + 16 * c, a[g][c]);
+}
+
+template <typename T, int GT>
+void weighted_values16_chunks(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t len,
+                              float* acc) {
+  const int64_t d_n = values.head_size;
+  for (int64_t d0 = 0; d0 < d_n; d0 += 64) {
+    switch (std::min<int64_t>(4, (d_n - d0) / 16)) {
+      case 4: weighted_values16<T, GT, 4>(values, p, ctx, first, len, d0, acc, d_n); break;
+      case 3: weighted_values16<T, GT, 3>(values, p, ctx, first, len, d0, acc, d_n); break;
+      case 2: weighted_values16<T, GT, 2>(values, p, ctx, first, len, d0, acc, d_n); break;
+      default: weighted_values16<T, GT, 1>(values, p, ctx, first, len, d0, acc, d_n); break;
+    }
+  }
+}
+
+template <typename T>
+void attend16(const HeadRows<T>& keys, const HeadRows<T>& values, const float* q, int64_t group, int64_t first,
+              int64_t len, float* scores, float* inv_sum, float* acc) {
+  const int64_t ctx = len - first, d_n = keys.head_size;
+  scores16(keys, q, group, first, len, scores);
+  // The V blocks are read next; ask for the first ones while the softmax runs.
+  const int64_t first_block = first / keys.block_size, last_block = (len - 1) / keys.block_size;
+  for (int64_t b = first_block; b < std::min(last_block + 1, first_block + PREFETCH_BLOCKS); ++b) values.prefetch_block(b);
+  softmax_rows16(scores, group, ctx, inv_sum);
+  // Query heads in tiles of up to 4 (16 accumulators of 16 values each at most).
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+    const float* p = scores + g0 * ctx;
+    float* out = acc + g0 * d_n;
+    switch (std::min<int64_t>(4, group - g0)) {
+      case 4: weighted_values16_chunks<T, 4>(values, p, ctx, first, len, out); break;
+      case 3: weighted_values16_chunks<T, 3>(values, p, ctx, first, len, out); break;
+      case 2: weighted_values16_chunks<T, 2>(values, p, ctx, first, len, out); break;
+      default: weighted_values16_chunks<T, 1>(values, p, ctx, first, len, out); break;
+    }
+  }
+}
+#endif
 
 template <typename T>
 void decode_attention_impl(T* out, const T* query, const int64_t* token_idx, const T* key_cache,
                            const T* value_cache, const int64_t* block_tables, const int64_t* seq_lens,
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                            int64_t block_size, int64_t table_stride, double scale, int64_t sliding_window) {
-  const int64_t group = num_heads / num_kv_heads;
+  const int64_t group = num_heads / num_kv_heads, block_elems = num_kv_heads * block_size * head_size;
+#ifdef __AVX512F__
+  constexpr bool vector_type = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+#else
+  constexpr bool vector_type = false;
+#endif
+  const bool vectorized = vector_type && head_size % 16 == 0;
   // OpenMP directly, with the calling thread's thread count: at::parallel_for, inlined here, would first
   // reset that count from ATen's process-wide setting, which an engine thread deliberately overrides.
-#pragma omp parallel firstprivate(num_seqs, num_heads, num_kv_heads, head_size, block_size, table_stride, scale, \
-                                    sliding_window, group)
+#pragma omp parallel
   {
-    std::vector<float> q(num_heads * head_size), acc(num_heads * head_size), scores, buffer(head_size);
-#pragma omp for schedule(static)
-    for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    std::vector<float> q(group * head_size), acc(group * head_size), inv_sum(group), scores;
+    // One item per sequence and KV head; dynamic, as sequences differ in length.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_seqs * num_kv_heads; ++item) {
+      const int64_t seq = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t len = seq_lens[seq];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-      const int64_t ctx = len - first;
       const int64_t* table = block_tables + seq * table_stride;
-      const int64_t row = token_idx[seq] * num_heads * head_size;  // this sequence's token in query and out
-      for (int64_t i = 0; i < num_heads * head_size; ++i) q[i] = static_cast<float>(query[row + i]) * static_cast<float>(scale);
-      scores.resize(num_heads * ctx);  // [query head][token]
-      for_each_row(key_cache, table, first, len, num_kv_heads, block_size, head_size,
-                   [&](int64_t h, int64_t t, const T* key) {
-                     for (int64_t g = h * group; g < (h + 1) * group; ++g)
-                       scores[g * ctx + (t - first)] = dot_row(q.data() + g * head_size, key, buffer.data(), head_size);
-                   });
-      for (int64_t g = 0; g < num_heads; ++g) {
-        float* s = scores.data() + g * ctx;
-        float max = s[0];
-        for (int64_t i = 1; i < ctx; ++i) max = s[i] > max ? s[i] : max;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < ctx; ++i) {
-          s[i] = exp_nonpositive(s[i] - max);
-          sum += s[i];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t i = 0; i < ctx; ++i) s[i] *= inv;
+      const HeadRows<T> keys{key_cache, table, block_elems, h * block_size * head_size, block_size, head_size};
+      const HeadRows<T> values{value_cache, table, block_elems, h * block_size * head_size, block_size, head_size};
+      // The group's query heads h * group .. (h + 1) * group - 1 of this sequence's token.
+      const int64_t row = (token_idx[seq] * num_heads + h * group) * head_size;
+      for (int64_t i = 0; i < group * head_size; ++i) q[i] = static_cast<float>(query[row + i]) * static_cast<float>(scale);
+      scores.resize(group * (len - first));
+      if constexpr (vector_type) {
+#ifdef __AVX512F__
+        if (vectorized) attend16(keys, values, q.data(), group, first, len, scores.data(), inv_sum.data(), acc.data());
+#endif
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for_each_row(value_cache, table, first, len, num_kv_heads, block_size, head_size,
-                   [&](int64_t h, int64_t t, const T* value) {
-                     for (int64_t g = h * group; g < (h + 1) * group; ++g)
-                       add_scaled_row(acc.data() + g * head_size, scores[g * ctx + (t - first)], value, buffer.data(),
-                                      head_size);
-                   });
-      for (int64_t i = 0; i < num_heads * head_size; ++i) out[row + i] = static_cast<T>(acc[i]);
+      if (!vectorized) attend_plain(keys, values, q.data(), group, first, len, scores.data(), inv_sum.data(), acc.data());
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_size; ++d)
+          out[row + g * head_size + d] = static_cast<T>(acc[g * head_size + d] * inv_sum[g]);
     }
   }
 }
