@@ -1,11 +1,12 @@
-"""The CPU attention backend: decodes read straight from the paged KV cache by a C++ kernel.
+"""The CPU attention backend: every query token, decode or prefill, attends straight from the paged KV
+cache in a C++ kernel.
 
-A decode step attends each sequence's single new token to its whole context. The PyTorch backend (torch_attention) does
-that with a gather (or a mirror of last step's gather) and two batched matmuls whose rows are a GQA
-group, 3 rows for SmolLM2, which run far below the machine's speed; the kernel in
-csrc/cpu_decode_attention.cpp reads each sequence's K/V blocks in place, once, for every query head (a KV
-head serves its GQA group), and computes in float32 (exact two-pass softmax). Prefill chunks keep the
-PyTorch path (one fused scaled_dot_product_attention per sequence).
+The PyTorch backend (torch_attention) gathers each sequence's K/V into a contiguous copy and runs two
+batched matmuls whose rows are a GQA group (3 rows for SmolLM2) for a decode, or one
+scaled_dot_product_attention per prefill chunk; both run far below the machine's speed at these sizes.
+The kernel in csrc/cpu_paged_attention.cpp reads the blocks in place, one query token and KV head at a
+time (the head serves its GQA group), and computes in float32 (exact two-pass softmax). A prefill token
+attends to its causal prefix: the kernel is told, per token, how many of its sequence's tokens it sees.
 
 The kernel is built on first use for the CPU it runs on (see cpu_build); where it cannot be built,
 `available()` says so and the engine uses the "torch" backend.
@@ -16,11 +17,11 @@ from typing import NamedTuple
 
 import torch
 
-from epdserve.kernels import cpu_build, torch_attention
+from epdserve.kernels import cpu_build
 
 
 def _extension():
-    return cpu_build.load("cpu_decode_attention.cpp")
+    return cpu_build.load("cpu_paged_attention.cpp")
 
 
 def available() -> bool:
@@ -29,30 +30,24 @@ def available() -> bool:
 
 
 class CpuAttentionPlan(NamedTuple):
-    """One step's batch as the kernel needs it, worked out once and shared by all layers."""
+    """One step's batch as the kernel needs it, worked out once and shared by all layers: one entry per
+    query token."""
 
-    block_size: int
-    num_kv_heads: int
-    sliding_window: int | None
-    decode_token_idx: torch.Tensor | None  # [num_decodes] rows of the single-token queries
-    decode_table: torch.Tensor | None  # [num_decodes, num_blocks] int64
-    decode_lens: torch.Tensor | None  # [num_decodes] int64
-    prefills: list[tuple[int, int, int, int]]  # (first token, end token, seq_len, row of the block table)
+    table: torch.Tensor  # [num_seqs, blocks of the longest] int64
+    table_rows: torch.Tensor  # [num_tokens] int64: each token's row of `table`
+    lens: torch.Tensor  # [num_tokens] int64: how many of its sequence's tokens each attends to
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                    block_size: int, num_kv_heads: int, sliding_window: int | None = None) -> CpuAttentionPlan:
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    is_decode = q_lens == 1
-    decode_idx = torch.nonzero(is_decode).flatten()
-    token_idx = table = lens = None
-    if decode_idx.numel():
-        token_idx = query_start_loc[:-1][decode_idx].long()
-        lens = seq_lens[decode_idx].long()
-        table = block_tables[decode_idx, :-(-int(lens.max()) // block_size)].long()
-    starts, ends, lens_list = query_start_loc[:-1].tolist(), query_start_loc[1:].tolist(), seq_lens.tolist()
-    prefills = [(starts[s], ends[s], lens_list[s], s) for s in torch.nonzero(~is_decode & (q_lens > 0)).flatten().tolist()]
-    return CpuAttentionPlan(block_size, num_kv_heads, sliding_window, token_idx, table, lens, prefills)
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    num_tokens = int(query_start_loc[-1])
+    rows = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens, output_size=num_tokens)
+    # Token j of a chunk of q tokens ending at position seq_len sees seq_len - q + j + 1 tokens.
+    position_in_chunk = torch.arange(num_tokens) - query_start_loc[:-1].long()[rows]
+    lens = (seq_lens.long() - q_lens)[rows] + position_in_chunk + 1
+    longest = int(seq_lens.max()) if len(seq_lens) else 0
+    return CpuAttentionPlan(block_tables[:, :-(-longest // block_size)].long(), rows, lens)
 
 
 def paged_attention(
@@ -73,14 +68,9 @@ def paged_attention(
     _, block_size, num_kv_heads, _ = key_cache.shape
     if plan is None:
         plan = plan_attention(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, sliding_window)
-    if plan.decode_token_idx is not None:
-        target = out if out.is_contiguous() else torch.empty_like(query)
-        _extension().decode_attention(target, query.contiguous(), plan.decode_token_idx, key_cache.transpose(1, 2),
-                                      value_cache.transpose(1, 2), plan.decode_table, plan.decode_lens, scale,
-                                      sliding_window or -1)
-        if target is not out:
-            out[plan.decode_token_idx] = target[plan.decode_token_idx]
-    for start, end, seq_len, row in plan.prefills:
-        out[start:end] = torch_attention._prefill(query[start:end], key_cache, value_cache, block_tables[row],
-                                                  seq_len, scale, sliding_window).to(out.dtype)
+    target = out if out.is_contiguous() else torch.empty_like(query)
+    _extension().paged_attention(target, query.contiguous(), key_cache.transpose(1, 2), value_cache.transpose(1, 2),
+                                 plan.table, plan.table_rows, plan.lens, scale, sliding_window or -1)
+    if target is not out:
+        out.copy_(target)
     return out

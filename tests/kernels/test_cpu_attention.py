@@ -1,4 +1,4 @@
-"""The C++ CPU decode-attention kernel against torch_attention, on the engine's head-major cache."""
+"""The C++ CPU attention kernel against torch_attention, on the engine's head-major cache."""
 import pytest
 import torch
 
@@ -50,15 +50,26 @@ def test_sliding_window(window):
 
 
 def test_mixed_batch_of_decodes_and_prefill_chunks():
-    """Decodes go to the kernel, prefill chunks (over a cached prefix or not) to the PyTorch path."""
+    """Each prefill token (of a chunk over a cached prefix or not) sees its causal prefix; decodes see all."""
     batch = make_batch([1, 7, 1, 20, 1], [33, 40, 1, 20, 90], 9, 3, 64, 16, torch.float32, seed=2)
     plan = cpu_attention.plan_attention(batch[3], batch[4], batch[5], 16, 3)
-    assert plan.decode_token_idx.tolist() == [0, 8, 29] and len(plan.prefills) == 2
+    assert plan.lens.tolist() == [33, *range(34, 41), 1, *range(1, 21), 90]
+    assert plan.table_rows.tolist() == [0] + [1] * 7 + [2] + [3] * 20 + [4]
     torch.testing.assert_close(cpu_attention.paged_attention(*batch, 0.125, plan=plan),
                                torch_attention.paged_attention(*batch, 0.125), atol=2e-5, rtol=2e-5)
 
 
-def test_results_land_in_a_given_output_only_at_decode_rows():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5, 37])
+def test_prefill_chunks_equal_the_reference(dtype, window):
+    """Long chunks, over no prefix and over a cached one, with a sliding window or not."""
+    batch = make_batch([70, 33, 1], [70, 100, 17], 8, 2, 64, 16, dtype, seed=4)
+    torch.testing.assert_close(cpu_attention.paged_attention(*batch, 0.125, window).float(),
+                               torch_attention.paged_attention(*batch, 0.125, window).float(),
+                               atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_results_land_in_a_given_output():
     batch = make_batch([1, 4, 1], [9, 4, 30], 4, 2, 64, 16, torch.float32, seed=3)
     out = torch.full_like(batch[0], float("nan"))
     cpu_attention.paged_attention(*batch, 0.125, out=out)

@@ -1,9 +1,11 @@
-// Decode attention on CPU, read straight from the paged KV cache (one query token per sequence).
+// Attention on CPU, read straight from the paged KV cache, for any mix of decodes and prefill chunks.
 //
 // The cache is stored head-major: [num_blocks, num_kv_heads, block_size, head_size], so one head of one
-// block is one contiguous run. A work item is one sequence and one KV head with its GQA group of query
-// heads; it reads that head's K and V blocks once each, in order, and computes in float32: the scores, an
-// exact two-pass softmax, and the probability-weighted sum of V (normalised once, at the end).
+// block is one contiguous run. A work item is one query token and one KV head with its GQA group of query
+// heads; it attends to the first `len` tokens of its sequence (a decode: the whole context; a prefill
+// token: the causal prefix up to itself) and computes in float32: the scores, an exact two-pass softmax,
+// and the probability-weighted sum of V (normalised once, at the end). A decode's item reads its K and V
+// blocks from memory once; the items of a prefill chunk's tokens read the same blocks, from cache.
 //
 // With AVX-512 and a head size that is a multiple of 16 (float32 and bfloat16 caches), the scores of 16
 // tokens come out of one transposing reduction instead of 16 horizontal sums, the softmax runs 16 lanes
@@ -174,9 +176,11 @@ inline void softmax_rows16(float* scores, int64_t rows, int64_t ctx, float* inv_
 
 // scores[g][t - first] = q[g] . K[t] for the group's query heads and tokens [first, len), 16 tokens of a
 // block at a time; a block's rows are read from memory for the first head of the group, from L1 after.
-template <typename T>
+// DV: the head size in vectors of 16 when known at compile time (0: dv at run time).
+template <typename T, int DV>
 void scores16(const HeadRows<T>& keys, const float* q, int64_t group, int64_t first, int64_t len, float* scores) {
   const int64_t ctx = len - first, d_n = keys.head_size, bs = keys.block_size;
+  const int64_t dv = DV ? DV : d_n / 16;
   const int64_t first_block = first / bs, last_block = (len - 1) / bs;
   for (int64_t b = first_block; b < std::min(last_block + 1, first_block + PREFETCH_BLOCKS); ++b) keys.prefetch_block(b);
   for (int64_t b = first_block; b <= last_block; ++b) {
@@ -193,8 +197,10 @@ void scores16(const HeadRows<T>& keys, const float* q, int64_t group, int64_t fi
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i) {
           __m512 a = _mm512_setzero_ps();
-          if (i < n)
-            for (int64_t d = 0; d < d_n; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), load16(rows + i * d_n + d), a);
+          if (i < n) {
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < dv; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), load16(rows + i * d_n + 16 * c), a);
+          }
           v[i] = a;
         }
         // Lanes [skip, n) are this window's tokens start + i, at scores index start + i - first.
@@ -250,7 +256,11 @@ template <typename T>
 void attend16(const HeadRows<T>& keys, const HeadRows<T>& values, const float* q, int64_t group, int64_t first,
               int64_t len, float* scores, float* inv_sum, float* acc) {
   const int64_t ctx = len - first, d_n = keys.head_size;
-  scores16(keys, q, group, first, len, scores);
+  switch (d_n) {  // the common head sizes with their loops unrolled
+    case 64: scores16<T, 4>(keys, q, group, first, len, scores); break;
+    case 128: scores16<T, 8>(keys, q, group, first, len, scores); break;
+    default: scores16<T, 0>(keys, q, group, first, len, scores); break;
+  }
   // The V blocks are read next; ask for the first ones while the softmax runs.
   const int64_t first_block = first / keys.block_size, last_block = (len - 1) / keys.block_size;
   for (int64_t b = first_block; b < std::min(last_block + 1, first_block + PREFETCH_BLOCKS); ++b) values.prefetch_block(b);
@@ -270,10 +280,10 @@ void attend16(const HeadRows<T>& keys, const HeadRows<T>& values, const float* q
 #endif
 
 template <typename T>
-void decode_attention_impl(T* out, const T* query, const int64_t* token_idx, const T* key_cache,
-                           const T* value_cache, const int64_t* block_tables, const int64_t* seq_lens,
-                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                           int64_t block_size, int64_t table_stride, double scale, int64_t sliding_window) {
+void attention_impl(T* out, const T* query, const T* key_cache, const T* value_cache,
+                    const int64_t* block_tables, const int64_t* table_rows, const int64_t* seq_lens, int64_t num_tokens,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
+                    int64_t table_stride, double scale, int64_t sliding_window) {
   const int64_t group = num_heads / num_kv_heads, block_elems = num_kv_heads * block_size * head_size;
 #ifdef __AVX512F__
   constexpr bool vector_type = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
@@ -286,18 +296,18 @@ void decode_attention_impl(T* out, const T* query, const int64_t* token_idx, con
 #pragma omp parallel
   {
     std::vector<float> q(group * head_size), acc(group * head_size), inv_sum(group), scores;
-    // One item per sequence and KV head; dynamic, as sequences differ in length.
+    // One item per query token and KV head; dynamic, as the tokens' contexts differ in length.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_seqs * num_kv_heads; ++item) {
-      const int64_t seq = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t len = seq_lens[seq];
+    for (int64_t item = 0; item < num_tokens * num_kv_heads; ++item) {
+      const int64_t i = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t len = seq_lens[i];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-      const int64_t* table = block_tables + seq * table_stride;
+      const int64_t* table = block_tables + table_rows[i] * table_stride;
       const HeadRows<T> keys{key_cache, table, block_elems, h * block_size * head_size, block_size, head_size};
       const HeadRows<T> values{value_cache, table, block_elems, h * block_size * head_size, block_size, head_size};
-      // The group's query heads h * group .. (h + 1) * group - 1 of this sequence's token.
-      const int64_t row = (token_idx[seq] * num_heads + h * group) * head_size;
-      for (int64_t i = 0; i < group * head_size; ++i) q[i] = static_cast<float>(query[row + i]) * static_cast<float>(scale);
+      // The group's query heads h * group .. (h + 1) * group - 1 of this token.
+      const int64_t row = (i * num_heads + h * group) * head_size;
+      for (int64_t j = 0; j < group * head_size; ++j) q[j] = static_cast<float>(query[row + j]) * static_cast<float>(scale);
       scores.resize(group * (len - first));
       if constexpr (vector_type) {
 #ifdef __AVX512F__
@@ -314,14 +324,15 @@ void decode_attention_impl(T* out, const T* query, const int64_t* token_idx, con
 
 }  // namespace
 
-// out, query: [num_tokens, num_heads, head_size] contiguous; token_idx: [num_seqs] int64, the row of each
-// sequence's single query token (its output goes to the same row of out); key_cache/value_cache:
+// out, query: [num_tokens, num_heads, head_size] contiguous; per query token i: table_rows[i], its
+// sequence's row of block_tables; seq_lens[i], how many of the sequence's tokens it attends to (those of
+// the cache up to and including its own). key_cache/value_cache:
 // [num_blocks, num_kv_heads, block_size, head_size] contiguous (the head-major storage); block_tables:
-// [num_seqs, >= blocks of the longest] int64; seq_lens: [num_seqs] int64. Everything shares one dtype.
-void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor token_idx, torch::Tensor key_cache,
-                      torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                      int64_t sliding_window) {
-  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "decode_attention runs on CPU tensors");
+// [num_seqs, >= blocks of the longest] int64. Indices are int64; the tensors share one dtype.
+void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                     torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor table_rows,
+                     torch::Tensor seq_lens, double scale, int64_t sliding_window) {
+  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "paged_attention runs on CPU tensors");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && key_cache.dim() == 4 &&
               value_cache.sizes() == key_cache.sizes(),
               "out and query [tokens, heads, head_size], caches [blocks, kv_heads, block_size, head_size]");
@@ -329,29 +340,28 @@ void decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor toke
               "out, query and the (head-major) caches must be contiguous");
   TORCH_CHECK(out.scalar_type() == query.scalar_type() && query.scalar_type() == key_cache.scalar_type() &&
               key_cache.scalar_type() == value_cache.scalar_type(), "out, query and caches must share a dtype");
-  TORCH_CHECK(token_idx.scalar_type() == torch::kInt64 && block_tables.scalar_type() == torch::kInt64 &&
-              seq_lens.scalar_type() == torch::kInt64, "token_idx, block_tables and seq_lens must be int64");
-  const int64_t num_seqs = token_idx.size(0), num_heads = query.size(1), head_size = query.size(2);
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && table_rows.scalar_type() == torch::kInt64 &&
+              seq_lens.scalar_type() == torch::kInt64, "block_tables, table_rows and seq_lens must be int64");
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_size && num_heads % num_kv_heads == 0, "head sizes or GQA ratio");
-  TORCH_CHECK(block_tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs, "one table row and length per seq");
-  auto idx = token_idx.contiguous();
+  TORCH_CHECK(table_rows.size(0) == num_tokens && seq_lens.size(0) == num_tokens, "one table row and length per token");
   auto tables = block_tables.contiguous();
+  auto rows = table_rows.contiguous();
   auto lens = seq_lens.contiguous();
-  if (num_seqs == 0) return;
-  TORCH_CHECK(idx.min().item<int64_t>() >= 0 && idx.max().item<int64_t>() < query.size(0), "token_idx out of range");
-  TORCH_CHECK(lens.min().item<int64_t>() >= 1, "every sequence has at least one token");
+  if (num_tokens == 0) return;
+  TORCH_CHECK(rows.min().item<int64_t>() >= 0 && rows.max().item<int64_t>() < tables.size(0), "table_rows out of range");
+  TORCH_CHECK(lens.min().item<int64_t>() >= 1, "every token attends to at least one token");
   TORCH_CHECK(lens.max().item<int64_t>() <= tables.size(1) * block_size, "a sequence is longer than its block table");
   TORCH_CHECK(tables.numel() == 0 || (tables.min().item<int64_t>() >= 0 && tables.max().item<int64_t>() < key_cache.size(0)),
               "block ids out of range");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_attention", [&] {
-    decode_attention_impl<scalar_t>(out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(),
-                                    key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
-                                    tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), num_seqs, num_heads,
-                                    num_kv_heads, head_size, block_size, tables.size(1), scale, sliding_window);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    attention_impl<scalar_t>(out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
+                             tables.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), num_tokens,
+                             num_heads, num_kv_heads, head_size, block_size, tables.size(1), scale, sliding_window);
   });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "Decode attention over the head-major paged KV cache (CPU)");
+  m.def("paged_attention", &paged_attention, "Attention of query tokens over the head-major paged KV cache (CPU)");
 }
