@@ -48,7 +48,7 @@ def select_attention_backend(name: str, device: torch.device | str) -> Attention
     if name == "cpu":
         if device.type != "cpu" or not cpu_attention.available():
             raise RuntimeError(f"the cpu attention backend needs a CPU device and its C++ kernel built, got {device}")
-        return AttentionBackend("cpu", torch_attention.kv_cache_write, cpu_attention.paged_attention,
+        return AttentionBackend("cpu", cpu_attention.kv_cache_write, cpu_attention.paged_attention,
                                 cpu_attention.plan_attention)
     return _triton_backend(device)
 

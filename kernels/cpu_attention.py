@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from epdserve.kernels import cpu_build
+from epdserve.kernels import cpu_build, torch_attention
 
 
 def _extension():
@@ -27,6 +27,16 @@ def _extension():
 def available() -> bool:
     """Whether the kernel is built (building it now if needed)."""
     return _extension() is not None
+
+
+def kv_cache_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """`torch_attention.kv_cache_write`'s contract, one row copy per token and head instead of an index_put."""
+    key_hm, value_hm = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
+    if key.dtype == value.dtype == key_cache.dtype and key_hm.is_contiguous() and value_hm.is_contiguous():
+        _extension().write_kv(key.contiguous(), value.contiguous(), key_hm, value_hm, slot_mapping.long())
+    else:
+        torch_attention.kv_cache_write(key, value, key_cache, value_cache, slot_mapping)
 
 
 class CpuAttentionPlan(NamedTuple):

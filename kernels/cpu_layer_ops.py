@@ -1,12 +1,15 @@
-"""RMSNorm and rotary embedding on CPU as one C++ op each (csrc/cpu_layer_ops.cpp), with their PyTorch
-spelling where the kernel is not built or the tensors are elsewhere.
+"""RMSNorm (alone or after the residual add), rotary embedding and SiLU-and-multiply on CPU as one C++ op
+each (csrc/cpu_layer_ops.cpp), with their PyTorch spelling where the kernel is not built or the tensors
+are elsewhere.
 
-Each replaces half a dozen small PyTorch ops per layer and step; at small batches a decode step is
-mostly such dispatch overhead. The C++ ops round where the PyTorch spelling does (see the source).
+Each replaces several small PyTorch ops per layer and step: at small batches a decode step is mostly such
+dispatch overhead, at large ones each op is another pass over memory. The C++ ops round where the PyTorch
+spelling does (see the source).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from epdserve.kernels import cpu_build
 
@@ -29,6 +32,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += delta (the residual stream, in place), then rms_norm(x)."""
+    if x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1 and delta.is_contiguous() and \
+            delta.dtype == weight.dtype == x.dtype and (ops := _ops()) is not None:
+        out = torch.empty(x.shape, dtype=x.dtype)
+        ops.add_rms_norm(out, x, delta, weight, eps)
+        return out
+    return rms_norm(x.add_(delta), weight, eps)
+
+
+def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate = silu(gate) * up, in place (the gated MLP's activation); returns gate."""
+    if gate.device.type == "cpu" and gate.dim() == 2 and gate.stride(1) == 1 and up.stride(-1) == 1 and \
+            up.dtype == gate.dtype and (ops := _ops()) is not None:
+        ops.silu_mul_(gate, up)
+        return gate
+    return F.silu(gate, inplace=True).mul_(up)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,28 @@
-// RMSNorm and rotary embedding for CPU, one op each instead of the half dozen small PyTorch ops that
-// spell them (per layer, per step: at small batches a decode step is mostly such dispatch overhead).
+// RMSNorm (with the residual add before it), rotary embedding and the MLP's SiLU-and-multiply for CPU, one
+// op each instead of the small PyTorch ops that spell them (per layer, per step: at small batches a decode
+// step is mostly such dispatch overhead, and at large ones each op is another pass over memory).
 //
-// Both round exactly where the PyTorch spelling does (HF Llama/Qwen2 numerics): RMSNorm in float32, cast
-// to the model dtype, then multiplied by the weight in the model dtype; rotary as q*cos + rotate_half(q)*sin
-// with every product and the sum rounded to the model dtype. Only RMSNorm's sum of squares adds up in
-// another order than torch's reduction does.
+// All round exactly where the PyTorch spelling does (HF Llama/Qwen2 numerics): the residual add in the
+// model dtype; RMSNorm in float32, cast to the model dtype, then multiplied by the weight in the model
+// dtype; rotary as q*cos + rotate_half(q)*sin with every product and the sum rounded to the model dtype;
+// silu(gate) rounded to the model dtype before the product with up. Only RMSNorm's sum of squares adds up
+// in another order than torch's reduction does, and SiLU's exp is our own (within 2 ulp of std::exp,
+// as torch's vectorized one is).
 #include <torch/extension.h>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <omp.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -21,11 +31,17 @@ inline T round_to(float v) {
   return static_cast<T>(v);
 }
 
+// With `delta`, x[r] += delta[r] first (in place, rounded to T) and the sum is normalised.
 template <typename T>
-void rms_norm_impl(T* out, const T* x, const T* weight, int64_t rows, int64_t hidden, int64_t x_stride, float eps) {
+void rms_norm_impl(T* out, T* x, const T* delta, const T* weight, int64_t rows, int64_t hidden, int64_t x_stride,
+                   float eps) {
 #pragma omp parallel for schedule(static) if (rows * hidden >= 32768)
   for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * x_stride;
+    T* xr = x + r * x_stride;
+    if (delta != nullptr) {
+      const T* dr = delta + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) xr[i] = round_to<T>(static_cast<float>(xr[i]) + static_cast<float>(dr[i]));
+    }
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < hidden; ++i) {
@@ -66,6 +82,99 @@ void rotary_impl(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads
   }
 }
 
+// exp(x), within 2 ulp of std::exp for x in [-87, 88]: Cody-Waite range reduction, a degree-6 polynomial
+// (Cephes expf) and the power of two put together in the exponent bits. Below the range it stays at
+// exp(-87), above it is infinity: SiLU's limits come out as torch's (x and -0).
+inline float exp_clamped(float x) {
+  if (x > 88.0f) return INFINITY;
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+#ifdef __AVX512F__
+// exp_clamped on 16 lanes, the same steps (fused multiply-adds: no more than 1 ulp apart).
+inline __m512 exp_clamped16(__m512 x) {
+  const __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.0f), _CMP_GT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mask_mov_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(bits)), overflow, _mm512_set1_ps(INFINITY));
+}
+
+// Up to 16 values of T as float32, and back (bfloat16: rounded to nearest even, as c10 does).
+inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+inline void store16(float* p, __mmask16 k, __m512 v) { _mm512_mask_storeu_ps(p, k, v); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 k) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512i bf16_bits(__m512 v) {  // the rounded bfloat16 in the top half of each lane
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  // NaN stays NaN (c10 makes it the quiet NaN 0x7fc0).
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
+}
+inline void store16(c10::BFloat16* p, __mmask16 k, __m512 v) {
+  _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
+}
+inline __m512 round16(__m512 v, float*) { return v; }
+inline __m512 round16(__m512 v, c10::BFloat16*) {
+  return _mm512_castsi512_ps(_mm512_and_si512(bf16_bits(v), _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+}
+#endif
+
+// gate = silu(gate) * up, in place; both [rows, cols] with contiguous rows.
+template <typename T>
+void silu_mul_impl(T* gate, const T* up, int64_t rows, int64_t cols, int64_t gate_stride, int64_t up_stride) {
+#pragma omp parallel for schedule(static) if (rows * cols >= 32768)
+  for (int64_t r = 0; r < rows; ++r) {
+    T* g = gate + r * gate_stride;
+    const T* u = up + r * up_stride;
+#ifdef __AVX512F__
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+      for (int64_t i = 0; i < cols; i += 16) {
+        const __mmask16 k = cols - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (cols - i)) - 1);
+        const __m512 x = load16(g + i, k);
+        const __m512 silu = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                                   exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), x)))),
+                                    static_cast<T*>(nullptr));
+        store16(g + i, k, _mm512_mul_ps(silu, load16(u + i, k)));
+      }
+      continue;
+    }
+#endif
+    for (int64_t i = 0; i < cols; ++i) {
+      const float x = static_cast<float>(g[i]);
+      const T silu = round_to<T>(x / (1.0f + exp_clamped(-x)));
+      g[i] = round_to<T>(static_cast<float>(silu) * static_cast<float>(u[i]));
+    }
+  }
+}
 }  // namespace
 
 // out[r] = weight * (x[r] / rms(x[r])); x: [rows, hidden] with contiguous rows, out: [rows, hidden] contiguous.
@@ -75,8 +184,33 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
               weight.is_contiguous(), "out like x (contiguous), weight [hidden]");
   TORCH_CHECK(out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(), "one dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), x.size(0),
-                            x.size(1), x.stride(0), static_cast<float>(eps));
+    rms_norm_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(),
+                            x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
+  });
+}
+
+// x += delta (in place), then out = rms_norm(x); delta: [rows, hidden] contiguous, like out.
+void add_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x: [rows, hidden] on CPU, rows contiguous");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && delta.sizes() == x.sizes() && delta.is_contiguous() &&
+              weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "out and delta like x (contiguous), weight [hidden]");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && delta.scalar_type() == x.scalar_type() &&
+              weight.scalar_type() == x.scalar_type(), "one dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
+                            weight.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
+  });
+}
+
+// gate = silu(gate) * up, in place; gate, up: [rows, cols], contiguous within a row.
+void silu_mul_(torch::Tensor gate, torch::Tensor up) {
+  TORCH_CHECK(gate.device().is_cpu() && gate.dim() == 2 && gate.stride(1) == 1 && up.sizes() == gate.sizes() &&
+              up.stride(1) == 1, "gate, up: [rows, cols] on CPU, rows contiguous");
+  TORCH_CHECK(up.scalar_type() == gate.scalar_type(), "one dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate.scalar_type(), "silu_mul_", [&] {
+    silu_mul_impl<scalar_t>(gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), gate.size(0), gate.size(1),
+                            gate.stride(0), up.stride(0));
   });
 }
 
@@ -98,4 +232,6 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm into out (CPU)");
   m.def("rotary_", &rotary_, "Rotary embedding in place, rotate-half form (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "Residual add in place, then RMSNorm into out (CPU)");
+  m.def("silu_mul_", &silu_mul_, "gate = silu(gate) * up in place (CPU)");
 }

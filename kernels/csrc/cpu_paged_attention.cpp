@@ -362,6 +362,44 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
   });
 }
 
+// key_cache[slot] = key, value_cache[slot] = value for each token with a slot (slot < 0: padding, skipped).
+// key, value: [num_tokens, num_kv_heads, head_size] contiguous; caches head-major as above; slot_mapping:
+// [num_tokens] int64, slot = block * block_size + offset.
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.device().is_cpu() && key_cache.device().is_cpu(), "write_kv runs on CPU tensors");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
+              key.size(1) == key_cache.size(1) && key.size(2) == key_cache.size(3),
+              "key and value [tokens, kv_heads, head_size], caches [blocks, kv_heads, block_size, head_size]");
+  TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "key, value and the (head-major) caches must be contiguous");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
+              value_cache.scalar_type() == key_cache.scalar_type(), "key, value and caches must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
+              "slot_mapping: [tokens] int64");
+  auto slots = slot_mapping.contiguous();
+  const int64_t num_tokens = key.size(0), heads = key.size(1), head_size = key.size(2);
+  const int64_t block_size = key_cache.size(2), num_slots = key_cache.size(0) * block_size;
+  if (num_tokens == 0) return;
+  TORCH_CHECK(slots.max().item<int64_t>() < num_slots, "slot out of range");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t row_bytes = head_size * key.element_size();
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slot[t] < 0) continue;
+    const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t dst = ((block * heads + h) * block_size + offset) * row_bytes, src = (t * heads + h) * row_bytes;
+      std::memcpy(kc + dst, k + src, row_bytes);
+      std::memcpy(vc + dst, v + src, row_bytes);
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv", &write_kv, "Write tokens' K and V into their slots of the head-major paged cache (CPU)");
   m.def("paged_attention", &paged_attention, "Attention of query tokens over the head-major paged KV cache (CPU)");
 }

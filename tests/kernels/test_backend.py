@@ -17,7 +17,7 @@ from epdserve.kernels.kv_cache_write import kv_cache_write
 def test_auto_on_cpu_is_the_kernel_or_torch():
     backend = select_attention_backend("auto", torch.device("cpu"))
     if cpu_attention.available():
-        assert backend == AttentionBackend("cpu", torch_attention.kv_cache_write, cpu_attention.paged_attention,
+        assert backend == AttentionBackend("cpu", cpu_attention.kv_cache_write, cpu_attention.paged_attention,
                                            cpu_attention.plan_attention)
     else:
         assert backend == AttentionBackend("torch", torch_attention.kv_cache_write, torch_attention.paged_attention,

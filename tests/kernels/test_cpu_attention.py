@@ -89,3 +89,17 @@ def test_auto_picks_the_kernel_on_cpu():
     assert select_attention_backend("cpu", "cpu").attend is cpu_attention.paged_attention
     with pytest.raises(RuntimeError, match="CPU device"):
         select_attention_backend("cpu", "cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_write_equals_the_reference(dtype):
+    gen = torch.Generator().manual_seed(5)
+    storage = torch.zeros(2, 2, 10, 3, 16, 64, dtype=dtype)  # [ours/reference, K/V, blocks, heads, block, dim]
+    caches = [(s[0].transpose(1, 2), s[1].transpose(1, 2)) for s in storage]
+    key, value = torch.randn(2, 7, 3, 64, generator=gen).to(dtype)
+    slots = torch.tensor([5, -1, 16, 17, 159, 80, -1])
+    cpu_attention.kv_cache_write(key, value, *caches[0], slots)
+    torch_attention.kv_cache_write(key, value, *caches[1], slots)
+    assert torch.equal(storage[0], storage[1]) and storage[0].any()
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_attention.kv_cache_write(key, value, *caches[0], torch.full((7,), 160))

@@ -1,6 +1,7 @@
-"""The C++ RMSNorm and rotary ops against their PyTorch spelling (HF Llama numerics)."""
+"""The C++ RMSNorm, rotary and SiLU-and-multiply ops against their PyTorch spelling (HF Llama numerics)."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from epdserve.kernels import cpu_layer_ops
 
@@ -63,3 +64,38 @@ def test_rotary_in_place_on_views_of_a_fused_projection():
     cpu_layer_ops.rotary(k, cos, sin)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(v, before[:, 12 * 64:])  # untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_adds_in_place_then_normalises(dtype):
+    gen = torch.Generator().manual_seed(3)
+    x, delta = (torch.randn(2, 33, 576, generator=gen) * 3).to(dtype)
+    weight = torch.randn(576, generator=gen).to(dtype)
+    stream = x.clone()
+    got = cpu_layer_ops.add_rms_norm(stream, delta, weight, 1e-5)
+    assert torch.equal(stream, x + delta)  # the residual add rounds as torch's does
+    assert torch.equal(got, cpu_layer_ops.rms_norm(x + delta, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, cols", [(1, 1536), (64, 1536), (5, 37)])
+def test_silu_mul(dtype, rows, cols):
+    gen = torch.Generator().manual_seed(rows + cols)
+    gate = (torch.randn(rows, cols, generator=gen) * 6).to(dtype)
+    gate[0, :3] = torch.tensor([-200.0, 200.0, 0.0])  # exp saturates: SiLU's limits 0 and x
+    up = torch.randn(rows, cols, generator=gen).to(dtype)
+    want = F.silu(gate) * up
+    got = cpu_layer_ops.silu_mul_(gate, up)
+    assert got.data_ptr() == gate.data_ptr()
+    # Our exp is not torch's: float32 values a unit or two in the last place apart; bfloat16 rounds both to
+    # the same value but at a rounding boundary.
+    tolerance = 2e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    assert got[0, 0] == 0 and got[0, 1] == (torch.tensor(200.0).to(dtype) * up[0, 1])
+
+
+def test_silu_mul_on_halves_of_a_fused_projection():
+    fused = torch.randn(4, 2 * 96)
+    gate, up = fused[:, :96], fused[:, 96:]
+    want = F.silu(gate) * up
+    torch.testing.assert_close(cpu_layer_ops.silu_mul_(gate, up), want, rtol=2e-6, atol=2e-6)
