@@ -1,15 +1,19 @@
-"""A linear layer that runs oneDNN on a prepacked weight on CPU.
+"""A linear layer that runs on a prepacked weight on CPU.
 
-PyTorch's default CPU matmul (MKL) reaches ~50-90 GFLOP/s per core on this model's shapes; oneDNN with
-the weight reordered once into its blocked layout reaches ~100 on the same shapes, the lm_head included.
-oneDNN's rows are also batch-invariant (a token's result does not depend on what else is in the batch).
-Falls back to `F.linear` where the oneDNN ops are missing or the weight is not on the CPU.
+PyTorch's default CPU matmul (MKL) reaches ~50-90 GFLOP/s per core on this model's shapes. float32 runs
+our panel kernel (kernels/cpu_linear.py): as fast as oneDNN on large batches, faster where a step streams
+its weights from memory (decodes), and batch-invariant. bfloat16 runs oneDNN with the weight reordered
+once into its blocked layout (its AVX-512 bf16 dot products). Both keep a token's result independent of
+what else is in the batch. Falls back to `F.linear` where neither applies (no kernel built, the weight
+not on the CPU).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from epdserve.kernels import cpu_linear
 
 _ONEDNN_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _PACK_BATCH_HINT = 64  # rows the packing is tuned for; any row count works
@@ -20,15 +24,23 @@ def onednn_available() -> bool:
 
 
 class Linear(nn.Linear):
-    packed_weight: torch.Tensor | None = None
+    packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout
+    panels: torch.Tensor | None = None  # cpu_linear's
 
     def pack(self, weight: torch.Tensor | None = None) -> None:
-        """Reorder `weight` (default: this layer's own) for oneDNN; call again after weights change."""
+        """Pack `weight` (default: this layer's own) for the CPU kernels; call again after weights change."""
         weight = self.weight if weight is None else weight
-        if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and onednn_available():
+        self.packed_weight = self.panels = None
+        if weight.device.type != "cpu":
+            return
+        if weight.dtype == torch.float32 and cpu_linear.available():
+            self.panels = cpu_linear.pack(weight)
+        elif weight.dtype in (torch.float32, torch.bfloat16) and onednn_available():
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and x.dtype == torch.float32:
+            return cpu_linear.linear(x, self.panels, self.out_features, self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,59 @@
+"""The float32 panel kernel behind Linear on CPU: F.linear's results, batch-invariant rows."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from epdserve.kernels import cpu_linear
+from epdserve.shared.models.layers.linear import Linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="the kernel cannot be built here (or no AVX-512)")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 301])
+@pytest.mark.parametrize("out_features, in_features", [(576, 576), (100, 64), (10, 33), (960, 1536)])
+def test_equals_f_linear(rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * out_features)
+    weight, bias = torch.randn(out_features, in_features, generator=gen), torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    panels = cpu_linear.pack(weight)
+    # Sums of in_features products, in another order than MKL's: a few units in the last place.
+    torch.testing.assert_close(cpu_linear.linear(x, panels, out_features, bias), F.linear(x, weight, bias),
+                               rtol=1e-4, atol=1e-4 * in_features ** 0.5)
+    torch.testing.assert_close(cpu_linear.linear(x, panels, out_features, None), F.linear(x, weight),
+                               rtol=1e-4, atol=1e-4 * in_features ** 0.5)
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(1000, 576, generator=gen)
+    panels = cpu_linear.pack(weight)
+    batch = torch.randn(67, 576, generator=gen)
+    alone = torch.cat([cpu_linear.linear(batch[i:i + 1], panels, 1000, None) for i in range(67)])
+    assert torch.equal(cpu_linear.linear(batch, panels, 1000, None), alone)
+    assert torch.equal(cpu_linear.linear(batch[5:20], panels, 1000, None), alone[5:20])
+
+
+def test_strided_rows_and_more_dimensions():
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(70, 32, generator=gen)
+    panels = cpu_linear.pack(weight)
+    fused = torch.randn(2, 9, 3 * 32, generator=gen)
+    x = fused[..., 32:64]  # rows of a wider tensor
+    got = cpu_linear.linear(x, panels, 70, None)
+    assert got.shape == (2, 9, 70)
+    torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_layer_uses_the_panels_for_float32_and_repacks():
+    layer = Linear(64, 48)
+    layer.pack()
+    assert layer.panels is not None and layer.packed_weight is None
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    layer.pack()
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    bf16 = Linear(64, 48).to(torch.bfloat16)
+    bf16.pack()
+    assert bf16.panels is None
