@@ -1,13 +1,15 @@
-"""Linear layers on CPU in float32 from weights packed into panels (csrc/cpu_linear.cpp).
+"""Linear layers on CPU from weights packed into panels (csrc/cpu_linear.cpp), float32 and bfloat16.
 
 At decode sizes a step streams every weight from memory; oneDNN's packed matmul reads it at about half
-the machine's bandwidth for 1-16 rows, this kernel at 1.3-1.5x that (a SmolLM2 batch-64 decode step's
-linear layers: 92 -> 84 ms; a batch-1 step: 26 -> 17 ms), and it is batch-invariant by construction. Its
-rows run as one fused multiply-add chain over K, in order. Built on first use for the CPU it runs on (see
-cpu_build); where it cannot be built or the CPU lacks AVX-512, `available()` is False and Linear keeps
-oneDNN.
+the machine's bandwidth for 1-16 rows, this kernel at 1.3-1.5x that (SmolLM2 float32, a batch-64 decode
+step's linear layers: 92 -> 84 ms; a batch-1 step: 26 -> 16 ms), and as fast on prefill-sized batches.
+It is batch-invariant by construction: each output is one chain of fused multiply-adds over K, in order.
+Built on first use for the CPU it runs on (see cpu_build); `supports(dtype)` is False where it cannot be
+built or the CPU lacks the instructions (AVX-512; AVX-512 BF16 for bfloat16), and Linear keeps oneDNN.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -15,16 +17,21 @@ from epdserve.kernels import cpu_build
 
 
 def _ops():
-    ops = cpu_build.load("cpu_linear.cpp")
-    return ops if ops is not None and ops.available() else None
+    return cpu_build.load("cpu_linear.cpp")
 
 
-def available() -> bool:
-    return _ops() is not None
+@functools.cache
+def _dtypes() -> frozenset[torch.dtype]:
+    ops = _ops()
+    return frozenset(getattr(torch, name) for name in ops.dtypes()) if ops is not None else frozenset()
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _dtypes()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] float32 -> the kernel's panels."""
+    """[N, K] float32 or bfloat16 -> the kernel's panels."""
     return _ops().pack(weight.detach())
 
 

@@ -1,7 +1,9 @@
-// y = x W^T (+ bias) for float32 on CPU, with W packed once into panels of 64 output columns.
+// y = x W^T (+ bias) on CPU, float32 or bfloat16, with W packed once into panels of 64 output columns.
 //
-// A panel is [K][64]: row k holds W[n0..n0+64][k], so one k step is four 16-lane loads shared by up to six
-// rows of x (24 accumulators in registers). Every output is one fused multiply-add chain over k in order,
+// A float32 panel is [K][64]: row k holds W[n0..n0+64][k], so one k step is four 16-lane loads shared by up
+// to six rows of x (24 accumulators in registers). A bfloat16 panel is [K/2][64][2]: one step takes two k
+// at once, the pairs multiplied and added into float32 by AVX-512 BF16's dot product, and the results
+// rounded to bfloat16 once, at the end. Every output is one fused multiply-add chain over k in order,
 // whatever the batch: a token's result does not depend on how many rows the step has or where it sits
 // (batch-invariant, as seeded sampling wants). The threads split the panels (and, when there are few,
 // the rows), so each panel streams from memory once per step; at decode sizes (1-64 rows) that stream
@@ -17,7 +19,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
+#include <string>
+#include <vector>
 
 namespace {
 
@@ -50,58 +55,73 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t K
   }
 }
 
-void rows_times_panel(const float* x, int64_t x_stride, int64_t rows, const float* panel, int64_t K, float* y,
-                      int64_t y_stride, int64_t cols) {
-  int64_t r = 0;
-  for (; r + ROWS <= rows; r += ROWS) tile<ROWS>(x + r * x_stride, x_stride, panel, K, y + r * y_stride, y_stride, cols);
-  const float* xr = x + r * x_stride;
-  float* yr = y + r * y_stride;
-  switch (rows - r) {
-    case 5: tile<5>(xr, x_stride, panel, K, yr, y_stride, cols); break;
-    case 4: tile<4>(xr, x_stride, panel, K, yr, y_stride, cols); break;
-    case 3: tile<3>(xr, x_stride, panel, K, yr, y_stride, cols); break;
-    case 2: tile<2>(xr, x_stride, panel, K, yr, y_stride, cols); break;
-    case 1: tile<1>(xr, x_stride, panel, K, yr, y_stride, cols); break;
-    default: break;
+#ifdef __AVX512BF16__
+// The bfloat16 tile: x rows of K (even, zero-padded by the caller's packing) bfloat16 values; y rounded to
+// bfloat16 (nearest even) after the float32 bias.
+template <int R>
+inline void tile(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* panel, int64_t K, c10::BFloat16* y,
+                 int64_t y_stride, int64_t cols, const float* bias) {
+  __m512 acc[R][VECTORS];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k + 1 < K; k += 2) {
+    const c10::BFloat16* w = panel + k * PANEL;
+    __m512bh wv[VECTORS];
+    for (int v = 0; v < VECTORS; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + 32 * v);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * x_stride + k, sizeof(pair));
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv[v], xr);
+    }
+  }
+  if (K % 2) {  // the last k alone: its pair partner is zero
+    const c10::BFloat16* w = panel + (K - 1) * PANEL;
+    for (int r = 0; r < R; ++r) {
+      const int32_t pair = static_cast<int32_t>(x[r * x_stride + K - 1].x);
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < VECTORS; ++v)
+        acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)_mm512_loadu_si512(w + 32 * v), xr);
+    }
+  }
+  for (int v = 0; v < VECTORS; ++v) {
+    const int64_t left = cols - 16 * v;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * v) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      _mm256_mask_storeu_epi16(y + r * y_stride + 16 * v, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][v], b)));
   }
 }
 #endif
 
-}  // namespace
-
-bool available() {
-#ifdef __AVX512F__
-  return true;
-#else
-  return false;
-#endif
+// The float32 tile's signature with the bias the bfloat16 one rounds in (float32 adds it afterwards).
+template <int R>
+inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t K, float* y, int64_t y_stride,
+                 int64_t cols, const float*) {
+  tile<R>(x, x_stride, panel, K, y, y_stride, cols);
 }
 
-// weight [N, K] float32 -> panels [ceil(N / 64), K, 64], the columns past N zero.
-torch::Tensor pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.device().is_cpu(),
-              "weight: [N, K] float32 on CPU");
-  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + PANEL - 1) / PANEL;
-  auto padded = torch::zeros({panels * PANEL, K}, weight.options());
-  padded.narrow(0, 0, N).copy_(weight);
-  return padded.view({panels, PANEL, K}).transpose(1, 2).contiguous();
+template <typename T>
+void rows_times_panel(const T* x, int64_t x_stride, int64_t rows, const T* panel, int64_t K, T* y, int64_t y_stride,
+                      int64_t cols, const float* bias) {
+  int64_t r = 0;
+  for (; r + ROWS <= rows; r += ROWS) tile<ROWS>(x + r * x_stride, x_stride, panel, K, y + r * y_stride, y_stride, cols, bias);
+  const T* xr = x + r * x_stride;
+  T* yr = y + r * y_stride;
+  switch (rows - r) {
+    case 5: tile<5>(xr, x_stride, panel, K, yr, y_stride, cols, bias); break;
+    case 4: tile<4>(xr, x_stride, panel, K, yr, y_stride, cols, bias); break;
+    case 3: tile<3>(xr, x_stride, panel, K, yr, y_stride, cols, bias); break;
+    case 2: tile<2>(xr, x_stride, panel, K, yr, y_stride, cols, bias); break;
+    case 1: tile<1>(xr, x_stride, panel, K, yr, y_stride, cols, bias); break;
+    default: break;
+  }
 }
 
-// x [M, K] float32 (rows contiguous), panels from pack() of an [N, K] weight, bias [N] or None -> y [M, N].
-torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(available(), "the CPU linear kernel needs AVX-512");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
-              "x: [M, K] float32 on CPU, rows contiguous");
-  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.scalar_type() == torch::kFloat32 &&
-              panels.size(1) == x.size(1) && panels.size(2) == PANEL && panels.size(0) * PANEL >= N &&
-              (panels.size(0) - 1) * PANEL < N, "panels: pack() of an [N, K] weight");
-  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
-  auto y = torch::empty({M, N}, x.options());
-#ifdef __AVX512F__
-  const float* xp = x.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t x_stride = x.stride(0);
+template <typename T>
+void run(const T* xp, int64_t x_stride, const T* wp, T* yp, int64_t M, int64_t K, int64_t N, int64_t P,
+         int64_t panel_elems, const float* bias) {
   // Work items: panels, and when there are fewer panels than a few per thread, or a number the threads
   // cannot share evenly (9 panels on 2 threads), row chunks of each (in whole tiles); consecutive items
   // share a panel, so a thread reads its panels from memory once.
@@ -115,16 +135,83 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::opti
     const int64_t p = item / chunks, first = (item % chunks) * chunk_rows;
     const int64_t rows = std::min(M, first + chunk_rows) - first;
     if (rows <= 0) continue;
-    rows_times_panel(xp + first * x_stride, x_stride, rows, wp + p * K * PANEL, K, yp + first * N + p * PANEL, N,
-                     std::min(PANEL, N - p * PANEL));
+    rows_times_panel(xp + first * x_stride, x_stride, rows, wp + p * panel_elems, K, yp + first * N + p * PANEL, N,
+                     std::min(PANEL, N - p * PANEL), bias ? bias + p * PANEL : nullptr);
   }
+}
+
 #endif
-  if (bias.has_value() && bias->defined()) y.add_(*bias);
+
+}  // namespace
+
+// The dtypes this build has a kernel for.
+std::vector<std::string> dtypes() {
+  std::vector<std::string> out;
+#ifdef __AVX512F__
+  out.push_back("float32");
+#endif
+#ifdef __AVX512BF16__
+  out.push_back("bfloat16");
+#endif
+  return out;
+}
+
+// weight [N, K] -> panels: float32 [ceil(N / 64), K, 64]; bfloat16 [ceil(N / 64), ceil(K / 2), 64, 2] (k
+// in pairs). The columns past N are zero.
+torch::Tensor pack(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() &&
+              (weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16),
+              "weight: [N, K] float32 or bfloat16 on CPU");
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + PANEL - 1) / PANEL;
+  if (weight.scalar_type() == torch::kFloat32) {
+    auto padded = torch::zeros({panels * PANEL, K}, weight.options());
+    padded.narrow(0, 0, N).copy_(weight);
+    return padded.view({panels, PANEL, K}).transpose(1, 2).contiguous();
+  }
+  const int64_t pairs = (K + 1) / 2;
+  auto padded = torch::zeros({panels * PANEL, pairs * 2}, weight.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  // [panel, column, pair, 2] -> [panel, pair, column, 2]
+  return padded.view({panels, PANEL, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+
+// x [M, K] (rows contiguous), panels from pack() of an [N, K] weight of x's dtype, bias [N] or None -> y [M, N].
+torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
+  const auto dtype = x.scalar_type();
+  const bool bf16 = dtype == torch::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu() && (dtype == torch::kFloat32 || bf16),
+              "x: [M, K] float32 or bfloat16 on CPU, rows contiguous");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  TORCH_CHECK(panels.is_contiguous() && panels.scalar_type() == dtype && P * PANEL >= N && (P - 1) * PANEL < N &&
+              (bf16 ? panels.dim() == 4 && panels.size(1) == (K + 1) / 2 && panels.size(2) == PANEL
+                    : panels.dim() == 3 && panels.size(1) == K && panels.size(2) == PANEL),
+              "panels: pack() of an [N, K] weight of x's dtype");
+  auto y = torch::empty({M, N}, x.options());
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (dtype == torch::kFloat32) {
+#ifdef __AVX512F__
+    run(x.data_ptr<float>(), x.stride(0), panels.data_ptr<float>(), y.data_ptr<float>(), M, K, N, P, K * PANEL, nullptr);
+#else
+    TORCH_CHECK(false, "this build has no float32 panel kernel (AVX-512)");
+#endif
+    if (has_bias) y.add_(*bias);
+    return y;
+  }
+#ifdef __AVX512BF16__
+  // The bias joins the float32 sums before their one rounding, as oneDNN's does.
+  torch::Tensor bias32 = has_bias ? torch::zeros({P * PANEL}, x.options().dtype(torch::kFloat32)) : torch::Tensor();
+  if (has_bias) bias32.narrow(0, 0, N).copy_(*bias);
+  run(x.data_ptr<c10::BFloat16>(), x.stride(0), panels.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), M, K, N,
+      P, panels.size(1) * 2 * PANEL, has_bias ? bias32.data_ptr<float>() : nullptr);
+#else
+  TORCH_CHECK(false, "this build has no bfloat16 panel kernel (AVX-512 BF16)");
+#endif
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "Whether this build has the AVX-512 kernel");
+  m.def("dtypes", &dtypes, "The dtypes this build has a kernel for");
   m.def("pack", &pack, "Pack an [N, K] float32 weight into panels for linear (CPU)");
-  m.def("linear", &linear, "x W^T + bias from packed panels (CPU, float32)");
+  m.def("linear", &linear, "x W^T + bias from packed panels (CPU, float32 or bfloat16)");
 }

@@ -1,4 +1,4 @@
-"""The float32 panel kernel behind Linear on CPU: F.linear's results, batch-invariant rows."""
+"""The panel kernel behind Linear on CPU: F.linear's results, batch-invariant rows."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from epdserve.kernels import cpu_linear
 from epdserve.shared.models.layers.linear import Linear
 
-pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="the kernel cannot be built here (or no AVX-512)")
+pytestmark = pytest.mark.skipif(not cpu_linear.supports(torch.float32),
+                                reason="the kernel cannot be built here (or no AVX-512)")
+needs_bf16 = pytest.mark.skipif(not cpu_linear.supports(torch.bfloat16), reason="no AVX-512 BF16 here")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 301])
@@ -54,6 +56,20 @@ def test_linear_layer_uses_the_panels_for_float32_and_repacks():
         layer.weight.mul_(2)
     layer.pack()
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    bf16 = Linear(64, 48).to(torch.bfloat16)
-    bf16.pack()
-    assert bf16.panels is None
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("out_features, in_features", [(576, 576), (100, 65), (960, 1536)])
+def test_bfloat16_equals_onednn(rows, out_features, in_features):
+    """The same products summed in float32 and rounded once: bfloat16 results a rounding apart at most."""
+    gen = torch.Generator().manual_seed(rows + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    want = F.linear(x.float(), weight.float(), bias.float())
+    got = cpu_linear.linear(x, cpu_linear.pack(weight), out_features, bias)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+    alone = torch.cat([cpu_linear.linear(x[i:i + 1], cpu_linear.pack(weight), out_features, bias) for i in range(rows)])
+    assert torch.equal(got, alone)

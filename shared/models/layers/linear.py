@@ -1,11 +1,10 @@
 """A linear layer that runs on a prepacked weight on CPU.
 
-PyTorch's default CPU matmul (MKL) reaches ~50-90 GFLOP/s per core on this model's shapes. float32 runs
-our panel kernel (kernels/cpu_linear.py): as fast as oneDNN on large batches, faster where a step streams
-its weights from memory (decodes), and batch-invariant. bfloat16 runs oneDNN with the weight reordered
-once into its blocked layout (its AVX-512 bf16 dot products). Both keep a token's result independent of
-what else is in the batch. Falls back to `F.linear` where neither applies (no kernel built, the weight
-not on the CPU).
+PyTorch's default CPU matmul (MKL) reaches ~50-90 GFLOP/s per core on this model's shapes. Our panel
+kernel (kernels/cpu_linear.py) is as fast as oneDNN's packed matmul on large batches and faster where a
+step streams its weights from memory (decodes); where the CPU lacks its instructions, oneDNN runs with
+the weight reordered once into its blocked layout. Both keep a token's result independent of what else
+is in the batch. Falls back to `F.linear` where neither applies (the weight not on the CPU).
 """
 from __future__ import annotations
 
@@ -33,13 +32,13 @@ class Linear(nn.Linear):
         self.packed_weight = self.panels = None
         if weight.device.type != "cpu":
             return
-        if weight.dtype == torch.float32 and cpu_linear.available():
+        if cpu_linear.supports(weight.dtype):
             self.panels = cpu_linear.pack(weight)
         elif weight.dtype in (torch.float32, torch.bfloat16) and onednn_available():
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None and x.dtype == torch.float32:
+        if self.panels is not None and x.dtype == self.panels.dtype:
             return cpu_linear.linear(x, self.panels, self.out_features, self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
