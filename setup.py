@@ -20,4 +20,4 @@ for folder in FOLDERS:
         package_dir["epdserve." + pkg_path.replace("/", ".")] = pkg_path
 
 # Sources compiled at run time (the C++ CPU kernels) travel with the package.
-setup(packages=list(package_dir), package_dir=package_dir, package_data={"epdserve.kernels": ["csrc/*.cpp"]})
+setup(packages=list(package_dir), package_dir=package_dir, package_data={"epdserve.kernels": ["csrc/*.cpp", "csrc/*.h"]})

@@ -29,9 +29,11 @@ def load(source: str, exact_rounding: bool = False):
     `exact_rounding`, a*b + c*d stays two roundings (no fused multiply-add), as PyTorch's separate ops do."""
     from torch.utils.cpp_extension import load as build
 
-    # One build per CPU kind and per checkout: torch rebuilds whenever a build's source path changes, so
-    # two checkouts sharing one name would rebuild each other's kernels on every start.
-    tag = hashlib.blake2b(f"{_cpu_flags()}\n{CSRC.resolve()}".encode(), digest_size=4).hexdigest()
+    # One build per CPU kind, per checkout and per version of the shared headers: torch rebuilds whenever a
+    # build's source path or source changes, so two checkouts sharing one name would rebuild each other's
+    # kernels on every start, but it does not look at the headers a source includes.
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
+    tag = hashlib.blake2b(f"{_cpu_flags()}\n{CSRC.resolve()}\n".encode() + headers, digest_size=4).hexdigest()
     try:
         return build(name=f"epdserve_{Path(source).stem}_{tag}", sources=[str(CSRC / source)],
                      extra_cflags=["-O3", "-march=native", "-fopenmp"] + (["-ffp-contract=off"] if exact_rounding else []),

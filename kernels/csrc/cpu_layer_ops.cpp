@@ -6,25 +6,23 @@
 // model dtype; RMSNorm in float32, cast to the model dtype, then multiplied by the weight in the model
 // dtype; rotary as q*cos + rotate_half(q)*sin with every product and the sum rounded to the model dtype;
 // silu(gate) rounded to the model dtype before the product with up. Only RMSNorm's sum of squares adds up
-// in another order than torch's reduction does, and SiLU's exp is our own (within 2 ulp of std::exp,
-// as torch's vectorized one is).
+// in another order than torch's reduction does, and SiLU's exp is our own (vec_math.h: within 2 ulp of
+// std::exp, as torch's vectorized one is).
 #include <torch/extension.h>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <omp.h>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
+#include "vec_math.h"
+
 namespace {
+
+using namespace epdserve;
 
 template <typename T>
 inline T round_to(float v) {
@@ -82,55 +80,9 @@ void rotary_impl(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads
   }
 }
 
-// exp(x), within 2 ulp of std::exp for x in [-87, 88]: Cody-Waite range reduction, a degree-6 polynomial
-// (Cephes expf) and the power of two put together in the exponent bits. Below the range it stays at
-// exp(-87), above it is infinity: SiLU's limits come out as torch's (x and -0).
-inline float exp_clamped(float x) {
-  if (x > 88.0f) return INFINITY;
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 #ifdef __AVX512F__
-// exp_clamped on 16 lanes, the same steps (fused multiply-adds: no more than 1 ulp apart).
-inline __m512 exp_clamped16(__m512 x) {
-  const __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.0f), _CMP_GT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mask_mov_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(bits)), overflow, _mm512_set1_ps(INFINITY));
-}
-
-// Up to 16 values of T as float32, and back (bfloat16: rounded to nearest even, as c10 does).
-inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+// Float32 lanes back to T (bfloat16: rounded to nearest even, as c10 does), or rounded to T's values.
 inline void store16(float* p, __mmask16 k, __m512 v) { _mm512_mask_storeu_ps(p, k, v); }
-inline __m512 load16(const c10::BFloat16* p, __mmask16 k) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 inline __m512i bf16_bits(__m512 v) {  // the rounded bfloat16 in the top half of each lane
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -158,10 +110,10 @@ void silu_mul_impl(T* gate, const T* up, int64_t rows, int64_t cols, int64_t gat
 #ifdef __AVX512F__
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
       for (int64_t i = 0; i < cols; i += 16) {
-        const __mmask16 k = cols - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (cols - i)) - 1);
+        const __mmask16 k = first_lanes(cols - i);
         const __m512 x = load16(g + i, k);
         const __m512 silu = round16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                                   exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), x)))),
+                                                                   exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), x)))),
                                     static_cast<T*>(nullptr));
         store16(g + i, k, _mm512_mul_ps(silu, load16(u + i, k)));
       }
@@ -170,7 +122,7 @@ void silu_mul_impl(T* gate, const T* up, int64_t rows, int64_t cols, int64_t gat
 #endif
     for (int64_t i = 0; i < cols; ++i) {
       const float x = static_cast<float>(g[i]);
-      const T silu = round_to<T>(x / (1.0f + exp_clamped(-x)));
+      const T silu = round_to<T>(x / (1.0f + exp_approx(-x)));
       g[i] = round_to<T>(static_cast<float>(silu) * static_cast<float>(u[i]));
     }
   }

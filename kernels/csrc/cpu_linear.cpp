@@ -13,10 +13,6 @@
 
 #include <omp.h>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -24,7 +20,13 @@
 #include <string>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
+
+#ifdef __AVX512F__
+using epdserve::first_lanes;
+#endif
 
 constexpr int64_t VECTORS = 4;             // 16-lane vectors per panel row
 constexpr int64_t PANEL = 16 * VECTORS;    // output columns per panel
@@ -50,7 +52,7 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t K
   for (int v = 0; v < VECTORS; ++v) {
     const int64_t left = cols - 16 * v;
     if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+    const __mmask16 mask = first_lanes(left);
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride + 16 * v, mask, acc[r][v]);
   }
 }
@@ -87,7 +89,7 @@ inline void tile(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* 
   for (int v = 0; v < VECTORS; ++v) {
     const int64_t left = cols - 16 * v;
     if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+    const __mmask16 mask = first_lanes(left);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * v) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r)
       _mm256_mask_storeu_epi16(y + r * y_stride + 16 * v, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][v], b)));

@@ -17,38 +17,16 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
-// exp for x <= 0 (scores minus their maximum), within 2 ulp of std::exp for x >= -87: Cody-Waite range
-// reduction, a degree-6 polynomial (Cephes expf) and the power of two put together in the exponent bits.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using namespace epdserve;
 
 // Asks for blocks ahead of their use: the blocks of a sequence are scattered, so the hardware prefetcher
 // cannot guess the next one, and a decode is bound by reading K and V from memory. Into L2, not L1: a
@@ -84,7 +62,7 @@ inline void softmax_rows_plain(float* scores, int64_t rows, int64_t ctx, float* 
     for (int64_t i = 1; i < ctx; ++i) max = s[i] > max ? s[i] : max;
     float sum = 0.0f;
     for (int64_t i = 0; i < ctx; ++i) {
-      s[i] = exp_nonpositive(s[i] - max);
+      s[i] = exp_approx(s[i] - max);
       sum += s[i];
     }
     inv_sum[g] = 1.0f / sum;
@@ -116,13 +94,6 @@ void attend_plain(const HeadRows<T>& keys, const HeadRows<T>& values, const floa
 }
 
 #ifdef __AVX512F__
-// 16 cache values as float32: a bfloat16 is the top half of a float32.
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
 // r[i] = the sum of v[i]'s 16 lanes: a transposing tree of 15 shuffle-and-add steps.
 inline __m512 sum_lanes16(__m512 v[16]) {
   __m512 s2[8], s4[4];
@@ -137,25 +108,6 @@ inline __m512 sum_lanes16(__m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xdd));
 }
 
-inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
-
 inline void softmax_rows16(float* scores, int64_t rows, int64_t ctx, float* inv_sum) {
   for (int64_t g = 0; g < rows; ++g) {
     float* s = scores + g * ctx;
@@ -166,7 +118,7 @@ inline void softmax_rows16(float* scores, int64_t rows, int64_t ctx, float* inv_
     __m512 sum = _mm512_setzero_ps();
     for (int64_t i = 0; i < ctx; i += 16) {
       const __mmask16 k = first_lanes(ctx - i);
-      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), m));
+      const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), m));
       _mm512_mask_storeu_ps(s + i, k, e);
       sum = _mm512_mask_add_ps(sum, k, sum, e);
     }
