@@ -320,10 +320,9 @@ def main(argv: list[str] | None = None) -> int:
             report["servers"][name] = measure(name, args, Path(tmp))
         if args.image:
             report["images"] = measure_images(args, Path(tmp))
-        logs = {f.name: f.read_text(errors="replace")[-4000:] for f in Path(tmp).glob("*.log")}
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "serving_vs_vllm.json").write_text(json.dumps(report | {"log_tails": logs}, indent=1))
+    (out_dir / "serving_vs_vllm.json").write_text(json.dumps(report, indent=1))
     (out_dir / "serving_vs_vllm.md").write_text(markdown(report, args))
     plot(report, args, out_dir / "serving_vs_vllm.png")
     print(markdown(report, args))
