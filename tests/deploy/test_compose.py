@@ -128,10 +128,7 @@ def test_curve_overlay_gives_every_service_the_certificate(compose, parse_cli, e
     files = (COMPOSE_FILE, CURVE_OVERLAY)
     done = compose("--profile", "gpu", "config", "--format", "json", files=files, EPDSERVE_CURVE_DIR="/srv/curve")
     assert done.returncode == 0, done.stderr
-    project = json.loads(done.stdout)
-    for name, service in project["services"].items():
-        if name == "prometheus":
-            continue
+    for name, (service, _) in epdserve_services(json.loads(done.stdout)).items():
         (mount,) = [v for v in service["volumes"] if v["source"] == "/srv/curve"]
         assert mount["read_only"], name
         # --curve-dir defaults to $EPDSERVE_CURVE_DIR, as in the container.
@@ -226,3 +223,22 @@ def test_engine_replicas_share_one_build_of_the_cpp_kernels(compose_config, epds
             continue
         (mount,) = [v for v in service["volumes"] if v["target"] == "/var/cache/epdserve/kernels"]
         assert mount["type"] == "volume" and mount["source"] == "kernels", name
+
+
+def test_volumes_from_the_image_are_filled_by_one_container_before_the_others(compose_config):
+    """Docker fills an empty named volume from the image when a container mounting it is created; two
+    created at once race on that copy and one fails. One one-shot service fills them, alone, first."""
+    services = compose_config("gpu", "monitoring")["services"]
+    fill = services["fill-volumes"]
+    assert fill["restart"] == "no" and fill["command"] == ["true"]
+    filled = {v["source"] for v in fill["volumes"] if v["type"] == "volume"}
+    assert {"models", "kernels"} <= filled
+    for name, service in services.items():
+        if name == "fill-volumes" or not {v.get("source") for v in service.get("volumes", [])} & filled:
+            continue
+        after = service.get("depends_on", {})
+        # The proxy is created after the engines, which are created after fill-volumes.
+        if name != "proxy":
+            assert after.get("fill-volumes", {}).get("condition") == "service_completed_successfully", name
+        else:
+            assert {"encoder", "prefill", "decode"} <= after.keys()

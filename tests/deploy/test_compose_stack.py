@@ -87,8 +87,9 @@ class LocalProject:
         """Starts services whose depends_on are healthy, like `docker compose up`, until all run."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while len(self.procs) < len(self.services):
+            # A dependency that runs no server (fill-volumes fills container volumes) has no local part.
             ready = [n for n, s in self.services.items()
-                     if n not in self.procs and set(s.get("depends_on", {})) <= set(self.procs)]
+                     if n not in self.procs and set(s.get("depends_on", {})) & set(self.services) <= set(self.procs)]
             assert ready, "depends_on has a cycle or names an unknown service"
             for name in ready:
                 self.start(name)
