@@ -62,11 +62,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, delta: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata) -> torch.Tensor:
         """x: the residual stream, updated in place; delta: what the layer before adds to it (None for the
-        first). Returns x and what this layer adds: each add happens inside the RMSNorm that follows it."""
+        first). Returns what this layer adds: each add happens inside the RMSNorm that follows it."""
         attn_out = self.self_attn(rope, self.input_layernorm(x, delta), meta)
-        return x, self.mlp(self.post_attention_layernorm(x, attn_out))
+        return self.mlp(self.post_attention_layernorm(x, attn_out))
 
 
 class LlamaModel(nn.Module):
@@ -86,7 +86,7 @@ class LlamaModel(nn.Module):
         rope = self.rotary.lookup(positions)
         delta = None
         for layer in self.layers:
-            x, delta = layer(rope, x, delta, meta)
+            delta = layer(rope, x, delta, meta)
         return self.norm(x, delta)
 
 
