@@ -26,11 +26,13 @@ class RequestSpans:
     def __init__(self, engine_id: str) -> None:
         self.engine_id = engine_id
         self._spans: list[TraceSpan] = []
+        # One monotonic -> Unix mapping for all of the request's spans: read anew for each, the two clocks'
+        # difference wobbles by fractions of a microsecond, and spans that share an instant would not.
+        self._offset = time.time() - time.monotonic()
 
     def add(self, name: str, start: float, end: float, num_bytes: int = 0, num_blocks: int = 0) -> None:
         """A stage from `start` to `end`, both time.monotonic() readings."""
-        offset = time.time() - time.monotonic()
-        self._spans.append(TraceSpan(name, self.engine_id, start + offset, max(end, start) + offset,
+        self._spans.append(TraceSpan(name, self.engine_id, start + self._offset, max(end, start) + self._offset,
                                      num_bytes, num_blocks))
 
     def add_engine_stages(self, metrics: RequestMetrics | None, queue: str = "prefill.queue",
