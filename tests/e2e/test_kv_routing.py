@@ -95,6 +95,9 @@ def test_a_follow_up_turn_goes_to_the_decode_holding_it_and_pulls_only_what_is_n
     pulled = holder.metrics().get("epdserve:remote_kv_blocks_total", 0.0) - pulled_before
     # 15 of turn 2's 20 full blocks were on the decode already (12 of the prompt, 3 of the reply).
     assert pulled <= len(turn2) // BLOCK_SIZE - 15 + 1, pulled
+    # Turn 2's blocks reach the index too (turn 1 held at most 15), so that the next test counts from a
+    # settled index and not from one that these events still arrive at.
+    wait_for_index(stack, lambda b: b.get(index_key(stack, holder), 0) >= len(turn2) // BLOCK_SIZE)
 
 
 def test_a_follow_up_held_but_for_a_few_tokens_is_prefilled_by_that_decode(stack, client):
