@@ -101,6 +101,9 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
     else:
         p.add_argument("--port", type=int, default=0, help="control channel port")
         p.add_argument("--data-port", type=int, default=0, help="KV / embedding transfer port (prefill, encoder)")
+        p.add_argument("--block-port", type=int, default=0,
+                       help="prefill: plain TCP port KV blocks leave on, beside --data-port (ZeroMQ transport "
+                            "without CURVE; default: any free port, which decodes learn when they connect)")
         p.add_argument("--http-port", type=int, default=0, help="/health, /ready, /metrics")
         p.add_argument("--engine-id", help="default: <role>-<hostname>-<port>")
         p.add_argument("--served-model-name", help="model_name label of its metrics (default: the model "

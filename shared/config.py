@@ -212,6 +212,10 @@ class TransportConfig:
         """Keyword arguments of kv_transfer.create_server / create_client for the chosen transport."""
         return {"net_devices": self.ucx_net_devices} if self.kv_transport == "ucx" else {}
 
+    def server_options(self, block_port: int) -> dict:
+        """transfer_options of a KV server whose blocks leave on `block_port` (ZMQ's block connections)."""
+        return self.transfer_options() if self.kv_transport == "ucx" else {"block_port": block_port}
+
 
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
@@ -234,3 +238,6 @@ class ServiceConfig:
     threads: int = 1
     # `model_name` of its metrics, as the proxy's (None: the model folder's name, the proxy's default too).
     served_model_name: str | None = None
+    # Prefill: plain TCP port its KV blocks leave on (ZMQ transport without CURVE; 0: any free port,
+    # which decodes learn in the handshake).
+    block_port: int = 0

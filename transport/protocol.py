@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 class Role(str, enum.Enum):
@@ -231,6 +231,10 @@ class HandshakeAck:
     kv_layout: KVLayout | None = None
     kv_transport: str | None = None  # set by KV transfer servers
     ucx_address: bytes | None = None
+    # A ZMQ transfer server's plain TCP port for blocks (block_stream), on the host of its address,
+    # and the token a connection to it starts with; only for peers that may fetch blocks.
+    data_port: int | None = None
+    data_token: bytes | None = None
 
 
 # ---------------------------------------------------------------------------------------------

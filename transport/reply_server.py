@@ -33,6 +33,7 @@ class ReplyServer:
     send is refused (an Error reply) and counted as rejected. With `on_sent`, a reply carrying tensors
     is sent tracked and the tracker handed to it: ZMQ sends tensor frames from the tensors' own memory
     on its IO thread, so whoever owns that memory must not reuse it before the tracker is done.
+    `ack_extra` gives further HandshakeAck fields for an accepted peer.
     """
 
     def __init__(
@@ -53,6 +54,7 @@ class ReplyServer:
         max_peers: int = 4096,
         ordered: bool = False,
         senders: Mapping[Role, frozenset[type]] | None = None,
+        ack_extra: Callable[[Handshake], dict] | None = None,
     ):
         self.engine_id = engine_id
         self.limits = limits
@@ -67,6 +69,7 @@ class ReplyServer:
         self._max_peers = max_peers
         self._ordered = ordered
         self._senders = senders  # role -> message types it may send; None: any
+        self._ack_extra = ack_extra
         self._rejections = Rejections(f"server {engine_id}")
         # identity -> the peer's handshake, least recently seen first (bounded: identities of
         # closed connections are never announced, so old ones are evicted instead).
@@ -181,7 +184,7 @@ class ReplyServer:
         while len(self._peers) > self._max_peers:
             self._peers.popitem(last=False)
         return HandshakeAck(PROTOCOL_VERSION, self.engine_id, kv_layout=self.kv_layout, kv_transport=self.kv_transport,
-                            ucx_address=self.ucx_address)
+                            ucx_address=self.ucx_address, **(self._ack_extra(hello) if self._ack_extra else {}))
 
     async def _send(self, identity: bytes, corr: bytes, reply: Message) -> None:
         if corr == NO_REPLY and not isinstance(reply, Error):

@@ -32,7 +32,7 @@ from epdserve.transport.protocol import (
 )
 from epdserve.transport import codec
 from epdserve.transport.kv_transfer import (
-    BlockRangeError, TransferError, TransferTimeout, as_bytes, run_segments, scatter_blocks,
+    BlockRangeError, TransferError, TransferTimeout, as_bytes,
 )
 from epdserve.transport.channel import ErrorReply
 from epdserve.transport.request_client import RequestClient
@@ -141,7 +141,7 @@ class UcxKVServer(ZmqKVServer):
         self._max_inflight_sends = max_inflight_sends
         self._send_timeout = send_timeout
         self._ucxx = import_ucxx()
-        super().__init__(engine_id, **kwargs)
+        super().__init__(engine_id, block_port=None, **kwargs)
 
     async def start(self) -> str:
         self._ucxx = _ucx(self._net_devices, self._ucx_options)
@@ -259,16 +259,11 @@ class UcxKVClient(ZmqKVClient):
         return endpoint
 
     async def _fetch_chunk(self, client: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
-        if chunk.gathered:  # into one buffer, then scattered: these blocks form no runs worth a segment
-            buffers = [torch.empty(self._gathered_shape(chunk), dtype=self.kv_cache.dtype, device=self.kv_cache.device)]
-        else:
-            buffers = run_segments(self.kv_cache, chunk.local_runs)
+        buffers = self._destinations(chunk)
         tag = secrets.randbits(64 - SEGMENT_TAG_BITS) << SEGMENT_TAG_BITS
         # Posted before the request leaves: the data lands in the blocks, never in UCX's unexpected queue.
         await self._receive(client, buffers, tag, deadline, chunk.request(request_id, tag))
-        if chunk.gathered:
-            scatter_blocks(self.kv_cache, chunk.local_ids, buffers[0])
-        return sum(b.nbytes for b in buffers)
+        return self._scatter(chunk, buffers)
 
     async def _cancel(self, address: str, endpoint: Any, receives: list[Any]) -> None:
         """Abort the endpoint: UCX cancels the receives still posted on it, so that no late data

@@ -1,14 +1,17 @@
-"""The default KVTransfer backend: blocks and embeddings as zero-copy ZMQ frames.
+"""The default KVTransfer backend: typed ZMQ messages, and blocks over plain TCP connections.
+
+Handshakes, fetch requests, embeddings and errors go over the typed ZMQ channel. Blocks go over a
+plain TCP connection (block_stream): the server writes each segment (run x layer x K/V) from its
+cache, the client receives it straight into its destination blocks - no gather, no staging copy.
+With CURVE, whose encryption covers the ZMQ channel only, or with a device cache on either side,
+blocks travel as zero-copy ZMQ frames instead: sent from the cache's memory (the server keeps the
+frames' trackers so that the blocks are not freed while ZMQ's IO thread still reads them,
+`wait_sent`), received into memory libzmq allocates and copied once into the cache - ZMQ has no
+receive into caller memory, and hands a multipart message over only whole.
 
 A fetch is split into messages (see ZmqKVClient._messages), up to `max_inflight_messages` of them in
-flight, so that the client copies one message's segments into its cache while the next arrives. The server
-answers a message with one frame per segment (run x layer x K/V) that ZMQ sends straight from the
-cache's memory - no gather - and keeps the frames' trackers so that the blocks are not freed while
-ZMQ's IO thread still reads them (`wait_sent`). The client receives each frame into memory libzmq
-allocates for it and copies it once, contiguously, into its destination blocks: ZMQ has no receive
-into caller memory for a multipart message, so this copy is the one a ZMQ receive costs beyond the
-kernel's (UCX receives into the cache itself). Copies run on the event loop thread: handing them to
-a worker thread cost more in wake-ups than it saved (measured on two cores: up to 1.5x slower).
+flight. Copies out of ZMQ frames run on the event loop thread: handing them to a worker thread cost
+more in wake-ups than it saved (measured on two cores: up to 1.5x slower).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import typing
 from dataclasses import dataclass
 from collections.abc import Awaitable, Callable, Sequence
 
+import numpy as np
 import torch
 import zmq
 
@@ -28,11 +32,12 @@ from epdserve.transport.protocol import (
     KVLayout, MAY_SEND, Message, Role,
 )
 from epdserve.transport import codec
+from epdserve.transport.block_stream import BlockStreamClient, BlockStreamServer
 from epdserve.transport.codec import DEFAULT_LIMITS, Limits
 from epdserve.transport.kv_transfer import (
     BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, EmbeddingSource, FetchResult,
     IncompatiblePeerError, KVTransferClient, KVTransferServer, Run, TransferError, TransferTimeout,
-    copy_segment, gather_blocks, layout_mismatch, run_segments, scatter_blocks, split_runs,
+    as_bytes, copy_segment, gather_blocks, layout_mismatch, run_segments, run_views, scatter_blocks, split_runs,
 )
 from epdserve.transport.channel import ChannelError, ChannelTimeout, ErrorReply, HandshakeError
 from epdserve.transport.reply_server import ReplyServer
@@ -63,7 +68,9 @@ def transport_mismatch(ours: str, theirs: str | None, us: str, them: str) -> str
 
 
 class ZmqKVServer(KVTransferServer):
-    """KV transfer server on a ROUTER socket; see KVTransferServer."""
+    """KV transfer server on a ROUTER socket, with a port for block connections beside it
+    (`block_stream`; `block_port` 0: any free port, None: none - nor with CURVE or a device cache, whose
+    blocks go as ZMQ frames); see KVTransferServer."""
 
     TRANSPORT = "zmq"
 
@@ -81,13 +88,18 @@ class ZmqKVServer(KVTransferServer):
         curve: CurveConfig | None = None,
         limits: Limits = DEFAULT_LIMITS,
         max_inflight: int = 8,
+        block_port: int | None = 0,
     ):
         super().__init__(engine_id, kv_cache=kv_cache, model_id=model_id, encoder_cache=encoder_cache, layout=layout)
         self._server = ReplyServer(
             engine_id, host=host, port=port, allow_wildcard=allow_wildcard, curve=curve, limits=limits,
             kv_layout=self.layout, kv_transport=self.TRANSPORT, on_sent=self._on_sent,
             check_handshake=self._check_peer, max_inflight=max_inflight, senders=MAY_SEND,
+            ack_extra=self._ack_extra,
         )
+        self._stream = (BlockStreamServer(engine_id, host, self._prepare_stream, port=block_port, limits=limits)
+                        if block_port is not None and curve is None and kv_cache is not None
+                        and kv_cache.device.type == "cpu" else None)
         self._serve_task: asyncio.Task | None = None
         # request id -> trackers of replies whose frames ZMQ may still be reading from the cache.
         self._unsent: dict[str, list[zmq.MessageTracker]] = {}
@@ -98,14 +110,17 @@ class ZmqKVServer(KVTransferServer):
 
     @property
     def num_rejected(self) -> int:
-        """Frames dropped by the control channel (malformed, oversized, other version)."""
-        return self._server.num_rejected
+        """Frames dropped by the control channel (malformed, oversized, other version) and block
+        connections dropped (a wrong token, a malformed request)."""
+        return self._server.num_rejected + self.num_stream_rejected
 
     @property
     def num_auth_denied(self) -> int:
         return self._server.num_auth_denied
 
     async def start(self) -> str:
+        if self._stream is not None:
+            await self._stream.start()  # before the first handshake, whose answer names its port
         address = await self._server.start()
         if self._serve_task is None:
             self._serve_task = asyncio.create_task(self._server.serve(self._handle))
@@ -116,6 +131,26 @@ class ZmqKVServer(KVTransferServer):
             self._serve_task.cancel()
             self._serve_task = None
         await self._server.close()
+        if self._stream is not None:
+            await self._stream.close()
+
+    def withdraw(self, request_id: str) -> None:
+        if self._stream is None:
+            return super().withdraw(request_id)
+        with self._stream.lock:  # a block connection checks a request and starts its send under it
+            super().withdraw(request_id)
+
+    @property
+    def num_stream_rejected(self) -> int:
+        """Block connections dropped for a wrong token or a malformed request."""
+        return self._stream.num_rejected if self._stream is not None else 0
+
+    def _ack_extra(self, hello: Handshake) -> dict:
+        """The block port and its token, for peers that may fetch blocks of our layout."""
+        if (self._stream is None or hello.kv_layout != self.layout
+                or FetchBlocks not in MAY_SEND.get(hello.role, ())):
+            return {}
+        return {"data_port": self._stream.port, "data_token": self._stream.token}
 
     async def _check_peer(self, hello: Handshake) -> str | None:
         refusal = transport_mismatch(self.TRANSPORT, hello.kv_transport, self.engine_id, hello.engine_id)
@@ -132,8 +167,10 @@ class ZmqKVServer(KVTransferServer):
     async def wait_sent(self, request_id: str, timeout: float = 60.0) -> bool:
         trackers = self._unsent.pop(request_id, [])
         deadline = time.monotonic() + timeout
-        while any(not t.done for t in trackers):
+        while any(not t.done for t in trackers) or (self._stream is not None and self._stream.sending(request_id)):
             if time.monotonic() > deadline:
+                if self._stream is not None:
+                    self._stream.abort(request_id)  # the peer's fetch fails rather than read freed blocks
                 return False
             await asyncio.sleep(0.001)
         return True
@@ -155,17 +192,40 @@ class ZmqKVServer(KVTransferServer):
     async def _serve_blocks(self, message: FetchBlocks, peer: Handshake) -> Message:
         if self.layout is None or peer.kv_layout != self.layout:
             raise ErrorReply(Error(ErrorCode.INCOMPATIBLE, "no KV layout agreed in the handshake", message.request_id))
-        try:
-            self.check_exposed(message.request_id, message.block_ids)
-            runs = split_runs(message.block_ids, message.run_lengths) if message.run_lengths else None
-        except TransferError as e:
-            raise _error_reply(e, message.request_id) from None
         started = time.perf_counter()
-        segments = (run_segments(self.kv_cache, runs) if runs is not None
-                    else [gather_blocks(self.kv_cache, message.block_ids)] if message.block_ids else [])
+        segments = self._segments(message)
         reply = await self._reply_blocks(message, peer, segments)
         self.stats.record(sum(segment.nbytes for segment in segments), started)
         return reply
+
+    def _runs(self, message: FetchBlocks) -> list[Run] | None:
+        """The runs FetchBlocks cuts its blocks into (None: gathered); ErrorReply when it asks for
+        blocks not exposed for its request or cuts them into bad runs."""
+        try:
+            self.check_exposed(message.request_id, message.block_ids)
+            return split_runs(message.block_ids, message.run_lengths) if message.run_lengths else None
+        except TransferError as e:
+            raise _error_reply(e, message.request_id) from None
+
+    def _segments(self, message: FetchBlocks) -> list[torch.Tensor]:
+        """The segments FetchBlocks describes, as views of the cache (gathered: a copy)."""
+        runs = self._runs(message)
+        return (run_segments(self.kv_cache, runs) if runs is not None
+                else [gather_blocks(self.kv_cache, message.block_ids)] if message.block_ids else [])
+
+    def _prepare_stream(self, message: FetchBlocks) -> list[np.ndarray] | Error:
+        """A block connection's request (on its thread): the segments' bytes to send, or why not."""
+        if message.ucx_tag is not None:
+            return Error(ErrorCode.BAD_REQUEST, "a UCX fetch on a block connection", message.request_id)
+        started = time.perf_counter()
+        try:
+            runs = self._runs(message)
+        except ErrorReply as e:
+            return e.error
+        buffers = (run_views(self.kv_cache, runs) if runs is not None
+                   else [as_bytes(gather_blocks(self.kv_cache, message.block_ids))] if message.block_ids else [])
+        self.stats.record(sum(b.nbytes for b in buffers), started)  # under the stream's lock, not the loop's
+        return buffers
 
     async def _reply_blocks(self, message: FetchBlocks, peer: Handshake, segments: list[torch.Tensor]) -> Message:
         if message.ucx_tag is not None:
@@ -230,6 +290,7 @@ class ZmqKVClient(KVTransferClient):
         self.min_segment_bytes = min_segment_bytes
         self._curve = curve
         self._clients: dict[str, RequestClient] = {}  # address -> connection, reused across fetches
+        self._stream = BlockStreamClient(engine_id, limits=limits)  # block connections (threads on first use)
 
     def _ucx_address(self) -> bytes | None:
         return None
@@ -299,6 +360,8 @@ class ZmqKVClient(KVTransferClient):
 
     async def _bounded(self, jobs: list[Callable[[], Awaitable[int]]]) -> list[int]:
         """Run jobs at most `max_inflight_messages` at a time; the first failure cancels the rest."""
+        if len(jobs) == 1:
+            return [await jobs[0]()]  # most fetches: no tasks to schedule
         gate = asyncio.Semaphore(self.max_inflight_messages)
 
         async def gated(job):
@@ -312,7 +375,31 @@ class ZmqKVClient(KVTransferClient):
             for task in tasks:
                 task.cancel()
 
+    def _destinations(self, chunk: Chunk) -> list[torch.Tensor]:
+        """What a message's segments are received into: the destination blocks themselves, or for
+        gathered blocks one buffer to scatter from (`_scatter`)."""
+        if chunk.gathered:
+            return [torch.empty(self._gathered_shape(chunk), dtype=self.kv_cache.dtype, device=self.kv_cache.device)]
+        return run_segments(self.kv_cache, chunk.local_runs)
+
+    def _scatter(self, chunk: Chunk, buffers: list[torch.Tensor]) -> int:
+        if chunk.gathered:
+            scatter_blocks(self.kv_cache, chunk.local_ids, buffers[0])
+        return sum(b.nbytes for b in buffers)
+
     async def _fetch_chunk(self, client: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
+        peer = client.peer
+        if peer.data_port is None or self.kv_cache.device.type != "cpu":
+            return await self._fetch_frames(client, request_id, chunk, deadline)
+        gathered = self._destinations(chunk)[0] if chunk.gathered else None
+        buffers = [as_bytes(gathered)] if chunk.gathered else run_views(self.kv_cache, chunk.local_runs)
+        num_bytes = await self._stream.fetch(_host(client.address), peer.data_port, peer.data_token or b"",
+                                             chunk.request(request_id), buffers, self._remaining(deadline))
+        if chunk.gathered:
+            scatter_blocks(self.kv_cache, chunk.local_ids, gathered)
+        return num_bytes
+
+    async def _fetch_frames(self, client: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
         request = chunk.request(request_id)
         reply = await client.request(request, timeout=self._remaining(deadline), expect=BlocksData)
         if reply.block_ids != request.block_ids:
@@ -367,6 +454,12 @@ class ZmqKVClient(KVTransferClient):
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             await client.close()
+        await self._stream.close()
+
+
+def _host(address: str) -> str:
+    """The host of a ZMQ endpoint tcp://host:port (IPv6 without its brackets)."""
+    return address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
 
 
 # Blocks gathered for want of runs travel in messages of at most this size: each is gathered into a

@@ -46,7 +46,7 @@ async def build_prefill_worker(service: ServiceConfig, engine_config: EngineConf
     kv_server = create_server(transport.kv_transport, service.engine_id, kv_cache=llm.engine.runner.kv_cache,
                               layout=kv_layout(engine_config), host=service.host, port=service.data_port,
                               allow_wildcard=service.host in WILDCARD_HOSTS, curve=server_curve(transport),
-                              **transport.transfer_options())
+                              **transport.server_options(service.block_port))
     data_addr = advertised(await kv_server.start(), service.host, service.advertise_host)
     return PrefillWorker(service, engine_config, llm, kv_transfer_client(service, engine_config, llm),
                          lambda: control_rejected() + kv_server.num_rejected,

@@ -51,6 +51,12 @@ def test_every_command_is_accepted_by_the_cli(compose_config, epdserve_services)
         assert args.advertise_host is None, name
 
 
+def test_prefills_send_blocks_on_a_port_of_their_own(compose_config, epdserve_services):
+    for name, (_, args) in epdserve_services(compose_config("gpu")).items():
+        if args.role == "prefill":  # fixed, so that a firewall between hosts can let it through
+            assert args.block_port and len({args.port, args.data_port, args.http_port, args.block_port}) == 4, name
+
+
 def test_healthchecks_hit_the_port_each_process_serves(compose_config, epdserve_services):
     for name, (service, args) in epdserve_services(compose_config("gpu")).items():
         test = service["healthcheck"]["test"]

@@ -57,6 +57,8 @@ def listening_ports(args) -> dict[str, int]:
     ports = {"control": args.port, "http": args.http_port}
     if args.data_port:
         ports["data"] = args.data_port
+    if args.block_port:
+        ports["blocks"] = args.block_port
     return ports
 
 

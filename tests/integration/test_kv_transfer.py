@@ -1,4 +1,7 @@
-"""KV blocks and embeddings over the ZMQ backend, on real sockets: exactness, bounds, handshakes, dead peers."""
+"""KV blocks and embeddings over the ZMQ backend, on real sockets: exactness, bounds, handshakes, dead peers.
+
+Blocks move over the server's block connections (block_stream) unless it offers none (`block_port=None`,
+as with CURVE or a device cache): then as ZMQ frames. Tests of what both paths do run on both."""
 import asyncio
 import subprocess
 import sys
@@ -31,10 +34,14 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+PATHS = pytest.mark.parametrize("block_port", [0, None], ids=["block_connection", "zmq_frames"])
+
+
+@PATHS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("message_bytes", [1, 1 << 20], ids=["one_block_per_message", "one_message"])
 @pytest.mark.parametrize("min_segment_bytes", [1, 1 << 20], ids=["as_runs", "gathered"])
-def test_blocks_land_bit_exact_in_shuffled_local_blocks(dtype, message_bytes, min_segment_bytes):
+def test_blocks_land_bit_exact_in_shuffled_local_blocks(dtype, message_bytes, min_segment_bytes, block_port):
     remote_cache, local_cache = make_cache(dtype, seed=1), torch.zeros(make_cache(dtype).shape, dtype=dtype)
     gen = torch.Generator().manual_seed(2)
     remote_ids = torch.randperm(NUM_BLOCKS, generator=gen)[:20].tolist()
@@ -42,7 +49,7 @@ def test_blocks_land_bit_exact_in_shuffled_local_blocks(dtype, message_bytes, mi
     untouched = sorted(set(range(NUM_BLOCKS)) - set(local_ids))
 
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
+        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m", block_port=block_port) as server:
             server.expose("r1", remote_ids)
             async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m",
                                    max_message_bytes=message_bytes, min_message_bytes=1,
@@ -57,16 +64,50 @@ def test_blocks_land_bit_exact_in_shuffled_local_blocks(dtype, message_bytes, mi
     assert not local_cache[:, :, untouched].any()  # nothing else written
 
 
-def test_contiguous_runs_move_as_whole_segments_straight_from_the_cache():
-    """Blocks consecutive on both sides go as one frame per layer and K/V (cut only at message size),
-    and the server's frames are its cache's own memory until ZMQ lets go of them; blocks in runs too
-    short for that travel gathered into one frame."""
+def test_runs_move_over_the_block_connection_from_cache_to_cache():
+    """Blocks consecutive on both sides go as one segment per layer and K/V (cut only at message size),
+    sent from the server's cache memory and received into the client's destination blocks themselves;
+    blocks in runs too short for that travel gathered. No ZMQ frame carries a block."""
     remote_cache, local_cache = make_cache(seed=4), torch.zeros(make_cache().shape)
     remote_ids, local_ids = list(range(10, 30)) + [2, 3], list(range(5, 25)) + [40, 45]
     block_bytes, segment_bytes = remote_cache[:, :, 0].nbytes, remote_cache[0, 0, 0].nbytes
 
     async def main():
         async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
+            server.expose("r1", remote_ids)
+            sent, received, frames = [], [], []
+            prepare = server._stream._prepare
+            server._stream._prepare = lambda message: sent.append(prepare(message)) or sent[-1]
+            server._server._on_sent = lambda reply, tracker: frames.append(reply)
+            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m", min_segment_bytes=2 * segment_bytes,
+                                   max_message_bytes=8 * block_bytes, min_message_bytes=8 * block_bytes) as client:
+                await client.fetch_blocks(server.address, "r1", [], [])  # connects and handshakes
+                fetch = client._stream.fetch
+                client._stream.fetch = lambda *args: received.append(args[4]) or fetch(*args)
+                await client.fetch_blocks(server.address, "r1", remote_ids, local_ids)
+            assert await server.wait_sent("r1")
+        assert not frames
+        # 10..29 -> 5..24 in messages of 8, 8 and 4 blocks; 2 -> 40 and 3 -> 45 gathered into one segment.
+        assert [len(buffers) for buffers in sent] == [2 * NUM_LAYERS] * 3 + [1]
+        assert sent[0][0].ctypes.data == remote_cache[0, 0, 10].data_ptr() and sent[0][0].nbytes == 8 * segment_bytes
+        assert sent[2][-1].ctypes.data == remote_cache[-1, 1, 26].data_ptr()
+        assert received[1][0].ctypes.data == local_cache[0, 0, 13].data_ptr()  # no staging buffer
+        assert sent[3][0].nbytes == received[3][0].nbytes == 2 * block_bytes
+
+    asyncio.run(main())
+    assert torch.equal(local_cache[:, :, local_ids], remote_cache[:, :, remote_ids])
+
+
+def test_contiguous_runs_move_as_whole_zmq_frames_straight_from_the_cache():
+    """Without block connections, blocks consecutive on both sides go as one frame per layer and K/V
+    (cut only at message size), and the server's frames are its cache's own memory until ZMQ lets go
+    of them; blocks in runs too short for that travel gathered into one frame."""
+    remote_cache, local_cache = make_cache(seed=4), torch.zeros(make_cache().shape)
+    remote_ids, local_ids = list(range(10, 30)) + [2, 3], list(range(5, 25)) + [40, 45]
+    block_bytes, segment_bytes = remote_cache[:, :, 0].nbytes, remote_cache[0, 0, 0].nbytes
+
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m", block_port=None) as server:
             server.expose("r1", remote_ids)
             sent: list[p.BlocksData] = []
             on_sent = server._on_sent
@@ -135,11 +176,12 @@ def test_fetch_of_a_subset_and_of_nothing():
     assert torch.equal(local_cache[:, :, [0, 1]], remote_cache[:, :, [7, 8]])
 
 
-def test_block_ids_are_bounds_checked_on_both_sides():
+@PATHS
+def test_block_ids_are_bounds_checked_on_both_sides(block_port):
     remote_cache, local_cache = make_cache(), torch.zeros(make_cache().shape)
 
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
+        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m", block_port=block_port) as server:
             server.expose("r1", [1, 2, 3])
             with pytest.raises(BlockRangeError):
                 server.expose("r2", [NUM_BLOCKS])
@@ -158,7 +200,7 @@ def test_block_ids_are_bounds_checked_on_both_sides():
                 server.withdraw("r1")  # released: its blocks are no longer served
                 with pytest.raises(BlocksNotFoundError):
                     await client.fetch_blocks(server.address, "r1", [1], [0])
-            assert server.num_rejected == 0  # refusals are answers, not dropped frames
+            assert server.num_rejected == server.num_stream_rejected == 0  # refusals are answers, not dropped frames
 
     asyncio.run(main())
     assert not local_cache.any()
@@ -264,7 +306,7 @@ def test_curve_protected_transfer(tmp_path):
 
 
 DYING_SERVER = """
-import asyncio, sys, torch
+import asyncio, sys, time, torch
 from epdserve.transport.zmq_kv import ZmqKVServer
 
 class StallingServer(ZmqKVServer):
@@ -275,10 +317,15 @@ class StallingServer(ZmqKVServer):
         if StallingServer.served > 1:
             await asyncio.sleep(3600)
         return await super()._reply_blocks(message, peer, data)
+    def _prepare_stream(self, message):  # the same on a block connection's thread
+        StallingServer.served += 1
+        if StallingServer.served > 1:
+            time.sleep(3600)
+        return super()._prepare_stream(message)
 
 async def main():
     cache = torch.randn(3, 2, 48, 4, 2, 8, generator=torch.Generator().manual_seed(1))
-    server = StallingServer("prefill-doomed", kv_cache=cache, model_id="m")
+    server = StallingServer("prefill-doomed", kv_cache=cache, model_id="m", block_port=None if sys.argv[1] == "None" else 0)
     print(await server.start(), flush=True)
     server.expose("r1", range(48))
     await asyncio.sleep(3600)
@@ -287,8 +334,9 @@ asyncio.run(main())
 """
 
 
-def test_peer_dying_mid_transfer_fails_the_fetch_at_once():
-    proc = subprocess.Popen([sys.executable, "-c", DYING_SERVER], stdout=subprocess.PIPE, text=True)
+@PATHS
+def test_peer_dying_mid_transfer_fails_the_fetch_at_once(block_port):
+    proc = subprocess.Popen([sys.executable, "-c", DYING_SERVER, str(block_port)], stdout=subprocess.PIPE, text=True)
     local_cache = torch.zeros(make_cache().shape)
     try:
         address = proc.stdout.readline().strip()
@@ -304,7 +352,7 @@ def test_peer_dying_mid_transfer_fails_the_fetch_at_once():
                 assert local_cache[:, :, 0].any() and not fetch.done()
                 proc.kill()
                 # The dropped connection fails it: no waiting out the 60 s timeout.
-                with pytest.raises(TransferError, match="lost"):
+                with pytest.raises(TransferError, match="lost|closed|failed"):
                     await asyncio.wait_for(fetch, 10)
                 assert client.stats.num_failures == 1
 

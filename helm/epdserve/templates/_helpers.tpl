@@ -95,6 +95,10 @@ app.kubernetes.io/part-of: epdserve
 - --data-port
 - {{ $ports.data | quote }}
 {{- end }}
+{{- if eq $role "prefill" }}
+- --block-port
+- {{ $ports.blocks | quote }}
+{{- end }}
 - --http-port
 - {{ $ports.http | quote }}
 - --threads

@@ -1,0 +1,209 @@
+"""The ZMQ backend's block connections (transport/block_stream.py) on real sockets: who gets a port, what a
+stranger or garbage gets, refusals, and that no byte lands in a block after its fetch has ended."""
+import asyncio
+import socket
+import time
+
+import pytest
+import torch
+
+from epdserve.transport import codec
+from epdserve.transport import protocol as p
+from epdserve.transport.block_stream import TOKEN_BYTES, BlockStreamClient, _frame
+from epdserve.transport.kv_transfer import BlocksNotFoundError, TransferError, TransferTimeout
+from epdserve.transport.request_client import RequestClient
+from epdserve.transport.zmq_kv import ZmqKVClient, ZmqKVServer
+
+NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE = 4, 16, 4, 64
+
+
+def make_cache(num_blocks=64, seed=0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn((NUM_LAYERS, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE), generator=gen)
+
+
+def raw_connection(server: ZmqKVServer) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server._stream.port), timeout=5)
+
+
+def closed_without_a_byte(conn: socket.socket) -> bool:
+    try:
+        return conn.recv(1 << 20) == b""
+    except ConnectionResetError:  # closed with our bytes unread
+        return True
+
+
+def test_only_peers_that_may_fetch_blocks_of_our_layout_learn_the_port():
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=make_cache(), model_id="m") as server:
+            layout = server.layout
+            for role, kv_layout, offered in ((p.Role.DECODE, layout, True), (p.Role.DECODE, None, False),
+                                             (p.Role.PROXY, layout, False), (p.Role.PREFILL, layout, False)):
+                async with RequestClient(server.address, engine_id="x", role=role, kv_layout=kv_layout) as client:
+                    ack = await client.connect()
+                    assert (ack.data_port == server._stream.port and len(ack.data_token) == TOKEN_BYTES) is offered
+                    assert offered or (ack.data_port is None and ack.data_token is None)
+        async with ZmqKVServer("prefill-1", kv_cache=make_cache(), model_id="m", block_port=None) as server:
+            async with RequestClient(server.address, engine_id="x", role=p.Role.DECODE, kv_layout=server.layout) as client:
+                assert (await client.connect()).data_port is None
+
+    asyncio.run(main())
+
+
+def test_a_stranger_and_garbage_are_dropped_and_counted_while_others_are_served():
+    remote, local = make_cache(seed=1), torch.zeros(make_cache().shape)
+
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=remote, model_id="m") as server:
+            server.expose("r1", range(8))
+            request = _frame(p.FetchBlocks("r1", tuple(range(8)), (8,)))
+            for opening in (bytes(TOKEN_BYTES) + request,  # a wrong token
+                            server._stream.token + (5).to_bytes(4, "little") + b"\xc1junk",  # not msgpack
+                            server._stream.token + (1 << 31).to_bytes(4, "little"),  # oversized
+                            server._stream.token + _frame(p.StatusRequest())):  # not a fetch
+                with raw_connection(server) as conn:
+                    conn.sendall(opening)
+                    assert closed_without_a_byte(conn)
+            assert server.num_stream_rejected == 4
+            async with ZmqKVClient("decode-0", kv_cache=local, model_id="m") as client:
+                await client.fetch_blocks(server.address, "r1", list(range(8)), list(range(8, 16)))
+
+    asyncio.run(main())
+    assert torch.equal(local[:, :, 8:16], remote[:, :, :8])
+
+
+def test_a_refusal_arrives_as_the_servers_error_and_the_next_fetch_goes_through():
+    remote, local = make_cache(seed=2), torch.zeros(make_cache().shape)
+
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=remote, model_id="m") as server:
+            server.expose("r1", range(4))
+            async with ZmqKVClient("decode-0", kv_cache=local, model_id="m") as client:
+                with pytest.raises(BlocksNotFoundError, match="holds no blocks for request 'r2'"):
+                    await client.fetch_blocks(server.address, "r2", [0, 1], [0, 1])
+                assert not local.any()
+                await client.fetch_blocks(server.address, "r1", [0, 1, 2, 3], [4, 5, 6, 7])
+                assert client.stats.num_failures == 1
+
+    asyncio.run(main())
+    assert torch.equal(local[:, :, 4:8], remote[:, :, :4])
+
+
+def test_a_server_that_never_answers_times_the_fetch_out():
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+
+    async def main():
+        client = BlockStreamClient("decode-0")
+        loop = asyncio.get_running_loop()
+        loop.run_in_executor(None, lambda: accepted.append(listener.accept()[0]))
+        started = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            await client.fetch("127.0.0.1", listener.getsockname()[1], bytes(TOKEN_BYTES),
+                               p.FetchBlocks("r", (1,), (1,)), [bytearray(1024)], timeout=0.5)
+        assert time.monotonic() - started < 5
+        await client.close()
+
+    asyncio.run(main())
+    listener.close()
+    for conn in accepted:
+        conn.close()
+
+
+def test_a_server_closing_mid_blocks_fails_the_fetch_without_misreading_them():
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = listener.accept()
+        conn.recv(1 << 16)
+        conn.sendall(bytes(5000))  # part of what was asked for, then gone
+        conn.close()
+
+    async def main():
+        client = BlockStreamClient("decode-0")
+        asyncio.get_running_loop().run_in_executor(None, serve)
+        with pytest.raises(TransferError, match="closed after 5000 bytes"):
+            await client.fetch("127.0.0.1", listener.getsockname()[1], bytes(TOKEN_BYTES),
+                               p.FetchBlocks("r", (1,), (1,)), [bytearray(4096), bytearray(4096)], timeout=5)
+        await client.close()
+
+    asyncio.run(main())
+    listener.close()
+
+
+def test_no_byte_lands_in_the_cache_after_a_cancelled_fetch_returns():
+    remote = make_cache(num_blocks=1024, seed=3)  # 256 MiB: a fetch of it takes a while
+    local = torch.zeros(remote.shape)
+
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=remote, model_id="m") as server:
+            server.expose("r1", range(1024))
+            async with ZmqKVClient("decode-0", kv_cache=local, model_id="m", min_message_bytes=1 << 40) as client:
+                await client.fetch_blocks(server.address, "r1", [0], [0])  # connected, handshaken
+                fetch = asyncio.create_task(client.fetch_blocks(server.address, "r1", list(range(1024)),
+                                                                list(range(1024))))
+                while not local[0, 0, 1].any():  # the fetch is writing into the cache
+                    await asyncio.sleep(0.001)
+                fetch.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await fetch
+                snapshot = local.clone()
+                await asyncio.sleep(0.3)
+                assert torch.equal(local, snapshot), "a cancelled fetch went on writing"
+                assert not torch.equal(local[-1, 1], remote[-1, 1]), "the fetch was not cut short"
+                # The connection it used is gone; the next fetch opens another.
+                await client.fetch_blocks(server.address, "r1", [5, 6], [5, 6])
+            assert torch.equal(local[:, :, 5:7], remote[:, :, 5:7])
+
+    asyncio.run(main())
+
+
+def test_blocks_withdrawn_while_a_peer_stopped_reading_are_cut_off_from_it():
+    """wait_sent waits while a block connection still sends the request's blocks; when the peer never
+    reads them, it gives up after its timeout and cuts the connection, so the blocks can be freed
+    without a send still reading them."""
+    remote = make_cache(num_blocks=512, seed=4)  # 128 MiB: more than the sockets' buffers hold
+
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=remote, model_id="m") as server:
+            server.expose("r1", range(512))
+            conn = raw_connection(server)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            conn.sendall(server._stream.token + _frame(p.FetchBlocks("r1", tuple(range(512)), (512,))))
+            while not server._stream.sending("r1"):
+                await asyncio.sleep(0.01)
+            server.withdraw("r1")
+            assert not await server.wait_sent("r1", timeout=0.3)
+            for _ in range(200):
+                if not server._stream.sending("r1"):
+                    break
+                await asyncio.sleep(0.01)
+            assert not server._stream.sending("r1")
+            conn.close()
+
+    asyncio.run(main())
+
+
+def test_a_closed_client_cuts_its_fetches_short():
+    remote = make_cache(num_blocks=1024, seed=5)
+    local = torch.zeros(remote.shape)
+
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=remote, model_id="m") as server:
+            server.expose("r1", range(1024))
+            client = ZmqKVClient("decode-0", kv_cache=local, model_id="m", min_message_bytes=1 << 40)
+            await client.fetch_blocks(server.address, "r1", [0], [0])
+            fetch = asyncio.create_task(client.fetch_blocks(server.address, "r1", list(range(1024)), list(range(1024))))
+            while not local[0, 0, 1].any():
+                await asyncio.sleep(0.001)
+            await client.close()
+            with pytest.raises(TransferError):
+                await asyncio.wait_for(fetch, 5)
+
+    asyncio.run(main())
+
+
+def test_error_frames_decode_with_the_codec():
+    error = p.Error(p.ErrorCode.NOT_FOUND, "gone", "r1")
+    frame = _frame(error)
+    assert codec.decode([frame[4:]]) == error and int.from_bytes(frame[:4], "little") == len(frame) - 4
