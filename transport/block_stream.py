@@ -67,7 +67,7 @@ _LOOP_SEND_BYTES = 8 << 10
 class BlockStreamServer:
     """Serves FetchBlocks on plain TCP connections, one thread each.
 
-    `prepare` checks a request and returns its reply and segments; it runs under `lock`, which the
+    `prepare` checks a request and returns its segments or an Error; it runs under `lock`, which the
     owner of the blocks also holds while it withdraws a request's blocks, so a request checked is
     counted as sending (`sending`) before its blocks can be withdrawn and freed.
     """
@@ -82,7 +82,7 @@ class BlockStreamServer:
         self.num_rejected = 0  # connections with a wrong token, or malformed requests
         self._prepare = prepare
         self._max_connections = max_connections
-        self.lock = threading.Lock()  # guards the two below, and the blocks `prepare` checks
+        self.lock = threading.Lock()  # guards the three below and num_rejected, and the blocks `prepare` checks
         self._inflight: dict[str, set[socket.socket]] = {}  # request id -> connections sending its blocks
         self._connections: set[socket.socket] = set()
         self._listener: socket.socket | None = None
@@ -163,11 +163,11 @@ class BlockStreamServer:
             except Exception as e:  # a bug here must not end the connection's thread unanswered
                 logger.exception("%s: preparing blocks of %s failed", self.engine_id, rid)
                 segments = Error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", rid)
-            if isinstance(segments, Error):
-                conn.sendall(_frame(segments))
-                return False
-            if segments:
+            if segments and not isinstance(segments, Error):
                 self._inflight.setdefault(rid, set()).add(conn)
+        if isinstance(segments, Error):
+            conn.sendall(_frame(segments))
+            return False
         try:
             for segment in segments:
                 conn.sendall(segment)
@@ -181,7 +181,8 @@ class BlockStreamServer:
                         self._inflight.pop(rid, None)
 
     def _reject(self, what: str) -> None:
-        self.num_rejected += 1
+        with self.lock:
+            self.num_rejected += 1
         logger.warning("%s: dropped %s", self.engine_id, what)
 
     async def close(self) -> None:
@@ -189,6 +190,7 @@ class BlockStreamServer:
             listener, self._listener = self._listener, None
             connections = list(self._connections)
         if listener is not None:
+            _shutdown(listener)  # wakes the accept thread (closing alone would not)
             listener.close()
         for conn in connections:
             _shutdown(conn)
