@@ -364,16 +364,16 @@ def _frame(message: Message) -> bytes:
     return len(frame).to_bytes(_LENGTH_BYTES, "little") + bytes(frame)
 
 
-def _recv_message(conn: socket.socket, limits: Limits, deadline: float | None = None) -> Message:
-    length = int.from_bytes(_recv_bytes(conn, _LENGTH_BYTES, deadline), "little")
+def _recv_message(conn: socket.socket, limits: Limits) -> Message:
+    length = int.from_bytes(_recv_bytes(conn, _LENGTH_BYTES), "little")
     if length > limits.max_message_bytes:
         raise codec.DecodeError(f"message of {length} bytes exceeds {limits.max_message_bytes}")
-    return codec.decode([_recv_bytes(conn, length, deadline)], limits)
+    return codec.decode([_recv_bytes(conn, length)], limits)
 
 
-def _recv_bytes(conn: socket.socket, n: int, deadline: float | None = None) -> bytes:
+def _recv_bytes(conn: socket.socket, n: int) -> bytes:
     buffer = bytearray(n)
-    _recv_into(conn, memoryview(buffer), deadline)
+    _recv_into(conn, memoryview(buffer))
     return bytes(buffer)
 
 

@@ -193,9 +193,8 @@ class ZmqKVServer(KVTransferServer):
         if self.layout is None or peer.kv_layout != self.layout:
             raise ErrorReply(Error(ErrorCode.INCOMPATIBLE, "no KV layout agreed in the handshake", message.request_id))
         started = time.perf_counter()
-        segments = self._segments(message)
-        reply = await self._reply_blocks(message, peer, segments)
-        self.stats.record(sum(segment.nbytes for segment in segments), started)
+        reply, num_bytes = await self._reply_blocks(message, peer)
+        self.stats.record(num_bytes, started)
         return reply
 
     def _runs(self, message: FetchBlocks) -> list[Run] | None:
@@ -213,24 +212,35 @@ class ZmqKVServer(KVTransferServer):
         return (run_segments(self.kv_cache, runs) if runs is not None
                 else [gather_blocks(self.kv_cache, message.block_ids)] if message.block_ids else [])
 
+    def _segment_bytes(self, message: FetchBlocks) -> list:
+        """The segments FetchBlocks describes as flat bytes of the cache's memory, for a socket or UCX to
+        send: numpy views of a CPU cache (cheaper than a tensor view each), device tensors of a GPU one."""
+        runs = self._runs(message)
+        if runs is None:
+            return [as_bytes(gather_blocks(self.kv_cache, message.block_ids))] if message.block_ids else []
+        if self.kv_cache.device.type == "cpu":
+            return run_views(self.kv_cache, runs)
+        return [as_bytes(segment) for segment in run_segments(self.kv_cache, runs)]
+
     def _prepare_stream(self, message: FetchBlocks) -> list[np.ndarray] | Error:
         """A block connection's request (on its thread): the segments' bytes to send, or why not."""
         if message.ucx_tag is not None:
             return Error(ErrorCode.BAD_REQUEST, "a UCX fetch on a block connection", message.request_id)
         started = time.perf_counter()
         try:
-            runs = self._runs(message)
+            buffers = self._segment_bytes(message)
         except ErrorReply as e:
             return e.error
-        buffers = (run_views(self.kv_cache, runs) if runs is not None
-                   else [as_bytes(gather_blocks(self.kv_cache, message.block_ids))] if message.block_ids else [])
         self.stats.record(sum(b.nbytes for b in buffers), started)  # under the stream's lock, not the loop's
         return buffers
 
-    async def _reply_blocks(self, message: FetchBlocks, peer: Handshake, segments: list[torch.Tensor]) -> Message:
+    async def _reply_blocks(self, message: FetchBlocks, peer: Handshake) -> tuple[Message, int]:
+        """The answer to a FetchBlocks that came over ZMQ, and the bytes it moves."""
         if message.ucx_tag is not None:
             raise ErrorReply(Error(ErrorCode.BAD_REQUEST, f"{self.engine_id} has no UCX data path", message.request_id))
-        return BlocksData(message.request_id, message.block_ids, tuple(_host_segments(segments)))
+        segments = self._segments(message)
+        reply = BlocksData(message.request_id, message.block_ids, tuple(_host_segments(segments)))
+        return reply, sum(segment.nbytes for segment in segments)
 
     async def _reply_embeddings(self, message: FetchEmbeddings, peer: Handshake, tensor: torch.Tensor) -> Message:
         if message.ucx_tag is not None:
@@ -375,27 +385,24 @@ class ZmqKVClient(KVTransferClient):
             for task in tasks:
                 task.cancel()
 
-    def _destinations(self, chunk: Chunk) -> list[torch.Tensor]:
-        """What a message's segments are received into: the destination blocks themselves, or for
-        gathered blocks one buffer to scatter from (`_scatter`)."""
+    def _landing(self, chunk: Chunk) -> tuple[list, torch.Tensor | None]:
+        """Flat bytes a message's segments are received into (as `_segment_bytes`): the destination
+        blocks themselves, or for gathered blocks one new tensor - returned too, to scatter from."""
         if chunk.gathered:
-            return [torch.empty(self._gathered_shape(chunk), dtype=self.kv_cache.dtype, device=self.kv_cache.device)]
-        return run_segments(self.kv_cache, chunk.local_runs)
-
-    def _scatter(self, chunk: Chunk, buffers: list[torch.Tensor]) -> int:
-        if chunk.gathered:
-            scatter_blocks(self.kv_cache, chunk.local_ids, buffers[0])
-        return sum(b.nbytes for b in buffers)
+            gathered = torch.empty(self._gathered_shape(chunk), dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+            return [as_bytes(gathered)], gathered
+        if self.kv_cache.device.type == "cpu":
+            return run_views(self.kv_cache, chunk.local_runs), None
+        return [as_bytes(segment) for segment in run_segments(self.kv_cache, chunk.local_runs)], None
 
     async def _fetch_chunk(self, client: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
         peer = client.peer
         if peer.data_port is None or self.kv_cache.device.type != "cpu":
             return await self._fetch_frames(client, request_id, chunk, deadline)
-        gathered = self._destinations(chunk)[0] if chunk.gathered else None
-        buffers = [as_bytes(gathered)] if chunk.gathered else run_views(self.kv_cache, chunk.local_runs)
+        buffers, gathered = self._landing(chunk)
         num_bytes = await self._stream.fetch(_host(client.address), peer.data_port, peer.data_token or b"",
                                              chunk.request(request_id), buffers, self._remaining(deadline))
-        if chunk.gathered:
+        if gathered is not None:
             scatter_blocks(self.kv_cache, chunk.local_ids, gathered)
         return num_bytes
 

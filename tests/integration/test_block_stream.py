@@ -9,7 +9,7 @@ import torch
 
 from epdserve.transport import codec
 from epdserve.transport import protocol as p
-from epdserve.transport.block_stream import TOKEN_BYTES, BlockStreamClient, _frame
+from epdserve.transport.block_stream import TOKEN_BYTES, BlockStreamClient, _frame, _recv_bytes, _recv_message
 from epdserve.transport.kv_transfer import BlocksNotFoundError, TransferError, TransferTimeout
 from epdserve.transport.request_client import RequestClient
 from epdserve.transport.zmq_kv import ZmqKVClient, ZmqKVServer
@@ -115,7 +115,8 @@ def test_a_server_closing_mid_blocks_fails_the_fetch_without_misreading_them():
 
     def serve():
         conn, _ = listener.accept()
-        conn.recv(1 << 16)
+        _recv_bytes(conn, TOKEN_BYTES)
+        _recv_message(conn, codec.DEFAULT_LIMITS)  # read whole: closing on unread bytes would reset
         conn.sendall(bytes(5000))  # part of what was asked for, then gone
         conn.close()
 

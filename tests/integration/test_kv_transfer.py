@@ -318,11 +318,11 @@ from epdserve.transport.zmq_kv import ZmqKVServer
 class StallingServer(ZmqKVServer):
     # Answers the first message of a fetch, then stalls: the test kills the process mid-transfer.
     served = 0
-    async def _reply_blocks(self, message, peer, data):
+    async def _reply_blocks(self, message, peer):
         StallingServer.served += 1
         if StallingServer.served > 1:
             await asyncio.sleep(3600)
-        return await super()._reply_blocks(message, peer, data)
+        return await super()._reply_blocks(message, peer)
     def _prepare_stream(self, message):  # the same on a block connection's thread
         StallingServer.served += 1
         if StallingServer.served > 1:

@@ -27,12 +27,12 @@ from epdserve.transport import ucx_kv
 class StallingServer(ucx_kv.UcxKVServer):
     # For the dead-peer test: answers the first message of request "stall", then never again.
     stalled = 0
-    async def _reply_blocks(self, message, peer, data):
+    async def _reply_blocks(self, message, peer):
         if message.request_id == "stall":
             StallingServer.stalled += 1
             if StallingServer.stalled > 1:
                 await asyncio.sleep(3600)
-        return await super()._reply_blocks(message, peer, data)
+        return await super()._reply_blocks(message, peer)
 
 async def main():
     shape, dtype = json.loads(sys.argv[1]), getattr(torch, sys.argv[2])
