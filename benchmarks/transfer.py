@@ -12,7 +12,9 @@ elsewhere on the machine hits them alike (the median round is reported):
             another: no gather, no scatter, the ceiling any transfer layer can approach;
   tcp_copy  a plain socket moving the blocks the simplest way: gather into a buffer, send, receive
             into a buffer, scatter; one message, no pipelining;
-  zmq, ucx  the KVTransfer backends (epdserve.transport.zmq_kv / ucx_kv).
+  zmq, ucx  the KVTransfer backends (epdserve.transport.zmq_kv / ucx_kv) as deployed: ZMQ's blocks over
+            its block connections (block_stream), UCX's as UCX messages;
+  zmq_frames  the ZMQ backend without block connections (as with CURVE): blocks as ZMQ frames.
 
     python benchmarks/transfer.py                       # every backend available; JSON (+ PNG) in results/
     python benchmarks/transfer.py --backends tcp,zmq --rounds 3 --layouts contiguous
@@ -43,6 +45,12 @@ DTYPES = ("float32", "bfloat16")
 NUM_BLOCKS = max(PAYLOAD_TOKENS) // BLOCK_SIZE + 64
 RESULTS = Path(__file__).resolve().parent / "results"
 SOCKET_METHODS = ("tcp", "tcp_copy")
+# Method -> (backend, server options): the ZMQ backend with blocks as ZMQ frames, as CURVE has them.
+VARIANTS = {"zmq_frames": ("zmq", {"block_port": None})}
+
+
+def backend_of(method: str) -> tuple[str, dict]:
+    return VARIANTS.get(method, (method, {}))
 LAYOUTS = ("contiguous", "shuffled")
 
 
@@ -106,7 +114,9 @@ async def run_server(backends: list[str]) -> None:
         if backend in SOCKET_METHODS:
             continue
         for dtype, cache in caches.items():
-            server = kv_transfer.create_server(backend, f"bench-{backend}-{dtype}", kv_cache=cache, model_id=MODEL_ID)
+            name, options = backend_of(backend)
+            server = kv_transfer.create_server(name, f"bench-{backend}-{dtype}", kv_cache=cache, model_id=MODEL_ID,
+                                               **options)
             addresses[f"{backend}/{dtype}"] = await server.start()
             server.expose("bench", range(NUM_BLOCKS))
             servers.append(server)
@@ -159,7 +169,8 @@ async def run_client(addresses: dict[str, str], backends: list[str], rounds: int
 
     caches = {dtype: make_cache(dtype, seed=2) for dtype in DTYPES}
     clients = {
-        (backend, dtype): kv_transfer.create_client(backend, f"client-{backend}-{dtype}", kv_cache=cache, model_id=MODEL_ID)
+        (backend, dtype): kv_transfer.create_client(backend_of(backend)[0], f"client-{backend}-{dtype}", kv_cache=cache,
+                                                    model_id=MODEL_ID)
         for backend in backends if backend not in SOCKET_METHODS
         for dtype, cache in caches.items()
     }
@@ -212,7 +223,9 @@ async def run_client(addresses: dict[str, str], backends: list[str], rounds: int
 async def profile_receives(addresses: dict[str, str], backends: list[str], fetches: int = 5) -> list[dict]:
     """Where the receiving process spends a fetch (8k tokens, float32, contiguous blocks): the copy
     from received memory into the cache (`copy_segment`), the one a receive costs beyond the
-    socket's, against the fetch's wall time. UCX receives into the cache: it makes no such call."""
+    socket's, against the fetch's wall time. ZMQ's block connections and UCX receive into the cache:
+    they make no such call (cProfile sees the event loop's thread only; the block connections' receiving
+    threads call recv_into on the cache's memory, nothing else)."""
     import cProfile
     import pstats
 
@@ -222,7 +235,8 @@ async def profile_receives(addresses: dict[str, str], backends: list[str], fetch
     rows = []
     for backend in (b for b in backends if b not in SOCKET_METHODS):
         cache = make_cache("float32", seed=2)
-        client = kv_transfer.create_client(backend, f"profile-{backend}", kv_cache=cache, model_id=MODEL_ID)
+        client = kv_transfer.create_client(backend_of(backend)[0], f"profile-{backend}", kv_cache=cache,
+                                           model_id=MODEL_ID)
         ids = list(range(num_blocks))
         await client.fetch_blocks(addresses[f"{backend}/float32"], "bench", ids, ids)  # warm-up
         profiler = cProfile.Profile()
@@ -245,6 +259,18 @@ async def profile_receives(addresses: dict[str, str], backends: list[str], fetch
               f"{rows[-1]['receive_copies_per_fetch']} calls, {rows[-1]['receive_copy_ms']} ms "
               f"({rows[-1]['receive_copy_share']:.0%} of the fetch; under the profiler)", flush=True)
     return rows
+
+
+def median_rows(runs: list[list[dict]]) -> list[dict]:
+    """Row by row, the median over runs of every measured number (rows are in the same order in each)."""
+    medians = []
+    for rows in zip(*runs):
+        row = dict(rows[0])
+        for key, value in rows[0].items():
+            if key.endswith(("_gbps", "_vs_tcp")):
+                row[key] = round(statistics.median(r[key] for r in rows), 3)
+        medians.append(row)
+    return medians
 
 
 def _format_row(row: dict, backends: list[str]) -> str:
@@ -280,8 +306,10 @@ def plot(results: list[dict], backends: list[str], path: Path) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default=None,
-                        help="comma-separated subset of tcp,tcp_copy,zmq,ucx (default: all available)")
+                        help="comma-separated subset of tcp,tcp_copy,zmq,zmq_frames,ucx (default: all available)")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--runs", type=int, default=3,
+                        help="whole measurements, each with a fresh server process; the table is their median")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ",".join(LAYOUTS))
     parser.add_argument("--profile", action="store_true",
                         help="also profile the receiving side of each backend (copies beyond the socket's)")
@@ -289,26 +317,35 @@ def main() -> None:
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server process
     args = parser.parse_args()
     backends = (args.backends.split(",") if args.backends
-                else ["tcp", "tcp_copy", "zmq"] + (["ucx"] if ucx_available() else []))
+                else ["tcp", "tcp_copy", "zmq", "zmq_frames"] + (["ucx"] if ucx_available() else []))
     if args.serve:
         asyncio.run(run_server(backends))
         return
     if "ucx" not in backends:
         print("ucx: not measured (ucxx not importable, or not requested)")
-    server = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "--backends", ",".join(backends)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        addresses = json.loads(server.stdout.readline())
-        results = asyncio.run(run_client(addresses, backends, args.rounds, args.layouts.split(",")))
-        profile = asyncio.run(profile_receives(addresses, backends)) if args.profile else None
-    finally:
-        server.stdin.close()
+    runs, profiles = [], []
+    for run in range(args.runs):
+        print(f"run {run + 1} of {args.runs}", flush=True)
+        server = subprocess.Popen(
+            [sys.executable, __file__, "--serve", "--backends", ",".join(backends)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
         try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+            addresses = json.loads(server.stdout.readline())
+            runs.append(asyncio.run(run_client(addresses, backends, args.rounds, args.layouts.split(","))))
+            if args.profile:
+                profiles.append(asyncio.run(profile_receives(addresses, backends)))
+        finally:
+            server.stdin.close()
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    results = median_rows(runs)
+    if len(runs) > 1:
+        print(f"median of {len(runs)} runs:")
+        for row in results:
+            print(_format_row(row, backends), flush=True)
     report = {
         "benchmark": "kv_transfer",
         "command": "python " + " ".join(sys.argv),
@@ -316,10 +353,12 @@ def main() -> None:
                    "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE,
                    "block_ids": "contiguous: one run per side; shuffled: random on both sides"},
         "rounds": args.rounds,
-        "statistic": "median round; *_vs_tcp is the median of per-round ratios to the plain socket",
+        "statistic": (f"each run: the median round, *_vs_tcp the median of per-round ratios to the plain socket; "
+                      f"results: the median of {len(runs)} runs (each in `runs`)"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "results": results,
-        "receive_profile": profile,
+        "runs": runs,
+        "receive_profile": profiles or None,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
