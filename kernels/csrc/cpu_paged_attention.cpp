@@ -351,7 +351,18 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, t
   }
 }
 
+// Whether this build computes 16 lanes at a time (AVX-512); without, attend_plain's loops run slower than
+// PyTorch's matmuls (an AVX2 Zen 3: a 1k-token prefill 2.5x slower than scaled_dot_product_attention).
+bool vectorized() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("vectorized", &vectorized, "Whether the kernel was built with its AVX-512 path");
   m.def("write_kv", &write_kv, "Write tokens' K and V into their slots of the head-major paged cache (CPU)");
   m.def("paged_attention", &paged_attention, "Attention of query tokens over the head-major paged KV cache (CPU)");
 }
