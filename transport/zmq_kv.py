@@ -101,6 +101,7 @@ class ZmqKVServer(KVTransferServer):
                         if block_port is not None and curve is None and kv_cache is not None
                         and kv_cache.device.type == "cpu" else None)
         self._serve_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         # request id -> trackers of replies whose frames ZMQ may still be reading from the cache.
         self._unsent: dict[str, list[zmq.MessageTracker]] = {}
 
@@ -119,6 +120,7 @@ class ZmqKVServer(KVTransferServer):
         return self._server.num_auth_denied
 
     async def start(self) -> str:
+        self._loop = asyncio.get_running_loop()
         if self._stream is not None:
             await self._stream.start()  # before the first handshake, whose answer names its port
         address = await self._server.start()
@@ -231,7 +233,8 @@ class ZmqKVServer(KVTransferServer):
             buffers = self._segment_bytes(message)
         except ErrorReply as e:
             return e.error
-        self.stats.record(sum(b.nbytes for b in buffers), started)  # under the stream's lock, not the loop's
+        # Counted on the event loop, which owns the stats (ZMQ fetches count there too).
+        self._loop.call_soon_threadsafe(self.stats.record, sum(b.nbytes for b in buffers), started)
         return buffers
 
     async def _reply_blocks(self, message: FetchBlocks, peer: Handshake) -> tuple[Message, int]:
@@ -396,7 +399,8 @@ class ZmqKVClient(KVTransferClient):
         return [as_bytes(segment) for segment in run_segments(self.kv_cache, chunk.local_runs)], None
 
     async def _fetch_chunk(self, client: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
-        peer = client.peer
+        # Handshaken again if the connection dropped since the fetch began (a restarted server has a new port).
+        peer = client.peer or await client.connect(self._remaining(deadline))
         if peer.data_port is None or self.kv_cache.device.type != "cpu":
             return await self._fetch_frames(client, request_id, chunk, deadline)
         buffers, gathered = self._landing(chunk)
