@@ -22,6 +22,14 @@ def onednn_available() -> bool:
     return _ONEDNN_OPS and torch.backends.mkldnn.is_available()
 
 
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `dtype` weights on this CPU: float32 always, bfloat16 only with AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT - on an AVX2 CPU its reorder raises, which failed every bfloat16 model load."""
+    if not onednn_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout
     panels: torch.Tensor | None = None  # cpu_linear's
@@ -34,7 +42,7 @@ class Linear(nn.Linear):
             return
         if cpu_linear.supports(weight.dtype):
             self.panels = cpu_linear.pack(weight)
-        elif weight.dtype in (torch.float32, torch.bfloat16) and onednn_available():
+        elif onednn_supports(weight.dtype):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
