@@ -2,8 +2,7 @@
 
 Three implementations share the signatures of `epdserve.kernels.torch_attention`:
     "torch"  plain PyTorch, torch_attention (also runs on CUDA, and serves CPUs where "cpu" cannot be built)
-    "cpu"    decodes and prefills by a C++ kernel straight from the paged cache (CPU only; "auto" picks it
-             where the kernel has its AVX-512 path)
+    "cpu"    decodes by a C++ kernel straight from the paged cache, prefills by torch_attention (CPU only)
     "triton" the Triton kernels (CUDA; on CPU only under the Triton interpreter, for tests)
 Triton is imported only when the Triton backend is chosen, so this module imports without it.
 """
@@ -32,7 +31,7 @@ class AttentionBackend(NamedTuple):
 def select_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """Return the backend called `name` for tensors on `device`.
 
-    "auto" is Triton on CUDA, "cpu" on a CPU where its kernel builds with AVX-512, else "torch".
+    "auto" is Triton on CUDA, "cpu" on a CPU where its kernel builds, else "torch".
     "triton" on a non-CUDA device is allowed only when Triton's interpreter is on (TRITON_INTERPRET=1
     before triton is first imported). Raises ValueError for an unknown name and RuntimeError when the
     backend cannot serve the device.
@@ -41,7 +40,7 @@ def select_attention_backend(name: str, device: torch.device | str) -> Attention
         raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")
     device = torch.device(device)
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "cpu" if device.type == "cpu" and cpu_attention.vectorized() \
+        name = "triton" if device.type == "cuda" else "cpu" if device.type == "cpu" and cpu_attention.available() \
             else "torch"
     if name == "torch":
         return AttentionBackend("torch", torch_attention.kv_cache_write, torch_attention.paged_attention,

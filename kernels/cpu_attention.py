@@ -29,11 +29,6 @@ def available() -> bool:
     return _extension() is not None
 
 
-def vectorized() -> bool:
-    """Whether it is built with its AVX-512 path, without which the "torch" backend is as fast or faster."""
-    return available() and _extension().vectorized()
-
-
 def kv_cache_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """`torch_attention.kv_cache_write`'s contract, one row copy per token and head instead of an index_put."""

@@ -17,10 +17,11 @@ namespace epdserve {
 
 // exp(x), within 2 ulp of std::exp for x in [-87, 88]: Cody-Waite range reduction, a degree-6 polynomial
 // (Cephes expf) and the power of two put together in the exponent bits. Below the range it stays at
-// exp(-87) (a softmax numerator that small adds nothing), above it is infinity.
+// exp(-87) (a softmax numerator that small adds nothing), above it is infinity. Branch-free, so that a
+// loop over it vectorizes.
 inline float exp_approx(float x) {
-  if (x > 88.0f) return INFINITY;
-  x = std::max(x, -87.0f);
+  const bool overflow = x > 88.0f;
+  x = std::min(std::max(x, -87.0f), 88.0f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   float r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
@@ -34,7 +35,7 @@ inline float exp_approx(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return overflow ? INFINITY : p * scale;
 }
 
 #ifdef __AVX512F__

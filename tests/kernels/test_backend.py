@@ -16,7 +16,7 @@ from epdserve.kernels.kv_cache_write import kv_cache_write
 
 def test_auto_on_cpu_is_the_kernel_or_torch():
     backend = select_attention_backend("auto", torch.device("cpu"))
-    if cpu_attention.vectorized():
+    if cpu_attention.available():
         assert backend == AttentionBackend("cpu", cpu_attention.kv_cache_write, cpu_attention.paged_attention,
                                            cpu_attention.plan_attention)
     else:
@@ -24,8 +24,8 @@ def test_auto_on_cpu_is_the_kernel_or_torch():
                                            torch_attention.plan_attention)
 
 
-def test_auto_is_torch_where_the_kernel_cannot_be_built_or_lacks_avx512(monkeypatch):
-    monkeypatch.setattr(cpu_attention, "vectorized", lambda: False)
+def test_auto_is_torch_where_the_kernel_cannot_be_built(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "available", lambda: False)
     assert select_attention_backend("auto", torch.device("cpu")).name == "torch"
 
 

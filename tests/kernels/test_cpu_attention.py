@@ -1,6 +1,4 @@
 """The C++ CPU attention kernel against torch_attention, on the engine's head-major cache."""
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -86,10 +84,8 @@ def test_block_ids_outside_the_pool_are_refused():
         cpu_attention.paged_attention(query, key_cache, value_cache, tables, lens, qsl, 0.125)
 
 
-def test_auto_picks_the_kernel_on_a_cpu_with_its_avx512_path():
-    with_avx512 = "avx512f" in Path("/proc/cpuinfo").read_text().split()
-    assert cpu_attention.vectorized() == with_avx512
-    assert select_attention_backend("auto", "cpu").name == ("cpu" if with_avx512 else "torch")
+def test_auto_picks_the_kernel_on_cpu():
+    assert select_attention_backend("auto", "cpu").name == "cpu"
     assert select_attention_backend("cpu", "cpu").attend is cpu_attention.paged_attention
     with pytest.raises(RuntimeError, match="CPU device"):
         select_attention_backend("cpu", "cuda")
