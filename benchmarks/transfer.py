@@ -47,11 +47,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SOCKET_METHODS = ("tcp", "tcp_copy")
 # Method -> (backend, server options): the ZMQ backend with blocks as ZMQ frames, as CURVE has them.
 VARIANTS = {"zmq_frames": ("zmq", {"block_port": None})}
+LAYOUTS = ("contiguous", "shuffled")
 
 
 def backend_of(method: str) -> tuple[str, dict]:
     return VARIANTS.get(method, (method, {}))
-LAYOUTS = ("contiguous", "shuffled")
 
 
 def make_cache(dtype: str, seed: int) -> torch.Tensor:

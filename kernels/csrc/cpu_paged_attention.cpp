@@ -9,8 +9,9 @@
 //
 // With AVX-512 and a head size that is a multiple of 16 (float32 and bfloat16 caches), the scores of 16
 // tokens come out of one transposing reduction instead of 16 horizontal sums, the softmax runs 16 lanes
-// at a time, and the weighted sum of V keeps its accumulators in registers across the whole context; the
-// plain loops below serve every other case.
+// at a time, and the weighted sum of V keeps its accumulators in registers across the whole context.
+// Without AVX-512, AVX2 runs the same steps 8 lanes at a time (head sizes a multiple of 8); the plain
+// loops below serve every other case.
 #include <torch/extension.h>
 
 #include <omp.h>
@@ -251,6 +252,160 @@ void attend16(const HeadRows<T>& keys, const HeadRows<T>& values, const float* q
     }
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The AVX-512 path's steps on 8 lanes, for head sizes that are a multiple of 8.
+
+// r[i] = the sum of v[i]'s 8 lanes: a transposing tree of 7 shuffle-and-add steps.
+inline __m256 sum_lanes8(const __m256 v[8]) {
+  __m256 s2[4], s4[2];
+  for (int i = 0; i < 4; ++i)  // in each 128-bit half: lanes alternate v[2i], v[2i+1]
+    s2[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) {  // each half holds partial sums of v[4i..4i+3]
+    const __m256d a = _mm256_castps_pd(s2[2 * i]), b = _mm256_castps_pd(s2[2 * i + 1]);
+    s4[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(s4[0], s4[1], 0x20), _mm256_permute2f128_ps(s4[0], s4[1], 0x31));
+}
+
+inline float reduce_max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
+}
+
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+inline void softmax_rows8(float* scores, int64_t rows, int64_t ctx, float* inv_sum) {
+  const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+  for (int64_t g = 0; g < rows; ++g) {
+    float* s = scores + g * ctx;
+    __m256 max = minus_inf;
+    for (int64_t i = 0; i < ctx; i += 8) {
+      const __m256i k = first_lanes8(ctx - i);
+      max = _mm256_max_ps(max, _mm256_blendv_ps(minus_inf, load8(s + i, k), _mm256_castsi256_ps(k)));
+    }
+    const __m256 m = _mm256_set1_ps(reduce_max8(max));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < ctx; i += 8) {
+      const __m256i k = first_lanes8(ctx - i);
+      const __m256 e = _mm256_and_ps(exp_approx8(_mm256_sub_ps(load8(s + i, k), m)), _mm256_castsi256_ps(k));
+      _mm256_maskstore_ps(s + i, k, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    inv_sum[g] = 1.0f / reduce_add8(sum);
+  }
+}
+
+// scores16 on 8 tokens at a time. DV: the head size in vectors of 8 when known at compile time (0: at run time).
+template <typename T, int DV>
+void scores8(const HeadRows<T>& keys, const float* q, int64_t group, int64_t first, int64_t len, float* scores) {
+  const int64_t ctx = len - first, d_n = keys.head_size, bs = keys.block_size;
+  const int64_t dv = DV ? DV : d_n / 8;
+  const int64_t first_block = first / bs, last_block = (len - 1) / bs;
+  for (int64_t b = first_block; b < std::min(last_block + 1, first_block + PREFETCH_BLOCKS); ++b) keys.prefetch_block(b);
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    if (b + PREFETCH_BLOCKS <= last_block) keys.prefetch_block(b + PREFETCH_BLOCKS);
+    const T* block = keys.block(b);
+    for (int64_t start = b * bs; start < (b + 1) * bs && start < len; start += 8) {
+      const int64_t n = std::min<int64_t>({8, (b + 1) * bs - start, len - start});
+      const int64_t skip = std::max<int64_t>(0, first - start);  // leading rows before the window
+      if (skip >= n) continue;
+      const T* rows = block + (start - b * bs) * d_n;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * d_n;
+        __m256 v[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          __m256 a = _mm256_setzero_ps();
+          if (i < n) {
+#pragma GCC unroll 16
+            for (int64_t c = 0; c < dv; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), load8(rows + i * d_n + 8 * c), a);
+          }
+          v[i] = a;
+        }
+        // Lanes [skip, n) are this window's tokens start + i, at scores index start + i - first.
+        const __m256 sums = sum_lanes8(v);
+        float* dst = scores + g * ctx + (start - first);
+        if (skip == 0 && n == 8) {
+          _mm256_storeu_ps(dst, sums);
+        } else {
+          alignas(32) float lanes[8];
+          _mm256_store_ps(lanes, sums);
+          for (int64_t i = skip; i < n; ++i) dst[i] = lanes[i];
+        }
+      }
+    }
+  }
+}
+
+// weighted_values16 on 8 lanes: GT query heads, VC vectors of 8 values from d0, accumulators in registers
+// (GT * VC of them, GT broadcast weights and one row vector: 16 registers for GT = 3, VC = 4).
+template <typename T, int GT, int VC>
+void weighted_values8(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t len,
+                      int64_t d0, float* acc, int64_t acc_stride) {
+  __m256 a[GT][VC];
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < VC; ++c) a[g][c] = _mm256_setzero_ps();
+  const int64_t bs = values.block_size, first_block = first / bs, last_block = (len - 1) / bs;
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    if (b + PREFETCH_BLOCKS <= last_block) values.prefetch_block(b + PREFETCH_BLOCKS);
+    const T* block = values.block(b);
+    const int64_t lo = std::max(first, b * bs), hi = std::min(len, (b + 1) * bs);
+    for (int64_t t = lo; t < hi; ++t) {
+      const T* row = block + (t - b * bs) * values.head_size + d0;
+      __m256 w[GT];
+      for (int g = 0; g < GT; ++g) w[g] = _mm256_set1_ps(p[g * ctx + (t - first)]);
+      for (int c = 0; c < VC; ++c) {
+        const __m256 x = load8(row + 8 * c);
+        for (int g = 0; g < GT; ++g) a[g][c] = _mm256_fmadd_ps(w[g], x, a[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < VC; ++c) _mm256_storeu_ps(acc + g * acc_stride + d0 + 8 * c, a[g][c]);
+}
+
+template <typename T, int GT>
+void weighted_values8_chunks(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t len,
+                             float* acc) {
+  const int64_t d_n = values.head_size;
+  for (int64_t d0 = 0; d0 < d_n; d0 += 32) {
+    switch (std::min<int64_t>(4, (d_n - d0) / 8)) {
+      case 4: weighted_values8<T, GT, 4>(values, p, ctx, first, len, d0, acc, d_n); break;
+      case 3: weighted_values8<T, GT, 3>(values, p, ctx, first, len, d0, acc, d_n); break;
+      case 2: weighted_values8<T, GT, 2>(values, p, ctx, first, len, d0, acc, d_n); break;
+      default: weighted_values8<T, GT, 1>(values, p, ctx, first, len, d0, acc, d_n); break;
+    }
+  }
+}
+
+template <typename T>
+void attend8(const HeadRows<T>& keys, const HeadRows<T>& values, const float* q, int64_t group, int64_t first,
+             int64_t len, float* scores, float* inv_sum, float* acc) {
+  const int64_t ctx = len - first, d_n = keys.head_size;
+  switch (d_n) {  // the common head sizes with their loops unrolled
+    case 64: scores8<T, 8>(keys, q, group, first, len, scores); break;
+    case 128: scores8<T, 16>(keys, q, group, first, len, scores); break;
+    default: scores8<T, 0>(keys, q, group, first, len, scores); break;
+  }
+  const int64_t first_block = first / keys.block_size, last_block = (len - 1) / keys.block_size;
+  for (int64_t b = first_block; b < std::min(last_block + 1, first_block + PREFETCH_BLOCKS); ++b) values.prefetch_block(b);
+  softmax_rows8(scores, group, ctx, inv_sum);
+  // Query heads in tiles of up to 3 (12 accumulators of 8 values each at most).
+  for (int64_t g0 = 0; g0 < group; g0 += 3) {
+    const float* p = scores + g0 * ctx;
+    float* out = acc + g0 * d_n;
+    switch (std::min<int64_t>(3, group - g0)) {
+      case 3: weighted_values8_chunks<T, 3>(values, p, ctx, first, len, out); break;
+      case 2: weighted_values8_chunks<T, 2>(values, p, ctx, first, len, out); break;
+      default: weighted_values8_chunks<T, 1>(values, p, ctx, first, len, out); break;
+    }
+  }
+}
 #endif
 
 template <typename T>
@@ -259,12 +414,15 @@ void attention_impl(T* out, const T* query, const T* key_cache, const T* value_c
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
                     int64_t table_stride, double scale, int64_t sliding_window) {
   const int64_t group = num_heads / num_kv_heads, block_elems = num_kv_heads * block_size * head_size;
-#ifdef __AVX512F__
-  constexpr bool vector_type = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+#if defined(__AVX512F__)
+  constexpr int64_t lanes = 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+  constexpr int64_t lanes = 8;
 #else
-  constexpr bool vector_type = false;
+  constexpr int64_t lanes = 0;
 #endif
-  const bool vectorized = vector_type && head_size % 16 == 0;
+  constexpr bool vector_type = lanes > 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+  const bool vectorized = vector_type && head_size % lanes == 0;
   // OpenMP directly, with the calling thread's thread count: at::parallel_for, inlined here, would first
   // reset that count from ATen's process-wide setting, which an engine thread deliberately overrides.
 #pragma omp parallel
@@ -284,8 +442,10 @@ void attention_impl(T* out, const T* query, const T* key_cache, const T* value_c
       for (int64_t j = 0; j < group * head_size; ++j) q[j] = static_cast<float>(query[row + j]) * static_cast<float>(scale);
       scores.resize(group * (len - first));
       if constexpr (vector_type) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
         if (vectorized) attend16(keys, values, q.data(), group, first, len, scores.data(), inv_sum.data(), acc.data());
+#elif defined(__AVX2__) && defined(__FMA__)
+        if (vectorized) attend8(keys, values, q.data(), group, first, len, scores.data(), inv_sum.data(), acc.data());
 #endif
       }
       if (!vectorized) attend_plain(keys, values, q.data(), group, first, len, scores.data(), inv_sum.data(), acc.data());
