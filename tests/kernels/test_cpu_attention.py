@@ -30,7 +30,9 @@ def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(9, 3, 64), (8, 8, 128), (8, 1, 80), (12, 4, 32)])
+# Head sizes a multiple of 16 and of 8 take the vector paths (AVX-512, AVX2), 36 the plain loops.
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(9, 3, 64), (8, 8, 128), (8, 1, 80), (12, 4, 32),
+                                                                (6, 2, 36)])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_decodes_equal_the_reference(dtype, num_heads, num_kv_heads, head_size, block_size):
     seq_lens = [1, 5, block_size, block_size + 1, 3 * block_size - 1, 200]
@@ -40,6 +42,26 @@ def test_decodes_equal_the_reference(dtype, num_heads, num_kv_heads, head_size, 
     got = cpu_attention.paged_attention(*batch, scale)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("head_size", [64, 36])
+def test_a_tokens_result_does_not_depend_on_its_batch(head_size):
+    """Bit for bit: a sequence alone equals it in a batch, and a prefill in one chunk equals it in two (a
+    disaggregated decode continues from KV another engine computed in other batches)."""
+    q_lens, seq_lens = [1, 30, 1], [50, 30, 200]
+    query, key_cache, value_cache, tables, lens, qsl = make_batch(q_lens, seq_lens, 9, 3, head_size, 16,
+                                                                  torch.float32, seed=5)
+    together = cpu_attention.paged_attention(query, key_cache, value_cache, tables, lens, qsl, 0.125)
+
+    def alone(i, rows, seq_len):
+        return cpu_attention.paged_attention(query[rows], key_cache, value_cache, tables[i:i + 1],
+                                             torch.tensor([seq_len], dtype=torch.int32),
+                                             torch.tensor([0, rows.stop - rows.start], dtype=torch.int32), 0.125)
+
+    assert torch.equal(alone(0, slice(0, 1), 50), together[0:1])
+    assert torch.equal(alone(2, slice(31, 32), 200), together[31:32])
+    chunked = torch.cat([alone(1, slice(1, 13), 12), alone(1, slice(13, 31), 30)])
+    assert torch.equal(chunked, together[1:31])
 
 
 @pytest.mark.parametrize("window", [1, 7, 40])
