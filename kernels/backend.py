@@ -2,7 +2,7 @@
 
 Three implementations share the signatures of `epdserve.kernels.torch_attention`:
     "torch"  plain PyTorch, torch_attention (also runs on CUDA, and serves CPUs where "cpu" cannot be built)
-    "cpu"    decodes by a C++ kernel straight from the paged cache, prefills by torch_attention (CPU only)
+    "cpu"    decodes and prefill chunks by a C++ kernel straight from the paged cache (CPU only)
     "triton" the Triton kernels (CUDA; on CPU only under the Triton interpreter, for tests)
 Triton is imported only when the Triton backend is chosen, so this module imports without it.
 """

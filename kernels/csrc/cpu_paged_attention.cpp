@@ -58,6 +58,7 @@ struct HeadRows {
 constexpr int64_t DOT_LANES = 8;
 
 inline float fold(const float* part) {
+  static_assert(DOT_LANES == 8, "fold adds up exactly 8 partial sums");
   return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
 }
 
