@@ -22,7 +22,7 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -63,11 +63,21 @@ def import_ucxx() -> Any:
     return ucxx
 
 
-# UCX over TCP (the CPU case) with its defaults moves 3-4x less than a plain socket: 8 KiB TCP
-# segments, and a rendezvous protocol that fragments through bounce buffers. Large segments and
-# eager sends of whole messages measured 3-5x faster on 127.0.0.1. On RDMA fabrics, where
-# rendezvous is zero-copy, pass `ucx_options` without these.
-TCP_OPTIONS = {"TCP_TX_SEG_SIZE": "1m", "TCP_RX_SEG_SIZE": "1m", "RNDV_THRESH": "inf"}
+# The settings UCX runs with unless `ucx_options` replace them.
+# - Between hosts over TCP (the CPU case), UCX's defaults move 3-4x less than a plain socket: 8 KiB
+#   TCP segments, and a rendezvous protocol that fragments through bounce buffers. Large segments and
+#   eager sends of whole messages measured 3-5x faster. On RDMA fabrics, where rendezvous is zero-copy,
+#   pass `ucx_options` without these.
+# - On one host, UCX would use shared memory, but our endpoints ask for peer-failure handling (a dead
+#   peer must fail a transfer, never the process), and UCX drops every shared-memory transport from
+#   such endpoints: sysv/posix do not declare it, and CMA rendezvous lacks the memory invalidation it
+#   then requires - so same-host transfers ran over TCP on loopback. POSIX_ERROR_HANDLING declares it
+#   for the posix transport (whose segments are files, so a dead peer's memory stays mapped), which
+#   UCX then picks for same-host peers: eager copies through shared memory, 5-6x a loopback socket.
+#   Shared memory never detects a dead peer: the client watches the control connection instead.
+#   Error handling stays on: without it a CMA read from a dead peer aborts the reader's process.
+DEFAULT_OPTIONS = {"TCP_TX_SEG_SIZE": "1m", "TCP_RX_SEG_SIZE": "1m", "RNDV_THRESH": "inf",
+                   "POSIX_ERROR_HANDLING": "y"}
 
 
 def _ucx(net_devices: str | None, ucx_options: Mapping[str, str] | None) -> Any:
@@ -77,7 +87,7 @@ def _ucx(net_devices: str | None, ucx_options: Mapping[str, str] | None) -> Any:
     ucxx = import_ucxx()
     with _init_lock:
         if not _initialised:
-            options = dict(TCP_OPTIONS if ucx_options is None else ucx_options)
+            options = dict(DEFAULT_OPTIONS if ucx_options is None else ucx_options)
             if net_devices:
                 options["NET_DEVICES"] = net_devices
             try:
@@ -108,14 +118,20 @@ def _post(endpoint: Any, buffers: list, tag: int, send: bool) -> list[Any]:
     return [ep.tag_recv(Array(b), Tag(tag + i), TagMaskFull) for i, b in enumerate(buffers) if b.nbytes]
 
 
-async def _completed(requests: list[Any], timeout: float) -> None:
+class _PeerLost(Exception):
+    """The peer's control connection dropped while UCX requests to it were pending."""
+
+
+async def _completed(requests: list[Any], timeout: float, peer_lost: Callable[[], bool] | None = None) -> None:
     """Wait until every request completed (raising the first one's error), polling all of them every
-    POLL_SECONDS; asyncio.TimeoutError after `timeout` seconds."""
+    POLL_SECONDS; asyncio.TimeoutError after `timeout` seconds, _PeerLost as soon as `peer_lost()`."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not all(request.completed for request in requests):
         if loop.time() > deadline:
             raise asyncio.TimeoutError
+        if peer_lost is not None and peer_lost():
+            raise _PeerLost
         await asyncio.sleep(POLL_SECONDS)
     for request in requests:
         request.check_error()
@@ -126,7 +142,7 @@ class UcxKVServer(ZmqKVServer):
 
     `net_devices` limits the interfaces UCX uses (UCX's NET_DEVICES; None or "all": every one, which
     reaches other hosts); e.g. "eth0" or "mlx5_0:1" keeps it on one fabric. `ucx_options` (UCX
-    settings without the UCX_ prefix) replace TCP_OPTIONS.
+    settings without the UCX_ prefix) replace DEFAULT_OPTIONS.
     """
 
     TRANSPORT = "ucx"
@@ -300,6 +316,7 @@ class UcxKVClient(ZmqKVClient):
         """Post a receive per buffer (tags tag, tag + 1, ...), send `request` if any, and wait for the data;
         on any failure abort the endpoint (see _cancel)."""
         address, endpoint = client.address, await self._endpoint(client)
+        disconnects = client.num_disconnects
         receives = _post(endpoint, buffers, tag, send=False)
         try:
             if request is not None:
@@ -307,9 +324,13 @@ class UcxKVClient(ZmqKVClient):
                 if reply.num_segments != len(buffers):
                     raise BlockRangeError(f"peer sends {reply.num_segments} segments, expected {len(buffers)}")
             try:
-                await _completed(receives, self._remaining(deadline))
+                # Over shared memory UCX never notices a dead sender: its control connection does.
+                await _completed(receives, self._remaining(deadline),
+                                 peer_lost=lambda: client.num_disconnects != disconnects)
             except asyncio.TimeoutError:
                 raise TransferTimeout(f"{address}: UCX data did not arrive in time") from None
+            except _PeerLost:
+                raise TransferError(f"{address}: the control connection dropped with UCX data in flight") from None
             except Exception as e:  # UCX's own exception types (truncated message, endpoint error)
                 raise TransferError(f"{address}: UCX receive failed: {e}") from e
         except BaseException:

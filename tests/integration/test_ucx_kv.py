@@ -1,6 +1,8 @@
-"""The UCX backend between two processes (UCX over TCP on 127.0.0.1); skipped without ucxx."""
+"""The UCX backend between two processes on one host (UCX over shared memory); skipped without ucxx."""
 import asyncio
+import itertools
 import json
+import os
 import subprocess
 import sys
 
@@ -9,6 +11,7 @@ import torch
 
 from epdserve.transport.kv_transfer import (
     BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, IncompatiblePeerError, TransferError,
+    TransferTimeout,
 )
 
 try:
@@ -25,7 +28,8 @@ import asyncio, json, sys, torch
 from epdserve.transport import ucx_kv
 
 class StallingServer(ucx_kv.UcxKVServer):
-    # For the dead-peer test: answers the first message of request "stall", then never again.
+    # For the dead-peer tests: answers the first message of request "stall", then never again; answers
+    # every message of request "hold" but never sends its data.
     stalled = 0
     async def _reply_blocks(self, message, peer):
         if message.request_id == "stall":
@@ -33,6 +37,12 @@ class StallingServer(ucx_kv.UcxKVServer):
             if StallingServer.stalled > 1:
                 await asyncio.sleep(3600)
         return await super()._reply_blocks(message, peer)
+
+    async def _send_later(self, peer, buffers, tag, request_id):
+        if request_id == "hold":
+            print("held", flush=True)
+        else:
+            await super()._send_later(peer, buffers, tag, request_id)
 
 async def main():
     shape, dtype = json.loads(sys.argv[1]), getattr(torch, sys.argv[2])
@@ -42,15 +52,16 @@ async def main():
     print(await server.start(), flush=True)
     server.expose("r1", range(shape[2]))
     server.expose("stall", range(shape[2]))
+    server.expose("hold", range(shape[2]))
     await asyncio.sleep(3600)
 
 asyncio.run(main())
 """
 
 
-def start_server(dtype: str):
+def start_server(dtype: str, env=None):
     proc = subprocess.Popen([sys.executable, "-c", SERVER, json.dumps(SHAPE), dtype],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     return proc, proc.stdout.readline().strip()
 
 
@@ -164,3 +175,48 @@ def test_ucx_peer_dying_mid_transfer_fails_the_fetch():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_sender_dying_with_its_data_in_flight_fails_the_fetch_at_once():
+    """The server answers the fetch, then dies before its data arrives. Over shared memory UCX never
+    notices; the client's control connection does, long before the fetch's deadline."""
+    proc, address = start_server("bfloat16")
+    try:
+        async def main():
+            async with client(torch.zeros(SHAPE, dtype=torch.bfloat16), timeout=120) as c:
+                fetch = asyncio.create_task(c.fetch_blocks(address, "hold", list(range(8)), list(range(8))))
+                held = await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)
+                assert held.strip() == "held"
+                await asyncio.sleep(0.5)  # BlocksSent reaches the client; its receives wait
+                assert not fetch.done()
+                proc.kill()
+                with pytest.raises(TransferError, match="control connection dropped") as failed:
+                    await fetch
+                assert not isinstance(failed.value, TransferTimeout)
+
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_peers_on_one_host_move_blocks_through_shared_memory():
+    """UCX's own protocol table (UCX_PROTO_INFO) shows which transport carries tagged messages
+    between the two processes: posix shared memory, not TCP on loopback."""
+    proc, address = start_server("bfloat16", env=dict(os.environ, UCX_PROTO_INFO="y"))  # UCX logs to stdout
+    local_cache = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    try:
+        async def main():
+            async with client(local_cache) as c:
+                await c.fetch_blocks(address, "r1", list(range(16)), list(range(16)))
+
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        log, _ = proc.communicate()
+    assert torch.equal(local_cache[:, :, :16].view(torch.int16), expected_cache()[:, :, :16].view(torch.int16))
+    table = log.split("intra-node cfg#0 | tagged message by ucp_tag_send* from host memory", 1)
+    assert len(table) == 2, log[-2000:]
+    lines = table[1].splitlines()[2:]  # the rest of the header line, then the rule under it
+    rows = "\n".join(itertools.takewhile(lambda line: "+--" not in line, lines))
+    assert "posix/memory" in rows and "tcp" not in rows, rows
