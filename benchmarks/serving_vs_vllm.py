@@ -99,7 +99,9 @@ def _run_client(cmd: list[str], out: Path, env: dict) -> dict:
                            f"{proc.stderr[-2000:]}")
     result = json.loads(out.read_text())
     if result.get("completed", 0) != result.get("num_prompts", -1):
-        raise RuntimeError(f"only {result.get('completed')} of {result.get('num_prompts')} requests completed")
+        errors = sorted({str(e)[:300] for e in result.get("errors") or () if e})
+        raise RuntimeError(f"only {result.get('completed')} of {result.get('num_prompts')} requests completed: "
+                           f"{errors[:3]}")
     return result
 
 
@@ -155,11 +157,17 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict:
             record["median"][label] = {k: statistics.median(run[k] for run in runs) for k, _, _ in METRICS}
         if args.cross_check:
             label, rate, _ = workloads(args)[0]
-            cross = epdserve_bench(server.url, args, [
-                "--model", args.served_name, "--tokenizer", args.model, "--dataset-name", "random",
-                "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                "--num-prompts", str(args.num_prompts), "--request-rate", rate], seed=7, out=tmp / f"{name}-cross.json")
-            record["cross_check"] = {"workload": label, "client": "epdserve bench serve", **_summary(cross)}
+            record["cross_check"] = {"workload": label, "client": "epdserve bench serve"}
+            try:
+                cross = epdserve_bench(server.url, args, [
+                    "--model", args.served_name, "--tokenizer", args.model, "--dataset-name", "random",
+                    "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                    "--num-prompts", str(args.num_prompts), "--request-rate", rate], seed=7,
+                    out=tmp / f"{name}-cross.json")
+                record["cross_check"].update(_summary(cross))
+            except RuntimeError as e:  # a cross-check, not a measurement: say so and keep the run's cells
+                print(f"  {name}: cross-check failed: {e}", flush=True)
+                record["cross_check"]["failed"] = str(e)
     finally:
         server.stop()
     return record
@@ -234,7 +242,8 @@ def markdown(report: dict, args: argparse.Namespace) -> str:
     if cross:
         lines += ["## Cross-check with `epdserve bench serve` (one run, first workload)", "",
                   "| server | out tok/s | TTFT p50 ms | TPOT p50 ms |", "|---|---|---|---|"]
-        lines += [f"| {s} | {_fmt(c['output_throughput'])} | {_fmt(c['median_ttft_ms'])} | "
+        lines += [f"| {s} | failed: {c['failed']} | | |" if "failed" in c else
+                  f"| {s} | {_fmt(c['output_throughput'])} | {_fmt(c['median_ttft_ms'])} | "
                   f"{_fmt(c['median_tpot_ms'])} |" for s, c in cross.items()]
         lines.append("")
     profiles = {s: r["profile"] for s, r in report["servers"].items() if r.get("profile")}
