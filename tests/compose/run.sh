@@ -45,11 +45,15 @@ summary() {
   echo "total $(($(date +%s) - T0))s: $1"
 }
 
+compose_down() {  # every container and volume of the test project, whatever created them
+  COMPOSE_PROJECT_NAME=epdserve-test $COMPOSE_CMD --env-file /dev/null -f compose.yaml --profile monitoring \
+    down -v --remove-orphans --timeout 60 >/dev/null 2>&1 || true
+}
+
 cleanup() {
   local rc=$?
   if [ -n "${COMPOSE_CMD:-}" ] && docker info >/dev/null 2>&1; then
-    COMPOSE_PROJECT_NAME=epdserve-test $COMPOSE_CMD --env-file /dev/null -f compose.yaml --profile monitoring \
-      down -v --remove-orphans --timeout 60 >/dev/null 2>&1 || true
+    compose_down
     left=$(docker ps -aq --filter label=com.docker.compose.project=epdserve-test)
     volumes=$(docker volume ls -q --filter label=com.docker.compose.project=epdserve-test)
     if [ -n "$left$volumes" ]; then
@@ -126,6 +130,8 @@ EPDSERVE_PROMETHEUS_IMAGE=$($HERE/prometheus-image.sh "$official_prometheus" "$L
   || exit 1
 export EPDSERVE_PROMETHEUS_IMAGE
 
-# 4. the tests
+# 4. the tests, on a clean slate: a run that was killed leaves its containers and volumes in the engine's
+# store, and `compose up` would restart them instead of creating new ones.
+compose_down
 export EPDSERVE_COMPOSE_TEST=1 EPDSERVE_COMPOSE="$COMPOSE_CMD" EPDSERVE_COMPOSE_REPORT="$REPORT"
 step "compose tests" nice -n 10 "$PYTHON" -m pytest -q -p no:cacheprovider "${@:-$HERE}"
