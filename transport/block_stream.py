@@ -39,6 +39,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -46,6 +47,7 @@ from epdserve.transport import codec
 from epdserve.transport.channel import ErrorReply
 from epdserve.transport.codec import DEFAULT_LIMITS, Limits
 from epdserve.transport.kv_transfer import TransferError, TransferTimeout
+from epdserve.transport.peer_pool import PeerPool
 from epdserve.transport.protocol import Error, ErrorCode, FetchBlocks, Message
 
 logger = logging.getLogger(__name__)
@@ -196,17 +198,34 @@ class BlockStreamServer:
             _shutdown(conn)
 
 
+@dataclass(eq=False)
+class _Server:
+    """A client's block connections to one server: at most `slots` in use at once; those idle, with when
+    they last ran; the token they began with."""
+    slots: asyncio.Semaphore
+    token: bytes | None = None
+    idle: list[tuple[socket.socket, float]] = field(default_factory=list)
+
+    def close_idle(self) -> None:
+        for conn, _ in self.idle:
+            conn.close()
+        self.idle.clear()
+
+
 class BlockStreamClient:
     """Fetches over block connections: at most `max_connections` per server at once, kept open
     between fetches; the receiving runs on a thread of the client's own."""
 
-    def __init__(self, engine_id: str, *, limits: Limits = DEFAULT_LIMITS, max_connections: int = 4):
+    def __init__(self, engine_id: str, *, limits: Limits = DEFAULT_LIMITS, max_connections: int = 4,
+                 idle_seconds: float = IDLE_SECONDS / 2):
         self.engine_id = engine_id
         self.limits = limits
         self.max_connections = max_connections
-        # (host, port) -> the token its connections started with, and those idle with when they last ran
-        self._idle: dict[tuple[str, int], tuple[bytes, list[tuple[socket.socket, float]]]] = {}
-        self._slots: dict[tuple[str, int], asyncio.Semaphore] = {}
+        # (host, port) -> its connections; closed when no fetch went there for `idle_seconds` (servers come
+        # and go), at most half the time a server keeps an idle connection open (it may be closing it)
+        self._servers: PeerPool[tuple[str, int], _Server] = PeerPool(
+            lambda peer: _Server(asyncio.Semaphore(max_connections)), _Server.close_idle,
+            idle_seconds=min(idle_seconds, IDLE_SECONDS / 2))
         # The holders of the connections fetches are using (a thread may open one into its holder).
         self._busy: list[list[socket.socket]] = []
         self._executor = concurrent.futures.ThreadPoolExecutor(max_connections, thread_name_prefix=f"{engine_id}-blocks")
@@ -217,15 +236,24 @@ class BlockStreamClient:
         asks for, in order); the bytes received. Raises a TransferError subclass, or ErrorReply
         when the server answers with an Error."""
         peer = (host, port)
-        slots = self._slots.setdefault(peer, asyncio.Semaphore(self.max_connections))
+        server = self._servers.acquire(peer)
+        if server is None:
+            raise TransferError(f"block connections to {len(self._servers)} servers are all in use")
+        try:
+            return await self._fetch(peer, server, token, request, buffers, timeout)
+        finally:
+            self._servers.release(peer, server)
+
+    async def _fetch(self, peer: tuple[str, int], server: _Server, token: bytes, request: FetchBlocks,
+                     buffers: Sequence[np.ndarray], timeout: float) -> int:
         deadline = time.monotonic() + timeout
         try:
-            await asyncio.wait_for(slots.acquire(), timeout)
+            await asyncio.wait_for(server.slots.acquire(), timeout)
         except asyncio.TimeoutError:
-            raise TransferTimeout(f"{host}:{port}: no block connection free in time") from None
+            raise TransferTimeout(f"{peer[0]}:{peer[1]}: no block connection free in time") from None
         try:
             frame = _frame(request)
-            holder = self._reuse(peer, token)
+            holder = self._reuse(server, token)
             if holder and len(frame) <= _LOOP_SEND_BYTES:
                 # Sent from here, so that the server works on it while the receiving thread wakes up.
                 try:
@@ -247,21 +275,18 @@ class BlockStreamClient:
                 raise
             finally:
                 self._busy.remove(holder)
-            self._idle[peer][1].append((holder[0], time.monotonic()))
+            server.idle.append((holder[0], time.monotonic()))
             return num_bytes
         finally:
-            slots.release()
+            server.slots.release()
 
-    def _reuse(self, peer: tuple[str, int], token: bytes) -> list[socket.socket]:
-        """[an idle connection to peer], or [] to open one."""
-        held_token, idle = self._idle.get(peer, (None, []))
-        if held_token != token:  # a restarted server: its old connections lead nowhere
-            for conn, _ in idle:
-                conn.close()
-            idle = []
-            self._idle[peer] = (token, idle)
-        while idle:
-            conn, since = idle.pop()
+    def _reuse(self, server: _Server, token: bytes) -> list[socket.socket]:
+        """[an idle connection to server], or [] to open one."""
+        if server.token != token:  # a restarted server: its old connections lead nowhere
+            server.close_idle()
+            server.token = token
+        while server.idle:
+            conn, since = server.idle.pop()
             if time.monotonic() - since < IDLE_SECONDS / 2:
                 return [conn]
             conn.close()  # the server may be closing it
@@ -318,10 +343,7 @@ class BlockStreamClient:
         for holder in self._busy:
             for conn in holder:
                 _shutdown(conn)
-        for _, idle in self._idle.values():
-            for conn, _ in idle:
-                conn.close()
-        self._idle.clear()
+        await self._servers.close()
         self._executor.shutdown(wait=False)
 
 

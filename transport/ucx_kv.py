@@ -4,8 +4,9 @@ fetch requests and errors go over the same typed ZMQ channel as the default back
 No UCX listener is opened (ucxx's would bind every interface): each side sends its UCX worker
 address in the ZMQ handshake (bound and optionally CURVE-authenticated like any other channel), the
 server connects an endpoint to the client's to send, and the client one to the server's, through
-which it posts its receives (so that closing it cancels them). UCX parses worker addresses from
-peers, so enable this backend between trusted peers (CURVE) only.
+which it posts its receives (so that closing it cancels them); endpoints are kept per peer worker and
+aborted once unused for a while (`_Endpoints`). UCX parses worker addresses from peers, so enable this
+backend between trusted peers (CURVE) only.
 
 One fetch message: the client posts one receive per segment (run x layer x K/V) straight into the
 destination blocks of its cache (blocks that form no runs: into one buffer, scattered after), with
@@ -35,6 +36,8 @@ from epdserve.transport.kv_transfer import (
     BlockRangeError, TransferError, TransferTimeout, as_bytes, scatter_blocks,
 )
 from epdserve.transport.channel import ErrorReply
+from epdserve.transport import peer_pool
+from epdserve.transport.peer_pool import PeerPool
 from epdserve.transport.request_client import RequestClient
 from epdserve.transport.zmq_kv import Chunk, ZmqKVClient, ZmqKVServer
 
@@ -99,6 +102,79 @@ def _ucx(net_devices: str | None, ucx_options: Mapping[str, str] | None) -> Any:
     return ucxx
 
 
+class _Endpoints:
+    """UCX endpoints by the peer worker's address: made on first use, shared, aborted once unused for a
+    while (a PeerPool: peers come and go). Each is held from `acquire` to `release`."""
+
+    def __init__(self, ucxx: Callable[[], Any], idle_seconds: float) -> None:
+        self._ucxx = ucxx  # the initialised ucxx module
+        # address -> the task making its endpoint: ucxx makes endpoints in a coroutine, a pool opens at once
+        self._pool: PeerPool[bytes, asyncio.Task] = PeerPool(
+            lambda address: asyncio.ensure_future(self._make(address)), _abort_made, idle_seconds=idle_seconds)
+
+    def __len__(self) -> int:
+        return len(self._pool)
+
+    async def _make(self, ucx_address: bytes) -> Any:
+        ucxx = self._ucxx()
+        try:
+            return await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(ucx_address))
+        except Exception as e:  # UCX raises its own exception types
+            raise TransferError(f"cannot reach the peer's UCX worker: {e}") from e
+
+    async def acquire(self, ucx_address: bytes) -> Any:
+        """The endpoint to the worker at `ucx_address`: the one in use, or a new one where there is none or
+        it has closed (its peer failed). Raises TransferError."""
+        for _ in range(2):
+            making = self._pool.acquire(ucx_address)
+            if making is None:
+                raise TransferError(f"UCX endpoints to {len(self._pool)} peers are all in use")
+            try:
+                endpoint = await asyncio.shield(making)  # others may be waiting for it too
+            except BaseException:
+                self._pool.release(ucx_address, making)
+                if making.done():  # it failed (not we were cancelled): the next acquire makes a new one
+                    self._pool.discard(ucx_address, making)
+                raise
+            if not endpoint.closed:
+                return endpoint
+            self._pool.release(ucx_address, making)
+            self._pool.discard(ucx_address, making)
+        raise TransferError("a new UCX endpoint closed at once")
+
+    def release(self, ucx_address: bytes, endpoint: Any) -> None:
+        making = self._pool.get(ucx_address)
+        if making is not None and _made(making) is endpoint:
+            self._pool.release(ucx_address, making)
+
+    def abort(self, ucx_address: bytes, endpoint: Any) -> None:
+        """Abort `endpoint` now (its sends and receives are cancelled); the next `acquire` makes a new one."""
+        endpoint.abort()
+        making = self._pool.get(ucx_address)
+        if making is not None and _made(making) is endpoint:
+            self._pool.discard(ucx_address, making)
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+
+def _made(making: asyncio.Task) -> Any:
+    """The endpoint `making` made, or None (not yet, failed, or cancelled)."""
+    if not making.done() or making.cancelled() or making.exception() is not None:
+        return None
+    return making.result()
+
+
+def _abort_made(making: asyncio.Task) -> None:
+    endpoint = _made(making)
+    if endpoint is not None:
+        endpoint.abort()
+    elif not making.done():
+        making.cancel()
+    else:
+        making.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+
 def _post(endpoint: Any, buffers: list, tag: int, send: bool) -> list[Any]:
     """One UCX tag send (or receive) per non-empty buffer (flat bytes: a numpy array, or a device tensor's
     `as_bytes`), with tags tag, tag + 1, ..., straight from (into) the buffer's memory; the ucxx requests,
@@ -149,9 +225,9 @@ class UcxKVServer(ZmqKVServer):
 
     def __init__(self, engine_id: str, *, net_devices: str | None = None,
                  ucx_options: Mapping[str, str] | None = None, max_inflight_sends: int = 8,
-                 send_timeout: float = 30.0, **kwargs):
+                 send_timeout: float = 30.0, peer_idle_seconds: float = peer_pool.IDLE_SECONDS, **kwargs):
         self._net_devices, self._ucx_options = net_devices, ucx_options
-        self._endpoints: dict[bytes, Any] = {}  # client worker address -> UCX endpoint
+        self._endpoints = _Endpoints(lambda: self._ucxx, peer_idle_seconds)  # by client worker address
         self._sends: set[asyncio.Task] = set()
         self._sends_of: dict[str, set[asyncio.Task]] = {}  # request id -> its block sends in flight
         self._send_slots: asyncio.Semaphore | None = None
@@ -172,14 +248,10 @@ class UcxKVServer(ZmqKVServer):
             return refusal
         if len(hello.ucx_address) > MAX_WORKER_ADDRESS_BYTES:
             return "UCX worker address too long"
-        endpoint = self._endpoints.get(hello.ucx_address)
-        if endpoint is None or endpoint.closed:
-            try:
-                address = self._ucxx.get_ucx_address_from_buffer(hello.ucx_address)
-                endpoint = await self._ucxx.create_endpoint_from_worker_address(address)
-            except Exception as e:  # UCX raises its own exception types
-                return f"cannot reach the client's UCX worker: {e}"
-            self._endpoints[hello.ucx_address] = endpoint
+        try:  # made now, so that a client we cannot reach is refused at once
+            self._endpoints.release(hello.ucx_address, await self._endpoints.acquire(hello.ucx_address))
+        except TransferError as e:
+            return str(e)
         return None
 
     async def _reply_blocks(self, message: FetchBlocks, peer: Handshake) -> tuple[Message, int]:
@@ -201,10 +273,17 @@ class UcxKVServer(ZmqKVServer):
 
     async def _send_later(self, peer: Handshake, buffers: list, tag: int, request_id: str | None) -> None:
         """Start sending buffer i with tag + i (from its own memory); the sends complete on their own."""
-        endpoint = self._endpoints.get(peer.ucx_address) if peer.ucx_address else None
-        if endpoint is None:
+        if not peer.ucx_address:
             raise ErrorReply(Error(ErrorCode.INCOMPATIBLE, "no UCX endpoint to this client (handshake without a UCX address)", request_id))
-        await self._send_slots.acquire()  # bounds the messages waiting for their receivers
+        try:
+            endpoint = await self._endpoints.acquire(peer.ucx_address)
+        except TransferError as e:
+            raise ErrorReply(Error(ErrorCode.INCOMPATIBLE, str(e), request_id)) from None
+        try:
+            await self._send_slots.acquire()  # bounds the messages waiting for their receivers
+        except BaseException:
+            self._endpoints.release(peer.ucx_address, endpoint)
+            raise
         task = asyncio.create_task(self._send(endpoint, buffers, tag, peer))
         self._sends.add(task)
         if request_id is not None:
@@ -225,8 +304,9 @@ class UcxKVServer(ZmqKVServer):
             await _completed(_post(endpoint, buffers, tag, send=True), self._send_timeout)
         except Exception as e:  # the client died or gave up; its fetch fails on its side
             logger.warning("%s: UCX send to %s failed: %s", self.engine_id, peer.engine_id, e or type(e).__name__)
-            self._endpoints.pop(peer.ucx_address, None)
-            endpoint.abort()  # cancels the sends still reading the cache
+            self._endpoints.abort(peer.ucx_address, endpoint)  # cancels the sends still reading the cache
+        finally:
+            self._endpoints.release(peer.ucx_address, endpoint)
 
     async def wait_sent(self, request_id: str, timeout: float = 60.0) -> bool:
         sends = list(self._sends_of.get(request_id, ()))
@@ -240,9 +320,7 @@ class UcxKVServer(ZmqKVServer):
         for task in list(self._sends):
             task.cancel()
         await super().close()
-        for endpoint in self._endpoints.values():
-            endpoint.abort()
-        self._endpoints.clear()
+        await self._endpoints.close()
 
 
 class UcxKVClient(ZmqKVClient):
@@ -255,26 +333,12 @@ class UcxKVClient(ZmqKVClient):
         super().__init__(engine_id, **kwargs)
         self._net_devices, self._ucx_options = net_devices, ucx_options
         self._ucxx = import_ucxx()
-        self._endpoints: dict[str, Any] = {}  # server address -> endpoint to its UCX worker
+        # by server worker address: this worker's endpoints to the servers', through which receives are posted
+        self._endpoints = _Endpoints(lambda: _ucx(self._net_devices, self._ucx_options), self.peer_idle_seconds)
 
     def _ucx_address(self) -> bytes:
         self._ucxx = _ucx(self._net_devices, self._ucx_options)
         return bytes(self._ucxx.get_worker_address())
-
-    async def _endpoint(self, client: RequestClient) -> Any:
-        """This worker's endpoint to the server's, through which receives are posted."""
-        endpoint = self._endpoints.get(client.address)
-        if endpoint is None or endpoint.closed:
-            if not client.peer.ucx_address or len(client.peer.ucx_address) > MAX_WORKER_ADDRESS_BYTES:
-                raise TransferError(f"{client.address} sent no usable UCX worker address")
-            self._ucxx = _ucx(self._net_devices, self._ucx_options)
-            try:
-                address = self._ucxx.get_ucx_address_from_buffer(client.peer.ucx_address)
-                endpoint = await self._ucxx.create_endpoint_from_worker_address(address)
-            except Exception as e:  # UCX raises its own exception types
-                raise TransferError(f"cannot reach the UCX worker of {client.address}: {e}") from e
-            self._endpoints[client.address] = endpoint
-        return endpoint
 
     async def _fetch_chunk(self, client: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
         buffers, gathered = self._landing(chunk)
@@ -285,13 +349,11 @@ class UcxKVClient(ZmqKVClient):
             scatter_blocks(self.kv_cache, chunk.local_ids, gathered)
         return sum(b.nbytes for b in buffers)
 
-    async def _cancel(self, address: str, endpoint: Any, receives: list[Any]) -> None:
+    async def _cancel(self, ucx_address: bytes, endpoint: Any, receives: list[Any]) -> None:
         """Abort the endpoint: UCX cancels the receives still posted on it, so that no late data
         lands in cache blocks the caller is about to reuse. Fetches sharing it fail too (and retry
         on a fresh endpoint): a server that misses a deadline is rarely healthy for the others."""
-        if self._endpoints.get(address) is endpoint:
-            del self._endpoints[address]
-        endpoint.abort()
+        self._endpoints.abort(ucx_address, endpoint)
         try:
             await _completed(receives, 1.0)
         except asyncio.TimeoutError:
@@ -315,10 +377,13 @@ class UcxKVClient(ZmqKVClient):
                        request: Message | None = None) -> None:
         """Post a receive per buffer (tags tag, tag + 1, ...), send `request` if any, and wait for the data;
         on any failure abort the endpoint (see _cancel)."""
-        address, endpoint = client.address, await self._endpoint(client)
-        disconnects = client.num_disconnects
-        receives = _post(endpoint, buffers, tag, send=False)
+        address, ucx_address = client.address, client.peer.ucx_address
+        if not ucx_address or len(ucx_address) > MAX_WORKER_ADDRESS_BYTES:
+            raise TransferError(f"{address} sent no usable UCX worker address")
+        endpoint = await self._endpoints.acquire(ucx_address)
+        disconnects, receives = client.num_disconnects, []
         try:
+            receives = _post(endpoint, buffers, tag, send=False)
             if request is not None:
                 reply = await client.request(request, timeout=self._remaining(deadline), expect=BlocksSent)
                 if reply.num_segments != len(buffers):
@@ -334,11 +399,11 @@ class UcxKVClient(ZmqKVClient):
             except Exception as e:  # UCX's own exception types (truncated message, endpoint error)
                 raise TransferError(f"{address}: UCX receive failed: {e}") from e
         except BaseException:
-            await self._cancel(address, endpoint, receives)
+            await self._cancel(ucx_address, endpoint, receives)
             raise
+        finally:
+            self._endpoints.release(ucx_address, endpoint)
 
     async def close(self) -> None:
-        for endpoint in self._endpoints.values():
-            endpoint.abort()
-        self._endpoints.clear()
+        await self._endpoints.close()
         await super().close()

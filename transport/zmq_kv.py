@@ -40,6 +40,8 @@ from epdserve.transport.kv_transfer import (
     as_bytes, copy_segment, gather_blocks, layout_mismatch, run_segments, run_views, scatter_blocks, split_runs,
 )
 from epdserve.transport.channel import ChannelError, ChannelTimeout, ErrorReply, HandshakeError
+from epdserve.transport import peer_pool
+from epdserve.transport.peer_pool import PeerPool
 from epdserve.transport.reply_server import ReplyServer
 from epdserve.transport.request_client import RequestClient
 from epdserve.transport.security import CurveConfig
@@ -287,6 +289,7 @@ class ZmqKVClient(KVTransferClient):
         min_message_bytes: int = 64 << 20,
         max_inflight_messages: int = 2,
         min_segment_bytes: int = 64 << 10,
+        peer_idle_seconds: float = peer_pool.IDLE_SECONDS,
     ):
         super().__init__(engine_id, kv_cache=kv_cache, model_id=model_id, layout=layout)
         self.role = role
@@ -302,8 +305,13 @@ class ZmqKVClient(KVTransferClient):
         # 64 KiB anyway, and per-segment costs outweigh one gather and one scatter.
         self.min_segment_bytes = min_segment_bytes
         self._curve = curve
-        self._clients: dict[str, RequestClient] = {}  # address -> connection, reused across fetches
-        self._stream = BlockStreamClient(engine_id, limits=limits)  # block connections (threads on first use)
+        # address -> connection, reused across fetches, closed once unused for `peer_idle_seconds` (servers
+        # come and go)
+        self.peer_idle_seconds = peer_idle_seconds
+        self._clients: PeerPool[str, RequestClient] = PeerPool(self._open_client, self._close_client,
+                                                               idle_seconds=peer_idle_seconds)
+        # block connections (threads on first use)
+        self._stream = BlockStreamClient(engine_id, limits=limits, idle_seconds=peer_idle_seconds)
 
     def _ucx_address(self) -> bytes | None:
         return None
@@ -314,15 +322,13 @@ class ZmqKVClient(KVTransferClient):
             refusal = layout_mismatch(self.layout, ack.kv_layout, self.engine_id, ack.engine_id)
         return refusal
 
-    def _client(self, address: str) -> RequestClient:
-        client = self._clients.get(address)
-        if client is None:
-            client = self._clients[address] = RequestClient(
-                address, engine_id=self.engine_id, role=self.role, timeout=self.timeout, curve=self._curve,
-                limits=self.limits, kv_layout=self.layout, kv_transport=self.TRANSPORT,
-                ucx_address=self._ucx_address(), check_ack=self._check_ack,
-            )
-        return client
+    def _open_client(self, address: str) -> RequestClient:
+        return RequestClient(address, engine_id=self.engine_id, role=self.role, timeout=self.timeout,
+                             curve=self._curve, limits=self.limits, kv_layout=self.layout,
+                             kv_transport=self.TRANSPORT, ucx_address=self._ucx_address(), check_ack=self._check_ack)
+
+    async def _close_client(self, client: RequestClient) -> None:
+        await client.close()
 
     def _remaining(self, deadline: float) -> float:
         return max(deadline - asyncio.get_running_loop().time(), 0.0)
@@ -342,15 +348,15 @@ class ZmqKVClient(KVTransferClient):
         chunks = self._messages(pairs)
         connect_seconds = 0.0
         try:
-            client = self._client(kv_addr)
-            if client.peer is None:
-                await client.connect(self._remaining(deadline))
-                connect_seconds = time.perf_counter() - started
-            if client.peer.kv_layout != self.layout:
-                raise IncompatiblePeerError(f"{kv_addr} ({client.peer.engine_id}) has no matching KV cache")
-            num_bytes = sum(await self._bounded(
-                [functools.partial(self._fetch_chunk, client, request_id, chunk, deadline) for chunk in chunks]
-            ))
+            with self._clients.holding(kv_addr) as client:
+                if client.peer is None:
+                    await client.connect(self._remaining(deadline))
+                    connect_seconds = time.perf_counter() - started
+                if client.peer.kv_layout != self.layout:
+                    raise IncompatiblePeerError(f"{kv_addr} ({client.peer.engine_id}) has no matching KV cache")
+                num_bytes = sum(await self._bounded(
+                    [functools.partial(self._fetch_chunk, client, request_id, chunk, deadline) for chunk in chunks]
+                ))
         except BaseException as e:
             self._fail(e, kv_addr)
         return self.stats.record(num_bytes, started, connect_seconds)
@@ -439,7 +445,8 @@ class ZmqKVClient(KVTransferClient):
         started = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + (self.timeout if timeout is None else timeout)
         try:
-            tensor = await self._fetch_embeddings(self._client(encoder_addr), mm_hash, deadline)
+            with self._clients.holding(encoder_addr) as client:
+                tensor = await self._fetch_embeddings(client, mm_hash, deadline)
             if tensor.dim() != 2:
                 raise TransferError(f"{encoder_addr} sent embeddings of shape {tuple(tensor.shape)}, not 2-D")
         except BaseException as e:
@@ -462,9 +469,7 @@ class ZmqKVClient(KVTransferClient):
         raise typed from error
 
     async def close(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            await client.close()
+        await self._clients.close()
         await self._stream.close()
 
 

@@ -172,9 +172,8 @@ class RemoteKVPull:
         while True:
             await asyncio.sleep(max((deadline - time.time()) / 2, 0.25))
             try:
-                renewed = await self.worker.prefill_client(handle.control_addr).request(
-                    RenewLease(self.message.request_id), timeout=self.worker.service.transport.rpc_timeout,
-                    expect=LeaseRenewed)
+                renewed = await self.worker.prefill_request(handle.control_addr, RenewLease(self.message.request_id),
+                                                            LeaseRenewed)
             except (ErrorReply, ChannelError, TimeoutError) as exc:  # the pull will fail and fall back
                 logger.warning("request %s: lease renewal at %s failed: %s", self.message.request_id,
                                handle.control_addr, exc)

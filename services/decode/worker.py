@@ -19,8 +19,9 @@ from epdserve.services.engine_worker import (EngineWorker, bad_request, control_
                                              start_engine)
 from epdserve.services.request_spans import RequestSpans
 from epdserve.shared.config import EngineConfig, ServiceConfig
-from epdserve.transport.protocol import Ack, DecodeRequest, Error, Handshake, Message, Release, Role
 from epdserve.transport.channel import ChannelError
+from epdserve.transport.peer_pool import PeerPool
+from epdserve.transport.protocol import Ack, DecodeRequest, Error, Handshake, Message, Release, Role
 from epdserve.transport.request_client import RequestClient
 
 logger = logging.getLogger(__name__)
@@ -33,13 +34,15 @@ async def build_decode_worker(service: ServiceConfig, engine_config: EngineConfi
 
 
 class DecodeWorker(EngineWorker):
-    """Also owns its clients to prefills' control channels, one per prefill, opened on first use."""
+    """Also owns its clients to prefills' control channels, one per prefill, opened on first use and
+    closed once unused (prefills come and go)."""
 
     role = Role.DECODE
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._prefill_clients: dict[str, RequestClient] = {}  # control address -> client
+        self._prefill_clients: PeerPool[str, RequestClient] = PeerPool(  # control address -> client
+            lambda address: RequestClient(address, **control_client_kwargs(self.service)), RequestClient.close)
         self._releases: set[asyncio.Task] = set()
 
     async def handle(self, message: Message, peer: Handshake) -> Message | None:
@@ -58,12 +61,11 @@ class DecodeWorker(EngineWorker):
             return request
         return self.spawn_stream(request, RemoteKVPull(self, m, request, spans).outputs, m.reply_to, spans)
 
-    def prefill_client(self, control_addr: str) -> RequestClient:
-        client = self._prefill_clients.get(control_addr)
-        if client is None:
-            client = self._prefill_clients[control_addr] = RequestClient(control_addr,
-                                                                         **control_client_kwargs(self.service))
-        return client
+    async def prefill_request(self, control_addr: str, message: Message, expect: type) -> Message:
+        """`message`'s answer from the prefill at `control_addr` (RequestClient.request, within the
+        control channels' timeout); raises ChannelError or TimeoutError."""
+        with self._prefill_clients.holding(control_addr) as client:
+            return await client.request(message, timeout=self.service.transport.rpc_timeout, expect=expect)
 
     def release_soon(self, control_addr: str, request_id: str) -> None:
         """Tell the prefill at `control_addr` to free the request's blocks, without waiting for its answer."""
@@ -73,13 +75,11 @@ class DecodeWorker(EngineWorker):
 
     async def _release(self, control_addr: str, request_id: str) -> None:
         try:
-            await self.prefill_client(control_addr).request(
-                Release(request_id), timeout=self.service.transport.rpc_timeout, expect=Ack)
+            await self.prefill_request(control_addr, Release(request_id), Ack)
         except (ChannelError, TimeoutError) as exc:  # the lease frees the blocks anyway
             logger.warning("request %s: release at %s failed: %s", request_id, control_addr, exc)
 
     async def close(self) -> None:
         await asyncio.gather(*self._releases, return_exceptions=True)
         await super().close()
-        for client in self._prefill_clients.values():
-            await client.close()
+        await self._prefill_clients.close()

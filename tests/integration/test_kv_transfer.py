@@ -5,6 +5,7 @@ as with CURVE or a device cache): then as ZMQ frames. Tests of what both paths d
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,6 +181,35 @@ def test_fetch_of_a_subset_and_of_nothing():
 
     asyncio.run(main())
     assert torch.equal(local_cache[:, :, [0, 1]], remote_cache[:, :, [7, 8]])
+
+
+def established_to(ports: set[int]) -> int:
+    """Established TCP connections (in this network namespace) whose far end is one of `ports`."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        remote, state = line.split()[2:4]
+        count += state == "01" and int(remote.split(":")[1], 16) in ports
+    return count
+
+
+def test_a_client_closes_its_connections_to_a_server_it_no_longer_fetches_from():
+    # Servers come and go (a restarted pod has a new address): what a client keeps for each must not grow.
+    remote_cache, local_cache = make_cache(seed=3), torch.zeros(make_cache().shape)
+
+    async def main():
+        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
+            server.expose("r1", [5, 6, 7, 8])
+            ports = {int(server.address.rsplit(":", 1)[1]), server._stream.port}
+            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m", peer_idle_seconds=0.3) as client:
+                await client.fetch_blocks(server.address, "r1", [5, 6], [0, 1])
+                assert established_to(ports) == 2  # the control connection and one block connection
+                await asyncio.sleep(0.8)
+                assert established_to(ports) == 0
+                await client.fetch_blocks(server.address, "r1", [7, 8], [2, 3])  # connects again
+                assert established_to(ports) == 2
+
+    asyncio.run(main())
+    assert torch.equal(local_cache[:, :, [0, 1, 2, 3]], remote_cache[:, :, [5, 6, 7, 8]])
 
 
 @PATHS

@@ -153,6 +153,24 @@ def test_contiguous_runs_land_bit_exact_over_ucx(server):
     assert not local_cache[:, :, :10].any() and not local_cache[:, :, 46:].any()
 
 
+def test_a_client_lets_go_of_a_server_it_no_longer_fetches_from(server):
+    # Servers come and go: the control connection and the UCX endpoint to one unused for a while close.
+    local_cache = torch.zeros(SHAPE, dtype=torch.bfloat16)
+
+    async def main():
+        async with client(local_cache, peer_idle_seconds=0.3) as c:
+            await c.fetch_blocks(server, "r1", [1, 2], [3, 4])
+            assert len(c._clients) == 1 and len(c._endpoints) == 1
+            await asyncio.sleep(0.8)
+            assert len(c._clients) == 0 and len(c._endpoints) == 0
+            await c.fetch_blocks(server, "r1", [5, 6], [7, 8])  # a new connection and endpoint
+            assert c.stats.num_failures == 0
+
+    asyncio.run(main())
+    want = expected_cache()
+    assert torch.equal(local_cache[:, :, [3, 4, 7, 8]].view(torch.int16), want[:, :, [1, 2, 5, 6]].view(torch.int16))
+
+
 def test_ucx_peer_dying_mid_transfer_fails_the_fetch():
     proc, address = start_server("bfloat16")
     local_cache = torch.zeros(SHAPE, dtype=torch.bfloat16)
