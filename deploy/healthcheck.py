@@ -1,5 +1,10 @@
 #!/usr/bin/env python3
-"""The image's health check: exit 0 when the epdserve server in this container answers GET /health.
+"""The image's health check: exit 0 when the epdserve server in this container answers GET /ready.
+
+Ready, not merely alive: an engine is READY once its model is loaded and its kernels are built, the proxy
+once every role has a ready instance. Until then the container stays `starting` (its start period allows
+for loading), so `depends_on: condition: service_healthy` and `docker compose up --wait` wait for a
+stack that serves.
 
     epdserve-healthcheck            port and host read from the server's own command line
     epdserve-healthcheck PORT       check 127.0.0.1:PORT
@@ -11,6 +16,8 @@ PID 1, or (under an init such as tini or docker-init) the first process running 
 """
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 import urllib.request
 from pathlib import Path
@@ -28,7 +35,7 @@ def server_args(cmdline: list[str]) -> list[str] | None:
     return None
 
 
-def health_url(args: list[str]) -> str:
+def ready_url(args: list[str]) -> str:
     from epdserve.services.cli import build_parser
 
     ns = build_parser().parse_args(args)
@@ -41,7 +48,19 @@ def health_url(args: list[str]) -> str:
     if not port:
         raise SystemExit("the server picked a random --http-port: give it a fixed one to health-check it")
     host = "127.0.0.1" if ns.host in WILDCARD_HOSTS else ns.host
-    return f"http://{host}:{port}/health"
+    return f"http://{host}:{port}/ready"
+
+
+def bearer_token(args: list[str] | None) -> str | None:
+    """The API key the server's /ready is behind (None: open), as the server read it: from its command line
+    and environment (see `main`); given only a port, from the environment."""
+    from epdserve.services.cli import api_key, build_parser
+
+    if args is None:
+        return api_key(argparse.Namespace(api_key=os.environ.get("EPDSERVE_API_KEY"),
+                                          api_key_file=os.environ.get("EPDSERVE_API_KEY_FILE")))
+    ns = build_parser().parse_args(args)
+    return api_key(ns) if hasattr(ns, "api_key") else None  # only the proxy and `up` take a key
 
 
 def read_cmdline(pid: int | str) -> list[str]:
@@ -49,32 +68,45 @@ def read_cmdline(pid: int | str) -> list[str]:
     return [w.decode() for w in raw.split(b"\0")[:-1]]
 
 
-def find_server() -> list[str]:
+def read_environ(pid: int | str) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(w.decode().split("=", 1) for w in raw.split(b"\0") if b"=" in w)
+
+
+def find_server() -> int:
     pids = sorted(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit())
     for pid in pids:
         try:
-            args = server_args(read_cmdline(pid))
+            if server_args(read_cmdline(pid)):
+                return pid
         except OSError:
             continue  # exited while we looked
-        if args:
-            return args
     raise SystemExit("no epdserve process in this container")
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--pid"] and len(argv) == 2:
-        args = server_args(read_cmdline(argv[1]))
-        if args is None:
-            raise SystemExit(f"process {argv[1]} is not an epdserve server")
-        url = health_url(args)
-    elif len(argv) == 1 and argv[0].isdigit():
-        url = f"http://127.0.0.1:{argv[0]}/health"
-    elif not argv:
-        url = health_url(find_server())
+    if len(argv) == 1 and argv[0].isdigit():
+        args, url = None, f"http://127.0.0.1:{argv[0]}/ready"
     else:
-        raise SystemExit(__doc__)
+        if argv[:1] == ["--pid"] and len(argv) == 2:
+            pid = argv[1]
+        elif not argv:
+            pid = find_server()
+        else:
+            raise SystemExit(__doc__)
+        args = server_args(read_cmdline(pid))
+        if args is None:
+            raise SystemExit(f"process {pid} is not an epdserve server")
+        # Its options' defaults came from its environment: the same in its container, not always elsewhere.
+        try:
+            os.environ.update(read_environ(pid))
+        except OSError:
+            pass  # another user's process: this environment's
+        url = ready_url(args)
+    key = bearer_token(args)
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
             return 0 if response.status == 200 else 1
     except OSError as exc:
         print(f"{url}: {exc}", file=sys.stderr)

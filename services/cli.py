@@ -129,7 +129,8 @@ def engine_config(args: argparse.Namespace, model: str):
         seed=args.seed)
 
 
-def _api_key(args: argparse.Namespace) -> str | None:
+def api_key(args: argparse.Namespace) -> str | None:
+    """The Bearer token the proxy requires (--api-key-file over --api-key), or None: open."""
     if args.api_key_file:
         try:
             key = Path(args.api_key_file).read_text().strip()
@@ -161,7 +162,7 @@ def proxy_config(args: argparse.Namespace, model: str):
     transport = transport_config(args)
     return ProxyConfig(
         model=model, served_model_name=args.served_model_name, host=args.host, port=args.port,
-        inbox_port=args.inbox_port, advertise_host=args.advertise_host, api_key=_api_key(args),
+        inbox_port=args.inbox_port, advertise_host=args.advertise_host, api_key=api_key(args),
         encoders=_peer_targets(args, "encoder"), prefills=_peer_targets(args, "prefill"),
         decodes=_peer_targets(args, "decode"), unified=_peer_targets(args, "unified"), poll_interval=args.poll_interval,
         lifecycle=LifecycleConfig(local_prefill_threshold=args.local_prefill_threshold,
@@ -243,7 +244,7 @@ def stack_config(args: argparse.Namespace, model: str):
             raise SystemExit(f"epdserve: error: {exc}") from None
     encoders = args.encoders if args.encoders is not None else int(is_multimodal(model))
     return StackConfig(model, args.host, args.port, encoders, args.prefills, args.decodes, args.unified,
-                       _api_key(args), args.threads, args.log_level, tuple(extra), args.drain_timeout,
+                       api_key(args), args.threads, args.log_level, tuple(extra), args.drain_timeout,
                        args.routing_policy, args.kv_transport, args.ucx_net_devices, args.otlp_traces_endpoint,
                        args.request_trace)
 

@@ -62,8 +62,8 @@ def test_healthchecks_hit_the_port_each_process_serves(compose_config, epdserve_
         test = service["healthcheck"]["test"]
         assert test[:2] == ["CMD", "epdserve-healthcheck"], name
         serves = args.port if args.role == "proxy" else args.http_port
-        assert int(test[2]) == serves, f"{name}: health check on {test[2]}, /health on {serves}"
-        if args.role != "proxy":  # /health answers only once the model is loaded
+        assert int(test[2]) == serves, f"{name}: health check on {test[2]}, /ready on {serves}"
+        if args.role != "proxy":  # /ready answers only once the model is loaded
             assert service["healthcheck"]["start_period"] == "10m0s", name
 
 

@@ -67,18 +67,23 @@ class LocalProject:
         assert test[:2] == ["CMD", "epdserve-healthcheck"], test
         return [sys.executable, str(HEALTHCHECK), *(str(self.ports[(name, int(a))]) for a in test[2:])]
 
+    def environment(self, name: str) -> dict[str, str]:
+        """A service's environment: its process's, and its health check's (Docker runs it in the container)."""
+        return {**os.environ, **self.services[name].get("environment", {}), "PYTHONSAFEPATH": "1",
+                "PYTHONUNBUFFERED": "1"}
+
     def start(self, name: str) -> None:
-        env = {**os.environ, **self.services[name].get("environment", {}), "PYTHONSAFEPATH": "1",
-               "PYTHONUNBUFFERED": "1"}
         log = (self.log_dir / f"{name}.log").open("ab")
-        self.procs[name] = subprocess.Popen(self.argv(name), env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = subprocess.Popen(self.argv(name), env=self.environment(name), stdout=log,
+                                            stderr=subprocess.STDOUT)
 
     def wait_healthy(self, names, deadline: float) -> None:
         pending = set(names)
         while pending:
             for name in sorted(pending):
                 assert self.procs[name].poll() is None, f"{name} exited: {self.logs()}"
-                if subprocess.run(self.healthcheck(name), capture_output=True, timeout=30).returncode == 0:
+                if subprocess.run(self.healthcheck(name), env=self.environment(name), capture_output=True,
+                                  timeout=30).returncode == 0:
                     pending.discard(name)
             assert time.monotonic() < deadline, f"{sorted(pending)} not healthy in time: {self.logs()}"
             time.sleep(1)

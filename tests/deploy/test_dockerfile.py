@@ -117,19 +117,19 @@ def test_dockerignore_lets_every_copied_path_in(instructions):
 
 @pytest.mark.parametrize("argv, url", [
     (["/opt/epdserve/bin/python", "/opt/epdserve/bin/epdserve", "serve", "decode", "--host", "0.0.0.0",
-      "--port", "7000", "--http-port", "9000"], "http://127.0.0.1:9000/health"),
+      "--port", "7000", "--http-port", "9000"], "http://127.0.0.1:9000/ready"),
     (["python", "-m", "epdserve.services.cli", "--log-level", "INFO", "serve", "proxy", "--host", "10.1.2.3",
-      "--port", "8000", "--decode", "d:7000"], "http://10.1.2.3:8000/health"),
+      "--port", "8000", "--decode", "d:7000"], "http://10.1.2.3:8000/ready"),
     (["/opt/epdserve/bin/python", "/opt/epdserve/bin/epdserve", "up", "--host", "0.0.0.0", "--port", "8000"],
-     "http://127.0.0.1:8000/health"),
+     "http://127.0.0.1:8000/ready"),
 ])
 def test_healthcheck_reads_the_port_from_the_command_line(healthcheck, argv, url):
-    assert healthcheck.health_url(healthcheck.server_args(argv)) == url
+    assert healthcheck.ready_url(healthcheck.server_args(argv)) == url
 
 
 def test_healthcheck_refuses_a_random_port(healthcheck):
     with pytest.raises(SystemExit, match="random"):
-        healthcheck.health_url(["serve", "prefill", "--port", "7000"])
+        healthcheck.ready_url(["serve", "prefill", "--port", "7000"])
     assert healthcheck.server_args(["/usr/bin/tini", "--", "sleep"]) is None
 
 

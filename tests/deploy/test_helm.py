@@ -108,7 +108,7 @@ def test_probes_hit_the_ports_each_process_listens_on(render, served, values):
             get = container[probe]["httpGet"]
             assert get["port"] == "http" and listening["http"] in declared, (deployment["metadata"]["name"], probe)
             assert get["path"] in ("/health", "/ready")
-        # /health answers only once the model is loaded: the startup budget must cover loading.
+        # The startup budget covers loading a model, whatever the startup probe asks.
         startup = container["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
 

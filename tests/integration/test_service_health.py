@@ -3,6 +3,8 @@ engine loop died, DRAINING after SIGTERM; and it refuses messages its peer's rol
 service on real sockets, in this process so the test can break its engine."""
 import asyncio
 import socket
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,6 +18,8 @@ from epdserve.shared.engine.wire import sampling_params_to_wire
 from epdserve.transport.channel import ErrorReply
 from epdserve.transport.reply_server import PullChannel
 from epdserve.transport.request_client import RequestClient
+
+HEALTHCHECK = Path(__file__).parents[2] / "deploy" / "healthcheck.py"
 
 
 def free_port() -> int:
@@ -52,6 +56,14 @@ def client(service: Service, role: p.Role = p.Role.PROXY) -> RequestClient:
 async def management(service: Service, path: str) -> httpx.Response:
     async with httpx.AsyncClient() as http:
         return await http.get(f"http://127.0.0.1:{service.http_port}{path}", timeout=5)
+
+
+async def image_healthcheck(service: Service) -> int:
+    """The exit code of the image's HEALTHCHECK against `service` (in a process of its own: the service
+    answers on this event loop)."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(HEALTHCHECK), str(service.http_port),
+                                                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    return await proc.wait()
 
 
 def generate(rid: str, reply_to: str, max_tokens: int = 4) -> p.GenerateRequest:
@@ -144,11 +156,13 @@ def test_starting_until_the_model_is_loaded(default_model_path):
         answer = await management(service, "/ready")  # SmolLM2 takes seconds to load
         assert answer.status_code == 503 and answer.json()["status"] == "starting"
         assert (await management(service, "/health")).status_code == 200
+        assert await image_healthcheck(service) == 1  # the container stays `starting`
         async with client(service) as proxy:
             status = await proxy.request(p.StatusRequest(), expect=p.Status)
             assert status.health in (p.Health.STARTING, p.Health.READY)
             await ready(service, task)
             assert (await proxy.request(p.StatusRequest(), expect=p.Status)).health == p.Health.READY
+        assert await image_healthcheck(service) == 0
         service.stop.set()
         assert await asyncio.wait_for(task, 30) == 0
 
