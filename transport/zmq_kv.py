@@ -308,7 +308,7 @@ class ZmqKVClient(KVTransferClient):
         # address -> connection, reused across fetches, closed once unused for `peer_idle_seconds` (servers
         # come and go)
         self.peer_idle_seconds = peer_idle_seconds
-        self._clients: PeerPool[str, RequestClient] = PeerPool(self._open_client, self._close_client,
+        self._clients: PeerPool[str, RequestClient] = PeerPool(self._open_client, RequestClient.close,
                                                                idle_seconds=peer_idle_seconds)
         # block connections (threads on first use)
         self._stream = BlockStreamClient(engine_id, limits=limits, idle_seconds=peer_idle_seconds)
@@ -326,9 +326,6 @@ class ZmqKVClient(KVTransferClient):
         return RequestClient(address, engine_id=self.engine_id, role=self.role, timeout=self.timeout,
                              curve=self._curve, limits=self.limits, kv_layout=self.layout,
                              kv_transport=self.TRANSPORT, ucx_address=self._ucx_address(), check_ack=self._check_ack)
-
-    async def _close_client(self, client: RequestClient) -> None:
-        await client.close()
 
     def _remaining(self, deadline: float) -> float:
         return max(deadline - asyncio.get_running_loop().time(), 0.0)
