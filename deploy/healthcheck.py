@@ -35,10 +35,14 @@ def server_args(cmdline: list[str]) -> list[str] | None:
     return None
 
 
-def ready_url(args: list[str]) -> str:
+def server_options(args: list[str]) -> argparse.Namespace:
+    """`args` as the server parsed them (defaults from this process's environment: see `main`)."""
     from epdserve.services.cli import build_parser
 
-    ns = build_parser().parse_args(args)
+    return build_parser().parse_args(args)
+
+
+def ready_url(ns: argparse.Namespace) -> str:
     if ns.command == "up" or ns.role == "proxy":
         port = ns.port
     elif ns.command == "serve":
@@ -51,15 +55,10 @@ def ready_url(args: list[str]) -> str:
     return f"http://{host}:{port}/ready"
 
 
-def bearer_token(args: list[str] | None) -> str | None:
-    """The API key the server's /ready is behind (None: open), as the server read it: from its command line
-    and environment (see `main`); given only a port, from the environment."""
-    from epdserve.services.cli import api_key, build_parser
+def bearer_token(ns: argparse.Namespace) -> str | None:
+    """The API key the server's /ready is behind (None: open), as the server read it."""
+    from epdserve.services.cli import api_key
 
-    if args is None:
-        return api_key(argparse.Namespace(api_key=os.environ.get("EPDSERVE_API_KEY"),
-                                          api_key_file=os.environ.get("EPDSERVE_API_KEY_FILE")))
-    ns = build_parser().parse_args(args)
     return api_key(ns) if hasattr(ns, "api_key") else None  # only the proxy and `up` take a key
 
 
@@ -86,7 +85,8 @@ def find_server() -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) == 1 and argv[0].isdigit():
-        args, url = None, f"http://127.0.0.1:{argv[0]}/ready"
+        # Only a port: the key, if any, as a server given none on its command line reads it.
+        ns, url = server_options(["up"]), f"http://127.0.0.1:{argv[0]}/ready"
     else:
         if argv[:1] == ["--pid"] and len(argv) == 2:
             pid = argv[1]
@@ -102,8 +102,9 @@ def main(argv: list[str]) -> int:
             os.environ.update(read_environ(pid))
         except OSError:
             pass  # another user's process: this environment's
-        url = ready_url(args)
-    key = bearer_token(args)
+        ns = server_options(args)
+        url = ready_url(ns)
+    key = bearer_token(ns)
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:

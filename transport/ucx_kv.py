@@ -132,15 +132,19 @@ class _Endpoints:
             try:
                 endpoint = await asyncio.shield(making)  # others may be waiting for it too
             except BaseException:
-                self._pool.release(ucx_address, making)
-                if making.done():  # it failed (not we were cancelled): the next acquire makes a new one
-                    self._pool.discard(ucx_address, making)
+                self._let_go(ucx_address, making)
                 raise
             if not endpoint.closed:
                 return endpoint
-            self._pool.release(ucx_address, making)
-            self._pool.discard(ucx_address, making)
+            self._let_go(ucx_address, making)
         raise TransferError("a new UCX endpoint closed at once")
+
+    def _let_go(self, ucx_address: bytes, making: asyncio.Task) -> None:
+        """Release `making`, and drop it if it failed or made an endpoint that closed (not if we were
+        cancelled while it ran): the next `acquire` makes a new one."""
+        self._pool.release(ucx_address, making)
+        if making.done():
+            self._pool.discard(ucx_address, making)
 
     def release(self, ucx_address: bytes, endpoint: Any) -> None:
         making = self._pool.get(ucx_address)

@@ -124,12 +124,12 @@ def test_dockerignore_lets_every_copied_path_in(instructions):
      "http://127.0.0.1:8000/ready"),
 ])
 def test_healthcheck_reads_the_port_from_the_command_line(healthcheck, argv, url):
-    assert healthcheck.ready_url(healthcheck.server_args(argv)) == url
+    assert healthcheck.ready_url(healthcheck.server_options(healthcheck.server_args(argv))) == url
 
 
 def test_healthcheck_refuses_a_random_port(healthcheck):
     with pytest.raises(SystemExit, match="random"):
-        healthcheck.ready_url(["serve", "prefill", "--port", "7000"])
+        healthcheck.ready_url(healthcheck.server_options(["serve", "prefill", "--port", "7000"]))
     assert healthcheck.server_args(["/usr/bin/tini", "--", "sleep"]) is None
 
 
