@@ -14,6 +14,8 @@ import json
 import uuid
 from typing import Any, NamedTuple
 
+from epdserve.services.proxy.openai_protocol import first_unencodable
+
 URLS = ("/v1/chat/completions", "/v1/completions")
 
 
@@ -34,11 +36,19 @@ class BadLine(Exception):
 def parse_line(text: str, model: str | None = None) -> BatchLine:
     """The request of one input line; `model` fills in a body without one. Raises BadLine."""
     try:
-        item = json.loads(text)
+        item = json.loads(text)  # NaN in a body goes through: the API refuses it for its field
     except json.JSONDecodeError as exc:
         raise BadLine(None, f"the line is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadLine(None, "the line is not valid JSON: it nests deeper than this reader follows") from None
     if not isinstance(item, dict):
         raise BadLine(None, "the line is not a JSON object")
+    unencodable = first_unencodable(item)
+    if unencodable is not None:
+        custom_id = item.get("custom_id") if unencodable[:1] != ("custom_id",) else None
+        raise BadLine(custom_id if isinstance(custom_id, str) else None,
+                      f"{'.'.join(map(str, unencodable)) or 'the line'}: text must be valid UTF-8 "
+                      "(found an unpaired surrogate)")
     custom_id = item.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise BadLine(None, "custom_id must be a non-empty string")

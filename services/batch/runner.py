@@ -32,6 +32,9 @@ class BatchRunner:
         async def one(text: str) -> dict:
             try:
                 return await self._process(text)
+            except Exception as exc:  # whatever one line does, the others are written
+                return error_line(None, f"the line could not be processed: {type(exc).__name__}: {exc}",
+                                  "internal_error")
             finally:
                 slots.release()
                 self.on_done()
@@ -60,6 +63,8 @@ class BatchRunner:
         line_id = new_id()
         try:
             response = await self.client.post(line.url, json=line.body, headers={REQUEST_ID_HEADER: line_id})
+        except ValueError as exc:  # NaN or Infinity in the body: not JSON, so it cannot be sent
+            return error_line(line.custom_id, f"the body cannot be sent as JSON: {exc}", "invalid_request", line_id)
         except httpx.HTTPError as exc:
             return error_line(line.custom_id, f"the request failed: {type(exc).__name__}: {exc}", "request_failed",
                               line_id)

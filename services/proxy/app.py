@@ -57,16 +57,22 @@ def error_response(message: str, error_type: str, status: int, param: str | None
 
 
 class _RequireApiKey:
-    """Every route but /health needs `Authorization: Bearer <key>`. Plain ASGI: the receive wrapper of an
-    @app.middleware("http") hides a client's disconnect from request.is_disconnected()."""
+    """Every route but /health needs `Authorization: Bearer <key>`, the scheme in any case (RFC 7235), in
+    exactly one header: with two, a check of the first and a use of the second could disagree. Plain ASGI:
+    the receive wrapper of an @app.middleware("http") hides a client's disconnect from
+    request.is_disconnected()."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = Headers(scope=scope).get("Authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected):
+            given = Headers(scope=scope).getlist("authorization")
+            if len(given) > 1:
+                response = error_response("send one Authorization header, not several", "BadRequestError", 400)
+                return await response(scope, receive, send)
+            scheme, _, key = (given[0] if given else "").strip().partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.expected):
                 response = error_response("Invalid or missing API key.", "AuthenticationError", 401)
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)

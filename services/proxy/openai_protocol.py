@@ -19,7 +19,7 @@ from epdserve.shared.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_
 from epdserve.services.proxy.output_constraints import ConstraintFields, ToolCallItem, ToolFields
 
 
-def _first_unencodable(body: Any) -> tuple | None:
+def first_unencodable(body: Any) -> tuple | None:
     """The path of a string (or object key) that is not valid UTF-8, such as a lone surrogate from a JSON
     "\\ud800" escape: nothing downstream (tokenizer, wire codec, JSON response) can encode it. A loop, not
     recursion: JSON nests deeper than Python's stack."""
@@ -54,7 +54,7 @@ class _Request(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_utf8(cls, data: Any) -> Any:
-        path = _first_unencodable(data)
+        path = first_unencodable(data)
         if path is not None:
             error = PydanticCustomError("unicode", "text must be valid UTF-8 (found an unpaired surrogate)")
             raise ValidationError.from_exception_data(cls.__name__, [InitErrorDetails(type=error, loc=path,

@@ -20,6 +20,13 @@ BAD_LINES = {
          "body must be a JSON object"),
     55: (json.dumps({"custom_id": "streamed", "method": "POST", "url": "/v1/completions",
                      "body": {"model": "demo", "prompt": "x", "stream": True}}), "streamed", "stream is not supported"),
+    # Lines that once ended the whole run: NaN (not JSON: it cannot be sent), a lone surrogate (no text
+    # encoding has it), nesting deeper than Python's stack.
+    83: ('{"custom_id": "nan", "method": "POST", "url": "/v1/completions", '
+         '"body": {"model": "demo", "prompt": "x", "temperature": NaN}}', "nan", "cannot be sent as JSON"),
+    91: ('{"custom_id": "surrogate", "method": "POST", "url": "/v1/completions", '
+         '"body": {"model": "demo", "prompt": "\\ud800"}}', "surrogate", "valid UTF-8"),
+    95: ("[" * 100_000, None, "nests deeper"),
 }
 API_ERRORS = {  # lines the API itself refuses: (status, param)
     63: ({"model": "demo", "prompt": "x", "temperature": 5}, 400, "temperature"),

@@ -114,3 +114,18 @@ def test_openapi_schema_documents_400_and_needs_the_key(server):
     components = schema["components"]["schemas"]
     assert "HTTPValidationError" not in components
     assert set(components["ErrorInfo"]["properties"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("values, status", [
+    (["Bearer secret"], 200), (["bearer secret"], 200), (["BEARER secret"], 200), (["Bearer  secret"], 200),
+    (["Basic secret"], 401), (["Bearer wrong"], 401), ([], 401),
+    # Two headers are refused whichever comes first: a check of one and a use of the other could disagree.
+    (["Bearer secret", "Bearer wrong"], 400), (["Bearer wrong", "Bearer secret"], 400),
+], ids=["canonical", "lowercase-scheme", "uppercase-scheme", "extra-spaces", "other-scheme", "wrong-key",
+        "no-header", "good-then-bad", "bad-then-good"])
+def test_the_api_key_scheme_is_case_insensitive_and_one_header_only(server, values, status):
+    url, _ = server
+    r = httpx.get(url + "/v1/models", headers=httpx.Headers([("Authorization", v) for v in values]))
+    assert r.status_code == status, r.text
+    if status != 200:
+        assert r.json()["error"]["code"] == status

@@ -23,6 +23,9 @@ def test_a_good_line_gets_the_default_model_only_when_its_body_has_none():
     (line(method="GET"), "a", "method must be POST"), (line(url="/v1/embeddings"), "a", "url must be one of"),
     (line(body=[1]), "a", "body must be a JSON object"),
     (line(body={"prompt": "x", "stream": True}), "a", "stream is not supported"),
+    (line(body={"prompt": "\ud800"}), "a", "body.prompt: text must be valid UTF-8"),
+    (line(custom_id="\ud800"), None, "custom_id: text must be valid UTF-8"),
+    ("[" * 100_000, None, "nests deeper"),
 ])
 def test_a_bad_line_names_its_fault_and_its_custom_id_when_readable(text, custom_id, message):
     with pytest.raises(BadLine, match=message) as err:
