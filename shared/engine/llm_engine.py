@@ -13,7 +13,7 @@ from epdserve.shared.engine.output_processor import OutputProcessor
 from epdserve.shared.engine.parallel_sampling import group_members, make_group, ungroup
 from epdserve.shared.engine.outputs import RequestOutput
 from epdserve.shared.engine.kv_events import KVEventBatch
-from epdserve.shared.engine.request import MultiModalPlaceholder, Request, RequestStatus
+from epdserve.shared.engine.request import MultiModalPlaceholder, Request, RequestStatus, dense_logit_bias
 from epdserve.shared.engine.sampler import draw_seeded_noise
 from epdserve.shared.engine.sampling_params import SamplingParams
 from epdserve.shared.engine.scheduler import RemoteKVReservation, Scheduler
@@ -78,10 +78,11 @@ class LLMEngine:
         params = replace(params, eos_token_ids=self.model_config.eos_token_ids)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
+        bias = dense_logit_bias(params.logit_bias, self.model_config.vocab_size)
         # n > 1: the first of n sequences, the others waiting to fork from it (parallel_sampling.py).
         return make_group(request_id, params, lambda rid, p: Request(
             rid, token_ids, p, self.model_config.max_model_len, arrival_time, cache_salt, tuple(mm_placeholders),
-            text, mm_embeddings, hold_kv, self._grammar(p)))
+            text, mm_embeddings, hold_kv, self._grammar(p), bias))
 
     def _grammar(self, params: SamplingParams):
         """A fresh matcher for a constrained request (compiled grammars are cached); raises ValueError."""

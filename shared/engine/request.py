@@ -37,6 +37,16 @@ _FINISH_REASONS = {
 }
 
 
+def dense_logit_bias(bias: dict[int, float] | None, vocab_size: int) -> torch.Tensor | None:
+    """A request's logit_bias as one [vocab_size] float32 row, made once per request (its n sequences share
+    it): the sampler adds it to a row in one vector add, never iterating over its entries."""
+    if not bias:
+        return None
+    row = torch.zeros(vocab_size, dtype=torch.float32)
+    row[torch.tensor(list(bias.keys()), dtype=torch.long)] = torch.tensor(list(bias.values()), dtype=torch.float32)
+    return row
+
+
 @dataclass(frozen=True, slots=True)
 class MultiModalPlaceholder:
     """`length` prompt positions from `offset` on are filled by the embeddings of item `mm_hash`."""
@@ -67,6 +77,7 @@ class Request:
         mm_embeddings: dict[str, torch.Tensor] | None = None,
         hold_kv: bool = False,
         grammar: GrammarState | None = None,
+        logit_bias: torch.Tensor | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -115,6 +126,8 @@ class Request:
         self.first_scheduled_time: float | None = None
         # The structured-output matcher, fed every output token (see `structured_output`).
         self.grammar = grammar
+        self.logit_bias = logit_bias  # [vocab_size] float32 (dense_logit_bias), or None
+        assert (logit_bias is None) == (not sampling_params.logit_bias), "logit_bias needs its dense row"
 
     @property
     def num_tokens(self) -> int:

@@ -120,7 +120,7 @@ class Sampler:
         for requests short of min_tokens, the repetition, frequency and presence penalties applied, and
         last the tokens each constrained request's grammar forbids masked."""
         vocab = logits.shape[-1]
-        bias_rows = [i for i, r in enumerate(requests) if r.sampling_params.logit_bias]
+        bias_rows = [i for i, r in enumerate(requests) if r.logit_bias is not None]
         grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         # Ids outside the vocabulary cannot be sampled anyway; skipping them keeps a bad id from failing the batch.
         stops = [(i, t) for i, r in enumerate(requests)
@@ -134,12 +134,13 @@ class Sampler:
         raw = logits
         logits = self._buffer("logits", logits.shape).copy_(logits)
         if bias_rows:
-            # Ids outside the vocabulary are refused at the edge; skipping them here keeps the batch alive.
-            pairs = [(i, t, b) for i in bias_rows for t, b in requests[i].sampling_params.logit_bias.items() if t < vocab]
-            if pairs:
-                rows, cols, values = zip(*pairs)
-                logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(values, dtype=logits.dtype),
-                                  accumulate=True)
+            # Rows sharing one bias (a request's n sequences) get it in one add, whatever its size.
+            by_bias: dict[int, tuple[torch.Tensor, list[int]]] = {}
+            for i in bias_rows:
+                bias = requests[i].logit_bias
+                by_bias.setdefault(id(bias), (bias, []))[1].append(i)
+            for bias, rows in by_bias.values():
+                logits.index_add_(0, torch.tensor(rows), bias.expand(len(rows), -1))
         if stops:
             rows, cols = torch.tensor(stops, dtype=torch.long).unbind(1)
             logits[rows, cols] = float("-inf")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from epdserve.shared.engine.request import Request, RequestStatus
+from epdserve.shared.engine.request import Request, RequestStatus, dense_logit_bias
 from epdserve.shared.engine.sampler import Sampler
 from epdserve.shared.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from epdserve.shared.engine.structured_output import GrammarCompiler, apply_bitmask
@@ -31,7 +31,8 @@ def vocab(tokenizer):
 
 def request(compiler, so: StructuredOutputsParams | None, **params) -> Request:
     params = SamplingParams(structured_outputs=so, eos_token_ids=(EOS,), **params)
-    return Request("r", [1, 2, 3], params, max_model_len=1000, grammar=compiler.new_state(so) if so else None)
+    return Request("r", [1, 2, 3], params, max_model_len=1000, grammar=compiler.new_state(so) if so else None,
+                   logit_bias=dense_logit_bias(params.logit_bias, compiler.vocab_size))
 
 
 def allowed(compiler, state, vocab) -> set[int]:
@@ -195,3 +196,18 @@ def test_choice_specs_are_json_lists_and_kinds_are_checked():
         StructuredOutputsParams("xml", "x")
     with pytest.raises(ValueError, match="non-empty spec"):
         StructuredOutputsParams("regex", "")
+
+
+def test_a_vocabulary_wide_bias_shared_by_many_sequences_is_added_to_each_row(compiler):
+    """n sequences share one dense bias row; the sampler adds it to every row of theirs at once."""
+    vocab = compiler.vocab_size
+    bias = {t: -100.0 for t in range(0, vocab - 7)}  # every token but the last 7 banned
+    shared = dense_logit_bias(bias, vocab)
+    params = SamplingParams(temperature=0.0, logit_bias=bias, eos_token_ids=(EOS,))
+    biased = [Request(f"r{i}", [1, 2, 3], params, max_model_len=1000, logit_bias=shared) for i in range(128)]
+    free = request(compiler, None, temperature=0.0)
+    logits = torch.randn(129, vocab, generator=torch.Generator().manual_seed(0))
+    out = Sampler()(logits, [*biased[:64], free, *biased[64:]])
+    expected = (logits[:, vocab - 7:].argmax(-1) + vocab - 7).tolist()
+    assert out.token_ids[:64] == expected[:64] and out.token_ids[65:] == expected[65:]
+    assert out.token_ids[64] == int(logits[64].argmax())
