@@ -126,7 +126,7 @@ def engine_config(args: argparse.Namespace, model: str):
         kv_cache_memory_bytes=int(args.kv_cache_memory * (1 << 30)) if args.kv_cache_memory else None,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_model_len=args.max_model_len, attention_backend=args.attention_backend, device=args.device,
-        seed=args.seed)
+        seed=args.seed, grammar_compile_timeout=args.grammar_compile_timeout)
 
 
 def api_key(args: argparse.Namespace) -> str | None:

@@ -56,6 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: triton on CUDA, the C++ cpu kernel on CPU (torch if it cannot be built)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds a request's structured output (JSON schema, regex, grammar) may take to compile "
+                        "before the request is refused with a 400; compiles run off the service's event loop")
     g.add_argument("--threads", type=int, help="compute threads of the engine (or encoder); the service's other "
                                                 "threads use one (default: one per core)")
 

@@ -141,7 +141,7 @@ class EngineWorker:
                     embeddings[ph.mm_hash] = await self._fetch_embeddings(ph)
                     spans.add("embeddings.fetch", started, time.monotonic(), embeddings[ph.mm_hash].nbytes)
             params = sampling_params_from_wire(m.sampling_params)
-            return self.llm.make_request(
+            return await self.llm.make_request(
                 {"prompt_token_ids": list(m.prompt_token_ids)}, params, m.request_id,
                 cache_salt=m.cache_salt, hold_kv=hold_kv, mm_embeddings=embeddings,
                 mm_placeholders=tuple(MultiModalPlaceholder(p.offset, p.length, p.mm_hash) for p in m.mm_placeholders))

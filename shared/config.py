@@ -184,6 +184,13 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     seed: int = 0
+    # Seconds a service gives a request's structured output to compile before refusing the request (the
+    # compile runs off the event loop either way; the offline LLM compiles without a limit).
+    grammar_compile_timeout: float = 10.0
+
+    def __post_init__(self):
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}")
 
 
 @dataclass(frozen=True, slots=True)

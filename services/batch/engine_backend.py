@@ -25,7 +25,7 @@ class EngineBackend:
                                   "BadRequestError")
         params = replace(gen.params, output_kind=RequestOutputKind.DELTA)
         try:
-            request = self.llm.make_request({"prompt_token_ids": list(gen.prompt_token_ids)}, params, gen.request_id,
+            request = await self.llm.make_request({"prompt_token_ids": list(gen.prompt_token_ids)}, params, gen.request_id,
                                             cache_salt=gen.cache_salt)
         except ValueError as exc:
             raise GenerationError(str(exc), 400, "BadRequestError") from None
@@ -41,5 +41,7 @@ class EngineBackend:
                             list(prompt_logprobs_to_wire(out, params.prompt_logprobs)) or None,
                             index=completion.index)
                 first = False
+        except ValueError as exc:  # the request's own doing
+            raise GenerationError(str(exc), 400, "BadRequestError") from None
         except (RequestFailedError, EngineDeadError) as exc:
             raise GenerationError(str(exc), 500) from None

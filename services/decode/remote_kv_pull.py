@@ -140,7 +140,7 @@ class RemoteKVPull:
         pulled KV would have given (penalties, limits and seeded noise included)."""
         m, llm = self.message, self.worker.llm
         self.worker.metrics.local_prefills.inc()
-        fallback = llm.make_request(
+        fallback = await llm.make_request(
             {"prompt_token_ids": list(m.prompt_token_ids)}, sampling_params_from_wire(m.sampling_params),
             m.request_id,
             cache_salt=m.cache_salt, mm_placeholders=self.request.mm_placeholders,

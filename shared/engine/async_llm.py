@@ -31,7 +31,8 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """This request failed in the engine (the engine itself goes on)."""
+    """This request failed in the engine (the engine itself goes on). A request that failed by its own
+    doing (its structured output allows no token) raises ValueError instead, as bad input does."""
 
 
 class _Stream:
@@ -87,11 +88,23 @@ class AsyncLLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def make_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                     request_id: str | None = None, **kwargs) -> Request:
-        """Validate and tokenize (raises ValueError); touches no engine state, so any thread may call it."""
+    async def make_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                           request_id: str | None = None, **kwargs) -> Request:
+        """Validate, tokenize and compile the output constraint (raises ValueError); touches no engine
+        state. The compile, which can take seconds for a large grammar, runs off the caller's event loop
+        and gets `EngineConfig.grammar_compile_timeout` seconds (then the request is refused)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return self.engine.make_request(request_id, prompt, sampling_params, **kwargs)
+        constraint = sampling_params.structured_outputs if sampling_params is not None else None
+        compiled = None
+        if constraint is not None and self.engine.grammar_compiler is not None:
+            timeout = self.engine.config.grammar_compile_timeout
+            try:
+                compiled = await asyncio.wait_for(
+                    asyncio.wrap_future(self.engine.grammar_compiler.compile_soon(constraint)), timeout)
+            except TimeoutError:
+                raise ValueError(f"the structured output took longer than {timeout:g}s to compile "
+                                 "(--grammar-compile-timeout); simplify it") from None
+        return self.engine.make_request(request_id, prompt, sampling_params, compiled_grammar=compiled, **kwargs)
 
     async def generate(self, prompt: PromptType | Request, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
@@ -101,8 +114,8 @@ class AsyncLLM:
 
         Leaving the iteration early (break, cancellation, client gone) aborts the request.
         """
-        request = prompt if isinstance(prompt, Request) else self.make_request(prompt, sampling_params,
-                                                                               request_id, **kwargs)
+        request = prompt if isinstance(prompt, Request) else await self.make_request(prompt, sampling_params,
+                                                                                     request_id, **kwargs)
         stream = self._open_stream(request.group_id)
         self._put(("add", request))
         async for out in self._drain(request.group_id, stream):
@@ -334,7 +347,7 @@ class AsyncLLM:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                item = RequestFailedError(out.error) if out.error is not None else out
+                item = out if out.error is None else (ValueError if out.bad_input else RequestFailedError)(out.error)
                 by_loop.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, items in by_loop.items():
             if not loop.is_closed():  # a caller's loop that ended has nobody left to tell

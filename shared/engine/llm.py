@@ -25,6 +25,7 @@ def build_engine_config(
     attention_backend: str = "auto",
     device: str = "cpu",
     seed: int = 0,
+    grammar_compile_timeout: float = 10.0,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig.from_pretrained(model, dtype, max_model_len),
@@ -34,6 +35,7 @@ def build_engine_config(
         device=device,
         attention_backend=attention_backend,
         seed=seed,
+        grammar_compile_timeout=grammar_compile_timeout,
     )
 
 

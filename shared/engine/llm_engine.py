@@ -13,7 +13,8 @@ from epdserve.shared.engine.output_processor import OutputProcessor
 from epdserve.shared.engine.parallel_sampling import group_members, make_group, ungroup
 from epdserve.shared.engine.outputs import RequestOutput
 from epdserve.shared.engine.kv_events import KVEventBatch
-from epdserve.shared.engine.request import MultiModalPlaceholder, Request, RequestStatus, dense_logit_bias
+from epdserve.shared.engine.request import (MultiModalPlaceholder, Request, RequestFailure, RequestStatus,
+                                            dense_logit_bias)
 from epdserve.shared.engine.sampler import draw_seeded_noise
 from epdserve.shared.engine.sampling_params import SamplingParams
 from epdserve.shared.engine.scheduler import RemoteKVReservation, Scheduler
@@ -68,8 +69,9 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                      arrival_time: float | None = None, cache_salt: str | None = None,
                      mm_placeholders: tuple[MultiModalPlaceholder, ...] = (),
-                     mm_embeddings: dict | None = None, hold_kv: bool = False) -> Request:
-        """Validate and tokenize; raises ValueError naming the problem. Changes no engine state."""
+                     mm_embeddings: dict | None = None, hold_kv: bool = False, compiled_grammar=None) -> Request:
+        """Validate and tokenize; raises ValueError naming the problem. Changes no engine state.
+        `compiled_grammar`: the params' output constraint, compiled already (else it is compiled here)."""
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
@@ -82,15 +84,15 @@ class LLMEngine:
         # n > 1: the first of n sequences, the others waiting to fork from it (parallel_sampling.py).
         return make_group(request_id, params, lambda rid, p: Request(
             rid, token_ids, p, self.model_config.max_model_len, arrival_time, cache_salt, tuple(mm_placeholders),
-            text, mm_embeddings, hold_kv, self._grammar(p), bias))
+            text, mm_embeddings, hold_kv, self._grammar(p, compiled_grammar), bias))
 
-    def _grammar(self, params: SamplingParams):
+    def _grammar(self, params: SamplingParams, compiled=None):
         """A fresh matcher for a constrained request (compiled grammars are cached); raises ValueError."""
         if params.structured_outputs is None:
             return None
         if self.grammar_compiler is None:
             raise ValueError("structured outputs need a tokenizer; this engine has none")
-        return self.grammar_compiler.new_state(params.structured_outputs)
+        return self.grammar_compiler.new_state(params.structured_outputs, compiled)
 
     def add_request(self, request_id: str, prompt: PromptType | Request, params: SamplingParams | None = None,
                     **kwargs) -> Request:
@@ -250,14 +252,14 @@ class LLMEngine:
                     outputs.append(out)
         return outputs
 
-    def _fail(self, errors: dict[str, str]) -> list[RequestOutput]:
+    def _fail(self, errors: dict[str, RequestFailure]) -> list[RequestOutput]:
         """End requests that failed on their own (their blocks return to the pool); their final outputs
         carry finish reason "error" and the cause."""
         if not errors:
             return []
         failed = self.scheduler.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
         for request in failed:
-            request.error = errors[request.request_id]
+            request.failure = errors[request.request_id]
         return [out for r in failed if (out := self.output_processor.make_output(r)) is not None]
 
     def kv_events(self, next_seq: int | None) -> KVEventBatch:

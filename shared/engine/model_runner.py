@@ -20,6 +20,7 @@ from epdserve.shared.config import EngineConfig
 from epdserve.shared.models.layers.attention import AttentionMetadata
 from epdserve.shared.models import MODEL_CLASSES
 from epdserve.shared.engine.prompt_logprobs import PromptScores, prompt_span, score_prompt_spans
+from epdserve.shared.engine.request import RequestFailure
 from epdserve.shared.engine.sampler import SampledLogprobs, Sampler
 from epdserve.shared.engine.scheduler import ScheduledRequest
 from epdserve.shared.engine.step_timer import StepTimer
@@ -33,7 +34,7 @@ class ModelRunnerOutput(NamedTuple):
     token_ids: dict[str, int]
     logprobs: dict[str, SampledLogprobs]
     # Requests that failed on their own this step (request id -> why): they get no token.
-    failed: dict[str, str]
+    failed: dict[str, RequestFailure]
     # Requests with prompt_logprobs whose prompt positions this step computed (chunk by chunk).
     prompt_logprobs: dict[str, PromptScores] = {}
 
@@ -102,7 +103,8 @@ class ModelRunner:
                 self.decode_mirror.reset()  # it may hold part of the failed step
             if len(scheduled) == 1:
                 logger.exception("request %s failed in the model", scheduled[0].request.request_id)
-                return ModelRunnerOutput({}, {}, {scheduled[0].request.request_id: f"{type(exc).__name__}: {exc}"})
+                return ModelRunnerOutput({}, {}, {scheduled[0].request.request_id:
+                                                  RequestFailure(f"{type(exc).__name__}: {exc}")})
             # Which request was it? Run each alone: recomputing a token rewrites the same KV slots with
             # the same values, so the requests that are fine end up exactly as if the step had worked.
             logger.exception("a step of %d requests failed; running them one at a time", len(scheduled))
@@ -123,24 +125,28 @@ class ModelRunner:
             return self._sample(logits, sample_requests)._replace(prompt_logprobs=prompt_logprobs)
 
     def _sample(self, logits: torch.Tensor, requests: list) -> ModelRunnerOutput:
+        failed: dict[str, RequestFailure] = {}
         try:
-            outs = [self.sampler(logits, requests)]
-            sampled, failed = requests, {}
+            outs = [(requests, self.sampler(logits, requests))]
         except Exception:
             # One request's parameters broke the batch: sample row by row so only that one fails. (A seeded
             # request whose noise the failed attempt already drew gets new noise: a failure path only.)
             logger.exception("sampling a batch of %d failed; sampling its rows one at a time", len(requests))
-            outs, sampled, failed = [], [], {}
+            outs = []
             for i, request in enumerate(requests):
                 try:
-                    outs.append(self.sampler(logits[i:i + 1], [request]))
-                    sampled.append(request)
+                    outs.append(([request], self.sampler(logits[i:i + 1], [request])))
                 except Exception as exc:
-                    failed[request.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
-        token_ids = [t for out in outs for t in out.token_ids]
-        logprobs = [lp for out in outs for lp in out.logprobs]
-        ids = {r.request_id: t for r, t in zip(sampled, token_ids)}
-        lps = {r.request_id: lp for r, lp in zip(sampled, logprobs) if lp is not None}
+                    failed[request.request_id] = RequestFailure(f"sampling failed: {type(exc).__name__}: {exc}")
+        ids, lps = {}, {}
+        for rows, out in outs:
+            for j, (request, token_id, logprobs) in enumerate(zip(rows, out.token_ids, out.logprobs)):
+                if j in out.failed:  # the request's own output constraint left it no token
+                    failed[request.request_id] = RequestFailure(out.failed[j], bad_input=True)
+                    continue
+                ids[request.request_id] = token_id
+                if logprobs is not None:
+                    lps[request.request_id] = logprobs
         return ModelRunnerOutput(ids, lps, failed)
 
     def _multimodal_embeds(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor | None:

@@ -138,8 +138,10 @@ class OutputProcessor:
             state.metrics.finished_time = time.monotonic()
             del self.states[request.request_id]
         held = list(request.block_ids) if finished and request.hold_kv and request.block_ids else None
+        failure = request.failure
         output = RequestOutput(request.group_id, request.prompt, request.prompt_token_ids, [completion],
-                               finished, max(request.num_cached_tokens, 0), state.metrics, held, request.error,
+                               finished, max(request.num_cached_tokens, 0), state.metrics, held,
+                               failure.message if failure else None, bool(failure and failure.bad_input),
                                self._take_prompt_logprobs(state, sp.output_kind))
         return output if request.group_id == request.request_id else self._group_output(request, output)
 

@@ -46,6 +46,7 @@ class RequestOutput:
     # Set on the final output of a request that keeps its KV (hold_kv): the blocks it holds, in order.
     kv_block_ids: list[int] | None = None
     error: str | None = None  # why the request failed (finish reason "error")
+    bad_input: bool = False  # ... and whether that was the request's own doing (see RequestFailure)
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (as in vLLM).
     # DELTA outputs carry it once, on the first output that has it.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

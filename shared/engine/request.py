@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +46,15 @@ def dense_logit_bias(bias: dict[int, float] | None, vocab_size: int) -> torch.Te
     row = torch.zeros(vocab_size, dtype=torch.float32)
     row[torch.tensor(list(bias.keys()), dtype=torch.long)] = torch.tensor(list(bias.values()), dtype=torch.float32)
     return row
+
+
+class RequestFailure(NamedTuple):
+    """Why one request failed on its own; the engine goes on with the others."""
+
+    message: str
+    # The request's own doing (HTTP 400): its structured output admits no token here, a token a peer
+    # sampled does not fit it. Otherwise an internal error (its step or its sampling raised).
+    bad_input: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +101,7 @@ class Request:
         self.mm_embeddings = mm_embeddings or {}
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.error: str | None = None  # why it ended FINISHED_ERROR
+        self.failure: RequestFailure | None = None  # why it ended FINISHED_ERROR
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -170,7 +180,8 @@ class Request:
         if self.grammar.rejected_token is not None:
             # Only a token sampled without the bitmask (a peer's first token) can get here.
             self.status = RequestStatus.FINISHED_ERROR
-            self.error = f"token {self.grammar.rejected_token} does not fit the request's structured output"
+            self.failure = RequestFailure(
+                f"token {self.grammar.rejected_token} does not fit the request's structured output", bad_input=True)
             return True
         if self.grammar.is_terminated:
             self.status = RequestStatus.FINISHED_STOPPED

@@ -49,6 +49,8 @@ class SampledLogprobs(NamedTuple):
 class SamplerOutput(NamedTuple):
     token_ids: list[int]
     logprobs: list[SampledLogprobs | None]
+    # Rows whose structured output allows no token at all here (row -> why): their tokens mean nothing.
+    failed: dict[int, str] = {}
 
 
 def draw_seeded_noise(generator: torch.Generator, vocab_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,7 +80,7 @@ class Sampler:
         """Sample one token per row. logits: [num_requests, vocab_size] float32, row i is requests[i]'s;
         left unchanged."""
         raw = logits = logits.float()
-        logits = self._apply_logits_processors(logits, requests)
+        logits, failed = self._apply_logits_processors(logits, requests)
         greedy = [r.sampling_params.is_greedy for r in requests]
         greedy_rows = [i for i, g in enumerate(greedy) if g]
         random_rows = [i for i, g in enumerate(greedy) if not g]
@@ -105,7 +107,7 @@ class Sampler:
                 n = requests[i].sampling_params.logprobs
                 top = list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist()))
                 logprobs[i] = SampledLogprobs(float(chosen[j]), int(ranks[j]), top)
-        return SamplerOutput(ids, logprobs)
+        return SamplerOutput(ids, logprobs, failed)
 
     def _buffer(self, name: str, shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Scratch tensor `name` of this shape, contents undefined; valid until the next request for `name`."""
@@ -115,10 +117,12 @@ class Sampler:
             flat = self._scratch[name] = torch.empty(size, dtype=dtype)
         return flat[:size].view(shape)
 
-    def _apply_logits_processors(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """logits itself when nothing applies, else a scratch copy with logit_bias added, stop tokens masked
+    def _apply_logits_processors(self, logits: torch.Tensor,
+                                 requests: list[Request]) -> tuple[torch.Tensor, dict[int, str]]:
+        """(logits itself when nothing applies, else a scratch copy with logit_bias added, stop tokens masked
         for requests short of min_tokens, the repetition, frequency and presence penalties applied, and
-        last the tokens each constrained request's grammar forbids masked."""
+        last the tokens each constrained request's grammar forbids masked; the rows whose grammar allows
+        no token at all, and why)."""
         vocab = logits.shape[-1]
         bias_rows = [i for i, r in enumerate(requests) if r.logit_bias is not None]
         grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None]
@@ -130,7 +134,7 @@ class Sampler:
         count_rows = [i for i, r in enumerate(requests)
                       if r.sampling_params.frequency_penalty or r.sampling_params.presence_penalty]
         if not stops and not rep_rows and not count_rows and not bias_rows and not grammar_rows:
-            return logits
+            return logits, {}
         raw = logits
         logits = self._buffer("logits", logits.shape).copy_(logits)
         if bias_rows:
@@ -161,8 +165,10 @@ class Sampler:
             apply_bitmask(logits, [requests[i].grammar for i in grammar_rows], grammar_rows, bitmask)
             if stops:
                 self._let_grammars_end(logits, raw, requests, grammar_rows, bitmask)
+            failed = _dead_ends(logits, grammar_rows)
             self.grammar_seconds += time.perf_counter() - start
-        return logits
+            return logits, failed
+        return logits, {}
 
     @staticmethod
     def _let_grammars_end(logits: torch.Tensor, raw: torch.Tensor, requests: list[Request], grammar_rows: list[int],
@@ -238,6 +244,17 @@ class Sampler:
             active, weights = active[rejected], above[rejected]
             token_ids[active] = _inverse_cdf(weights, redraw(active.tolist()))
         return token_ids
+
+
+def _dead_ends(logits: torch.Tensor, grammar_rows: list[int]) -> dict[int, str]:
+    """Rows of `grammar_rows` whose grammar allows no token of this vocabulary (every logit -inf), and why;
+    such a row is given uniform logits, so that sampling it stays well defined (its token is dropped)."""
+    rows = torch.tensor(grammar_rows)
+    dead = rows[torch.isneginf(logits[rows]).all(dim=1)].tolist()
+    for i in dead:
+        logits[i] = 0.0
+    return {i: "no token of this model's vocabulary can continue the request's structured output here"
+            for i in dead}
 
 
 def _finite(penalised: torch.Tensor, before: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ a JSON schema against a 50k vocabulary takes tens of milliseconds, matching one 
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 import time
@@ -73,15 +74,26 @@ class GrammarCompiler:
         self._compiler: "xgrammar.GrammarCompiler | None" = None
         self._cache: OrderedDict[tuple[str, str], "xgrammar.CompiledGrammar"] = OrderedDict()
         self._lock = threading.Lock()
+        # Where compile_soon compiles: two at a time, so one slow grammar does not hold up every other.
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="epdserve-grammar")
         self.num_hits = 0
         self.num_compiled = 0
         self.accept_seconds = 0.0  # matchers taking tokens, summed (the bitmask's time is the sampler's)
 
-    def new_state(self, params: StructuredOutputsParams) -> GrammarState:
-        """A fresh matcher for `params` (raises ValueError when the constraint does not compile)."""
+    def new_state(self, params: StructuredOutputsParams,
+                  compiled: "xgrammar.CompiledGrammar | None" = None) -> GrammarState:
+        """A fresh matcher for `params`, compiled here unless `compiled` is given (raises ValueError when the
+        constraint does not compile)."""
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(self.compile(params), override_stop_tokens=self.stop_token_ids), self)
+        grammar = compiled if compiled is not None else self.compile(params)
+        return GrammarState(xgr.GrammarMatcher(grammar, override_stop_tokens=self.stop_token_ids), self)
+
+    def compile_soon(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+        """`compile(params)` on this compiler's own threads: the caller's thread (an event loop) goes on.
+        xgrammar releases the GIL while it compiles. A compile its caller stopped waiting for still ends
+        (there is no stopping it), and its grammar is cached."""
+        return self._pool.submit(self.compile, params)
 
     def compile(self, params: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
         key = (params.kind, params.spec)
@@ -97,6 +109,9 @@ class GrammarCompiler:
             grammar = _compile(compiler, params)
         except Exception as exc:  # xgrammar's errors are RuntimeErrors, but any failure is this request's alone
             raise ValueError(f"invalid {_FIELD_NAMES[params.kind]}: {_first_line(exc)}") from None
+        if not self._can_start(grammar):
+            raise ValueError(f"invalid {_FIELD_NAMES[params.kind]}: no token of this model's vocabulary can "
+                             "begin an output it allows")
         with self._lock:
             self.num_compiled += 1
             self._cache[key] = grammar
@@ -107,6 +122,14 @@ class GrammarCompiler:
 
     def __len__(self) -> int:
         return len(self._cache)
+
+    def _can_start(self, grammar: "xgrammar.CompiledGrammar") -> bool:
+        """Whether the grammar's first step allows any token (a request it does not is refused up front)."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(grammar, override_stop_tokens=self.stop_token_ids).fill_next_token_bitmask(bitmask)
+        return bool(bitmask.any())
 
     def _xgrammar_compiler(self) -> "xgrammar.GrammarCompiler":
         if self._compiler is None:

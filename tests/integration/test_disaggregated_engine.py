@@ -53,7 +53,7 @@ def test_prefill_then_decode_equals_unified(tiny_model_paths, decode_has_prefix,
             fetched.append((reservation.num_local_tokens, len(src)))
             decode.engine.runner.kv_cache[:, :, reservation.block_ids] = prefill_engine.runner.kv_cache[:, :, src]
 
-        request = decode.make_request({"prompt_token_ids": prompt},
+        request = await decode.make_request({"prompt_token_ids": prompt},
                                       replace(params, output_kind=RequestOutputKind.DELTA), rid)
         tokens = [first]
         async for out in decode.generate_prefilled(request, first, fill_kv):
@@ -96,7 +96,7 @@ def test_recomputed_continuation_equals_unified(tiny_model_paths, params):
     async def run_one(i, prompt):
         first, _ = prefill(prefill_engine, f"r{i}", prompt, params)
         assert prefill_engine.release_kv(f"r{i}")
-        request = decode.make_request({"prompt_token_ids": prompt},
+        request = await decode.make_request({"prompt_token_ids": prompt},
                                       replace(params, output_kind=RequestOutputKind.DELTA), f"r{i}")
         tokens = [first]
         async for out in decode.generate_recomputed(request, first):
@@ -124,7 +124,7 @@ def test_abort_while_kv_in_flight_frees_reserved_blocks(tiny_model_paths):
         raise ConnectionError("peer went away")
 
     async def main():
-        request = decode.make_request({"prompt_token_ids": list(range(100, 150))}, SamplingParams(max_tokens=4), "x")
+        request = await decode.make_request({"prompt_token_ids": list(range(100, 150))}, SamplingParams(max_tokens=4), "x")
         with pytest.raises(ConnectionError):
             async for _ in decode.generate_prefilled(request, 7, failing_fill):
                 pass
@@ -150,7 +150,7 @@ def test_first_token_that_stops_ends_the_request_at_once(tiny_model_paths):
         pass
 
     async def main():
-        request = decode.make_request({"prompt_token_ids": [300, 301, 302]},
+        request = await decode.make_request({"prompt_token_ids": [300, 301, 302]},
                                       SamplingParams(max_tokens=8, stop_token_ids=[9]), "s")
         return [out async for out in decode.generate_prefilled(request, 9, fill)]
 
@@ -170,7 +170,7 @@ def hogged_decode(path):
     decode.engine.reserve_remote_kv = lambda request: attempts.append(request.request_id) or reserve(request)
 
     async def hog():
-        request = decode.make_request({"prompt_token_ids": list(range(100, 200))}, SamplingParams(max_tokens=1),
+        request = await decode.make_request({"prompt_token_ids": list(range(100, 200))}, SamplingParams(max_tokens=1),
                                       "hog", hold_kv=True)
         async for _ in decode.generate(request):
             pass
@@ -190,7 +190,7 @@ def test_a_reservation_waits_for_room_and_takes_it_when_blocks_free(tiny_model_p
 
     async def main():
         await hog()
-        request = decode.make_request({"prompt_token_ids": list(range(300, 340))}, SamplingParams(max_tokens=3), "b")
+        request = await decode.make_request({"prompt_token_ids": list(range(300, 340))}, SamplingParams(max_tokens=3), "b")
         task = asyncio.create_task(collect(decode.generate_prefilled(request, 7, fill, wait_timeout=30)))
         await asyncio.sleep(0.5)
         assert not filled.is_set() and attempts == ["b"]
@@ -218,7 +218,7 @@ def test_a_reservation_that_times_out_takes_no_blocks_later(tiny_model_paths):
 
     async def main():
         await hog()
-        request = decode.make_request({"prompt_token_ids": list(range(300, 340))}, SamplingParams(max_tokens=3), "b")
+        request = await decode.make_request({"prompt_token_ids": list(range(300, 340))}, SamplingParams(max_tokens=3), "b")
         with pytest.raises(TimeoutError, match="no KV blocks free"):
             async for _ in decode.generate_prefilled(request, 7, fill, wait_timeout=0.3):
                 pass

@@ -91,9 +91,9 @@ def test_async_failures_reach_their_stream_only(tiny_model_paths):
         return [out async for out in llm.generate(request)]
 
     async def main():
-        poison = llm.make_request("Hello", SamplingParams(temperature=1.0, max_tokens=4), "poison")
+        poison = await llm.make_request("Hello", SamplingParams(temperature=1.0, max_tokens=4), "poison")
         poison.sampling_params.top_p = "wide"
-        good = llm.make_request("Hello", SamplingParams(**GREEDY), "good")
+        good = await llm.make_request("Hello", SamplingParams(**GREEDY), "good")
         bad, ok = await asyncio.gather(collect(poison), collect(good), return_exceptions=True)
         assert isinstance(bad, RequestFailedError) and "sampling failed" in str(bad)
         assert ok[-1].finished and len(ok[-1].outputs[0].token_ids) == 8

@@ -169,7 +169,7 @@ def test_disaggregated_group_equals_one_engine(llm, default_model_path, pulled):
             decode.engine.runner.kv_cache[:, :, reservation.block_ids] = prefill.runner.kv_cache[:, :, src]
 
         async def main():
-            group = decode.make_request(PROMPT, replace(params, output_kind=RequestOutputKind.DELTA), "g")
+            group = await decode.make_request(PROMPT, replace(params, output_kind=RequestOutputKind.DELTA), "g")
             tokens = {i: [t] for i, t in enumerate(first_tokens)}
             outputs = decode.generate_prefilled(group, first_tokens, fill_kv) if pulled else \
                 decode.generate_recomputed(group, first_tokens)

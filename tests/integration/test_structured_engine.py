@@ -2,6 +2,7 @@
 prefill -> decode handoff (KV pulled or recomputed), and a bad constraint failing only its own request."""
 import asyncio
 import json
+import time
 from dataclasses import replace
 
 import jsonschema
@@ -85,7 +86,7 @@ def test_prefill_samples_the_first_token_and_decode_the_rest(default_model_path,
 
     async def run():
         first, held = _prefill(prefill, "r", prompt, params)
-        request = decode.make_request({"prompt_token_ids": prompt},
+        request = await decode.make_request({"prompt_token_ids": prompt},
                                       replace(params, output_kind=RequestOutputKind.DELTA), "r")
         tokens = [first]
         if pull:
@@ -118,3 +119,63 @@ def test_a_constraint_that_does_not_compile_fails_alone(llm):
     out = llm.generate({"prompt_token_ids": chat_ids(engine, "Yes or no?")}, SamplingParams(
         temperature=0.0, max_tokens=5, structured_outputs=StructuredOutputsParams.choices(["yes", "no"])))
     assert out[0].outputs[0].text in ("yes", "no")
+
+
+def huge_schema(num_properties: int) -> dict:
+    names = [f"field_{i:05d}" for i in range(num_properties)]
+    return {"type": "object", "properties": {n: {"type": "string"} for n in names}, "required": names}
+
+
+def test_a_slow_compile_is_refused_while_the_engine_loop_goes_on(default_model_path):
+    """The compile runs off the event loop, which keeps ticking; past the time bound the request is
+    refused (bad input), and the grammar, compiled anyway, is cached for the next such request."""
+    config = replace(build_engine_config(default_model_path, num_kv_blocks=32), grammar_compile_timeout=0.05)
+    llm = AsyncLLM(LLMEngine(config))
+    so = StructuredOutputsParams.json_schema(huge_schema(3000))
+
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        with pytest.raises(ValueError, match="took longer than 0.05s to compile"):
+            await llm.make_request([1, 2, 3], SamplingParams(structured_outputs=so), "slow")
+        ticker.cancel()
+        return ticks
+
+    try:
+        assert asyncio.run(main()) >= 3  # the loop ran while the compile did
+        compiler = llm.engine.grammar_compiler
+        deadline = time.monotonic() + 60
+        while compiler.num_compiled == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert compiler.num_compiled == 1 and len(compiler) == 1
+    finally:
+        llm.shutdown()
+
+
+def test_a_request_whose_grammar_dead_ends_fails_as_bad_input_and_the_others_go_on(default_model_path):
+    llm = AsyncLLM(LLMEngine(build_engine_config(default_model_path, num_kv_blocks=32)))
+    dead_end = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(
+        "grammar", r'root ::= "a" [^\x00-\U0010FFFF]'))
+
+    async def main():
+        async def collect(params, rid):
+            request = await llm.make_request([1, 9906, 28], params, rid)
+            return [out async for out in llm.generate(request)][-1]
+
+        stuck = asyncio.create_task(collect(dead_end, "stuck"))
+        fine = asyncio.create_task(collect(SamplingParams(temperature=0.0, max_tokens=8), "fine"))
+        with pytest.raises(ValueError, match="can continue the request's structured output"):
+            await stuck
+        return await fine
+
+    try:
+        assert asyncio.run(main()).outputs[0].finish_reason == "length"
+    finally:
+        llm.shutdown()

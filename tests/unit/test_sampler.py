@@ -189,11 +189,11 @@ def test_greedy_is_argmax_after_penalties():
             r.append_output_token(t)
         requests.append(r)
     expected = torch.stack([reference_penalties(logits[i], r) for i, r in enumerate(requests)])
-    torch.testing.assert_close(Sampler()._apply_logits_processors(logits, requests), expected)
+    torch.testing.assert_close(Sampler()._apply_logits_processors(logits, requests)[0], expected)
     assert Sampler()(logits, requests).token_ids == expected.argmax(-1).tolist()
     # Rows without penalties in a batch with some are left exactly as they were.
     mixed = requests[:3] + reqs(2, temperature=0.0)
-    penalised = Sampler()._apply_logits_processors(logits[:5], mixed)
+    penalised = Sampler()._apply_logits_processors(logits[:5], mixed)[0]
     assert torch.equal(penalised[3:], logits[3:5])
 
 

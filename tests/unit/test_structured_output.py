@@ -118,7 +118,8 @@ def test_the_request_finishes_when_its_grammar_ends_and_fails_on_a_token_outside
 
     bad = request(compiler, StructuredOutputsParams("regex", "ok"))
     bad.append_output_token(tokenizer.encode("no", add_special_tokens=False)[0])
-    assert bad.check_stop() and bad.status == RequestStatus.FINISHED_ERROR and "structured output" in bad.error
+    assert bad.check_stop() and bad.status == RequestStatus.FINISHED_ERROR
+    assert "structured output" in bad.failure.message and bad.failure.bad_input
 
 
 def test_the_sampler_picks_only_allowed_tokens_greedy_or_random(compiler, tokenizer, vocab):
@@ -165,7 +166,7 @@ def test_a_grammar_that_can_only_end_ends_the_request_despite_min_tokens(compile
 
 def test_nothing_is_copied_when_no_request_uses_a_processor(compiler, vocab):
     logits = torch.randn(2, vocab)
-    assert Sampler()._apply_logits_processors(logits, [request(compiler, None), request(compiler, None)]) is logits
+    assert Sampler()._apply_logits_processors(logits, [request(compiler, None), request(compiler, None)])[0] is logits
 
 
 def test_logit_bias_forces_and_bans_tokens_greedy_and_random(compiler, vocab):
@@ -211,3 +212,21 @@ def test_a_vocabulary_wide_bias_shared_by_many_sequences_is_added_to_each_row(co
     expected = (logits[:, vocab - 7:].argmax(-1) + vocab - 7).tolist()
     assert out.token_ids[:64] == expected[:64] and out.token_ids[65:] == expected[65:]
     assert out.token_ids[64] == int(logits[64].argmax())
+
+
+def test_a_grammar_no_token_can_begin_is_refused_when_compiled(compiler):
+    with pytest.raises(ValueError, match="no token of this model's vocabulary can begin"):
+        compiler.compile(StructuredOutputsParams("grammar", r"root ::= [^\x00-\U0010FFFF]"))
+
+
+def test_a_grammar_that_allows_no_token_mid_way_fails_its_request_as_bad_input(compiler, tokenizer):
+    """After "a" the grammar wants a character outside every code point: the row has no token left. Its
+    request fails as the request's own doing; the other rows of the batch are sampled as usual."""
+    stuck = request(compiler, StructuredOutputsParams("grammar", r'root ::= "a" [^\x00-\U0010FFFF]'),
+                    temperature=0.0)
+    stuck.append_output_token(tokenizer.encode("a", add_special_tokens=False)[0])
+    free = request(compiler, None, temperature=0.0)
+    logits = torch.randn(2, compiler.vocab_size, generator=torch.Generator().manual_seed(0))
+    out = Sampler()(logits, [stuck, free])
+    assert set(out.failed) == {0} and "can continue the request's structured output" in out.failed[0]
+    assert out.token_ids[1] == int(logits[1].argmax())
