@@ -68,6 +68,10 @@ class ErrorReply(ChannelError):
         self.error = error
 
 
+HEARTBEAT_IVL_MS = 500  # a ping after this much silence on a connection
+HEARTBEAT_TIMEOUT_MS = 1500  # ... and no traffic for this long after it: the connection is dropped
+
+
 def configure_socket(sock: zmq.Socket, limits: Limits, endpoint: str) -> None:
     sock.linger = 0
     # IPv6 only for IPv6 endpoints ("tcp://[::1]:5", "tcp://[::]:*"): with it on, libzmq would bind
@@ -75,9 +79,11 @@ def configure_socket(sock: zmq.Socket, limits: Limits, endpoint: str) -> None:
     sock.setsockopt(zmq.IPV6, endpoint.startswith("tcp://["))
     # libzmq's own cap: a peer announcing a bigger frame is disconnected before we allocate it.
     sock.setsockopt(zmq.MAXMSGSIZE, max(limits.max_message_bytes, limits.max_tensor_bytes))
-    # Heartbeats find connections whose peer vanished without closing them (a host that died).
-    sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+    # Heartbeats find connections whose peer vanished without closing them (a frozen process, a host that
+    # died): disconnected within 2 s. libzmq's I/O thread answers them, so a peer busy in Python still does.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
 
 
 class Rejections:

@@ -71,6 +71,10 @@ class RequestClient:
         self._watcher: asyncio.Task | None = None
         self._refused: asyncio.Future | None = None  # set by the watcher while a handshake runs
         self.num_disconnects = 0
+        # Loop time the connection dropped, until the next one is made (None: up, or never tried yet). A
+        # dead peer's connection drops at once (its kernel closes it) or within a heartbeat timeout (a
+        # frozen or unreachable host): callers route around it without waiting for a request to time out.
+        self.down_since: float | None = None
         self._pending: dict[bytes, asyncio.Future] = {}
         self._corr_ids = itertools.count(1)
         self._handshake_lock: asyncio.Lock | None = None
@@ -92,7 +96,8 @@ class RequestClient:
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             security.configure_client(sock, self._curve)
-            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILURES | zmq.EVENT_DISCONNECTED)
+            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILURES | zmq.EVENT_DISCONNECTED |
+                                              zmq.EVENT_HANDSHAKE_SUCCEEDED)
             sock.connect(self.address)
             self._sock = sock
             self._handshake_lock = asyncio.Lock()
@@ -108,8 +113,11 @@ class RequestClient:
                 if event["event"] & _HANDSHAKE_FAILURES:
                     if self._refused is not None and not self._refused.done():
                         self._refused.set_result(event)
+                elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.down_since = None
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
                     self.num_disconnects += 1
+                    self.down_since = asyncio.get_running_loop().time()
                     self.peer = None  # a new connection is a new peer to the server
                     self._fail_pending(ChannelError(f"connection to {self.address} lost"))
         finally:
@@ -147,11 +155,27 @@ class RequestClient:
     def _deadline(self, timeout: float | None) -> float:
         return asyncio.get_running_loop().time() + (self.timeout if timeout is None else timeout)
 
+    @property
+    def is_down(self) -> bool:
+        """The connection dropped and has not been made again."""
+        return self.down_since is not None
+
     async def _ensure_handshake(self, deadline: float) -> None:
         self._socket()
-        async with self._handshake_lock:
+        lock = self._handshake_lock
+        # Waiting for another caller's handshake counts against this caller's deadline: a status poll
+        # must not wait out the timeout of a request that started a handshake with a dead peer.
+        remaining = deadline - asyncio.get_running_loop().time()
+        try:
+            await asyncio.wait_for(lock.acquire(), max(remaining, 0))
+        except asyncio.TimeoutError:
+            raise ChannelTimeout(f"no handshake answer from {self.address} in time (another request is "
+                                 "waiting for one)") from None
+        try:
             if self.peer is None:
                 self.peer = await self._handshake(deadline)
+        finally:
+            lock.release()
 
     async def _handshake(self, deadline: float) -> HandshakeAck:
         self._socket()

@@ -54,7 +54,8 @@ class Liveness:
         """Raises InstanceDown if the instance went down, the cut's GenerationError after a cut."""
         self._cut()
         instance = self.instance
-        if not instance.alive or instance.client.num_disconnects != self._disconnects:
+        client = instance.client
+        if not instance.alive or client.is_down or client.num_disconnects != self._disconnects:
             raise InstanceDown(f"{instance.role.value} instance {instance.address} stopped answering")
 
 

@@ -63,7 +63,8 @@ class Instance:
 
     @property
     def routable(self) -> bool:
-        return self.alive and not self.draining
+        # A dropped connection rules it out at once; its next answered poll lets it back in.
+        return self.alive and not self.draining and not self.client.is_down
 
     @property
     def data_addr(self) -> str:

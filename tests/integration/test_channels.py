@@ -2,6 +2,7 @@
 and hostile frames."""
 import asyncio
 import dataclasses
+import signal
 import subprocess
 import sys
 import threading
@@ -204,6 +205,57 @@ def test_peer_killed_mid_request_fails_it_at_once():
                 assert client.num_disconnects == 1
                 with pytest.raises(ChannelTimeout):
                     await client.request(p.StatusRequest(), timeout=0.5)
+
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_killed_peer_is_down_at_once_and_a_short_request_does_not_wait_for_a_long_ones_handshake():
+    """After the kill, a request with a long timeout starts a handshake with the dead peer; a status poll
+    with a short one must fail at its own deadline, not queue behind that handshake."""
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()
+
+        async def main():
+            async with client_of(address, timeout=60.0) as client:
+                assert (await client.request(p.StatusRequest())).engine_id == "sub" and not client.is_down
+                proc.kill()
+                proc.wait()
+                while not client.is_down:  # the kernel closed the connection: the monitor says so
+                    await asyncio.sleep(0.01)
+                long = asyncio.create_task(client.request(p.StatusRequest(), timeout=60.0))
+                await asyncio.sleep(0.1)  # it holds the handshake
+                with pytest.raises(ChannelTimeout):
+                    await client.request(p.StatusRequest(), timeout=0.5)
+                assert not long.done()
+                long.cancel()
+
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_frozen_peer_is_down_within_the_heartbeat_timeout():
+    """SIGSTOP: the connection stays open, but the peer's libzmq no longer answers heartbeats."""
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()
+
+        async def main():
+            async with client_of(address, timeout=60.0) as client:
+                assert (await client.request(p.StatusRequest())).engine_id == "sub"
+                pending = asyncio.create_task(client.request(p.Release("r1")))
+                proc.send_signal(signal.SIGSTOP)
+                with pytest.raises(ChannelError, match="lost"):  # long before the request's own 60 s
+                    await asyncio.wait_for(pending, 30)
+                assert client.is_down
+                proc.send_signal(signal.SIGCONT)  # it wakes: the next request reconnects
+                assert (await client.request(p.StatusRequest(), timeout=30)).engine_id == "sub"
+                assert not client.is_down
 
         asyncio.run(main())
     finally:

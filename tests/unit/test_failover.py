@@ -18,6 +18,7 @@ class FakeClient:
     def __init__(self, *answers) -> None:
         self.answers = list(answers)
         self.num_disconnects = 0
+        self.is_down = False
         self.requests: list = []
 
     async def request(self, message, *, timeout=None, expect=None):

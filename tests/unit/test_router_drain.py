@@ -21,6 +21,7 @@ class StatusClient:
         self.gone = False
         self.closed = False
         self.num_disconnects = 0
+        self.is_down = False
 
     async def request(self, message, *, timeout=None, expect=None):
         if self.gone:
