@@ -157,6 +157,7 @@ def _peer_targets(args: argparse.Namespace, role: str) -> tuple[str, ...]:
 
 def proxy_config(args: argparse.Namespace, model: str):
     from epdserve.services.proxy.lifecycle import LifecycleConfig
+    from epdserve.services.proxy.output_constraints import ConstraintLimits
     from epdserve.services.proxy.server import ProxyConfig
 
     transport = transport_config(args)
@@ -174,7 +175,8 @@ def proxy_config(args: argparse.Namespace, model: str):
         allow_private_image_urls=args.allow_private_image_urls, access_log=args.log_level == "debug",
         tool_call_parser=args.tool_call_parser,
         drain_timeout=args.drain_timeout, max_request_body_bytes=args.max_request_body_bytes,
-        otlp_traces_endpoint=args.otlp_traces_endpoint, request_trace=args.request_trace)
+        otlp_traces_endpoint=args.otlp_traces_endpoint, request_trace=args.request_trace,
+        constraint_limits=ConstraintLimits(args.max_structured_output_bytes, args.max_logit_bias))
 
 
 def service_config(args: argparse.Namespace, threads: int = 1):

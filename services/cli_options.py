@@ -166,6 +166,12 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies get HTTP 413 (default: %(default)s)")
     p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSER_NAMES),
                    help="how tool calls are read from the text when tool_choice is auto (default: %(default)s)")
+    p.add_argument("--max-structured-output-bytes", type=int, default=256 << 10, metavar="BYTES",
+                   help="largest output constraint a request may send - a JSON schema, regex, grammar or choice "
+                        "list, or the schema of its forced tool calls - as text (a 400 beyond; at most 1 MiB, "
+                        "what the services' wire carries; default: %(default)s)")
+    p.add_argument("--max-logit-bias", type=int, default=1024, metavar="N",
+                   help="most logit_bias entries one request may send (a 400 beyond; default: %(default)s)")
     _add_trace_options(p)
 
 

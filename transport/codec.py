@@ -49,6 +49,12 @@ class EncodeError(TypeError):
     """A message built with a value that does not match its declared field type (a local bug)."""
 
 
+class LimitExceeded(EncodeError):
+    """A message the receiver would drop for its size (`Limits`): refused before it is sent. Whoever takes
+    requests from users checks their sizes first; this is the backstop that keeps a too-large one from
+    vanishing on the wire."""
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """Upper bounds on what a peer may make us allocate; checked before allocating."""
@@ -63,6 +69,8 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+# Frames up to this size cannot break a string, binary or list limit: `encode` checks only larger ones.
+_SMALLEST_LIMIT = min(DEFAULT_LIMITS.max_str_len, DEFAULT_LIMITS.max_bin_len, DEFAULT_LIMITS.max_list_len)
 
 # Every dtype the wire carries. Names are torch's without the "torch." prefix.
 DTYPES: dict[str, torch.dtype] = {
@@ -351,7 +359,31 @@ def encode(message: Message) -> list[Buffer]:
         head = msgpack.packb([PROTOCOL_VERSION, conv.cls.TAG, body], use_bin_type=True)
     except (ValueError, TypeError, OverflowError) as e:  # e.g. an int beyond 64 bits, a lone surrogate
         raise EncodeError(f"{conv.cls.__name__}: {e}") from e
+    if len(head) > _SMALLEST_LIMIT:  # no smaller frame can hold a string, binary or list over its limit
+        _check_limits(conv.cls.__name__, body, len(head), DEFAULT_LIMITS)
     return [head, *map(tensor_buffer, conv.tensors(message))]
+
+
+def _check_limits(path: str, body: Any, head_bytes: int, limits: Limits) -> None:
+    """Raise LimitExceeded naming the first part of `body` (a message's msgpack-ready fields) that a
+    receiver decoding with `limits` would refuse."""
+    if head_bytes > limits.max_message_bytes:
+        raise LimitExceeded(f"{path}: {head_bytes} bytes, over the limit of {limits.max_message_bytes}")
+    todo = [(path, body)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, str) and len(value) * 4 > limits.max_str_len and \
+                len(value.encode()) > limits.max_str_len:
+            raise LimitExceeded(f"{where}: a string of {len(value.encode())} bytes, over the limit of "
+                                f"{limits.max_str_len}")
+        if isinstance(value, (bytes, bytearray, memoryview)) and len(value) > limits.max_bin_len:
+            raise LimitExceeded(f"{where}: {len(value)} bytes, over the limit of {limits.max_bin_len}")
+        if isinstance(value, (list, tuple)):
+            if len(value) > limits.max_list_len:
+                raise LimitExceeded(f"{where}: {len(value)} items, over the limit of {limits.max_list_len}")
+            todo.extend((f"{where}[{i}]", item) for i, item in enumerate(value) if not isinstance(item, int))
+        elif isinstance(value, dict):
+            todo.extend((f"{where}.{key}", item) for key, item in value.items())
 
 
 def decode(frames: Sequence[Buffer], limits: Limits = DEFAULT_LIMITS) -> Message:

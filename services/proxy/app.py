@@ -256,8 +256,8 @@ def _add_model_and_tokenizer_routes(app: FastAPI, serving: OpenAIServing) -> Non
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("give exactly one of prompt or messages")
-        if body.prompt is not None:
-            ids = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        if body.prompt is not None:  # off the event loop: megabytes of text take seconds
+            ids = await asyncio.to_thread(serving.tokenizer.encode, body.prompt, body.add_special_tokens)
         else:
             ids, _ = await serving.encode_chat(ChatCompletionRequest(messages=body.messages,
                                                                add_generation_prompt=body.add_generation_prompt))
@@ -267,7 +267,7 @@ def _add_model_and_tokenizer_routes(app: FastAPI, serving: OpenAIServing) -> Non
     async def detokenize(body: DetokenizeRequest) -> dict:
         serving.check_model(body.model)
         serving.check_token_ids(body.tokens, "tokens")
-        return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": await asyncio.to_thread(serving.tokenizer.decode, body.tokens, False)}
 
 
 def _add_generation_routes(app: FastAPI, serving: OpenAIServing, metrics: ProxyMetrics) -> None:

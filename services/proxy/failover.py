@@ -23,6 +23,7 @@ from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 from epdserve.services.proxy.generation import GenerationError
 from epdserve.services.proxy.router import Instance, NoInstanceError, Route, Router
+from epdserve.transport.codec import LimitExceeded
 from epdserve.transport.protocol import Error, ErrorCode, Message, Role
 from epdserve.transport.channel import ChannelError, ErrorReply
 
@@ -122,6 +123,8 @@ class Failover:
         for attempt, instance in self._candidates(role, route):
             try:
                 return instance, await self._attempt(instance, message, timeout, expect)
+            except LimitExceeded as exc:  # the request itself: no instance would take it
+                raise GenerationError(f"the request is too large to forward: {exc}", 400, "BadRequestError") from None
             except (ChannelError, TimeoutError) as exc:
                 outcome = classify(exc, instance)
                 if outcome is Outcome.FINAL:

@@ -136,7 +136,7 @@ class MultimodalChatEncoder:
         blobs = await asyncio.gather(*(self.fetcher.fetch(u) for u in urls))
         hashes = await asyncio.gather(*(asyncio.to_thread(self._hash, b) for b in blobs))
         try:
-            ids = self.tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
+            ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, add_generation_prompt, **kwargs)
         except Exception as exc:
             raise BadRequest(f"could not apply the chat template: {exc}") from None
         try:

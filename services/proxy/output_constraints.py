@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from epdserve.shared.engine.sampling_params import LOGIT_BIAS_MAX, LOGIT_BIAS_MIN, StructuredOutputsParams
+from epdserve.transport.codec import DEFAULT_LIMITS
 
 
 class ConstraintError(ValueError):
@@ -24,6 +26,34 @@ class ConstraintError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class ConstraintLimits:
+    """How much one request may ask of the constraint machinery, each beyond it a 400 naming the field: a
+    constraint's text (a JSON schema, regex, grammar or choice list, a forced tool call's schema) takes
+    seconds to compile per 100 KB, and logit_bias entries cost the sampler per step."""
+
+    max_spec_bytes: int = 256 << 10
+    max_logit_bias: int = 1024
+
+    def __post_init__(self):
+        # A bigger constraint would pass here and be dropped on the wire.
+        if not 0 < self.max_spec_bytes <= DEFAULT_LIMITS.max_str_len:
+            raise ValueError(f"--max-structured-output-bytes must be in [1, {DEFAULT_LIMITS.max_str_len}], "
+                             f"got {self.max_spec_bytes}")
+        if self.max_logit_bias < 1:
+            raise ValueError(f"--max-logit-bias must be at least 1, got {self.max_logit_bias}")
+
+    def check_text(self, text: str, param: str) -> None:
+        size = len(text.encode())
+        if size > self.max_spec_bytes:
+            raise ConstraintError(f"{param}: the constraint is {size} bytes; at most {self.max_spec_bytes} are taken "
+                                  "(--max-structured-output-bytes)", param)
+
+    def check(self, constraint: StructuredOutputsParams, param: str) -> StructuredOutputsParams:
+        self.check_text(constraint.spec, param)
+        return constraint
 
 
 class JsonSchemaFormat(BaseModel):
@@ -101,14 +131,14 @@ class ConstraintFields(BaseModel):
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None
 
-    def output_constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
+    def output_constraint(self, limits: ConstraintLimits) -> tuple[StructuredOutputsParams | None, str | None]:
         """The constraint asked for and the field that asked for it; raises ConstraintError."""
         found = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             found.append(("response_format", StructuredOutputsParams("json_object")))
         elif rf is not None and rf.type == "json_schema":
-            found.append(("response_format", _json_schema(rf.json_schema.json_schema, "response_format")))
+            found.append(("response_format", _json_schema(rf.json_schema.json_schema, "response_format", limits)))
         so = self.structured_outputs
         if so is not None:
             options = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
@@ -118,19 +148,22 @@ class ConstraintFields(BaseModel):
             if len(options) != 1:
                 raise ConstraintError("structured_outputs must set exactly one of json, regex, choice, grammar, "
                                       "json_object", "structured_outputs")
-            found.append(("structured_outputs", _constraint(*options[0], "structured_outputs")))
+            found.append(("structured_outputs", _constraint(*options[0], "structured_outputs", limits)))
         for kind in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{kind}")
             if value is not None:
-                found.append((f"guided_{kind}", _constraint(kind, value, f"guided_{kind}")))
+                found.append((f"guided_{kind}", _constraint(kind, value, f"guided_{kind}", limits)))
         if len(found) > 1:
             raise ConstraintError(f"{found[1][0]} and {found[0][0]} both constrain the output; give one",
                                   found[1][0])
         return (found[0][1], found[0][0]) if found else (None, None)
 
-    def token_biases(self, vocab_size: int) -> dict[int, float] | None:
+    def token_biases(self, vocab_size: int, limits: ConstraintLimits) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
+        if len(self.logit_bias) > limits.max_logit_bias:
+            raise ConstraintError(f"logit_bias has {len(self.logit_bias)} entries; at most {limits.max_logit_bias} "
+                                  "are taken (--max-logit-bias)", "logit_bias")
         biases = {}
         for key, bias in self.logit_bias.items():
             try:
@@ -171,13 +204,13 @@ class ToolFields(BaseModel):
             return "named"
         return choice
 
-    def tool_call_constraint(self) -> StructuredOutputsParams | None:
+    def tool_call_constraint(self, limits: ConstraintLimits) -> StructuredOutputsParams | None:
         """The JSON schema a forced call must follow: a named function's arguments, or for "required" a
         list of {"name", "parameters"} objects (one item when parallel_tool_calls is false)."""
         mode = self.tool_mode()
         if mode == "named":
             tool = next(t for t in self.tools if t.function.name == self.tool_choice.function.name)
-            return _json_schema(_parameters(tool), "tools")
+            return _json_schema(_parameters(tool), "tools", limits)
         if mode != "required":
             return None
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
@@ -186,7 +219,7 @@ class ToolFields(BaseModel):
         schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
         if not self.parallel_tool_calls:
             schema["maxItems"] = 1
-        return _json_schema(schema, "tools")
+        return _json_schema(schema, "tools", limits)
 
     def tools_for_template(self) -> list[dict] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
@@ -196,12 +229,13 @@ def _parameters(tool: Tool) -> dict:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-def _constraint(kind: str, value: Any, param: str) -> StructuredOutputsParams:
+def _constraint(kind: str, value: Any, param: str, limits: ConstraintLimits) -> StructuredOutputsParams:
     if kind == "json":
-        return _json_schema(value, param)
+        return _json_schema(value, param, limits)
     if kind == "json_object":
         return StructuredOutputsParams("json_object")
     if kind == "regex":
+        limits.check_text(value, param)
         try:
             re.compile(value)
         except re.error as exc:
@@ -212,14 +246,15 @@ def _constraint(kind: str, value: Any, param: str) -> StructuredOutputsParams:
     if kind == "choice":
         if not value or any(not c for c in value):
             raise ConstraintError(f"{param}: choice needs a non-empty list of non-empty strings", param)
-        return StructuredOutputsParams.choices(value)
+        return limits.check(StructuredOutputsParams.choices(value), param)
     if not value.strip():
         raise ConstraintError(f"{param}: the grammar is empty", param)
-    return StructuredOutputsParams("grammar", value)
+    return limits.check(StructuredOutputsParams("grammar", value), param)
 
 
-def _json_schema(schema: Any, param: str) -> StructuredOutputsParams:
+def _json_schema(schema: Any, param: str, limits: ConstraintLimits) -> StructuredOutputsParams:
     if isinstance(schema, str):
+        limits.check_text(schema, param)
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
@@ -228,6 +263,7 @@ def _json_schema(schema: Any, param: str) -> StructuredOutputsParams:
         schema = {}
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError(f"{param}: a JSON schema must be an object or a boolean", param)
+    constraint = limits.check(StructuredOutputsParams.json_schema(schema), param)  # before the costly checks
     import jsonschema
 
     try:
@@ -236,4 +272,4 @@ def _json_schema(schema: Any, param: str) -> StructuredOutputsParams:
         raise ConstraintError(f"{param}: invalid JSON schema: {exc.message}", param) from None
     except Exception as exc:  # a metaschema the validator cannot use, an unknown type: still the request's fault
         raise ConstraintError(f"{param}: invalid JSON schema: {exc}", param) from None
-    return StructuredOutputsParams.json_schema(schema)
+    return constraint

@@ -21,6 +21,7 @@ from epdserve.services.proxy.images import ImageFetcher, MultimodalChatEncoder
 from epdserve.services.proxy.kv_routing import RoutingPolicy
 from epdserve.services.proxy.lifecycle import LifecycleConfig, ServiceBackend
 from epdserve.services.proxy.metrics import ProxyMetrics
+from epdserve.services.proxy.output_constraints import ConstraintLimits
 from epdserve.services.proxy.prefix_index import PrefixIndex
 from epdserve.services.proxy.router import RolePool, Router
 from epdserve.services.proxy.serving import OpenAIServing
@@ -69,6 +70,7 @@ class ProxyConfig:
     # returned in its response (`epdserve_trace`) when `request_trace`.
     otlp_traces_endpoint: str | None = None
     request_trace: bool = False
+    constraint_limits: ConstraintLimits = field(default_factory=ConstraintLimits)
 
     def __post_init__(self):
         if self.drain_timeout < 0:
@@ -129,7 +131,8 @@ async def build_proxy(config: ProxyConfig):
     serving = OpenAIServing(config.model_name, tokenizer, backend, model_config.max_model_len,
                             model_config.vocab_size, metrics, chat_encoder,
                             response_timeout=config.lifecycle.token_timeout, tool_call_parser=config.tool_call_parser,
-                            tracer=tracer, request_trace=config.request_trace)
+                            tracer=tracer, request_trace=config.request_trace,
+                            constraint_limits=config.constraint_limits)
 
     drain = Drain(config.drain_timeout)
     drain.on_cut(backend.cut)

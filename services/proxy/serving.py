@@ -7,6 +7,7 @@ returned as the response's `epdserve_trace` field (one entry per prompt; streame
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -19,7 +20,7 @@ from epdserve.services.proxy.generation import Backend, GenerateInput, Generatio
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.chat_tools import ChatAnswer
 from epdserve.services.proxy.openai_protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from epdserve.services.proxy.output_constraints import ConstraintError
+from epdserve.services.proxy.output_constraints import ConstraintError, ConstraintLimits
 from epdserve.services.proxy.prompt_logprobs import Echo, echo_logprobs, vllm_prompt_logprobs
 from epdserve.services.proxy.tracing import RequestTrace, Tracer
 from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
@@ -47,7 +48,7 @@ class OpenAIServing:
     def __init__(self, model_name: str, tokenizer: Tokenizer, backend: Backend, max_model_len: int, vocab_size: int,
                  metrics: ProxyMetrics, chat_encoder: ChatEncoder | None = None,
                  response_timeout: float = 600.0, tool_call_parser: str = "hermes", tracer: Tracer | None = None,
-                 request_trace: bool = False) -> None:
+                 request_trace: bool = False, constraint_limits: ConstraintLimits = ConstraintLimits()) -> None:
         """`response_timeout`: seconds an HTTP request may wait for its answer (a stream's first event, or a
         whole non-streamed body) before it fails with 504. `tracer`: where each request's trace goes (default:
         the DEBUG log and the stage histogram); `request_trace`: also return it in the response."""
@@ -62,6 +63,7 @@ class OpenAIServing:
         self.tool_call_parser = tool_call_parser  # reads calls out of the text when tool_choice is auto
         self.tracer = tracer or Tracer(observe_stage=metrics.observe_stage)
         self.request_trace = request_trace
+        self.constraint_limits = constraint_limits  # how large a structured output or logit_bias may be
 
     # -- input --------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -81,8 +83,9 @@ class OpenAIServing:
                     raise BadRequest("this model takes text only: image_url content parts are not supported",
                                      param="messages")
                 m["content"] = "".join(part.get("text") or "" for part in m["content"])
-        try:
-            return self.tokenizer.encode_chat(messages, request.add_generation_prompt, **kwargs), []
+        try:  # off the event loop: a template over hundreds of tools, or a huge message, takes seconds
+            return await asyncio.to_thread(self.tokenizer.encode_chat, messages, request.add_generation_prompt,
+                                           **kwargs), []
         except Exception as exc:  # a template error is the request's fault (roles out of order, ...)
             raise BadRequest(f"could not apply the chat template: {exc}") from None
 
@@ -115,9 +118,10 @@ class OpenAIServing:
     def _constrained(self, req: _SamplingFields, params: SamplingParams) -> SamplingParams:
         """`params` with the request's logit_bias and output constraint (a forced tool call's included)."""
         try:
-            constraint, field = req.output_constraint()
-            forced_call = req.tool_call_constraint() if isinstance(req, ChatCompletionRequest) else None
-            biases = req.token_biases(self.vocab_size)
+            constraint, field = req.output_constraint(self.constraint_limits)
+            forced_call = req.tool_call_constraint(self.constraint_limits) \
+                if isinstance(req, ChatCompletionRequest) else None
+            biases = req.token_biases(self.vocab_size, self.constraint_limits)
         except ConstraintError as exc:
             raise BadRequest(str(exc), param=exc.param) from None
         if forced_call is not None:
@@ -228,27 +232,8 @@ class OpenAIServing:
         arrived = time.time()
         self.check_model(req.model)
         self.log_unknown_fields(req, request_id)
-        try:
-            prompts = req.prompts()
-        except ValueError as exc:
-            raise BadRequest(str(exc), param="prompt") from None
-        gens, samplings, echoes = [], [], []
-        for prompt in prompts:  # each prompt is a request of its own, routed on its own
-            if isinstance(prompt, str):
-                ids = self.tokenizer.encode(prompt)
-            else:
-                ids = list(prompt)
-                self.check_token_ids(ids, "prompt")
-                prompt = self.tokenizer.decode(ids, skip_special_tokens=False)
-            # max_tokens 0 (echo only) still runs the prompt, for its logprobs: one token, not answered.
-            sampling = self._sampling(req, len(ids), 1 if req.max_tokens == 0 else req.max_tokens, req.logprobs,
-                                      "prompt", "max_tokens")
-            sampling = self.with_prompt_logprobs(sampling, req.prompt_logprobs, req.logprobs if req.echo else None)
-            if req.best_of is not None:  # ranked by cumulative logprob: every token's is needed
-                sampling = replace(sampling, n=req.best_of, logprobs=sampling.logprobs or 0)
-            gens.append(self._input(_internal_id(request_id), ids, sampling, [], req.cache_salt))
-            samplings.append(sampling)
-            echoes.append(Echo(prompt, ids, req.max_tokens == 0) if req.echo else None)
+        # Tokenizing and checking the constraints take seconds for a huge body: off the event loop.
+        gens, samplings, echoes = await asyncio.to_thread(self._completion_inputs, req, request_id)
         created = int(time.time())
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
         as_ids = req.return_tokens_as_token_ids
@@ -277,6 +262,32 @@ class OpenAIServing:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(ids, result.prompt_logprobs, self._token_text)
             choices.append(choice)
         return head | {"choices": choices, "usage": self._usage(gens, results, echoes[0])} | self._trace_field(traces)
+
+    def _completion_inputs(self, req: CompletionRequest,
+                           request_id: str) -> tuple[list[GenerateInput], list[SamplingParams], list[Echo | None]]:
+        """Each prompt's request (tokenized, its sampling checked), sampling and echo; raises BadRequest."""
+        try:
+            prompts = req.prompts()
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="prompt") from None
+        gens, samplings, echoes = [], [], []
+        for prompt in prompts:  # each prompt is a request of its own, routed on its own
+            if isinstance(prompt, str):
+                ids = self.tokenizer.encode(prompt)
+            else:
+                ids = list(prompt)
+                self.check_token_ids(ids, "prompt")
+                prompt = self.tokenizer.decode(ids, skip_special_tokens=False)
+            # max_tokens 0 (echo only) still runs the prompt, for its logprobs: one token, not answered.
+            sampling = self._sampling(req, len(ids), 1 if req.max_tokens == 0 else req.max_tokens, req.logprobs,
+                                      "prompt", "max_tokens")
+            sampling = self.with_prompt_logprobs(sampling, req.prompt_logprobs, req.logprobs if req.echo else None)
+            if req.best_of is not None:  # ranked by cumulative logprob: every token's is needed
+                sampling = replace(sampling, n=req.best_of, logprobs=sampling.logprobs or 0)
+            gens.append(self._input(_internal_id(request_id), ids, sampling, [], req.cache_salt))
+            samplings.append(sampling)
+            echoes.append(Echo(prompt, ids, req.max_tokens == 0) if req.echo else None)
+        return gens, samplings, echoes
 
     def _echo_logprobs(self, echo: Echo, result: Choice, as_ids: bool) -> dict:
         return echo_logprobs(echo, result.prompt_logprobs, lambda t: self._token_label(t, as_ids), self._token_text)
@@ -349,8 +360,9 @@ class OpenAIServing:
         self.check_model(req.model)
         self.log_unknown_fields(req, request_id)
         ids, images = await self.encode_chat(req)
-        sampling = self._sampling(req, len(ids), req.effective_max_tokens, req.num_logprobs, "messages",
-                                  req.max_tokens_field)
+        # A JSON schema is checked against its metaschema here: seconds for a huge one, off the event loop.
+        sampling = await asyncio.to_thread(self._sampling, req, len(ids), req.effective_max_tokens, req.num_logprobs,
+                                           "messages", req.max_tokens_field)
         sampling = self.with_prompt_logprobs(sampling, req.prompt_logprobs)
         gen = self._input(_internal_id(request_id), ids, sampling, images, req.cache_salt)
         head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}

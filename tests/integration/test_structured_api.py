@@ -5,19 +5,17 @@ import re
 import socket
 import threading
 import time
-from dataclasses import replace
 
 import jsonschema
 import openai
 import pytest
 import uvicorn
 
-from epdserve import AsyncLLM, RequestOutputKind
+from epdserve import AsyncLLM
 from epdserve.services.proxy.app import build_app
-from epdserve.services.proxy.generation import Chunk, GenerationError
+from epdserve.services.batch.engine_backend import EngineBackend
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.serving import OpenAIServing
-from epdserve.shared.engine.wire import logprobs_to_wire
 
 MODEL = "smollm2"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
@@ -32,24 +30,6 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 10}},
                                        "required": ["zone"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-class EngineBackend:
-    """An in-process engine behind the OpenAI layer; the engine's ValueError is a 400, as a service answers."""
-
-    def __init__(self, llm: AsyncLLM) -> None:
-        self.llm = llm
-
-    async def generate(self, gen):
-        params = replace(gen.params, output_kind=RequestOutputKind.DELTA)
-        try:
-            request = self.llm.make_request({"prompt_token_ids": gen.prompt_token_ids}, params, gen.request_id)
-        except ValueError as exc:
-            raise GenerationError(str(exc), 400, "BadRequestError") from None
-        async for out in self.llm.generate(request):
-            o = out.outputs[0]
-            yield Chunk(list(o.token_ids), list(logprobs_to_wire(out, params.logprobs)), o.finish_reason,
-                        o.stop_reason, out.num_cached_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +214,14 @@ def test_logit_bias_steers_greedy_output(client, server):
     ({"logit_bias": {"999999": 5}}, "logit_bias"),
     ({"logit_bias": {"12": 150}}, "logit_bias"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    # Over the limits (256 KiB of constraint, 1024 logit_bias entries by default): refused before any check
+    # or compile that would cost seconds, and before the wire could drop them.
+    ({"logit_bias": {str(i): -1 for i in range(1025)}}, "logit_bias"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": {
+        "type": "object", "description": "x" * (300 << 10)}}}}, "response_format"),
+    ({"guided_regex": "a" * (300 << 10)}, "guided_regex"),
+    ({"guided_choice": ["word"] * (60 << 10)}, "guided_choice"),
+    ({"structured_outputs": {"grammar": 'root ::= "' + "a" * (300 << 10) + '"'}}, "structured_outputs"),
 ])
 def test_bad_constraints_are_a_400_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as info:
@@ -246,4 +234,6 @@ def test_bad_constraints_are_a_400_naming_the_field(client, body, param):
 def test_a_grammar_only_the_engine_can_refuse_is_a_400(client):
     with pytest.raises(openai.BadRequestError, match="invalid grammar"):
         chat(client, messages=ASK, extra_body={"guided_grammar": "root ::= undefined_rule"})
+    with pytest.raises(openai.BadRequestError, match="no token of this model's vocabulary can begin"):
+        chat(client, messages=ASK, extra_body={"guided_grammar": r"root ::= [^\x00-\U0010FFFF]"})
     assert chat(client, messages=ASK, max_tokens=2).choices[0].finish_reason == "length"  # still serving

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from epdserve.transport import protocol as p
 from epdserve.transport import codec
-from epdserve.transport.codec import DecodeError, EncodeError, Limits, VersionMismatchError
+from epdserve.transport.codec import DEFAULT_LIMITS, DecodeError, EncodeError, Limits, VersionMismatchError
 
 LAYOUT = p.KVLayout("SmolLM2-135M", "bfloat16", 16, 30, 3, 64)
 SAMPLING = p.WireSamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=1234, max_tokens=None,
@@ -331,3 +331,22 @@ def test_mutated_valid_frames_only_ever_raise_decode_error(message, data):
     except DecodeError:
         return
     assert type(decoded) in p.MESSAGE_TYPES.values()  # still a fully typed message
+
+
+def test_a_message_its_receiver_would_drop_for_its_size_is_refused_when_encoded():
+    """What a receiver decoding with the default limits would drop is refused on the sending side, naming
+    the field: nothing too large leaves only to vanish on the wire."""
+    from epdserve.shared.engine.sampling_params import SamplingParams, StructuredOutputsParams
+    from epdserve.shared.engine.wire import sampling_params_to_wire
+
+    def request(params):
+        return p.GenerateRequest("r", (1, 2, 3), sampling_params_to_wire(params), "tcp://127.0.0.1:1")
+
+    big_spec = SamplingParams(structured_outputs=StructuredOutputsParams(
+        "regex", "é" * (DEFAULT_LIMITS.max_str_len // 2 + 1)))  # two bytes each
+    with pytest.raises(codec.LimitExceeded, match=r"structured_outputs\.spec: a string of \d+ bytes"):
+        codec.encode(request(big_spec))
+    with pytest.raises(codec.LimitExceeded, match=r"stop_token_ids: \d+ items"):
+        codec.encode(request(SamplingParams(stop_token_ids=list(range(DEFAULT_LIMITS.max_list_len + 1)))))
+    at_limit = SamplingParams(structured_outputs=StructuredOutputsParams("regex", "a" * DEFAULT_LIMITS.max_str_len))
+    assert codec.decode(codec.encode(request(at_limit))).sampling_params.structured_outputs.spec == "a" * (1 << 20)
