@@ -271,7 +271,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_free_blocks,
+        return EngineStats(self.scheduler.num_running, len(self.scheduler.waiting), bm.num_free_blocks,
                            bm.num_blocks, bm.usage, bm.num_prefix_queries, bm.num_prefix_hits,
                            self.scheduler.num_preemptions, dict(self.scheduler.num_finished),
                            self.step_timer.num_steps, self.step_timer.breakdown())

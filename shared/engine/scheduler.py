@@ -6,11 +6,17 @@ the most recently started running request is preempted: its blocks are freed (it
 the prefix cache, so the recompute is mostly hits) and it goes back to the front of the queue.
 
 A request with n > 1 is a group of sequences (parallel_sampling.py): the first is scheduled, the others
-wait on it and fork from it - sharing its blocks - in the step that completes its prompt. A group is
-let in only when the running batch has room for all of it.
+wait on it and fork from it - sharing its blocks - in the step that completes its prompt.
+
+Seats (`max_num_seqs`) are shared fairly: while other requests wait for one, no request's sequences hold
+more than half of them. A group's sequences beyond that are parked - their KV kept, their next token not
+computed - and take turns as the group's running ones finish; once nobody waits, parked sequences take
+the free seats again. So one request with n = 128 on a 128-seat engine no longer keeps every other request
+out until it ends: the next request is seated in the next step.
 """
 from __future__ import annotations
 
+import collections
 import time
 from collections import deque
 from typing import Callable, Iterable, NamedTuple, Sequence
@@ -50,6 +56,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Sequences of a group that hold their KV but no seat, in the order they left their seat.
+        self.parked: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         # Group id -> its sequences' ids, for requests with n > 1 (aborts and releases name the group).
         self.groups: dict[str, list[str]] = {}
@@ -100,20 +108,27 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         """Whether a step would compute anything (requests reserved for remote KV wait outside the queues)."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences started and not finished: seated or parked."""
+        return len(self.running) + len(self.parked)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         bm = self.block_manager
+        self._share_seats()
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not bm.can_allocate(request, num_new):
-                victim = self.running.pop()
+                # Parked sequences compute nothing now: their blocks go first.
+                victim = self.parked.pop() if self.parked else self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -126,9 +141,9 @@ class Scheduler:
                 continue
             break
 
-        # New requests join only in a step that preempted nobody: the pool is tight otherwise.
-        while self.waiting and budget > 0 and not preempted and \
-                len(self.running) + 1 + len(self.waiting[0].forks) <= self.config.max_num_seqs:
+        # New requests join only in a step that preempted nobody: the pool is tight otherwise. A group needs
+        # one seat to compute its prompt; its other sequences are seated (or parked) when they fork.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_cached = bm.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
@@ -148,6 +163,30 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted,
                                bm.take_new_block_ids(), bm.take_block_copies())
+
+    def _share_seats(self) -> None:
+        """Park the sequences a group holds beyond its share while others wait for a seat; seat parked
+        sequences again where their group is within its share and a seat is free (one kept for the
+        queue's head while it waits)."""
+        waiting = bool(self.waiting)
+        seats = self.config.max_num_seqs
+        share = max(1, seats // 2) if waiting else seats
+        held = collections.Counter(r.group_id for r in self.running if r.group_id != r.request_id)
+        if waiting and len(self.running) >= seats:
+            for request in reversed(self.running[:]):
+                if held[request.group_id] > share and request.group_id != request.request_id:
+                    self.running.remove(request)
+                    self.parked.append(request)
+                    held[request.group_id] -= 1
+        free = seats - len(self.running) - waiting
+        for request in list(self.parked):
+            if free <= 0:
+                break
+            if held[request.group_id] < share:
+                self.parked.remove(request)
+                self.running.append(request)
+                held[request.group_id] += 1
+                free -= 1
 
     def _preempt(self, request: Request) -> None:
         self._free(request)
@@ -177,7 +216,7 @@ class Scheduler:
 
     def _fork(self, request: Request) -> list[Request]:
         """The sequences waiting on `request`, which has just computed its prompt, now share its blocks and
-        run; returned in index order."""
+        run - those without a free seat parked until `_share_seats` seats them; returned in index order."""
         forked, request.forks = request.forks, []
         for sequence in forked:
             self.block_manager.fork(request, sequence)
@@ -186,7 +225,8 @@ class Scheduler:
             sequence.num_cached_tokens = request.num_cached_tokens
             sequence.first_scheduled_time = request.first_scheduled_time
             sequence.status = RequestStatus.RUNNING
-            self.running.append(sequence)
+            seated = len(self.running) < self.config.max_num_seqs
+            (self.running if seated else self.parked).append(sequence)
         return forked
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -207,6 +247,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.parked:
+            self.parked.remove(request)
         if request.fork_of is not None:  # ended while waiting to fork
             request.fork_of.forks.remove(request)
             request.fork_of = None
@@ -251,7 +293,7 @@ class Scheduler:
         """Allocate blocks for the request's whole prompt, reusing local prefix hits; None if the pool
         has no room now (`on_room` tells when there may be). The request then waits outside the queues
         until `add_prefilled`."""
-        if len(self.running) + 1 + len(request.forks) > self.config.max_num_seqs:
+        if len(self.running) >= self.config.max_num_seqs:
             return None
         bm = self.block_manager
         num_prompt = request.num_prompt_tokens

@@ -131,6 +131,31 @@ def test_preempting_one_sequence_leaves_the_others_exact(default_model_path):
     assert_clean(small.engine)
 
 
+def test_a_group_on_every_seat_shares_them_with_later_requests_and_stays_exact(default_model_path):
+    """n = 6 on a 6-seat engine, then two more requests: they are seated at once (the group parks some
+    sequences meanwhile), and every sequence's tokens are those of its seed alone."""
+    small = LLM(model=default_model_path, block_size=BS, num_kv_blocks=96, max_num_seqs=6)
+    engine = small.engine
+    params = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
+    engine.add_request("g", PROMPT, SamplingParams(n=6, seed=40, **params))
+    engine.step()  # the prompt and the fork: six seats taken
+    assert len(engine.scheduler.running) == 6
+    for rid in ("late-0", "late-1"):
+        engine.add_request(rid, PROMPT, SamplingParams(seed=50, **params))
+    engine.step()
+    assert {"late-0", "late-1"} <= {r.request_id for r in engine.scheduler.running}  # seated in one step
+    assert engine.scheduler.parked
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finals[out.request_id] = out
+    alone = [small.generate(PROMPT, SamplingParams(seed=40 + i, **params))[0].outputs[0].token_ids for i in range(6)]
+    assert [c.token_ids for c in finals["g"].outputs] == alone
+    late = small.generate(PROMPT, SamplingParams(seed=50, **params))[0].outputs[0].token_ids
+    assert finals["late-0"].outputs[0].token_ids == finals["late-1"].outputs[0].token_ids == late
+    assert_clean(engine)
+
+
 def test_a_group_larger_than_the_batch_is_refused(llm):
     with pytest.raises(ValueError, match="max_num_seqs"):
         llm.engine.make_request("big", PROMPT, SamplingParams(n=1000))

@@ -30,7 +30,8 @@ def req(rid, n, max_tokens=4, vocab=3, seed=0):
 
 def step(sched, token=7):
     out = sched.schedule()
-    sampled = {r.request_id: token for r, _ in out.scheduled}
+    # A group's waiting sequences sample from the row of the one that completes the prompt.
+    sampled = {s.request_id: token for r, _ in out.scheduled for s in [r, *r.forks]}
     sched.update_from_output(out, sampled)
     return out
 
@@ -138,3 +139,34 @@ def test_random_traffic_never_leaks(ops, num_blocks, budget, caching):
     assert not sched.num_unfinished
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_cnt == 0 for b in bm.blocks)
+
+
+def group(rid, n, prompt_len, max_tokens):
+    from epdserve.shared.engine.parallel_sampling import make_group
+
+    return make_group(rid, SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True),
+                      lambda sid, p: Request(sid, list(range(prompt_len)), p, max_model_len=4096))
+
+
+def test_a_group_holding_every_seat_makes_room_for_a_waiting_request_at_once():
+    """n = 8 on an 8-seat engine: once another request waits, the group keeps half the seats (its other
+    sequences parked with their KV) and the newcomer is seated in that very step; when it ends, the
+    parked ones are seated again, and every sequence still gets all its tokens."""
+    sched, bm = make_scheduler(num_blocks=64, max_num_seqs=8, budget=64)
+    sched.add_request(group("g", 8, prompt_len=6, max_tokens=20))
+    step(sched)  # the prompt, then the fork: all 8 seated, nobody waits
+    assert len(sched.running) == 8 and not sched.parked
+    late = req("late", 5, max_tokens=3)
+    sched.add_request(late)
+    out = step(sched)
+    assert "late" in [r.request_id for r, _ in out.scheduled]
+    assert len(sched.running) == 5 and len(sched.parked) == 4  # 4 of the group + late; 4 parked
+    check_invariants(sched, bm)
+    while not late.is_finished:
+        step(sched)
+    step(sched)
+    assert len(sched.running) == 8 and not sched.parked
+    while sched.num_unfinished:
+        step(sched)
+        check_invariants(sched, bm)
+    assert bm.num_free_blocks == bm.num_blocks
