@@ -187,7 +187,8 @@ def service_config(args: argparse.Namespace, threads: int = 1):
     engine_id = args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port or os.getpid()}"
     return ServiceConfig(args.role, engine_id, args.host, args.port, args.data_port, args.http_port,
                          args.advertise_host, args.lease_seconds, args.encoder_cache_items, transport_config(args),
-                         args.drain_timeout, threads, args.served_model_name, args.block_port)
+                         args.drain_timeout, threads, args.served_model_name, args.block_port,
+                         args.max_queue_wait)
 
 
 def _serve_command(args: argparse.Namespace) -> int:

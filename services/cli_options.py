@@ -113,6 +113,10 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
                                                    "folder's name, as the proxy's)")
         p.add_argument("--lease-seconds", type=float, default=10.0)
         p.add_argument("--encoder-cache-items", type=int, default=256)
+        p.add_argument("--max-queue-wait", type=float, default=60.0, metavar="SECONDS",
+                       help="refuse a new request (the proxy tries another instance, else answers 503 with "
+                            "Retry-After) when the prompts queued ahead of it would take longer than this to "
+                            "compute at the engine's measured rate; 0 takes every request (default: %(default)s)")
         p.add_argument("--drain-timeout", type=float, default=10.0,
                        help="on SIGTERM or Ctrl-C, seconds to finish requests in flight (taking no new ones, "
                             "/ready 503, DRAINING to the proxies) before the rest are cut and the service "

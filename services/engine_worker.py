@@ -157,7 +157,19 @@ class EngineWorker:
         return emb.to(self.engine_config.model.dtype)
 
     # -- streaming back -----------------------------------------------------------------------------
+    def refuse_if_overloaded(self, request_id: str) -> Error | None:
+        """The retryable refusal of a request that would wait past --max-queue-wait behind the prompts queued
+        here (the proxy tries another instance, or answers 503 with Retry-After), or None."""
+        limit, wait = self.service.max_queue_wait, self.llm.queue_seconds()
+        if not limit or wait <= limit:
+            return None
+        self.metrics.refused_overloaded.inc()
+        return Error(ErrorCode.OVERLOADED, f"{wait:.0f}s of prompts are queued here, over --max-queue-wait "
+                     f"{limit:g}s", request_id, retryable=True, retry_after=wait)
+
     async def _start_generate(self, message: GenerateRequest) -> Message:
+        if refusal := self.refuse_if_overloaded(message.request_id):
+            return refusal
         spans = RequestSpans(self.service.engine_id)
         request = await self.make_request(message, spans)
         if isinstance(request, Error):

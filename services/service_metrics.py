@@ -131,6 +131,9 @@ class ServiceMetrics:
         self.lease_renewals = counter("epdserve:kv_lease_renewals",
                                       "Leases on prefill's KV renewed while a request waited here for room.")
         self.embeddings_fetched = counter("epdserve:embeddings_fetched", "Image embeddings pulled from encoders.")
+        self.refused_overloaded = counter("epdserve:requests_refused_overloaded",
+                                          "Requests refused because the prompts queued ahead would take longer "
+                                          "than --max-queue-wait (admission control).")
 
     def _extra(self) -> dict:
         extra = {"epdserve:rejected_frames": ("Control frames dropped as malformed, oversized or unknown.",

@@ -248,3 +248,10 @@ class ServiceConfig:
     # Prefill: plain TCP port its KV blocks leave on (ZMQ transport without CURVE; 0: any free port,
     # which decodes learn in the handshake).
     block_port: int = 0
+    # Admission control: a request whose prompt would wait longer than this (seconds) behind the prompts
+    # queued here is refused, retryably (0: never).
+    max_queue_wait: float = 60.0
+
+    def __post_init__(self):
+        if self.max_queue_wait < 0:
+            raise ValueError(f"--max-queue-wait must be at least 0, got {self.max_queue_wait:g}")

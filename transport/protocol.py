@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 class Role(str, enum.Enum):
@@ -426,6 +426,7 @@ class Error:
     message: str
     request_id: str | None = None
     retryable: bool = False  # the refusal is about this instance, not the request: another may succeed
+    retry_after: float = 0.0  # seconds after which this instance may take it (0: no estimate)
 
 
 # ---------------------------------------------------------------------------------------------

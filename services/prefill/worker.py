@@ -93,6 +93,8 @@ class PrefillWorker(EngineWorker):
         rid = m.request_id
         if rid in self.leases:
             return bad_request(rid, "request id already in use")
+        if refusal := self.refuse_if_overloaded(rid):
+            return refusal
         spans = RequestSpans(self.service.engine_id)
         request = await self.make_request(m, spans, hold_kv=True)
         if isinstance(request, Error):

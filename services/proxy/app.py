@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -217,7 +218,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(GenerationError)
     async def generation_failed(request: Request, exc: GenerationError):
-        return error_response(str(exc), exc.error_type, exc.status)
+        headers = {"Retry-After": str(math.ceil(exc.retry_after))} if exc.retry_after else None
+        return error_response(str(exc), exc.error_type, exc.status, headers=headers)
 
 
 def _add_management_routes(app: FastAPI, metrics: ProxyMetrics,

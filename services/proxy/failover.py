@@ -120,6 +120,7 @@ class Failover:
         """(the instance that answered `message` with an `expect`, its answer), instances chosen by
         `route`. The instance counts the call in its load while working on it."""
         last: Exception | None = None
+        retry_after: float | None = None  # the soonest any instance that refused for load may take it
         for attempt, instance in self._candidates(role, route):
             try:
                 return instance, await self._attempt(instance, message, timeout, expect)
@@ -132,10 +133,14 @@ class Failover:
                 if outcome is Outcome.FAILED:
                     self.router.pool(role).mark_failed(instance)
                     self._abort_accepted(instance, message)
+                elif exc.error.retry_after:
+                    retry_after = min(retry_after or exc.error.retry_after, exc.error.retry_after)
                 last = exc
             logger.warning("%s %s failed %s (attempt %d): %s", role.value, instance.address,
                            type(message).__name__, attempt + 1, last)
-        raise GenerationError(f"{role.value} failed: {last}", 503, "ServiceUnavailableError")
+        what = f"no healthy {role.value} instance" if last is None else f"every {role.value} instance tried failed"
+        raise GenerationError(what if last is None else f"{what}: {last}", 503, "ServiceUnavailableError",
+                              retry_after)
 
     def _candidates(self, role: Role, route: Route) -> Iterator[tuple[int, Instance]]:
         """Up to max_attempts distinct healthy instances, best first."""
@@ -145,8 +150,7 @@ class Failover:
             try:
                 instance = pool.pick(route, tried)
             except NoInstanceError:
-                what = f"no healthy {role.value} instance" if not tried else f"every {role.value} instance tried failed"
-                raise GenerationError(what, 503, "ServiceUnavailableError") from None
+                return
             tried.append(instance)
             yield attempt, instance
 

@@ -50,10 +50,12 @@ class Chunk(NamedTuple):
 class GenerationError(Exception):
     """A request could not be run; `status` is the HTTP status the client gets."""
 
-    def __init__(self, message: str, status: int = 500, error_type: str = "InternalServerError") -> None:
+    def __init__(self, message: str, status: int = 500, error_type: str = "InternalServerError",
+                 retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.error_type = error_type
+        self.retry_after = retry_after  # seconds, for the Retry-After header of a 503
 
 
 class Backend(Protocol):

@@ -170,6 +170,11 @@ class AsyncLLM:
         """Run `fn(engine)` on the engine thread at its next step boundary, without waiting for it."""
         self._put(("call", (fn, concurrent.futures.Future())))
 
+    def queue_seconds(self) -> float:
+        """About how long a request arriving now would wait for its prompt to start (see QueueEstimate);
+        any thread may ask."""
+        return self.engine.queue_estimate.seconds
+
     @property
     def dead(self) -> BaseException | None:
         """Why the engine loop stopped, or None while it runs."""

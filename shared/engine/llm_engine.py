@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Callable, NamedTuple, Sequence
 
@@ -10,6 +11,7 @@ from epdserve.shared.config import EngineConfig
 from epdserve.shared.engine.kv_cache_budget import size_kv_cache
 from epdserve.shared.engine.model_runner import ModelRunner
 from epdserve.shared.engine.output_processor import OutputProcessor
+from epdserve.shared.engine.queue_estimate import QueueEstimate
 from epdserve.shared.engine.parallel_sampling import group_members, make_group, ungroup
 from epdserve.shared.engine.outputs import RequestOutput
 from epdserve.shared.engine.kv_events import KVEventBatch
@@ -54,6 +56,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.step_timer = StepTimer()
+        self.queue_estimate = QueueEstimate()  # read by services from other threads (admission control)
         self.runner = ModelRunner(config, num_blocks, self.step_timer)
         self.output_processor = OutputProcessor(self.tokenizer.fast if self.tokenizer and detokenize else None)
         # Structured outputs need the vocabulary's token strings, hence a tokenizer.
@@ -230,6 +233,7 @@ class LLMEngine:
         """Schedule, run the model once, sample, and return the outputs that are due."""
         timer = self.step_timer
         timer.num_steps += 1
+        started = time.perf_counter()
         with timer.phase("schedule"):
             sched = self.scheduler.schedule()
         if sched.scheduled and self.on_step_tokens is not None:
@@ -250,6 +254,8 @@ class LLMEngine:
                 out = self.output_processor.make_output(request)
                 if out is not None:
                     outputs.append(out)
+        self.queue_estimate.observe_step(sched.num_batched_tokens, time.perf_counter() - started,
+                                         self.scheduler.num_queued_prompt_tokens)
         return outputs
 
     def _fail(self, errors: dict[str, RequestFailure]) -> list[RequestOutput]:

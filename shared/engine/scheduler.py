@@ -111,6 +111,14 @@ class Scheduler:
         return bool(self.waiting or self.running or self.parked)
 
     @property
+    def num_queued_prompt_tokens(self) -> int:
+        """Prompt tokens still to compute before a request arriving now would start: those of the waiting
+        requests and of running ones part-way through their prompt."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting) + \
+            sum(r.num_prompt_tokens - r.num_computed_tokens for r in self.running
+                if r.num_computed_tokens < r.num_prompt_tokens)
+
+    @property
     def num_running(self) -> int:
         """Sequences started and not finished: seated or parked."""
         return len(self.running) + len(self.parked)

@@ -62,6 +62,15 @@ def test_a_retryable_refusal_moves_on_without_marking_the_instance():
     assert {instance} == {second} and first.inflight == second.inflight == 0
 
 
+def test_when_every_instance_refuses_for_load_the_503_says_when_to_retry():
+    loaded = [ErrorReply(Error(ErrorCode.OVERLOADED, "queued", "r1", True, retry_after=wait)) for wait in (90.0, 75.0)]
+    failover, instances, aborted = make_failover(*(FakeClient(error) for error in loaded))
+    with pytest.raises(GenerationError, match="every decode instance tried failed") as raised:
+        call(failover)
+    assert raised.value.status == 503 and raised.value.retry_after == 75.0
+    assert all(i.alive for i in instances) and not aborted
+
+
 @pytest.mark.parametrize("error", [refusal(ErrorCode.BAD_REQUEST), refusal(ErrorCode.BAD_REQUEST, True),
                                    refusal(ErrorCode.INTERNAL)])
 def test_a_refusal_the_request_may_have_caused_is_never_retried(error):
