@@ -117,6 +117,8 @@ class AsyncLLM:
         request = prompt if isinstance(prompt, Request) else await self.make_request(prompt, sampling_params,
                                                                                      request_id, **kwargs)
         stream = self._open_stream(request.group_id)
+        with self._lock:
+            self.engine.queue_estimate.submitted_tokens += request.num_prompt_tokens
         self._put(("add", request))
         async for out in self._drain(request.group_id, stream):
             yield out
@@ -307,6 +309,8 @@ class AsyncLLM:
         request, first_token_id = (arg, None) if kind == "add" else arg
         try:
             if kind == "add":
+                with self._lock:
+                    self.engine.queue_estimate.submitted_tokens -= request.num_prompt_tokens
                 self.engine.add_request(request.request_id, request)
             elif kind == "add_prefilled":
                 self._deliver(self.engine.add_prefilled(request, first_token_id))

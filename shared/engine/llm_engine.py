@@ -103,6 +103,7 @@ class LLMEngine:
         self.scheduler.add_request(request)
         for sequence in group_members(request):
             self.output_processor.add_request(sequence)
+        self.queue_estimate.queued_tokens += request.num_prompt_tokens
         return request
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

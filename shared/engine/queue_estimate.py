@@ -17,6 +17,9 @@ SMOOTHING = 0.3
 class QueueEstimate:
     def __init__(self) -> None:
         self.queued_tokens = 0  # prompt tokens still to compute, of requests waiting or part-way through
+        # Prompt tokens of requests handed to the engine's thread and not yet taken in: a burst that arrives
+        # during a step counts before that step ends. Changed under the caller's lock.
+        self.submitted_tokens = 0
         self.tokens_per_second: float | None = None  # None until a large enough step was seen
 
     def observe_step(self, num_tokens: int, seconds: float, queued_tokens: int) -> None:
@@ -30,5 +33,5 @@ class QueueEstimate:
     @property
     def seconds(self) -> float:
         """Estimated wait of a request arriving now (0 while the rate is unknown or nothing is queued)."""
-        rate = self.tokens_per_second
-        return self.queued_tokens / rate if rate and self.queued_tokens else 0.0
+        rate, queued = self.tokens_per_second, self.queued_tokens + self.submitted_tokens
+        return queued / rate if rate and queued else 0.0

@@ -99,6 +99,11 @@ C, CHAT, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/
 LONE = r'"\ud800"'  # JSON for a lone surrogate: json.loads makes it a str that cannot be encoded
 
 
+# 20,000 required properties (~0.8 MB): seconds of metaschema checks and compiling, were it let through.
+HUGE_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20_000)},
+               "required": [f"p{i}" for i in range(20_000)]}
+
+
 def chat(content: str, extra: str = "") -> str:
     return '{"messages": [{"role": "user", "content": ' + content + "}]" + extra + "}"
 
@@ -152,6 +157,13 @@ POISON = [
     # content parts
     (CHAT, chat('[{"type": "image_url"}]'), "messages.0.content.0"),
     (CHAT, chat('[{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]'), "messages"),
+    # what would cost an engine dearly or vanish on the wire: refused at the edge, naming the field
+    (C, completion('"logit_bias": {' + ", ".join(f'"{i}": -100' for i in range(1025)) + "}"), "logit_bias"),
+    (CHAT, chat('"hi"', ', "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": '
+                + json.dumps(HUGE_SCHEMA) + "}}"), "response_format"),
+    (C, completion('"guided_regex": "' + "a" * (300 << 10) + '"'), "guided_regex"),
+    (C, completion('"stop_token_ids": [' + ",".join(["1"] * ((1 << 22) + 1)) + "]"), None),
+    (C, completion(r'"guided_grammar": "root ::= [^\\x00-\\U0010FFFF]"'), None),  # no token can begin it
     # bodies that are not a JSON object
     (C, '{"prompt": "a",', None),
     (C, "[1, 2]", None),
