@@ -38,6 +38,9 @@ HTTP_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "No
                     405: "MethodNotAllowedError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError"}
 # The default limit on a request body: room for a few base64 images of the default maximum image size.
 MAX_BODY_BYTES = 64 << 20
+# Probes and scrapers' routes, not the API: they answer whatever the proxy's state, and their traffic is
+# not counted among the API's responses (a launcher polls /ready twice a second while engines load).
+MANAGEMENT_PATHS = ("/health", "/ready", "/metrics")
 
 
 def error_body(message: str, error_type: str, status: int, param: str | None = None) -> dict:
@@ -113,14 +116,14 @@ class _CheckBody:
 
 
 class _CountResponses:
-    """Every HTTP response counted by status, a 401 from the API key check and an unhandled error's 500
-    included. Plain ASGI, like _RequireApiKey."""
+    """Every API response counted by status, a 401 from the API key check and an unhandled error's 500
+    included; the management routes' are not. Plain ASGI, like _RequireApiKey."""
 
     def __init__(self, app: ASGIApp, metrics: ProxyMetrics) -> None:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in MANAGEMENT_PATHS:
             return await self.app(scope, receive, send)
         started = False
 

@@ -161,7 +161,7 @@ class OpenAIServing:
         start = last = time.monotonic()
         ttft = None
         trace_error: str | None = "ended before its last token (the client went away)"
-        m.running.inc()
+        m.in_flight.inc()
         stream = self.backend.generate(gen)
         try:
             async for chunk in stream:
@@ -192,7 +192,7 @@ class OpenAIServing:
             m.failed(exc.status)
             raise
         finally:
-            m.running.dec()
+            m.in_flight.dec()
             await stream.aclose()  # aborts the request on the services if it did not finish there
             self.tracer.close(trace, trace_error)
         if not all(r.finished for r in results):
