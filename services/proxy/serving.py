@@ -60,7 +60,7 @@ class OpenAIServing:
         self.chat_encoder = chat_encoder
         self.response_timeout = response_timeout
         self.tool_call_parser = tool_call_parser  # reads calls out of the text when tool_choice is auto
-        self.tracer = tracer or Tracer(observe_stage=metrics.observe_stage)
+        self.tracer = tracer or Tracer(observe_stage=metrics.observe_stage, model_name=model_name)
         self.request_trace = request_trace
 
     # -- input --------------------------------------------------------------------------------------
