@@ -183,9 +183,13 @@ def service_config(args: argparse.Namespace, threads: int = 1):
     from epdserve.shared.config import ServiceConfig
 
     engine_id = args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port or os.getpid()}"
+    stats_interval = None if args.role == "encoder" or args.disable_log_stats else args.log_stats_interval
+    if stats_interval is not None and stats_interval <= 0:
+        raise SystemExit(f"epdserve: error: --log-stats-interval must be positive, got {stats_interval:g} "
+                         "(--disable-log-stats turns the lines off)")
     return ServiceConfig(args.role, engine_id, args.host, args.port, args.data_port, args.http_port,
                          args.advertise_host, args.lease_seconds, args.encoder_cache_items, transport_config(args),
-                         args.drain_timeout, threads, args.served_model_name, args.block_port)
+                         args.drain_timeout, threads, args.served_model_name, args.block_port, stats_interval)
 
 
 def _serve_command(args: argparse.Namespace) -> int:

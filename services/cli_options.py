@@ -130,7 +130,18 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
                             "/ready 503, DRAINING to the proxies) before the rest are cut and the service "
                             "exits (default: %(default)s)")
         add_engine_args(p)
+        if role != "encoder":
+            _add_stats_options(p)
     add_transport_args(p)
+
+
+def _add_stats_options(p: argparse.ArgumentParser) -> None:
+    """The engine's periodic stats line, as vLLM's."""
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="log a line of engine stats (throughput, running and waiting requests, KV cache usage, "
+                        "prefix cache hit rate) this often, when anything happened since the last one "
+                        "(default: %(default)s)")
+    p.add_argument("--disable-log-stats", action="store_true", help="no engine stats lines")
 
 
 def _add_proxy_options(p: argparse.ArgumentParser) -> None:

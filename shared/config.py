@@ -241,3 +241,5 @@ class ServiceConfig:
     # Prefill: plain TCP port its KV blocks leave on (ZMQ transport without CURVE; 0: any free port,
     # which decodes learn in the handshake).
     block_port: int = 0
+    # Seconds between an engine's stats lines (stats_log.py); None: none.
+    log_stats_interval: float | None = 10.0

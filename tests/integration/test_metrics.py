@@ -47,7 +47,11 @@ def run(engine, metrics: ServiceMetrics, prompt_len: int, max_tokens: int):
 
 def test_engine_series_carry_model_role_and_engine_and_count_steps_and_time(engine):
     metrics = ServiceMetrics("unified", "unified-0", "tiny", engine.stats)
+    before = engine.stats()
     num_steps = run(engine, metrics, prompt_len=20, max_tokens=5)  # 8-token chunks: 3 prefill steps, 4 decodes
+    after = engine.stats()  # what the stats line reports
+    assert (after.num_prompt_tokens - before.num_prompt_tokens, after.num_generation_tokens
+            - before.num_generation_tokens) == (20, 5)
     got = samples(generate_latest(metrics.registry))
     assert got and all(s.labels.items() >= {"model_name": "tiny", "role": "unified", "engine_id": "unified-0"}.items()
                        for s in got)
