@@ -26,6 +26,8 @@ from epdserve.services.cli_options import (
 )
 from epdserve.services.proxy.kv_routing import KVRoutingConfig, RoutingPolicy
 
+# By name: `epdserve up` runs this module as __main__.
+logger = logging.getLogger("epdserve.services.cli")
 
 
 # -- epdserve model -----------------------------------------------------------------------------------
@@ -203,6 +205,7 @@ def _serve_command(args: argparse.Namespace) -> int:
             config = proxy_config(args, model)
         except ValueError as exc:
             raise SystemExit(f"epdserve: error: {exc}") from None
+        _starting("proxy", model)
         asyncio.run(run_proxy(config))
         return 0
     import torch
@@ -217,7 +220,13 @@ def _serve_command(args: argparse.Namespace) -> int:
         engine = engine_config(args, model) if args.role != "encoder" else None
     except ValueError as exc:  # an engine option out of range, or one that contradicts the model
         raise SystemExit(f"epdserve: error: {exc}") from None
+    _starting(config.engine_id, model)
     return asyncio.run(run_service(config, engine, model, args.dtype, args.device))
+
+
+def _starting(name: str, model: str) -> None:
+    """A service's first line, once its command line is found sound: loading takes seconds to minutes."""
+    logger.info("%s: starting on %s", name, model)
 
 
 # Options `up` gives every service that takes them itself, and whom each would miss after -- (which

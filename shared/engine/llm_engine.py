@@ -47,6 +47,7 @@ class LLMEngine:
         """`detokenize=False`: outputs carry token ids only (a service whose proxy turns them into text)."""
         self.config = config
         self.model_config = config.model
+        logger.info("engine for %s starting: tokenizer, KV cache, kernels, weights", config.model.path)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.path)
         kv_size = size_kv_cache(config)
         num_blocks = kv_size.num_blocks
