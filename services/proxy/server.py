@@ -136,11 +136,13 @@ async def build_proxy(config: ProxyConfig):
     drain = Drain(config.drain_timeout)
     drain.on_cut(backend.cut)
 
+    startup = Startup(router.readiness, config.model_name, f"http://{bracketed(config.host)}:{config.port}")
+
     async def readiness():
+        startup.waiting_for()  # the ready line, if this is the first look that finds it so, before /ready says 200
         ready, details = router.readiness()
         return ready and not drain.draining, details | {"draining": drain.draining}
 
-    startup = Startup(router.readiness, config.model_name, f"http://{bracketed(config.host)}:{config.port}")
     app = DrainGate(build_app(serving, metrics, config.api_key, readiness, config.max_request_body_bytes,
                               startup.waiting_for), drain, metrics.responded)
     return app, router, backend, drain, tracer, startup
