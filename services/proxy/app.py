@@ -4,8 +4,8 @@ Errors are OpenAI-shaped ({"error": {"message", "type", "param", "code"}}): 400 
 not valid JSON or not a JSON object included; `param` names the field), 401 without the API key (when one is
 set; /health is open), 404 for an unknown model or route, 405 for a wrong method, 413 for a body over the
 size limit, 415 for a body that is declared as something other than JSON, 503 while the proxy starts (until
-every role has a ready instance) or when a role has no healthy instance, 504 on timeout. A client that disconnects, before its first token or after, aborts its request on
-every service.
+every role has a ready instance) or when a role has no healthy instance, 504 on timeout. A client that
+disconnects, before its first token or after, aborts its request on every service.
 """
 from __future__ import annotations
 

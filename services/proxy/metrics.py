@@ -6,9 +6,9 @@ their share as `engine_requests_finished_total`), with TTFT, ITL, TPOT and end-t
 client saw them, token counts, request lengths and parameters, and the requests in flight here
 (`proxy_requests_in_flight`: the engines' `num_requests_running`/`waiting` count the same requests).
 `http_responses_total` counts every API response by status, errors refused before any engine was involved
-included; probes and scrapes of /health, /ready and /metrics are not API traffic and are not counted. `request_stage_seconds`
-breaks requests down by stage (`stage`: a span name of their traces, see tracing.py). See
-services/service_metrics.py for the engines' series.
+included; probes and scrapes of /health, /ready and /metrics are not API traffic and are not counted.
+`request_stage_seconds` breaks requests down by stage (`stage`: a span name of their traces, see
+tracing.py). See services/service_metrics.py for the engines' series.
 """
 from __future__ import annotations
 

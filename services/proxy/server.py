@@ -139,7 +139,7 @@ async def build_proxy(config: ProxyConfig):
     startup = Startup(router.readiness, config.model_name, f"http://{bracketed(config.host)}:{config.port}")
 
     async def readiness():
-        startup.waiting_for()  # the ready line, if this is the first look that finds it so, before /ready says 200
+        startup.waiting_for()  # the first look that finds the proxy ready logs its ready line: before a 200
         ready, details = router.readiness()
         return ready and not drain.draining, details | {"draining": drain.draining}
 
