@@ -39,8 +39,10 @@ install: $(STAMP)
 model: $(STAMP)
 	$(VENV)/bin/epdserve model llava-demo
 
+# `make run PORT=8001` serves the API on another port.
+PORT ?= 8000
 run: $(STAMP)
-	$(VENV)/bin/epdserve up
+	$(VENV)/bin/epdserve up --port $(PORT)
 
 test: $(STAMP) $(TOOLS_STAMP)
 	$(PY) -m pytest -q

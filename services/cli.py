@@ -26,6 +26,8 @@ from epdserve.services.cli_options import (
 )
 from epdserve.services.proxy.kv_routing import KVRoutingConfig, RoutingPolicy
 
+# By name: `epdserve up` runs this module as __main__.
+logger = logging.getLogger("epdserve.services.cli")
 
 
 # -- epdserve model -----------------------------------------------------------------------------------
@@ -185,10 +187,14 @@ def service_config(args: argparse.Namespace, threads: int = 1):
     from epdserve.shared.config import ServiceConfig
 
     engine_id = args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port or os.getpid()}"
+    stats_interval = None if args.role == "encoder" or args.disable_log_stats else args.log_stats_interval
+    if stats_interval is not None and stats_interval <= 0:
+        raise SystemExit(f"epdserve: error: --log-stats-interval must be positive, got {stats_interval:g} "
+                         "(--disable-log-stats turns the lines off)")
     return ServiceConfig(args.role, engine_id, args.host, args.port, args.data_port, args.http_port,
                          args.advertise_host, args.lease_seconds, args.encoder_cache_items, transport_config(args),
                          args.drain_timeout, threads, args.served_model_name, args.block_port,
-                         args.max_queue_wait)
+                         args.max_queue_wait, stats_interval)
 
 
 def _serve_command(args: argparse.Namespace) -> int:
@@ -202,6 +208,7 @@ def _serve_command(args: argparse.Namespace) -> int:
             config = proxy_config(args, model)
         except ValueError as exc:
             raise SystemExit(f"epdserve: error: {exc}") from None
+        _starting("proxy", model)
         asyncio.run(run_proxy(config))
         return 0
     import torch
@@ -216,7 +223,19 @@ def _serve_command(args: argparse.Namespace) -> int:
         engine = engine_config(args, model) if args.role != "encoder" else None
     except ValueError as exc:  # an engine option out of range, or one that contradicts the model
         raise SystemExit(f"epdserve: error: {exc}") from None
+    _starting(config.engine_id, model)
     return asyncio.run(run_service(config, engine, model, args.dtype, args.device))
+
+
+def _starting(name: str, model: str) -> None:
+    """A service's first line, once its command line is found sound: loading takes seconds to minutes."""
+    logger.info("%s: starting on %s", name, model)
+
+
+# Options `up` gives every service that takes them itself, and whom each would miss after -- (which
+# reaches the prefill, decode and unified engines only).
+UP_OWN_OPTIONS = {"--kv-transport": "the encoders", "--kv-backend": "the encoders", "--ucx-net-devices": "the encoders",
+                  "--served-model-name": "the encoders and the proxy"}
 
 
 def stack_config(args: argparse.Namespace, model: str):
@@ -231,12 +250,17 @@ def stack_config(args: argparse.Namespace, model: str):
         raise SystemExit(f"epdserve: error: --port {args.port} is not a port (1 to 65535)")
     if not args.unified and args.decodes < 1:
         raise SystemExit("epdserve: error: a stack needs at least one decode (--decodes), or --unified")
-    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
-    for flag in ("--kv-transport", "--kv-backend", "--ucx-net-devices"):
+    if args.extra[:1] not in ([], ["--"]):
+        raise SystemExit(f"epdserve: error: unexpected {args.extra[0]!r}: engine options go after --, as in "
+                         "`epdserve up -- --max-num-seqs 64`")
+    extra = args.extra[1:]
+    for flag, missed in UP_OWN_OPTIONS.items():
         if any(arg == flag or arg.startswith(flag + "=") for arg in extra):
-            # After --, it would reach prefills and decodes but not the encoders.
             raise SystemExit(f"epdserve: error: give {flag} before --: `epdserve up {flag} ...` passes it to "
-                             "every engine, the encoders included")
+                             f"every service that takes it; after --, it would miss {missed}")
+    if args.internal_ports and args.internal_ports[0] <= args.port <= args.internal_ports[1]:
+        raise SystemExit(f"epdserve: error: --port {args.port} is inside --internal-ports "
+                         f"{args.internal_ports[0]}-{args.internal_ports[1]}: keep the API's port out of it")
     _check_kv_transport(args)
     if args.otlp_traces_endpoint:  # checked here, not by the proxy child after every engine started
         from epdserve.services.proxy.tracing import check_otlp_endpoint
@@ -249,7 +273,7 @@ def stack_config(args: argparse.Namespace, model: str):
     return StackConfig(model, args.host, args.port, encoders, args.prefills, args.decodes, args.unified,
                        api_key(args), args.threads, args.log_level, tuple(extra), args.drain_timeout,
                        args.routing_policy, args.kv_transport, args.ucx_net_devices, args.otlp_traces_endpoint,
-                       args.request_trace)
+                       args.request_trace, args.served_model_name, args.internal_ports)
 
 
 def _check_kv_transport(args: argparse.Namespace) -> None:
@@ -285,10 +309,37 @@ def _keys_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_option_hint(argv: list[str], unknown: list[str]) -> str | None:
+    """Where `epdserve up` was given an engine's option before --: the line saying where it goes."""
+    engine = argparse.ArgumentParser()
+    add_service_options(engine, "decode")  # every engine role takes the same options
+    for option in unknown:
+        flag = option.partition("=")[0]
+        if flag not in engine._option_string_actions:
+            continue
+        given = [option]
+        at = argv.index(option)
+        if "=" not in option and engine._option_string_actions[flag].nargs != 0 and at + 1 < len(argv):
+            given.append(argv[at + 1])
+        return (f"epdserve: error: {flag} is an engine option: pass it after --, as in "
+                f"`epdserve up -- {' '.join(given)}`")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = engine_option_hint(argv, unknown) if args.command == "up" else None
+        if hint is not None:
+            raise SystemExit(hint)
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":
+        # A line per HTTP request (run-batch's and bench's clients) would break their progress bars.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     return args.func(args)
 
 

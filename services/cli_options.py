@@ -11,6 +11,22 @@ ROLES = ("encoder", "prefill", "decode", "unified", "proxy")
 MODELS = ("llava-demo", "smollm2", "tiny-llama", "tiny-qwen2")
 SERVED_BY_DEFAULT = "llava-demo"  # what `up` and `serve` run without --model
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+SERVED_MODEL_NAME_HELP = ("the model's one name: in the API (/v1/models, requests' \"model\"), in the model_name "
+                          "label of every metric and in request traces (default: the model folder's name); give "
+                          "every service of a deployment the same")
+
+# Unlike vLLM, which leaves /metrics open.
+_API_KEY_SCOPE = ("It covers every route but /health, /metrics included: its labels and counters describe the "
+                  "API's traffic (models, request and token counts, errors), which is the key holder's to see; "
+                  "give your scraper the key")
+
+
+def port_range(value: str) -> tuple[int, int]:
+    """LOW-HIGH, two ports, LOW <= HIGH."""
+    low, sep, high = value.partition("-")
+    if not (sep and low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high) <= 65535):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port range LOW-HIGH (e.g. 9100-9199)")
+    return int(low), int(high)
 
 
 def log_level(value: str) -> str:
@@ -109,8 +125,7 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
                             "without CURVE; default: any free port, which decodes learn when they connect)")
         p.add_argument("--http-port", type=int, default=0, help="/health, /ready, /metrics")
         p.add_argument("--engine-id", help="default: <role>-<hostname>-<port>")
-        p.add_argument("--served-model-name", help="model_name label of its metrics (default: the model "
-                                                   "folder's name, as the proxy's)")
+        p.add_argument("--served-model-name", metavar="NAME", help=SERVED_MODEL_NAME_HELP)
         p.add_argument("--lease-seconds", type=float, default=10.0)
         p.add_argument("--encoder-cache-items", type=int, default=256)
         p.add_argument("--max-queue-wait", type=float, default=60.0, metavar="SECONDS",
@@ -122,15 +137,26 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
                             "/ready 503, DRAINING to the proxies) before the rest are cut and the service "
                             "exits (default: %(default)s)")
         add_engine_args(p)
+        if role != "encoder":
+            _add_stats_options(p)
     add_transport_args(p)
+
+
+def _add_stats_options(p: argparse.ArgumentParser) -> None:
+    """The engine's periodic stats line, as vLLM's."""
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="log a line of engine stats (throughput, running and waiting requests, KV cache usage, "
+                        "prefix cache hit rate) this often, when anything happened since the last one "
+                        "(default: %(default)s)")
+    p.add_argument("--disable-log-stats", action="store_true", help="no engine stats lines")
 
 
 def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--inbox-port", type=int, default=0, help="where services push tokens back (0: any)")
-    p.add_argument("--served-model-name")
+    p.add_argument("--served-model-name", metavar="NAME", help=SERVED_MODEL_NAME_HELP)
     p.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"),
-                   help="required Bearer token (default $EPDSERVE_API_KEY; unset = open)")
+                   help="required Bearer token (default $EPDSERVE_API_KEY; unset = open). " + _API_KEY_SCOPE)
     p.add_argument("--api-key-file", default=os.environ.get("EPDSERVE_API_KEY_FILE"),
                    help="read the API key from this file instead (a mounted secret; default "
                         "$EPDSERVE_API_KEY_FILE)")
@@ -197,6 +223,13 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
     up.add_argument("--host", default="127.0.0.1",
                     help="bind address of the API; 0.0.0.0 exposes it on every interface (default: %(default)s; "
                          "the other services always bind 127.0.0.1)")
+    up.add_argument("--internal-ports", type=port_range, metavar="LOW-HIGH",
+                    help="the ports the stack's other services listen on (control, data, block and metrics ports "
+                         "of every engine, the proxy's inbox): free ports of this range, in order, e.g. 9100-9199 "
+                         "(default: any free ports)")
+    up.add_argument("--served-model-name", metavar="NAME",
+                    help="the model's one name in the API, every service's metrics and request traces; up gives "
+                         "it to every service (default: the model folder's name)")
     up.add_argument("--encoders", type=int, metavar="N",
                     help="encoder processes (default: 1 for a multimodal model, else 0)")
     up.add_argument("--prefills", type=int, default=1, metavar="N",
@@ -211,7 +244,7 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
     _add_trace_options(up)
     up.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"), metavar="KEY",
                     help="Bearer token the API requires (default: $EPDSERVE_API_KEY; unset: open). A key on the "
-                         "command line shows in `ps`: prefer --api-key-file or the variable")
+                         "command line shows in `ps`: prefer --api-key-file or the variable. " + _API_KEY_SCOPE)
     up.add_argument("--api-key-file", default=os.environ.get("EPDSERVE_API_KEY_FILE"), metavar="FILE",
                     help="read the API key from this file (default: $EPDSERVE_API_KEY_FILE)")
     up.add_argument("--threads", type=int, default=1, metavar="N",

@@ -19,6 +19,7 @@ from epdserve.services.network import client_curve
 from epdserve.services.proxy_channels import ProxyChannels
 from epdserve.services.request_spans import RequestSpans
 from epdserve.services.service_metrics import ServiceMetrics
+from epdserve.services.stats_log import StatsLog
 from epdserve.shared.engine.async_llm import AsyncLLM
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.shared.engine.llm_engine import LLMEngine
@@ -71,7 +72,8 @@ def kv_transfer_client(service: ServiceConfig, engine_config: EngineConfig, llm:
 
 
 class EngineWorker:
-    """An engine and the streams of its requests. Owns `llm` and `kv_client`: `close()` closes both."""
+    """An engine and the streams of its requests. Owns `llm`, `kv_client` and the task that logs the engine's
+    stats: `close()` closes them."""
 
     role: Role = Role.UNIFIED
     data_addr = ""  # where peers pull from; only prefill serves data
@@ -90,6 +92,8 @@ class EngineWorker:
         self.proxies = ProxyChannels(control_client_kwargs(service), on_failure=self._proxy_unreachable)
         self._tasks: dict[str, asyncio.Task] = {}
         self._stop_reason: str | None = None  # set by stop_streams: the streams it stops tell their proxy why
+        self._stats_log = None if service.log_stats_interval is None else asyncio.create_task(
+            StatsLog(f"{service.role} {service.engine_id}", self.llm.engine.stats).run(service.log_stats_interval))
 
     def status(self, health: Health) -> Status:
         stats = self.llm.engine.stats()
@@ -255,6 +259,8 @@ class EngineWorker:
             task.cancel()
 
     async def close(self) -> None:
+        if self._stats_log is not None:
+            self._stats_log.cancel()
         for task in list(self._tasks.values()):
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)

@@ -1,7 +1,9 @@
 """`epdserve up`: a whole local stack as child processes, stopped together.
 
-Ports come from the OS (free ports on 127.0.0.1); the proxy gets --port. The URL is printed once the
-proxy's /ready answers 200 (every role has a healthy instance). Ctrl-C, SIGTERM, or any child dying
+The proxy gets --port; every other port (engines' control, data, block and metrics ports, the proxy's
+inbox) is a free port on 127.0.0.1, from --internal-ports when given. The URL is printed once the proxy's
+/ready answers 200 (every role has a healthy instance), and not before: the line that starts the stack
+names what runs and what takes time, without it. Ctrl-C, SIGTERM, or any child dying
 stops every child, by pid, as a deployment would drain: the proxy first (it refuses new requests and
 gives those in flight up to `drain_timeout` seconds), then the engines, which have nothing left in flight.
 A second Ctrl-C or SIGTERM hurries it (every child is told again: streams still running are cut with an
@@ -23,6 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENGINE_ROLES = ("prefill", "decode", "unified")
+# The ports each service of the stack listens on, besides the proxy's API: the options that give them.
+PORT_OPTIONS = {"encoder": ("--port", "--data-port", "--http-port"),
+                "prefill": ("--port", "--data-port", "--block-port", "--http-port"),
+                "decode": ("--port", "--http-port"), "unified": ("--port", "--http-port"),
+                "proxy": ("--inbox-port",)}
 
 
 def free_port(host: str = "127.0.0.1", taken: set[int] | None = None) -> int:
@@ -38,15 +45,35 @@ def free_port(host: str = "127.0.0.1", taken: set[int] | None = None) -> int:
             return port
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Refuse to start when something already listens on the proxy's port: its /ready would pass for ours."""
+def bind_error(host: str, port: int) -> str | None:
+    """Why `port` cannot be listened on now (None: it can)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise SystemExit(f"epdserve up: cannot serve on {host}:{port}: {exc.strerror}; is another server "
-                             "running there? (choose another --port)") from None
+            return exc.strerror
+    return None
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse to start when something already listens on the proxy's port: its /ready would pass for ours."""
+    error = bind_error(host, port)
+    if error is not None:
+        raise SystemExit(f"epdserve up: cannot serve on {host}:{port}: {error}; is another server "
+                         "running there? (choose another --port)")
+
+
+def internal_ports(count: int, span: tuple[int, int] | None, taken: set[int]) -> list[int]:
+    """`count` ports nothing listens on, not in `taken`: the first free ones of `span` (LOW, HIGH), else any."""
+    if span is None:
+        return [free_port(taken=taken) for _ in range(count)]
+    low, high = span
+    ports = [port for port in range(low, high + 1) if port not in taken and bind_error("127.0.0.1", port) is None]
+    if len(ports) < count:
+        raise SystemExit(f"epdserve up: --internal-ports {low}-{high} has {len(ports)} free ports; this stack's "
+                         f"services listen on {count} (give a wider range)")
+    return ports[:count]
 
 
 def is_multimodal(model: str) -> bool:
@@ -92,6 +119,12 @@ class StackConfig:
     ucx_net_devices: str = "all"
     otlp_traces_endpoint: str | None = None  # the proxy's --otlp-traces-endpoint
     request_trace: bool = False  # the proxy's --request-trace
+    served_model_name: str | None = None  # given to every service: one name in the API, metrics and traces
+    internal_ports: tuple[int, int] | None = None  # (LOW, HIGH): where the services but the API listen
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
 
 
 class LocalStack:
@@ -111,23 +144,27 @@ class LocalStack:
         transport = ["--kv-transport", c.kv_transport]
         if c.kv_transport == "ucx":
             transport += ["--ucx-net-devices", c.ucx_net_devices]
+        name = ["--served-model-name", c.served_model_name] if c.served_model_name else []
         procs, targets = [], {"encoder": [], "prefill": [], "decode": [], "unified": []}
-        taken = {c.port}
-        counts = [("encoder", c.encoders)]
-        counts += [("unified", 1)] if c.unified else [("prefill", c.prefills), ("decode", c.decodes)]
-        for role, count in counts:
-            for i in range(count):
-                port = free_port(taken=taken)
-                argv = [*base, role, "--model", c.model, "--host", "127.0.0.1", "--port", str(port),
-                        "--data-port", str(free_port(taken=taken)), "--http-port", str(free_port(taken=taken)),
-                        "--engine-id", f"{role}-{i}"]
-                argv += [*drain, *transport]
-                if role != "encoder":
-                    argv += ["--threads", str(c.threads), *c.engine_args]
-                procs.append((f"{role}-{i}", argv))
-                targets[role].append(f"127.0.0.1:{port}")
-        proxy = [*base, "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port), *drain,
-                 "--routing-policy", c.routing_policy]
+        roles = [("encoder", c.encoders)]
+        roles += [("unified", 1)] if c.unified else [("prefill", c.prefills), ("decode", c.decodes)]
+        services = [(role, i) for role, count in roles for i in range(count)]
+        free = iter(internal_ports(sum(len(PORT_OPTIONS[role]) for role, _ in [*services, ("proxy", 0)]),
+                                   c.internal_ports, {c.port}))
+
+        def ports(role: str) -> list[str]:  # the role's listening options, each with a port of its own
+            return [arg for option in PORT_OPTIONS[role] for arg in (option, str(next(free)))]
+
+        for role, i in services:
+            listen = ports(role)
+            argv = [*base, role, "--model", c.model, "--host", "127.0.0.1", *listen, "--engine-id", f"{role}-{i}",
+                    *name, *drain, *transport]
+            if role != "encoder":
+                argv += ["--threads", str(c.threads), *c.engine_args]
+            procs.append((f"{role}-{i}", argv))
+            targets[role].append(f"127.0.0.1:{listen[listen.index('--port') + 1]}")
+        proxy = [*base, "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port), *ports("proxy"), *name,
+                 *drain, "--routing-policy", c.routing_policy]
         if c.otlp_traces_endpoint:
             proxy += ["--otlp-traces-endpoint", c.otlp_traces_endpoint]
         if c.request_trace:
@@ -150,14 +187,18 @@ class LocalStack:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         try:
-            for name, argv in self.commands():
+            commands = self.commands()
+            print(f"epdserve up: starting {self.config.model_name}: {', '.join(name for name, _ in commands)}; "
+                  f"engines load the model first (a first start on this machine also compiles their C++ kernels: "
+                  f"about 2-3 minutes); the URL follows once every service is ready", flush=True)
+            for name, argv in commands:
                 # Its own process group: a terminal's Ctrl-C is this process's to forward, once, in order.
                 self.children.append((name, subprocess.Popen(argv, env=self.environment(name),
                                                              start_new_session=True)))
             url = f"http://{self.config.host}:{self.config.port}"
             if not self._wait_ready(url, startup_timeout):
                 return 0
-            print(f"epdserve is ready: {url}/v1 (model {Path(self.config.model).name}); Ctrl-C stops it", flush=True)
+            print(f"epdserve is ready: {url}/v1 (model {self.config.model_name}); Ctrl-C stops it", flush=True)
             while not self.signals:
                 for name, proc in self.children:
                     if proc.poll() is not None:

@@ -251,6 +251,8 @@ class ServiceConfig:
     # Admission control: a request whose prompt would wait longer than this (seconds) behind the prompts
     # queued here is refused, retryably (0: never).
     max_queue_wait: float = 60.0
+    # Seconds between an engine's stats lines (stats_log.py); None: none.
+    log_stats_interval: float | None = 10.0
 
     def __post_init__(self):
         if self.max_queue_wait < 0:

@@ -21,13 +21,13 @@ import math
 import types
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Union
 
 import msgpack
 import torch
 
 from epdserve.transport import protocol
+from epdserve.transport.limits import DEFAULT_LIMITS, Limits
 from epdserve.transport.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Message, TensorSpec
 
 Buffer = Union[bytes, bytearray, memoryview]
@@ -55,20 +55,6 @@ class LimitExceeded(EncodeError):
     vanishing on the wire."""
 
 
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Upper bounds on what a peer may make us allocate; checked before allocating."""
-
-    max_message_bytes: int = 64 << 20  # control frame (frame 0); images ride in EncodeRequest
-    max_tensor_bytes: int = 4 << 30  # one tensor frame
-    max_str_len: int = 1 << 20
-    max_bin_len: int = 64 << 20
-    max_list_len: int = 1 << 22  # prompt token ids, block ids
-    max_map_len: int = 64  # a struct's fields; protocol structs have far fewer
-    max_tensor_dims: int = 8
-
-
-DEFAULT_LIMITS = Limits()
 # Frames up to this size cannot break a string, binary or list limit: `encode` checks only larger ones.
 _SMALLEST_LIMIT = min(DEFAULT_LIMITS.max_str_len, DEFAULT_LIMITS.max_bin_len, DEFAULT_LIMITS.max_list_len)
 

@@ -26,6 +26,7 @@ from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.shared.engine.compute_threads import set_this_thread
 from epdserve.shared.config import ServiceConfig
 from epdserve.shared.processing.image_processor import ImageProcessor
+from epdserve.shared.models.cpu_kernels import load_cpu_kernels
 from epdserve.shared.models.llava_encoder import LlavaEncoder
 from epdserve.shared.processing.multimodal import mm_hash
 from epdserve.transport.protocol import (EncodeDone, EncodedItem, EncodeRequest, Error, ErrorCode, Handshake, Health,
@@ -63,8 +64,13 @@ class EncoderCache:
 async def build_encoder_worker(service: ServiceConfig, model_path: str, dtype: torch.dtype, device: str,
                                control_rejected: Callable[[], int]) -> EncoderWorker:
     """An encoder worker for `model_path`'s vision tower in `dtype` on `device`, its data server serving."""
-    processor, encoder = await asyncio.to_thread(
-        lambda: (ImageProcessor.from_pretrained(model_path), LlavaEncoder.from_pretrained(model_path, dtype, device)))
+    def load() -> tuple[ImageProcessor, LlavaEncoder]:
+        if torch.device(device).type == "cpu":
+            load_cpu_kernels(dtype, layer_ops=False, attention=False)  # a CLIP tower's are its linear layers
+        logger.info("loading the vision tower of %s (a few seconds)", Path(model_path).name)
+        return ImageProcessor.from_pretrained(model_path), LlavaEncoder.from_pretrained(model_path, dtype, device)
+
+    processor, encoder = await asyncio.to_thread(load)
     cache = EncoderCache(service.encoder_cache_items)
     transport = service.transport
     kv_server = create_server(transport.kv_transport, service.engine_id, encoder_cache=cache, host=service.host,

@@ -3,9 +3,9 @@
 Errors are OpenAI-shaped ({"error": {"message", "type", "param", "code"}}): 400 for bad input (a body that is
 not valid JSON or not a JSON object included; `param` names the field), 401 without the API key (when one is
 set; /health is open), 404 for an unknown model or route, 405 for a wrong method, 413 for a body over the
-size limit, 415 for a body that is declared as something other than JSON, 503 when a role has no healthy
-instance, 504 on timeout. A client that disconnects, before its first token or after, aborts its request on
-every service.
+size limit, 415 for a body that is declared as something other than JSON, 503 while the proxy starts (until
+every role has a ready instance) or when a role has no healthy instance, 504 on timeout. A client that
+disconnects, before its first token or after, aborts its request on every service.
 """
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ HTTP_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "No
                     405: "MethodNotAllowedError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError"}
 # The default limit on a request body: room for a few base64 images of the default maximum image size.
 MAX_BODY_BYTES = 64 << 20
+# Probes and scrapers' routes, not the API: they answer whatever the proxy's state, and their traffic is
+# not counted among the API's responses (a launcher polls /ready twice a second while engines load).
+MANAGEMENT_PATHS = ("/health", "/ready", "/metrics")
 
 
 def error_body(message: str, error_type: str, status: int, param: str | None = None) -> dict:
@@ -75,6 +78,22 @@ class _RequireApiKey:
             scheme, _, key = (given[0] if given else "").strip().partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.expected):
                 response = error_response("Invalid or missing API key.", "AuthenticationError", 401)
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class _WhileStarting:
+    """Until the proxy serves, every API route answers 503 saying why (`waiting_for()`: the reason, None
+    once it serves); the management routes answer throughout. Plain ASGI, like _RequireApiKey."""
+
+    def __init__(self, app: ASGIApp, waiting_for: Callable[[], str | None]) -> None:
+        self.app, self.waiting_for = app, waiting_for
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in MANAGEMENT_PATHS:
+            reason = self.waiting_for()
+            if reason is not None:
+                response = error_response(reason, "ServiceUnavailableError", 503, headers={"Retry-After": "5"})
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -120,14 +139,14 @@ class _CheckBody:
 
 
 class _CountResponses:
-    """Every HTTP response counted by status, a 401 from the API key check and an unhandled error's 500
-    included. Plain ASGI, like _RequireApiKey."""
+    """Every API response counted by status, a 401 from the API key check and an unhandled error's 500
+    included; the management routes' are not. Plain ASGI, like _RequireApiKey."""
 
     def __init__(self, app: ASGIApp, metrics: ProxyMetrics) -> None:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in MANAGEMENT_PATHS:
             return await self.app(scope, receive, send)
         started = False
 
@@ -148,13 +167,16 @@ class _CountResponses:
 
 def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None = None,
               readiness: Callable[[], Awaitable[tuple[bool, dict]]] | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = MAX_BODY_BYTES, waiting_for: Callable[[], str | None] | None = None) -> FastAPI:
     """`readiness()` -> (ready, details): whether every role has a healthy instance. `max_body_bytes`: the
-    largest request body taken (413 beyond)."""
+    largest request body taken (413 beyond). `waiting_for()`: why the API is not served yet (503), None once
+    it is (startup.py); None: served from the start."""
     app = FastAPI(title="epdserve", docs_url=None, redoc_url=None)
     app.add_middleware(_CheckBody, max_bytes=max_body_bytes)  # inside the key check: strangers get a 401
     if api_key:
         app.add_middleware(_RequireApiKey, api_key=api_key)
+    if waiting_for is not None:
+        app.add_middleware(_WhileStarting, waiting_for=waiting_for)
     app.add_middleware(_CountResponses, metrics=metrics)  # added last: outermost, it sees the key check's 401s
     _install_openapi(app)
     _install_error_handlers(app)

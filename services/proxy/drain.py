@@ -17,12 +17,11 @@ from typing import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from epdserve.services.proxy.app import error_response
+from epdserve.services.proxy.app import MANAGEMENT_PATHS, error_response
 from epdserve.services.proxy.generation import GenerationError
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/ready", "/metrics")
 # After the cut: how long cut requests get to write their last event before the server stops anyway.
 CUT_GRACE_SECONDS = 5.0
 
@@ -99,7 +98,7 @@ class DrainGate:
         self.on_refused = on_refused  # (status): counts the refusal among the HTTP responses
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in MANAGEMENT_PATHS:
             return await self.app(scope, receive, send)
         if self.drain.draining:
             # Connection: close - a client on a kept-alive connection reconnects, through a load balancer

@@ -3,10 +3,12 @@
 The proxy sees every request once, whichever engines served it (and however often it failed over), so
 its series are the request-level ones: `request_success_total` is the request count (engines report
 their share as `engine_requests_finished_total`), with TTFT, ITL, TPOT and end-to-end latency as the
-client saw them, token counts, request lengths and parameters. `http_responses_total` counts every HTTP
-response by status, errors refused before any engine was involved included. `request_stage_seconds`
-breaks requests down by stage (`stage`: a span name of their traces, see tracing.py). See
-services/service_metrics.py for the engines' series.
+client saw them, token counts, request lengths and parameters, and the requests in flight here
+(`proxy_requests_in_flight`: the engines' `num_requests_running`/`waiting` count the same requests).
+`http_responses_total` counts every API response by status, errors refused before any engine was involved
+included; probes and scrapes of /health, /ready and /metrics are not API traffic and are not counted.
+`request_stage_seconds` breaks requests down by stage (`stage`: a span name of their traces, see
+tracing.py). See services/service_metrics.py for the engines' series.
 """
 from __future__ import annotations
 
@@ -83,8 +85,11 @@ class ProxyMetrics:
         self._stages = Histogram("epdserve:request_stage_seconds", "Time requests spent in each stage of their "
                                  "traces (proxy.request, prefill.queue, kv.transfer, ...), one observation per "
                                  "span.", labels + ["stage"], buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.running = Gauge("epdserve:num_requests_running", "Requests in flight at this proxy.", labels,
-                             registry=self.registry).labels(model_name)
+        # Not `num_requests_running`: the engines' gauges of that name count these same requests, and a
+        # dashboard's sum over every target (vLLM's `sum(vllm:num_requests_running)`) would count them twice.
+        self.in_flight = Gauge("epdserve:proxy_requests_in_flight", "Requests in flight at this proxy (each also "
+                               "counted by the engine running it, in num_requests_running or num_requests_waiting).",
+                               labels, registry=self.registry).labels(model_name)
         self.model_name = model_name
 
     def finished(self, reason: str, num_prompt_tokens: int, num_cached_tokens: int, num_generated_tokens: int,

@@ -25,6 +25,7 @@ from epdserve.services.proxy.output_constraints import ConstraintLimits
 from epdserve.services.proxy.prefix_index import PrefixIndex
 from epdserve.services.proxy.router import RolePool, Router
 from epdserve.services.proxy.serving import OpenAIServing
+from epdserve.services.proxy.startup import Startup
 from epdserve.services.proxy.tracing import OTelExport, Tracer, check_otlp_endpoint
 from epdserve.services.network import client_curve, server_curve
 from epdserve.shared.config import ModelConfig, TransportConfig
@@ -32,7 +33,7 @@ from epdserve.transport.protocol import MAY_SEND, Role
 from epdserve.shared.processing.tokenizer import load_tokenizer
 from epdserve.transport.reply_server import PullChannel
 from epdserve.transport.request_client import RequestClient
-from epdserve.transport.security import WILDCARD_HOSTS
+from epdserve.transport.security import WILDCARD_HOSTS, bracketed
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +96,9 @@ def is_multimodal(model_path: str) -> bool:
 
 
 async def build_proxy(config: ProxyConfig):
-    """(app, router, backend, drain, tracer): the app is ready to serve once `router.start()` and
-    `backend.start()` ran; `drain.run()` shuts it down gracefully; `tracer.shutdown()` sends the last traces."""
+    """(app, router, backend, drain, tracer, startup): the app listens once `router.start()` and
+    `backend.start()` ran, and serves the API once `startup` finds every role ready (`startup.watch()` logs
+    it); `drain.run()` shuts it down gracefully; `tracer.shutdown()` sends the last traces."""
     model_config = ModelConfig.from_pretrained(config.model)
     tokenizer = load_tokenizer(config.model)
     if tokenizer is None:
@@ -122,7 +124,7 @@ async def build_proxy(config: ProxyConfig):
     backend = ServiceBackend(router, inbox, config.lifecycle, config.host, config.advertise_host, metrics.routed,
                              engine_id)
     export = OTelExport.otlp(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
-    tracer = Tracer(engine_id, metrics.observe_stage, export)
+    tracer = Tracer(engine_id, metrics.observe_stage, export, config.model_name)
     chat_encoder = None
     if is_multimodal(config.model):
         chat_encoder = MultimodalChatEncoder(tokenizer, config.model, ImageFetcher(
@@ -137,13 +139,16 @@ async def build_proxy(config: ProxyConfig):
     drain = Drain(config.drain_timeout)
     drain.on_cut(backend.cut)
 
+    startup = Startup(router.readiness, config.model_name, f"http://{bracketed(config.host)}:{config.port}")
+
     async def readiness():
+        startup.waiting_for()  # the first look that finds the proxy ready logs its ready line: before a 200
         ready, details = router.readiness()
         return ready and not drain.draining, details | {"draining": drain.draining}
 
-    app = DrainGate(build_app(serving, metrics, config.api_key, readiness, config.max_request_body_bytes), drain,
-                    metrics.responded)
-    return app, router, backend, drain, tracer
+    app = DrainGate(build_app(serving, metrics, config.api_key, readiness, config.max_request_body_bytes,
+                              startup.waiting_for), drain, metrics.responded)
+    return app, router, backend, drain, tracer, startup
 
 
 class _Server(uvicorn.Server):
@@ -155,7 +160,7 @@ class _Server(uvicorn.Server):
 
 
 async def run_proxy(config: ProxyConfig) -> None:
-    app, router, backend, drain, tracer = await build_proxy(config)
+    app, router, backend, drain, tracer, startup = await build_proxy(config)
     await backend.start()
     await router.start()
     # Requests are over when the drain ends; the shutdown's own timeout only bounds idle connections.
@@ -178,10 +183,14 @@ async def run_proxy(config: ProxyConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    logger.info("proxy for %s on http://%s:%d", config.model_name, config.host, config.port)
+    # No URL yet: the first line with one is the ready line (startup.py), once the API serves.
+    logger.info("proxy for %s starting: the API answers 503 until every role has a ready instance",
+                config.model_name)
+    watching = asyncio.create_task(startup.watch())
     try:
         await server.serve()  # returns once the drain is over
     finally:
+        watching.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await router.close()

@@ -61,7 +61,7 @@ class OpenAIServing:
         self.chat_encoder = chat_encoder
         self.response_timeout = response_timeout
         self.tool_call_parser = tool_call_parser  # reads calls out of the text when tool_choice is auto
-        self.tracer = tracer or Tracer(observe_stage=metrics.observe_stage)
+        self.tracer = tracer or Tracer(observe_stage=metrics.observe_stage, model_name=model_name)
         self.request_trace = request_trace
         self.constraint_limits = constraint_limits  # how large a structured output or logit_bias may be
 
@@ -165,7 +165,7 @@ class OpenAIServing:
         start = last = time.monotonic()
         ttft = None
         trace_error: str | None = "ended before its last token (the client went away)"
-        m.running.inc()
+        m.in_flight.inc()
         stream = self.backend.generate(gen)
         try:
             async for chunk in stream:
@@ -196,7 +196,7 @@ class OpenAIServing:
             m.failed(exc.status)
             raise
         finally:
-            m.running.dec()
+            m.in_flight.dec()
             await stream.aclose()  # aborts the request on the services if it did not finish there
             self.tracer.close(trace, trace_error)
         if not all(r.finished for r in results):

@@ -11,7 +11,8 @@ OpenAI layer) - and, when the request ends:
 - observes each stage in `epdserve:request_stage_seconds{stage=...}`;
 - exports it with OpenTelemetry when `--otlp-traces-endpoint` is set: one trace per request, its id
   derived from the request id (the same id finds the trace and the services' log lines), a root span
-  `proxy.request` and every other span its child, attributes `epdserve.*`;
+  `proxy.request` and every other span its child, attributes `epdserve.*` (and the served model's name as
+  `gen_ai.response.model` on the root);
 - with `--request-trace`, returns it to the client as the response's `epdserve_trace` field.
 
 A span name may carry a detail after a colon (`kv.recompute:blocks_not_found`): the stage is the part
@@ -48,9 +49,11 @@ class RequestTrace:
     """One request's spans: the proxy's own and those the services returned. Built by the OpenAI layer
     as the request runs; `finish()` fixes its end."""
 
-    def __init__(self, request_id: str, engine_id: str, start: float | None = None) -> None:
+    def __init__(self, request_id: str, engine_id: str, start: float | None = None,
+                 model_name: str | None = None) -> None:
         self.request_id = request_id
         self.engine_id = engine_id  # the proxy's, on its own spans
+        self.model_name = model_name  # the served model's name, as the API and the metrics give it
         self.start = time.time() if start is None else start
         self.end: float | None = None
         self.error: str | None = None  # why the request failed, if it did
@@ -79,7 +82,7 @@ class RequestTrace:
 
     def breakdown(self) -> dict:
         """The trace as JSON (the `epdserve_trace` field): times in Unix seconds, durations in ms."""
-        return {"request_id": self.request_id,
+        return {"request_id": self.request_id, "model": self.model_name,
                 "spans": [{"name": s.name, "engine_id": s.engine_id, "start": s.start, "end": s.end,
                            "duration_ms": round((s.end - s.start) * 1000, 3), "num_bytes": s.num_bytes,
                            "num_blocks": s.num_blocks} for s in self.spans()]}
@@ -97,14 +100,15 @@ class Tracer:
     """Where finished traces go: the DEBUG log, the stage histogram, and an OpenTelemetry exporter if any."""
 
     def __init__(self, engine_id: str = "proxy", observe_stage: Callable[[str, float], None] | None = None,
-                 export: OTelExport | None = None) -> None:
+                 export: OTelExport | None = None, model_name: str | None = None) -> None:
         self.engine_id = engine_id
         self.observe_stage = observe_stage
         self.export = export
+        self.model_name = model_name  # every trace's model
 
     def new(self, request_id: str, start: float | None = None) -> RequestTrace:
         """The trace of a request that arrived at `start` (Unix seconds; default now)."""
-        return RequestTrace(request_id, self.engine_id, start)
+        return RequestTrace(request_id, self.engine_id, start, self.model_name)
 
     def close(self, trace: RequestTrace, error: str | None = None) -> None:
         """The request is over: log, observe and export its trace, once."""
@@ -176,8 +180,10 @@ class OTelExport:
         root_span, *spans = trace.spans()
         token = _next_trace_id.set(trace_id_of(trace.request_id))
         try:
-            root = self.tracer.start_span(REQUEST_SPAN, start_time=_ns(root_span.start),
-                                          attributes=_attributes(root_span, trace.request_id))
+            attributes = _attributes(root_span, trace.request_id)
+            if trace.model_name:  # OpenTelemetry's GenAI convention, as vLLM's traces carry it
+                attributes["gen_ai.response.model"] = trace.model_name
+            root = self.tracer.start_span(REQUEST_SPAN, start_time=_ns(root_span.start), attributes=attributes)
         finally:
             _next_trace_id.reset(token)
         context = set_span_in_context(root)

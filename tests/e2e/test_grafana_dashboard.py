@@ -1,11 +1,13 @@
 """The Grafana dashboard asks only for series a running stack exports: every PromQL query of every panel
 and variable is read for the metric names and labels it uses, and each is found on the /metrics of a real
-stack (an encoder, a unified engine and the proxy, after one request)."""
+stack (an encoder, a prefill, a decode and the proxy, after one request). And what its panels sum counts
+each thing once: summed over a scrape of every service, `num_requests_running` is the requests running."""
 import json
 import re
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -85,19 +87,28 @@ def test_the_dashboard_is_well_formed():
 
 
 @pytest.fixture(scope="module")
-def exported(stack_factory, demo_model) -> dict[str, set[str]]:
+def stack(stack_factory, demo_model):
+    return stack_factory(demo_model, encoders=1, prefills=1, decodes=1,
+                         engine_args=["--num-kv-blocks", "128", "--max-model-len", "1024"])
+
+
+def scrape(stack) -> list:
+    """Every sample of every service's /metrics, as Prometheus would scrape them."""
+    return [sample for service in stack.services.values()
+            for family in text_string_to_metric_families(
+                httpx.get(f"http://127.0.0.1:{service.http_port}/metrics", timeout=10).text)
+            for sample in family.samples]
+
+
+@pytest.fixture(scope="module")
+def exported(stack) -> dict[str, set[str]]:
     """{series name: label names} over every service of a running stack, after one request."""
-    stack = stack_factory(demo_model, encoders=1, unified=1,
-                          engine_args=["--num-kv-blocks", "128", "--max-model-len", "1024"])
     r = httpx.post(stack.url + "/v1/completions", json={"model": "demo", "prompt": "Hello", "max_tokens": 3},
                    timeout=120)
     assert r.status_code == 200, r.text
     series: dict[str, set[str]] = {}
-    for service in stack.services.values():
-        text = httpx.get(f"http://127.0.0.1:{service.http_port}/metrics", timeout=10).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                series.setdefault(sample.name, set()).update(sample.labels)
+    for sample in scrape(stack):
+        series.setdefault(sample.name, set()).update(sample.labels)
     return series
 
 
@@ -111,3 +122,30 @@ def test_every_dashboard_query_names_series_the_stack_exports(exported):
             assert labels <= exported[name] | TARGET_LABELS, f"{name} has no {labels - exported[name]} ({expr})"
         on_some = set().union(*(exported[name] for name in selectors)) | TARGET_LABELS
         assert grouping <= on_some, f"no series of {expr} has {grouping - on_some}"
+
+
+def test_summed_over_every_service_the_running_gauge_counts_each_running_request_once(stack):
+    """As vLLM's dashboards sum `vllm:num_requests_running` over every target: with requests streaming from
+    decode (each prefilled first), the sum over one scrape of the proxy, encoder, prefill and decode is the
+    number of requests running, and the proxy reports them under a name of its own."""
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    streams = [client.completions.create(model="demo", prompt=f"Count to a thousand ({i}):", max_tokens=900,
+                                         temperature=0, stream=True, extra_body={"ignore_eos": True})
+               for i in range(3)]
+    try:
+        chunks = [iter(stream) for stream in streams]
+        for chunk in chunks:
+            for _ in range(3):  # the first from prefill, then decode's: each request runs on decode now
+                assert next(chunk).choices[0].finish_reason is None
+        samples = scrape(stack)
+        for chunk in chunks:  # still running after the scrape
+            assert next(chunk).choices[0].finish_reason is None
+    finally:
+        for stream in streams:
+            stream.close()
+    running = {sample.labels.get("role"): sample.value for sample in samples
+               if sample.name == "epdserve:num_requests_running"}
+    assert sum(running.values()) == len(streams), running
+    assert running == {"prefill": 0, "decode": len(streams)}
+    (in_flight,) = [sample.value for sample in samples if sample.name == "epdserve:proxy_requests_in_flight"]
+    assert in_flight == len(streams)

@@ -8,8 +8,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from epdserve.transport import protocol as p
@@ -286,7 +288,8 @@ def test_up_refuses_a_port_in_use(tiny_model_paths):
 
 
 def test_proxy_ready_needs_every_configured_role(pd, tiny_model_paths, tmp_path):
-    """A proxy whose encoder is unreachable is not ready (image requests would fail) and says which role."""
+    """A proxy whose encoder is unreachable is not ready (image requests would fail) and says which role: on
+    /ready, and to API requests, which it does not serve until then; its log shows no URL meanwhile."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead_encoder = s.getsockname()[1]
@@ -308,6 +311,13 @@ def test_proxy_ready_needs_every_configured_role(pd, tiny_model_paths, tmp_path)
 
         r = wait_until(answer, 120, "the proxy to see its decode")
         assert r.status_code == 503 and r.json()["unavailable_roles"] == ["encoder"]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model=Path(tiny_model_paths["llama"]).name, prompt="Hi", max_tokens=2)
+        assert refused.value.status_code == 503
+        assert "no encoder instance is ready yet" in refused.value.body["message"]
     finally:
         proc.terminate()
         proc.wait(15)
+    log = (tmp_path / "proxy.log").read_text()
+    assert "starting: the API answers 503" in log and "http://" not in log

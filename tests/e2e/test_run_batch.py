@@ -68,9 +68,12 @@ def batch_file(tmp_path_factory):
 
 
 def run_batch(batch_file, out, *args) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "epdserve.services.cli", "--log-level", "warning", "run-batch",
-           "-i", str(batch_file), "-o", str(out), "--concurrency", "8", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    """At the default log level: what a user sees."""
+    cmd = [sys.executable, "-m", "epdserve.services.cli", "run-batch", "-i", str(batch_file), "-o", str(out),
+           "--concurrency", "8", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert "HTTP Request" not in done.stderr  # no line per request between the progress bar's updates
+    return done
 
 
 def check_results(out) -> None:
@@ -108,6 +111,7 @@ def test_run_batch_with_a_local_engine(batch_file, default_model_path, tmp_path)
     done = run_batch(batch_file, out, "--model", default_model_path, "--served-model-name", "demo",
                      "--threads", "1", "--num-kv-blocks", "256")
     assert done.returncode == 0, done.stderr
+    assert "C++ CPU kernels: loading" in done.stderr and "loading the weights of" in done.stderr  # not silent
     assert "100/100" in done.stderr  # the progress bar
     assert f"{NUM_LINES - len(BAD_LINES) - len(API_ERRORS)} succeeded, {len(BAD_LINES) + len(API_ERRORS)} failed" \
         in done.stderr

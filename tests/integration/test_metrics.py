@@ -47,7 +47,11 @@ def run(engine, metrics: ServiceMetrics, prompt_len: int, max_tokens: int):
 
 def test_engine_series_carry_model_role_and_engine_and_count_steps_and_time(engine):
     metrics = ServiceMetrics("unified", "unified-0", "tiny", engine.stats)
+    before = engine.stats()
     num_steps = run(engine, metrics, prompt_len=20, max_tokens=5)  # 8-token chunks: 3 prefill steps, 4 decodes
+    after = engine.stats()  # what the stats line reports
+    assert (after.num_prompt_tokens - before.num_prompt_tokens, after.num_generation_tokens
+            - before.num_generation_tokens) == (20, 5)
     got = samples(generate_latest(metrics.registry))
     assert got and all(s.labels.items() >= {"model_name": "tiny", "role": "unified", "engine_id": "unified-0"}.items()
                        for s in got)
@@ -117,15 +121,20 @@ def test_proxy_counts_each_request_once_and_every_response_by_status(tiny_model_
             bad = await client.post("/v1/completions", headers=auth, json={"prompt": [1], "max_tokens": -1})
             unauthorized = await client.post("/v1/completions", json={"prompt": [1]})
             missing = await client.get("/v2/nothing", headers=auth)
-            return [r.status_code for r in (ok, streamed, bad, unauthorized, missing)]
+            # Probes and scrapes, not API traffic: not counted.
+            probes = [await client.get(path, headers=auth) for path in ("/health", "/ready", "/metrics")]
+            return [r.status_code for r in (ok, streamed, bad, unauthorized, missing, *probes)]
 
-    assert asyncio.run(main()) == [200, 200, 400, 401, 404]
+    assert asyncio.run(main()) == [200, 200, 400, 401, 404, 200, 200, 200]
     got = samples(metrics.render()[0])
     assert not [s.name for s in got if s.name.endswith("_created")]
     assert all(s.labels["model_name"] == "tiny" for s in got)
     assert {status: value(got, "epdserve:http_responses_total", status=status)
             for status in ("200", "400", "401", "404")} == {"200": 2, "400": 1, "401": 1, "404": 1}
     assert value(got, "epdserve:request_success_total", finished_reason="length") == 2
+    # The requests in flight have a name of their own: the engines' num_requests_* count the same requests.
+    assert value(got, "epdserve:proxy_requests_in_flight") == 0
+    assert not [s for s in got if s.name.startswith("epdserve:num_requests")]
     assert value(got, "epdserve:request_prompt_tokens_count") == 2
     assert value(got, "epdserve:request_prompt_tokens_sum") == 5 + 3
     assert value(got, "epdserve:request_prompt_tokens_bucket", le="5.0") == 2

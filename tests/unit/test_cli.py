@@ -2,12 +2,15 @@
 import logging
 import re
 import signal
+import socket
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from epdserve.services.cli import build_parser, proxy_config, service_config, stack_config, transport_config
-from epdserve.services.launcher import LocalStack, StackConfig, exit_message, free_port
+from epdserve.services.launcher import PORT_OPTIONS, LocalStack, StackConfig, exit_message, free_port
 from epdserve.services.network import split_target
 
 
@@ -120,11 +123,61 @@ def test_up_gives_every_engine_the_same_kv_transport(default_model_path):
     assert transport_config(parse("serve", "decode", "--kv-backend", "ucx")).kv_transport == "ucx"  # the old name
 
 
-@pytest.mark.parametrize("extra", [["--kv-transport", "ucx"], ["--kv-backend=ucx"], ["--ucx-net-devices", "lo"]])
-def test_up_refuses_a_kv_transport_after_the_double_dash(default_model_path, extra):
-    # After --, the option would reach prefills and decodes but not the encoders: a stack at odds with itself.
+@pytest.mark.parametrize("extra", [["--kv-transport", "ucx"], ["--kv-backend=ucx"], ["--ucx-net-devices", "lo"],
+                                   ["--served-model-name", "smol"], ["--served-model-name=smol"]])
+def test_up_refuses_after_the_double_dash_what_it_gives_every_service(default_model_path, extra):
+    # After --, the option would reach prefills and decodes but not the encoders (nor the proxy): a stack at
+    # odds with itself.
     with pytest.raises(SystemExit, match=f"give {extra[0].split('=')[0]} before --"):
         stack_config(parse("up", "--", "--max-num-seqs", "4", *extra), str(default_model_path))
+
+
+def test_up_gives_every_service_the_served_model_name(default_model_path):
+    commands = dict(LocalStack(stack_config(parse("up", "--encoders", "1", "--served-model-name", "smol"),
+                                            str(default_model_path))).commands())
+    proxy = commands.pop("proxy")
+    assert proxy_config(parse(*proxy[proxy.index("serve"):]), str(default_model_path)).model_name == "smol"
+    assert set(commands) == {"encoder-0", "prefill-0", "decode-0"}
+    for argv in commands.values():  # read back as each service reads its command line
+        assert service_config(parse(*argv[argv.index("serve"):])).served_model_name == "smol"
+    unnamed = dict(LocalStack(stack_config(parse("up"), str(default_model_path))).commands())
+    assert not any("--served-model-name" in argv for argv in unnamed.values())  # each takes the folder's name
+
+
+def listening_ports(commands) -> list[int]:
+    """Every port the stack's services listen on, but the API's."""
+    return [int(argv[i + 1]) for name, argv in commands for i, arg in enumerate(argv)
+            if arg in PORT_OPTIONS[name.split("-")[0]]]
+
+
+def test_up_takes_its_internal_ports_from_a_range_skipping_busy_ones(default_model_path):
+    def commands(*argv):
+        return LocalStack(stack_config(parse("up", "--encoders", "1", "--port", "1", *argv),
+                                       str(default_model_path))).commands()
+
+    anywhere = listening_ports(commands())
+    assert len(anywhere) == len(set(anywhere)) == 3 + 4 + 2 + 1  # encoder, prefill, decode, the proxy's inbox
+    low = free_port()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", low + 1))
+        busy.listen()
+        ports = listening_ports(commands("--internal-ports", f"{low}-{low + 20}"))
+        assert ports == [p for p in range(low, low + 11) if p != low + 1]
+        with pytest.raises(SystemExit, match=rf"--internal-ports {low}-{low + 9} has 9 free ports; this stack's "
+                                             r"services listen on 10"):
+            commands("--internal-ports", f"{low}-{low + 9}")
+    with pytest.raises(SystemExit, match="keep the API's port out of it"):
+        stack_config(parse("up", "--port", str(low), "--internal-ports", f"{low}-{low + 20}"), str(default_model_path))
+
+
+def test_make_run_serves_on_the_port_given():
+    def run_command(*variables):
+        done = subprocess.run(["make", "-n", "run", *variables], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parents[2])
+        return done.stdout.strip().splitlines()[-1]
+
+    assert run_command("PORT=8123").endswith("epdserve up --port 8123")
+    assert run_command().endswith("epdserve up --port 8000")
 
 
 def test_up_refuses_empty_ucx_net_devices(default_model_path):

@@ -126,3 +126,18 @@ def test_bench_dataset_path_with_another_dataset(tmp_path):
 def test_an_engine_option_out_of_range(tmp_path, servable, option, message):
     done = epdserve("serve", "decode", "--model", str(servable), *option, cwd=tmp_path)
     assert_one_line_error(done, message)
+
+
+@pytest.mark.parametrize("given, example", [(("--max-num-seqs", "64"), "epdserve up -- --max-num-seqs 64"),
+                                            (("--block-size=32",), "epdserve up -- --block-size=32"),
+                                            (("--no-enable-prefix-caching",),
+                                             "epdserve up -- --no-enable-prefix-caching")])
+def test_an_engine_option_before_the_double_dash_says_where_it_goes(tmp_path, given, example):
+    done = epdserve("up", "--port", "9", *given, cwd=tmp_path)
+    assert_one_line_error(done, f"{given[0].split('=')[0]} is an engine option: pass it after --", f"`{example}`")
+
+
+def test_an_unknown_option_of_up_is_named(tmp_path):
+    done = epdserve("up", "--no-such-option", cwd=tmp_path)
+    assert done.returncode == 2 and "unrecognized arguments: --no-such-option" in done.stderr
+    assert "engine option" not in done.stderr

@@ -42,7 +42,7 @@ class FakeLLM:
             raise self.decode_error
         yield "decoded-2"
 
-    def make_request(self, prompt, params, request_id, **kwargs):
+    async def make_request(self, prompt, params, request_id, **kwargs):
         return SimpleNamespace(request_id=request_id, prompt=prompt)
 
     async def generate_recomputed(self, request, first_token):

@@ -24,7 +24,7 @@ RID = "chatcmpl-1.abc"
 
 def disaggregated_trace() -> RequestTrace:
     """What a prefill -> decode request's trace holds, the services' spans arriving out of order."""
-    trace = RequestTrace(RID, "proxy-8000", start=T0)
+    trace = RequestTrace(RID, "proxy-8000", start=T0, model_name="demo")
     trace.add_own("proxy.prefill", T0 + 0.010, T0 + 0.120)
     trace.add([TraceSpan("prefill.compute", "prefill-0", T0 + 0.030, T0 + 0.110),
                TraceSpan("prefill.queue", "prefill-0", T0 + 0.012, T0 + 0.030)])
@@ -42,7 +42,7 @@ def test_the_trace_is_the_whole_request_then_its_spans_by_start():
     assert names == ["proxy.request", "proxy.first_token", "proxy.prefill", "prefill.queue", "prefill.compute",
                      "decode.queue", "kv.transfer", "decode.first_step"]
     out = trace.breakdown()
-    assert out["request_id"] == RID
+    assert (out["request_id"], out["model"]) == (RID, "demo")
     root, transfer = out["spans"][0], out["spans"][6]
     assert (root["engine_id"], root["start"], root["duration_ms"]) == ("proxy-8000", T0, pytest.approx(400.0))
     assert (transfer["num_bytes"], transfer["num_blocks"], transfer["duration_ms"]) == (12288, 3, pytest.approx(5.0))
@@ -102,6 +102,7 @@ def test_otel_export_is_one_trace_per_request_with_the_root_as_every_spans_paren
     assert root.parent is None and root.status.status_code is StatusCode.ERROR
     assert root.start_time == int(T0 * 1e9) and root.attributes["epdserve.request_id"] == RID
     assert root.resource.attributes["service.name"] == "epdserve-proxy"
+    assert root.attributes["gen_ai.response.model"] == "demo"
     children = [s for s in mine if s is not root]
     assert all(s.parent.span_id == root.context.span_id for s in children)
     by_name = {s.name: s for s in children}

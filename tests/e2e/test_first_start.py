@@ -1,0 +1,178 @@
+"""What a user sees from `epdserve up`, and what the stack it starts says about itself.
+
+The installed `epdserve` command starts 1 prefill + 1 decode + the proxy on a tiny model, with
+--served-model-name, --internal-ports and --request-trace, its output read line by line as it comes:
+every step that may take long is announced (with its rough duration) before it runs, no URL shows before
+the stack serves, and the API, every service's metrics and the traces all give the model one name.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from epdserve.services.launcher import free_port
+
+NAME = "smol"
+READY = "epdserve is ready: "
+ENGINES = {"prefill-0": "prefill", "decode-0": "decode"}
+STATS_LINE = re.compile(r"decode decode-0: Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: "
+                        r"[\d.]+ tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: [\d.]+%, "
+                        r"Prefix cache hit rate: [\d.]+%")
+
+
+class Up:
+    """`epdserve up` running, its output (stdout and stderr, in order) collected as it comes."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[tuple[float, str]] = []  # (seconds since the start, line)
+        self._started = time.monotonic()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic() - self._started, line.rstrip("\n")))
+
+    def text(self) -> list[str]:
+        return [line for _, line in self.lines]
+
+    def wait_for(self, pattern: re.Pattern | str, timeout: float) -> str:
+        """The first line matching `pattern`, once it came."""
+        deadline = time.monotonic() + timeout
+        while (found := next((line for line in self.text() if re.search(pattern, line)), None)) is None:
+            assert time.monotonic() < deadline, f"no line matching {pattern!r} came:\n" + self.report()
+            assert self.proc.poll() is None, "epdserve up exited:\n" + self.report()
+            time.sleep(0.2)
+        return found
+
+    def report(self) -> str:
+        """The output with each line's time and the silence before it, for a failure's message."""
+        out, last = [], 0.0
+        for at, line in self.lines:
+            out.append(f"{at:7.1f}s (+{at - last:5.1f}s) {line}")
+            last = at
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)  # as Ctrl-C
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def up(tiny_model_paths):
+    low = free_port()
+    port = free_port()
+    while low <= port <= low + 19:
+        port = free_port()
+    stack = Up([str(Path(sys.executable).with_name("epdserve")), "up", "--model", tiny_model_paths["llama"],
+                "--port", str(port), "--internal-ports", f"{low}-{low + 19}", "--served-model-name", NAME,
+                "--request-trace", "--", "--num-kv-blocks", "256", "--max-model-len", "1024",
+                "--log-stats-interval", "1"])
+    stack.port, stack.internal_ports = port, range(low, low + 20)
+    try:
+        stack.wait_for(READY, 300)
+        yield stack
+    finally:
+        stack.stop()
+
+
+def until_ready(up: Up) -> list[str]:
+    lines = up.text()
+    return lines[:next(i for i, line in enumerate(lines) if line.startswith(READY)) + 1]
+
+
+def positions(lines: list[str], fragment: str) -> list[int]:
+    return [i for i, line in enumerate(lines) if fragment in line]
+
+
+def test_every_step_is_announced_before_it_runs_and_no_url_shows_before_the_stack_serves(up):
+    lines, report = until_ready(up), up.report()
+    url = f"http://127.0.0.1:{up.port}/v1"
+    # The first line says what starts and what takes time; the URL comes with the ready lines only.
+    assert lines[0].startswith(f"epdserve up: starting {NAME}: prefill-0, decode-0, proxy; ") and \
+        "about 2-3 minutes" in lines[0], report
+    (first_url,) = positions(lines, f"proxy for {NAME} ready: {url}")
+    assert positions(lines, "http://") == [first_url, len(lines) - 1], report
+    assert lines[-1] == f"{READY}{url} (model {NAME}); Ctrl-C stops it", report
+    # Each engine's steps, announced before they run: its start, the engine's, the kernels (with how long a
+    # first start's compile takes) before the weights, then ready.
+    for engine, role in ENGINES.items():
+        (starting,) = positions(lines, f"{engine}: starting on ")
+        (ready,) = positions(lines, f"{role} {engine} ready: ")
+        assert starting < ready, report
+    for step in ("engine for ", "KV cache: ", "C++ CPU kernels: loading them (compiled for this CPU on a first "
+                 "start: about 2-3 minutes, once)", "loading the weights of llama: ", "engine ready: "):
+        assert len(positions(lines, step)) == len(ENGINES), (step, report)
+    kernels, weights = positions(lines, "C++ CPU kernels: loading"), positions(lines, "loading the weights of")
+    assert all(k < w for k, w in zip(kernels, weights)) and "(a few seconds per GB)" in lines[weights[0]], report
+    # The proxy says it waits, then that it serves.
+    (proxy_starting,) = positions(lines, "proxy: starting on ")
+    (waiting,) = positions(lines, f"proxy for {NAME} starting: the API answers 503 until every role has a ready "
+                                  "instance")
+    assert proxy_starting < waiting < first_url, report
+
+
+def test_the_api_every_services_metrics_and_the_traces_give_the_model_one_name(up, tiny_model_paths):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key="unused", max_retries=0)
+    assert [model.id for model in client.models.list()] == [NAME]
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hello"}], max_tokens=4,
+                                          temperature=0)
+    assert chat.model == NAME
+    assert [trace["model"] for trace in chat.model_extra["epdserve_trace"]] == [NAME]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=Path(tiny_model_paths["llama"]).name, max_tokens=4,
+                                       messages=[{"role": "user", "content": "Hello"}])
+    for name, port in [("proxy", up.port), *((engine, http_port(up, engine)) for engine in ENGINES)]:
+        names = {sample.labels["model_name"] for family in text_string_to_metric_families(metrics(port))
+                 for sample in family.samples if "model_name" in sample.labels}
+        assert names == {NAME}, name
+
+
+def test_every_service_listens_within_the_internal_ports(up):
+    for engine, role in ENGINES.items():
+        ready = up.wait_for(f"{role} {engine} ready: ", 0)
+        ports = [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", ready)] + [http_port(up, engine)]
+        assert ports and all(port in up.internal_ports for port in ports), ready
+
+
+def test_probes_and_scrapes_are_not_counted_as_api_traffic(up):
+    before = responses(up.port)
+    for path in ("/health", "/ready", "/metrics") * 3:
+        assert httpx.get(f"http://127.0.0.1:{up.port}{path}", timeout=10).status_code == 200
+    assert responses(up.port) == before
+    # Nor were `up`'s own readiness polls while the engines loaded.
+    assert "503" not in before
+
+
+def test_the_decode_engine_logs_its_stats_while_it_works(up):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key="unused", max_retries=0)
+    client.completions.create(model=NAME, prompt="Count:", max_tokens=32, extra_body={"ignore_eos": True})
+    up.wait_for(STATS_LINE, 60)
+
+
+def metrics(port: int) -> str:
+    return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+
+
+def http_port(up: Up, engine: str) -> int:
+    return int(re.search(r"http port (\d+)", up.wait_for(f"{ENGINES[engine]} {engine} ready: ", 0))[1])
+
+
+def responses(port: int) -> dict[str, float]:
+    """The proxy's http_responses_total, by status."""
+    return {sample.labels["status"]: sample.value for family in text_string_to_metric_families(metrics(port))
+            for sample in family.samples if sample.name == "epdserve:http_responses_total"}
