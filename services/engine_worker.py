@@ -9,28 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from pathlib import Path
-from typing import AsyncIterator, Callable
-
-import torch
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from epdserve.services.network import client_curve
+from epdserve.services.peer_kv_connector import PeerKVConnector, PeerSources
 from epdserve.services.proxy_channels import ProxyChannels
 from epdserve.services.request_spans import RequestSpans
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.services.stats_log import StatsLog
 from epdserve.shared.engine.async_llm import AsyncLLM
 from epdserve.shared.config import EngineConfig, ServiceConfig
-from epdserve.shared.engine.llm_engine import LLMEngine
 from epdserve.shared.engine.outputs import RequestOutput
+from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason, GenerateRequest,
-                                      Handshake, Health, KVEvents, KVEventsRequest, KVLayout, Message, MMPlaceholder,
-                                      PrefillRequest, Role, Status, TokenDelta)
-from epdserve.shared.engine.request import MultiModalPlaceholder, Request
-from epdserve.shared.engine.wire import logprobs_to_wire, prompt_logprobs_to_wire, sampling_params_from_wire
-from epdserve.transport.kv_transfer import KVTransferClient, TransferError, create_client
-from epdserve.transport.channel import ChannelError
+                                      Handshake, Health, KVEvents, KVEventsRequest, KVLayout, Message, PrefillRequest,
+                                      Role, Status, TokenDelta)
+from epdserve.services.wire import logprobs_to_wire, prompt_logprobs_to_wire, sampling_params_from_wire
+from epdserve.transport.kv_transfer import KVTransferClient, create_client
+
+if TYPE_CHECKING:
+    from epdserve.shared.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +55,7 @@ async def start_engine(service: ServiceConfig, engine_config: EngineConfig,
                        on_dead: Callable[[BaseException], None]) -> AsyncLLM:
     """The service's engine, built and run on its own thread (the only one with the service's compute
     threads); `on_dead(cause)` is called on that thread if its loop dies."""
-    llm = await asyncio.to_thread(AsyncLLM, lambda: LLMEngine(engine_config, detokenize=False),
-                                  num_threads=service.threads)
+    llm = await asyncio.to_thread(AsyncLLM.from_config, engine_config, detokenize=False, num_threads=service.threads)
     llm.on_dead(on_dead)
     return llm
 
@@ -66,14 +64,14 @@ def kv_transfer_client(service: ServiceConfig, engine_config: EngineConfig, llm:
     """Pulls KV blocks into, and image embeddings for, `llm`'s cache."""
     transport = service.transport
     return create_client(transport.kv_transport, service.engine_id, role=Role(service.role),
-                         kv_cache=llm.engine.runner.kv_cache, layout=kv_layout(engine_config),
+                         kv_cache=llm.kv_cache, layout=kv_layout(engine_config),
                          timeout=transport.transfer_timeout, curve=client_curve(transport),
                          **transport.transfer_options())
 
 
 class EngineWorker:
-    """An engine and the streams of its requests. Owns `llm`, `kv_client` and the task that logs the engine's
-    stats: `close()` closes them."""
+    """An engine and the streams of its requests. Owns `llm`, `kv_client`, the KV connector that loads into
+    the engine from peers, and the task that logs the engine's stats: `close()` closes them."""
 
     role: Role = Role.UNIFIED
     data_addr = ""  # where peers pull from; only prefill serves data
@@ -87,16 +85,20 @@ class EngineWorker:
         self.kv_client = kv_client
         self.metrics = ServiceMetrics(service.role, service.engine_id,
                                       service.served_model_name or Path(engine_config.model.path).name,
-                                      self.llm.engine.stats, rejected_frames=rejected_frames)
-        self.llm.engine.on_step_tokens = self.metrics.iteration_tokens.observe
+                                      self.llm.stats, rejected_frames=rejected_frames)
+        self.llm.on_step(self.metrics.iteration_tokens.observe)
+        self.connector = PeerKVConnector(kv_client, self.metrics, asyncio.get_running_loop(),
+                                         service.transport.transfer_timeout, engine_config.model.dtype,
+                                         control_client_kwargs(service))
+        self.llm.add_connector(self.connector)
         self.proxies = ProxyChannels(control_client_kwargs(service), on_failure=self._proxy_unreachable)
         self._tasks: dict[str, asyncio.Task] = {}
         self._stop_reason: str | None = None  # set by stop_streams: the streams it stops tell their proxy why
         self._stats_log = None if service.log_stats_interval is None else asyncio.create_task(
-            StatsLog(f"{service.role} {service.engine_id}", self.llm.engine.stats).run(service.log_stats_interval))
+            StatsLog(f"{service.role} {service.engine_id}", self.llm.stats).run(service.log_stats_interval))
 
     def status(self, health: Health) -> Status:
-        stats = self.llm.engine.stats()
+        stats = self.llm.stats()
         return Status(self.service.engine_id, self.role, health, stats.num_free_blocks, stats.num_total_blocks,
                       stats.num_running, stats.num_waiting, data_addr=self.data_addr)
 
@@ -118,7 +120,7 @@ class EngineWorker:
 
     async def _kv_events(self, m: KVEventsRequest) -> KVEvents:
         """What the prefix cache stored and evicted since batch `m.next_seq` (routers follow it)."""
-        batch = await self.llm.call(lambda engine: engine.kv_events(m.next_seq))
+        batch = await self.llm.kv_events(m.next_seq)
         return KVEvents(self.service.engine_id, self.engine_config.cache.block_size, batch.first_seq, batch.last_seq,
                         b"".join(batch.stored), b"".join(batch.removed), batch.snapshot)
 
@@ -131,36 +133,24 @@ class EngineWorker:
 
     # -- prompt to engine request -------------------------------------------------------------------
     async def make_request(self, m: GenerateRequest | PrefillRequest | DecodeRequest, spans: RequestSpans,
-                           hold_kv: bool = False) -> Request | Error:
-        """The engine request for `m`, its image embeddings fetched from the encoders that hold them (each
-        fetch an `embeddings.fetch` span); or the Error to answer with (a request id in use, bad input,
-        embeddings out of reach)."""
+                           **kwargs) -> tuple[Request, PeerSources] | Error:
+        """The engine request for `m` (with `make_request`'s keyword arguments), and where its image embeddings
+        - and `kv_handle`, a decode's prompt KV - may be had from; or the Error to answer with (a request id
+        in use, bad input). The embeddings are fetched only when a step must compute their positions."""
         if m.request_id in self._tasks:
             return bad_request(m.request_id, "request id already in use")
+        sources = PeerSources(spans, kv_handle=kwargs.pop("kv_handle", None),
+                              encoder_addrs={ph.mm_hash: ph.encoder_addr for ph in m.mm_placeholders})
         try:
-            embeddings = {}
-            for ph in m.mm_placeholders:
-                if ph.mm_hash not in embeddings:
-                    started = time.monotonic()
-                    embeddings[ph.mm_hash] = await self._fetch_embeddings(ph)
-                    spans.add("embeddings.fetch", started, time.monotonic(), embeddings[ph.mm_hash].nbytes)
-            params = sampling_params_from_wire(m.sampling_params)
-            return await self.llm.make_request(
-                {"prompt_token_ids": list(m.prompt_token_ids)}, params, m.request_id,
-                cache_salt=m.cache_salt, hold_kv=hold_kv, mm_embeddings=embeddings,
-                mm_placeholders=tuple(MultiModalPlaceholder(p.offset, p.length, p.mm_hash) for p in m.mm_placeholders))
+            request = await self.llm.make_request(
+                {"prompt_token_ids": list(m.prompt_token_ids)}, sampling_params_from_wire(m.sampling_params),
+                m.request_id, cache_salt=m.cache_salt, kv_transfer_params=sources,
+                mm_placeholders=tuple(MultiModalPlaceholder(p.offset, p.length, p.mm_hash) for p in m.mm_placeholders),
+                **kwargs)
         except ValueError as exc:
             return bad_request(m.request_id, str(exc))
-        except (TransferError, ChannelError, TimeoutError) as exc:
-            return Error(ErrorCode.INTERNAL, f"could not fetch image embeddings: {exc}", m.request_id, True)
+        return request, sources
 
-    async def _fetch_embeddings(self, ph: MMPlaceholder) -> torch.Tensor:
-        emb = await self.kv_client.fetch_embeddings(ph.encoder_addr, ph.mm_hash,
-                                                    timeout=self.service.transport.transfer_timeout)
-        self.metrics.embeddings_fetched.inc()
-        return emb.to(self.engine_config.model.dtype)
-
-    # -- streaming back -----------------------------------------------------------------------------
     def refuse_if_overloaded(self, request_id: str) -> Error | None:
         """The retryable refusal of a request that would wait past --max-queue-wait behind the prompts queued
         here (the proxy tries another instance, or answers 503 with Retry-After), or None."""
@@ -171,13 +161,15 @@ class EngineWorker:
         return Error(ErrorCode.OVERLOADED, f"{wait:.0f}s of prompts are queued here, over --max-queue-wait "
                      f"{limit:g}s", request_id, retryable=True, retry_after=wait)
 
+    # -- streaming back -----------------------------------------------------------------------------
     async def _start_generate(self, message: GenerateRequest) -> Message:
         if refusal := self.refuse_if_overloaded(message.request_id):
             return refusal
         spans = RequestSpans(self.service.engine_id)
-        request = await self.make_request(message, spans)
-        if isinstance(request, Error):
-            return request
+        made = await self.make_request(message, spans)
+        if isinstance(made, Error):
+            return made
+        request, _ = made
         self.metrics.local_prefills.inc()
         return self.spawn_stream(request, lambda: self._timed(self.llm.generate(request), spans), message.reply_to,
                                  spans)
@@ -265,5 +257,6 @@ class EngineWorker:
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         await self.proxies.close()
+        await self.connector.close()
         await self.kv_client.close()
         self.llm.shutdown()

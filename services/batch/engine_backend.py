@@ -12,7 +12,7 @@ from typing import AsyncIterator
 from epdserve.services.proxy.generation import Chunk, GenerateInput, GenerationError
 from epdserve.shared.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from epdserve.shared.engine.sampling_params import RequestOutputKind
-from epdserve.shared.engine.wire import logprobs_to_wire, prompt_logprobs_to_wire
+from epdserve.services.wire import logprobs_to_wire, prompt_logprobs_to_wire
 
 
 class EngineBackend:

@@ -26,11 +26,11 @@ from epdserve.services.request_spans import RequestSpans
 from epdserve.shared.engine.async_llm import AsyncLLM
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.shared.engine.outputs import RequestOutput
-from epdserve.shared.engine.parallel_sampling import group_members
+from epdserve.shared.engine.handoff import PREFILL_OUTPUT_TOKENS
 from epdserve.transport.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, FirstToken, Handshake, KVHandle,
                                       LeaseRenewed, Message, PrefillDone, PrefillRequest, Release, RenewLease, Role,
                                       TokenLogprobs)
-from epdserve.shared.engine.wire import logprobs_to_wire, prompt_logprobs_to_wire
+from epdserve.services.wire import logprobs_to_wire, prompt_logprobs_to_wire
 from epdserve.transport.kv_transfer import KVTransferClient, KVTransferServer, create_server
 from epdserve.transport.security import WILDCARD_HOSTS
 
@@ -43,7 +43,7 @@ async def build_prefill_worker(service: ServiceConfig, engine_config: EngineConf
     """A prefill worker whose KV server is serving; `control_addr`: where decode sends Release."""
     llm = await start_engine(service, engine_config, on_dead)
     transport = service.transport
-    kv_server = create_server(transport.kv_transport, service.engine_id, kv_cache=llm.engine.runner.kv_cache,
+    kv_server = create_server(transport.kv_transport, service.engine_id, kv_cache=llm.kv_cache,
                               layout=kv_layout(engine_config), host=service.host, port=service.data_port,
                               allow_wildcard=service.host in WILDCARD_HOSTS, curve=server_curve(transport),
                               **transport.server_options(service.block_port))
@@ -96,12 +96,13 @@ class PrefillWorker(EngineWorker):
         if refusal := self.refuse_if_overloaded(rid):
             return refusal
         spans = RequestSpans(self.service.engine_id)
-        request = await self.make_request(m, spans, hold_kv=True)
-        if isinstance(request, Error):
-            return request
-        wants_more = request.max_output_tokens > 1
-        for sequence in group_members(request):  # n > 1: one prefill, then a first token per sequence
-            sequence.max_output_tokens = 1  # this engine's part ends at the first token
+        # This engine's part ends at each sequence's first token (n > 1: one prefill, a first token each).
+        made = await self.make_request(m, spans, hold_kv=True, max_output_tokens=PREFILL_OUTPUT_TOKENS)
+        if isinstance(made, Error):
+            return made
+        request, _ = made
+        room = self.engine_config.model.max_model_len - len(m.prompt_token_ids)
+        wants_more = min(m.sampling_params.max_tokens or room, room) > PREFILL_OUTPUT_TOKENS
         task = asyncio.current_task()
         self._tasks[rid] = task
         try:
@@ -113,7 +114,7 @@ class PrefillWorker(EngineWorker):
                 prompt_logprobs = prompt_logprobs_to_wire(out, request.sampling_params.prompt_logprobs) or \
                     prompt_logprobs
         except asyncio.CancelledError:  # aborted by the proxy while prefilling
-            self.llm.call_soon(lambda e: e.release_kv(rid))
+            self.llm.release_kv(rid)
             return Error(ErrorCode.ABORTED, "aborted", rid)
         finally:
             self._tasks.pop(rid, None)
@@ -126,7 +127,7 @@ class PrefillWorker(EngineWorker):
         self.metrics.finished(out)  # this engine's part ends here, whether or not decode goes on
         spans.add_engine_stages(out.metrics)
         if all(f.outputs[0].finish_reason == "stop" for f in firsts.values()) or not wants_more:
-            self.llm.call_soon(lambda e: e.release_kv(rid))
+            self.llm.release_kv(rid)
             others = tuple(FirstToken(f.outputs[0].token_ids[0], self._first_logprobs(f, num_top),
                                       FinishReason(f.outputs[0].finish_reason)) for _, f in sorted(firsts.items())[1:])
             return PrefillDone(rid, first, None, out.num_cached_tokens, FinishReason(completion.finish_reason),
@@ -172,7 +173,7 @@ class PrefillWorker(EngineWorker):
         if not await self.kv_server.wait_sent(request_id):
             logger.warning("%s: blocks of %s still queued for a peer that stopped reading; freeing them",
                            self.service.engine_id, request_id)
-        self.llm.call_soon(lambda e: e.release_kv(request_id))  # freed at the engine's next step boundary
+        self.llm.release_kv(request_id)  # freed at the engine's next step boundary
 
     async def _expire_leases(self) -> None:
         while True:

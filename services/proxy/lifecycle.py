@@ -46,7 +46,7 @@ from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, EncodeDone, 
                                       MMItem, MMPlaceholder, PrefillDone, PrefillRequest, Role, TokenDelta,
                                       TokenDeltas, TraceSpan)
 from epdserve.shared.engine.block_hash import extend_block_hashes
-from epdserve.shared.engine.wire import sampling_params_to_wire
+from epdserve.services.wire import sampling_params_to_wire
 from epdserve.transport.channel import ChannelError
 from epdserve.transport.reply_server import PullChannel
 

@@ -10,18 +10,19 @@ from epdserve.shared.engine.block_manager import BlockManager
 from epdserve.shared.config import EngineConfig
 from epdserve.shared.engine.kv_cache_budget import size_kv_cache
 from epdserve.shared.engine.model_runner import ModelRunner
+from epdserve.shared.engine.handoff import continue_from_peer
+from epdserve.shared.engine.kv_connector import KVConnector, LoadResult
 from epdserve.shared.engine.output_processor import OutputProcessor
 from epdserve.shared.engine.queue_estimate import QueueEstimate
-from epdserve.shared.engine.parallel_sampling import group_members, make_group, ungroup
+from epdserve.shared.engine.parallel_sampling import group_members, make_group
 from epdserve.shared.engine.outputs import RequestOutput
 from epdserve.shared.engine.kv_events import KVEventBatch
-from epdserve.shared.engine.request import (MultiModalPlaceholder, Request, RequestFailure, RequestStatus,
-                                            dense_logit_bias)
-from epdserve.shared.engine.sampler import draw_seeded_noise
+from epdserve.shared.engine.request import Request, RequestFailure, RequestStatus, dense_logit_bias
 from epdserve.shared.engine.sampling_params import SamplingParams
-from epdserve.shared.engine.scheduler import RemoteKVReservation, Scheduler
+from epdserve.shared.engine.scheduler import Scheduler
 from epdserve.shared.engine.step_timer import StepTimer
 from epdserve.shared.engine.structured_output import GrammarCompiler
+from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 from epdserve.shared.processing.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class LLMEngine:
         self.on_step_tokens: Callable[[int], None] | None = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self._due: list[RequestOutput] = []  # outputs for the next step to return (sequences a peer's token ended)
         logger.info("engine ready: %s (%s), %d KV blocks of %d tokens, attention backend %s",
                     config.model.model_id, config.model.dtype, num_blocks, config.cache.block_size,
                     self.runner.attention_backend)
@@ -76,10 +78,17 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                      arrival_time: float | None = None, cache_salt: str | None = None,
-                     mm_placeholders: tuple[MultiModalPlaceholder, ...] = (),
-                     mm_embeddings: dict | None = None, hold_kv: bool = False, compiled_grammar=None) -> Request:
+                     mm_placeholders: tuple[MultiModalPlaceholder, ...] = (), mm_embeddings: dict | None = None,
+                     hold_kv: bool = False, compiled_grammar=None, max_output_tokens: int | None = None,
+                     first_token_ids: Sequence[int] | None = None, kv_transfer_params: object | None = None) -> Request:
         """Validate and tokenize; raises ValueError naming the problem. Changes no engine state.
-        `compiled_grammar`: the params' output constraint, compiled already (else it is compiled here)."""
+
+        `compiled_grammar`: the params' output constraint, compiled already (else it is compiled here).
+        `mm_embeddings` may lack some placeholders' items: a KV connector loads them before they are needed.
+        `hold_kv`: keep the blocks once finished, until `release_kv` (a prefill holding them for a decode);
+        `max_output_tokens`: stop after that many tokens whatever the params allow (a prefill's part).
+        `first_token_ids`: each sequence's first token, sampled by the peer that computed the prompt
+        (handoff.py); `kv_transfer_params`: where the prompt's KV may be had from, for the KV connectors."""
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
@@ -90,9 +99,15 @@ class LLMEngine:
             raise ValueError("cache_salt must be a non-empty string")
         bias = dense_logit_bias(params.logit_bias, self.model_config.vocab_size)
         # n > 1: the first of n sequences, the others waiting to fork from it (parallel_sampling.py).
-        return make_group(request_id, params, lambda rid, p: Request(
+        request = make_group(request_id, params, lambda rid, p: Request(
             rid, token_ids, p, self.model_config.max_model_len, arrival_time, cache_salt, tuple(mm_placeholders),
-            text, mm_embeddings, hold_kv, self._grammar(p, compiled_grammar), bias))
+            text, dict(mm_embeddings or {}), hold_kv, self._grammar(p, compiled_grammar), bias, kv_transfer_params))
+        for sequence in group_members(request):
+            if max_output_tokens is not None:
+                sequence.max_output_tokens = min(sequence.max_output_tokens, max_output_tokens)
+        if first_token_ids is not None:
+            continue_from_peer(request, first_token_ids, self.model_config.vocab_size)
+        return request
 
     def _grammar(self, params: SamplingParams, compiled=None):
         """A fresh matcher for a constrained request (compiled grammars are cached); raises ValueError."""
@@ -104,11 +119,21 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType | Request, params: SamplingParams | None = None,
                     **kwargs) -> Request:
+        """Queue a request (made here from `prompt` unless it is one). Sequences that a peer's first token
+        ended already (handoff.py) finish at once: their outputs come with the next step's."""
         request = prompt if isinstance(prompt, Request) else self.make_request(request_id, prompt, params, **kwargs)
         self.scheduler.add_request(request)
-        for sequence in group_members(request):
+        members = group_members(request)
+        for sequence in members:
             self.output_processor.add_request(sequence)
         self.queue_estimate.queued_tokens += request.num_prompt_tokens
+        for sequence in members if request.num_peer_tokens else ():
+            self.output_processor.process_token(sequence, None)
+            if sequence.check_stop():
+                self.scheduler.finish_at_peer_token(sequence)
+            out = self.output_processor.make_output(sequence, first_token_delivered=True)
+            if sequence.is_finished and out is not None:
+                self._due.append(out)
         return request
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -153,6 +178,8 @@ class LLMEngine:
                              f"got {params.n}")
 
     def _check_multimodal(self, num_tokens: int, placeholders, embeddings: dict) -> None:
+        """Placeholders in order and inside the prompt; the embeddings given of the right shape (missing ones
+        are loaded by a KV connector before their positions are computed, or fail the request then)."""
         end = 0
         for ph in sorted(placeholders, key=lambda p: p.offset):
             if ph.offset < end or ph.length <= 0 or ph.offset + ph.length > num_tokens:
@@ -160,7 +187,7 @@ class LLMEngine:
                                  f"lies outside the {num_tokens}-token prompt")
             end = ph.offset + ph.length
             emb = embeddings.get(ph.mm_hash)
-            if emb is None or tuple(emb.shape) != (ph.length, self.model_config.hidden_size):
+            if emb is not None and tuple(emb.shape) != (ph.length, self.model_config.hidden_size):
                 raise ValueError(f"item {ph.mm_hash!r} needs embeddings of shape "
                                  f"({ph.length}, {self.model_config.hidden_size})")
 
@@ -172,67 +199,28 @@ class LLMEngine:
         aborted = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         return [out for r in aborted if (out := self.output_processor.make_output(r)) is not None]
 
-    # -- disaggregation: KV computed here and kept for a peer, or computed by a peer ---------------
+    # -- KV from and for elsewhere ------------------------------------------------------------------
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks a finished `hold_kv` request kept; False if it holds none."""
         return self.scheduler.release_kv(request_id)
 
-    def reserve_remote_kv(self, request: Request) -> RemoteKVReservation | None:
-        """Set aside blocks for a request whose prompt KV a peer computed (None: no room now). The
-        caller fills `reservation.block_ids` in `runner.kv_cache`, then calls `add_prefilled`."""
-        return self.scheduler.reserve_remote_kv(request)
+    def add_connector(self, connector: KVConnector, finish) -> None:
+        """Let `connector` feed requests (kv_connector.py); `finish(result)` is how its loads end: it must
+        bring the result to this engine's thread and `finish_load` there."""
+        connector.bind(finish)
+        self.scheduler.loads.connectors.append(connector)
 
-    def add_prefilled(self, request: Request, first_token_ids: int | Sequence[int]) -> list[RequestOutput]:
-        """Join a reserved request, its prompt KV now in place, with the first token the peer sampled (for
-        n > 1, one per sequence: the others fork from it here). Those tokens count as already delivered;
-        outputs of sequences they ended are returned."""
-        first_token_ids = [first_token_ids] if isinstance(first_token_ids, int) else first_token_ids
-        members = group_members(request)
-        for sequence in members:
-            self._take_peer_noise(sequence)
-        sequences = self.scheduler.add_prefilled(request, first_token_ids)
-        if not sequences:  # aborted meanwhile
-            return [out for m in members if (out := self.output_processor.make_output(m)) is not None]
-        return self._peer_token_outputs(sequences)
-
-    def add_recomputed(self, request: Request, first_token_ids: int | Sequence[int]) -> list[RequestOutput]:
-        """Add a request whose first token a peer sampled but whose prompt KV never arrived: the prompt
-        and that token are recomputed here, as after a preemption, and the request goes on exactly as it
-        would have on the peer's KV (the token counts as output for penalties and limits, seeded noise
-        continues). The token counts as already delivered. For n > 1 (one token per sequence) each
-        sequence recomputes on its own: a fallback, where sharing the prompt is not worth the states."""
-        first_token_ids = [first_token_ids] if isinstance(first_token_ids, int) else first_token_ids
-        sequences = ungroup(request)
-        for sequence in sequences:
-            self._take_peer_noise(sequence)
-            sequence.append_output_token(first_token_ids[sequence.index])
-            if not sequence.check_stop():
-                self.scheduler.add_request(sequence)
-        return self._peer_token_outputs(sequences)
-
-    def _take_peer_noise(self, request: Request) -> None:
-        self.output_processor.add_request(request)
-        if request.generator is not None and not request.sampling_params.is_greedy:
-            # The peer drew one row of sampling noise for the first token: draw it too, so a seeded request
-            # samples the same tokens here as it would in one engine.
-            draw_seeded_noise(request.generator, self.model_config.vocab_size)
-
-    def _peer_token_outputs(self, sequences: list[Request]) -> list[RequestOutput]:
-        """Account for the peer's first tokens; the outputs of the sequences that ended at theirs."""
-        outputs = []
-        for sequence in sequences:
-            self.output_processor.process_token(sequence, None)
-            out = self.output_processor.make_output(sequence, first_token_delivered=True)
-            if sequence.is_finished and out is not None:
-                outputs.append(out)
-        return outputs
+    def finish_load(self, result: LoadResult) -> list[RequestOutput]:
+        """A connector's load ended (on the engine's thread); the outputs of requests that ended with it."""
+        ended = self.scheduler.finish_load(result, self.model_config.hidden_size)
+        return [out for r in ended if (out := self.output_processor.make_output(r)) is not None]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     def has_work(self) -> bool:
-        """Whether `step()` would compute anything now."""
-        return self.scheduler.has_work
+        """Whether `step()` would compute (or deliver) anything now."""
+        return self.scheduler.has_work or bool(self._due)
 
     # -- the loop -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -251,7 +239,11 @@ class LLMEngine:
         result = self.runner.execute(sched.scheduled, sched.new_block_ids, sched.block_copies)
         self.num_generation_tokens += len(result.token_ids)
         with timer.phase("output"):
-            outputs = self._fail(result.failed)
+            outputs, self._due = self._due, []
+            outputs += self._fail(result.failed)
+            outputs += self._fail({r.request_id: RequestFailure(
+                "the request's image embeddings are missing and no connector can supply them")
+                for r in sched.unservable})
             for request_id, scores in result.prompt_logprobs.items():
                 request = self.scheduler.requests.get(request_id)
                 if request is not None:

@@ -17,7 +17,7 @@ whatever the cache settings:
   (aborted, failed), the next waiting sequence takes its place.
 - Disaggregated: prefill runs the group up to the first tokens (one prefill, n samples) and holds one set
   of prompt blocks; decode pulls them once into sequence 0's reservation and forks the others from it,
-  each with the first token prefill sampled for it (`Scheduler.add_prefilled`).
+  each with the first token prefill sampled for it (handoff.py, `Scheduler.finish_load`).
 - Sequence i samples from seed + i, so a seeded request is reproducible and its sequence 0 is the same
   request with n = 1.
 """

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from epdserve.shared.engine.sampling_params import SamplingParams
+from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 from epdserve.shared.engine.structured_output import GrammarState
 
 
@@ -16,10 +16,11 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6  # failed alone (e.g. its sampling raised); the engine went on with the others
+    WAITING_FOR_KV = 3  # blocks set aside, a connector filling them (or fetching its encoder outputs)
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # failed alone (e.g. its sampling raised); the engine went on with the others
 
     @property
     def is_finished(self) -> bool:
@@ -57,15 +58,6 @@ class RequestFailure(NamedTuple):
     bad_input: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class MultiModalPlaceholder:
-    """`length` prompt positions from `offset` on are filled by the embeddings of item `mm_hash`."""
-
-    offset: int
-    length: int
-    mm_hash: str
-
-
 class Request:
     """Owned by the scheduler; `block_ids` and `block_hashes` are changed only by the block manager.
 
@@ -88,6 +80,7 @@ class Request:
         hold_kv: bool = False,
         grammar: GrammarState | None = None,
         logit_bias: torch.Tensor | None = None,
+        kv_transfer_params: object | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -98,7 +91,14 @@ class Request:
         self.mm_placeholders = mm_placeholders
         # mm_hash -> encoder output [length, hidden_size] for each placeholder; needed while the
         # placeholder's positions are (re)computed, so kept until the request ends (preemption recomputes).
+        # Missing ones are loaded by a KV connector before any step computes their positions.
         self.mm_embeddings = mm_embeddings or {}
+        # For the KV connectors (kv_connector.py), opaque to the engine: where this request's KV may be had
+        # from (a peer's handle, say). They are asked for it once: `kv_load_started` says they were.
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_load_started = False
+        # Leading output tokens a peer engine sampled (handoff.py): already delivered to the client.
+        self.num_peer_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.failure: RequestFailure | None = None  # why it ended FINISHED_ERROR
@@ -154,6 +154,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def missing_embeddings(self, num_computed: int) -> tuple[str, ...]:
+        """Encoder outputs this request lacks for the positions from `num_computed` on, which it must compute."""
+        return tuple(dict.fromkeys(ph.mm_hash for ph in self.mm_placeholders
+                                   if ph.offset + ph.length > num_computed and ph.mm_hash not in self.mm_embeddings))
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

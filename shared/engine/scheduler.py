@@ -19,12 +19,14 @@ from __future__ import annotations
 import collections
 import time
 from collections import deque
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from epdserve.shared.engine.block_manager import BlockManager
 from epdserve.shared.config import SchedulerConfig
-from epdserve.shared.engine.parallel_sampling import group_members
-from epdserve.shared.engine.request import Request, RequestStatus
+from epdserve.shared.engine.kv_connector import KVLoad, LoadResult
+from epdserve.shared.engine.kv_loads import Admission, KVLoads
+from epdserve.shared.engine.parallel_sampling import group_members, ungroup
+from epdserve.shared.engine.request import Request, RequestFailure, RequestStatus
 
 
 class ScheduledRequest(NamedTuple):
@@ -38,14 +40,9 @@ class SchedulerOutput(NamedTuple):
     preempted: list[Request]
     new_block_ids: list[int]  # blocks allocated fresh this step (to be zeroed before use)
     block_copies: Sequence[tuple[int, int]] = ()  # (source, destination): copy-on-write, before the forward pass
-
-
-class RemoteKVReservation(NamedTuple):
-    """Blocks set aside for a request whose prompt KV is computed elsewhere."""
-
-    num_local_tokens: int  # prompt tokens already in this engine's prefix cache (whole blocks)
-    first_remote_block: int  # index, in the request's block table, of the first block to fetch
-    block_ids: list[int]  # local blocks to fill, for block indices first_remote_block, +1, ...
+    # Left the queue: they must compute positions whose encoder outputs no connector can supply (the engine
+    # fails them).
+    unservable: Sequence[Request] = ()
 
 
 class Scheduler:
@@ -65,9 +62,7 @@ class Scheduler:
         self.held: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}  # by finish reason
-        # Called (on the engine's thread, mid-step included: it must only take note) when blocks or a
-        # running slot free up, so a request waiting for a remote-KV reservation is tried again then.
-        self.on_room: Callable[[], None] | None = None
+        self.loads = KVLoads(block_manager)  # the KV connectors, and the requests they are loading
 
     def add_request(self, request: Request) -> None:
         self._admit(request)
@@ -107,7 +102,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        """Whether a step would compute anything (requests reserved for remote KV wait outside the queues)."""
+        """Whether a step would compute anything (requests waiting for their KV are in no queue)."""
         return bool(self.waiting or self.running or self.parked)
 
     @property
@@ -150,10 +145,22 @@ class Scheduler:
             break
 
         # New requests join only in a step that preempted nobody: the pool is tight otherwise. A group needs
-        # one seat to compute its prompt; its other sequences are seated (or parked) when they fork.
+        # one seat to compute its prompt; its other sequences are seated (or parked) when they fork. A
+        # request a KV connector can feed leaves the queue for its load instead, seatless.
+        unservable: list[Request] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_cached = bm.get_computed_blocks(request)
+            admission = self.loads.try_start(request, computed_blocks, num_cached)
+            if admission is Admission.NO_ROOM:
+                break
+            if admission is not Admission.NONE:
+                self.waiting.popleft()
+                if admission is Admission.STARTED:
+                    request.status = RequestStatus.WAITING_FOR_KV
+                else:
+                    unservable.append(request)
+                continue
             num_new = min(request.num_tokens - num_cached, budget)
             if not bm.can_allocate(request, num_new, computed_blocks):
                 break
@@ -170,7 +177,7 @@ class Scheduler:
             budget -= num_new
 
         return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted,
-                               bm.take_new_block_ids(), bm.take_block_copies())
+                               bm.take_new_block_ids(), bm.take_block_copies(), unservable)
 
     def _share_seats(self) -> None:
         """Park the sequences a group holds beyond its share while others wait for a seat; seat parked
@@ -197,7 +204,7 @@ class Scheduler:
                 free -= 1
 
     def _preempt(self, request: Request) -> None:
-        self._free(request)
+        self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -251,6 +258,11 @@ class Scheduler:
 
     def _remove(self, request: Request) -> None:
         assert request.is_finished
+        if request.request_id in self.loads.loading:  # its blocks are being written: freed when the load ends
+            del self.requests[request.request_id]
+            self.num_finished[request.status.finish_reason] += 1
+            self._forget_group(request)
+            return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -271,10 +283,14 @@ class Scheduler:
         # Only a request that ran to its end keeps its KV for a peer; an aborted or failed one frees it.
         if request.hold_kv and request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.held[request.request_id] = request
-            self._room()  # a running slot, if not blocks
         else:
-            self._free(request)
+            self.block_manager.free(request)
+        self.loads.ended(request)
         self._forget_group(request)
+
+    def finish_at_peer_token(self, request: Request) -> None:
+        """A sequence just added ended at the first token a peer sampled for it (check_stop said so)."""
+        self._remove(request)
 
     def release_kv(self, request_id: str) -> bool:
         """Free a finished request's held blocks (a group's: all its sequences'); False if it holds none
@@ -283,52 +299,61 @@ class Scheduler:
         for member_id in self.member_ids(request_id):
             request = self.held.pop(member_id, None)
             if request is not None:
-                self._free(request)
+                self.block_manager.free(request)
                 self._forget_group(request)
                 released = True
         return released
 
-    def _free(self, request: Request) -> None:
-        self.block_manager.free(request)
-        self._room()
-
-    def _room(self) -> None:
-        if self.on_room is not None:
-            self.on_room()
-
-    # -- requests whose prompt KV comes from another engine -----------------------------------------
-    def reserve_remote_kv(self, request: Request) -> RemoteKVReservation | None:
-        """Allocate blocks for the request's whole prompt, reusing local prefix hits; None if the pool
-        has no room now (`on_room` tells when there may be). The request then waits outside the queues
-        until `add_prefilled`."""
-        if len(self.running) >= self.config.max_num_seqs:
-            return None
-        bm = self.block_manager
-        num_prompt = request.num_prompt_tokens
-        hits, num_cached = bm.get_computed_blocks(request, max_tokens=num_prompt)
-        if not bm.can_allocate(request, num_prompt - num_cached, hits):
-            return None
-        self._admit(request)
-        bm.allocate(request, num_prompt - num_cached, hits)
-        fill = request.block_ids[len(hits):]
-        bm.skip_zeroing(fill)
-        request.num_cached_tokens = num_cached
-        return RemoteKVReservation(num_cached, len(hits), fill)
-
-    def add_prefilled(self, request: Request, first_token_ids: Sequence[int]) -> list[Request]:
-        """The reserved blocks now hold the prompt's KV: the request - with a group's waiting sequences
-        forked from it - joins the running batch, sequence i with `first_token_ids[i]` (sampled by the
-        engine that computed the prompt). Returns those sequences; the ones that ended at their first
-        token are finished already; none if the request was aborted meanwhile."""
-        if request.request_id not in self.requests:
+    # -- the end of a load (kv_connector.py) ---------------------------------------------------------
+    def finish_load(self, result: LoadResult, hidden_size: int) -> list[Request]:
+        """A connector's load ended. KV: on success the request (and the sequences of its group, forked from
+        its blocks) runs from the loaded tokens on - seated, or parked for a seat; on failure it frees the
+        blocks and computes the tokens itself (a group's sequences each on their own). Encoder outputs: the
+        request goes back to the head of the queue with them. Returns the requests this ended (a failed
+        encoder output load, malformed ones)."""
+        loading = self.loads.take(result.request_id)
+        if loading is None:
             return []
-        request.num_computed_tokens = request.num_prompt_tokens
-        self.block_manager.cache_full_blocks(request)
+        request, load = loading.request, loading.load
+        if request.is_finished:  # aborted while loading: its blocks were kept until now
+            self.block_manager.free(request)
+            self.loads.ended(request)
+            return []
+        if not load.block_ids and not load.mm_hashes:
+            raise AssertionError("a load of nothing")
+        if load.mm_hashes:
+            return self._embeddings_loaded(request, load, result, hidden_size)
+        if result.ok:
+            request.num_computed_tokens = load.num_tokens
+            self.block_manager.cache_full_blocks(request)
+            self._start_running(request)
+            return []
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        members = ungroup(request)
+        for member in reversed(members):
+            self.waiting.appendleft(member)
+        return []
+
+    def _embeddings_loaded(self, request: Request, load: KVLoad, result: LoadResult, hidden_size: int) -> list[Request]:
+        wanted = {ph.mm_hash: ph.length for ph in request.mm_placeholders if ph.mm_hash in load.mm_hashes}
+        got = result.mm_embeddings
+        if not result.ok or any(tuple(getattr(got.get(h), "shape", ())) != (n, hidden_size) for h, n in wanted.items()):
+            request.status = RequestStatus.FINISHED_ERROR
+            request.failure = RequestFailure(f"the request's image embeddings could not be had: {result.reason or 'wrong shapes'}")
+            self._remove(request)
+            return [request]
+        request.mm_embeddings.update({h: got[h] for h in wanted})
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        return []
+
+    def _start_running(self, request: Request) -> None:
+        """A request whose prompt KV was loaded: it, and the sequences of its group (each with its own
+        first token, sampled where the prompt was computed), run from the end of the prompt on."""
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        sequences = [request, *self._fork(request)]
-        for sequence in sequences:
-            sequence.append_output_token(first_token_ids[sequence.index])
-            if sequence.check_stop():
-                self._remove(sequence)
-        return sequences
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        (self.running if len(self.running) < self.config.max_num_seqs else self.parked).append(request)
+        self._fork(request)

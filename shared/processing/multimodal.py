@@ -16,9 +16,17 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from epdserve.shared.processing.image_processor import ImageProcessorConfig
-from epdserve.shared.engine.request import MultiModalPlaceholder
 
 _HASH_DOMAIN = b"epdserve-image-v1"
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalPlaceholder:
+    """`length` prompt positions from `offset` on are filled by the embeddings of item `mm_hash`."""
+
+    offset: int
+    length: int
+    mm_hash: str
 
 
 def mm_hash(rgb: np.ndarray, processor: ImageProcessorConfig) -> str:

@@ -16,7 +16,7 @@ import pytest
 
 from epdserve.transport import protocol as p
 from epdserve.shared.engine.sampling_params import SamplingParams
-from epdserve.shared.engine.wire import sampling_params_to_wire
+from epdserve.services.wire import sampling_params_to_wire
 from epdserve.transport.channel import ErrorReply
 from epdserve.transport.request_client import RequestClient
 

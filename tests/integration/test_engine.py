@@ -206,9 +206,9 @@ def test_async_streams_deltas_and_aborts(tiny_model_paths):
                 break
         for _ in range(100):
             await asyncio.sleep(0.02)
-            if not engine.engine.has_unfinished_requests():
+            stats = engine.stats()
+            if stats.num_running == stats.num_waiting == 0:
                 break
-        stats = engine.engine.stats()
         assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
 
         # An explicit abort ends the stream with finish_reason "abort".

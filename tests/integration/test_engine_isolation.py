@@ -101,7 +101,8 @@ def test_async_failures_reach_their_stream_only(tiny_model_paths):
 
     try:
         asyncio.run(main())
-        assert_clean(llm.engine)
+        stats = llm.stats()
+        assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
     finally:
         llm.shutdown()
 
@@ -113,13 +114,14 @@ def test_cancelled_engine_calls_do_not_stop_the_loop(tiny_model_paths):
     async def main():
         busy = asyncio.create_task(collect_all(llm.generate("Hello " * 200, SamplingParams(**GREEDY))))
         for _ in range(30):
-            call = asyncio.create_task(llm.call(lambda e: e.stats()))
+            call = asyncio.create_task(llm.kv_events(None))
             await asyncio.sleep(0)  # queued behind the running step
             call.cancel()
             await asyncio.gather(call, return_exceptions=True)
         await busy
         assert llm.dead is None
-        assert (await llm.call(lambda e: e.stats())).num_running == 0
+        await llm.kv_events(None)
+        assert llm.stats().num_running == 0
 
     try:
         asyncio.run(main())
@@ -141,12 +143,12 @@ def test_a_dead_loop_fails_every_waiter_and_reports(tiny_model_paths):
 
     async def main():
         stream = collect_all(llm.generate("Hello", SamplingParams(**GREEDY)))
-        llm.engine.scheduler.schedule = broken_schedule  # a bug outside any one request
+        llm._engine.scheduler.schedule = broken_schedule  # a bug outside any one request (injected: the engine's own)
         with pytest.raises(EngineDeadError):
             await stream
         assert isinstance(llm.dead, RuntimeError) and causes == [llm.dead]
         with pytest.raises(EngineDeadError):
-            await llm.call(lambda e: e.stats())
+            await llm.kv_events(None)
         with pytest.raises(EngineDeadError):
             await collect_all(llm.generate("Hello", SamplingParams(**GREEDY)))
 

@@ -162,48 +162,37 @@ def test_a_group_larger_than_the_batch_is_refused(llm):
 
 
 @pytest.mark.parametrize("pulled", [True, False])
-def test_disaggregated_group_equals_one_engine(llm, default_model_path, pulled):
-    """Prefill runs the group to its n first tokens on one set of blocks; decode fills one reservation and
-    forks it (or, when the KV cannot be had, recomputes each sequence): the tokens of one engine."""
+def test_disaggregated_group_equals_one_engine(llm, default_model_path, copy_connector, prefill_held, pulled):
+    """Prefill runs the group to its n first tokens on one set of blocks; decode loads them once and forks
+    them (or, when the KV cannot be had, recomputes each sequence): the tokens of one engine."""
     from dataclasses import replace
 
     from epdserve import AsyncLLM, RequestOutputKind
     from epdserve.shared.engine.llm import build_engine_config
-    from epdserve.shared.engine.parallel_sampling import group_members
 
     params = SamplingParams(n=3, seed=3, **SAMPLED)
     unified = [c.token_ids for c in llm.generate(PROMPT, params)[0].outputs]
     config = build_engine_config(default_model_path, block_size=BS, num_kv_blocks=48)
     prefill = LLMEngine(config, detokenize=False)
-    decode = AsyncLLM(LLMEngine(config, detokenize=False))
+    decode = AsyncLLM.from_config(config, detokenize=False)
+    decode.add_connector(copy_connector(decode.kv_cache, fail=not pulled))
     try:
-        request = prefill.make_request("g", PROMPT, params, hold_kv=True)
-        for sequence in group_members(request):
-            sequence.max_output_tokens = 1
-        prefill.add_request("g", request)
-        firsts, held = {}, None
-        while prefill.has_unfinished_requests():
-            for out in prefill.step():
-                firsts |= {c.index: c.token_ids[0] for c in out.outputs}  # CUMULATIVE: every sequence's
-                held = out.kv_block_ids or held
+        prompt_ids = prefill.tokenizer.encode(PROMPT)
+        first_tokens, held = prefill_held(prefill, "g", prompt_ids, params)
         assert len(held) == 3 and prefill.stats().num_free_blocks == 48 - 3  # one set of blocks for three
-        first_tokens = [firsts[i] for i in range(3)]
-
-        async def fill_kv(reservation):
-            src = held[reservation.first_remote_block:]
-            decode.engine.runner.kv_cache[:, :, reservation.block_ids] = prefill.runner.kv_cache[:, :, src]
 
         async def main():
-            group = await decode.make_request(PROMPT, replace(params, output_kind=RequestOutputKind.DELTA), "g")
+            group = await decode.make_request(prompt_ids, replace(params, output_kind=RequestOutputKind.DELTA), "g",
+                                              first_token_ids=first_tokens,
+                                              kv_transfer_params=(prefill.runner.kv_cache, held, len(prompt_ids)))
             tokens = {i: [t] for i, t in enumerate(first_tokens)}
-            outputs = decode.generate_prefilled(group, first_tokens, fill_kv) if pulled else \
-                decode.generate_recomputed(group, first_tokens)
-            async for out in outputs:
+            async for out in decode.generate(group):
                 tokens[out.outputs[0].index] += out.outputs[0].token_ids
             return [tokens[i] for i in range(3)]
 
         assert asyncio.run(main()) == unified
         assert prefill.release_kv("g") and prefill.stats().num_free_blocks == 48
-        assert_clean(decode.engine)
+        stats = decode.stats()
+        assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
     finally:
         decode.shutdown()

@@ -3,38 +3,20 @@ process: a stop string ends its own choice only, the other choices run on to the
 import socket
 import threading
 import time
-from dataclasses import replace
 
 import openai
 import pytest
 import uvicorn
 
-from epdserve import AsyncLLM, RequestOutputKind
+from epdserve import AsyncLLM
 from epdserve.services.proxy.app import build_app
-from epdserve.services.proxy.generation import Chunk
+from epdserve.services.batch.engine_backend import EngineBackend
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.serving import OpenAIServing
-from epdserve.shared.engine.wire import logprobs_to_wire
 
 MODEL = "smollm2"
 PARAMS = dict(model=MODEL, prompt="My favourite animals are", n=3, max_tokens=16, temperature=1.0, seed=5,
               extra_body={"ignore_eos": True})
-
-
-class EngineBackend:
-    """Runs requests on an in-process engine, token ids only and each sequence's chunks by index, as a
-    service streams them."""
-
-    def __init__(self, llm: AsyncLLM) -> None:
-        self.llm = llm
-
-    async def generate(self, gen):
-        params = replace(gen.params, output_kind=RequestOutputKind.DELTA)
-        async for out in self.llm.generate({"prompt_token_ids": gen.prompt_token_ids}, params,
-                                           request_id=gen.request_id):
-            o = out.outputs[0]
-            yield Chunk(list(o.token_ids), list(logprobs_to_wire(out, params.logprobs)), o.finish_reason,
-                        o.stop_reason, out.num_cached_tokens, index=o.index)
 
 
 @pytest.fixture(scope="module")

@@ -4,38 +4,19 @@ import asyncio
 import socket
 import threading
 import time
-from dataclasses import replace
 
 import httpx
 import openai
 import pytest
 import uvicorn
 
-from epdserve import AsyncLLM, RequestOutputKind
+from epdserve import AsyncLLM
 from epdserve.services.proxy.app import build_app
-from epdserve.services.proxy.generation import Chunk
+from epdserve.services.batch.engine_backend import EngineBackend
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.serving import OpenAIServing
-from epdserve.shared.engine.wire import logprobs_to_wire
 
 MODEL = "tiny"
-
-
-class EngineBackend:
-    """Runs requests on an in-process engine (token ids only, as a service does)."""
-
-    def __init__(self, llm: AsyncLLM) -> None:
-        self.llm = llm
-
-    async def generate(self, gen):
-        params = replace(gen.params, output_kind=RequestOutputKind.DELTA)
-        first = True
-        async for out in self.llm.generate({"prompt_token_ids": gen.prompt_token_ids}, params,
-                                           request_id=gen.request_id, cache_salt=gen.cache_salt):
-            o = out.outputs[0]
-            yield Chunk(list(o.token_ids), list(logprobs_to_wire(out, params.logprobs)), o.finish_reason, o.stop_reason,
-                        out.num_cached_tokens if first else None)
-            first = False
 
 
 def free_port() -> int:
@@ -167,7 +148,7 @@ def test_disconnect_aborts(server):
     url, llm, engine = server
 
     async def main():
-        aborted_before = (await llm.call(lambda e: e.stats())).num_finished["abort"]
+        aborted_before = llm.stats().num_finished["abort"]
         async with httpx.AsyncClient() as c:
             async with c.stream("POST", url + "/v1/completions", headers={"Authorization": "Bearer secret"},
                                 json={"model": MODEL, "prompt": "a", "max_tokens": 400, "stream": True,
@@ -176,7 +157,7 @@ def test_disconnect_aborts(server):
                     if line.startswith("data:"):
                         break  # hang up mid-stream
         for _ in range(100):
-            stats = await llm.call(lambda e: e.stats())
+            stats = llm.stats()
             if stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks:
                 return stats.num_finished["abort"] == aborted_before + 1
             await asyncio.sleep(0.05)

@@ -14,7 +14,7 @@ from epdserve.transport import protocol as p
 from epdserve.shared.config import ServiceConfig, TransportConfig
 from epdserve.shared.engine.llm import build_engine_config
 from epdserve.shared.engine.sampling_params import SamplingParams
-from epdserve.shared.engine.wire import sampling_params_to_wire
+from epdserve.services.wire import sampling_params_to_wire
 from epdserve.transport.channel import ErrorReply
 from epdserve.transport.reply_server import PullChannel
 from epdserve.transport.request_client import RequestClient
@@ -82,7 +82,7 @@ def test_a_dead_engine_makes_the_service_unhealthy_and_exit_nonzero(tiny_model_p
             def broken_schedule():
                 raise RuntimeError("scheduler bug")
 
-            service.worker.llm.engine.scheduler.schedule = broken_schedule  # a bug no request caused
+            service.worker.llm._engine.scheduler.schedule = broken_schedule  # a bug no request caused
             assert await proxy.request(generate("r1", inbox.address), expect=p.Ack) == p.Ack("r1")
             error = await inbox.recv(timeout=10)
             assert isinstance(error, p.Error) and error.request_id == "r1" and "engine loop failed" in error.message

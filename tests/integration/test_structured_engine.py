@@ -63,40 +63,26 @@ def test_preempted_constrained_requests_still_validate(default_model_path):
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
 
 
-def _prefill(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams):
-    request = engine.make_request(rid, {"prompt_token_ids": prompt}, params, hold_kv=True)
-    request.max_output_tokens = 1
-    engine.add_request(rid, request)
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            final = out if out.finished else final
-    return final.outputs[0].token_ids[0], final.kv_block_ids
-
-
 @pytest.mark.parametrize("pull", [True, False], ids=["kv-pulled", "recomputed"])
-def test_prefill_samples_the_first_token_and_decode_the_rest(default_model_path, llm, pull):
+def test_prefill_samples_the_first_token_and_decode_the_rest(default_model_path, llm, copy_connector, prefill_held,
+                                                              pull):
     """Prefill's first token is sampled under the grammar; decode replays it into a fresh matcher and goes
-    on, on the pulled KV or on the recomputed prompt, with the same tokens as one engine."""
+    on, on the loaded KV or on the recomputed prompt, with the same tokens as one engine."""
     params = constrained(temperature=1.0, seed=7, max_tokens=60)
     prompt = chat_ids(llm.engine, PEOPLE[1])
     unified = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
     prefill = LLMEngine(build_engine_config(default_model_path, num_kv_blocks=32), detokenize=False)
-    decode = AsyncLLM(LLMEngine(build_engine_config(default_model_path, num_kv_blocks=32)))
+    decode = AsyncLLM.from_config(build_engine_config(default_model_path, num_kv_blocks=32))
+    decode.add_connector(copy_connector(decode.kv_cache, fail=not pull))
 
     async def run():
-        first, held = _prefill(prefill, "r", prompt, params)
+        firsts, held = prefill_held(prefill, "r", prompt, params)
         request = await decode.make_request({"prompt_token_ids": prompt},
-                                      replace(params, output_kind=RequestOutputKind.DELTA), "r")
-        tokens = [first]
-        if pull:
-            async def fill_kv(reservation):
-                src = held[reservation.first_remote_block:reservation.first_remote_block + len(reservation.block_ids)]
-                decode.engine.runner.kv_cache[:, :, reservation.block_ids] = prefill.runner.kv_cache[:, :, src]
-            stream = decode.generate_prefilled(request, first, fill_kv)
-        else:
-            stream = decode.generate_recomputed(request, first)
-        async for out in stream:
+                                            replace(params, output_kind=RequestOutputKind.DELTA), "r",
+                                            first_token_ids=firsts,
+                                            kv_transfer_params=(prefill.runner.kv_cache, held, len(prompt)))
+        tokens = list(firsts)
+        async for out in decode.generate(request):
             tokens += out.outputs[0].token_ids
             reason = out.outputs[0].finish_reason
         prefill.release_kv("r")
@@ -130,7 +116,7 @@ def test_a_slow_compile_is_refused_while_the_engine_loop_goes_on(default_model_p
     """The compile runs off the event loop, which keeps ticking; past the time bound the request is
     refused (bad input), and the grammar, compiled anyway, is cached for the next such request."""
     config = replace(build_engine_config(default_model_path, num_kv_blocks=32), grammar_compile_timeout=0.05)
-    llm = AsyncLLM(LLMEngine(config))
+    llm = AsyncLLM.from_config(config)
     so = StructuredOutputsParams.json_schema(huge_schema(3000))
 
     async def main():
@@ -148,19 +134,24 @@ def test_a_slow_compile_is_refused_while_the_engine_loop_goes_on(default_model_p
         ticker.cancel()
         return ticks
 
-    try:
-        assert asyncio.run(main()) >= 3  # the loop ran while the compile did
-        compiler = llm.engine.grammar_compiler
+    async def cached_soon():  # the same schema again: taken at once once the first compile has ended
         deadline = time.monotonic() + 60
-        while compiler.num_compiled == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert compiler.num_compiled == 1 and len(compiler) == 1
+        while True:
+            try:
+                return await llm.make_request([1, 2, 3], SamplingParams(structured_outputs=so), "again")
+            except ValueError:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+
+    try:
+        assert asyncio.run(main()) >= 1  # the loop ran while the compile did
+        assert asyncio.run(cached_soon()).grammar is not None
     finally:
         llm.shutdown()
 
 
 def test_a_request_whose_grammar_dead_ends_fails_as_bad_input_and_the_others_go_on(default_model_path):
-    llm = AsyncLLM(LLMEngine(build_engine_config(default_model_path, num_kv_blocks=32)))
+    llm = AsyncLLM.from_config(build_engine_config(default_model_path, num_kv_blocks=32))
     dead_end = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(
         "grammar", r'root ::= "a" [^\x00-\U0010FFFF]'))
 

@@ -3,7 +3,8 @@ import pytest
 
 from epdserve.shared.engine.block_hash import hash_block
 from epdserve.shared.engine.block_manager import BlockManager
-from epdserve.shared.engine.request import MultiModalPlaceholder, Request
+from epdserve.shared.engine.request import Request
+from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 from epdserve.shared.engine.sampling_params import SamplingParams
 
 BS = 4

@@ -11,7 +11,7 @@ from PIL import Image
 from epdserve.shared.processing.image_processor import ImageProcessor, ImageProcessorConfig
 from epdserve.shared.models.llava_encoder import LlavaEncoderConfig
 from epdserve.shared.processing.multimodal import ImagePromptSpec, expand_image_tokens, mm_hash
-from epdserve.shared.engine.request import MultiModalPlaceholder
+from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 
 IMAGE = 99  # the image token id in these tests
 

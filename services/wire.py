@@ -1,4 +1,5 @@
-"""Every conversion between the engine's types and the wire's (`epdserve.transport.protocol`).
+"""Every conversion between the engine's types and the wire's (`epdserve.transport.protocol`): the one place
+they meet, on the services' side (the engine knows no wire, the transport no engine).
 
 - SamplingParams <-> WireSamplingParams: the same fields by name, less those only the engine sets.
   The names are read from the wire struct, never listed here; tests/unit/test_wire.py holds the two
@@ -8,7 +9,7 @@
 - The engine's per-token logprobs (vLLM-shaped `dict[int, Logprob]` of a RequestOutput) ->
   TokenLogprobs, the one logprobs type that services send and the proxy formats.
 
-Imports neither torch nor the engine: the proxy uses it too.
+Imports no torch and nothing of the engine but its plain types: the proxy uses it too.
 """
 from __future__ import annotations
 

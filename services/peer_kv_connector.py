@@ -1,0 +1,242 @@
+"""`PeerKVConnector`: the engine's KV door (kv_connector.py) to its peers, for every engine role.
+
+It loads what a request's prompt needs from elsewhere: the KV blocks the prefill that computed the prompt
+holds for it (a decode's requests), and image embeddings from the encoders that hold them (any role, and
+only when a step must compute their positions: a prefix-cache hit needs none, and a decode needs them only
+to recompute). The bytes move with the service's `KVTransferClient` (ZMQ block connections, ZMQ frames or
+UCX), on the service's event loop; the engine's thread only asks and is told.
+
+One decode request's handoff, as its trace shows it:
+
+    submitted --(waits in decode's queue for blocks: `decode.queue`; prefill's lease renewed)--> loading
+      --blocks pulled (`kv.transfer`, `kv.handshake` when it connected first)--> prefill released --> decoding
+      --pull failed, or no room within --transfer-timeout--> prefill released, prompt recomputed here
+                                                                (`kv.recompute:<reason>`)
+
+Prefill holds the blocks until decode releases them - after the pull, or at once when the request ends,
+gives up or never needs them (its own prefix cache held the whole prompt) - or until its lease runs out.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Awaitable
+
+from epdserve.services.request_spans import RequestSpans
+from epdserve.services.service_metrics import ServiceMetrics
+from epdserve.shared.engine.kv_connector import KVConnector, KVLoad, LoadResult
+from epdserve.transport.channel import ChannelError, ErrorReply
+from epdserve.transport.kv_transfer import KVTransferClient, TransferError
+from epdserve.transport.peer_pool import PeerPool
+from epdserve.transport.protocol import Ack, KVHandle, LeaseRenewed, Message, Release, RenewLease
+from epdserve.transport.request_client import RequestClient
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+# What a pull from a peer fails with: the prompt is then recomputed here.
+PULL_ERRORS = (TransferError, ChannelError, TimeoutError)
+
+
+@dataclass(slots=True)
+class PeerSources:
+    """A request's `kv_transfer_params`: where its prompt's KV and image embeddings may be had from."""
+
+    spans: RequestSpans
+    kv_handle: KVHandle | None = None  # the prefill holding the prompt's KV (a decode's requests)
+    encoder_addrs: dict[str, str] = field(default_factory=dict)  # mm_hash -> the encoder's data address
+    # Set on the event loop as the handoff goes: when the KV was in place, or why and when it failed.
+    kv_ready: float | None = None
+    failed: tuple[float, str] | None = None
+
+
+class _Handoff:
+    """A decode request's hold on prefill's blocks: the lease renewal, and the release, once."""
+
+    __slots__ = ("sources", "arrival", "renewal", "released", "gave_up")
+
+    def __init__(self, sources: PeerSources) -> None:
+        self.sources = sources
+        self.arrival = time.monotonic()
+        self.renewal: asyncio.Task | None = None
+        self.released = False
+        self.gave_up = False  # no room here in time: the prompt is recomputed when it gets some
+
+
+class PeerKVConnector(KVConnector):
+    """See the module docstring. Owns its control clients to prefills (RenewLease, Release), one per prefill,
+    opened on first use and closed once unused: prefills come and go."""
+
+    def __init__(self, client: KVTransferClient, metrics: ServiceMetrics, loop: asyncio.AbstractEventLoop,
+                 transfer_timeout: float, dtype: "torch.dtype", control_client_kwargs: dict) -> None:
+        """`control_client_kwargs`: how this service dials a peer's control channel (RequestClient's)."""
+        self.client, self.metrics, self.loop = client, metrics, loop
+        self.transfer_timeout, self.dtype = transfer_timeout, dtype
+        self._prefills: PeerPool[str, RequestClient] = PeerPool(  # control address -> client
+            lambda address: RequestClient(address, **control_client_kwargs), RequestClient.close)
+        self._rpc_timeout = control_client_kwargs["timeout"]
+        self._handoffs: dict[str, _Handoff] = {}  # request id -> its hold on prefill's blocks (event loop)
+        self._gave_up: set[str] = set()  # read by the engine's thread
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- the service's side (event loop) ------------------------------------------------------------
+    def expect(self, request_id: str, sources: PeerSources) -> None:
+        """A decode request is about to be submitted: keep prefill's lease alive until its KV is pulled, and
+        give up holding it if no room turns up here within the transfer timeout."""
+        if sources.kv_handle is None:
+            return
+        handoff = self._handoffs[request_id] = _Handoff(sources)
+        handoff.renewal = self._spawn(self._hold(request_id, handoff))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._prefills.close()
+
+    # -- the engine's side (its thread) -------------------------------------------------------------
+    def num_loadable_tokens(self, request, num_local_tokens: int) -> int:
+        handle = request.kv_transfer_params.kv_handle
+        if handle is None or request.request_id in self._gave_up:
+            return 0
+        if num_local_tokens >= handle.num_tokens:  # this engine's prefix cache holds it all
+            self.loop.call_soon_threadsafe(self._release, request.request_id)
+            return 0
+        return handle.num_tokens - num_local_tokens
+
+    def can_load_embeddings(self, request, mm_hashes: tuple[str, ...]) -> bool:
+        sources = request.kv_transfer_params
+        return sources is not None and all(h in sources.encoder_addrs for h in mm_hashes)
+
+    def start_load(self, request, load: KVLoad) -> None:
+        sources = request.kv_transfer_params
+        self.loop.call_soon_threadsafe(self._spawn_load, request.request_id, sources, load)
+
+    def request_ended(self, request) -> None:
+        self.loop.call_soon_threadsafe(self._forget, request.request_id)
+
+    # -- loads (event loop) -------------------------------------------------------------------------
+    def _spawn_load(self, request_id: str, sources: PeerSources, load: KVLoad) -> None:
+        self._spawn(self._load_blocks(request_id, sources, load) if load.block_ids
+                    else self._load_embeddings(request_id, sources, load))
+
+    async def _load_blocks(self, request_id: str, sources: PeerSources, load: KVLoad) -> None:
+        started = time.monotonic()
+        handoff = self._handoffs.get(request_id)
+        sources.spans.add("decode.queue", handoff.arrival if handoff else started, started)
+        handle, metrics = sources.kv_handle, self.metrics
+        remote = list(handle.block_ids[load.first_block:load.first_block + len(load.block_ids)])
+        metrics.local_kv_hit_blocks.inc(load.first_block)
+        try:
+            result = await self.client.fetch_blocks(handle.kv_addr, request_id, remote, load.block_ids,
+                                                    timeout=self.transfer_timeout)
+        except PULL_ERRORS as exc:
+            reason = failure_reason(exc)
+            logger.warning("request %s: KV pull from %s failed (%s: %s); recomputing the prompt here",
+                           request_id, handle.kv_addr, reason, exc)
+            metrics.transfer_failures.inc()
+            sources.spans.add("kv.transfer:failed", started, time.monotonic(), 0, len(remote))
+            sources.failed = (time.monotonic(), reason)
+            self._release(request_id)
+            self.finish(LoadResult(request_id, False, reason))
+            return
+        if result.connect_seconds:  # this pull opened the connection to the prefill
+            sources.spans.add("kv.handshake", started, started + result.connect_seconds)
+        sources.spans.add("kv.transfer", started, time.monotonic(), result.num_bytes, len(remote))
+        metrics.transfer_bytes.inc(result.num_bytes)
+        metrics.transfer_seconds.inc(result.seconds)
+        metrics.request_transfer_bytes.observe(result.num_bytes)
+        metrics.request_transfer_seconds.observe(result.seconds)
+        metrics.remote_kv_blocks.inc(len(remote))
+        metrics.remote_kv_requests.inc()
+        sources.kv_ready = time.monotonic()
+        self._release(request_id)
+        self.finish(LoadResult(request_id, True))
+
+    async def _load_embeddings(self, request_id: str, sources: PeerSources, load: KVLoad) -> None:
+        embeddings = {}
+        try:
+            for mm_hash in load.mm_hashes:
+                started = time.monotonic()
+                tensor = await self.client.fetch_embeddings(sources.encoder_addrs[mm_hash], mm_hash,
+                                                            timeout=self.transfer_timeout)
+                embeddings[mm_hash] = tensor.to(self.dtype)
+                sources.spans.add("embeddings.fetch", started, time.monotonic(), tensor.nbytes)
+                self.metrics.embeddings_fetched.inc()
+        except PULL_ERRORS as exc:
+            logger.warning("request %s: image embeddings out of reach: %s", request_id, exc)
+            self.finish(LoadResult(request_id, False, failure_reason(exc)))
+            return
+        self.finish(LoadResult(request_id, True, mm_embeddings=embeddings))
+
+    # -- prefill's hold (event loop) ----------------------------------------------------------------
+    async def _hold(self, request_id: str, handoff: _Handoff) -> None:
+        """Renew prefill's lease at half-time until the blocks are released; past the transfer timeout
+        without room here, release them and let the request recompute."""
+        handle = handoff.sources.kv_handle
+        deadline = handle.lease_deadline  # on prefill's clock: the floor bounds the rate if ours is ahead
+        give_up_at = handoff.arrival + self.transfer_timeout
+        while True:
+            await asyncio.sleep(max(min((deadline - time.time()) / 2, give_up_at - time.monotonic()), 0.25))
+            if time.monotonic() >= give_up_at:
+                logger.warning("request %s: no room for its KV here within %.0fs; recomputing the prompt here",
+                               request_id, self.transfer_timeout)
+                self._gave_up.add(request_id)
+                handoff.sources.spans.add("decode.queue", handoff.arrival, time.monotonic())
+                handoff.sources.failed = (time.monotonic(), "no_room")
+                handoff.gave_up = True
+                self._release(request_id)
+                return
+            try:
+                renewed = await self.prefill_request(handle.control_addr, RenewLease(request_id), LeaseRenewed)
+            except (ErrorReply, ChannelError, TimeoutError) as exc:  # the pull will fail and fall back
+                logger.warning("request %s: lease renewal at %s failed: %s", request_id, handle.control_addr, exc)
+                return
+            deadline = renewed.lease_deadline
+            self.metrics.lease_renewals.inc()
+
+    def _release(self, request_id: str) -> None:
+        """Tell prefill to free the blocks (once), without waiting for its answer."""
+        handoff = self._handoffs.get(request_id)
+        if handoff is None or handoff.released:
+            return
+        handoff.released = True
+        if handoff.renewal is not None and handoff.renewal is not asyncio.current_task():
+            handoff.renewal.cancel()
+        handle = handoff.sources.kv_handle
+        if handle.control_addr:  # else only the lease frees them
+            self._spawn(self._send_release(request_id, handle.control_addr))
+
+    async def _send_release(self, request_id: str, control_addr: str) -> None:
+        try:
+            await self.prefill_request(control_addr, Release(request_id), Ack)
+        except (ChannelError, TimeoutError) as exc:  # the lease frees the blocks anyway
+            logger.warning("request %s: release at %s failed: %s", request_id, control_addr, exc)
+
+    def _forget(self, request_id: str) -> None:
+        self._release(request_id)
+        self._handoffs.pop(request_id, None)
+        self._gave_up.discard(request_id)
+
+    async def prefill_request(self, control_addr: str, message: Message, expect: type) -> Message:
+        """`message`'s answer from the prefill at `control_addr`, within the control channels' timeout; raises
+        ChannelError or TimeoutError."""
+        with self._prefills.holding(control_addr) as client:
+            return await client.request(message, timeout=self._rpc_timeout, expect=expect)
+
+    def _spawn(self, work: Awaitable) -> asyncio.Task:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+
+def failure_reason(exc: BaseException) -> str:
+    """Why a pull failed, as a span name's suffix: the error's kind (`blocks_not_found`: prefill released them
+    or their lease ran out; `transfer_timeout`...)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower().removesuffix("_error")

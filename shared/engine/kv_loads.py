@@ -1,0 +1,82 @@
+"""The scheduler's side of the KV door (kv_connector.py): which waiting request a connector can feed, the
+blocks set aside for it, and the loads in flight.
+
+A request in `loading` is WAITING_FOR_KV: it holds its blocks (being written) but no seat, computes nothing
+and is never preempted. Aborting it does not free them: they go back only when its load ends.
+"""
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+from epdserve.shared.engine.block_manager import BlockManager, KVBlock
+from epdserve.shared.engine.kv_connector import KVConnector, KVLoad
+from epdserve.shared.engine.request import Request
+
+
+class Admission(enum.Enum):
+    NONE = "none"  # no connector feeds it: the scheduler computes it
+    STARTED = "started"  # a load began: the request leaves the waiting queue
+    NO_ROOM = "no_room"  # a connector would feed it, but its blocks do not fit now
+    UNSERVABLE = "unservable"  # it must compute positions whose encoder outputs nobody can supply
+
+
+class Loading(NamedTuple):
+    request: Request
+    load: KVLoad
+    connector: KVConnector
+
+
+class KVLoads:
+    """Owns the connectors and the loads in flight; the scheduler owns the requests themselves."""
+
+    def __init__(self, block_manager: BlockManager) -> None:
+        self.block_manager = block_manager
+        self.connectors: list[KVConnector] = []
+        self.loading: dict[str, Loading] = {}
+
+    def try_start(self, request: Request, computed_blocks: list[KVBlock], num_cached: int) -> Admission:
+        """Start a load for `request` (waiting, its prefix hits found) if a connector can feed it."""
+        if request.kv_transfer_params is not None and not request.kv_load_started:
+            for connector in self.connectors:
+                num_tokens = min(connector.num_loadable_tokens(request, num_cached),
+                                 request.num_prompt_tokens - num_cached)
+                if num_tokens > 0:
+                    return self._start_kv(request, connector, computed_blocks, num_cached, num_tokens)
+        missing = request.missing_embeddings(num_cached)
+        if not missing:
+            return Admission.NONE
+        connector = next((c for c in self.connectors if c.can_load_embeddings(request, missing)), None)
+        if connector is None:
+            return Admission.UNSERVABLE
+        self._start(request, connector, KVLoad(request.request_id, [], 0, request.num_computed_tokens, missing))
+        return Admission.STARTED
+
+    def _start_kv(self, request: Request, connector: KVConnector, computed_blocks: list[KVBlock], num_cached: int,
+                  num_tokens: int) -> Admission:
+        bm = self.block_manager
+        if not bm.can_allocate(request, num_tokens, computed_blocks):
+            return Admission.NO_ROOM
+        bm.allocate(request, num_tokens, computed_blocks)
+        fill = request.block_ids[len(computed_blocks):]
+        bm.skip_zeroing(fill)  # overwritten whole by the load; zeroing them at the next step would race it
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        request.kv_load_started = True
+        self._start(request, connector, KVLoad(request.request_id, fill, len(computed_blocks), num_cached + num_tokens))
+        return Admission.STARTED
+
+    def _start(self, request: Request, connector: KVConnector, load: KVLoad) -> None:
+        self.loading[request.request_id] = Loading(request, load, connector)
+        connector.start_load(request, load)
+
+    def take(self, request_id: str) -> Loading | None:
+        """The load of `request_id`, which has ended (None: unknown, or ended already)."""
+        return self.loading.pop(request_id, None)
+
+    def ended(self, request: Request) -> None:
+        """`request` is gone: the connectors that may know it forget it."""
+        if request.kv_transfer_params is not None or request.mm_placeholders:
+            for connector in self.connectors:
+                connector.request_ended(request)

@@ -1,0 +1,67 @@
+"""What the engine-level disaggregation tests share: a prefill run in-process, and a KV connector that copies
+the blocks it holds into another engine's cache."""
+import threading
+import time
+
+import pytest
+import torch
+
+from epdserve.shared.engine.kv_connector import KVConnector, KVLoad, LoadResult
+from epdserve.shared.engine.llm_engine import LLMEngine
+from epdserve.shared.engine.sampling_params import SamplingParams
+
+
+class CopyConnector(KVConnector):
+    """Feeds a request whose `kv_transfer_params` is `(source cache, held block ids, num tokens)` by copying
+    those blocks into `cache`, after `delay` seconds, on a thread; with `fail`, its loads fail instead."""
+
+    def __init__(self, cache: torch.Tensor, fail: bool = False, delay: float = 0.0) -> None:
+        self.cache, self.fail, self.delay = cache, fail, delay
+        self.loads: list[KVLoad] = []
+        self.ended: list[str] = []
+
+    def num_loadable_tokens(self, request, num_local_tokens: int) -> int:
+        _, _, num_tokens = request.kv_transfer_params
+        return max(num_tokens - num_local_tokens, 0)
+
+    def start_load(self, request, load: KVLoad) -> None:
+        self.loads.append(load)
+        source, held, _ = request.kv_transfer_params
+        remote = held[load.first_block:load.first_block + len(load.block_ids)]
+
+        def copy() -> None:
+            time.sleep(self.delay)
+            if not self.fail:
+                self.cache[:, :, load.block_ids] = source[:, :, remote]
+            self.finish(LoadResult(load.request_id, not self.fail, "peer_gone" if self.fail else ""))
+
+        threading.Thread(target=copy, daemon=True).start()
+
+    def request_ended(self, request) -> None:
+        self.ended.append(request.request_id)
+
+
+def prefill(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams):
+    """Run the prompt to each sequence's first token and keep the blocks (what a prefill service does)."""
+    request = engine.make_request(rid, {"prompt_token_ids": prompt}, params, hold_kv=True, max_output_tokens=1)
+    engine.add_request(rid, request)
+    firsts, held = {}, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for completion in out.outputs:
+                if completion.token_ids:
+                    firsts[completion.index] = completion.token_ids[0]
+            held = out.kv_block_ids or held
+    return [firsts[i] for i in sorted(firsts)], held
+
+
+@pytest.fixture(scope="session")
+def copy_connector():
+    """The CopyConnector class."""
+    return CopyConnector
+
+
+@pytest.fixture(scope="session")
+def prefill_held():
+    """prefill(engine, request id, prompt token ids, params) -> (each sequence's first token, held block ids)."""
+    return prefill
