@@ -106,4 +106,4 @@ def test_a_prefill_killed_during_the_pull_is_recomputed_on_decode(stack, smollm2
     # The long stream was pulled; the request under test failed its fetch and was recomputed.
     assert (after[PULLED] - before[PULLED], after[RECOMPUTED] - before[RECOMPUTED], after[FAILED] - before[FAILED]) \
         == (1, 1, 1), (before, after)
-    assert "failed while fetching" in stack.services["decode-0"].log.read_text()
+    assert "recomputing the prompt here" in stack.services["decode-0"].log.read_text()
