@@ -214,7 +214,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     import torch
 
     from epdserve.services.runtime import run_service
-    from epdserve.shared.engine.compute_threads import compute_in_one_thread_by_default
+    from epdserve.shared.compute_threads import compute_in_one_thread_by_default
 
     threads = args.threads or torch.get_num_threads()
     compute_in_one_thread_by_default()  # before any op: only the engine's thread gets `threads`

@@ -81,12 +81,11 @@ async def _local_client(args: argparse.Namespace, stack: AsyncExitStack) -> http
     from epdserve.services.proxy.metrics import ProxyMetrics
     from epdserve.services.proxy.serving import OpenAIServing
     from epdserve.shared.engine.async_llm import AsyncLLM
-    from epdserve.shared.engine.llm_engine import LLMEngine
     from epdserve.shared.processing.tokenizer import load_tokenizer
 
     model = model_folder(args)
     config = engine_config(args, model)
-    llm = await asyncio.to_thread(AsyncLLM, lambda: LLMEngine(config, detokenize=False), num_threads=args.threads)
+    llm = await asyncio.to_thread(AsyncLLM.from_config, config, detokenize=False, num_threads=args.threads)
     stack.callback(llm.shutdown)
     name = args.served_model_name or Path(model).name
     metrics = ProxyMetrics(name)

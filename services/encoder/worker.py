@@ -23,7 +23,7 @@ import torch
 from epdserve.services.network import advertised, server_curve
 from epdserve.services.request_spans import RequestSpans
 from epdserve.services.service_metrics import ServiceMetrics
-from epdserve.shared.engine.compute_threads import set_this_thread
+from epdserve.shared.compute_threads import set_this_thread
 from epdserve.shared.config import ServiceConfig
 from epdserve.shared.processing.image_processor import ImageProcessor
 from epdserve.shared.models.cpu_kernels import load_cpu_kernels

@@ -45,7 +45,7 @@ from epdserve.services.proxy.router import Instance, Route, Router, prefix_key
 from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error, GenerateRequest,
                                       MMItem, MMPlaceholder, PrefillDone, PrefillRequest, Role, TokenDelta,
                                       TokenDeltas, TraceSpan)
-from epdserve.shared.engine.block_hash import extend_block_hashes
+from epdserve.shared.block_hash import extend_block_hashes
 from epdserve.services.wire import sampling_params_to_wire
 from epdserve.transport.channel import ChannelError
 from epdserve.transport.reply_server import PullChannel

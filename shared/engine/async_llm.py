@@ -18,15 +18,15 @@ from typing import AsyncIterator, Callable, TypeVar
 import torch
 
 from epdserve.shared.config import EngineConfig
-from epdserve.shared.engine.compute_threads import set_this_thread
+from epdserve.shared.compute_threads import set_this_thread
 from epdserve.shared.engine.default_logging import use_default_logging
 from epdserve.shared.engine.engine_commands import (Abort, AddConnector, Command, FinishLoad, OnStep, Query,
                                                     ReleaseKV, Stop, Submit)
 from epdserve.shared.engine.kv_connector import KVConnector
 from epdserve.shared.engine.kv_events import KVEventBatch
 from epdserve.shared.engine.llm import build_engine_config
-from epdserve.shared.engine.llm_engine import EngineStats, LLMEngine, PromptType
-from epdserve.shared.engine.outputs import RequestOutput
+from epdserve.shared.engine.llm_engine import LLMEngine, PromptType
+from epdserve.shared.engine.outputs import EngineStats, RequestOutput
 from epdserve.shared.engine.request import Request
 from epdserve.shared.engine.sampling_params import SamplingParams
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
-from epdserve.shared.engine.block_hash import extend_block_hashes
+from epdserve.shared.block_hash import extend_block_hashes
 from epdserve.shared.engine.kv_events import KVEventLog
 from epdserve.shared.engine.request import Request
 

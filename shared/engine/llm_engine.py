@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 from epdserve.shared.engine.block_manager import BlockManager
 from epdserve.shared.config import EngineConfig
@@ -15,7 +15,7 @@ from epdserve.shared.engine.kv_connector import KVConnector, LoadResult
 from epdserve.shared.engine.output_processor import OutputProcessor
 from epdserve.shared.engine.queue_estimate import QueueEstimate
 from epdserve.shared.engine.parallel_sampling import group_members, make_group
-from epdserve.shared.engine.outputs import RequestOutput
+from epdserve.shared.engine.outputs import EngineStats, RequestOutput
 from epdserve.shared.engine.kv_events import KVEventBatch
 from epdserve.shared.engine.request import Request, RequestFailure, RequestStatus, dense_logit_bias
 from epdserve.shared.engine.sampling_params import SamplingParams
@@ -28,22 +28,6 @@ from epdserve.shared.processing.tokenizer import Tokenizer, load_tokenizer
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
-
-
-class EngineStats(NamedTuple):
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_cache_usage: float
-    prefix_cache_queries: int  # tokens looked up
-    prefix_cache_hits: int  # tokens found
-    num_preemptions: int
-    num_finished: dict[str, int]  # by finish reason: stop, length, abort, error
-    num_steps: int
-    step_seconds: dict[str, float]  # by phase (see StepTimer)
-    num_prompt_tokens: int  # prompt tokens computed here (not those found in the prefix cache or pulled)
-    num_generation_tokens: int  # tokens sampled here
 
 
 class LLMEngine:

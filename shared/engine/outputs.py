@@ -1,7 +1,8 @@
-"""What the engine returns, shaped like vLLM's `RequestOutput` / `CompletionOutput`."""
+"""What the engine returns, shaped like vLLM's `RequestOutput` / `CompletionOutput`, and its state (`EngineStats`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass(slots=True)
@@ -50,3 +51,19 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (as in vLLM).
     # DELTA outputs carry it once, on the first output that has it.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+class EngineStats(NamedTuple):
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    num_finished: dict[str, int]  # by finish reason: stop, length, abort, error
+    num_steps: int
+    step_seconds: dict[str, float]  # by phase (see StepTimer)
+    num_prompt_tokens: int  # prompt tokens computed here (not those found in the prefix cache or pulled)
+    num_generation_tokens: int  # tokens sampled here

@@ -1,7 +1,7 @@
 """An engine's KV events name exactly the blocks its prefix cache holds, hashed as a router hashes them."""
 from epdserve import LLM, SamplingParams
 from epdserve.services.proxy.prefix_index import PrefixIndex
-from epdserve.shared.engine.block_hash import extend_block_hashes
+from epdserve.shared.block_hash import extend_block_hashes
 
 BLOCK_SIZE = 16
 

@@ -1,7 +1,7 @@
 """Block manager: exact block ids, reference counts and eviction order in scripted scenarios."""
 import pytest
 
-from epdserve.shared.engine.block_hash import hash_block
+from epdserve.shared.block_hash import hash_block
 from epdserve.shared.engine.block_manager import BlockManager
 from epdserve.shared.engine.request import Request
 from epdserve.shared.processing.multimodal import MultiModalPlaceholder

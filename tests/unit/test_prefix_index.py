@@ -1,6 +1,6 @@
 """The router's prefix index: which instance holds how many leading blocks of a prompt."""
 from epdserve.services.proxy.prefix_index import PrefixIndex
-from epdserve.shared.engine.block_hash import extend_block_hashes
+from epdserve.shared.block_hash import extend_block_hashes
 
 
 def hashes(tokens, block_size=4, salt=None):
@@ -82,7 +82,7 @@ def test_removing_an_unknown_block_is_harmless():
 def test_extending_hashes_chains_block_by_block_however_it_is_split():
     from types import SimpleNamespace
 
-    from epdserve.shared.engine.block_hash import block_extra_keys, hash_block
+    from epdserve.shared.block_hash import block_extra_keys, hash_block
 
     tokens = list(range(100, 200))
     images = [SimpleNamespace(offset=20, length=30, mm_hash="img")]

@@ -1,7 +1,7 @@
 """The engine's periodic stats line (services/stats_log.py): vLLM's fields, and none while nothing happens."""
 from epdserve.services import stats_log
 from epdserve.services.stats_log import StatsLog
-from epdserve.shared.engine.llm_engine import EngineStats
+from epdserve.shared.engine.outputs import EngineStats
 
 
 def stats(num_steps=0, running=0, waiting=0, prompt=0, generated=0, queries=0, hits=0, usage=0.0) -> EngineStats:
