@@ -7,35 +7,53 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # The language model inside a multimodal checkpoint (LLaVA's `text_config`) is named by its model_type.
 _TEXT_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The dtypes a model runs in, by name, with their size in bytes. Names, not torch dtypes: the proxy reads
+# model folders too, and loads no torch.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """A supported dtype's name ("float32"...), from its name or its torch dtype; raises ValueError."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPE_BYTES)}")
+    return name
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype in _DTYPES.values():
-            return dtype
-        raise ValueError(f"unsupported dtype {dtype}; choose one of {sorted(_DTYPES)}")
-    if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
+    """A supported dtype as torch's; raises ValueError."""
+    import torch
+
+    return getattr(torch, dtype_name(dtype))
+
+
+# What the language model's config must say itself for its model type's defaults not to matter.
+_TEXT_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+                     "attention_bias", "mlp_bias")
 
 
 def _text_config(raw: dict) -> dict:
     """The language model's config inside a multimodal one. Checkpoints often list only what differs from
-    the model type's defaults, so those defaults fill the rest; embeddings are tied if either level says so."""
+    the model type's defaults, so those defaults fill the rest (from transformers' config classes, which
+    load torch: a config that names everything is read without them, as the proxy does); embeddings are
+    tied if either level says so."""
     text = dict(raw["text_config"])
     model_type = text.get("model_type", "llama")
+    complete = all(k in text for k in _TEXT_CONFIG_KEYS) and ("rope_parameters" in text or "rope_theta" in text)
     try:
-        from transformers import AutoConfig
+        if not complete:
+            from transformers import AutoConfig
 
-        text = {**AutoConfig.for_model(model_type).to_dict(), **text}
+            text = {**AutoConfig.for_model(model_type).to_dict(), **text}
     except (ImportError, ValueError, KeyError):
         pass  # an unknown type fails below, naming itself
     text["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings")) or bool(raw["text_config"].get("tie_word_embeddings"))
@@ -50,7 +68,7 @@ class ModelConfig:
 
     path: str
     architecture: str
-    dtype: torch.dtype
+    dtype_name: str  # "float32", "bfloat16" or "float16"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -105,7 +123,7 @@ class ModelConfig:
         return ModelConfig(
             path=str(folder),
             architecture=arch,
-            dtype=parse_dtype(dtype),
+            dtype_name=dtype_name(dtype),
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
@@ -127,8 +145,12 @@ class ModelConfig:
         )
 
     @property
+    def dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype_name)
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_size * self.dtype.itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * DTYPE_BYTES[self.dtype_name]
 
     @property
     def num_weight_bytes(self) -> int:
@@ -138,7 +160,7 @@ class ModelConfig:
         mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h) * self.mlp_bias
         layer = attention + mlp + 2 * h  # + the two RMSNorms
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return (self.num_layers * layer + embeddings + h) * self.dtype.itemsize
+        return (self.num_layers * layer + embeddings + h) * DTYPE_BYTES[self.dtype_name]
 
 
 @dataclass(frozen=True, slots=True)

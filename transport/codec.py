@@ -11,20 +11,18 @@ other field may be, nested structs are checked the same way, and strings, lists,
 control frame are length-limited before anything is allocated for them. Any violation raises
 DecodeError, so a loop that receives a message can trust its types. There is no pickle, eval or
 torch.load here: tensors are rebuilt from (dtype, shape) and raw bytes with torch.frombuffer,
-aliasing the received frame without a copy.
+aliasing the received frame without a copy (tensor_frames.py: the part that needs torch).
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import types
 import typing
 from collections.abc import Sequence
 from typing import Any, Union
 
 import msgpack
-import torch
 
 from epdserve.transport import protocol
 from epdserve.transport.limits import DEFAULT_LIMITS, Limits
@@ -58,26 +56,23 @@ class LimitExceeded(EncodeError):
 # Frames up to this size cannot break a string, binary or list limit: `encode` checks only larger ones.
 _SMALLEST_LIMIT = min(DEFAULT_LIMITS.max_str_len, DEFAULT_LIMITS.max_bin_len, DEFAULT_LIMITS.max_list_len)
 
-# Every dtype the wire carries. Names are torch's without the "torch." prefix.
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-        "int64", "int32", "int16", "int8", "uint8", "bool",
-    )
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise EncodeError(f"dtype {dtype} cannot travel on the wire") from None
-
-
 # ---------------------------------------------------------------------------------------------
 # Field converters, compiled once per struct from its annotations
+
+
+class _Tensor:
+    """What `torch.Tensor` means in the protocol's annotations, to this codec: a field of tensor frames."""
+
+
+_TORCH_NAMES = types.SimpleNamespace(Tensor=_Tensor)
+
+
+def _tensor_frames():
+    """tensor_frames, which imports torch: loaded by the first message with a tensor, which a process
+    that moves no tensors (the proxy) never has."""
+    from epdserve.transport import tensor_frames
+
+    return tensor_frames
 
 
 class _Field:
@@ -195,13 +190,14 @@ class _Struct(_Field):
         self.tensor_tuples: set[str] = set()  # those of the latter kind
 
     def compile(self) -> None:
-        # The protocol names torch only in annotations (it does not import it): resolve them with ours.
-        hints = typing.get_type_hints(self.cls, {**vars(protocol), "torch": torch})
+        # The protocol names torch only in annotations (it does not import it), and so does this codec:
+        # `torch.Tensor` resolves to a marker here, and tensors themselves are tensor_frames' business.
+        hints = typing.get_type_hints(self.cls, {**vars(protocol), "torch": _TORCH_NAMES})
         for f in dataclasses.fields(self.cls):
-            if hints[f.name] is torch.Tensor:
+            if hints[f.name] is _Tensor:
                 self.tensor_fields.append(f.name)
                 self.fields[f.name] = _struct(TensorSpec)
-            elif hints[f.name] == tuple[torch.Tensor, ...]:
+            elif hints[f.name] == tuple[_Tensor, ...]:
                 self.tensor_fields.append(f.name)
                 self.tensor_tuples.add(f.name)
                 self.fields[f.name] = _Tuple(_struct(TensorSpec))
@@ -217,13 +213,13 @@ class _Struct(_Field):
             if name in self.tensor_tuples:
                 if not isinstance(item, tuple):
                     _fail_encode(f"{path}.{name}", "a tuple of tensors", item)
-                item = tuple(map(tensor_spec, item))
+                item = tuple(map(_tensor_frames().tensor_spec, item))
             elif name in self.tensor_fields:
-                item = tensor_spec(item)
+                item = _tensor_frames().tensor_spec(item)
             body[name] = conv.to_wire(item, f"{path}.{name}")
         return body
 
-    def tensors(self, message) -> list[torch.Tensor]:
+    def tensors(self, message) -> list:
         """The message's tensors in frame order."""
         out = []
         for name in self.tensor_fields:
@@ -278,60 +274,6 @@ _MESSAGES: dict[str, _Struct] = {tag: _struct(cls) for tag, cls in MESSAGE_TYPES
 
 
 # ---------------------------------------------------------------------------------------------
-# Tensors
-
-
-def tensor_spec(tensor: torch.Tensor) -> TensorSpec:
-    if not isinstance(tensor, torch.Tensor):
-        raise EncodeError(f"expected a tensor, got {type(tensor).__name__}")
-    return TensorSpec(dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape))
-
-
-def tensor_buffer(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes as a memoryview of its own storage (a copy only if it is not contiguous).
-
-    The view keeps the storage alive; the caller must not write to the tensor until the bytes are
-    sent (ZMQ sends a zero-copy frame from its IO thread).
-    """
-    if tensor.device.type != "cpu":
-        raise EncodeError(f"tensors travel from CPU memory, got one on {tensor.device}")
-    dtype_name(tensor.dtype)
-    flat = tensor.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
-
-
-def check_spec(spec: TensorSpec, limits: Limits = DEFAULT_LIMITS) -> tuple[torch.dtype, int]:
-    """Validate a (dtype, shape) from the wire; return the dtype and the byte size it implies."""
-    dtype = DTYPES.get(spec.dtype)
-    if dtype is None:
-        raise DecodeError(f"unsupported dtype {spec.dtype!r}")
-    if len(spec.shape) > limits.max_tensor_dims or any(d < 0 for d in spec.shape):
-        raise DecodeError(f"invalid tensor shape {spec.shape}")
-    nbytes = math.prod(spec.shape) * dtype.itemsize  # Python ints: no overflow on hostile shapes
-    if nbytes > limits.max_tensor_bytes:
-        raise DecodeError(f"tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}")
-    return dtype, nbytes
-
-
-def tensor_from_buffer(spec: TensorSpec, buffer: Buffer, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
-    """Rebuild a tensor from (dtype, shape) and raw bytes, aliasing a writable buffer without a copy."""
-    dtype, nbytes = check_spec(spec, limits)
-    view = memoryview(buffer).cast("B")
-    if view.nbytes != nbytes:
-        raise DecodeError(f"tensor {spec.dtype}{list(spec.shape)} needs {nbytes} bytes, frame has {view.nbytes}")
-    if nbytes == 0:
-        return torch.empty(spec.shape, dtype=dtype)
-    if view.readonly:
-        view = memoryview(bytearray(view))  # torch may not alias memory it must treat as writable
-    raw = torch.frombuffer(view, dtype=torch.uint8)
-    if raw.data_ptr() % dtype.itemsize:
-        raw = raw.clone()  # misaligned frame: element loads must be aligned on some CPUs
-    if dtype is torch.bool and bool((raw > 1).any()):
-        raise DecodeError("bool tensor holds bytes other than 0 and 1")
-    return raw.view(dtype).view(spec.shape)
-
-
-# ---------------------------------------------------------------------------------------------
 # Messages
 
 
@@ -347,7 +289,8 @@ def encode(message: Message) -> list[Buffer]:
         raise EncodeError(f"{conv.cls.__name__}: {e}") from e
     if len(head) > _SMALLEST_LIMIT:  # no smaller frame can hold a string, binary or list over its limit
         _check_limits(conv.cls.__name__, body, len(head), DEFAULT_LIMITS)
-    return [head, *map(tensor_buffer, conv.tensors(message))]
+    tensors = conv.tensors(message)
+    return [head, *map(_tensor_frames().tensor_buffer, tensors)] if tensors else [head]
 
 
 def _check_limits(path: str, body: Any, head_bytes: int, limits: Limits) -> None:
@@ -407,10 +350,10 @@ def decode(frames: Sequence[Buffer], limits: Limits = DEFAULT_LIMITS) -> Message
     tensors, next_frame = [], 1
     for name in conv.tensor_fields:
         if name in conv.tensor_tuples:
-            tensors.append(tuple(tensor_from_buffer(spec, frames[next_frame + i], limits)
+            tensors.append(tuple(_tensor_frames().tensor_from_buffer(spec, frames[next_frame + i], limits)
                                  for i, spec in enumerate(specs[name])))
             next_frame += len(specs[name])
         else:
-            tensors.append(tensor_from_buffer(specs[name], frames[next_frame], limits))
+            tensors.append(_tensor_frames().tensor_from_buffer(specs[name], frames[next_frame], limits))
             next_frame += 1
     return conv.from_wire(body, conv.cls.__name__, tensors)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from epdserve.transport.protocol import KVLayout
-from epdserve.transport.codec import dtype_name
+from epdserve.transport.tensor_frames import dtype_name
 
 
 class TransferError(Exception):

@@ -31,7 +31,7 @@ import torch
 from epdserve.transport.protocol import (
     BlocksSent, EmbeddingsSent, Error, ErrorCode, FetchBlocks, FetchEmbeddings, Handshake, Message,
 )
-from epdserve.transport import codec
+from epdserve.transport.tensor_frames import check_spec, tensor_spec
 from epdserve.transport.kv_transfer import (
     BlockRangeError, TransferError, TransferTimeout, as_bytes, scatter_blocks,
 )
@@ -273,7 +273,7 @@ class UcxKVServer(ZmqKVServer):
             raise ErrorReply(Error(ErrorCode.BAD_REQUEST, f"{self.engine_id} sends embeddings over UCX only"))
         tensor = tensor.detach().contiguous().cpu()
         await self._send_later(peer, [as_bytes(tensor)], message.ucx_tag, None)
-        return EmbeddingsSent(message.mm_hash, codec.tensor_spec(tensor))
+        return EmbeddingsSent(message.mm_hash, tensor_spec(tensor))
 
     async def _send_later(self, peer: Handshake, buffers: list, tag: int, request_id: str | None) -> None:
         """Start sending buffer i with tag + i (from its own memory); the sends complete on their own."""
@@ -372,7 +372,7 @@ class UcxKVClient(ZmqKVClient):
         )
         if reply.mm_hash != mm_hash:
             raise ErrorReply(Error(ErrorCode.BAD_REQUEST, f"answered with embeddings of {reply.mm_hash!r}"))
-        dtype, _ = codec.check_spec(reply.spec, self.limits)
+        dtype, _ = check_spec(reply.spec, self.limits)
         data = torch.empty(reply.spec.shape, dtype=dtype)
         await self._receive(client, [as_bytes(data)], tag, deadline)
         return data

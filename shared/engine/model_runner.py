@@ -17,7 +17,7 @@ import torch
 from epdserve.kernels.backend import select_attention_backend
 from epdserve.shared.config import EngineConfig
 from epdserve.shared.models.layers.attention import AttentionMetadata
-from epdserve.shared.models import MODEL_CLASSES
+from epdserve.shared.models import model_class
 from epdserve.shared.models.cpu_kernels import load_cpu_kernels
 from epdserve.shared.engine.prompt_logprobs import PromptScores, prompt_span, score_prompt_spans
 from epdserve.shared.engine.request import RequestFailure
@@ -47,7 +47,7 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
     torch.set_default_dtype(model_config.dtype)
     try:
         with torch.device(config.device):
-            model = MODEL_CLASSES[model_config.architecture](model_config)
+            model = model_class(model_config.architecture)(model_config)
     finally:
         torch.set_default_dtype(default_dtype)
     model.load_weights(language_model_weights(iterate_weights(model_config.path)))

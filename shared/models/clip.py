@@ -8,14 +8,14 @@ layers up to the deepest one read are built, loaded and run. Numerics follow HF 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from epdserve.shared.models.layers.linear import Linear
+from epdserve.shared.models.vision_config import ACTIVATION_NAMES, CLIPVisionConfig, check_activation
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -32,61 +32,12 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+assert set(ACTIVATIONS) == set(ACTIVATION_NAMES)
+
+
 def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    if name not in ACTIVATIONS:
-        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}")
+    check_activation(name)
     return ACTIVATIONS[name]
-
-
-# HF CLIPVisionConfig's defaults, for configs that leave a field out.
-_CLIP_VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                             num_channels=3, image_size=224, patch_size=32, hidden_act="quick_gelu",
-                             layer_norm_eps=1e-5)
-
-
-@dataclass(frozen=True, slots=True)
-class CLIPVisionConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_channels: int
-    image_size: int
-    patch_size: int
-    hidden_act: str
-    layer_norm_eps: float
-
-    def __post_init__(self):
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
-        get_activation(self.hidden_act)
-
-    @staticmethod
-    def from_dict(raw: dict[str, Any]) -> CLIPVisionConfig:
-        """From an HF `vision_config` dict; fields it leaves out take CLIPVisionConfig's defaults."""
-        model_type = raw.get("model_type", "clip_vision_model")
-        if model_type not in ("clip_vision_model", "clip"):
-            raise ValueError(f"unsupported vision tower {model_type!r}; supported: clip_vision_model")
-        c = {**_CLIP_VISION_DEFAULTS, **raw}
-        return CLIPVisionConfig(
-            hidden_size=int(c["hidden_size"]), intermediate_size=int(c["intermediate_size"]),
-            num_layers=int(c["num_hidden_layers"]), num_heads=int(c["num_attention_heads"]),
-            num_channels=int(c["num_channels"]), image_size=int(c["image_size"]), patch_size=int(c["patch_size"]),
-            hidden_act=c["hidden_act"], layer_norm_eps=float(c["layer_norm_eps"]))
-
-    @property
-    def head_size(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def num_patches(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
-
-    @property
-    def num_positions(self) -> int:
-        return self.num_patches + 1  # the class token comes first
 
 
 class CLIPAttention(nn.Module):

@@ -8,90 +8,20 @@ embedding space by linear -> activation -> linear. The language model itself is 
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
 
-from epdserve.shared.config import parse_dtype
 from epdserve.shared.models.layers.linear import Linear
-from epdserve.shared.models.clip import CLIPVisionConfig, CLIPVisionTransformer, get_activation
+from epdserve.shared.models.clip import CLIPVisionTransformer, get_activation
+from epdserve.shared.models.vision_config import LlavaEncoderConfig
 from epdserve.shared.models.weights import iterate_weights
 
-SELECT_STRATEGIES = ("default", "full")
 # Where the tower and the projector live in checkpoints of older and newer transformers versions.
 _TOWER_PREFIXES = ("vision_tower.", "model.vision_tower.")
 _PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
-# LlavaConfig's tower when a config has no `vision_config` (CLIP ViT-L/14 at 336 pixels).
-_LLAVA_DEFAULT_VISION = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                             image_size=336, patch_size=14)
-
-
-@dataclass(frozen=True, slots=True)
-class LlavaEncoderConfig:
-    """What the encoder needs from a LLaVA `config.json`; fields left out take LlavaConfig's defaults."""
-
-    path: str
-    vision: CLIPVisionConfig
-    # Indices into the tower's hidden states (0 = embeddings, i = after layer i), non-negative.
-    feature_layers: tuple[int, ...]
-    select_strategy: str
-    projector_hidden_act: str
-    projector_bias: bool
-    text_hidden_size: int
-    image_token_id: int
-    dtype: torch.dtype
-
-    @staticmethod
-    def from_pretrained(path: str | Path, dtype: str | torch.dtype = "float32") -> LlavaEncoderConfig:
-        config_file = Path(path) / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"no model at {str(path)!r}: expected an HF folder with config.json")
-        return LlavaEncoderConfig.from_dict(json.loads(config_file.read_text()), str(path), dtype)
-
-    @staticmethod
-    def from_dict(raw: dict[str, Any], path: str = "", dtype: str | torch.dtype = "float32") -> LlavaEncoderConfig:
-        if raw.get("model_type") != "llava" and "LlavaForConditionalGeneration" not in (raw.get("architectures") or ()):
-            raise ValueError(f"{path or 'this config'} is not a LLaVA checkpoint (model_type "
-                             f"{raw.get('model_type')!r}); the image encoder needs an HF LlavaForConditionalGeneration "
-                             f"folder")
-        vision = CLIPVisionConfig.from_dict(raw.get("vision_config") or _LLAVA_DEFAULT_VISION)
-        layers = raw.get("vision_feature_layer", -2)
-        layers = [layers] if isinstance(layers, int) else list(layers)
-        num_states = vision.num_layers + 1  # the embeddings, then one per layer
-        if not layers or any(not -num_states <= i < num_states for i in layers):
-            raise ValueError(f"vision_feature_layer {raw.get('vision_feature_layer')} is outside the tower's "
-                             f"{num_states} hidden states")
-        strategy = raw.get("vision_feature_select_strategy", "default")
-        if strategy not in SELECT_STRATEGIES:
-            raise ValueError(f"unsupported vision_feature_select_strategy {strategy!r}; supported: {SELECT_STRATEGIES}")
-        act = raw.get("projector_hidden_act", "gelu")
-        get_activation(act)
-        image_token_id = raw.get("image_token_id", raw.get("image_token_index", 32000))
-        return LlavaEncoderConfig(
-            path=path,
-            vision=vision,
-            feature_layers=tuple(i % num_states for i in layers),
-            select_strategy=strategy,
-            projector_hidden_act=act,
-            projector_bias=bool(raw.get("multimodal_projector_bias", True)),
-            text_hidden_size=int((raw.get("text_config") or {}).get("hidden_size", 4096)),
-            image_token_id=int(image_token_id),
-            dtype=parse_dtype(dtype),
-        )
-
-    @property
-    def num_image_tokens(self) -> int:
-        """Embedding rows per image: one per patch, plus the class token under "full"."""
-        return self.vision.num_patches + (1 if self.select_strategy == "full" else 0)
-
-    @property
-    def num_tower_layers(self) -> int:
-        """Tower layers that must run: up to the deepest one read."""
-        return max(self.feature_layers)
 
 
 class LlavaMultiModalProjector(nn.Module):

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:
+    import torch
 
 SHARD_INDEX = "model.safetensors.index.json"
 

@@ -21,16 +21,13 @@ import io
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from PIL import Image
 
-try:  # transformers >= 5 names the PIL-backed processor apart from the torchvision one
-    from transformers import CLIPImageProcessorPil as _HFProcessor
-except ImportError:  # transformers 4: the plain class is the PIL one
-    from transformers import CLIPImageProcessor as _HFProcessor
+if TYPE_CHECKING:
+    import torch
 
 # Formats a client may send. Others (EPS, PSD, TIFF, ...) bring more parser surface than they are worth.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
@@ -159,7 +156,7 @@ class ImageProcessor:
             raise ValueError(f"max_image_pixels must be positive, got {max_image_pixels}")
         self.config = config
         self.max_image_pixels = max_image_pixels
-        self._hf = _HFProcessor(**config.hf_kwargs())
+        self._hf = None  # HF's processor, made by the first `preprocess`: the proxy only decodes and hashes
 
     @staticmethod
     def from_pretrained(path: str | Path, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageProcessor:
@@ -193,8 +190,17 @@ class ImageProcessor:
         self.check_size(rgb.shape[0], rgb.shape[1])
         # A PIL image, not the array: HF guesses an array's channel axis, and a 3-pixel-high image looks
         # channels-first to it.
-        out = self._hf(images=Image.fromarray(rgb), return_tensors="pt")
+        out = self._hf_processor()(images=Image.fromarray(rgb), return_tensors="pt")
         return out["pixel_values"][0].float()
+
+    def _hf_processor(self):
+        if self._hf is None:
+            try:  # transformers >= 5 names the PIL-backed processor apart from the torchvision one
+                from transformers import CLIPImageProcessorPil as processor
+            except ImportError:  # transformers 4: the plain class is the PIL one
+                from transformers import CLIPImageProcessor as processor
+            self._hf = processor(**self.config.hf_kwargs())
+        return self._hf
 
     def __call__(self, data: bytes) -> torch.Tensor:
         """Image file bytes -> pixel tensor [3, out_height, out_width] float32."""

@@ -59,7 +59,7 @@ class ImagePromptSpec:
     @staticmethod
     def from_pretrained(path: str | Path) -> ImagePromptSpec:
         """Read from a LLaVA checkpoint's config.json (no weights are loaded)."""
-        from epdserve.shared.models.llava_encoder import LlavaEncoderConfig
+        from epdserve.shared.models.vision_config import LlavaEncoderConfig
 
         config = LlavaEncoderConfig.from_pretrained(path)
         return ImagePromptSpec(config.image_token_id, config.num_image_tokens)

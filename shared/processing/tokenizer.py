@@ -1,6 +1,7 @@
 """The tokenizer side of a model folder: encode, chat template, the fast tokenizer for streaming decode."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as FastTokenizer
@@ -46,10 +47,16 @@ class Tokenizer:
 
 
 def load_tokenizer(model_path: str | Path) -> Tokenizer | None:
-    """The folder's tokenizer, or None when it has none (then prompts must be token ids)."""
+    """The folder's tokenizer, or None when it has none (then prompts must be token ids).
+
+    Its class is the one its tokenizer_config.json names, as AutoTokenizer would pick it, but found by name:
+    AutoTokenizer imports transformers' config machinery, and with it torch, which the proxy does without."""
     folder = Path(model_path)
     if not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    from transformers import AutoTokenizer
+    import transformers
 
-    return Tokenizer(AutoTokenizer.from_pretrained(str(folder)))
+    config_file = folder / "tokenizer_config.json"
+    name = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    return Tokenizer((cls or transformers.PreTrainedTokenizerFast).from_pretrained(str(folder)))

@@ -61,3 +61,33 @@ def test_the_api_answers_503_until_every_role_is_ready_then_stays_open(tiny_mode
     assert [r.getMessage() for r in caplog.records] == ["proxy for tiny ready: http://127.0.0.1:8000/v1"]
     text = metrics.render()[0].decode()
     assert 'epdserve:http_responses_total{model_name="tiny",status="503"} 3.0' in text  # API traffic, counted
+
+
+def test_the_proxy_process_runs_without_torch(llava_demo_path):
+    """The proxy tokenizes, templates, hashes images and routes: none of it needs torch, and a proxy that
+    loads none starts in seconds and takes a few hundred MB less (its libraries are mapped into no page)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proxy = subprocess.Popen([sys.executable, "-m", "epdserve.services.cli", "serve", "proxy", "--model",
+                              llava_demo_path, "--port", str(port), "--unified", "127.0.0.1:1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # serving: the model folder checked, the tokenizer, image processor and router built
+            assert proxy.poll() is None and time.monotonic() < deadline
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 503:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        with open(f"/proc/{proxy.pid}/maps") as maps:
+            assert "libtorch" not in maps.read()
+    finally:
+        proxy.kill()
+        proxy.wait()

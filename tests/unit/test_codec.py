@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epdserve.transport import protocol as p
-from epdserve.transport import codec
+from epdserve.transport import codec, tensor_frames
 from epdserve.transport.codec import DEFAULT_LIMITS, DecodeError, EncodeError, Limits, VersionMismatchError
 
 LAYOUT = p.KVLayout("SmolLM2-135M", "bfloat16", 16, 30, 3, 64)
@@ -118,7 +118,7 @@ def _random_tensor(dtype: torch.dtype, shape) -> torch.Tensor:
     return raw.view(dtype).view(shape)
 
 
-@pytest.mark.parametrize("dtype", list(codec.DTYPES.values()), ids=str)
+@pytest.mark.parametrize("dtype", list(tensor_frames.DTYPES.values()), ids=str)
 @pytest.mark.parametrize("shape", [(3, 5, 7), (0, 4), (), (1,)], ids=str)
 def test_every_dtype_is_bit_exact(dtype, shape):
     tensor = _random_tensor(dtype, shape)  # random bits: includes NaNs, infs, subnormals

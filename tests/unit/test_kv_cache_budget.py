@@ -5,7 +5,6 @@ import logging
 import math
 
 import pytest
-import torch
 
 from epdserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from epdserve.shared.engine.kv_cache_budget import GiB, MemoryLimit, available_memory, size_kv_cache
@@ -13,7 +12,7 @@ from epdserve.shared.engine.kv_cache_budget import GiB, MemoryLimit, available_m
 MiB = 1 << 20
 
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64 -> 46,080 bytes a token in float32.
-MODEL = ModelConfig(path="/m", architecture="LlamaForCausalLM", dtype=torch.float32, vocab_size=49152,
+MODEL = ModelConfig(path="/m", architecture="LlamaForCausalLM", dtype_name="float32", vocab_size=49152,
                     hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, head_size=64,
                     rms_norm_eps=1e-5, rope_theta=1e5, rope_scaling=None, max_model_len=8192,
                     tie_word_embeddings=True, qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=None,
@@ -27,7 +26,7 @@ def engine(cache: CacheConfig = CacheConfig(), max_num_seqs: int = 128, **model)
 
 def test_weights_of_a_llama_shaped_model_match_its_checkpoint():
     assert MODEL.num_weight_bytes == 134_515_008 * 4  # SmolLM2-135M's parameter count, float32
-    untied = dataclasses.replace(MODEL, tie_word_embeddings=False, dtype=torch.bfloat16)
+    untied = dataclasses.replace(MODEL, tie_word_embeddings=False, dtype_name="bfloat16")
     assert untied.num_weight_bytes == (134_515_008 + 49152 * 576) * 2
 
 
