@@ -102,10 +102,10 @@ class PeerKVConnector(KVConnector):
     # -- the engine's side (its thread) -------------------------------------------------------------
     def num_loadable_tokens(self, request, num_local_tokens: int) -> int:
         handle = request.kv_transfer_params.kv_handle
-        if handle is None or request.request_id in self._gave_up:
+        if handle is None or request.group_id in self._gave_up:
             return 0
         if num_local_tokens >= handle.num_tokens:  # this engine's prefix cache holds it all
-            self.loop.call_soon_threadsafe(self._release, request.request_id)
+            self.loop.call_soon_threadsafe(self._release, request.group_id)
             return 0
         return handle.num_tokens - num_local_tokens
 
@@ -115,10 +115,11 @@ class PeerKVConnector(KVConnector):
 
     def start_load(self, request, load: KVLoad) -> None:
         sources = request.kv_transfer_params
-        self.loop.call_soon_threadsafe(self._spawn_load, request.request_id, sources, load)
+        # Peers know the request by its group's id (n > 1: the sequence that loads is one of n).
+        self.loop.call_soon_threadsafe(self._spawn_load, request.group_id, sources, load)
 
     def request_ended(self, request) -> None:
-        self.loop.call_soon_threadsafe(self._forget, request.request_id)
+        self.loop.call_soon_threadsafe(self._forget, request.group_id)
 
     # -- loads (event loop) -------------------------------------------------------------------------
     def _spawn_load(self, request_id: str, sources: PeerSources, load: KVLoad) -> None:
@@ -143,7 +144,7 @@ class PeerKVConnector(KVConnector):
             sources.spans.add("kv.transfer:failed", started, time.monotonic(), 0, len(remote))
             sources.failed = (time.monotonic(), reason)
             self._release(request_id)
-            self.finish(LoadResult(request_id, False, reason))
+            self.finish(LoadResult(load.request_id, False, reason))
             return
         if result.connect_seconds:  # this pull opened the connection to the prefill
             sources.spans.add("kv.handshake", started, started + result.connect_seconds)
@@ -156,7 +157,7 @@ class PeerKVConnector(KVConnector):
         metrics.remote_kv_requests.inc()
         sources.kv_ready = time.monotonic()
         self._release(request_id)
-        self.finish(LoadResult(request_id, True))
+        self.finish(LoadResult(load.request_id, True))
 
     async def _load_embeddings(self, request_id: str, sources: PeerSources, load: KVLoad) -> None:
         embeddings = {}
@@ -170,9 +171,9 @@ class PeerKVConnector(KVConnector):
                 self.metrics.embeddings_fetched.inc()
         except PULL_ERRORS as exc:
             logger.warning("request %s: image embeddings out of reach: %s", request_id, exc)
-            self.finish(LoadResult(request_id, False, failure_reason(exc)))
+            self.finish(LoadResult(load.request_id, False, failure_reason(exc)))
             return
-        self.finish(LoadResult(request_id, True, mm_embeddings=embeddings))
+        self.finish(LoadResult(load.request_id, True, mm_embeddings=embeddings))
 
     # -- prefill's hold (event loop) ----------------------------------------------------------------
     async def _hold(self, request_id: str, handoff: _Handoff) -> None:

@@ -91,10 +91,14 @@ class Scheduler:
         """The engine ids a caller's request id stands for: a group's sequences, or the id itself."""
         return self.groups.get(request_id, [request_id])
 
-    def _forget_group(self, request: Request) -> None:
+    def _forget_group(self, request: Request, loading: bool = False) -> None:
+        """Drop the group of `request` once none of its sequences is left; then (or for a request of its
+        own) the connectors forget it too - unless its load still runs (finish_load tells them then)."""
         ids = self.groups.get(request.group_id)
         if ids is not None and not any(i in self.requests or i in self.held for i in ids):
             del self.groups[request.group_id]
+        if request.group_id not in self.groups and not loading:
+            self.loads.ended(request)
 
     @property
     def num_unfinished(self) -> int:
@@ -261,7 +265,7 @@ class Scheduler:
         if request.request_id in self.loads.loading:  # its blocks are being written: freed when the load ends
             del self.requests[request.request_id]
             self.num_finished[request.status.finish_reason] += 1
-            self._forget_group(request)
+            self._forget_group(request, loading=True)
             return
         if request in self.running:
             self.running.remove(request)
@@ -285,7 +289,6 @@ class Scheduler:
             self.held[request.request_id] = request
         else:
             self.block_manager.free(request)
-        self.loads.ended(request)
         self._forget_group(request)
 
     def finish_at_peer_token(self, request: Request) -> None:
@@ -317,7 +320,8 @@ class Scheduler:
         request, load = loading.request, loading.load
         if request.is_finished:  # aborted while loading: its blocks were kept until now
             self.block_manager.free(request)
-            self.loads.ended(request)
+            if request.group_id not in self.groups:
+                self.loads.ended(request)
             return []
         if not load.block_ids and not load.mm_hashes:
             raise AssertionError("a load of nothing")

@@ -172,8 +172,9 @@ def test_up_takes_its_internal_ports_from_a_range_skipping_busy_ones(default_mod
 
 def test_make_run_serves_on_the_port_given():
     def run_command(*variables):
-        done = subprocess.run(["make", "-n", "run", *variables], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parents[2])
+        # --no-print-directory: under `make test` this runs as a sub-make, which would add its own lines.
+        done = subprocess.run(["make", "--no-print-directory", "-n", "run", *variables], capture_output=True,
+                              text=True, check=True, cwd=Path(__file__).parents[2])
         return done.stdout.strip().splitlines()[-1]
 
     assert run_command("PORT=8123").endswith("epdserve up --port 8123")
