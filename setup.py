@@ -36,11 +36,6 @@ cpu_levels = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cpu_levels)
 
 
-# distutils compiles with Python's own CFLAGS first (debug info, signed overflow that wraps): the kernels
-# are compiled as the runtime compiles them, with neither.
-UNDO_PYTHON_CFLAGS = ("-g0", "-fno-wrapv")
-
-
 def kernel_build():
     """(ext_modules, cmdclass) of the prebuilt kernels, or none where torch is not importable."""
     try:
@@ -53,7 +48,7 @@ def kernel_build():
     levels = [level for level in cpu_levels.LEVELS if level.machine == platform.machine()]
     extensions = [CppExtension(f"epdserve.kernels.prebuilt.{cpu_levels.module_name(source, level)}",
                                [f"kernels/csrc/{source}.cpp"],
-                               extra_compile_args=[*cpu_levels.COMMON_CFLAGS, *level.cflags, *flags, *UNDO_PYTHON_CFLAGS])
+                               extra_compile_args=[*cpu_levels.COMMON_CFLAGS, *level.cflags, *flags])
                   for level in levels for source, flags in cpu_levels.SOURCES.items()]
 
     class BuildKernels(BuildExtension.with_options(use_ninja=False)):
@@ -76,6 +71,10 @@ def kernel_build():
             (prebuilt / cpu_levels.MANIFEST).write_text(json.dumps({"torch": torch.__version__, "sources": cpu_levels.sources_digest()}))
 
         def build_extensions(self):
+            # Without Python's own CFLAGS (debug info, signed overflow that wraps, Debian's stack protector):
+            # the flags are those of a build at run time, and the level's.
+            for command in ("compiler_so", "compiler_so_cxx"):  # (older setuptools compile C++ with the first)
+                self.compiler.set_executable(command, [self.compiler.compiler_cxx[0], "-fPIC"])
             # distutils names an object after its source, so the levels, compiled side by side, would write
             # the same objects: each extension compiles a file of its own that includes its source.
             for ext in self.extensions:
