@@ -26,7 +26,6 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import NamedTuple
 
 from epdserve.kernels import cpu_levels
 from epdserve.kernels.cpu_levels import CSRC, PREBUILT
@@ -34,63 +33,66 @@ from epdserve.kernels.cpu_levels import CSRC, PREBUILT
 logger = logging.getLogger(__name__)
 
 
-class Choice(NamedTuple):
-    level: cpu_levels.Level | None  # None: built here
-    reason: str
+def choose(flags: frozenset[str], machine: str, folder: Path = PREBUILT) -> cpu_levels.Level | None:
+    """The level whose prebuilt kernels a CPU with these flags runs, or None: built here. Logs which, and why."""
+    level = cpu_levels.level_for(flags, machine)
+    problem = _unusable(level, folder)
+    if problem is None:
+        logger.info("C++ CPU kernels: prebuilt for %s (%s)", level.name, level.description)
+        return level
+    logger.warning("C++ CPU kernels: built here for this CPU (-march=native) because %s; the first build takes "
+                   "about a minute per kernel, later starts load it from the cache", problem)
+    return None
 
 
-def choose(flags: frozenset[str], machine: str, prebuilt: Path = PREBUILT) -> Choice:
-    """Which kernels a CPU with these flags runs: the prebuilt ones of its level, or a build of its own."""
+def _unusable(level: cpu_levels.Level | None, folder: Path) -> str | None:
+    """Why the prebuilt kernels cannot serve, or None."""
     import torch
 
-    level = cpu_levels.level_for(flags, machine)
     if level is None:
-        return Choice(None, f"this CPU ({machine}) has none of the prebuilt levels "
-                            f"({', '.join(f'{lv.name}: {lv.description}' for lv in cpu_levels.LEVELS)})")
+        return (f"this CPU has none of the prebuilt levels "
+                f"({'; '.join(f'{lv.name}: {lv.machine} {lv.description}' for lv in cpu_levels.LEVELS)})")
     try:
-        manifest = json.loads((prebuilt / cpu_levels.MANIFEST).read_text())
+        manifest = json.loads((folder / cpu_levels.MANIFEST).read_text())
     except (OSError, ValueError):
-        return Choice(None, f"this install has no prebuilt kernels ({prebuilt / cpu_levels.MANIFEST} is missing: "
-                            "installed without torch, or with build isolation)")
+        return (f"this install has no prebuilt kernels ({folder / cpu_levels.MANIFEST} is missing: it was made "
+                "without torch, or with build isolation)")
     if manifest["torch"] != torch.__version__:
-        return Choice(None, f"the prebuilt kernels were built against torch {manifest['torch']}, "
-                            f"this is torch {torch.__version__}")
+        return f"the prebuilt kernels were built against torch {manifest['torch']}, this is torch {torch.__version__}"
     if manifest["sources"] != cpu_levels.sources_digest():
-        return Choice(None, f"{CSRC} changed since the prebuilt kernels were built")
-    missing = [name for name in cpu_levels.SOURCES if _prebuilt_file(prebuilt, name, level) is None]
+        return f"{CSRC} changed since the prebuilt kernels were built"
+    missing = [source for source in cpu_levels.SOURCES if _prebuilt_file(folder, source, level) is None]
     if missing:
-        return Choice(None, f"the prebuilt {level.name} kernels {', '.join(missing)} are missing from {prebuilt}")
-    return Choice(level, f"this CPU has {level.description}")
+        return f"the prebuilt {level.name} kernels {', '.join(missing)} are missing from {folder}"
+    return None
 
 
 @functools.cache
-def _choice() -> Choice:
-    choice = choose(cpu_levels.cpu_flags(), platform.machine())
-    if choice.level is not None:
-        logger.info("C++ CPU kernels: prebuilt, level %s (%s)", choice.level.name, choice.reason)
-    else:
-        logger.warning("C++ CPU kernels: built here for this CPU (-march=native), because %s; the first build "
-                       "takes about a minute per kernel, later starts load it from the cache", choice.reason)
-    return choice
+def _level() -> cpu_levels.Level | None:
+    return choose(cpu_levels.cpu_flags(), platform.machine())
 
 
-def _prebuilt_file(prebuilt: Path, source: str, level: cpu_levels.Level) -> Path | None:
+def _prebuilt_file(folder: Path, source: str, level: cpu_levels.Level) -> Path | None:
     name = cpu_levels.module_name(source, level)
-    return next((f for suffix in importlib.machinery.EXTENSION_SUFFIXES if (f := prebuilt / (name + suffix)).is_file()),
+    return next((f for suffix in importlib.machinery.EXTENSION_SUFFIXES if (f := folder / (name + suffix)).is_file()),
                 None)
 
 
 @functools.cache
 def load(source: str):
     """The extension module of csrc/`source`.cpp, or None if it cannot be built here."""
-    import torch  # noqa: F401 - the modules link against the libraries torch loads
+    level = _level()
+    return build(source) if level is None else load_prebuilt(source, level)
 
-    level = _choice().level
-    if level is None:
-        return build(source)
+
+def load_prebuilt(source: str, level: cpu_levels.Level):
+    """The prebuilt module of csrc/`source`.cpp for `level` (whose instructions the CPU must have)."""
+    import torch  # noqa: F401 - the module links against the libraries torch loads
+
     path = _prebuilt_file(PREBUILT, source, level)
-    spec = importlib.util.spec_from_file_location(f"epdserve.kernels.prebuilt.{cpu_levels.module_name(source, level)}",
-                                                  path)
+    if path is None:
+        raise FileNotFoundError(f"no prebuilt {cpu_levels.module_name(source, level)} module in {PREBUILT}")
+    spec = importlib.util.spec_from_file_location(f"epdserve.kernels.prebuilt.{path.name.partition('.')[0]}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
