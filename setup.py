@@ -68,7 +68,8 @@ def kernel_build():
             prebuilt = Path(self.get_ext_fullpath(extensions[0].name)).parent
             prebuilt.mkdir(parents=True, exist_ok=True)
             super().run()
-            (prebuilt / cpu_levels.MANIFEST).write_text(json.dumps({"torch": torch.__version__, "sources": cpu_levels.sources_digest()}))
+            manifest = {"torch": torch.__version__, "sources": cpu_levels.sources_digest()}
+            (prebuilt / cpu_levels.MANIFEST).write_text(json.dumps(manifest))
 
         def build_extensions(self):
             # Without Python's own CFLAGS (debug info, signed overflow that wraps, Debian's stack protector):
@@ -89,5 +90,5 @@ def kernel_build():
 
 ext_modules, cmdclass = kernel_build()
 # The sources travel with the package: the runtime compiles them where no prebuilt level fits.
-setup(packages=list(package_dir), package_dir=package_dir, package_data={"epdserve.kernels": ["csrc/*.cpp", "csrc/*.h"]},
-      ext_modules=ext_modules, cmdclass=cmdclass)
+setup(packages=list(package_dir), package_dir=package_dir,
+      package_data={"epdserve.kernels": ["csrc/*.cpp", "csrc/*.h"]}, ext_modules=ext_modules, cmdclass=cmdclass)

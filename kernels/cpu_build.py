@@ -4,7 +4,7 @@ The install builds every kernel for each CPU level of cpu_levels (setup.py), aga
 installs with; a process loads those of the best level its CPU runs. Where none can serve (a CPU below
 every level, an install made without torch, a torch other than the one they were built against, sources
 edited since), torch's cpp_extension compiles them here with `-march=native` (with g++ and ninja: about
-a minute per kernel, once) and caches the result under ~/.cache/torch_extensions (or
+half a minute per kernel, once) and caches the result under ~/.cache/torch_extensions (or
 $TORCH_EXTENSIONS_DIR), one build per kind of CPU (its feature flags) and per checkout. Where a kernel
 cannot be built either (no compiler), `load` returns None and its callers keep the PyTorch path.
 
@@ -41,7 +41,7 @@ def choose(flags: frozenset[str], machine: str, folder: Path = PREBUILT) -> cpu_
         logger.info("C++ CPU kernels: prebuilt for %s (%s)", level.name, level.description)
         return level
     logger.warning("C++ CPU kernels: built here for this CPU (-march=native) because %s; the first build takes "
-                   "about a minute per kernel, later starts load it from the cache", problem)
+                   "about half a minute per kernel, later starts load it from the cache", problem)
     return None
 
 
@@ -119,7 +119,8 @@ def build(source: str):
             fcntl.flock(turn, fcntl.LOCK_EX)
             (folder / "lock").unlink(missing_ok=True)  # torch's, stale: no builder runs while we hold ours
             if not (folder / f"{name}.so").exists():
-                logger.warning("building the C++ kernel %s.cpp for this CPU into %s (about a minute)", source, folder)
+                logger.warning("building the C++ kernel %s.cpp for this CPU into %s (about half a minute)", source,
+                               folder)
             return build_extension(name=name, sources=[str(CSRC / f"{source}.cpp")], build_directory=str(folder),
                                    extra_cflags=[*cpu_levels.COMMON_CFLAGS, "-march=native",
                                                  *cpu_levels.SOURCES[source]],

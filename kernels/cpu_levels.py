@@ -40,8 +40,9 @@ class Level(NamedTuple):
 
 
 # Best first. The kernels have AVX-512 (and AVX-512 BF16: bfloat16 linear layers) and AVX2 + FMA paths;
-# a CPU with AVX-512 but no BF16 runs the AVX2 level. -mtune: what GCC 12's -march=native picks on Zen 4
-# and 5 (it knows no znver4), which these kernels run as fast as -march=native; AVX2 CPUs are many kinds.
+# a CPU with AVX-512 but no BF16 runs the AVX2 level. -mtune=znver3 is what GCC 12's -march=native picks
+# on Zen 4 (it knows no znver4): with it the kernels run as fast as with -march=native there, with generic
+# tuning float32 attention 5% slower. AVX2 CPUs are of many kinds: generic.
 LEVELS = (
     Level("avx512_bf16", "x86_64", frozenset(_X86_64_V4 | {"avx512_bf16"}),
           ("-march=x86-64-v4", "-mavx512bf16", "-mtune=znver3"), "x86-64-v4 + AVX-512 BF16"),

@@ -95,7 +95,7 @@ def test_without_usable_prebuilt_kernels_the_fallback_build_says_why(flags, fold
     ((record),) = caplog.records
     assert record.levelno == logging.WARNING
     assert record.getMessage().startswith("C++ CPU kernels: built here for this CPU (-march=native) because ")
-    assert why in record.getMessage() and "about a minute per kernel" in record.getMessage()
+    assert why in record.getMessage() and "about half a minute per kernel" in record.getMessage()
 
 
 @needs_a_level
