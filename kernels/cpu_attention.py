@@ -21,7 +21,7 @@ from epdserve.kernels import cpu_build, torch_attention
 
 
 def _extension():
-    return cpu_build.load("cpu_paged_attention.cpp")
+    return cpu_build.load("cpu_paged_attention")
 
 
 def available() -> bool:

@@ -15,7 +15,7 @@ from epdserve.kernels import cpu_build
 
 
 def _ops():
-    return cpu_build.load("cpu_layer_ops.cpp", exact_rounding=True)
+    return cpu_build.load("cpu_layer_ops")
 
 
 def available() -> bool:

@@ -17,7 +17,7 @@ from epdserve.kernels import cpu_build
 
 
 def _ops():
-    return cpu_build.load("cpu_linear.cpp")
+    return cpu_build.load("cpu_linear")
 
 
 @functools.cache

@@ -8,7 +8,9 @@
 // silu(gate) rounded to the model dtype before the product with up. Only RMSNorm's sum of squares adds up
 // in another order than torch's reduction does, and SiLU's exp is our own (vec_math.h: within 2 ulp of
 // std::exp, as torch's vectorized one is).
-#include <torch/extension.h>
+// Not torch/extension.h, torch's whole C++ API: these are all a kernel uses, in half the compile time.
+#include <torch/csrc/utils/pybind.h>
+#include <torch/types.h>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -9,7 +9,9 @@
 // the rows), so each panel streams from memory once per step; at decode sizes (1-64 rows) that stream
 // is what the step waits on, and this kernel keeps it 1.1-1.5x faster than oneDNN's packed matmul
 // (measured: SmolLM2's 30 layers and lm_head, weights from DRAM).
-#include <torch/extension.h>
+// Not torch/extension.h, torch's whole C++ API: these are all a kernel uses, in half the compile time.
+#include <torch/csrc/utils/pybind.h>
+#include <torch/types.h>
 
 #include <omp.h>
 

