@@ -89,6 +89,9 @@ def kernel_build():
 
 
 ext_modules, cmdclass = kernel_build()
-# The sources travel with the package: the runtime compiles them where no prebuilt level fits.
+# The sources travel with the package, as a data-only package of their own (setuptools would otherwise warn
+# that kernels/csrc looks importable and is listed nowhere): the runtime compiles them where no prebuilt
+# level fits.
+package_dir["epdserve.kernels.csrc"] = "kernels/csrc"
 setup(packages=list(package_dir), package_dir=package_dir,
-      package_data={"epdserve.kernels": ["csrc/*.cpp", "csrc/*.h"]}, ext_modules=ext_modules, cmdclass=cmdclass)
+      package_data={"epdserve.kernels.csrc": ["*.cpp", "*.h"]}, ext_modules=ext_modules, cmdclass=cmdclass)
