@@ -54,7 +54,7 @@ class ServiceStack:
     """Every role a process of its own (`epdserve serve`), started and stopped by pid."""
 
     def __init__(self, model: str, log_dir: Path, encoders: int, prefills: int, decodes: int,
-                 engine_args: list[str]) -> None:
+                 engine_args: list[str], proxy_args: list[str]) -> None:
         base = [sys.executable, "-m", "epdserve.services.cli", "serve"]
         self.procs: dict[str, subprocess.Popen] = {}
         self.argv: dict[str, list[str]] = {}
@@ -71,7 +71,7 @@ class ServiceStack:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv["proxy"] = [*base, "proxy", "--model", model, "--port", str(self.port), "--api-key", API_KEY,
-                              "--served-model-name", "demo",
+                              "--served-model-name", "demo", *proxy_args,
                               *[arg for role, addrs in targets.items() for arg in (f"--{role}", ",".join(addrs))]]
         self.log_dir = log_dir
 
@@ -407,6 +407,9 @@ def main() -> None:
     parser.add_argument("--probe-seconds", type=float, default=60.0, help="longest a hostile request may run")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "isolation.json"))
     parser.add_argument("--label", default="", help="stored with the results (e.g. the tree measured)")
+    parser.add_argument("--proxy-args", default="", help="extra options of the proxy, e.g. limits raised so that "
+                                                          "hostile requests reach the engines: "
+                                                          "'--max-logit-bias 50000 --max-structured-output-bytes 1048576'")
     args = parser.parse_args()
     args.probes = [p for p in args.probes.split(",") if p]
     unknown = set(args.probes) - set(ORDER)
@@ -416,13 +419,15 @@ def main() -> None:
 
     model = str(prepare_model("llava-demo"))
     with tempfile.TemporaryDirectory(prefix="epdserve-isolation-") as tmp:
-        stack = ServiceStack(model, Path(tmp), encoders=1, prefills=1, decodes=2, engine_args=[])
+        stack = ServiceStack(model, Path(tmp), encoders=1, prefills=1, decodes=2, engine_args=[],
+                             proxy_args=args.proxy_args.split())
         try:
             stack.start()
             results = asyncio.run(main_async(args, stack, Path(tmp)))
         finally:
             stack.stop()
-    out = {"machine": machine(), "label": args.label, "probe_seconds": args.probe_seconds, "results": results}
+    out = {"machine": machine(), "label": args.label, "proxy_args": args.proxy_args,
+           "probe_seconds": args.probe_seconds, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(table(results))

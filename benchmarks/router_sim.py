@@ -32,7 +32,7 @@ from pathlib import Path
 
 from epdserve.services.proxy.kv_routing import pick
 from epdserve.services.proxy.prefix_index import PrefixIndex
-from epdserve.shared.engine.block_hash import extend_block_hashes
+from epdserve.shared.block_hash import extend_block_hashes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16

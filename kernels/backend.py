@@ -20,7 +20,7 @@ BACKEND_NAMES = ("auto", "triton", "cpu", "torch")
 class AttentionBackend(NamedTuple):
     """Which implementation runs, and its entry points (torch_attention's signatures)."""
 
-    name: str  # "triton" or "torch", never "auto"
+    name: str  # "triton", "cpu" or "torch", never "auto"
     write_kv: Callable[..., None]  # kv_cache_write(key, value, key_cache, value_cache, slot_mapping)
     attend: Callable[..., torch.Tensor]  # paged_attention(query, key_cache, ..., scale, sliding_window, out)
     # plan_attention(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, sliding_window):

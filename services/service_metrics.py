@@ -129,7 +129,7 @@ class ServiceMetrics:
                                       "Requests prefilled by this engine itself (unified, or decode's fallback).")
         self.expired_leases = counter("epdserve:kv_lease_expired", "Held KV released because its lease ran out.")
         self.lease_renewals = counter("epdserve:kv_lease_renewals",
-                                      "Leases on prefill's KV renewed while a request waited here for room.")
+                                      "Leases on prefill's KV renewed while a request waited here for its pull.")
         self.embeddings_fetched = counter("epdserve:embeddings_fetched", "Image embeddings pulled from encoders.")
         self.refused_overloaded = counter("epdserve:requests_refused_overloaded",
                                           "Requests refused because the prompts queued ahead would take longer "

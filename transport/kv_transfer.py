@@ -278,10 +278,6 @@ class KVTransferServer(abc.ABC):
         them after `timeout` (a peer that stopped reading)."""
         return True
 
-    @property
-    def num_exposed_requests(self) -> int:
-        return len(self._exposed)
-
     def check_exposed(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Refuse a fetch of blocks not exposed for the request (exposed ids were checked against the
         cache by `expose`)."""

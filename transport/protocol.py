@@ -21,8 +21,8 @@ added (with or without a default), removed, renamed or retyped, a tag or an enum
 bumps PROTOCOL_VERSION, and peers of different versions refuse each other at the handshake.
 tests/unit/test_protocol.py pins a fingerprint of the schema to the version.
 
-This module does not import torch (only the annotations of tensor fields name it), so that the
-proxy's OpenAI layer can use the wire types without loading it.
+This module does not import torch (only the annotations of tensor fields name it), nor does the codec
+unless a message carries a tensor (tensor_frames.py): the proxy, which moves none, never loads torch.
 """
 from __future__ import annotations
 

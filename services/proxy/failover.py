@@ -155,7 +155,7 @@ class Failover:
             yield attempt, instance
 
     async def _attempt(self, instance: Instance, message: Message, timeout: float, expect: type) -> Any:
-        instance.inflight += 1
+        instance.start()
         try:
             call = instance.client.request(message, timeout=timeout, expect=expect)
             return await watched(call, Liveness(instance, self.cut), self.liveness_check)
@@ -163,7 +163,7 @@ class Failover:
             self._abort_accepted(instance, message)
             raise
         finally:
-            instance.inflight -= 1
+            instance.end()
 
     def _abort_accepted(self, instance: Instance, message: Message) -> None:
         # Encoders keep nothing per request: an encode that was accepted just fills their cache.

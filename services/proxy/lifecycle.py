@@ -258,7 +258,7 @@ class ServiceBackend:
         try:
             instance, _ = await self._failover.call(role, route, request, self.config.rpc_timeout, Ack)
             # Counted again at once: no other routing decision happens in between.
-            instance.inflight += 1
+            instance.start()
             liveness = Liveness(instance, self._check_cut)
             while not finished:
                 message = await self._next(queue, liveness)
@@ -277,7 +277,7 @@ class ServiceBackend:
         finally:
             self._streams.pop(rid, None)
             if instance is not None:
-                instance.inflight -= 1
+                instance.end()
                 if not finished:
                     self._abort_soon(instance, rid)
 

@@ -52,9 +52,17 @@ class Instance:
     misses: int = 0
     alive: bool = False  # answers its polls (ready, starting or draining): what it holds goes on
     draining: bool = False  # reported STARTING or DRAINING, or DNS no longer names it: takes nothing new
-    # Requests this proxy has sent and not seen finish: load the status poll has not reported yet.
+    # Requests this proxy has sent and not seen finish: load the status poll has not reported yet. Changed
+    # only by `start` and `end`, by whoever sends the instance work.
     inflight: int = 0
     disconnects_seen: int = 0  # the client's disconnect count at the last answered poll
+
+    def start(self) -> None:
+        """A call or stream of this proxy's is now with the instance."""
+        self.inflight += 1
+
+    def end(self) -> None:
+        self.inflight -= 1
 
     @property
     def load(self) -> int:

@@ -206,14 +206,3 @@ class BlockManager:
                     self.free_queue.move_to_end(block_id, last=False)
         request.block_ids = []
         self._num_registered.pop(request.request_id, None)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block; only possible while no block is in use."""
-        if self.num_free_blocks != self.num_blocks:
-            return False
-        for block_hash in self.cached_blocks:
-            self.events.removed(block_hash)
-        for block in self.blocks:
-            block.block_hash, block.token_ids = None, ()
-        self.cached_blocks.clear()
-        return True
