@@ -12,9 +12,9 @@ elsewhere on the machine hits them alike (the median round is reported):
             another: no gather, no scatter, the ceiling any transfer layer can approach;
   tcp_copy  a plain socket moving the blocks the simplest way: gather into a buffer, send, receive
             into a buffer, scatter; one message, no pipelining;
-  zmq, ucx  the KVTransfer backends (epdserve.transport.zmq_kv / ucx_kv) as deployed: ZMQ's blocks over
-            its block connections (block_stream), UCX's as UCX messages;
-  zmq_frames  the ZMQ backend without block connections (as with CURVE): blocks as ZMQ frames.
+  zmq, ucx  the KV transports (epdserve.transport.transports) as deployed: ZMQ's blocks over its
+            block connections (block_stream.py), UCX's as UCX messages (ucx_path.py);
+  zmq_frames  the ZMQ transport without block connections (as with CURVE): blocks as ZMQ frames.
 
     python benchmarks/transfer.py                       # every backend available; JSON (+ PNG) in results/
     python benchmarks/transfer.py --backends tcp,zmq --rounds 3 --layouts contiguous
@@ -62,8 +62,8 @@ def make_cache(dtype: str, seed: int) -> torch.Tensor:
 
 def ucx_available() -> bool:
     try:
-        from epdserve.transport import ucx_kv
-        ucx_kv.import_ucxx()
+        from epdserve.transport import ucx_path
+        ucx_path.import_ucxx()
         return True
     except ImportError:
         return False
@@ -106,7 +106,7 @@ def serve_socket(listener: socket.socket, payload: memoryview, caches: dict[str,
 
 
 async def run_server(backends: list[str]) -> None:
-    from epdserve.transport import kv_transfer
+    from epdserve.transport import transports
 
     caches = {dtype: make_cache(dtype, seed=1) for dtype in DTYPES}
     servers, addresses = [], {}
@@ -115,7 +115,7 @@ async def run_server(backends: list[str]) -> None:
             continue
         for dtype, cache in caches.items():
             name, options = backend_of(backend)
-            server = kv_transfer.create_server(name, f"bench-{backend}-{dtype}", kv_cache=cache, model_id=MODEL_ID,
+            server = transports.create_server(name, f"bench-{backend}-{dtype}", kv_cache=cache, model_id=MODEL_ID,
                                                **options)
             addresses[f"{backend}/{dtype}"] = await server.start()
             server.expose("bench", range(NUM_BLOCKS))
@@ -165,11 +165,11 @@ def block_ids(layout: str, num_blocks: int, gen: torch.Generator) -> list[int]:
 
 
 async def run_client(addresses: dict[str, str], backends: list[str], rounds: int, layouts: list[str]) -> list[dict]:
-    from epdserve.transport import kv_transfer
+    from epdserve.transport import transports
 
     caches = {dtype: make_cache(dtype, seed=2) for dtype in DTYPES}
     clients = {
-        (backend, dtype): kv_transfer.create_client(backend_of(backend)[0], f"client-{backend}-{dtype}", kv_cache=cache,
+        (backend, dtype): transports.create_client(backend_of(backend)[0], f"client-{backend}-{dtype}", kv_cache=cache,
                                                     model_id=MODEL_ID)
         for backend in backends if backend not in SOCKET_METHODS
         for dtype, cache in caches.items()
@@ -229,13 +229,13 @@ async def profile_receives(addresses: dict[str, str], backends: list[str], fetch
     import cProfile
     import pstats
 
-    from epdserve.transport import kv_transfer
+    from epdserve.transport import transports
 
     num_blocks = max(PAYLOAD_TOKENS) // BLOCK_SIZE
     rows = []
     for backend in (b for b in backends if b not in SOCKET_METHODS):
         cache = make_cache("float32", seed=2)
-        client = kv_transfer.create_client(backend_of(backend)[0], f"profile-{backend}", kv_cache=cache,
+        client = transports.create_client(backend_of(backend)[0], f"profile-{backend}", kv_cache=cache,
                                            model_id=MODEL_ID)
         ids = list(range(num_blocks))
         await client.fetch_blocks(addresses[f"{backend}/float32"], "bench", ids, ids)  # warm-up

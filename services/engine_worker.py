@@ -26,7 +26,8 @@ from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, Error, Error
                                       Handshake, Health, KVEvents, KVEventsRequest, KVLayout, Message, PrefillRequest,
                                       Role, Status, TokenDelta)
 from epdserve.services.wire import logprobs_to_wire, prompt_logprobs_to_wire, sampling_params_from_wire
-from epdserve.transport.kv_transfer import KVTransferClient, create_client
+from epdserve.transport.kv_client import KVTransferClient
+from epdserve.transport.transports import create_client
 
 if TYPE_CHECKING:
     from epdserve.shared.engine.request import Request

@@ -29,7 +29,8 @@ from epdserve.services.request_spans import RequestSpans
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.shared.engine.kv_connector import KVConnector, KVLoad, LoadResult
 from epdserve.transport.channel import ChannelError, ErrorReply
-from epdserve.transport.kv_transfer import KVTransferClient, TransferError
+from epdserve.transport.kv_client import KVTransferClient
+from epdserve.transport.kv_transfer import TransferError
 from epdserve.transport.peer_pool import PeerPool
 from epdserve.transport.protocol import Ack, KVHandle, LeaseRenewed, Message, Release, RenewLease
 from epdserve.transport.request_client import RequestClient

@@ -238,7 +238,7 @@ class TransportConfig:
             raise ValueError("timeouts must be positive")
 
     def transfer_options(self) -> dict:
-        """Keyword arguments of kv_transfer.create_server / create_client for the chosen transport."""
+        """Keyword arguments of transports.create_server / create_client for the chosen transport."""
         return {"net_devices": self.ucx_net_devices} if self.kv_transport == "ucx" else {}
 
     def server_options(self, block_port: int) -> dict:

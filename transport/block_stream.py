@@ -1,6 +1,7 @@
 """KV blocks over a plain TCP connection, straight from the server's cache into the client's.
 
-The ZMQ backend's data path for blocks when its channel is not encrypted. ZMQ frames cost the
+The ZMQ transport's data path for blocks when its channel is not encrypted (BlockStreamServerPath and
+BlockStreamClientPath, at the end, plug it into a KV transfer server and client). ZMQ frames cost the
 receiver a copy: libzmq receives each frame into memory of its own and hands a multipart message
 over only whole, so the copy into the cache came after the last byte (a 1k-token SmolLM2 fetch at
 0.4-0.5x of a plain socket on 2 cores). Here the server writes each segment from its cache with
@@ -45,10 +46,13 @@ import numpy as np
 
 from epdserve.transport import codec
 from epdserve.transport.channel import ErrorReply
-from epdserve.transport.codec import DEFAULT_LIMITS, Limits
-from epdserve.transport.kv_transfer import TransferError, TransferTimeout
+from epdserve.transport.limits import DEFAULT_LIMITS, Limits
+from epdserve.transport.kv_client import Chunk, ClientPath, KVTransferClient
+from epdserve.transport.kv_server import KVTransferServer, ServerPath
+from epdserve.transport.kv_transfer import TransferError, TransferTimeout, scatter_blocks
 from epdserve.transport.peer_pool import PeerPool
-from epdserve.transport.protocol import Error, ErrorCode, FetchBlocks, Message
+from epdserve.transport.protocol import MAY_SEND, Error, ErrorCode, FetchBlocks, Handshake, HandshakeAck, Message
+from epdserve.transport.request_client import RequestClient
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class BlockStreamServer:
     """
 
     def __init__(self, engine_id: str, host: str, prepare: Prepare, *, port: int = 0,
-                 limits: Limits = DEFAULT_LIMITS, max_connections: int = 256):
+                 limits: Limits = DEFAULT_LIMITS, max_connections: int = 256, lock: threading.Lock | None = None):
         self.engine_id = engine_id
         self.host = "0.0.0.0" if host == "*" else host  # ZMQ's wildcard, in socket terms
         self.token = secrets.token_bytes(TOKEN_BYTES)
@@ -84,7 +88,9 @@ class BlockStreamServer:
         self.num_rejected = 0  # connections with a wrong token, or malformed requests
         self._prepare = prepare
         self._max_connections = max_connections
-        self.lock = threading.Lock()  # guards the three below and num_rejected, and the blocks `prepare` checks
+        # Guards the three below and num_rejected, and the blocks `prepare` checks: the owner of the blocks'
+        # lock, held while it withdraws them.
+        self.lock = lock or threading.Lock()
         self._inflight: dict[str, set[socket.socket]] = {}  # request id -> connections sending its blocks
         self._connections: set[socket.socket] = set()
         self._listener: socket.socket | None = None
@@ -413,3 +419,80 @@ def _recv_into(conn: socket.socket, view: memoryview, deadline: float | None = N
     return got
 
 
+class BlockStreamServerPath(ServerPath):
+    """A KV transfer server's block connections: a port beside its control channel, announced in the
+    handshake (with a token that ties a connection to a peer the channel accepted) to peers that may fetch
+    blocks of its layout."""
+
+    transport = "zmq"
+
+    def __init__(self, host: str, port: int = 0, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.host, self.port, self.limits = host, port, limits
+        self.stream: BlockStreamServer | None = None
+
+    def bind(self, server: KVTransferServer) -> None:
+        super().bind(server)
+        self.stream = BlockStreamServer(server.engine_id, self.host, self._prepare, port=self.port, limits=self.limits,
+                                        lock=server.lock)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.stream.start()
+
+    def ack_extra(self, hello: Handshake) -> dict:
+        if hello.kv_layout != self.server.layout or FetchBlocks not in MAY_SEND.get(hello.role, ()):
+            return {}
+        return {"data_port": self.stream.port, "data_token": self.stream.token}
+
+    def _prepare(self, message: FetchBlocks) -> Sequence[np.ndarray] | Error:
+        """A connection's request (on its thread, under the server's lock): its segments' bytes, or why not."""
+        if message.ucx_tag is not None:
+            return Error(ErrorCode.BAD_REQUEST, "a UCX fetch on a block connection", message.request_id)
+        started = time.perf_counter()
+        try:
+            buffers = self.server.segment_bytes(message)
+        except ErrorReply as e:
+            return e.error
+        # Counted on the event loop, which owns the stats (control-channel fetches count there too).
+        self._loop.call_soon_threadsafe(self.server.stats.record, sum(b.nbytes for b in buffers), started)
+        return buffers
+
+    def sending(self, request_id: str) -> bool:
+        return self.stream.sending(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.stream.abort(request_id)
+
+    @property
+    def num_rejected(self) -> int:
+        return self.stream.num_rejected
+
+    async def close(self) -> None:
+        await self.stream.close()
+
+
+class BlockStreamClientPath(ClientPath):
+    """A KV transfer client's block connections, to servers that announced a port, into a CPU cache."""
+
+    transport = "zmq"
+
+    def bind(self, client: KVTransferClient) -> None:
+        super().bind(client)
+        self.stream = BlockStreamClient(client.engine_id, limits=client.limits, idle_seconds=client.peer_idle_seconds)
+
+    def usable(self, peer: HandshakeAck) -> bool:
+        return peer.data_port is not None and self.client.kv_cache.device.type == "cpu"
+
+    async def fetch_chunk(self, control: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
+        client, peer = self.client, control.peer
+        buffers, gathered = client.landing(chunk)
+        host = control.address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+        num_bytes = await self.stream.fetch(host, peer.data_port, peer.data_token or b"", chunk.request(request_id),
+                                            buffers, client.remaining(deadline))
+        if gathered is not None:
+            scatter_blocks(client.kv_cache, chunk.local_ids, gathered)
+        return num_bytes
+
+    async def close(self) -> None:
+        await self.stream.close()

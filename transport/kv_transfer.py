@@ -1,11 +1,12 @@
-"""KVTransfer: how engines hand each other paged KV-cache blocks and encoder embeddings.
+"""KV transfer: how engines hand each other paged KV-cache blocks and encoder embeddings - what every server,
+client and data path shares (errors, layouts, runs, the cache's segments as bytes).
 
 An engine's KV cache is one tensor
     kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]   (dim 1: K, V)
-and a block is `kv_cache[:, :, block_id]`. A prefill engine runs a KVTransferServer, exposes each
-request's blocks while it holds them under a lease, and withdraws them on release; a decode engine's
-KVTransferClient pulls given remote block ids into given local block ids. An encoder's server exposes
-its encoder cache (mm_hash -> [num_tokens, hidden_size]) the same way.
+and a block is `kv_cache[:, :, block_id]`. A prefill engine runs a KVTransferServer (kv_server.py),
+exposes each request's blocks while it holds them under a lease, and withdraws them on release; a decode
+engine's KVTransferClient (kv_client.py) pulls given remote block ids into given local block ids. An
+encoder's server exposes its encoder cache (mm_hash -> [num_tokens, hidden_size]) the same way.
 
 Before any block moves the two sides compare KVLayout (model id, dtype, block size, layers, KV heads,
 head size) in the connection handshake. Block ids and sizes that come from the wire are checked
@@ -18,14 +19,13 @@ moves as one segment per layer and K/V, straight from the server's cache memory 
 no gather or scatter buffer on either side. Blocks in runs too short for that (a segment per block,
 layer and K/V costs more per byte than copying it) are gathered into one segment instead.
 
-Backends: `zmq_kv` (default; segments as zero-copy ZMQ frames) and `ucx_kv` (segments as UCX tagged
-messages received into the cache; control over the same ZMQ channel). `create_server` /
-`create_client` pick one by name; both ends of a transfer must use the same one, which the
-handshake checks.
+Data paths, each standalone: plain TCP block connections (block_stream.py) and ZMQ frames
+(frame_path.py) make the "zmq" transport, UCX tagged messages (ucx_path.py) the "ucx" one; control goes
+over a typed ZMQ channel for all. `transports.create_server` / `create_client` assemble a transport's
+paths; both ends of a transfer must use the same transport, which the handshake checks.
 """
 from __future__ import annotations
 
-import abc
 import operator
 import time
 from collections.abc import Sequence
@@ -235,148 +235,3 @@ class EmbeddingSource(Protocol):
     """
 
     def get(self, mm_hash: str) -> torch.Tensor | None: ...
-
-
-class KVTransferServer(abc.ABC):
-    """Serves the blocks a local engine exposes and the embeddings its encoder cache holds.
-
-    `expose` / `withdraw` are called by the engine's loop (the owner of the blocks and their
-    leases); the server only reads exposed blocks, never frees or writes any.
-    """
-
-    def __init__(
-        self,
-        engine_id: str,
-        *,
-        kv_cache: torch.Tensor | None = None,
-        model_id: str = "",
-        encoder_cache: EmbeddingSource | None = None,
-        layout: KVLayout | None = None,
-    ):
-        self.engine_id = engine_id
-        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, *block]
-        self.layout = kv_layout(kv_cache, model_id, layout) if kv_cache is not None else None
-        self.encoder_cache = encoder_cache
-        self.stats = TransferStats()  # bytes served
-        # request id -> the block ids exposed for it; only these may be read by peers.
-        self._exposed: dict[str, frozenset[int]] = {}
-
-    def expose(self, request_id: str, block_ids: Sequence[int]) -> None:
-        """Let peers fetch `block_ids` under `request_id` (until withdraw)."""
-        if self.kv_cache is None:
-            raise RuntimeError(f"{self.engine_id} has no KV cache to expose")
-        block_index(block_ids, self.kv_cache.shape[2], f"expose {request_id}")
-        self._exposed[request_id] = frozenset(block_ids)
-
-    def withdraw(self, request_id: str) -> None:
-        """Stop serving the request's blocks (released, aborted or lease expired)."""
-        self._exposed.pop(request_id, None)
-
-    async def wait_sent(self, request_id: str, timeout: float = 60.0) -> bool:
-        """Wait until no send still reads the request's blocks: blocks go out straight from the
-        cache, so the engine frees withdrawn blocks only after this. False if some send still held
-        them after `timeout` (a peer that stopped reading)."""
-        return True
-
-    def check_exposed(self, request_id: str, block_ids: Sequence[int]) -> None:
-        """Refuse a fetch of blocks not exposed for the request (exposed ids were checked against the
-        cache by `expose`)."""
-        exposed = self._exposed.get(request_id)
-        if exposed is None:
-            raise BlocksNotFoundError(f"{self.engine_id} holds no blocks for request {request_id!r}")
-        if not exposed.issuperset(block_ids):
-            raise BlockRangeError(f"request {request_id!r}: asked for blocks not exposed for it")
-
-    def embeddings(self, mm_hash: str) -> torch.Tensor:
-        tensor = self.encoder_cache.get(mm_hash) if self.encoder_cache is not None else None
-        if tensor is None:
-            raise EmbeddingNotFoundError(f"{self.engine_id} has no embeddings for mm_hash {mm_hash!r}")
-        return tensor
-
-    @abc.abstractmethod
-    async def start(self) -> str:
-        """Start serving; return the address peers fetch from (what KVHandle.kv_addr carries)."""
-
-    @abc.abstractmethod
-    async def close(self) -> None: ...
-
-    async def __aenter__(self):
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-
-class KVTransferClient(abc.ABC):
-    """Pulls remote blocks into the local KV cache, and embeddings by mm_hash.
-
-    `stats` counts bytes, seconds and failures of every fetch. A failed fetch leaves the local
-    blocks it was writing undefined: the caller frees them (or prefills locally).
-    """
-
-    def __init__(self, engine_id: str, *, kv_cache: torch.Tensor | None = None, model_id: str = "",
-                 layout: KVLayout | None = None):
-        self.engine_id = engine_id
-        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, *block]
-        self.layout = kv_layout(kv_cache, model_id, layout) if kv_cache is not None else None
-        self.stats = TransferStats()
-
-    def runs(self, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> list[tuple[Run, Run]]:
-        """The (remote, local) run pairs of a fetch, local ids checked against this cache."""
-        if self.kv_cache is None:
-            raise RuntimeError(f"{self.engine_id} has no KV cache to fetch into")
-        if len(remote_block_ids) != len(local_block_ids):
-            raise BlockRangeError(f"{len(remote_block_ids)} remote blocks for {len(local_block_ids)} local ones")
-        block_index(local_block_ids, self.kv_cache.shape[2], "local", unique=True)
-        return common_runs(list(map(int, remote_block_ids)), list(map(int, local_block_ids)))
-
-    @abc.abstractmethod
-    async def fetch_blocks(
-        self,
-        kv_addr: str,
-        request_id: str,
-        remote_block_ids: Sequence[int],
-        local_block_ids: Sequence[int],
-        *,
-        timeout: float | None = None,
-    ) -> FetchResult:
-        """Copy remote blocks `remote_block_ids` (exposed under `request_id`) into local
-        `local_block_ids`, pairwise. Raises a TransferError subclass on any failure."""
-
-    @abc.abstractmethod
-    async def fetch_embeddings(self, encoder_addr: str, mm_hash: str, *, timeout: float | None = None) -> torch.Tensor:
-        """The [num_tokens, hidden_size] embeddings the encoder at `encoder_addr` holds for `mm_hash`."""
-
-    @abc.abstractmethod
-    async def close(self) -> None: ...
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-
-BACKENDS = ("zmq", "ucx")
-
-
-def create_server(backend: str, engine_id: str, **kwargs) -> KVTransferServer:
-    """A transfer server of the named backend ("zmq" default, "ucx" needs the ucx extra)."""
-    if backend == "zmq":
-        from epdserve.transport.zmq_kv import ZmqKVServer
-        return ZmqKVServer(engine_id, **kwargs)
-    if backend == "ucx":
-        from epdserve.transport.ucx_kv import UcxKVServer
-        return UcxKVServer(engine_id, **kwargs)
-    raise ValueError(f"unknown KV transfer backend {backend!r}; choose from {BACKENDS}")
-
-
-def create_client(backend: str, engine_id: str, **kwargs) -> KVTransferClient:
-    if backend == "zmq":
-        from epdserve.transport.zmq_kv import ZmqKVClient
-        return ZmqKVClient(engine_id, **kwargs)
-    if backend == "ucx":
-        from epdserve.transport.ucx_kv import UcxKVClient
-        return UcxKVClient(engine_id, **kwargs)
-    raise ValueError(f"unknown KV transfer backend {backend!r}; choose from {BACKENDS}")

@@ -31,7 +31,8 @@ from epdserve.shared.models.llava_encoder import LlavaEncoder
 from epdserve.shared.processing.multimodal import mm_hash
 from epdserve.transport.protocol import (EncodeDone, EncodedItem, EncodeRequest, Error, ErrorCode, Handshake, Health,
                                       Message, Role, Status)
-from epdserve.transport.kv_transfer import KVTransferServer, create_server
+from epdserve.transport.kv_server import KVTransferServer
+from epdserve.transport.transports import create_server
 from epdserve.transport.security import WILDCARD_HOSTS
 
 logger = logging.getLogger(__name__)

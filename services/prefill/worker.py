@@ -31,7 +31,9 @@ from epdserve.transport.protocol import (Abort, Ack, Error, ErrorCode, FinishRea
                                       LeaseRenewed, Message, PrefillDone, PrefillRequest, Release, RenewLease, Role,
                                       TokenLogprobs)
 from epdserve.services.wire import logprobs_to_wire, prompt_logprobs_to_wire
-from epdserve.transport.kv_transfer import KVTransferClient, KVTransferServer, create_server
+from epdserve.transport.kv_client import KVTransferClient
+from epdserve.transport.kv_server import KVTransferServer
+from epdserve.transport.transports import create_server
 from epdserve.transport.security import WILDCARD_HOSTS
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The ZMQ backend's block connections (transport/block_stream.py) on real sockets: who gets a port, what a
+"""The ZMQ transport's block connections (transport/block_stream.py) on real sockets: who gets a port, what a
 stranger or garbage gets, refusals, and that no byte lands in a block after its fetch has ended."""
 import asyncio
 import socket
@@ -9,10 +9,12 @@ import torch
 
 from epdserve.transport import codec
 from epdserve.transport import protocol as p
-from epdserve.transport.block_stream import TOKEN_BYTES, BlockStreamClient, _frame, _recv_bytes, _recv_message
+from epdserve.transport.block_stream import (TOKEN_BYTES, BlockStreamClient, BlockStreamServer, BlockStreamServerPath,
+                                            _frame, _recv_bytes, _recv_message)
 from epdserve.transport.kv_transfer import BlocksNotFoundError, TransferError, TransferTimeout
 from epdserve.transport.request_client import RequestClient
-from epdserve.transport.zmq_kv import ZmqKVClient, ZmqKVServer
+from epdserve.transport import transports
+from epdserve.transport.kv_server import KVTransferServer
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE = 4, 16, 4, 64
 
@@ -22,8 +24,21 @@ def make_cache(num_blocks=64, seed=0) -> torch.Tensor:
     return torch.randn((NUM_LAYERS, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE), generator=gen)
 
 
-def raw_connection(server: ZmqKVServer) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", server._stream.port), timeout=5)
+def zmq_server(engine_id, **kwargs) -> KVTransferServer:
+    return transports.create_server("zmq", engine_id, **kwargs)
+
+
+def zmq_client(engine_id, **kwargs):
+    return transports.create_client("zmq", engine_id, **kwargs)
+
+
+def block_stream(server: KVTransferServer) -> BlockStreamServer:
+    (path,) = [path for path in server.paths if isinstance(path, BlockStreamServerPath)]
+    return path.stream
+
+
+def raw_connection(server: KVTransferServer) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", block_stream(server).port), timeout=5)
 
 
 def closed_without_a_byte(conn: socket.socket) -> bool:
@@ -35,15 +50,15 @@ def closed_without_a_byte(conn: socket.socket) -> bool:
 
 def test_only_peers_that_may_fetch_blocks_of_our_layout_learn_the_port():
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=make_cache(), model_id="m") as server:
+        async with zmq_server("prefill-0", kv_cache=make_cache(), model_id="m") as server:
             layout = server.layout
             for role, kv_layout, offered in ((p.Role.DECODE, layout, True), (p.Role.DECODE, None, False),
                                              (p.Role.PROXY, layout, False), (p.Role.PREFILL, layout, False)):
                 async with RequestClient(server.address, engine_id="x", role=role, kv_layout=kv_layout) as client:
                     ack = await client.connect()
-                    assert (ack.data_port == server._stream.port and len(ack.data_token) == TOKEN_BYTES) is offered
+                    assert (ack.data_port == block_stream(server).port and len(ack.data_token) == TOKEN_BYTES) is offered
                     assert offered or (ack.data_port is None and ack.data_token is None)
-        async with ZmqKVServer("prefill-1", kv_cache=make_cache(), model_id="m", block_port=None) as server:
+        async with zmq_server("prefill-1", kv_cache=make_cache(), model_id="m", block_port=None) as server:
             async with RequestClient(server.address, engine_id="x", role=p.Role.DECODE, kv_layout=server.layout) as client:
                 assert (await client.connect()).data_port is None
 
@@ -54,18 +69,18 @@ def test_a_stranger_and_garbage_are_dropped_and_counted_while_others_are_served(
     remote, local = make_cache(seed=1), torch.zeros(make_cache().shape)
 
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=remote, model_id="m") as server:
+        async with zmq_server("prefill-0", kv_cache=remote, model_id="m") as server:
             server.expose("r1", range(8))
             request = _frame(p.FetchBlocks("r1", tuple(range(8)), (8,)))
             for opening in (bytes(TOKEN_BYTES) + request,  # a wrong token
-                            server._stream.token + (5).to_bytes(4, "little") + b"\xc1junk",  # not msgpack
-                            server._stream.token + (1 << 31).to_bytes(4, "little"),  # oversized
-                            server._stream.token + _frame(p.StatusRequest())):  # not a fetch
+                            block_stream(server).token + (5).to_bytes(4, "little") + b"\xc1junk",  # not msgpack
+                            block_stream(server).token + (1 << 31).to_bytes(4, "little"),  # oversized
+                            block_stream(server).token + _frame(p.StatusRequest())):  # not a fetch
                 with raw_connection(server) as conn:
                     conn.sendall(opening)
                     assert closed_without_a_byte(conn)
-            assert server.num_stream_rejected == 4
-            async with ZmqKVClient("decode-0", kv_cache=local, model_id="m") as client:
+            assert server.num_rejected == 4
+            async with zmq_client("decode-0", kv_cache=local, model_id="m") as client:
                 await client.fetch_blocks(server.address, "r1", list(range(8)), list(range(8, 16)))
 
     asyncio.run(main())
@@ -76,9 +91,9 @@ def test_a_refusal_arrives_as_the_servers_error_and_the_next_fetch_goes_through(
     remote, local = make_cache(seed=2), torch.zeros(make_cache().shape)
 
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=remote, model_id="m") as server:
+        async with zmq_server("prefill-0", kv_cache=remote, model_id="m") as server:
             server.expose("r1", range(4))
-            async with ZmqKVClient("decode-0", kv_cache=local, model_id="m") as client:
+            async with zmq_client("decode-0", kv_cache=local, model_id="m") as client:
                 with pytest.raises(BlocksNotFoundError, match="holds no blocks for request 'r2'"):
                     await client.fetch_blocks(server.address, "r2", [0, 1], [0, 1])
                 assert not local.any()
@@ -137,9 +152,9 @@ def test_no_byte_lands_in_the_cache_after_a_cancelled_fetch_returns():
     local = torch.zeros(remote.shape)
 
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=remote, model_id="m") as server:
+        async with zmq_server("prefill-0", kv_cache=remote, model_id="m") as server:
             server.expose("r1", range(1024))
-            async with ZmqKVClient("decode-0", kv_cache=local, model_id="m", min_message_bytes=1 << 40) as client:
+            async with zmq_client("decode-0", kv_cache=local, model_id="m", min_message_bytes=1 << 40) as client:
                 await client.fetch_blocks(server.address, "r1", [0], [0])  # connected, handshaken
                 fetch = asyncio.create_task(client.fetch_blocks(server.address, "r1", list(range(1024)),
                                                                 list(range(1024))))
@@ -166,20 +181,20 @@ def test_blocks_withdrawn_while_a_peer_stopped_reading_are_cut_off_from_it():
     remote = make_cache(num_blocks=512, seed=4)  # 128 MiB: more than the sockets' buffers hold
 
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=remote, model_id="m") as server:
+        async with zmq_server("prefill-0", kv_cache=remote, model_id="m") as server:
             server.expose("r1", range(512))
             conn = raw_connection(server)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
-            conn.sendall(server._stream.token + _frame(p.FetchBlocks("r1", tuple(range(512)), (512,))))
-            while not server._stream.sending("r1"):
+            conn.sendall(block_stream(server).token + _frame(p.FetchBlocks("r1", tuple(range(512)), (512,))))
+            while not block_stream(server).sending("r1"):
                 await asyncio.sleep(0.01)
             server.withdraw("r1")
             assert not await server.wait_sent("r1", timeout=0.3)
             for _ in range(200):
-                if not server._stream.sending("r1"):
+                if not block_stream(server).sending("r1"):
                     break
                 await asyncio.sleep(0.01)
-            assert not server._stream.sending("r1")
+            assert not block_stream(server).sending("r1")
             conn.close()
 
     asyncio.run(main())
@@ -190,9 +205,9 @@ def test_a_closed_client_cuts_its_fetches_short():
     local = torch.zeros(remote.shape)
 
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=remote, model_id="m") as server:
+        async with zmq_server("prefill-0", kv_cache=remote, model_id="m") as server:
             server.expose("r1", range(1024))
-            client = ZmqKVClient("decode-0", kv_cache=local, model_id="m", min_message_bytes=1 << 40)
+            client = zmq_client("decode-0", kv_cache=local, model_id="m", min_message_bytes=1 << 40)
             await client.fetch_blocks(server.address, "r1", [0], [0])
             fetch = asyncio.create_task(client.fetch_blocks(server.address, "r1", list(range(1024)), list(range(1024))))
             while not local[0, 0, 1].any():

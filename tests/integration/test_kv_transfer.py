@@ -1,4 +1,4 @@
-"""KV blocks and embeddings over the ZMQ backend, on real sockets: exactness, bounds, handshakes, dead peers.
+"""KV blocks and embeddings over the ZMQ transport, on real sockets: exactness, bounds, handshakes, dead peers.
 
 Blocks move over the server's block connections (block_stream) unless it offers none (`block_port=None`,
 as with CURVE or a device cache): then as ZMQ frames. Tests of what both paths do run on both."""
@@ -20,7 +20,25 @@ from epdserve.transport.kv_transfer import (
 from epdserve.transport.channel import ErrorReply
 from epdserve.transport.request_client import RequestClient
 from epdserve.transport.security import CurveConfig
-from epdserve.transport.zmq_kv import ZmqKVClient, ZmqKVServer
+from epdserve.transport import transports
+from epdserve.transport.block_stream import BlockStreamServerPath
+from epdserve.transport.kv_client import KVTransferClient
+from epdserve.transport.kv_server import KVTransferServer
+
+
+
+def zmq_server(engine_id, **kwargs) -> KVTransferServer:
+    return transports.create_server("zmq", engine_id, **kwargs)
+
+
+def zmq_client(engine_id, **kwargs) -> KVTransferClient:
+    return transports.create_client("zmq", engine_id, **kwargs)
+
+
+def stream_path(server: KVTransferServer) -> BlockStreamServerPath:
+    (path,) = [path for path in server.paths if isinstance(path, BlockStreamServerPath)]
+    return path
+
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE = 3, 48, 4, 2, 8
 
@@ -50,9 +68,9 @@ def test_blocks_land_bit_exact_in_shuffled_local_blocks(dtype, message_bytes, mi
     untouched = sorted(set(range(NUM_BLOCKS)) - set(local_ids))
 
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m", block_port=block_port) as server:
+        async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m", block_port=block_port) as server:
             server.expose("r1", remote_ids)
-            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m",
+            async with zmq_client("decode-0", kv_cache=local_cache, model_id="m",
                                    max_message_bytes=message_bytes, min_message_bytes=1,
                                    min_segment_bytes=min_segment_bytes) as client:
                 result = await client.fetch_blocks(server.address, "r1", remote_ids, local_ids)
@@ -74,17 +92,19 @@ def test_runs_move_over_the_block_connection_from_cache_to_cache():
     block_bytes, segment_bytes = remote_cache[:, :, 0].nbytes, remote_cache[0, 0, 0].nbytes
 
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
+        async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m") as server:
             server.expose("r1", remote_ids)
             sent, received, frames = [], [], []
-            prepare = server._stream._prepare
-            server._stream._prepare = lambda message: sent.append(prepare(message)) or sent[-1]
-            server._server._on_sent = lambda reply, tracker: frames.append(reply)
-            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m", min_segment_bytes=2 * segment_bytes,
+            stream = stream_path(server).stream
+            prepare = stream._prepare
+            stream._prepare = lambda message: sent.append(prepare(message)) or sent[-1]
+            server.control._on_sent = lambda reply, tracker: frames.append(reply)
+            async with zmq_client("decode-0", kv_cache=local_cache, model_id="m", min_segment_bytes=2 * segment_bytes,
                                    max_message_bytes=8 * block_bytes, min_message_bytes=8 * block_bytes) as client:
                 await client.fetch_blocks(server.address, "r1", [], [])  # connects and handshakes
-                fetch = client._stream.fetch
-                client._stream.fetch = lambda *args: received.append(args[4]) or fetch(*args)
+                (stream_client, _) = client.paths
+                fetch = stream_client.stream.fetch
+                stream_client.stream.fetch = lambda *args: received.append(args[4]) or fetch(*args)
                 await client.fetch_blocks(server.address, "r1", remote_ids, local_ids)
             assert await server.wait_sent("r1")
         assert not frames
@@ -114,12 +134,12 @@ def test_contiguous_runs_move_as_whole_zmq_frames_straight_from_the_cache():
     block_bytes, segment_bytes = remote_cache[:, :, 0].nbytes, remote_cache[0, 0, 0].nbytes
 
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m", block_port=None) as server:
+        async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m", block_port=None) as server:
             server.expose("r1", remote_ids)
             sent: list[p.BlocksData] = []
             on_sent = server._on_sent
-            server._server._on_sent = lambda reply, tracker: (sent.append(reply), on_sent(reply, tracker))
-            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m", min_segment_bytes=2 * segment_bytes,
+            server.control._on_sent = lambda reply, tracker: (sent.append(reply), on_sent(reply, tracker))
+            async with zmq_client("decode-0", kv_cache=local_cache, model_id="m", min_segment_bytes=2 * segment_bytes,
                                    max_message_bytes=8 * block_bytes, min_message_bytes=8 * block_bytes) as client:
                 await client.fetch_blocks(server.address, "r1", remote_ids, local_ids)
             assert await server.wait_sent("r1")
@@ -137,7 +157,7 @@ def test_contiguous_runs_move_as_whole_zmq_frames_straight_from_the_cache():
 
 def test_runs_that_are_not_consecutive_are_refused():
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=make_cache(), model_id="m") as server:
+        async with zmq_server("prefill-0", kv_cache=make_cache(), model_id="m") as server:
             server.expose("r1", [1, 2, 3, 7])
             async with RequestClient(server.address, engine_id="decode", role=p.Role.DECODE,
                                      kv_layout=server.layout) as client:
@@ -157,7 +177,7 @@ def test_common_runs_pair_stretches_consecutive_on_both_sides():
 
 def test_a_transport_mismatch_is_refused_naming_the_option():
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=make_cache(), model_id="m") as server:
+        async with zmq_server("prefill-0", kv_cache=make_cache(), model_id="m") as server:
             server.expose("r1", [1])
             hello = dict(engine_id="decode-0", role=p.Role.DECODE, kv_layout=server.layout, kv_transport="ucx")
             async with RequestClient(server.address, **hello) as client:
@@ -172,9 +192,9 @@ def test_fetch_of_a_subset_and_of_nothing():
     remote_cache, local_cache = make_cache(seed=3), torch.zeros(make_cache().shape)
 
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
+        async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m") as server:
             server.expose("r1", [5, 6, 7, 8])
-            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m") as client:
+            async with zmq_client("decode-0", kv_cache=local_cache, model_id="m") as client:
                 # Decode pulls only the blocks its own prefix cache lacks.
                 await client.fetch_blocks(server.address, "r1", [7, 8], [0, 1])
                 assert (await client.fetch_blocks(server.address, "r1", [], [])).num_bytes == 0
@@ -197,10 +217,10 @@ def test_a_client_closes_its_connections_to_a_server_it_no_longer_fetches_from()
     remote_cache, local_cache = make_cache(seed=3), torch.zeros(make_cache().shape)
 
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
+        async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m") as server:
             server.expose("r1", [5, 6, 7, 8])
-            ports = {int(server.address.rsplit(":", 1)[1]), server._stream.port}
-            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m", peer_idle_seconds=0.3) as client:
+            ports = {int(server.address.rsplit(":", 1)[1]), stream_path(server).stream.port}
+            async with zmq_client("decode-0", kv_cache=local_cache, model_id="m", peer_idle_seconds=0.3) as client:
                 await client.fetch_blocks(server.address, "r1", [5, 6], [0, 1])
                 assert established_to(ports) == 2  # the control connection and one block connection
                 await asyncio.sleep(0.8)
@@ -217,11 +237,11 @@ def test_block_ids_are_bounds_checked_on_both_sides(block_port):
     remote_cache, local_cache = make_cache(), torch.zeros(make_cache().shape)
 
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m", block_port=block_port) as server:
+        async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m", block_port=block_port) as server:
             server.expose("r1", [1, 2, 3])
             with pytest.raises(BlockRangeError):
                 server.expose("r2", [NUM_BLOCKS])
-            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m") as client:
+            async with zmq_client("decode-0", kv_cache=local_cache, model_id="m") as client:
                 # Remote ids the server did not expose for the request, or that do not exist there.
                 for remote in ([4], [NUM_BLOCKS + 5], [-1], [2**63 - 1]):
                     with pytest.raises(BlockRangeError):
@@ -236,7 +256,7 @@ def test_block_ids_are_bounds_checked_on_both_sides(block_port):
                 server.withdraw("r1")  # released: its blocks are no longer served
                 with pytest.raises(BlocksNotFoundError):
                     await client.fetch_blocks(server.address, "r1", [1], [0])
-            assert server.num_rejected == server.num_stream_rejected == 0  # refusals are answers, not dropped frames
+            assert server.num_rejected == 0  # refusals are answers, not dropped frames
 
     asyncio.run(main())
     assert not local_cache.any()
@@ -257,9 +277,9 @@ def test_layout_mismatch_is_refused_before_any_block_moves(field, value):
         local_cache, model_id = torch.zeros(remote_cache.shape), value
 
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
+        async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m") as server:
             server.expose("r1", [1, 2])
-            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id=model_id) as client:
+            async with zmq_client("decode-0", kv_cache=local_cache, model_id=model_id) as client:
                 with pytest.raises(IncompatiblePeerError, match=field):
                     await client.fetch_blocks(server.address, "r1", [1, 2], [1, 2])
                 assert client.stats.num_failures == 1
@@ -270,7 +290,7 @@ def test_layout_mismatch_is_refused_before_any_block_moves(field, value):
 
 def test_a_client_without_kv_layout_cannot_fetch_blocks():
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=make_cache(), model_id="m") as server:
+        async with zmq_server("prefill-0", kv_cache=make_cache(), model_id="m") as server:
             server.expose("r1", [1])
             async with RequestClient(server.address, engine_id="decode", role=p.Role.DECODE) as client:
                 with pytest.raises(Exception, match="incompatible"):
@@ -282,7 +302,7 @@ def test_a_client_without_kv_layout_cannot_fetch_blocks():
 def test_only_engines_that_pull_may_fetch():
     """A peer whose role never pulls KV (a proxy, an encoder) is refused, whatever its layout."""
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=make_cache(), model_id="m") as server:
+        async with zmq_server("prefill-0", kv_cache=make_cache(), model_id="m") as server:
             layout = server.layout
             server.expose("r1", [1])
             for role in (p.Role.PROXY, p.Role.ENCODER, p.Role.PREFILL):
@@ -298,9 +318,9 @@ def test_embeddings_by_mm_hash():
     embeddings = {"ab" * 32: torch.randn(576, 64).to(torch.bfloat16), "cd" * 32: torch.randn(3, 64)}
 
     async def main():
-        async with ZmqKVServer("encoder-0", encoder_cache=embeddings) as server:
+        async with zmq_server("encoder-0", encoder_cache=embeddings) as server:
             # A prefill engine's client: it has a KV cache, the encoder has none; embeddings still flow.
-            async with ZmqKVClient("prefill-0", kv_cache=make_cache(), model_id="m") as client:
+            async with zmq_client("prefill-0", kv_cache=make_cache(), model_id="m") as client:
                 for mm_hash, tensor in embeddings.items():
                     got = await client.fetch_embeddings(server.address, mm_hash)
                     assert got.dtype == tensor.dtype and torch.equal(bits(got), bits(tensor))
@@ -321,18 +341,18 @@ def test_curve_protected_transfer(tmp_path):
 
     async def main():
         curve = CurveConfig(server_secret, allowed_clients=(tmp_path,))  # a folder of allowed public keys
-        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m", curve=curve) as server:
+        async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m", curve=curve) as server:
             server.expose("r1", [3, 4])
             good = CurveConfig(client_secret, server_public_key_file=server_public)
-            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m", curve=good) as client:
+            async with zmq_client("decode-0", kv_cache=local_cache, model_id="m", curve=good) as client:
                 await client.fetch_blocks(server.address, "r1", [3, 4], [9, 8])
             # The allow-list is the folder's *.key files: drop the stranger's so it is not on it.
             (tmp_path / "stranger.key").unlink()
             server2_curve = CurveConfig(server_secret, allowed_clients=(tmp_path,))
-            async with ZmqKVServer("prefill-1", kv_cache=remote_cache, model_id="m", curve=server2_curve) as server2:
+            async with zmq_server("prefill-1", kv_cache=remote_cache, model_id="m", curve=server2_curve) as server2:
                 server2.expose("r1", [3])
                 bad = CurveConfig(stranger_secret, server_public_key_file=server_public)
-                async with ZmqKVClient("decode-1", kv_cache=local_cache, model_id="m", curve=bad, timeout=3) as client:
+                async with zmq_client("decode-1", kv_cache=local_cache, model_id="m", curve=bad, timeout=3) as client:
                     with pytest.raises((IncompatiblePeerError, TransferTimeout)):
                         await client.fetch_blocks(server2.address, "r1", [3], [0])
                 assert server2.num_auth_denied >= 1
@@ -343,25 +363,33 @@ def test_curve_protected_transfer(tmp_path):
 
 DYING_SERVER = """
 import asyncio, sys, time, torch
-from epdserve.transport.zmq_kv import ZmqKVServer
+from epdserve.transport.block_stream import BlockStreamServerPath
+from epdserve.transport.frame_path import FrameServerPath
+from epdserve.transport.kv_server import KVTransferServer
 
-class StallingServer(ZmqKVServer):
-    # Answers the first message of a fetch, then stalls: the test kills the process mid-transfer.
-    served = 0
-    async def _reply_blocks(self, message, peer):
-        StallingServer.served += 1
-        if StallingServer.served > 1:
+# Each path answers the first message of a fetch, then stalls: the test kills the process mid-transfer.
+served = 0
+
+class StallingFrames(FrameServerPath):
+    async def reply_blocks(self, message, peer):
+        global served
+        served += 1
+        if served > 1:
             await asyncio.sleep(3600)
-        return await super()._reply_blocks(message, peer)
-    def _prepare_stream(self, message):  # the same on a block connection's thread
-        StallingServer.served += 1
-        if StallingServer.served > 1:
+        return await super().reply_blocks(message, peer)
+
+class StallingStream(BlockStreamServerPath):
+    def _prepare(self, message):  # on a block connection's thread
+        global served
+        served += 1
+        if served > 1:
             time.sleep(3600)
-        return super()._prepare_stream(message)
+        return super()._prepare(message)
 
 async def main():
     cache = torch.randn(3, 2, 48, 4, 2, 8, generator=torch.Generator().manual_seed(1))
-    server = StallingServer("prefill-doomed", kv_cache=cache, model_id="m", block_port=None if sys.argv[1] == "None" else 0)
+    paths = [StallingFrames()] + ([] if sys.argv[1] == "None" else [StallingStream("127.0.0.1")])
+    server = KVTransferServer("prefill-doomed", paths, kv_cache=cache, model_id="m")
     print(await server.start(), flush=True)
     server.expose("r1", range(48))
     await asyncio.sleep(3600)
@@ -378,7 +406,7 @@ def test_peer_dying_mid_transfer_fails_the_fetch_at_once(block_port):
         address = proc.stdout.readline().strip()
 
         async def main():
-            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m", timeout=60,
+            async with zmq_client("decode-0", kv_cache=local_cache, model_id="m", timeout=60,
                                    max_message_bytes=1, min_message_bytes=1, max_inflight_messages=1) as client:
                 fetch = asyncio.create_task(client.fetch_blocks(address, "r1", list(range(10)), list(range(10))))
                 for _ in range(100):  # until the first block has landed: the transfer is under way
@@ -398,15 +426,17 @@ def test_peer_dying_mid_transfer_fails_the_fetch_at_once(block_port):
         proc.wait()
 
 
-def test_backend_factory():
-    server = kv_transfer.create_server("zmq", "p", kv_cache=make_cache(), model_id="m")
-    client = kv_transfer.create_client("zmq", "d", kv_cache=make_cache(), model_id="m")
-    assert isinstance(server, ZmqKVServer) and isinstance(client, ZmqKVClient)
+def test_transport_factory():
+    server = transports.create_server("zmq", "p", kv_cache=make_cache(), model_id="m")
+    client = transports.create_client("zmq", "d", kv_cache=make_cache(), model_id="m")
+    assert server.transport == "zmq" and len(server.paths) == 2  # ZMQ frames and block connections
     assert server.layout == client.layout == p.KVLayout("m", "float32", BLOCK_SIZE, NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE)
-    with pytest.raises(ValueError, match="unknown KV transfer backend"):
-        kv_transfer.create_client("carrier-pigeon", "d")
+    # No block connections where they cannot serve: without a port, or with CURVE (it covers ZMQ only).
+    assert len(transports.create_server("zmq", "p", kv_cache=make_cache(), model_id="m", block_port=None).paths) == 1
+    with pytest.raises(ValueError, match="unknown KV transport 'carrier-pigeon'"):
+        transports.create_client("carrier-pigeon", "d")
     with pytest.raises(ValueError, match="kv_cache must be"):
-        ZmqKVServer("p", kv_cache=torch.zeros(2, 3, 4))
+        zmq_server("p", kv_cache=torch.zeros(2, 3, 4))
 
 
 @pytest.mark.gpu
@@ -419,9 +449,9 @@ def test_blocks_between_gpu_caches(min_segment_bytes):
     remote_ids, local_ids = [*range(4, 20), 30, 2], [*range(10, 26), 1, 40]
 
     async def main():
-        async with ZmqKVServer("prefill-0", kv_cache=remote_cache, model_id="m") as server:
+        async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m") as server:
             server.expose("r1", remote_ids)
-            async with ZmqKVClient("decode-0", kv_cache=local_cache, model_id="m",
+            async with zmq_client("decode-0", kv_cache=local_cache, model_id="m",
                                    min_segment_bytes=min_segment_bytes) as client:
                 await client.fetch_blocks(server.address, "r1", remote_ids, local_ids)
         torch.cuda.synchronize()

@@ -1,4 +1,4 @@
-"""The UCX backend between two processes on one host (UCX over shared memory); skipped without ucxx."""
+"""The UCX transport between two processes on one host (UCX over shared memory); skipped without ucxx."""
 import asyncio
 import itertools
 import json
@@ -14,10 +14,12 @@ from epdserve.transport.kv_transfer import (
     TransferTimeout,
 )
 
-try:
-    from epdserve.transport import ucx_kv
+from epdserve.transport import transports
 
-    ucx_kv.import_ucxx()
+try:
+    from epdserve.transport import ucx_path
+
+    ucx_path.import_ucxx()
 except ImportError:
     pytest.skip("ucxx is not installed (the 'ucx' extra)", allow_module_level=True)
 
@@ -25,18 +27,19 @@ SHAPE = (3, 2, 48, 4, 2, 8)  # [layers, 2, blocks, block_size, kv_heads, head_si
 
 SERVER = """
 import asyncio, json, sys, torch
-from epdserve.transport import ucx_kv
+from epdserve.transport.kv_server import KVTransferServer
+from epdserve.transport.ucx_path import UcxServerPath
 
-class StallingServer(ucx_kv.UcxKVServer):
+class StallingPath(UcxServerPath):
     # For the dead-peer tests: answers the first message of request "stall", then never again; answers
     # every message of request "hold" but never sends its data.
     stalled = 0
-    async def _reply_blocks(self, message, peer):
+    async def reply_blocks(self, message, peer):
         if message.request_id == "stall":
-            StallingServer.stalled += 1
-            if StallingServer.stalled > 1:
+            StallingPath.stalled += 1
+            if StallingPath.stalled > 1:
                 await asyncio.sleep(3600)
-        return await super()._reply_blocks(message, peer)
+        return await super().reply_blocks(message, peer)
 
     async def _send_later(self, peer, buffers, tag, request_id):
         if request_id == "hold":
@@ -48,7 +51,7 @@ async def main():
     shape, dtype = json.loads(sys.argv[1]), getattr(torch, sys.argv[2])
     cache = torch.randn(shape, generator=torch.Generator().manual_seed(7)).to(dtype)
     embeddings = {"ab" * 32: torch.randn(9, 16, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)}
-    server = StallingServer("prefill-ucx", kv_cache=cache, model_id="m", encoder_cache=embeddings)
+    server = KVTransferServer("prefill-ucx", [StallingPath()], kv_cache=cache, model_id="m", encoder_cache=embeddings)
     print(await server.start(), flush=True)
     server.expose("r1", range(shape[2]))
     server.expose("stall", range(shape[2]))
@@ -78,8 +81,8 @@ def expected_cache(dtype=torch.bfloat16) -> torch.Tensor:
 
 
 def client(local_cache, **kwargs):
-    return ucx_kv.UcxKVClient("decode-ucx", kv_cache=local_cache, model_id=kwargs.pop("model_id", "m"),
-                              timeout=kwargs.pop("timeout", 10), **kwargs)
+    return transports.create_client("ucx", "decode-ucx", kv_cache=local_cache, model_id=kwargs.pop("model_id", "m"),
+                                    timeout=kwargs.pop("timeout", 10), **kwargs)
 
 
 def test_blocks_over_ucx_land_bit_exact_in_shuffled_blocks(server):
@@ -128,10 +131,8 @@ def test_ucx_bounds_and_layout_checks(server):
 
 
 def test_ucx_refuses_a_zmq_peer_with_a_clear_error(server):
-    from epdserve.transport.zmq_kv import ZmqKVClient
-
     async def main():
-        async with ZmqKVClient("decode-zmq", kv_cache=torch.zeros(SHAPE, dtype=torch.bfloat16), model_id="m") as c:
+        async with transports.create_client("zmq", "decode-zmq", kv_cache=torch.zeros(SHAPE, dtype=torch.bfloat16), model_id="m") as c:
             with pytest.raises(IncompatiblePeerError, match="over ucx, decode-zmq over zmq.*same --kv-transport"):
                 await c.fetch_blocks(server, "r1", [1], [0])
 
@@ -160,9 +161,9 @@ def test_a_client_lets_go_of_a_server_it_no_longer_fetches_from(server):
     async def main():
         async with client(local_cache, peer_idle_seconds=0.3) as c:
             await c.fetch_blocks(server, "r1", [1, 2], [3, 4])
-            assert len(c._clients) == 1 and len(c._endpoints) == 1
+            assert len(c._controls) == 1 and len(c.paths[0]._endpoints) == 1
             await asyncio.sleep(0.8)
-            assert len(c._clients) == 0 and len(c._endpoints) == 0
+            assert len(c._controls) == 0 and len(c.paths[0]._endpoints) == 0
             await c.fetch_blocks(server, "r1", [5, 6], [7, 8])  # a new connection and endpoint
             assert c.stats.num_failures == 0
 

@@ -1,5 +1,5 @@
-"""KVTransfer over UCX (ucxx): block and embedding bytes go as UCX tagged messages; the handshake,
-fetch requests and errors go over the same typed ZMQ channel as the default backend.
+"""The UCX transport's data path (ucxx): block and embedding bytes go as UCX tagged messages; the handshake,
+fetch requests and errors go over the KV transfer server's typed ZMQ control channel, as for every path.
 
 No UCX listener is opened (ucxx's would bind every interface): each side sends its UCX worker
 address in the ZMQ handshake (bound and optionally CURVE-authenticated like any other channel), the
@@ -28,18 +28,16 @@ from typing import Any
 
 import torch
 
-from epdserve.transport.protocol import (
-    BlocksSent, EmbeddingsSent, Error, ErrorCode, FetchBlocks, FetchEmbeddings, Handshake, Message,
-)
-from epdserve.transport.tensor_frames import check_spec, tensor_spec
-from epdserve.transport.kv_transfer import (
-    BlockRangeError, TransferError, TransferTimeout, as_bytes, scatter_blocks,
-)
-from epdserve.transport.channel import ErrorReply
 from epdserve.transport import peer_pool
+from epdserve.transport.channel import ErrorReply
+from epdserve.transport.kv_client import Chunk, ClientPath
+from epdserve.transport.kv_server import ServerPath
+from epdserve.transport.kv_transfer import BlockRangeError, TransferError, TransferTimeout, as_bytes, scatter_blocks
 from epdserve.transport.peer_pool import PeerPool
+from epdserve.transport.protocol import (BlocksSent, EmbeddingsSent, Error, ErrorCode, FetchBlocks, FetchEmbeddings,
+                                         Handshake, HandshakeAck, Message)
 from epdserve.transport.request_client import RequestClient
-from epdserve.transport.zmq_kv import Chunk, ZmqKVClient, ZmqKVServer
+from epdserve.transport.tensor_frames import check_spec, tensor_spec
 
 logger = logging.getLogger(__name__)
 
@@ -217,39 +215,40 @@ async def _completed(requests: list[Any], timeout: float, peer_lost: Callable[[]
         request.check_error()
 
 
-class UcxKVServer(ZmqKVServer):
-    """UCX data path behind the ZMQ control channel.
+class UcxServerPath(ServerPath):
+    """A KV transfer server's UCX path: sends each fetched segment from the cache as a tagged message to the
+    client's worker, which posted its receives first.
 
     `net_devices` limits the interfaces UCX uses (UCX's NET_DEVICES; None or "all": every one, which
     reaches other hosts); e.g. "eth0" or "mlx5_0:1" keeps it on one fabric. `ucx_options` (UCX
     settings without the UCX_ prefix) replace DEFAULT_OPTIONS.
     """
 
-    TRANSPORT = "ucx"
+    transport = "ucx"
 
-    def __init__(self, engine_id: str, *, net_devices: str | None = None,
-                 ucx_options: Mapping[str, str] | None = None, max_inflight_sends: int = 8,
-                 send_timeout: float = 30.0, peer_idle_seconds: float = peer_pool.IDLE_SECONDS, **kwargs):
+    def __init__(self, net_devices: str | None = None, ucx_options: Mapping[str, str] | None = None,
+                 max_inflight_sends: int = 8, send_timeout: float = 30.0,
+                 peer_idle_seconds: float = peer_pool.IDLE_SECONDS) -> None:
         self._net_devices, self._ucx_options = net_devices, ucx_options
+        self._ucxx = import_ucxx()
         self._endpoints = _Endpoints(lambda: self._ucxx, peer_idle_seconds)  # by client worker address
         self._sends: set[asyncio.Task] = set()
         self._sends_of: dict[str, set[asyncio.Task]] = {}  # request id -> its block sends in flight
         self._send_slots: asyncio.Semaphore | None = None
         self._max_inflight_sends = max_inflight_sends
         self._send_timeout = send_timeout
-        self._ucxx = import_ucxx()
-        super().__init__(engine_id, block_port=None, **kwargs)
 
-    async def start(self) -> str:
+    async def start(self) -> None:
         self._ucxx = _ucx(self._net_devices, self._ucx_options)
-        self._server.ucx_address = bytes(self._ucxx.get_worker_address())
+        self.server.control.ucx_address = bytes(self._ucxx.get_worker_address())
         self._send_slots = asyncio.Semaphore(self._max_inflight_sends)
-        return await super().start()
 
-    async def _check_peer(self, hello: Handshake) -> str | None:
-        refusal = await super()._check_peer(hello)
-        if refusal is not None or hello.ucx_address is None:
-            return refusal
+    def serves(self, message: FetchBlocks | FetchEmbeddings) -> bool:
+        return message.ucx_tag is not None
+
+    async def check_peer(self, hello: Handshake) -> str | None:
+        if hello.ucx_address is None:
+            return None
         if len(hello.ucx_address) > MAX_WORKER_ADDRESS_BYTES:
             return "UCX worker address too long"
         try:  # made now, so that a client we cannot reach is refused at once
@@ -258,19 +257,14 @@ class UcxKVServer(ZmqKVServer):
             return str(e)
         return None
 
-    async def _reply_blocks(self, message: FetchBlocks, peer: Handshake) -> tuple[Message, int]:
-        if message.ucx_tag is None:
-            raise ErrorReply(Error(ErrorCode.BAD_REQUEST, f"{self.engine_id} sends blocks over UCX only",
-                                   message.request_id))
-        buffers = self._segment_bytes(message)
+    async def reply_blocks(self, message: FetchBlocks, peer: Handshake) -> tuple[Message, int]:
+        buffers = self.server.segment_bytes(message)
         if len(buffers) >= 1 << SEGMENT_TAG_BITS or message.ucx_tag + len(buffers) >= 1 << 64:
             raise ErrorReply(Error(ErrorCode.OUT_OF_RANGE, "too many segments for the tag range", message.request_id))
         await self._send_later(peer, buffers, message.ucx_tag, message.request_id)
         return BlocksSent(message.request_id, len(buffers)), sum(b.nbytes for b in buffers)
 
-    async def _reply_embeddings(self, message: FetchEmbeddings, peer: Handshake, tensor: torch.Tensor) -> Message:
-        if message.ucx_tag is None:
-            raise ErrorReply(Error(ErrorCode.BAD_REQUEST, f"{self.engine_id} sends embeddings over UCX only"))
+    async def reply_embeddings(self, message: FetchEmbeddings, peer: Handshake, tensor: torch.Tensor) -> Message:
         tensor = tensor.detach().contiguous().cpu()
         await self._send_later(peer, [as_bytes(tensor)], message.ucx_tag, None)
         return EmbeddingsSent(message.mm_hash, tensor_spec(tensor))
@@ -278,7 +272,8 @@ class UcxKVServer(ZmqKVServer):
     async def _send_later(self, peer: Handshake, buffers: list, tag: int, request_id: str | None) -> None:
         """Start sending buffer i with tag + i (from its own memory); the sends complete on their own."""
         if not peer.ucx_address:
-            raise ErrorReply(Error(ErrorCode.INCOMPATIBLE, "no UCX endpoint to this client (handshake without a UCX address)", request_id))
+            raise ErrorReply(Error(ErrorCode.INCOMPATIBLE, "no UCX endpoint to this client (handshake without a "
+                                                           "UCX address)", request_id))
         try:
             endpoint = await self._endpoints.acquire(peer.ucx_address)
         except TransferError as e:
@@ -306,51 +301,58 @@ class UcxKVServer(ZmqKVServer):
     async def _send(self, endpoint: Any, buffers: list, tag: int, peer: Handshake) -> None:
         try:
             await _completed(_post(endpoint, buffers, tag, send=True), self._send_timeout)
-        except Exception as e:  # the client died or gave up; its fetch fails on its side
-            logger.warning("%s: UCX send to %s failed: %s", self.engine_id, peer.engine_id, e or type(e).__name__)
+        except BaseException as e:  # the client died or gave up, or the send was cut: its fetch fails
+            if not isinstance(e, asyncio.CancelledError):
+                logger.warning("%s: UCX send to %s failed: %s", self.server.engine_id, peer.engine_id,
+                               e or type(e).__name__)
             self._endpoints.abort(peer.ucx_address, endpoint)  # cancels the sends still reading the cache
+            if not isinstance(e, Exception):
+                raise
         finally:
             self._endpoints.release(peer.ucx_address, endpoint)
 
-    async def wait_sent(self, request_id: str, timeout: float = 60.0) -> bool:
-        sends = list(self._sends_of.get(request_id, ()))
-        if sends:
-            _, pending = await asyncio.wait(sends, timeout=timeout)
-            if pending:
-                return False
-        return await super().wait_sent(request_id, timeout)
+    def sending(self, request_id: str) -> bool:
+        return bool(self._sends_of.get(request_id))
+
+    def abort(self, request_id: str) -> None:
+        for task in list(self._sends_of.get(request_id, ())):
+            task.cancel()
 
     async def close(self) -> None:
         for task in list(self._sends):
             task.cancel()
-        await super().close()
         await self._endpoints.close()
 
 
-class UcxKVClient(ZmqKVClient):
-    """Fetches over UCX; see UcxKVServer for `net_devices` and the message flow."""
+class UcxClientPath(ClientPath):
+    """A KV transfer client's UCX path; see UcxServerPath for `net_devices` and the message flow."""
 
-    TRANSPORT = "ucx"
+    transport = "ucx"
+    fetches_embeddings = True
 
-    def __init__(self, engine_id: str, *, net_devices: str | None = None,
-                 ucx_options: Mapping[str, str] | None = None, **kwargs):
-        super().__init__(engine_id, **kwargs)
+    def __init__(self, net_devices: str | None = None, ucx_options: Mapping[str, str] | None = None) -> None:
         self._net_devices, self._ucx_options = net_devices, ucx_options
         self._ucxx = import_ucxx()
+
+    def bind(self, client) -> None:
+        super().bind(client)
         # by server worker address: this worker's endpoints to the servers', through which receives are posted
-        self._endpoints = _Endpoints(lambda: _ucx(self._net_devices, self._ucx_options), self.peer_idle_seconds)
+        self._endpoints = _Endpoints(lambda: _ucx(self._net_devices, self._ucx_options), client.peer_idle_seconds)
 
-    def _ucx_address(self) -> bytes:
+    def hello_extra(self) -> dict:
         self._ucxx = _ucx(self._net_devices, self._ucx_options)
-        return bytes(self._ucxx.get_worker_address())
+        return {"ucx_address": bytes(self._ucxx.get_worker_address())}
 
-    async def _fetch_chunk(self, client: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
-        buffers, gathered = self._landing(chunk)
+    def usable(self, peer: HandshakeAck) -> bool:
+        return True  # a UCX server (the handshake checked the transport)
+
+    async def fetch_chunk(self, control: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
+        buffers, gathered = self.client.landing(chunk)
         tag = secrets.randbits(64 - SEGMENT_TAG_BITS) << SEGMENT_TAG_BITS
         # Posted before the request leaves: the data lands in the blocks, never in UCX's unexpected queue.
-        await self._receive(client, buffers, tag, deadline, chunk.request(request_id, tag))
+        await self._receive(control, buffers, tag, deadline, chunk.request(request_id, tag))
         if gathered is not None:
-            scatter_blocks(self.kv_cache, chunk.local_ids, gathered)
+            scatter_blocks(self.client.kv_cache, chunk.local_ids, gathered)
         return sum(b.nbytes for b in buffers)
 
     async def _cancel(self, ucx_address: bytes, endpoint: Any, receives: list[Any]) -> None:
@@ -361,41 +363,40 @@ class UcxKVClient(ZmqKVClient):
         try:
             await _completed(receives, 1.0)
         except asyncio.TimeoutError:
-            logger.error("%s: UCX receives into the KV cache outlived their endpoint", self.engine_id)
+            logger.error("%s: UCX receives into the KV cache outlived their endpoint", self.client.engine_id)
         except Exception:
             pass  # cancelled by the abort, as intended
 
-    async def _fetch_embeddings(self, client: RequestClient, mm_hash: str, deadline: float) -> torch.Tensor:
+    async def fetch_embeddings(self, control: RequestClient, mm_hash: str, deadline: float) -> torch.Tensor:
         tag = secrets.randbits(64)
-        reply = await client.request(
-            FetchEmbeddings(mm_hash, ucx_tag=tag), timeout=self._remaining(deadline), expect=EmbeddingsSent,
-        )
+        reply = await control.request(FetchEmbeddings(mm_hash, ucx_tag=tag), timeout=self.client.remaining(deadline),
+                                      expect=EmbeddingsSent)
         if reply.mm_hash != mm_hash:
             raise ErrorReply(Error(ErrorCode.BAD_REQUEST, f"answered with embeddings of {reply.mm_hash!r}"))
-        dtype, _ = check_spec(reply.spec, self.limits)
+        dtype, _ = check_spec(reply.spec, self.client.limits)
         data = torch.empty(reply.spec.shape, dtype=dtype)
-        await self._receive(client, [as_bytes(data)], tag, deadline)
+        await self._receive(control, [as_bytes(data)], tag, deadline)
         return data
 
-    async def _receive(self, client: RequestClient, buffers: list, tag: int, deadline: float,
+    async def _receive(self, control: RequestClient, buffers: list, tag: int, deadline: float,
                        request: Message | None = None) -> None:
         """Post a receive per buffer (tags tag, tag + 1, ...), send `request` if any, and wait for the data;
         on any failure abort the endpoint (see _cancel)."""
-        address, ucx_address = client.address, client.peer.ucx_address
+        address, ucx_address = control.address, control.peer.ucx_address
         if not ucx_address or len(ucx_address) > MAX_WORKER_ADDRESS_BYTES:
             raise TransferError(f"{address} sent no usable UCX worker address")
         endpoint = await self._endpoints.acquire(ucx_address)
-        disconnects, receives = client.num_disconnects, []
+        disconnects, receives = control.num_disconnects, []
+        remaining = self.client.remaining
         try:
             receives = _post(endpoint, buffers, tag, send=False)
             if request is not None:
-                reply = await client.request(request, timeout=self._remaining(deadline), expect=BlocksSent)
+                reply = await control.request(request, timeout=remaining(deadline), expect=BlocksSent)
                 if reply.num_segments != len(buffers):
                     raise BlockRangeError(f"peer sends {reply.num_segments} segments, expected {len(buffers)}")
             try:
                 # Over shared memory UCX never notices a dead sender: its control connection does.
-                await _completed(receives, self._remaining(deadline),
-                                 peer_lost=lambda: client.num_disconnects != disconnects)
+                await _completed(receives, remaining(deadline), peer_lost=lambda: control.num_disconnects != disconnects)
             except asyncio.TimeoutError:
                 raise TransferTimeout(f"{address}: UCX data did not arrive in time") from None
             except _PeerLost:
@@ -410,4 +411,3 @@ class UcxKVClient(ZmqKVClient):
 
     async def close(self) -> None:
         await self._endpoints.close()
-        await super().close()

@@ -1,0 +1,282 @@
+"""`KVTransferServer`: serves the blocks a local engine exposes and the embeddings its encoder cache holds, to
+peers that handshook on its control channel (a typed ZMQ channel), over the data paths it was built with.
+
+What every path shares is here: the control channel and its handshake checks (transport, KV layout), the
+requests' blocks exposed while held and withdrawn on release, the checks of every fetch against them, and
+the segments' bytes as the cache holds them. How those bytes travel is a `ServerPath`'s business, and none
+knows another: ZMQ frames (frame_path.py), plain TCP block connections (block_stream.py), UCX (ucx_path.py).
+`create_server` assembles the paths of a transport.
+
+`expose` / `withdraw` are called by the engine's loop (the owner of the blocks and their leases); the
+server only reads exposed blocks, never frees or writes any. A path that reads them off the loop checks
+a fetch and starts its send under `lock`, which `withdraw` holds too: a withdrawn request's blocks are
+freed only once `wait_sent` says no send reads them any more.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+import zmq
+
+from epdserve.transport.channel import ErrorReply
+from epdserve.transport.kv_transfer import (BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError,
+                                            EmbeddingSource, IncompatiblePeerError, Run, TransferError, TransferStats,
+                                            as_bytes, block_index, gather_blocks, kv_layout, layout_mismatch,
+                                            run_segments, run_views, split_runs)
+from epdserve.transport.limits import DEFAULT_LIMITS, Limits
+from epdserve.transport.protocol import (MAY_SEND, Error, ErrorCode, FetchBlocks, FetchEmbeddings, Handshake, KVLayout,
+                                         Message)
+from epdserve.transport.reply_server import ReplyServer
+from epdserve.transport.security import CurveConfig
+
+_ERROR_CODES = {
+    BlockRangeError: ErrorCode.OUT_OF_RANGE,
+    BlocksNotFoundError: ErrorCode.NOT_FOUND,
+    EmbeddingNotFoundError: ErrorCode.NOT_FOUND,
+    IncompatiblePeerError: ErrorCode.INCOMPATIBLE,
+}
+
+
+def error_reply(error: TransferError, request_id: str | None = None) -> ErrorReply:
+    return ErrorReply(Error(_ERROR_CODES.get(type(error), ErrorCode.INTERNAL), str(error), request_id))
+
+
+def transport_mismatch(ours: str, theirs: str | None, us: str, them: str) -> str | None:
+    """Why two ends cannot move data between them, or None: each must use the same transport."""
+    if theirs is None or theirs == ours:
+        return None
+    return (f"{us} moves KV and embeddings over {ours}, {them} over {theirs}: start every encoder, "
+            f"prefill and decode of a deployment with the same --kv-transport")
+
+
+class ServerPath:
+    """One way a server's bytes travel; the defaults are those of a path with nothing to say."""
+
+    transport: ClassVar[str]  # the --kv-transport it belongs to: peers must use the same
+    server: KVTransferServer
+
+    def bind(self, server: KVTransferServer) -> None:
+        self.server = server
+
+    def serves(self, message: FetchBlocks | FetchEmbeddings) -> bool:
+        """Whether this path answers `message` on the control channel."""
+        return False
+
+    async def start(self) -> None:
+        pass
+
+    def ack_extra(self, hello: Handshake) -> dict:
+        """HandshakeAck fields this path tells a peer."""
+        return {}
+
+    async def check_peer(self, hello: Handshake) -> str | None:
+        """Why this path refuses the peer, or None."""
+        return None
+
+    async def reply_blocks(self, message: FetchBlocks, peer: Handshake) -> tuple[Message, int]:
+        """The answer to a FetchBlocks this path serves, and the bytes it moves."""
+        raise NotImplementedError
+
+    async def reply_embeddings(self, message: FetchEmbeddings, peer: Handshake, tensor: torch.Tensor) -> Message:
+        raise NotImplementedError
+
+    def on_sent(self, reply: Message, tracker: zmq.MessageTracker) -> None:
+        """A reply of this server's left for ZMQ's I/O thread, which reads its frames until `tracker` is done."""
+
+    def sending(self, request_id: str) -> bool:
+        """Whether a send of this path still reads the request's blocks."""
+        return False
+
+    def abort(self, request_id: str) -> None:
+        """Stop the sends still reading the request's blocks (their fetches fail)."""
+
+    @property
+    def num_rejected(self) -> int:
+        return 0
+
+    async def close(self) -> None:
+        pass
+
+
+class KVTransferServer:
+    """See the module docstring. `kv_cache`: [num_layers, 2, num_blocks, *block] (an encoder has none);
+    `encoder_cache`: what serves embeddings (an engine has none)."""
+
+    def __init__(self, engine_id: str, paths: Sequence[ServerPath], *, kv_cache: torch.Tensor | None = None,
+                 model_id: str = "", encoder_cache: EmbeddingSource | None = None, layout: KVLayout | None = None,
+                 host: str = "127.0.0.1", port: int = 0, allow_wildcard: bool = False,
+                 curve: CurveConfig | None = None, limits: Limits = DEFAULT_LIMITS, max_inflight: int = 8):
+        transports = {path.transport for path in paths}
+        assert len(transports) == 1, f"the paths of one server move data over one transport, not {transports}"
+        self.engine_id = engine_id
+        self.transport = transports.pop()
+        self.paths = list(paths)
+        self.kv_cache = kv_cache
+        self.layout = kv_layout(kv_cache, model_id, layout) if kv_cache is not None else None
+        self.encoder_cache = encoder_cache
+        self.stats = TransferStats()  # bytes served
+        self.lock = threading.Lock()  # a path's off-loop check of a fetch and the start of its send; withdraw
+        # request id -> the block ids exposed for it; only these may be read by peers.
+        self._exposed: dict[str, frozenset[int]] = {}
+        self.control = ReplyServer(engine_id, host=host, port=port, allow_wildcard=allow_wildcard, curve=curve,
+                                   limits=limits, kv_layout=self.layout, kv_transport=self.transport,
+                                   on_sent=self._on_sent, check_handshake=self._check_peer, max_inflight=max_inflight,
+                                   senders=MAY_SEND, ack_extra=self._ack_extra)
+        self._serve_task: asyncio.Task | None = None
+        for path in self.paths:
+            path.bind(self)
+
+    @property
+    def address(self) -> str:
+        return self.control.address
+
+    @property
+    def num_rejected(self) -> int:
+        """Frames the control channel dropped (malformed, oversized, other version), and what the paths
+        refused (a block connection with a wrong token, say)."""
+        return self.control.num_rejected + sum(path.num_rejected for path in self.paths)
+
+    @property
+    def num_auth_denied(self) -> int:
+        return self.control.num_auth_denied
+
+    async def start(self) -> str:
+        """Start serving; the address peers fetch from (what KVHandle.kv_addr carries)."""
+        for path in self.paths:  # before the first handshake, whose answer may name what they opened
+            await path.start()
+        address = await self.control.start()
+        if self._serve_task is None:
+            self._serve_task = asyncio.create_task(self.control.serve(self._handle))
+        return address
+
+    async def close(self) -> None:
+        if self._serve_task is not None:
+            self._serve_task.cancel()
+            self._serve_task = None
+        await self.control.close()
+        for path in self.paths:
+            await path.close()
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # -- what peers may read --------------------------------------------------------------------------
+    def expose(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Let peers fetch `block_ids` under `request_id` (until withdraw)."""
+        if self.kv_cache is None:
+            raise RuntimeError(f"{self.engine_id} has no KV cache to expose")
+        block_index(block_ids, self.kv_cache.shape[2], f"expose {request_id}")
+        self._exposed[request_id] = frozenset(block_ids)
+
+    def withdraw(self, request_id: str) -> None:
+        """Stop serving the request's blocks (released, aborted or lease expired)."""
+        with self.lock:
+            self._exposed.pop(request_id, None)
+
+    async def wait_sent(self, request_id: str, timeout: float = 60.0) -> bool:
+        """Wait until no send still reads the request's blocks: blocks go out straight from the cache, so
+        the engine frees withdrawn blocks only after this. False if some send still held them after
+        `timeout` (a peer that stopped reading), which is then cut."""
+        deadline = time.monotonic() + timeout
+        while any(path.sending(request_id) for path in self.paths):
+            if time.monotonic() > deadline:
+                for path in self.paths:
+                    path.abort(request_id)  # the peer's fetch fails rather than read freed blocks
+                return False
+            await asyncio.sleep(0.001)
+        return True
+
+    def check_exposed(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Refuse a fetch of blocks not exposed for the request (exposed ids were checked by `expose`)."""
+        exposed = self._exposed.get(request_id)
+        if exposed is None:
+            raise BlocksNotFoundError(f"{self.engine_id} holds no blocks for request {request_id!r}")
+        if not exposed.issuperset(block_ids):
+            raise BlockRangeError(f"request {request_id!r}: asked for blocks not exposed for it")
+
+    def embeddings(self, mm_hash: str) -> torch.Tensor:
+        tensor = self.encoder_cache.get(mm_hash) if self.encoder_cache is not None else None
+        if tensor is None:
+            raise EmbeddingNotFoundError(f"{self.engine_id} has no embeddings for mm_hash {mm_hash!r}")
+        return tensor
+
+    # -- a fetch's segments, as the cache holds them ----------------------------------------------------
+    def runs(self, message: FetchBlocks) -> list[Run] | None:
+        """The runs FetchBlocks cuts its blocks into (None: gathered); ErrorReply when it asks for blocks not
+        exposed for its request or cuts them into bad runs."""
+        try:
+            self.check_exposed(message.request_id, message.block_ids)
+            return split_runs(message.block_ids, message.run_lengths) if message.run_lengths else None
+        except TransferError as e:
+            raise error_reply(e, message.request_id) from None
+
+    def segments(self, message: FetchBlocks) -> list[torch.Tensor]:
+        """The segments FetchBlocks describes, as views of the cache (gathered: a copy)."""
+        runs = self.runs(message)
+        return (run_segments(self.kv_cache, runs) if runs is not None
+                else [gather_blocks(self.kv_cache, message.block_ids)] if message.block_ids else [])
+
+    def segment_bytes(self, message: FetchBlocks) -> list:
+        """The segments as flat bytes of the cache's memory, for a socket or UCX to send: numpy views of a
+        CPU cache (cheaper than a tensor view each), device tensors of a GPU one."""
+        runs = self.runs(message)
+        if runs is None:
+            return [as_bytes(gather_blocks(self.kv_cache, message.block_ids))] if message.block_ids else []
+        if self.kv_cache.device.type == "cpu":
+            return run_views(self.kv_cache, runs)
+        return [as_bytes(segment) for segment in run_segments(self.kv_cache, runs)]
+
+    # -- the control channel ----------------------------------------------------------------------------
+    def _ack_extra(self, hello: Handshake) -> dict:
+        return {key: value for path in self.paths for key, value in path.ack_extra(hello).items()}
+
+    async def _check_peer(self, hello: Handshake) -> str | None:
+        refusal = transport_mismatch(self.transport, hello.kv_transport, self.engine_id, hello.engine_id)
+        if refusal is None and self.layout is not None and hello.kv_layout is not None:
+            refusal = layout_mismatch(self.layout, hello.kv_layout, self.engine_id, hello.engine_id)
+        for path in self.paths:
+            refusal = refusal or await path.check_peer(hello)
+        return refusal
+
+    def _on_sent(self, reply: Message, tracker: zmq.MessageTracker) -> None:
+        for path in self.paths:
+            path.on_sent(reply, tracker)
+
+    def _path_for(self, message: FetchBlocks | FetchEmbeddings) -> ServerPath:
+        path = next((path for path in self.paths if path.serves(message)), None)
+        if path is None:
+            raise ErrorReply(Error(ErrorCode.BAD_REQUEST, f"{self.engine_id} has no data path for this fetch "
+                                                          f"(it moves data over {self.transport})",
+                                   getattr(message, "request_id", None)))
+        return path
+
+    async def _handle(self, message: Message, peer: Handshake) -> Message:
+        if isinstance(message, FetchBlocks):
+            if self.layout is None or peer.kv_layout != self.layout:
+                raise ErrorReply(Error(ErrorCode.INCOMPATIBLE, "no KV layout agreed in the handshake",
+                                       message.request_id))
+            started = time.perf_counter()
+            reply, num_bytes = await self._path_for(message).reply_blocks(message, peer)
+            self.stats.record(num_bytes, started)
+            return reply
+        if isinstance(message, FetchEmbeddings):
+            path = self._path_for(message)
+            try:
+                tensor = self.embeddings(message.mm_hash)
+            except TransferError as e:
+                raise error_reply(e) from None
+            reply = await path.reply_embeddings(message, peer, tensor)
+            self.stats.num_bytes += tensor.nbytes
+            self.stats.num_transfers += 1
+            return reply
+        raise ErrorReply(Error(ErrorCode.BAD_REQUEST, f"{self.engine_id} serves block and embedding fetches only"))
+
