@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,17 +33,38 @@ PORT_OPTIONS = {"encoder": ("--port", "--data-port", "--http-port"),
                 "proxy": ("--inbox-port",)}
 
 
+# Ports this process has handed out: the OS may offer a port again once the probe socket is closed, and two
+# services given the same one would race for it at startup.
+_handed_out: set[int] = set()
+
+
+def first_ephemeral_port() -> int:
+    """Where the range the OS takes outgoing connections' local ports from begins (Linux's default elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1", taken: set[int] | None = None) -> int:
-    """A port nothing listens on now, not in `taken` (added to it): the OS may offer a port again once the
-    probe socket is closed, and two services given the same one would race for it at startup."""
+    """A port nothing listens on now, not handed out before nor in `taken` (added to both), below the OS's
+    ephemeral range: a port from that range can be taken by any outgoing connection between this check and
+    the service's bind."""
+    below = first_ephemeral_port() - 1
     while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if taken is None or port not in taken:
-            if taken is not None:
-                taken.add(port)
-            return port
+        port = random.randint(10000, below) if below > 10000 else os_assigned_port(host)
+        if port in _handed_out or (taken is not None and port in taken) or bind_error(host, port) is not None:
+            continue
+        _handed_out.add(port)
+        if taken is not None:
+            taken.add(port)
+        return port
+
+
+def os_assigned_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def bind_error(host: str, port: int) -> str | None:

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import shlex
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,9 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+from epdserve.services.launcher import free_port
+
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -53,11 +55,6 @@ def pytest_runtest_logreport(report):
             out.write(f"{report.outcome:8} {report.duration:6.1f}s  {report.nodeid.rsplit('::', 1)[-1]}"
                       f"{'' if report.when == 'call' else f' ({report.when})'}\n")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def docker(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:

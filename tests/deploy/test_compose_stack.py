@@ -6,7 +6,6 @@ engine's own compose health check passes - and the test then drives the proxy wi
 """
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,9 @@ import httpx
 import openai
 import pytest
 
+from epdserve.services.launcher import free_port
+
+
 REPO = Path(__file__).resolve().parents[2]
 HEALTHCHECK = REPO / "deploy" / "healthcheck.py"
 API_KEY = "compose-test-key"
@@ -23,11 +25,6 @@ PORT_OPTIONS = {"--port", "--data-port", "--http-port", "--inbox-port"}
 TARGET_OPTIONS = {"--encoder", "--prefill", "--decode", "--unified"}
 STARTUP_TIMEOUT_S = 300
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalProject:

@@ -2,7 +2,6 @@
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,20 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-
-# Ports handed out by this test process: the OS may offer a port again once the probe socket is closed,
-# and two services of one stack given the same port would race for it at startup.
-_handed_out: set[int] = set()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    while True:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
+from epdserve.services.launcher import free_port
 
 
 def http_host(host: str) -> str:

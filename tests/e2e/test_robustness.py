@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from epdserve.services.launcher import free_port
 from epdserve.transport import protocol as p
 from epdserve.shared.engine.sampling_params import SamplingParams
 from epdserve.services.wire import sampling_params_to_wire
@@ -34,11 +35,6 @@ def wait_until(predicate, timeout: float, what: str):
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 INBOX_PORT = free_port()

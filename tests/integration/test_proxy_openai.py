@@ -1,7 +1,6 @@
 """The proxy's OpenAI layer, served over real HTTP to the official `openai` client, with a real engine
 behind it in the same process (the multi-process stack is tested in tests/e2e)."""
 import asyncio
-import socket
 import threading
 import time
 
@@ -11,6 +10,7 @@ import pytest
 import uvicorn
 
 from epdserve import AsyncLLM
+from epdserve.services.launcher import free_port
 from epdserve.services.proxy.app import build_app
 from epdserve.services.batch.engine_backend import EngineBackend
 from epdserve.services.proxy.metrics import ProxyMetrics
@@ -18,11 +18,6 @@ from epdserve.services.proxy.serving import OpenAIServing
 
 MODEL = "tiny"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

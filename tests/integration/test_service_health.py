@@ -2,13 +2,13 @@
 engine loop died, DRAINING after SIGTERM; and it refuses messages its peer's role never sends. A real
 service on real sockets, in this process so the test can break its engine."""
 import asyncio
-import socket
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
+from epdserve.services.launcher import free_port
 from epdserve.services.runtime import Service
 from epdserve.transport import protocol as p
 from epdserve.shared.config import ServiceConfig, TransportConfig
@@ -21,11 +21,6 @@ from epdserve.transport.request_client import RequestClient
 
 HEALTHCHECK = Path(__file__).parents[2] / "deploy" / "healthcheck.py"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_service(model: str, role: str = "unified") -> Service:
