@@ -136,11 +136,13 @@ class EngineWorker:
     async def make_request(self, m: GenerateRequest | PrefillRequest | DecodeRequest, spans: RequestSpans,
                            **kwargs) -> tuple[Request, PeerSources] | Error:
         """The engine request for `m` (with `make_request`'s keyword arguments), and where its image embeddings
-        - and `kv_handle`, a decode's prompt KV - may be had from; or the Error to answer with (a request id
-        in use, bad input). The embeddings are fetched only when a step must compute their positions."""
+        - and `kv_handle`, a decode's prompt KV - may be had from (with `hold_for_peer`, a prefill's: its KV
+        is kept for a decode once finished); or the Error to answer with (a request id in use, bad input).
+        The embeddings are fetched only when a step must compute their positions."""
         if m.request_id in self._tasks:
             return bad_request(m.request_id, "request id already in use")
         sources = PeerSources(spans, kv_handle=kwargs.pop("kv_handle", None),
+                              hold_for_peer=kwargs.pop("hold_for_peer", False),
                               encoder_addrs={ph.mm_hash: ph.encoder_addr for ph in m.mm_placeholders})
         try:
             request = await self.llm.make_request(

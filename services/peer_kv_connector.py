@@ -1,10 +1,12 @@
 """`PeerKVConnector`: the engine's KV door (kv_connector.py) to its peers, for every engine role.
 
-It loads what a request's prompt needs from elsewhere: the KV blocks the prefill that computed the prompt
-holds for it (a decode's requests), and image embeddings from the encoders that hold them (any role, and
-only when a step must compute their positions: a prefix-cache hit needs none, and a decode needs them only
-to recompute). The bytes move with the service's `KVTransferClient` (ZMQ block connections, ZMQ frames or
-UCX), on the service's event loop; the engine's thread only asks and is told.
+It keeps a prefill's finished requests' blocks for the decode that pulls them (the prefill worker exposes
+them on its KV server, and releases them), and loads what a request's prompt needs from elsewhere: the KV
+blocks the prefill that computed the prompt holds for it (a decode's requests), and image embeddings from
+the encoders that hold them (any role, and only when a step must compute their positions: a prefix-cache hit
+needs none, and a decode needs them only to recompute). The bytes move with the service's `KVTransferClient`
+(ZMQ block connections, ZMQ frames or UCX), on the service's event loop; the engine's thread only asks and
+is told.
 
 One decode request's handoff, as its trace shows it:
 
@@ -46,10 +48,12 @@ PULL_ERRORS = (TransferError, ChannelError, TimeoutError)
 
 @dataclass(slots=True)
 class PeerSources:
-    """A request's `kv_transfer_params`: where its prompt's KV and image embeddings may be had from."""
+    """A request's `kv_transfer_params`: where its prompt's KV and image embeddings may be had from, and
+    whether its own KV is kept for a peer."""
 
     spans: RequestSpans
     kv_handle: KVHandle | None = None  # the prefill holding the prompt's KV (a decode's requests)
+    hold_for_peer: bool = False  # keep the KV once finished, for a decode to pull (a prefill's requests)
     encoder_addrs: dict[str, str] = field(default_factory=dict)  # mm_hash -> the encoder's data address
     # Set on the event loop as the handoff goes: when the KV was in place, or why and when it failed.
     kv_ready: float | None = None
@@ -113,6 +117,10 @@ class PeerKVConnector(KVConnector):
     def can_load_embeddings(self, request, mm_hashes: tuple[str, ...]) -> bool:
         sources = request.kv_transfer_params
         return sources is not None and all(h in sources.encoder_addrs for h in mm_hashes)
+
+    def request_finished(self, request) -> bool:
+        sources = request.kv_transfer_params
+        return sources is not None and sources.hold_for_peer
 
     def start_load(self, request, load: KVLoad) -> None:
         sources = request.kv_transfer_params

@@ -99,7 +99,7 @@ class PrefillWorker(EngineWorker):
             return refusal
         spans = RequestSpans(self.service.engine_id)
         # This engine's part ends at each sequence's first token (n > 1: one prefill, a first token each).
-        made = await self.make_request(m, spans, hold_kv=True, max_output_tokens=PREFILL_OUTPUT_TOKENS)
+        made = await self.make_request(m, spans, hold_for_peer=True, max_output_tokens=PREFILL_OUTPUT_TOKENS)
         if isinstance(made, Error):
             return made
         request, _ = made

@@ -155,13 +155,14 @@ class AsyncLLM:
         self._commands.put(Abort(request_id))
 
     def release_kv(self, request_id: str) -> None:
-        """Free, at the next step boundary, the blocks a finished `hold_kv` request kept for a peer."""
+        """Free, at the next step boundary, the blocks a KV connector kept for a finished request."""
         self._put(ReleaseKV(request_id))
 
     # -- KV from elsewhere, and what routers and metrics follow --------------------------------------
     def add_connector(self, connector: KVConnector) -> None:
-        """Let `connector` feed this engine's requests (kv_connector.py); its loads may end on any thread."""
-        self._put(AddConnector(connector, lambda result: self._put(FinishLoad(result))))
+        """Let `connector` feed this engine's requests and keep finished ones' KV (kv_connector.py); its loads
+        may end, and what it kept go, on any thread."""
+        self._put(AddConnector(connector, lambda result: self._put(FinishLoad(result)), self.release_kv))
 
     async def kv_events(self, next_seq: int | None) -> KVEventBatch:
         """What the prefix cache stored and evicted since event batch `next_seq` (see LLMEngine.kv_events)."""
@@ -299,8 +300,8 @@ class AsyncLLM:
                 engine.release_kv(request_id)
             case FinishLoad(result=result):
                 self._deliver(engine.finish_load(result))
-            case AddConnector(connector=connector, finish=finish):
-                engine.add_connector(connector, finish)
+            case AddConnector(connector=connector, finish=finish, release=release):
+                engine.add_connector(connector, finish, release)
             case OnStep(callback=callback):
                 engine.on_step_tokens = callback
             case Query(fn=fn, future=future):

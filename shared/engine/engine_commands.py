@@ -24,7 +24,7 @@ class Abort:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseKV:
-    """Free the blocks a finished `hold_kv` request kept for a peer."""
+    """Free the blocks a KV connector kept for a finished request."""
     request_id: str
 
 
@@ -36,9 +36,11 @@ class FinishLoad:
 
 @dataclass(frozen=True, slots=True)
 class AddConnector:
-    """Let a KV connector feed requests; its loads end with `finish`."""
+    """Let a KV connector feed requests and keep finished ones' KV; its loads end with `finish`, what it kept
+    goes with `release`."""
     connector: KVConnector
     finish: Callable[[LoadResult], None]
+    release: Callable[[str], None]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
-"""The engine's one door for what a request's prompt needs from elsewhere: KV blocks a peer computed, and the
-encoder outputs of its images.
+"""The engine's one door for KV that comes from elsewhere or goes elsewhere: KV blocks a peer computed, the
+encoder outputs of a request's images, and the KV of finished requests that a peer (or another tier) reads.
 
 A `KVConnector` has two halves, as vLLM's KV connectors do:
 
@@ -13,6 +13,11 @@ A `KVConnector` has two halves, as vLLM's KV connectors do:
   with the `LoadResult` callback it was bound to (any thread). A load that worked makes the request
   runnable with those tokens computed; one that failed leaves it to compute them itself (recompute),
   which is always correct - only slower. The step never waits on a transfer.
+- Saving: when a request finishes (stopped, or at its length), the scheduler asks the connectors whether
+  one keeps its blocks (`request_finished`): a prefill's, for the decode that pulls them; a tier's, while
+  it copies them. Kept blocks stay allocated - out of the pool, readable by the connector's worker half,
+  never written - until the connector calls the `release` it was bound to (any thread). An aborted or
+  failed request keeps nothing.
 
 A request marks itself for connectors with `kv_transfer_params` (opaque to the engine: a peer's KV handle,
 say). Each request's connectors are asked at most once for its KV; encoder outputs are asked for whenever a
@@ -21,7 +26,6 @@ connector a request is gone (finished, aborted, failed), once its blocks are no 
 """
 from __future__ import annotations
 
-import abc
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 if TYPE_CHECKING:
@@ -49,12 +53,14 @@ class LoadResult(NamedTuple):
     mm_embeddings: dict[str, "torch.Tensor"] = {}  # mm_hash -> [num_tokens, hidden_size]
 
 
-class KVConnector(abc.ABC):
-    """One way KV (or encoder output) reaches the engine; see the module docstring."""
+class KVConnector:
+    """One way KV (or encoder output) reaches the engine or leaves it; see the module docstring. Every method
+    but `start_load` has a default that does nothing."""
 
-    def bind(self, finish: Callable[[LoadResult], None]) -> None:
-        """`finish(result)` ends a load; the engine binds it before the first request arrives."""
-        self.finish = finish
+    def bind(self, finish: Callable[[LoadResult], None], release: Callable[[str], None]) -> None:
+        """`finish(result)` ends a load, `release(request_id)` frees the blocks this connector kept; the
+        engine binds them before the first request arrives."""
+        self.finish, self.release = finish, release
 
     def num_loadable_tokens(self, request: Request, num_local_tokens: int) -> int:
         """How many of the request's leading tokens beyond `num_local_tokens` this connector can supply (0:
@@ -65,9 +71,15 @@ class KVConnector(abc.ABC):
         """Whether this connector can supply the encoder outputs `mm_hashes` of the request."""
         return False
 
-    @abc.abstractmethod
     def start_load(self, request: Request, load: KVLoad) -> None:
-        """Begin filling `load` without blocking the engine's thread; report with `finish`."""
+        """Begin filling `load` without blocking the engine's thread; report with `finish`. Called only for
+        what `num_loadable_tokens` or `can_load_embeddings` offered."""
+        raise NotImplementedError
+
+    def request_finished(self, request: Request) -> bool:
+        """The request just finished with its KV in `request.block_ids`: True keeps those blocks (one
+        sequence of a group at a time; a release names the group) until `release(request id)`."""
+        return False
 
     def request_ended(self, request: Request) -> None:
         """The request is gone and no load of it is in flight: forget it."""

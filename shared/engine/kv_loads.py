@@ -75,6 +75,11 @@ class KVLoads:
         """The load of `request_id`, which has ended (None: unknown, or ended already)."""
         return self.loading.pop(request_id, None)
 
+    def keeps(self, request: Request) -> bool:
+        """Whether a connector keeps the blocks of `request`, which just finished (the first that does is the
+        one that releases them)."""
+        return any(connector.request_finished(request) for connector in self.connectors)
+
     def ended(self, request: Request) -> None:
         """`request` is gone: the connectors that may know it forget it."""
         if request.kv_transfer_params is not None or request.mm_placeholders:

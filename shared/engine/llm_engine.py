@@ -63,13 +63,12 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                      arrival_time: float | None = None, cache_salt: str | None = None,
                      mm_placeholders: tuple[MultiModalPlaceholder, ...] = (), mm_embeddings: dict | None = None,
-                     hold_kv: bool = False, compiled_grammar=None, max_output_tokens: int | None = None,
+                     compiled_grammar=None, max_output_tokens: int | None = None,
                      first_token_ids: Sequence[int] | None = None, kv_transfer_params: object | None = None) -> Request:
         """Validate and tokenize; raises ValueError naming the problem. Changes no engine state.
 
         `compiled_grammar`: the params' output constraint, compiled already (else it is compiled here).
         `mm_embeddings` may lack some placeholders' items: a KV connector loads them before they are needed.
-        `hold_kv`: keep the blocks once finished, until `release_kv` (a prefill holding them for a decode);
         `max_output_tokens`: stop after that many tokens whatever the params allow (a prefill's part).
         `first_token_ids`: each sequence's first token, sampled by the peer that computed the prompt
         (handoff.py); `kv_transfer_params`: where the prompt's KV may be had from, for the KV connectors."""
@@ -85,7 +84,7 @@ class LLMEngine:
         # n > 1: the first of n sequences, the others waiting to fork from it (parallel_sampling.py).
         request = make_group(request_id, params, lambda rid, p: Request(
             rid, token_ids, p, self.model_config.max_model_len, arrival_time, cache_salt, tuple(mm_placeholders),
-            text, dict(mm_embeddings or {}), hold_kv, self._grammar(p, compiled_grammar), bias, kv_transfer_params))
+            text, dict(mm_embeddings or {}), self._grammar(p, compiled_grammar), bias, kv_transfer_params))
         for sequence in group_members(request):
             if max_output_tokens is not None:
                 sequence.max_output_tokens = min(sequence.max_output_tokens, max_output_tokens)
@@ -185,13 +184,16 @@ class LLMEngine:
 
     # -- KV from and for elsewhere ------------------------------------------------------------------
     def release_kv(self, request_id: str) -> bool:
-        """Free the blocks a finished `hold_kv` request kept; False if it holds none."""
+        """Free the blocks a connector kept for a finished request (a group: every sequence's); False if it
+        holds none."""
         return self.scheduler.release_kv(request_id)
 
-    def add_connector(self, connector: KVConnector, finish) -> None:
-        """Let `connector` feed requests (kv_connector.py); `finish(result)` is how its loads end: it must
-        bring the result to this engine's thread and `finish_load` there."""
-        connector.bind(finish)
+    def add_connector(self, connector: KVConnector, finish: Callable[[LoadResult], None],
+                      release: Callable[[str], None]) -> None:
+        """Let `connector` feed requests and keep finished ones' KV (kv_connector.py). `finish(result)` ends a
+        load, `release(request_id)` lets kept blocks go: each must bring its call to this engine's thread
+        (`finish_load`, `release_kv`)."""
+        connector.bind(finish, release)
         self.scheduler.loads.connectors.append(connector)
 
     def finish_load(self, result: LoadResult) -> list[RequestOutput]:

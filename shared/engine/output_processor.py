@@ -137,7 +137,7 @@ class OutputProcessor:
         if finished:
             state.metrics.finished_time = time.monotonic()
             del self.states[request.request_id]
-        held = list(request.block_ids) if finished and request.hold_kv and request.block_ids else None
+        held = list(request.block_ids) if finished and request.kv_held and request.block_ids else None
         failure = request.failure
         output = RequestOutput(request.group_id, request.prompt, request.prompt_token_ids, [completion],
                                finished, max(request.num_cached_tokens, 0), state.metrics, held,

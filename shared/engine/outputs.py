@@ -44,7 +44,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
-    # Set on the final output of a request that keeps its KV (hold_kv): the blocks it holds, in order.
+    # Set on the final output of a request whose KV a connector keeps: the blocks it holds, in order.
     kv_block_ids: list[int] | None = None
     error: str | None = None  # why the request failed (finish reason "error")
     bad_input: bool = False  # ... and whether that was the request's own doing (see RequestFailure)

@@ -77,7 +77,6 @@ class Request:
         mm_placeholders: tuple[MultiModalPlaceholder, ...] = (),
         prompt: str | None = None,
         mm_embeddings: dict[str, torch.Tensor] | None = None,
-        hold_kv: bool = False,
         grammar: GrammarState | None = None,
         logit_bias: torch.Tensor | None = None,
         kv_transfer_params: object | None = None,
@@ -110,9 +109,9 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.block_ids: list[int] = []
-        # Keep the blocks after finishing, until released: a prefill engine holds a request's KV for
-        # the decode engine that will pull it.
-        self.hold_kv = hold_kv
+        # Finished, its blocks kept by a KV connector until it releases them (a prefill's, for the decode that
+        # pulls them). Set by the scheduler.
+        self.kv_held = False
         self.block_hashes: list[bytes] = []
         # Parallel sampling (n > 1, see parallel_sampling.py): the id its caller knows the request by (the
         # parent's, shared by its n sequences; else its own), and this sequence's index among the n.

@@ -58,7 +58,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # Group id -> its sequences' ids, for requests with n > 1 (aborts and releases name the group).
         self.groups: dict[str, list[str]] = {}
-        # Finished requests whose blocks are kept until `release_kv` (hold_kv).
+        # Finished requests whose blocks a KV connector keeps, until `release_kv`.
         self.held: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}  # by finish reason
@@ -284,8 +284,10 @@ class Scheduler:
             self.waiting.appendleft(heir)
         del self.requests[request.request_id]
         self.num_finished[request.status.finish_reason] += 1
-        # Only a request that ran to its end keeps its KV for a peer; an aborted or failed one frees it.
-        if request.hold_kv and request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+        # Only a request that ran to its end may keep its KV (for a peer, a tier); an aborted or failed one frees it.
+        if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) \
+                and self.loads.keeps(request):
+            request.kv_held = True
             self.held[request.request_id] = request
         else:
             self.block_manager.free(request)

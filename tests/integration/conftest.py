@@ -1,7 +1,8 @@
-"""What the engine-level disaggregation tests share: a prefill run in-process, and a KV connector that copies
-the blocks it holds into another engine's cache."""
+"""What the engine-level disaggregation tests share: a prefill run in-process, which keeps its blocks through a
+KV connector, and a KV connector that copies those blocks into another engine's cache."""
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -11,7 +12,17 @@ from epdserve.shared.engine.llm_engine import LLMEngine
 from epdserve.shared.engine.sampling_params import SamplingParams
 
 
-class CopyConnector(KVConnector):
+KEEP = "keep"  # the kv_transfer_params of a request whose blocks a KeepConnector keeps once it finishes
+
+
+class KeepConnector(KVConnector):
+    """Keeps the blocks of a finished request marked KEEP until released, as a prefill does for its decode."""
+
+    def request_finished(self, request) -> bool:
+        return request.kv_transfer_params == KEEP
+
+
+class CopyConnector(KeepConnector):
     """Feeds a request whose `kv_transfer_params` is `(source cache, held block ids, num tokens)` by copying
     those blocks into `cache`, after `delay` seconds, on a thread; with `fail`, its loads fail instead."""
 
@@ -21,6 +32,8 @@ class CopyConnector(KVConnector):
         self.ended: list[str] = []
 
     def num_loadable_tokens(self, request, num_local_tokens: int) -> int:
+        if request.kv_transfer_params == KEEP:
+            return 0
         _, _, num_tokens = request.kv_transfer_params
         return max(num_tokens - num_local_tokens, 0)
 
@@ -41,9 +54,16 @@ class CopyConnector(KVConnector):
         self.ended.append(request.request_id)
 
 
+_keeping: weakref.WeakSet = weakref.WeakSet()  # the engines prefill() gave a KeepConnector
+
+
 def prefill(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams):
     """Run the prompt to each sequence's first token and keep the blocks (what a prefill service does)."""
-    request = engine.make_request(rid, {"prompt_token_ids": prompt}, params, hold_kv=True, max_output_tokens=1)
+    if engine not in _keeping:
+        engine.add_connector(KeepConnector(), engine.finish_load, engine.release_kv)
+        _keeping.add(engine)
+    request = engine.make_request(rid, {"prompt_token_ids": prompt}, params, max_output_tokens=1,
+                                  kv_transfer_params=KEEP)
     engine.add_request(rid, request)
     firsts, held = {}, None
     while engine.has_unfinished_requests():
@@ -53,6 +73,12 @@ def prefill(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingPara
                     firsts[completion.index] = completion.token_ids[0]
             held = out.kv_block_ids or held
     return [firsts[i] for i in sorted(firsts)], held
+
+
+@pytest.fixture(scope="session")
+def keep():
+    """The kv_transfer_params that have a CopyConnector keep a finished request's blocks until released."""
+    return KEEP
 
 
 @pytest.fixture(scope="session")

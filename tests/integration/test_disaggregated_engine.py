@@ -96,7 +96,8 @@ def test_prefill_then_decode_equals_unified(tiny_model_paths, copy_connector, pr
         decode.shutdown()
 
 
-def test_a_request_waits_for_room_seatless_and_loads_when_blocks_free(tiny_model_paths, copy_connector, prefill_held):
+def test_a_request_waits_for_room_seatless_and_loads_when_blocks_free(tiny_model_paths, copy_connector, prefill_held,
+                                                                      keep):
     """8 blocks, 7 held by a finished request kept for a peer: the next request's load waits in the queue
     (asking again as blocks free up, never spinning) and starts once the hog lets go."""
     path = tiny_model_paths["llama"]
@@ -108,7 +109,7 @@ def test_a_request_waits_for_room_seatless_and_loads_when_blocks_free(tiny_model
 
     async def main():
         hog = await decode.make_request({"prompt_token_ids": list(range(100, 200))}, SamplingParams(max_tokens=1),
-                                        "hog", hold_kv=True)
+                                        "hog", kv_transfer_params=keep)
         async for _ in decode.generate(hog):
             pass
         firsts, held = prefill_held(prefill_engine, "b", prompt, params)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epdserve.shared.engine.block_manager import BlockManager
+from epdserve.shared.engine.kv_connector import KVConnector
 from epdserve.shared.config import SchedulerConfig
 from epdserve.shared.engine.request import Request, RequestStatus
 from epdserve.shared.engine.sampling_params import SamplingParams
@@ -170,3 +171,27 @@ def test_a_group_holding_every_seat_makes_room_for_a_waiting_request_at_once():
         step(sched)
         check_invariants(sched, bm)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+class Keeper(KVConnector):
+    """Keeps the blocks of every finished request it is asked about whose id starts with "keep"."""
+
+    def request_finished(self, request) -> bool:
+        return request.request_id.startswith("keep")
+
+
+def test_a_connector_keeps_a_finished_requests_blocks_until_released_and_an_aborted_one_keeps_none():
+    sched, bm = make_scheduler(num_blocks=16)
+    sched.loads.connectors.append(Keeper())
+    kept, other, aborted = req("keep-a", 6, max_tokens=2), req("b", 6, max_tokens=2, seed=1), req("keep-c", 6, seed=2)
+    for r in (kept, other, aborted):
+        sched.add_request(r)
+    step(sched)
+    sched.finish_requests(["keep-c"], RequestStatus.FINISHED_ABORTED)
+    while sched.num_unfinished:
+        step(sched)
+    assert list(sched.held) == ["keep-a"] and kept.kv_held and not other.kv_held and not aborted.kv_held
+    assert len(kept.block_ids) == 2 and bm.num_free_blocks == 16 - 2  # out of the pool, nothing else is
+    assert all(bm.blocks[b].ref_cnt == 1 for b in kept.block_ids)
+    assert sched.release_kv("keep-a") and not sched.release_kv("keep-a") and not sched.release_kv("b")
+    assert bm.num_free_blocks == 16 and not sched.held
