@@ -211,8 +211,8 @@ class LocalStack:
         try:
             commands = self.commands()
             print(f"epdserve up: starting {self.config.model_name}: {', '.join(name for name, _ in commands)}; "
-                  f"engines load the model first (a first start on this machine also compiles their C++ kernels: "
-                  f"about 2-3 minutes); the URL follows once every service is ready", flush=True)
+                  f"engines load the model first (seconds; a minute or two more on a first start where the install "
+                  f"has no C++ kernels for this CPU); the URL follows once every service is ready", flush=True)
             for name, argv in commands:
                 # Its own process group: a terminal's Ctrl-C is this process's to forward, once, in order.
                 self.children.append((name, subprocess.Popen(argv, env=self.environment(name),

@@ -1,8 +1,9 @@
 """epdserve's INFO lines for a script that configured no logging, as vLLM prints its own.
 
-The offline API (`LLM`, `AsyncLLM.from_model`) loads a model and, on a first start, compiles kernels: a
-script that set up no logging would otherwise wait through that without a word. An application that
-configured logging (any handler on the root logger or on `epdserve`) keeps its own settings.
+The offline API (`LLM`, `AsyncLLM.from_model`) loads a model and, where no prebuilt kernels serve,
+compiles them: a script that set up no logging would otherwise wait through that without a word. An
+application that configured logging (any handler on the root logger or on `epdserve`) keeps its own
+settings.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """The C++ CPU kernels a model runs on, loaded before its weights and announced.
 
-Loading them is instant once they are built; on a first start on a CPU (or after an update) they are
-compiled first, which takes minutes. Loaded lazily, that would happen without a word in the middle of
-loading the weights (the linear layers pack their weights for their kernel), hence this step of its own.
+Loading them is instant: the install compiled them for each CPU level (kernels/cpu_build.py). Where those
+cannot serve, they are compiled here on a first start, which takes a minute or two. Loaded lazily, that
+would happen without a word in the middle of loading the weights (the linear layers pack their weights
+for their kernel), hence this step of its own.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def load_cpu_kernels(dtype: torch.dtype, layer_ops: bool, attention: bool) -> No
     """Load (building them if they are not yet) the linear-layer kernel for `dtype`, the layer ops (RMSNorm,
     RoPE, SiLU-and-multiply) if `layer_ops`, the paged attention kernel if `attention`. Where one cannot be
     built, its callers keep the PyTorch path, as they would anyway."""
-    logger.info("C++ CPU kernels: loading them (compiled for this CPU on a first start: about 2-3 minutes, once)")
+    logger.info("C++ CPU kernels: loading them (prebuilt at install; where those cannot serve, compiled here on "
+                "a first start: about half a minute per kernel, once)")
     started = time.monotonic()
     cpu_linear.supports(dtype)
     if layer_ops:
