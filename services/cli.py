@@ -120,7 +120,7 @@ def transport_config(args: argparse.Namespace):
 
 
 def engine_config(args: argparse.Namespace, model: str):
-    from epdserve.shared.engine.llm import build_engine_config
+    from epdserve.shared.engine import build_engine_config
 
     return build_engine_config(
         model, dtype=args.dtype, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,

@@ -18,9 +18,8 @@ from epdserve.services.proxy_channels import ProxyChannels
 from epdserve.services.request_spans import RequestSpans
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.services.stats_log import StatsLog
-from epdserve.shared.engine.async_llm import AsyncLLM
+from epdserve.shared.engine import AsyncLLM, RequestOutput
 from epdserve.shared.config import EngineConfig, ServiceConfig
-from epdserve.shared.engine.outputs import RequestOutput
 from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason, GenerateRequest,
                                       Handshake, Health, KVEvents, KVEventsRequest, KVLayout, Message, PrefillRequest,
@@ -30,7 +29,7 @@ from epdserve.transport.kv_client import KVTransferClient
 from epdserve.transport.transports import create_client
 
 if TYPE_CHECKING:
-    from epdserve.shared.engine.request import Request
+    from epdserve.shared.engine import Request
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Awaitable
 
 from epdserve.services.request_spans import RequestSpans
 from epdserve.services.service_metrics import ServiceMetrics
-from epdserve.shared.engine.kv_connector import KVConnector, KVLoad, LoadResult
+from epdserve.shared.engine import KVConnector, KVLoad, LoadResult
 from epdserve.transport.channel import ChannelError, ErrorReply
 from epdserve.transport.kv_client import KVTransferClient
 from epdserve.transport.kv_transfer import TransferError

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from epdserve.shared.engine.outputs import RequestMetrics
+from epdserve.shared.engine import RequestMetrics
 from epdserve.transport.protocol import TraceSpan
 
 

@@ -21,8 +21,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from epdserve.shared.engine.outputs import EngineStats
-from epdserve.shared.engine.outputs import RequestOutput
+from epdserve.shared.engine import EngineStats, RequestOutput
 
 disable_created_metrics()  # no `_created` series beside every counter and histogram, as in vLLM
 

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Callable
 
-from epdserve.shared.engine.outputs import EngineStats
+from epdserve.shared.engine import EngineStats
 
 logger = logging.getLogger(__name__)
 

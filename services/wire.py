@@ -16,9 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from epdserve.shared.engine.outputs import RequestOutput
+from epdserve.shared.engine import RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from epdserve.transport.protocol import LogitBias, TokenLogprobs, WireSamplingParams, WireStructuredOutputs
-from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # SamplingParams fields that never travel: how the caller takes its outputs, and the model's EOS ids,
 # which the receiving engine fills in itself.

@@ -80,7 +80,7 @@ async def _local_client(args: argparse.Namespace, stack: AsyncExitStack) -> http
     from epdserve.services.proxy.app import build_app
     from epdserve.services.proxy.metrics import ProxyMetrics
     from epdserve.services.proxy.serving import OpenAIServing
-    from epdserve.shared.engine.async_llm import AsyncLLM
+    from epdserve.shared.engine import AsyncLLM
     from epdserve.shared.processing.tokenizer import load_tokenizer
 
     model = model_folder(args)

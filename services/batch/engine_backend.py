@@ -10,8 +10,7 @@ from dataclasses import replace
 from typing import AsyncIterator
 
 from epdserve.services.proxy.generation import Chunk, GenerateInput, GenerationError
-from epdserve.shared.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
-from epdserve.shared.engine.sampling_params import RequestOutputKind
+from epdserve.shared.engine import AsyncLLM, EngineDeadError, RequestFailedError, RequestOutputKind
 from epdserve.services.wire import logprobs_to_wire, prompt_logprobs_to_wire
 
 

@@ -17,11 +17,11 @@ from epdserve.services.engine_worker import EngineWorker, bad_request, kv_transf
 from epdserve.services.peer_kv_connector import PeerSources
 from epdserve.services.request_spans import RequestSpans
 from epdserve.shared.config import EngineConfig, ServiceConfig
-from epdserve.shared.engine.outputs import RequestOutput
+from epdserve.shared.engine import RequestOutput
 from epdserve.transport.protocol import DecodeRequest, Error, Handshake, Message, Role
 
 if TYPE_CHECKING:
-    from epdserve.shared.engine.request import Request
+    from epdserve.shared.engine import Request
 
 logger = logging.getLogger(__name__)
 

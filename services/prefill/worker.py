@@ -23,10 +23,8 @@ from epdserve.services.engine_worker import (EngineWorker, bad_request, kv_layou
                                              start_engine)
 from epdserve.services.network import advertised, server_curve
 from epdserve.services.request_spans import RequestSpans
-from epdserve.shared.engine.async_llm import AsyncLLM
+from epdserve.shared.engine import PREFILL_OUTPUT_TOKENS, AsyncLLM, RequestOutput
 from epdserve.shared.config import EngineConfig, ServiceConfig
-from epdserve.shared.engine.outputs import RequestOutput
-from epdserve.shared.engine.handoff import PREFILL_OUTPUT_TOKENS
 from epdserve.transport.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, FirstToken, Handshake, KVHandle,
                                       LeaseRenewed, Message, PrefillDone, PrefillRequest, Release, RenewLease, Role,
                                       TokenLogprobs)

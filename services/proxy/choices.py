@@ -9,7 +9,7 @@ import asyncio
 from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 from epdserve.services.proxy.generation import Chunk
-from epdserve.shared.engine.sampling_params import SamplingParams
+from epdserve.shared.engine import SamplingParams
 from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
 from epdserve.transport.protocol import TokenLogprobs
 

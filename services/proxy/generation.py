@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, NamedTuple, Protocol
 
 from epdserve.transport.protocol import TokenLogprobs, TraceSpan
-from epdserve.shared.engine.sampling_params import SamplingParams
+from epdserve.shared.engine import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

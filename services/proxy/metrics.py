@@ -19,7 +19,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from epdserve.services.proxy.prefix_index import PrefixIndex
-from epdserve.shared.engine.sampling_params import SamplingParams
+from epdserve.shared.engine import SamplingParams
 
 disable_created_metrics()  # no `_created` series beside every counter and histogram, as in vLLM
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from epdserve.shared.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from epdserve.shared.engine import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 from epdserve.services.proxy.output_constraints import ConstraintFields, ToolCallItem, ToolFields
 
 

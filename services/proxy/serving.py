@@ -25,7 +25,7 @@ from epdserve.services.proxy.prompt_logprobs import Echo, echo_logprobs, vllm_pr
 from epdserve.services.proxy.tracing import RequestTrace, Tracer
 from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
 from epdserve.transport.protocol import TokenLogprobs
-from epdserve.shared.engine.sampling_params import SamplingParams
+from epdserve.shared.engine import SamplingParams
 from epdserve.shared.processing.tokenizer import Tokenizer
 
 

@@ -1,5 +1,28 @@
 """The engine core every service runs: requests, the scheduler over a paged KV block manager, the model
 runner and sampler, and the two front doors (`LLM` offline, `AsyncLLM` for a service's event loop).
 
-`wire.py` is the engine's edge: the one place its types become the wire's (`epdserve.transport.protocol`).
+What a service may use of it is exported here, and services import it from here only (the layer contracts
+in pyproject.toml keep them out of the modules below): `AsyncLLM` and its errors, the parameters and
+outputs, the KV connector interface, the engine config's builder, and the prefill's share of a request.
+`Request` is the handle `AsyncLLM.make_request` returns, for type hints. Names are imported on first use:
+the proxy imports the parameters without loading torch.
 """
+import importlib
+
+_EXPORTS = {
+    "AsyncLLM": "async_llm", "EngineDeadError": "async_llm", "RequestFailedError": "async_llm",
+    "SamplingParams": "sampling_params", "RequestOutputKind": "sampling_params",
+    "StructuredOutputsParams": "sampling_params", "LOGIT_BIAS_MAX": "sampling_params",
+    "LOGIT_BIAS_MIN": "sampling_params", "MAX_LOGPROBS": "sampling_params", "SEED_MAX": "sampling_params",
+    "SEED_MIN": "sampling_params",
+    "RequestOutput": "outputs", "EngineStats": "outputs", "RequestMetrics": "outputs",
+    "KVConnector": "kv_connector", "KVLoad": "kv_connector", "LoadResult": "kv_connector",
+    "build_engine_config": "llm", "PREFILL_OUTPUT_TOKENS": "handoff", "Request": "request",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
