@@ -95,3 +95,18 @@ def test_grouped_experts_equal_each_token_alone():
     batched = layer(x)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
     assert torch.equal(batched, alone)
+
+
+def test_the_packed_cpu_path_the_reference_and_the_triton_kernel_agree():
+    from epdserve.kernels.fused_moe import fused_moe
+
+    _, checkpoint = hf_block("mixtral", True, torch.float32)
+    layer = ours("MixtralForCausalLM", True, checkpoint, torch.float32)
+    x = torch.randn(19, HIDDEN, generator=torch.Generator().manual_seed(3))
+    ids, weights = layer.route(x)
+    experts = layer.experts
+    packed = experts(x, ids, weights)
+    triton = fused_moe(x, ids, weights, experts.gate_up_proj, experts.down_proj)  # interpreted on CPU
+    experts._gate_up = experts._down = []  # unpacked: the PyTorch reference
+    torch.testing.assert_close(experts(x, ids, weights), packed, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(triton, packed, rtol=1e-5, atol=1e-5)

@@ -7,10 +7,9 @@ expert order onto zeros, so that float32 output matches `generate` token for tok
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from epdserve.kernels import cpu_layer_ops
+from epdserve.kernels import cpu_layer_ops, torch_moe
 from epdserve.shared.config import ModelConfig
 from epdserve.shared.models.layers.linear import Linear
 
@@ -20,17 +19,18 @@ class Experts(nn.Module):
     gate_up_proj [num_experts, 2 * intermediate_size, hidden_size] (gate rows, then up rows) and
     down_proj [num_experts, hidden_size, intermediate_size].
 
-    A step groups its tokens by expert and runs each expert that received tokens once, on all of them;
-    the CPU runs each expert's slices through the packed linear kernel, which is batch-invariant, so a
-    token's result does not depend on which tokens share its experts."""
+    A step groups its tokens by expert and runs each expert that received tokens once, on all of them. On
+    CPU each expert's slices run through the packed linear kernel, which is batch-invariant, so a token's
+    result does not depend on which tokens share its experts; on CUDA the Triton kernel (fused_moe.py)
+    runs every expert in one grouped matmul per projection."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        # Per expert, Linear layers over its slices of the stacked weights (not registered: no parameters of
-        # their own); made by pack().
+        # On CPU, per expert, Linear layers over its slices of the stacked weights (not registered: they have
+        # no parameters of their own); made by pack().
         self._gate_up: list[Linear] = []
         self._down: list[Linear] = []
 
@@ -46,35 +46,33 @@ class Experts(nn.Module):
 
     def pack(self) -> None:
         """Pack each expert's weights for the CPU kernels; call again after the weights change."""
-        self._gate_up = [Linear.over(w) for w in self.gate_up_proj.data]
-        self._down = [Linear.over(w) for w in self.down_proj.data]
+        if self.gate_up_proj.device.type == "cpu":
+            self._gate_up = [Linear.over(w) for w in self.gate_up_proj.data]
+            self._down = [Linear.over(w) for w in self.down_proj.data]
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, hidden_size]; topk_ids, topk_weights: [num_tokens, top_k]."""
+        if x.device.type == "cuda":
+            from epdserve.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj)
+        if not self._gate_up:
+            return torch_moe.fused_moe(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj)
         out = torch.zeros_like(x)
-        top_k = topk_ids.shape[1]
-        # Each (token, choice) pair, grouped by expert: a stable sort keeps every group in token order.
-        flat_ids = topk_ids.flatten()
-        order = flat_ids.argsort(stable=True)
-        tokens, weights = order // top_k, topk_weights.flatten()[order]
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        start = 0
+        pairs, counts = torch_moe.tokens_by_expert(topk_ids, self.num_experts)
+        tokens, weights = pairs // topk_ids.shape[1], topk_weights.flatten()[pairs]
+        size, start = self.intermediate_size, 0
         for e, count in enumerate(counts):
             if count == 0:
                 continue
             rows = tokens[start:start + count]
-            gate_up = self._linear(self._gate_up, self.gate_up_proj, e, x[rows])  # [count, 2 * intermediate_size]
-            hidden = cpu_layer_ops.silu_mul_(gate_up[:, :self.intermediate_size], gate_up[:, self.intermediate_size:])
+            gate_up = self._gate_up[e](x[rows])  # [count, 2 * intermediate_size]
+            hidden = cpu_layer_ops.silu_mul_(gate_up[:, :size], gate_up[:, size:])
             # Scaled in the weights' dtype (float32 for Mixtral), then added in the model dtype, as HF does.
-            y = self._linear(self._down, self.down_proj, e, hidden) * weights[start:start + count, None]
+            y = self._down[e](hidden) * weights[start:start + count, None]
             out.index_add_(0, rows, y.to(out.dtype))
             start += count
         return out
-
-
-    @staticmethod
-    def _linear(packed: list[Linear], stacked: torch.Tensor, e: int, x: torch.Tensor) -> torch.Tensor:
-        return packed[e](x) if packed else F.linear(x, stacked[e])
 
 
 class SparseMoE(nn.Module):
