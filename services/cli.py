@@ -1,6 +1,6 @@
 """The `epdserve` command.
 
-    epdserve model {llava-demo,smollm2,tiny-llama,tiny-qwen2}   prepare a model folder, print its path
+    epdserve model {llava-demo,smollm2,tiny-*}                   prepare a model folder, print its path
     epdserve serve {encoder,prefill,decode,unified,proxy} ...   run one service
     epdserve up [--model PATH] [--port 8000] [--encoders N --prefills N --decodes N | --unified]
     epdserve keys DIR                                            make the CURVE certificate services share

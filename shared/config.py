@@ -12,9 +12,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # The language model inside a multimodal checkpoint (LLaVA's `text_config`) is named by its model_type.
-_TEXT_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_TEXT_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+# Architectures whose attention RMS-normalises each query and key head before RoPE.
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # The dtypes a model runs in, by name, with their size in bytes. Names, not torch dtypes: the proxy reads
 # model folders too, and loads no torch.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -63,8 +67,49 @@ def _text_config(raw: dict) -> dict:
 
 
 @dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """The sparse MLP of a mixture-of-experts model (Qwen3-MoE, Mixtral): each token's top-k experts by
+    the router's softmax, their outputs summed with those probabilities as weights."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    # The top-k probabilities divided by their sum (Mixtral always; Qwen3-MoE when `norm_topk_prob`).
+    renormalize: bool
+    # The top-k weights rounded to the model dtype before they scale the experts' outputs (Qwen3-MoE); Mixtral
+    # scales in float32 and rounds the product. The same in float32.
+    round_weights: bool
+    # The layers whose MLP is sparse; the others run a dense MLP of the model's `intermediate_size`.
+    sparse_layers: tuple[int, ...]
+
+    @staticmethod
+    def from_hf(arch: str, raw: dict) -> MoEConfig | None:
+        """The sparse MLP an HF config describes, or None for a dense model."""
+        num_layers = raw["num_hidden_layers"]
+        # transformers writes either name for either model (its attribute_map aliases them).
+        num_experts = raw.get("num_experts", raw.get("num_local_experts"))
+        if arch == "MixtralForCausalLM":
+            return MoEConfig(num_experts=8 if num_experts is None else num_experts,
+                             top_k=raw.get("num_experts_per_tok", 2), intermediate_size=raw["intermediate_size"],
+                             renormalize=True, round_weights=False, sparse_layers=tuple(range(num_layers)))
+        if arch != "Qwen3MoeForCausalLM":
+            return None
+        num_experts = 128 if num_experts is None else num_experts
+        # As HF's Qwen3MoeDecoderLayer chooses: every `decoder_sparse_step`-th layer but `mlp_only_layers`.
+        step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
+        sparse = tuple(i for i in range(num_layers)
+                       if i not in dense and num_experts > 0 and step > 0 and (i + 1) % step == 0)
+        if not sparse:
+            return None
+        return MoEConfig(num_experts=num_experts, top_k=raw.get("num_experts_per_tok", 8),
+                         intermediate_size=raw.get("moe_intermediate_size", 768),
+                         renormalize=bool(raw.get("norm_topk_prob", False)), round_weights=True,
+                         sparse_layers=sparse)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """What the model code needs from an HF `config.json`, normalised across Llama/Mistral/Qwen2."""
+    """What the model code needs from an HF `config.json`, normalised across the supported architectures."""
 
     path: str
     architecture: str
@@ -88,6 +133,8 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     model_id: str = ""
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
+    moe: MoEConfig | None = None  # the sparse MLP, for a mixture-of-experts model
 
     @staticmethod
     def from_pretrained(path: str | Path, dtype: str | torch.dtype = "float32",
@@ -114,7 +161,7 @@ class ModelConfig:
             if max_model_len <= 0:
                 raise ValueError(f"max_model_len must be positive, got {max_model_len}")
             model_len = min(model_len, max_model_len)
-        use_sliding = raw.get("use_sliding_window", arch == "MistralForCausalLM")
+        use_sliding = raw.get("use_sliding_window", arch in ("MistralForCausalLM", "MixtralForCausalLM"))
         eos = raw.get("eos_token_id")
         generation_config = folder / "generation_config.json"
         if generation_config.is_file():
@@ -142,6 +189,8 @@ class ModelConfig:
             sliding_window=raw.get("sliding_window") if use_sliding else None,
             eos_token_ids=eos_ids,
             model_id=raw.get("_name_or_path") or folder.name,
+            qk_norm=arch in _QK_NORM_ARCHITECTURES,
+            moe=MoEConfig.from_hf(arch, raw),
         )
 
     @property
@@ -157,10 +206,17 @@ class ModelConfig:
         """Bytes of the language model's weights in `dtype` (a multimodal checkpoint's tower not counted)."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         attention = h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.qkv_bias + h * self.o_bias
+        attention += 2 * self.head_size * self.qk_norm
         mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h) * self.mlp_bias
-        layer = attention + mlp + 2 * h  # + the two RMSNorms
+        layers = self.num_layers * (attention + 2 * h)  # + the two RMSNorms
+        if self.moe is None:
+            layers += self.num_layers * mlp
+        else:  # the sparse layers' experts and router
+            num_sparse = len(self.moe.sparse_layers)
+            layers += (self.num_layers - num_sparse) * mlp
+            layers += num_sparse * self.moe.num_experts * (3 * h * self.moe.intermediate_size + h)
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return (self.num_layers * layer + embeddings + h) * DTYPE_BYTES[self.dtype_name]
+        return (layers + embeddings + h) * DTYPE_BYTES[self.dtype_name]
 
 
 @dataclass(frozen=True, slots=True)

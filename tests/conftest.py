@@ -33,7 +33,8 @@ def default_model_path():
 
 @pytest.fixture(scope="session")
 def tiny_model_paths(tmp_path_factory, default_model_path):
-    """Random tiny Llama and Qwen2 checkpoints built by the project's own script (fixed seed)."""
+    """Random tiny checkpoints of every supported text family (tiny_models.TINY_CONFIGS: llama, qwen2, qwen3,
+    qwen3-moe, mixtral), built by the project's own script (fixed seed)."""
     from epdserve.shared.checkpoints.tiny_models import TINY_CONFIGS, build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")

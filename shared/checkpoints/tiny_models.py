@@ -1,4 +1,4 @@
-"""Tiny random Llama and Qwen2 checkpoints for fast tests, built from a transformers config.
+"""Tiny random checkpoints of every supported text family for fast tests, built from a transformers config.
 
 They use the default model's tokenizer (so prompts are real text) and a fixed seed (so every build is
 the same model). The lm_head is scaled up so logits are spread wide: greedy choices are then far from
@@ -27,8 +27,38 @@ TINY_CONFIGS = {
         rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         use_sliding_window=False,
     ),
+    # Per-head q/k RMSNorm, head_dim from the config (heads * head_dim != hidden_size). Untied: tied to the
+    # scaled lm_head, the embeddings would outweigh every layer and each step repeat the token before.
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, use_sliding_window=False,
+        random_norms=True,
+    ),
+    # Sparse layers 0 and 2 (layer 1 dense, by mlp_only_layers), 8 experts, top-2 without renormalisation
+    # (norm_topk_prob false: the path Mixtral never takes), q/k RMSNorm.
+    "qwen3-moe": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=128, intermediate_size=256,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, use_sliding_window=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[1],
+        random_norms=True,
+    ),
+    # Every layer sparse, 4 experts, top-2 renormalised, GQA 4:2, a sliding window shorter than the
+    # longest prompts.
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=128, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=96,
+        random_norms=True,
+    ),
 }
 LM_HEAD_SCALE = 8.0
+NORM_WEIGHT_SPREAD = 0.5  # random_norms: RMSNorm weights uniform in 1 +- this
 
 
 def build_tiny_model(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
@@ -39,6 +69,9 @@ def build_tiny_model(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0) -
     if arch not in TINY_CONFIGS:
         raise ValueError(f"unknown tiny model {arch!r}; choose one of {sorted(TINY_CONFIGS)}")
     params = dict(TINY_CONFIGS[arch])
+    # RMSNorm weights drawn around 1 instead of HF's all-ones init, so that a norm weight loaded into the
+    # wrong place (q_norm for k_norm, a layer's for another's) changes the output.
+    random_norms = params.pop("random_norms", False)
     tokenizer_config = AutoConfig.from_pretrained(tokenizer_dir)
     config = AutoConfig.for_model(
         params.pop("model_type"), vocab_size=tokenizer_config.vocab_size, bos_token_id=tokenizer_config.bos_token_id,
@@ -48,6 +81,9 @@ def build_tiny_model(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0) -
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(LM_HEAD_SCALE)
+        for name, param in model.named_parameters():
+            if random_norms and name.endswith("norm.weight"):
+                param.uniform_(1 - NORM_WEIGHT_SPREAD, 1 + NORM_WEIGHT_SPREAD)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     for name in TOKENIZER_FILES:

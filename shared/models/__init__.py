@@ -6,5 +6,7 @@ def model_class(architecture: str):
     what only reads model configs (the proxy) loads no torch."""
     from epdserve.shared.models.llama import LlamaForCausalLM
 
+    # One decoder for every supported family: where they differ, ModelConfig says so (qk_norm, moe, biases).
     return {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
-            "Qwen2ForCausalLM": LlamaForCausalLM}[architecture]
+            "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
+            "Qwen3MoeForCausalLM": LlamaForCausalLM, "MixtralForCausalLM": LlamaForCausalLM}[architecture]

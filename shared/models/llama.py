@@ -1,5 +1,7 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over the paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over the paged KV cache.
 
+The families differ only where ModelConfig says so: biases, per-head query/key RMSNorm (Qwen3), and a
+sparse mixture-of-experts MLP in some or all layers (Qwen3-MoE, Mixtral; layers/sparse_moe.py).
 Numerics follow HF transformers (float32 RMSNorm, rotate-half RoPE, residuals in the model dtype), so
 greedy float32 output matches `generate` token for token. The Q/K/V projections are fused into one
 matmul: on CPU a batch-64 decode step is a handful of small matmuls per layer, and fewer, larger ones
@@ -18,6 +20,8 @@ from epdserve.shared.models.layers.attention import Attention, AttentionMetadata
 from epdserve.shared.models.layers.linear import Linear
 from epdserve.shared.models.layers.rms_norm import RMSNorm
 from epdserve.shared.models.layers.rotary_embedding import RotaryEmbedding
+from epdserve.shared.models.layers.sparse_moe import Experts, SparseMoE
+from epdserve.shared.models.weight_loader import load_weights
 
 
 class LlamaAttention(nn.Module):
@@ -29,15 +33,32 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_size, config.sliding_window)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # each head on its own: [num_tokens * heads, head_size]
+            q, k = self.q_norm(q.reshape(-1, self.head_size)), self.k_norm(k.reshape(-1, self.head_size))
         q = q.view(-1, self.num_heads, self.head_size)
         k = k.view(-1, self.num_kv_heads, self.head_size)
         v = v.view(-1, self.num_kv_heads, self.head_size)
         q, k = RotaryEmbedding.apply(rope, q, k)
         o = self.attn(q, k, v, meta)
         return self.o_proj(o.view(-1, self.q_size))
+
+    def checkpoint_pieces(self, prefix: str) -> dict[str, tuple[str, tuple]]:
+        """HF's q/k/v projections (weights and biases) -> (our fused parameter, rows in it)."""
+        sizes = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}
+        pieces, offset = {}, 0
+        for part, size in sizes.items():
+            for kind in ("weight", "bias") if self.qkv_proj.bias is not None else ("weight",):
+                pieces[f"{prefix}{part}.{kind}"] = (f"{prefix}qkv_proj.{kind}", (slice(offset, offset + size),))
+            offset += size
+        return pieces
 
 
 class LlamaMLP(nn.Module):
@@ -54,10 +75,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        is_sparse = config.moe is not None and layer_id in config.moe.sparse_layers
+        self.mlp = SparseMoE(config) if is_sparse else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -76,7 +98,7 @@ class LlamaModel(nn.Module):
         # One RoPE table shared by all layers.
         self.rotary = RotaryEmbedding(config.head_size, config.max_model_len, config.rope_theta,
                                       config.rope_scaling, config.dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
@@ -91,9 +113,6 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # Our fused parameter <- the HF parameters stacked into it, in order.
-    STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
-
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -117,49 +136,13 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our parameters; every parameter must be written exactly once."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        pending = {name for name in params if not (self.config.tie_word_embeddings and name == "lm_head.weight")}
-        # Pieces of fused parameters: (fused name, HF piece name) -> row offset.
-        pieces: dict[str, tuple[str, int]] = {}
-        for name, param in params.items():
-            for fused, parts in self.STACKED.items():
-                if f".{fused}." in name:
-                    sizes = self._piece_sizes(fused)
-                    offset = 0
-                    for part, size in zip(parts, sizes):
-                        pieces[name.replace(fused, part)] = (name, offset)
-                        offset += size
-        written: dict[str, int] = {}
-        for hf_name, tensor in weights:
-            if "rotary_emb.inv_freq" in hf_name:
-                continue
-            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            if hf_name in pieces:
-                target, offset = pieces[hf_name]
-                param = params[target]
-                rows = tensor.shape[0]
-                if offset + rows > param.shape[0] or tensor.shape[1:] != param.shape[1:]:
-                    raise ValueError(f"weight {hf_name} has shape {tuple(tensor.shape)}, does not fit {target}")
-                param.data[offset:offset + rows].copy_(tensor)
-                written[target] = written.get(target, 0) + rows
-                if written[target] == param.shape[0]:
-                    pending.discard(target)
-            elif hf_name in params:
-                param = params[hf_name]
-                if tensor.shape != param.shape:
-                    raise ValueError(f"weight {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-                param.data.copy_(tensor)
-                pending.discard(hf_name)
-            else:
-                raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
-        if pending:
-            raise ValueError(f"checkpoint lacks weights: {sorted(pending)[:8]}")
+        """Copy HF-named tensors into our parameters (every one written exactly once), then pack them."""
+        pieces = {}
+        for name, module in self.named_modules():
+            if isinstance(module, (LlamaAttention, Experts)):
+                pieces.update(module.checkpoint_pieces(name + "."))
+        skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        load_weights(self, weights, pieces, skip)
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, Experts)):
                 module.pack()
-
-    def _piece_sizes(self, fused: str) -> tuple[int, ...]:
-        c = self.config
-        return c.num_heads * c.head_size, c.num_kv_heads * c.head_size, c.num_kv_heads * c.head_size

@@ -90,12 +90,12 @@ PATHS = {
 }
 
 
-@pytest.fixture(params=["tiny-llama", "tiny-qwen2", "smollm2"])
+@pytest.fixture(params=["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral", "smollm2"])
 def model(request, tiny_model_paths, default_model_path):
     if request.param == "smollm2":
         return str(default_model_path), True
     # The tiny models' logits are spread wide (scaled lm_head): on them any mismatch is a bug.
-    return tiny_model_paths[request.param.split("-")[1]], False
+    return tiny_model_paths[request.param.removeprefix("tiny-")], False
 
 
 @pytest.mark.parametrize("path", PATHS)

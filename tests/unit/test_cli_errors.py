@@ -72,6 +72,13 @@ def test_a_config_json_that_is_not_json(tmp_path):
     assert_one_line_error(epdserve("up", "--model", str(folder), cwd=tmp_path), "config.json is not valid JSON")
 
 
+def test_an_unsupported_architecture_is_named_with_the_supported_ones(tmp_path):
+    folder = model_folder(tmp_path, "model.safetensors", "tokenizer.json")
+    (folder / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "architectures": ["GemmaForCausalLM"]}))
+    assert_one_line_error(epdserve("up", "--model", str(folder), cwd=tmp_path), "unsupported architecture",
+                          "GemmaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
+
 @pytest.mark.parametrize("target, message", [
     ("127.0.0.1", "'127.0.0.1' is not HOST:PORT"),
     ("127.0.0.1:99999", "port 99999 is not between 1 and 65535"),

@@ -34,6 +34,15 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout
     panels: torch.Tensor | None = None  # cpu_linear's
 
+    @classmethod
+    def over(cls, weight: torch.Tensor) -> Linear:
+        """A packed Linear without bias over `weight` [out_features, in_features], its storage shared (one
+        expert's slice of stacked weights)."""
+        layer = cls(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        layer.pack()
+        return layer
+
     def pack(self, weight: torch.Tensor | None = None) -> None:
         """Pack `weight` (default: this layer's own) for the CPU kernels; call again after weights change."""
         weight = self.weight if weight is None else weight

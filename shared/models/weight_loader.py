@@ -1,0 +1,53 @@
+"""Copies HF-named checkpoint tensors into a model's parameters, where one of ours may be filled by several
+HF tensors: q/k/v fused into one projection, per-expert MLP weights stacked into one tensor per layer."""
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+# Mixtral's checkpoints name its sparse MLP and its experts' projections otherwise than Qwen3-MoE's (and
+# than transformers 5, whose names we use): block_sparse_moe -> mlp; w1, w3, w2 -> gate, up, down.
+_MIXTRAL_MOE = re.compile(r"\.block_sparse_moe\.")
+_MIXTRAL_EXPERT = re.compile(r"(\.experts\.\d+\.)w([123])\.weight$")
+_MIXTRAL_PROJECTIONS = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
+
+
+def our_name(hf_name: str) -> str:
+    """The name a checkpoint tensor goes by here."""
+    name = _MIXTRAL_MOE.sub(".mlp.", hf_name)
+    return _MIXTRAL_EXPERT.sub(lambda m: f"{m[1]}{_MIXTRAL_PROJECTIONS[m[2]]}.weight", name)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 pieces: dict[str, tuple[str, tuple]], skip: set[str]) -> None:
+    """Copy `weights` into `model`'s parameters; every parameter not in `skip` must be written exactly once,
+    whole or by its pieces. pieces: HF name -> (our parameter, the index of that tensor's part in it)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    pending = {name: param.numel() for name, param in params.items() if name not in skip}
+    seen: set[str] = set()
+    for hf_name, tensor in weights:
+        name = our_name(hf_name)
+        if "rotary_emb.inv_freq" in name or name in skip:
+            continue
+        if name in seen:
+            raise ValueError(f"weight {hf_name!r} appears twice in the checkpoint")
+        seen.add(name)
+        if name in pieces:
+            target, index = pieces[name]
+            part = params[target].data[index]
+        elif name in params:
+            target, part = name, params[name].data
+        else:
+            raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+        if tensor.shape != part.shape:
+            raise ValueError(f"weight {hf_name} has shape {tuple(tensor.shape)}, does not fit {target} "
+                             f"(expected {tuple(part.shape)})")
+        part.copy_(tensor)
+        pending[target] -= part.numel()
+        if pending[target] == 0:
+            del pending[target]
+    if pending:
+        raise ValueError(f"checkpoint lacks weights: {sorted(pending)[:8]}")
