@@ -162,6 +162,8 @@ def proxy_config(args: argparse.Namespace, model: str):
     from epdserve.services.proxy.output_constraints import ConstraintLimits
     from epdserve.services.proxy.server import ProxyConfig
 
+    if args.migration_limit < 0:
+        raise SystemExit(f"epdserve: error: --migration-limit must be at least 0, got {args.migration_limit}")
     transport = transport_config(args)
     return ProxyConfig(
         model=model, served_model_name=args.served_model_name, host=args.host, port=args.port,
@@ -170,7 +172,7 @@ def proxy_config(args: argparse.Namespace, model: str):
         decodes=_peer_targets(args, "decode"), unified=_peer_targets(args, "unified"), poll_interval=args.poll_interval,
         lifecycle=LifecycleConfig(local_prefill_threshold=args.local_prefill_threshold,
                                   rpc_timeout=transport.rpc_timeout, prefill_timeout=args.prefill_timeout,
-                                  token_timeout=args.token_timeout,
+                                  token_timeout=args.token_timeout, migration_limit=args.migration_limit,
                                   kv_routing=KVRoutingConfig(RoutingPolicy(args.routing_policy), args.kv_load_weight,
                                                              args.kv_local_prefill_tokens)),
         transport=transport, allowed_image_domains=_split_targets(args.allowed_image_domains),

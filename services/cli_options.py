@@ -179,6 +179,10 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                    help="seconds a whole prefill may take (long prompts on CPU take a while; "
                         "default: %(default)s)")
     p.add_argument("--poll-interval", type=float, default=1.0)
+    p.add_argument("--migration-limit", type=int, default=3, metavar="N",
+                   help="times one request's stream may continue on another decode after its own was lost (died, "
+                        "cut off, drained past its grace), from the tokens already sent; 0: never (default: "
+                        "%(default)s)")
     p.add_argument("--token-timeout", type=float, default=600.0,
                    help="seconds allowed between two chunks of a stream; also the longest wait for a "
                         "stream's first chunk or a whole non-streamed answer")

@@ -168,7 +168,9 @@ class EngineWorker:
         if refusal := self.refuse_if_overloaded(message.request_id):
             return refusal
         spans = RequestSpans(self.service.engine_id)
-        made = await self.make_request(message, spans)
+        # A stream another instance lost continues here after the tokens it delivered.
+        resumed = {"peer_token_ids": [message.output_token_ids]} if message.output_token_ids else {}
+        made = await self.make_request(message, spans, **resumed)
         if isinstance(made, Error):
             return made
         request, _ = made

@@ -3,9 +3,12 @@
 The proxy gets --port; every other port (engines' control, data, block and metrics ports, the proxy's
 inbox) is a free port on 127.0.0.1, from --internal-ports when given. The URL is printed once the proxy's
 /ready answers 200 (every role has a healthy instance), and not before: the line that starts the stack
-names what runs and what takes time, without it. Ctrl-C, SIGTERM, or any child dying
-stops every child, by pid, as a deployment would drain: the proxy first (it refuses new requests and
-gives those in flight up to `drain_timeout` seconds), then the engines, which have nothing left in flight.
+names what runs and what takes time, without it. A child that dies is started again on its ports, as a
+compose restart policy would (the proxy continues its streams on the others meanwhile); one that dies
+RESTART_LIMIT times within RESTART_WINDOW seconds is reported and given up on - the proxy, and with it the
+stack. Ctrl-C or SIGTERM stops every child, by pid, as a deployment would drain: the proxy first (it refuses
+new requests and gives those in flight up to `drain_timeout` seconds), then the engines, which have nothing
+left in flight.
 A second Ctrl-C or SIGTERM hurries it (every child is told again: streams still running are cut with an
 error event), a third kills what is left. Children run in their own process group: a terminal's Ctrl-C
 reaches only this process, which tells each child once.
@@ -149,11 +152,23 @@ class StackConfig:
         return self.served_model_name or Path(self.model).name
 
 
+# A child that dies is started again (as a compose restart policy would), unless it died this many times
+# within RESTART_WINDOW seconds: then it is given up on.
+RESTART_LIMIT = 5
+RESTART_WINDOW = 120.0
+
+
 class LocalStack:
+    """Starts every service of a stack, restarts the ones that die (their requests meanwhile continue on
+    the others: the proxy migrates streams and fails over calls), and stops them all in order."""
+
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.children: list[tuple[str, subprocess.Popen]] = []
         self.signals = 0  # Ctrl-Cs and SIGTERMs received: the first stops the stack, more hurry it
+        self._argv: dict[str, list[str]] = {}
+        self._deaths: dict[str, list[float]] = {}  # name -> when it died, within the restart window
+        self._given_up: set[str] = set()
 
     def _on_signal(self, *_) -> None:
         self.signals += 1
@@ -214,23 +229,46 @@ class LocalStack:
                   f"engines load the model first (seconds; a minute or two more on a first start where the install "
                   f"has no C++ kernels for this CPU); the URL follows once every service is ready", flush=True)
             for name, argv in commands:
-                # Its own process group: a terminal's Ctrl-C is this process's to forward, once, in order.
-                self.children.append((name, subprocess.Popen(argv, env=self.environment(name),
-                                                             start_new_session=True)))
+                self._argv[name] = argv
+                self.children.append((name, self._spawn(name)))
             url = f"http://{self.config.host}:{self.config.port}"
             if not self._wait_ready(url, startup_timeout):
                 return 0
             print(f"epdserve is ready: {url}/v1 (model {self.config.model_name}); Ctrl-C stops it", flush=True)
             while not self.signals:
-                for name, proc in self.children:
-                    if proc.poll() is not None:
-                        print(f"epdserve up: {exit_message(name, proc.returncode)}; stopping the stack",
-                              file=sys.stderr)
-                        return 1
+                if not self._restart_dead():
+                    return 1
                 time.sleep(0.2)
             return 0
         finally:
             self.stop()
+
+    def _spawn(self, name: str) -> subprocess.Popen:
+        # Its own process group: a terminal's Ctrl-C is this process's to forward, once, in order.
+        return subprocess.Popen(self._argv[name], env=self.environment(name), start_new_session=True)
+
+    def _restart_dead(self) -> bool:
+        """Start again each child that died, on the same ports; give up on one that keeps dying. False once
+        the stack cannot serve any more (its proxy given up on)."""
+        now = time.monotonic()
+        for i, (name, proc) in enumerate(self.children):
+            if proc.poll() is None or name in self._given_up:
+                continue
+            deaths = [t for t in self._deaths.get(name, []) if now - t < RESTART_WINDOW] + [now]
+            self._deaths[name] = deaths
+            if len(deaths) >= RESTART_LIMIT:
+                self._given_up.add(name)
+                print(f"epdserve up: {exit_message(name, proc.returncode)}, the {len(deaths)}th time within "
+                      f"{RESTART_WINDOW:.0f}s; giving up on it" + ("; stopping the stack" if name == "proxy" else
+                                                                    " (the others serve without it)"),
+                      file=sys.stderr, flush=True)
+                if name == "proxy":
+                    return False
+                continue
+            print(f"epdserve up: {exit_message(name, proc.returncode)}; restarting it (its requests continue on "
+                  "the other services meanwhile)", file=sys.stderr, flush=True)
+            self.children[i] = (name, self._spawn(name))
+        return True
 
     def _wait_ready(self, url: str, timeout: float) -> bool:
         """True once the proxy is ready; False if told to stop first."""

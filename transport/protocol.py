@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 class Role(str, enum.Enum):
@@ -311,6 +311,9 @@ class GenerateRequest:
     reply_to: str  # the proxy inbox that TokenDeltas are pushed to
     mm_placeholders: tuple[MMPlaceholder, ...] = ()
     cache_salt: str | None = None
+    # A stream another instance lost, continued (n = 1): the tokens it delivered. The engine continues after
+    # them, as if it had sampled them, and streams only what follows.
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,12 @@
 """The decode service: continues requests whose prompt a prefill service computed.
 
 A DecodeRequest becomes an engine request that continues from the first token(s) prefill sampled
-(`first_token_ids`) and names, as its `kv_transfer_params`, the prefill holding its prompt's KV. The engine
+(`peer_token_ids`) and names, as its `kv_transfer_params`, the prefill holding its prompt's KV. The engine
 reserves blocks for the prompt when it has room (reusing its own prefix-cache hits) and its KV connector
 (`PeerKVConnector`) pulls the missing ones, releases prefill, and lets the request decode - or, if the pull
 fails or no room turns up in time, the engine recomputes the prompt itself rather than fail the request.
-It also prefills locally when the proxy asks (GenerateRequest): short prompts, or no healthy prefill.
+It also prefills locally when the proxy asks (GenerateRequest): short prompts, no healthy prefill, or a
+stream another decode lost, continued here from the tokens it had delivered (`output_token_ids`).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class DecodeWorker(EngineWorker):
             return bad_request(m.request_id, "a decode request needs one first token per sequence (n)")
         spans = RequestSpans(self.service.engine_id)
         made = await self.make_request(m, spans, kv_handle=m.kv_handle,
-                                       first_token_ids=[m.first_token, *m.other_first_tokens])
+                                       peer_token_ids=[(m.first_token,), *((t,) for t in m.other_first_tokens)])
         if isinstance(made, Error):
             return made
         request, sources = made

@@ -23,9 +23,12 @@ leaving a stream early (client gone, stop string) aborts the request on every se
 When the proxy's drain grace runs out (`cut`), every request still waiting on a service ends the same way,
 with the cut's error.
 
-The spans services return (EncodeDone, PrefillDone, a stream's first TokenDelta), with `proxy.encode` and
-`proxy.prefill` (each call as this proxy waited for it), ride on the chunks to the OpenAI layer, which
-assembles the request's trace (tracing.py).
+A stream whose decode (or unified instance) is lost after it accepted the request - died, cut off,
+drained past its grace - continues on another one from the tokens already delivered (migration.py).
+
+The spans services return (EncodeDone, PrefillDone, a stream's first TokenDelta), with `proxy.encode`,
+`proxy.prefill` (each call as this proxy waited for it) and `proxy.migrate`, ride on the chunks to the
+OpenAI layer, which assembles the request's trace (tracing.py).
 """
 from __future__ import annotations
 
@@ -37,16 +40,19 @@ from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable, NamedTuple
 
 from epdserve.services.network import advertised
+from epdserve.services.proxy.choices import merge
 from epdserve.services.proxy.failover import Failover, InstanceDown, Liveness, service_error, watched
 from epdserve.services.proxy import kv_routing
 from epdserve.services.proxy.generation import Chunk, GenerateInput, GenerationError
 from epdserve.services.proxy.kv_routing import KVRoutingConfig, RoutingPolicy
+from epdserve.services.proxy.migration import Progress, StreamLost
 from epdserve.services.proxy.router import Instance, Route, Router, prefix_key
-from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error, GenerateRequest,
-                                      MMItem, MMPlaceholder, PrefillDone, PrefillRequest, Role, TokenDelta,
-                                      TokenDeltas, TraceSpan)
+from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error, ErrorCode,
+                                      GenerateRequest, MMItem, MMPlaceholder, PrefillDone, PrefillRequest, Role,
+                                      TokenDelta, TokenDeltas, TraceSpan)
 from epdserve.shared.block_hash import extend_block_hashes
 from epdserve.services.wire import sampling_params_to_wire
+from epdserve.shared.engine import sequence_seed
 from epdserve.transport.channel import ChannelError
 from epdserve.transport.reply_server import PullChannel
 
@@ -62,6 +68,7 @@ class LifecycleConfig:
     prefill_timeout: float = 600.0  # a whole prefill (long prompts on CPU take a while)
     token_timeout: float = 600.0  # silence allowed between two chunks of a stream
     liveness_check: float = 0.5  # how often a waiting call or stream checks its instance is still alive
+    migration_limit: int = 3  # times one request's stream may continue on another instance (migration.py)
     kv_routing: KVRoutingConfig = field(default_factory=KVRoutingConfig)
 
 
@@ -82,10 +89,11 @@ class ServiceBackend:
 
     def __init__(self, router: Router, inbox: PullChannel, config: LifecycleConfig, bind_host: str = "127.0.0.1",
                  advertise_host: str | None = None, routed: Callable[[str, str], None] = lambda path, reason: None,
-                 engine_id: str = "proxy") -> None:
+                 engine_id: str = "proxy", migrated: Callable[[str], None] = lambda reason: None) -> None:
         self.router = router
         self.engine_id = engine_id  # on the proxy's own spans
         self.routed = routed  # (path, reason) of each request, for the metrics
+        self.migrated = migrated  # (reason) of each migration, for the metrics
         self.inbox = inbox
         self.config = config
         self._bind_host, self._advertise_host = bind_host, advertise_host
@@ -151,13 +159,56 @@ class ServiceBackend:
         else:
             stream = self._generate_on(Role.UNIFIED if plan.path == "unified" else Role.DECODE, gen, placeholders,
                                        plan.route)
+        progress = Progress(gen.params.n)
+        hops = 0
         try:
-            async for chunk in stream:
-                if spans:
-                    chunk, spans = chunk._replace(trace=(*spans, *chunk.trace)), []
-                yield chunk
+            while True:
+                try:
+                    async for chunk in stream:
+                        if spans:
+                            chunk, spans = chunk._replace(trace=(*spans, *chunk.trace)), []
+                        progress.record(chunk)
+                        yield chunk
+                    return
+                except StreamLost as lost:
+                    if not progress.unfinished():
+                        return
+                    if hops == self.config.migration_limit or self._cut is not None:
+                        raise
+                    hops += 1
+                    logger.warning("request %s: %s; continuing it elsewhere (migration %d of at most %d)",
+                                   gen.request_id, lost, hops, self.config.migration_limit)
+                    self.migrated(lost.reason)
+                    await stream.aclose()
+                    stream = self._migrate(gen, placeholders, progress, hops, lost.reason)
         finally:
             await stream.aclose()
+
+    def _migrate(self, gen: GenerateInput, placeholders, progress: Progress, hop: int,
+                 reason: str) -> AsyncIterator[Chunk]:
+        """The rest of `gen` after what `progress` says was delivered: each unfinished sequence continued on an
+        instance that computes (or finds cached) the prompt and the tokens so far."""
+        role = Role.DECODE if self.router.disaggregated else Role.UNIFIED
+        route = self._plan(gen, placeholders).route
+        params = replace(gen.params, prompt_logprobs=None)  # scored and delivered with the first token
+        lost_at = time.time()
+        streams = []
+        for index in progress.unfinished():
+            sequence = params if params.n == 1 else replace(params, n=1, seed=sequence_seed(params.seed, index))
+            request = GenerateRequest(f"{gen.request_id}.m{hop}.{index}", tuple(gen.prompt_token_ids),
+                                      sampling_params_to_wire(sequence), self.reply_to, placeholders, gen.cache_salt,
+                                      tuple(progress.tokens[index]))
+            streams.append(self._continued(role, request, route, index, f"proxy.migrate:{reason}", lost_at))
+        return merge(streams)
+
+    async def _continued(self, role: Role, request: GenerateRequest, route: Route, index: int, span: str,
+                         lost_at: float) -> AsyncIterator[Chunk]:
+        """Sequence `index` of a request, continued by `request`: its chunks as the original stream's."""
+        first = True
+        async for chunk in self._stream_from(role, request, route):
+            trace = (TraceSpan(span, self.engine_id, lost_at, time.time()), *chunk.trace) if first else chunk.trace
+            first = False
+            yield chunk._replace(index=index, num_cached_tokens=None, prompt_logprobs=None, trace=trace)
 
     def _span(self, name: str, start: float) -> TraceSpan:
         """A span of this proxy's from `start` (Unix seconds) until now."""
@@ -265,6 +316,9 @@ class ServiceBackend:
                 if message is _CUT:
                     self._check_cut()
                 if isinstance(message, Error):
+                    if message.code == ErrorCode.ABORTED:  # stopped by its instance, which is going away
+                        raise StreamLost(f"{role.value} {instance.address}: {message.message}", "drained", 503,
+                                         "ServiceUnavailableError")
                     raise service_error(message, instance)
                 assert isinstance(message, TokenDelta)
                 if message.finish_reason is not None:
@@ -289,7 +343,7 @@ class ServiceBackend:
         try:
             return await watched(queue.get(), liveness, self.config.liveness_check, self.config.token_timeout)
         except InstanceDown as exc:
-            raise GenerationError(str(exc), 502, "BadGatewayError") from None
+            raise StreamLost(str(exc), "instance_lost", 502, "BadGatewayError") from None
         except TimeoutError:
             raise GenerationError(f"no tokens from {liveness.instance.address} for "
                                   f"{self.config.token_timeout:.0f}s", 504, "TimeoutError") from None

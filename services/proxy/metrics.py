@@ -75,6 +75,9 @@ class ProxyMetrics:
         self.generation_tokens = counter("epdserve:generation_tokens", "Generated tokens.")
         self._aborts = Counter("epdserve:request_aborts", "Requests aborted before they finished, by reason.",
                                labels + ["reason"], registry=self.registry)
+        self._migrations = Counter("epdserve:request_migrations", "Streams continued on another instance after "
+                                   "theirs was lost, by reason (instance_lost, drained).", labels + ["reason"],
+                                   registry=self.registry)
         self._routes = Counter("epdserve:routing_decisions", "Where requests were sent (path: prefill_decode, "
                                "decode_only, unified) and why (reason).", labels + ["path", "reason"],
                                registry=self.registry)
@@ -122,6 +125,9 @@ class ProxyMetrics:
 
     def routed(self, path: str, reason: str) -> None:
         self._routes.labels(self.model_name, path, reason).inc()
+
+    def migrated(self, reason: str) -> None:
+        self._migrations.labels(self.model_name, reason).inc()
 
     def watch_prefix_index(self, index: PrefixIndex) -> None:
         """Export what the KV-aware router knows: blocks indexed per instance, resyncs, memory."""

@@ -14,7 +14,7 @@ _EXPORTS = {
     "SamplingParams": "sampling_params", "RequestOutputKind": "sampling_params",
     "StructuredOutputsParams": "sampling_params", "LOGIT_BIAS_MAX": "sampling_params",
     "LOGIT_BIAS_MIN": "sampling_params", "MAX_LOGPROBS": "sampling_params", "SEED_MAX": "sampling_params",
-    "SEED_MIN": "sampling_params",
+    "SEED_MIN": "sampling_params", "sequence_seed": "sampling_params",
     "RequestOutput": "outputs", "EngineStats": "outputs", "RequestMetrics": "outputs",
     "KVConnector": "kv_connector", "KVLoad": "kv_connector", "LoadResult": "kv_connector",
     "build_engine_config": "llm", "PREFILL_OUTPUT_TOKENS": "handoff", "Request": "request",

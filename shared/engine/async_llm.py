@@ -137,8 +137,8 @@ class AsyncLLM:
                        request_id: str | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
         """Yield outputs as the request progresses (by its `output_kind`); the last one has finished=True.
         With n > 1, outputs of the n sequences interleave (each completion has its `index`); the request
-        has finished when all have. A request that continues from a peer's first tokens (`make_request`'s
-        `first_token_ids`) yields only what follows them.
+        has finished when all have. A request that continues from tokens a peer sampled (`make_request`'s
+        `peer_token_ids`) yields only what follows them.
 
         Leaving the iteration early (break, cancellation, client gone) aborts the request.
         """

@@ -64,14 +64,16 @@ class LLMEngine:
                      arrival_time: float | None = None, cache_salt: str | None = None,
                      mm_placeholders: tuple[MultiModalPlaceholder, ...] = (), mm_embeddings: dict | None = None,
                      compiled_grammar=None, max_output_tokens: int | None = None,
-                     first_token_ids: Sequence[int] | None = None, kv_transfer_params: object | None = None) -> Request:
+                     peer_token_ids: Sequence[Sequence[int]] | None = None,
+                     kv_transfer_params: object | None = None) -> Request:
         """Validate and tokenize; raises ValueError naming the problem. Changes no engine state.
 
         `compiled_grammar`: the params' output constraint, compiled already (else it is compiled here).
         `mm_embeddings` may lack some placeholders' items: a KV connector loads them before they are needed.
         `max_output_tokens`: stop after that many tokens whatever the params allow (a prefill's part).
-        `first_token_ids`: each sequence's first token, sampled by the peer that computed the prompt
-        (handoff.py); `kv_transfer_params`: where the prompt's KV may be had from, for the KV connectors."""
+        `peer_token_ids`: each sequence's tokens sampled and delivered elsewhere - the first token of each, by
+        the peer that computed the prompt, or (n = 1) every token a lost stream delivered (handoff.py);
+        `kv_transfer_params`: where the prompt's KV may be had from, for the KV connectors."""
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
@@ -88,8 +90,8 @@ class LLMEngine:
         for sequence in group_members(request):
             if max_output_tokens is not None:
                 sequence.max_output_tokens = min(sequence.max_output_tokens, max_output_tokens)
-        if first_token_ids is not None:
-            continue_from_peer(request, first_token_ids, self.model_config.vocab_size)
+        if peer_token_ids is not None:
+            continue_from_peer(request, peer_token_ids, self.model_config.vocab_size)
         return request
 
     def _grammar(self, params: SamplingParams, compiled=None):
@@ -102,8 +104,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType | Request, params: SamplingParams | None = None,
                     **kwargs) -> Request:
-        """Queue a request (made here from `prompt` unless it is one). Sequences that a peer's first token
-        ended already (handoff.py) finish at once: their outputs come with the next step's."""
+        """Queue a request (made here from `prompt` unless it is one). Sequences that a peer's token ended
+        already (handoff.py) finish at once: their outputs come with the next step's."""
         request = prompt if isinstance(prompt, Request) else self.make_request(request_id, prompt, params, **kwargs)
         self.scheduler.add_request(request)
         members = group_members(request)
@@ -111,10 +113,10 @@ class LLMEngine:
             self.output_processor.add_request(sequence)
         self.queue_estimate.queued_tokens += request.num_prompt_tokens
         for sequence in members if request.num_peer_tokens else ():
-            self.output_processor.process_token(sequence, None)
+            self.output_processor.process_peer_tokens(sequence)
             if sequence.check_stop():
                 self.scheduler.finish_at_peer_token(sequence)
-            out = self.output_processor.make_output(sequence, first_token_delivered=True)
+            out = self.output_processor.make_output(sequence)
             if sequence.is_finished and out is not None:
                 self._due.append(out)
         return request

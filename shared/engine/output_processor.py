@@ -75,17 +75,27 @@ class OutputProcessor:
                 break  # a gap cannot happen: chunks come in order
             state.prompt_logprobs.append(self._logprob_entry(token_ids[index], lp))
 
+    def process_peer_tokens(self, request: Request) -> None:
+        """Account for the tokens a peer sampled for a request just added (handoff.py): they were delivered
+        with their logprobs, so they count as sent, each with an empty logprobs entry that keeps later
+        deltas in line."""
+        state = self.states[request.request_id]
+        for token_id in request.output_token_ids:
+            self._account(request, state, token_id, None)
+        state.num_sent_tokens = request.num_peer_tokens
+        state.num_sent_chars = len(state.detokenizer.text) if state.detokenizer else 0
+
     def process_token(self, request: Request, logprobs: SampledLogprobs | None) -> str | None:
         """Account for the request's newest token; return a stop string it completed, if any."""
-        state = self.states[request.request_id]
-        token_id = request.output_token_ids[-1]
+        return self._account(request, self.states[request.request_id], request.output_token_ids[-1], logprobs)
+
+    def _account(self, request: Request, state: _RequestState, token_id: int,
+                 logprobs: SampledLogprobs | None) -> str | None:
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = time.monotonic()
             state.metrics.first_scheduled_time = request.first_scheduled_time
         if logprobs is None and request.sampling_params.logprobs is not None:
-            # A first token sampled by a peer engine: its logprobs travelled with it. Keep one entry per
-            # token so later deltas line up.
-            state.logprobs.append({})
+            state.logprobs.append({})  # a peer's token
         elif logprobs is not None:
             state.cumulative_logprob += logprobs.logprob
             state.logprobs.append(self._logprob_entry(token_id, logprobs))
@@ -102,15 +112,11 @@ class OutputProcessor:
     def _decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def make_output(self, request: Request, first_token_delivered: bool = False) -> RequestOutput | None:
-        """The output to deliver now for this request, by its output kind; None if nothing is due.
-        `first_token_delivered`: the first token reached the client another way (from a peer engine)."""
+    def make_output(self, request: Request) -> RequestOutput | None:
+        """The output to deliver now for this request, by its output kind; None if nothing is due."""
         state = self.states.get(request.request_id)
         if state is None:  # ended before it was ever added here (e.g. aborted while its KV was in flight)
             return None
-        if first_token_delivered:
-            state.num_sent_tokens = 1
-            state.num_sent_chars = len(state.detokenizer.text) if state.detokenizer else 0
         sp = request.sampling_params
         finished = request.is_finished
         if sp.output_kind == RequestOutputKind.FINAL_ONLY and not finished:

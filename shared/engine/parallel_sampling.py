@@ -27,20 +27,12 @@ from dataclasses import replace
 from typing import Callable
 
 from epdserve.shared.engine.request import Request
-from epdserve.shared.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from epdserve.shared.engine.sampling_params import SamplingParams, sequence_seed
 
 
 def sequence_id(group_id: str, index: int) -> str:
     """The engine-internal id of sequence `index` of a group (vLLM's convention)."""
     return f"{index}_{group_id}"
-
-
-def sequence_seed(seed: int | None, index: int) -> int | None:
-    """Seed of sequence `index`: seed + index, wrapped into the range a seed may take."""
-    if seed is None:
-        return None
-    seed += index
-    return seed - (SEED_MAX - SEED_MIN + 1) if seed > SEED_MAX else seed
 
 
 def make_group(request_id: str, params: SamplingParams, make: Callable[[str, SamplingParams], Request]) -> Request:

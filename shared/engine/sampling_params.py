@@ -137,3 +137,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+
+def sequence_seed(seed: int | None, index: int) -> int | None:
+    """Seed of sequence `index` of a request with n > 1 (parallel_sampling.py): seed + index, wrapped into the
+    range a seed may take."""
+    if seed is None:
+        return None
+    seed += index
+    return seed - (SEED_MAX - SEED_MIN + 1) if seed > SEED_MAX else seed

@@ -1,5 +1,5 @@
-"""1 encoder + 2 prefill + 2 decode: routing spreads requests, prefix affinity finds the cache, and a
-decode killed with SIGKILL mid-stream fails only its own requests."""
+"""1 encoder + 2 prefill + 2 decode: routing spreads requests, prefix affinity finds the cache, and streams
+whose decode is lost mid-way (SIGKILL, or a drain past its grace) continue on the other decode, token for token."""
 import asyncio
 import signal
 import time
@@ -16,7 +16,8 @@ LONG_PREFIX = ("You are a careful assistant. Answer briefly and precisely. " * 1
 @pytest.fixture(scope="module")
 def stack(demo_model, stack_factory):
     return stack_factory(demo_model, encoders=1, prefills=2, decodes=2,
-                         engine_args=["--num-kv-blocks", str(NUM_BLOCKS), "--lease-seconds", str(LEASE)],
+                         engine_args=["--num-kv-blocks", str(NUM_BLOCKS), "--lease-seconds", str(LEASE),
+                                      "--drain-timeout", "1"],
                          proxy_args=["--rpc-timeout", "5"])
 
 
@@ -63,46 +64,99 @@ def test_image_urls_on_private_hosts_are_refused_by_default(stack, client):
                 {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe it."}]}])
 
 
-def test_decode_killed_mid_stream(stack, client):
-    async def stream(c, i):
-        text, error = "", None
-        try:
-            async for event in await c.completions.create(
-                    model="demo", prompt=f"Story {i}: once upon a time", max_tokens=300, temperature=0,
-                    stream=True, extra_body={"ignore_eos": True}):
-                if event.choices:
-                    text += event.choices[0].text
-        except openai.APIError as exc:
-            error = exc
-        return text, error
+# Streams of every kind the proxy must continue exactly: greedy with logprobs, seeded sampling, a JSON schema's
+# matcher, and n = 3 seeded sequences (each continued alone).
+STREAMS = {
+    "greedy": dict(prompt="Story 1: once upon a time", max_tokens=300, temperature=0, logprobs=1,
+                   extra_body={"ignore_eos": True}),
+    "seeded": dict(prompt="Story 2: in a land far away", max_tokens=300, temperature=1.0, seed=7,
+                   extra_body={"ignore_eos": True}),
+    "json": dict(prompt="Thirty fruits, as JSON:", max_tokens=300, temperature=0, extra_body={"structured_outputs": {
+        "json": {"type": "object", "properties": {"fruits": {"type": "array", "items": {"type": "string"},
+                                                             "minItems": 30}}, "required": ["fruits"]}}}),
+    "n3": dict(prompt="Story 3: the old lighthouse", max_tokens=300, temperature=1.0, seed=11, n=3,
+               extra_body={"ignore_eos": True}),
+}
 
-    async def main():
-        async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0,
-                                      timeout=120) as c:
-            tasks = [asyncio.create_task(stream(c, i)) for i in range(6)]
-            # Both decodes busy (six streams arriving together are spread over them), then one dies.
-            deadline = time.monotonic() + 60
-            while min(counter(stack, n, "epdserve:num_requests_running") for n in ("decode-0", "decode-1")) < 1:
-                assert time.monotonic() < deadline, "the streams did not reach both decodes"
-                await asyncio.sleep(0.1)
-            stack.services["decode-0"].stop(signal.SIGKILL)
-            return await asyncio.gather(*tasks)
 
-    results = asyncio.run(main())
-    failed = [err for _, err in results if err is not None]
-    finished = [text for text, err in results if err is None]
-    assert failed and finished, f"expected both outcomes, got {len(failed)} failures"
-    for err in failed:
-        assert "decode" in str(err) and "stopped answering" in str(err)
-    # New requests go to the survivor.
+def healthy(stack, role: str) -> int:
+    return httpx.get(stack.url + "/ready", timeout=5).json()["healthy_instances"].get(role, 0)
+
+
+def wait_for(condition, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+async def stream_all(stack, requests: dict, progress: dict | None = None) -> dict:
+    """name -> {choice index: (text, finish_reason)} for each request streamed at once; `progress[name]`
+    counts the chunks received so far."""
+    async def one(c, name, kwargs):
+        choices: dict[int, list] = {}
+        async for event in await c.completions.create(model="demo", stream=True, **kwargs):
+            for choice in event.choices:
+                text, _ = choices.get(choice.index, ("", None))
+                choices[choice.index] = [text + choice.text, choice.finish_reason]
+                if progress is not None:
+                    progress[name] = progress.get(name, 0) + 1
+        return {i: tuple(v) for i, v in choices.items()}
+
+    async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+        names = list(requests)
+        results = await asyncio.gather(*(one(c, name, requests[name]) for name in names))
+    return dict(zip(names, results))
+
+
+async def lose_decode_mid_stream(stack, lose: str, keep: str, requests: dict, how) -> dict:
+    """Stream `requests` on decode `lose` only (`keep` frozen while they are accepted), let them get going, then
+    `how(service)` takes `lose` away; what each stream received."""
+    progress: dict[str, int] = {}
+    stack.services[keep].proc.send_signal(signal.SIGSTOP)
+    try:
+        await asyncio.to_thread(wait_for, lambda: healthy(stack, "decode") == 1, f"{keep} still routed to")
+        task = asyncio.create_task(stream_all(stack, requests, progress))
+        while len(progress) < len(requests):
+            assert not task.done(), task.result()
+            await asyncio.sleep(0.05)
+    finally:
+        stack.services[keep].proc.send_signal(signal.SIGCONT)
+    await asyncio.to_thread(wait_for, lambda: healthy(stack, "decode") == 2, f"{keep} not routed to again")
+    assert min(progress.values()) < 100, "the streams ended before their decode was lost"
+    how(stack.services[lose])
+    return await task
+
+
+def test_streams_continue_on_another_decode_when_theirs_is_lost(stack, client):
+    """A decode SIGKILLed mid-stream, and one stopped whose drain grace runs out: every stream continues on the
+    other decode from the tokens it had sent, and ends exactly as without the fault; nothing is left held."""
+    proxy = stack.services["proxy"]
+    expected = asyncio.run(stream_all(stack, STREAMS))
+    migrations = proxy.metrics().get("epdserve:request_migrations_total", 0.0)
+
+    killed = asyncio.run(lose_decode_mid_stream(stack, "decode-0", "decode-1", STREAMS,
+                                                lambda s: s.stop(signal.SIGKILL)))
+    assert killed == expected
+    assert proxy.metrics()["epdserve:request_migrations_total"] >= migrations + len(STREAMS)
+    stack.services["decode-0"].start()  # as a restart policy would: the stack heals
+    wait_for(lambda: healthy(stack, "decode") == 2, "decode-0 did not come back", 120)
+
+    # SIGTERM: decode-1 drains for its grace (--drain-timeout 1), then cuts its streams; they continue on decode-0.
+    drained = {name: STREAMS[name] for name in ("greedy", "n3")}
+    cut = asyncio.run(lose_decode_mid_stream(stack, "decode-1", "decode-0", drained,
+                                             lambda s: s.proc.send_signal(signal.SIGTERM)))
+    assert cut == {name: expected[name] for name in drained}
+    stack.services["decode-1"].proc.wait(30)
+    assert 'epdserve:request_migrations_total{model_name="demo",reason="drained"}' in \
+        httpx.get(stack.url + "/metrics", timeout=5).text
+    stack.services["decode-1"].start()
+    wait_for(lambda: healthy(stack, "decode") == 2, "decode-1 did not come back", 120)
+
+    # Every block comes back: prefill's leases released, the decodes' requests ended.
+    def all_free() -> bool:
+        return all(counter(stack, n, "epdserve:num_free_kv_blocks") == NUM_BLOCKS
+                   for n in ("prefill-0", "prefill-1", "decode-0", "decode-1"))
+    wait_for(all_free, "KV blocks still held", LEASE + 10)
     for _ in range(3):
         assert client.completions.create(model="demo", prompt="Hello", max_tokens=3).usage.completion_tokens == 3
-    # Blocks prefill held for the dead decode's requests come back within the lease.
-    deadline = time.monotonic() + LEASE + 10
-    while time.monotonic() < deadline:
-        free = [counter(stack, n, "epdserve:num_free_kv_blocks") for n in ("prefill-0", "prefill-1")]
-        if free == [NUM_BLOCKS, NUM_BLOCKS]:
-            break
-        time.sleep(0.5)
-    assert free == [NUM_BLOCKS, NUM_BLOCKS]
-    assert httpx.get(stack.url + "/ready").status_code == 200

@@ -25,7 +25,7 @@ async def decoded(decode: AsyncLLM, prefill_engine: LLMEngine, rid: str, prompt:
                   firsts: list[int], held: list[int]) -> list[list[int]]:
     """Each sequence's tokens: prefill's first, then decode's."""
     request = await decode.make_request({"prompt_token_ids": prompt}, replace(params, output_kind=RequestOutputKind.DELTA),
-                                        rid, first_token_ids=firsts,
+                                        rid, peer_token_ids=[[t] for t in firsts],
                                         kv_transfer_params=(prefill_engine.runner.kv_cache, held, len(prompt)))
     tokens = [[t] for t in firsts]
     async for out in decode.generate(request):
@@ -163,7 +163,7 @@ def test_a_first_token_that_stops_ends_the_request_at_once(tiny_model_paths):
     async def main():
         request = await decode.make_request({"prompt_token_ids": [300, 301, 302]},
                                             SamplingParams(max_tokens=8, stop_token_ids=[9], output_kind=RequestOutputKind.DELTA),
-                                            "s", first_token_ids=[9])
+                                            "s", peer_token_ids=[[9]])
         return [out async for out in decode.generate(request)]
 
     try:

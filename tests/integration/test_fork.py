@@ -183,7 +183,7 @@ def test_disaggregated_group_equals_one_engine(llm, default_model_path, copy_con
 
         async def main():
             group = await decode.make_request(prompt_ids, replace(params, output_kind=RequestOutputKind.DELTA), "g",
-                                              first_token_ids=first_tokens,
+                                              peer_token_ids=[[t] for t in first_tokens],
                                               kv_transfer_params=(prefill.runner.kv_cache, held, len(prompt_ids)))
             tokens = {i: [t] for i, t in enumerate(first_tokens)}
             async for out in decode.generate(group):

@@ -55,7 +55,7 @@ def test_prefill_then_decode_equals_one_engine(path, copy_connector, prefill_hel
         firsts, held = prefill_held(prefill_engine, rid, prompt, GREEDY)
         request = await decode.make_request({"prompt_token_ids": prompt},
                                             replace(GREEDY, output_kind=RequestOutputKind.DELTA), rid,
-                                            first_token_ids=firsts,
+                                            peer_token_ids=[[t] for t in firsts],
                                             kv_transfer_params=(prefill_engine.runner.kv_cache, held, len(prompt)))
         tokens = list(firsts)
         async for out in decode.generate(request):

@@ -79,7 +79,7 @@ def test_prefill_samples_the_first_token_and_decode_the_rest(default_model_path,
         firsts, held = prefill_held(prefill, "r", prompt, params)
         request = await decode.make_request({"prompt_token_ids": prompt},
                                             replace(params, output_kind=RequestOutputKind.DELTA), "r",
-                                            first_token_ids=firsts,
+                                            peer_token_ids=[[t] for t in firsts],
                                             kv_transfer_params=(prefill.runner.kv_cache, held, len(prompt)))
         tokens = list(firsts)
         async for out in decode.generate(request):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from epdserve.services.cli import build_parser, proxy_config, service_config, stack_config, transport_config
+from epdserve.services import launcher
 from epdserve.services.launcher import PORT_OPTIONS, LocalStack, StackConfig, exit_message, free_port
 from epdserve.services.network import split_target
 
@@ -279,3 +280,28 @@ def test_request_traces_reach_the_proxy_from_serve_and_up(default_model_path):
     assert not any("--request-trace" in argv or "--otlp-traces-endpoint" in argv for argv in commands.values())
     with pytest.raises(SystemExit, match="http"):
         stack_config(parse("up", "--otlp-traces-endpoint", "collector:4317"), str(default_model_path))
+
+
+def test_up_restarts_a_service_that_dies_and_gives_up_on_one_that_keeps_dying(capsys):
+    """As a compose restart policy: a dead child is started again with its command line; one that died
+    RESTART_LIMIT times within the window is reported and left down, and a proxy given up on stops the stack."""
+    stack = LocalStack(StackConfig(model="unused"))
+    crash = [sys.executable, "-c", "raise SystemExit(3)"]
+    stack._argv = {"decode-0": crash, "proxy": crash}
+    stack.children = [(name, stack._spawn(name)) for name in stack._argv]
+
+    def wait_dead():
+        for _, proc in stack.children:
+            proc.wait(30)
+
+    for death in range(1, launcher.RESTART_LIMIT):
+        wait_dead()
+        assert stack._restart_dead()
+        assert "decode-0 exited with code 3 (its log lines above say why); restarting it" in capsys.readouterr().err
+        assert all(proc.poll() is None or proc.returncode == 3 for _, proc in stack.children)
+    wait_dead()
+    assert not stack._restart_dead()  # the proxy's fifth death within the window: nothing left to serve
+    err = capsys.readouterr().err
+    assert f"decode-0 exited with code 3 (its log lines above say why), the {launcher.RESTART_LIMIT}th time within" \
+        in err
+    assert "giving up on it (the others serve without it)" in err and "giving up on it; stopping the stack" in err
