@@ -12,21 +12,27 @@ On a connection the client opens to the port its HandshakeAck announced (`data_p
 
     client: the HandshakeAck's `data_token`                          (once per connection)
     client: [u32 length][codec frame of FetchBlocks]                  (per fetch message)
-    server: the raw bytes of the segments FetchBlocks describes, in its order; or, if it refuses
+    server: the raw bytes of the segments FetchBlocks describes, in its order, then the trailer
+            [u32 length][codec frame of BlocksSent] with each segment's checksum; or, if it refuses
             the request, [u32 length][codec frame of Error] and it closes the connection
 
 Nothing precedes the blocks: the client knows each segment's size from its own request (the
 handshake made both sides' layouts equal) and reads exactly that, and a connection that ends early
 carries the server's Error in its first bytes. (A reply header before the blocks, even a few bytes
 sent with them, made a 1k-token fetch take 1.8x as long on 2 cores; the same bytes without it ran
-as fast as a plain socket.) The token ties a connection to a peer the ZMQ channel accepted
-(protocol, KV layout, role); the server checks every FetchBlocks against the blocks exposed for its
-request, as over ZMQ. With CURVE the server announces no port: blocks move as encrypted ZMQ frames.
+as fast as a plain socket - so the checksums follow the blocks.) The server takes each segment's
+checksum just before it sends the segment, the client just after the segment landed in its cache
+(both while the bytes are still in the CPU's caches), and compares them once the trailer came
+(KVTransferClient.land). The token ties a connection to a peer the ZMQ channel accepted (protocol,
+KV layout, role); the server checks every FetchBlocks against the blocks exposed for its request and
+the generation it carries, as over ZMQ. With CURVE the server announces no port: blocks move as
+encrypted ZMQ frames.
 
 Both ends do their socket work on threads - blocking calls that release the GIL while the kernel
-copies. The server checks a request under `lock`, which the owner of the blocks holds to withdraw
-them, and counts it as sending until its last byte left (`sending`); a fetch waits for its thread
-to stop before it returns or fails, so no late byte lands in a block its caller reuses.
+copies (and while XXH3 hashes). The server checks a request under `lock`, which the owner of the
+blocks holds to withdraw them, and counts it as sending until its last byte left (`sending`); a fetch
+waits for its thread to stop before it returns or fails, so no late byte lands in a block its caller
+reuses.
 """
 from __future__ import annotations
 
@@ -44,14 +50,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from epdserve.transport import codec
+from epdserve.transport import checksum, codec
 from epdserve.transport.channel import ErrorReply
 from epdserve.transport.limits import DEFAULT_LIMITS, Limits
 from epdserve.transport.kv_client import Chunk, ClientPath, KVTransferClient
 from epdserve.transport.kv_server import KVTransferServer, ServerPath
-from epdserve.transport.kv_transfer import TransferError, TransferTimeout, scatter_blocks
+from epdserve.transport.kv_transfer import TransferError, TransferTimeout
 from epdserve.transport.peer_pool import PeerPool
-from epdserve.transport.protocol import MAY_SEND, Error, ErrorCode, FetchBlocks, Handshake, HandshakeAck, Message
+from epdserve.transport.protocol import (MAY_SEND, BlocksSent, Error, ErrorCode, FetchBlocks, Handshake, HandshakeAck,
+                                         Message)
 from epdserve.transport.request_client import RequestClient
 
 logger = logging.getLogger(__name__)
@@ -163,7 +170,7 @@ class BlockStreamServer:
             conn.close()
 
     def _answer(self, conn: socket.socket, request: FetchBlocks) -> bool:
-        """Send the request's blocks, or its Error; whether the connection goes on."""
+        """Send the request's blocks and their checksums, or its Error; whether the connection goes on."""
         rid = request.request_id
         with self.lock:
             try:
@@ -177,8 +184,11 @@ class BlockStreamServer:
             conn.sendall(_frame(segments))
             return False
         try:
+            sums = []
             for segment in segments:
+                sums.append(checksum.checksum(segment))
                 conn.sendall(segment)
+            conn.sendall(_frame(BlocksSent(rid, len(segments), tuple(sums))))
             return True
         finally:
             if segments:
@@ -237,10 +247,10 @@ class BlockStreamClient:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_connections, thread_name_prefix=f"{engine_id}-blocks")
 
     async def fetch(self, host: str, port: int, token: bytes, request: FetchBlocks,
-                    buffers: Sequence[np.ndarray], timeout: float) -> int:
+                    buffers: Sequence[np.ndarray], timeout: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Send `request` and receive its segments into `buffers` (flat uint8 arrays of the sizes it
-        asks for, in order); the bytes received. Raises a TransferError subclass, or ErrorReply
-        when the server answers with an Error."""
+        asks for, in order); the checksums the server sent and those of the bytes that landed. Raises a
+        TransferError subclass, or ErrorReply when the server answers with an Error."""
         peer = (host, port)
         server = self._servers.acquire(peer)
         if server is None:
@@ -251,7 +261,7 @@ class BlockStreamClient:
             self._servers.release(peer, server)
 
     async def _fetch(self, peer: tuple[str, int], server: _Server, token: bytes, request: FetchBlocks,
-                     buffers: Sequence[np.ndarray], timeout: float) -> int:
+                     buffers: Sequence[np.ndarray], timeout: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
         deadline = time.monotonic() + timeout
         try:
             await asyncio.wait_for(server.slots.acquire(), timeout)
@@ -268,10 +278,11 @@ class BlockStreamClient:
                 except OSError:
                     holder[0].close()
                     holder.clear()
-            job = self._executor.submit(self._exchange, holder, peer, token, frame, buffers, deadline)
+            job = self._executor.submit(self._exchange, holder, peer, token, frame, request.request_id, buffers,
+                                        deadline)
             self._busy.append(holder)
             try:
-                num_bytes = await asyncio.wrap_future(job)
+                sums = await asyncio.wrap_future(job)
             except asyncio.CancelledError:
                 await _stopped(job, holder)
                 raise
@@ -282,7 +293,7 @@ class BlockStreamClient:
             finally:
                 self._busy.remove(holder)
             server.idle.append((holder[0], time.monotonic()))
-            return num_bytes
+            return sums
         finally:
             server.slots.release()
 
@@ -299,9 +310,11 @@ class BlockStreamClient:
         return []
 
     def _exchange(self, holder: list[socket.socket], peer: tuple[str, int], token: bytes, frame: bytes | None,
-                  buffers: Sequence[np.ndarray], deadline: float) -> int:
+                  request_id: str, buffers: Sequence[np.ndarray],
+                  deadline: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """On the client's thread: send `frame` (the request, unless the loop did) over holder's connection
-        (opened here when holder is empty) and receive the answer into `buffers`."""
+        (opened here when holder is empty), receive the answer into `buffers`, taking each one's checksum as
+        it lands, and the trailer; (the checksums sent, those taken)."""
         try:
             if not holder:
                 holder.append(socket.create_connection(peer, timeout=_remaining(deadline)))
@@ -312,13 +325,19 @@ class BlockStreamClient:
             if frame is not None:
                 conn.sendall(frame)
             _receive_timeout(conn, deadline)
-            num_bytes = 0
+            num_bytes, landed = 0, []
             for buffer in buffers:
                 try:
                     num_bytes += _recv_into(conn, memoryview(buffer), deadline)
                 except EOFError as e:
                     raise self._refusal(peer, buffers, num_bytes + e.args[1]) from None
-            return num_bytes
+                landed.append(checksum.checksum(buffer))
+            trailer = _recv_message(conn, self.limits)
+            if (not isinstance(trailer, BlocksSent) or trailer.request_id != request_id
+                    or trailer.num_segments != len(buffers)):
+                raise TransferError(f"{peer[0]}:{peer[1]} ended its blocks with {type(trailer).__name__}, not the "
+                                    f"checksums of {len(buffers)} segments of {request_id!r}")
+            return trailer.checksums, tuple(landed)
         except (socket.timeout, BlockingIOError):  # the deadline, or SO_RCVTIMEO's
             raise TransferTimeout(f"{peer[0]}:{peer[1]}: blocks did not arrive in time") from None
         except (OSError, EOFError) as e:
@@ -484,15 +503,14 @@ class BlockStreamClientPath(ClientPath):
     def usable(self, peer: HandshakeAck) -> bool:
         return peer.data_port is not None and self.client.kv_cache.device.type == "cpu"
 
-    async def fetch_chunk(self, control: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
+    async def fetch_chunk(self, control: RequestClient, request: FetchBlocks, chunk: Chunk, deadline: float) -> int:
         client, peer = self.client, control.peer
         buffers, gathered = client.landing(chunk)
         host = control.address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-        num_bytes = await self.stream.fetch(host, peer.data_port, peer.data_token or b"", chunk.request(request_id),
-                                            buffers, client.remaining(deadline))
-        if gathered is not None:
-            scatter_blocks(client.kv_cache, chunk.local_ids, gathered)
-        return num_bytes
+        sent, landed = await self.stream.fetch(host, peer.data_port, peer.data_token or b"", request, buffers,
+                                               client.remaining(deadline))
+        return client.land(chunk, buffers, sent, landed=landed, gathered=gathered,
+                           source=f"{host}:{peer.data_port}")
 
     async def close(self) -> None:
         await self.stream.close()

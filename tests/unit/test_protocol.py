@@ -47,8 +47,8 @@ def test_messages_reject_mutation():
 
 
 def test_tensor_fields_do_not_take_part_in_equality():
-    a = protocol.EmbeddingsData("h", torch.zeros(2, 3))
-    b = protocol.EmbeddingsData("h", torch.ones(2, 3))
+    a = protocol.EmbeddingsData("h", 0, torch.zeros(2, 3))
+    b = protocol.EmbeddingsData("h", 0, torch.ones(2, 3))
     assert a == b  # control fields equal; tensors are compared by the code that needs to
 
 
