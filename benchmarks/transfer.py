@@ -19,6 +19,12 @@ elsewhere on the machine hits them alike (the median round is reported):
     python benchmarks/transfer.py                       # every backend available; JSON (+ PNG) in results/
     python benchmarks/transfer.py --backends tcp,zmq --rounds 3 --layouts contiguous
     python benchmarks/transfer.py --profile             # + where the receiving process spends its time
+    python benchmarks/transfer.py --checksum            # + what the transfers' checksums cost
+
+Every transfer carries a checksum per segment, taken by the sender and again by the receiver
+(transport/checksum.py), so the times above include them. `--checksum` also times one side's checksums
+of each payload alone - XXH3 over the segments the fetch lands (contiguous: one per run, layer and K/V;
+shuffled: the gathered blocks, in 16 MiB messages) - as a share of the ZMQ transfer's median time.
 """
 from __future__ import annotations
 
@@ -36,7 +42,9 @@ from pathlib import Path
 
 import torch
 
-from epdserve.transport.kv_transfer import gather_blocks, scatter_blocks
+from epdserve.transport import checksum
+from epdserve.transport.kv_client import GATHERED_MESSAGE_BYTES
+from epdserve.transport.kv_transfer import Run, as_bytes, gather_blocks, run_views, scatter_blocks
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 30, 3, 64, 16
 MODEL_ID = "SmolLM2-135M-Instruct"
@@ -117,8 +125,8 @@ async def run_server(backends: list[str]) -> None:
             name, options = backend_of(backend)
             server = transports.create_server(name, f"bench-{backend}-{dtype}", kv_cache=cache, model_id=MODEL_ID,
                                                **options)
-            addresses[f"{backend}/{dtype}"] = await server.start()
-            server.expose("bench", range(NUM_BLOCKS))
+            address = await server.start()
+            addresses[f"{backend}/{dtype}"] = [address, server.expose("bench", range(NUM_BLOCKS))]
             servers.append(server)
     if set(SOCKET_METHODS) & set(backends):
         listener = socket.create_server(("127.0.0.1", 0))
@@ -157,6 +165,23 @@ class SocketClient:
         scatter_blocks(cache, local, data)
 
 
+def checksum_seconds(cache: torch.Tensor, layout: str, local: list[int], repeats: int = 5) -> float:
+    """One side's checksums of a fetch into `local` blocks of `cache`: XXH3 over the segments as they land
+    (a contiguous run: one per layer and K/V; shuffled blocks: gathered, in messages of 16 MiB); the
+    median of `repeats`."""
+    if layout == "contiguous":
+        buffers = run_views(cache, [Run(local[0], len(local))])
+    else:
+        flat = as_bytes(gather_blocks(cache, local))
+        buffers = [flat[i:i + GATHERED_MESSAGE_BYTES] for i in range(0, flat.nbytes, GATHERED_MESSAGE_BYTES)]
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        checksum.checksums(buffers)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def block_ids(layout: str, num_blocks: int, gen: torch.Generator) -> list[int]:
     if layout == "shuffled":
         return torch.randperm(NUM_BLOCKS, generator=gen)[:num_blocks].tolist()
@@ -164,7 +189,8 @@ def block_ids(layout: str, num_blocks: int, gen: torch.Generator) -> list[int]:
     return list(range(start, start + num_blocks))
 
 
-async def run_client(addresses: dict[str, str], backends: list[str], rounds: int, layouts: list[str]) -> list[dict]:
+async def run_client(addresses: dict, backends: list[str], rounds: int, layouts: list[str],
+                     checksums: bool = False) -> list[dict]:
     from epdserve.transport import transports
 
     caches = {dtype: make_cache(dtype, seed=2) for dtype in DTYPES}
@@ -195,8 +221,9 @@ async def run_client(addresses: dict[str, str], backends: list[str], rounds: int
                 elif backend == "tcp_copy":
                     await asyncio.to_thread(sock.blocks, caches[dtype], dtype_index, remote, local)
                 else:
-                    result = await clients[backend, dtype].fetch_blocks(
-                        addresses[f"{backend}/{dtype}"], "bench", remote, local, timeout=120)
+                    address, generation = addresses[f"{backend}/{dtype}"]
+                    result = await clients[backend, dtype].fetch_blocks(address, "bench", remote, local,
+                                                                        generation=generation, timeout=120)
                     assert result.num_bytes == num_bytes
                 if round_:
                     seconds[backend].append(time.perf_counter() - started)
@@ -213,6 +240,12 @@ async def run_client(addresses: dict[str, str], backends: list[str], rounds: int
                     # Per round, so that a slow phase of the machine hits both sides of the ratio.
                     ratios = [t / s for s, t in zip(seconds[backend], seconds["tcp"])]
                     row[f"{backend}_vs_tcp"] = round(statistics.median(ratios), 3)
+        if checksums:
+            hashed = checksum_seconds(caches[dtype], layout, local)
+            row["checksum_ms"] = round(hashed * 1e3, 2)
+            row["checksum_gbps"] = round(num_bytes / hashed / 1e9, 2)
+            for backend in (b for b in backends if b not in SOCKET_METHODS):
+                row[f"checksum_share_{backend}"] = round(hashed / statistics.median(seconds[backend]), 4)
         results.append(row)
         print(_format_row(row, backends), flush=True)
     for client in clients.values():
@@ -220,7 +253,7 @@ async def run_client(addresses: dict[str, str], backends: list[str], rounds: int
     return results
 
 
-async def profile_receives(addresses: dict[str, str], backends: list[str], fetches: int = 5) -> list[dict]:
+async def profile_receives(addresses: dict, backends: list[str], fetches: int = 5) -> list[dict]:
     """Where the receiving process spends a fetch (8k tokens, float32, contiguous blocks): the copy
     from received memory into the cache (`copy_segment`), the one a receive costs beyond the
     socket's, against the fetch's wall time. ZMQ's block connections and UCX receive into the cache:
@@ -238,12 +271,13 @@ async def profile_receives(addresses: dict[str, str], backends: list[str], fetch
         client = transports.create_client(backend_of(backend)[0], f"profile-{backend}", kv_cache=cache,
                                            model_id=MODEL_ID)
         ids = list(range(num_blocks))
-        await client.fetch_blocks(addresses[f"{backend}/float32"], "bench", ids, ids)  # warm-up
+        address, generation = addresses[f"{backend}/float32"]
+        await client.fetch_blocks(address, "bench", ids, ids, generation=generation)  # warm-up
         profiler = cProfile.Profile()
         started = time.perf_counter()
         profiler.enable()
         for _ in range(fetches):
-            await client.fetch_blocks(addresses[f"{backend}/float32"], "bench", ids, ids)
+            await client.fetch_blocks(address, "bench", ids, ids, generation=generation)
         profiler.disable()
         wall = time.perf_counter() - started
         await client.close()
@@ -267,8 +301,8 @@ def median_rows(runs: list[list[dict]]) -> list[dict]:
     for rows in zip(*runs):
         row = dict(rows[0])
         for key, value in rows[0].items():
-            if key.endswith(("_gbps", "_vs_tcp")):
-                row[key] = round(statistics.median(r[key] for r in rows), 3)
+            if key.endswith(("_gbps", "_vs_tcp", "_ms")) or key.startswith("checksum_share"):
+                row[key] = round(statistics.median(r[key] for r in rows), 4)
         medians.append(row)
     return medians
 
@@ -278,6 +312,10 @@ def _format_row(row: dict, backends: list[str]) -> str:
     for backend in backends:
         ratio = f" ({row[f'{backend}_vs_tcp']:.2f}x)" if f"{backend}_vs_tcp" in row else ""
         parts.append(f"{backend} {row[f'{backend}_gbps']:.2f} GB/s{ratio}")
+    if "checksum_ms" in row:
+        shares = ", ".join(f"{key.removeprefix('checksum_share_')} {value:.1%}" for key, value in row.items()
+                           if key.startswith("checksum_share_"))
+        parts.append(f"checksums {row['checksum_ms']:.1f} ms ({row['checksum_gbps']:.1f} GB/s; of a transfer: {shares})")
     return " | ".join(parts)
 
 
@@ -313,6 +351,8 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ",".join(LAYOUTS))
     parser.add_argument("--profile", action="store_true",
                         help="also profile the receiving side of each backend (copies beyond the socket's)")
+    parser.add_argument("--checksum", action="store_true",
+                        help="also time one side's checksums of each payload, as a share of each transfer")
     parser.add_argument("--output", type=Path, default=RESULTS / "transfer.json")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server process
     args = parser.parse_args()
@@ -332,7 +372,8 @@ def main() -> None:
         )
         try:
             addresses = json.loads(server.stdout.readline())
-            runs.append(asyncio.run(run_client(addresses, backends, args.rounds, args.layouts.split(","))))
+            runs.append(asyncio.run(run_client(addresses, backends, args.rounds, args.layouts.split(","),
+                                               args.checksum)))
             if args.profile:
                 profiles.append(asyncio.run(profile_receives(addresses, backends)))
         finally:

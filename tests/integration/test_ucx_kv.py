@@ -258,3 +258,33 @@ def test_peers_on_one_host_move_blocks_through_shared_memory():
     lines = table[1].splitlines()[2:]  # the rest of the header line, then the rule under it
     rows = "\n".join(itertools.takewhile(lambda line: "+--" not in line, lines))
     assert "posix/memory" in rows and "tcp" not in rows, rows
+
+
+@pytest.mark.parametrize("min_segment_bytes", [1, 1 << 20], ids=["as_runs", "gathered"])
+def test_a_byte_flipped_after_its_checksum_is_caught_over_ucx(server, min_segment_bytes):
+    """The server flips a bit of what it sends of request "corrupt" and of embeddings "ee..." after taking their
+    checksums (its cache stays intact): the client refuses what landed; the next fetch lands intact."""
+    local_cache = torch.zeros(SHAPE, dtype=torch.bfloat16)
+
+    async def main():
+        async with client(local_cache, min_segment_bytes=min_segment_bytes) as c:
+            with pytest.raises(IntegrityError, match="landed corrupted"):
+                await fetch(c, server, "corrupt", list(range(4, 12)), list(range(4, 12)))
+            with pytest.raises(IntegrityError, match="embeddings eeee"):
+                await c.fetch_embeddings(server, "ee" * 32)
+            assert c.stats.num_failures == 2
+            await fetch(c, server, "r1", list(range(4, 12)), list(range(4, 12)))
+
+    asyncio.run(main())
+    want = expected_cache()[:, :, 4:12]
+    assert torch.equal(local_cache[:, :, 4:12].view(torch.int16), want.view(torch.int16))
+
+
+def test_a_stale_generation_is_refused_over_ucx(server):
+    """"old" was exposed, withdrawn and exposed again: a handle to its first exposure is refused."""
+    async def main():
+        async with client(torch.zeros(SHAPE, dtype=torch.bfloat16)) as c:
+            with pytest.raises(StaleHandleError, match="released"):
+                await fetch(c, server, "old", [1], [0])
+
+    asyncio.run(main())
