@@ -315,7 +315,8 @@ def _format_row(row: dict, backends: list[str]) -> str:
     if "checksum_ms" in row:
         shares = ", ".join(f"{key.removeprefix('checksum_share_')} {value:.1%}" for key, value in row.items()
                            if key.startswith("checksum_share_"))
-        parts.append(f"checksums {row['checksum_ms']:.1f} ms ({row['checksum_gbps']:.1f} GB/s; of a transfer: {shares})")
+        parts.append(f"checksums {row['checksum_ms']:.1f} ms ({row['checksum_gbps']:.1f} GB/s; "
+                     f"of a transfer: {shares})")
     return " | ".join(parts)
 
 
