@@ -248,7 +248,7 @@ class KVTransferClient:
         `gathered` blocks into the cache. The bytes received."""
         if landed is None:
             landed = checksum.checksums(buffers)
-        checksum.verify(sent, landed, f"blocks {chunk.remote_ids[:4]}... from {source or 'the peer'}")
+        checksum.verify(sent, landed, f"blocks from {chunk.pairs[0][0].first} on of {source or 'the peer'}")
         if gathered is not None:
             scatter_blocks(self.kv_cache, chunk.local_ids, gathered)
         return sum(buffer.nbytes for buffer in buffers)
