@@ -288,3 +288,35 @@ def test_a_stale_generation_is_refused_over_ucx(server):
                 await fetch(c, server, "old", [1], [0])
 
     asyncio.run(main())
+
+
+def test_a_fetch_waiting_to_start_its_send_keeps_its_blocks_from_being_freed():
+    """Between a fetch's check and the start of its send, a UCX path waits (for an endpoint, a send slot): the
+    fetch counts as sending from its check on, so blocks withdrawn in that wait are not freed before the send
+    that follows has read them."""
+    from epdserve.transport.kv_server import KVTransferServer
+    from epdserve.transport.protocol import FetchBlocks
+
+    async def main():
+        gate, started = asyncio.Event(), []
+
+        class SlowToStart(ucx_path.UcxServerPath):
+            async def _send_later(self, peer, buffers, tag, request_id):
+                await gate.wait()  # no send slot free yet
+                started.append(request_id)  # the send reads the blocks from here on (done at once, here)
+
+        path = SlowToStart()
+        server = KVTransferServer("prefill-ucx", [path], kv_cache=expected_cache(), model_id="m")
+        gen = server.expose("r1", range(4))
+        reply = asyncio.create_task(path.reply_blocks(FetchBlocks("r1", gen, (0, 1, 2, 3), (4,), 1 << 24), None))
+        await asyncio.sleep(0.05)
+        assert path.sending("r1") and not reply.done()
+        server.withdraw("r1")  # decode released it, or its lease ran out
+        freed = asyncio.create_task(server.wait_sent("r1"))
+        await asyncio.sleep(0.05)
+        assert not freed.done(), "the blocks would be freed under the send about to start"
+        gate.set()
+        answer, _ = await reply
+        assert await freed and started == ["r1"] and answer.num_segments == 2 * SHAPE[0]
+
+    asyncio.run(main())
