@@ -184,13 +184,15 @@ def test_a_first_token_that_stops_ends_the_request_at_once(tiny_model_paths):
         decode.shutdown()
 
 
-@pytest.mark.parametrize("faults, pulled", [(1, True), (2, False)], ids=["fetched-again", "recomputed"])
+@pytest.mark.parametrize("faults, stale, failure", [(1, False, None), (2, False, "integrity"), (0, True, "stale_handle")],
+                         ids=["fetched-again", "recomputed", "stale-handle-recomputed"])
 def test_kv_that_lands_corrupted_is_fetched_again_then_recomputed(tiny_model_paths, prefill_held, corrupting_frames,
-                                                                  faults, pulled):
+                                                                  faults, stale, failure):
     """Decode pulls prefill's blocks with the services' connector and the real KV transfer client, from a server
     whose first `faults` replies have a bit flipped after it took their checksums: one corruption is caught
-    and the pull made again; a second makes decode recompute the prompt. Each is counted, and either way
-    decode's tokens equal one engine's."""
+    and the pull made again; a second makes decode recompute the prompt. A handle whose blocks prefill
+    exposed anew since (`stale`) is refused, and decode recomputes too. Each mismatch is counted, and every
+    way decode's tokens equal one engine's."""
     path = tiny_model_paths["qwen2"]
     params = SamplingParams(temperature=1.5, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompt = PROMPTS[4]
@@ -210,6 +212,9 @@ def test_kv_that_lands_corrupted_is_fetched_again_then_recomputed(tiny_model_pat
         try:
             await server.start()
             generation = server.expose("r", held)
+            if stale:  # released, and exposed again under a new generation
+                server.withdraw("r")
+                assert server.expose("r", held) != generation
             handle = KVHandle("prefill-0", server.address, tuple(held), generation, len(prompt), time.time() + 60)
             sources = PeerSources(RequestSpans("decode-0"), kv_handle=handle)
             request = await decode.make_request({"prompt_token_ids": prompt},
@@ -229,14 +234,14 @@ def test_kv_that_lands_corrupted_is_fetched_again_then_recomputed(tiny_model_pat
         tokens, sources = asyncio.run(main())
         assert tokens == want
         spans = [span.name for span in sources.spans.take()]
-        if pulled:
+        if failure is None:
             assert sources.kv_ready is not None and sources.failed is None and "kv.transfer" in spans
         else:
-            assert sources.kv_ready is None and sources.failed[1] == "integrity" and "kv.transfer:failed" in spans
+            assert sources.kv_ready is None and sources.failed[1] == failure and "kv.transfer:failed" in spans
         count = metrics.registry.get_sample_value
         assert count("epdserve:transfer_integrity_failures_total", {**metrics.labels, "kind": "kv"}) == faults
         assert count("epdserve:transfer_integrity_failures_total", {**metrics.labels, "kind": "embeddings"}) == 0
-        assert count("epdserve:kv_transfer_failures_total", metrics.labels) == (0 if pulled else 1)
+        assert count("epdserve:kv_transfer_failures_total", metrics.labels) == (failure is not None)
         assert prefill_engine.release_kv("r")
     finally:
         decode.shutdown()
