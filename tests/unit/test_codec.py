@@ -211,7 +211,7 @@ def test_encoding_rejects_cuda_free_unsupported_dtypes():
 # ---------------------------------------------------------------------------------------------
 # Strict decoding of control frames
 
-GOOD = {"request_id": "r1", "block_ids": [1, 2], "run_lengths": [2], "ucx_tag": None}
+GOOD = {"request_id": "r1", "generation": 9, "block_ids": [1, 2], "run_lengths": [2], "ucx_tag": None}
 
 
 @pytest.mark.parametrize("body, match", [
@@ -222,7 +222,8 @@ GOOD = {"request_id": "r1", "block_ids": [1, 2], "run_lengths": [2], "ucx_tag": 
     ({**GOOD, "request_id": 5}, "expected str"),
     ({**GOOD, "request_id": None}, "expected str"),
     ({**GOOD, "ucx_tag": "x"}, "ucx_tag: expected int"),
-    ({"request_id": "r1", "block_ids": [1], "run_lengths": [1]}, "missing fields \\['ucx_tag'\\]"),
+    ({"request_id": "r1", "generation": 9, "block_ids": [1], "run_lengths": [1]}, "missing fields \\['ucx_tag'\\]"),
+    ({**GOOD, "generation": None}, "generation: expected int"),
     ({**GOOD, "priority": 1}, "unknown fields \\['priority'\\]"),
     ([1, 2, 3], "map"),
 ])
