@@ -22,14 +22,17 @@ elsewhere on the machine hits them alike (the median round is reported):
     python benchmarks/transfer.py --checksum            # + what the transfers' checksums cost
 
 Every transfer carries a checksum per segment, taken by the sender and again by the receiver
-(transport/checksum.py), so the times above include them. `--checksum` also times one side's checksums
-of each payload alone - XXH3 over the segments the fetch lands (contiguous: one per run, layer and K/V;
-shuffled: the gathered blocks, in 16 MiB messages) - as a share of the ZMQ transfer's median time.
+(transport/checksum.py), so the times above include them. `--checksum` measures what they cost: it adds
+the method `zmq_unchecked` (the ZMQ transport with its checksums switched off on both ends: a server
+process of its own, and the client's fetches of it) and times one side's checksums of each payload alone
+- XXH3 over the segments the fetch lands (contiguous: one per run, layer and K/V; shuffled: the gathered
+blocks, in 16 MiB messages) - as a share of each transfer's median time.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -54,12 +57,25 @@ NUM_BLOCKS = max(PAYLOAD_TOKENS) // BLOCK_SIZE + 64
 RESULTS = Path(__file__).resolve().parent / "results"
 SOCKET_METHODS = ("tcp", "tcp_copy")
 # Method -> (backend, server options): the ZMQ backend with blocks as ZMQ frames, as CURVE has them.
-VARIANTS = {"zmq_frames": ("zmq", {"block_port": None})}
+# The ZMQ transport without checksums (--checksum): served by a process whose checksums all read 0, fetched
+# with the client's switched off alike.
+UNCHECKED = "zmq_unchecked"
+VARIANTS = {"zmq_frames": ("zmq", {"block_port": None}), UNCHECKED: ("zmq", {})}
 LAYOUTS = ("contiguous", "shuffled")
 
 
 def backend_of(method: str) -> tuple[str, dict]:
     return VARIANTS.get(method, (method, {}))
+
+
+@contextlib.contextmanager
+def unchecked():
+    """This process's transfer checksums switched off (each reads 0), for the `zmq_unchecked` method."""
+    taken, checksum.checksum = checksum.checksum, lambda buffer: 0
+    try:
+        yield
+    finally:
+        checksum.checksum = taken
 
 
 def make_cache(dtype: str, seed: int) -> torch.Tensor:
@@ -222,8 +238,9 @@ async def run_client(addresses: dict, backends: list[str], rounds: int, layouts:
                     await asyncio.to_thread(sock.blocks, caches[dtype], dtype_index, remote, local)
                 else:
                     address, generation = addresses[f"{backend}/{dtype}"]
-                    result = await clients[backend, dtype].fetch_blocks(address, "bench", remote, local,
-                                                                        generation=generation, timeout=120)
+                    with unchecked() if backend == UNCHECKED else contextlib.nullcontext():
+                        result = await clients[backend, dtype].fetch_blocks(address, "bench", remote, local,
+                                                                            generation=generation, timeout=120)
                     assert result.num_bytes == num_bytes
                 if round_:
                     seconds[backend].append(time.perf_counter() - started)
@@ -246,6 +263,9 @@ async def run_client(addresses: dict, backends: list[str], rounds: int, layouts:
             row["checksum_gbps"] = round(num_bytes / hashed / 1e9, 2)
             for backend in (b for b in backends if b not in SOCKET_METHODS):
                 row[f"checksum_share_{backend}"] = round(hashed / statistics.median(seconds[backend]), 4)
+            if UNCHECKED in backends and "zmq" in backends:  # per round, as the ratios to the socket
+                ratios = [t / u for t, u in zip(seconds["zmq"], seconds[UNCHECKED])]
+                row["checksum_overhead_zmq"] = round(statistics.median(ratios) - 1, 4)
         results.append(row)
         print(_format_row(row, backends), flush=True)
     for client in clients.values():
@@ -301,7 +321,7 @@ def median_rows(runs: list[list[dict]]) -> list[dict]:
     for rows in zip(*runs):
         row = dict(rows[0])
         for key, value in rows[0].items():
-            if key.endswith(("_gbps", "_vs_tcp", "_ms")) or key.startswith("checksum_share"):
+            if key.endswith(("_gbps", "_vs_tcp", "_ms")) or key.startswith(("checksum_share", "checksum_overhead")):
                 row[key] = round(statistics.median(r[key] for r in rows), 4)
         medians.append(row)
     return medians
@@ -315,8 +335,10 @@ def _format_row(row: dict, backends: list[str]) -> str:
     if "checksum_ms" in row:
         shares = ", ".join(f"{key.removeprefix('checksum_share_')} {value:.1%}" for key, value in row.items()
                            if key.startswith("checksum_share_"))
+        overhead = (f"; zmq {row['checksum_overhead_zmq']:+.1%} against zmq_unchecked"
+                    if "checksum_overhead_zmq" in row else "")
         parts.append(f"checksums {row['checksum_ms']:.1f} ms ({row['checksum_gbps']:.1f} GB/s; "
-                     f"of a transfer: {shares})")
+                     f"one side's of a transfer: {shares}{overhead})")
     return " | ".join(parts)
 
 
@@ -360,29 +382,34 @@ def main() -> None:
     backends = (args.backends.split(",") if args.backends
                 else ["tcp", "tcp_copy", "zmq", "zmq_frames"] + (["ucx"] if ucx_available() else []))
     if args.serve:
-        asyncio.run(run_server(backends))
+        with unchecked() if backends == [UNCHECKED] else contextlib.nullcontext():
+            asyncio.run(run_server(backends))
         return
+    if args.checksum and "zmq" in backends and UNCHECKED not in backends:
+        backends.insert(backends.index("zmq") + 1, UNCHECKED)
     if "ucx" not in backends:
         print("ucx: not measured (ucxx not importable, or not requested)")
+    # The unchecked method has a server process of its own: the checksums are switched off process-wide.
+    served = [group for group in ([b for b in backends if b != UNCHECKED], [UNCHECKED]) if set(group) & set(backends)]
     runs, profiles = [], []
     for run in range(args.runs):
         print(f"run {run + 1} of {args.runs}", flush=True)
-        server = subprocess.Popen(
-            [sys.executable, __file__, "--serve", "--backends", ",".join(backends)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
+        servers = [subprocess.Popen([sys.executable, __file__, "--serve", "--backends", ",".join(group)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for group in served]
         try:
-            addresses = json.loads(server.stdout.readline())
+            addresses = {key: value for server in servers
+                         for key, value in json.loads(server.stdout.readline()).items()}
             runs.append(asyncio.run(run_client(addresses, backends, args.rounds, args.layouts.split(","),
                                                args.checksum)))
             if args.profile:
-                profiles.append(asyncio.run(profile_receives(addresses, backends)))
+                profiles.append(asyncio.run(profile_receives(addresses, [b for b in backends if b != UNCHECKED])))
         finally:
-            server.stdin.close()
-            try:
-                server.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            for server in servers:
+                server.stdin.close()
+                try:
+                    server.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    server.kill()
     results = median_rows(runs)
     if len(runs) > 1:
         print(f"median of {len(runs)} runs:")
