@@ -34,6 +34,12 @@ def checksums(buffers: Sequence) -> tuple[int, ...]:
     return tuple(checksum(buffer) for buffer in buffers)
 
 
+def running():
+    """The checksum of a buffer taken piece by piece, as it is sent or received: `update(piece)` with its
+    consecutive pieces, then `intdigest()` - equal to `checksum` of the whole."""
+    return xxhash.xxh3_64()
+
+
 def verify(sent: Sequence[int], landed: Sequence[int], what: str) -> None:
     """Compare the checksums a sender took (`sent`) with those of the bytes that landed; IntegrityError,
     naming `what` and the first segment that differs, unless every one matches."""

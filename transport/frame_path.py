@@ -107,11 +107,15 @@ class FrameClientPath(ClientPath):
         if on_device:  # checked in the host memory they arrived in: hashing device blocks would copy them back
             num_bytes = client.land(chunk, [as_bytes(s) for s in reply.segments], reply.checksums,
                                     source=control.address)
+        landed = []
         for segment, destination in zip(reply.segments, destinations):
             copy_segment(destination, segment)
+            if not on_device:  # hashed while the copy left it in the CPU's caches
+                landed.append(checksum.checksum(as_bytes(destination)))
         if on_device:
             return num_bytes
-        return client.land(chunk, [as_bytes(d) for d in destinations], reply.checksums, source=control.address)
+        return client.land(chunk, [as_bytes(d) for d in destinations], reply.checksums, landed=landed,
+                           source=control.address)
 
     async def fetch_embeddings(self, control: RequestClient, mm_hash: str,
                                deadline: float) -> tuple[torch.Tensor, int]:
