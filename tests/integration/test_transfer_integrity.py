@@ -1,7 +1,8 @@
 """What a transfer guarantees about the bytes it delivers, over the ZMQ transport on real sockets: a byte changed
 after the sender took its checksum is caught where it lands (block connections, ZMQ frames, embeddings), and a
-KV handle whose blocks were released since is refused rather than read. (UCX: test_ucx_kv.py; the decode that
-fetches again and then recomputes: test_disaggregated_engine.py.)"""
+KV handle whose blocks were released since is refused rather than read; the services' connector fetches
+corrupted embeddings once more, then fails the load. (UCX: test_ucx_kv.py; the decode that fetches KV again
+and then recomputes: test_disaggregated_engine.py.)"""
 import asyncio
 import socket
 import threading
@@ -179,3 +180,40 @@ def test_every_exposure_has_a_generation_of_its_own():
             assert len(set(generations)) == 6 and all(0 < g < 2**63 for g in generations)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("faults", [1, 2], ids=["fetched-again", "load-fails"])
+def test_embeddings_that_land_corrupted_are_fetched_again_then_the_load_fails(corrupting_frames, faults):
+    """The services' connector, loading an image's embeddings from an encoder whose first `faults` answers
+    are corrupted after their checksums: it counts each, fetches once more, and either hands the engine the
+    intact embeddings or fails the load (the request then ends with an error): never corrupt ones."""
+    from epdserve.services.peer_kv_connector import PeerKVConnector, PeerSources
+    from epdserve.services.request_spans import RequestSpans
+    from epdserve.services.service_metrics import ServiceMetrics
+    from epdserve.shared.engine import KVLoad
+
+    mm_hash = "ab" * 32
+    embeddings = {mm_hash: torch.randn(576, 64).to(torch.bfloat16)}
+    metrics = ServiceMetrics("prefill", "prefill-0", "m")
+
+    async def main():
+        async with KVTransferServer("encoder-0", [corrupting_frames(faults)], encoder_cache=embeddings) as server, \
+                transports.create_client("zmq", "prefill-0") as client:
+            connector = PeerKVConnector(client, metrics, asyncio.get_running_loop(), 10.0, torch.bfloat16,
+                                        {"timeout": 5.0})
+            results = []
+            connector.bind(results.append, lambda request_id: None)
+            sources = PeerSources(RequestSpans("prefill-0"), encoder_addrs={mm_hash: server.address})
+            await connector._load_embeddings("r1", sources, KVLoad("r1", [], 0, 0, (mm_hash,)))
+            await connector.close()
+            return results
+
+    (result,) = asyncio.run(main())
+    count = metrics.registry.get_sample_value
+    assert count("epdserve:transfer_integrity_failures_total", {**metrics.labels, "kind": "embeddings"}) == faults
+    assert count("epdserve:transfer_integrity_failures_total", {**metrics.labels, "kind": "kv"}) == 0
+    if faults == 1:
+        assert result.ok and torch.equal(result.mm_embeddings[mm_hash].view(torch.int16),
+                                         embeddings[mm_hash].view(torch.int16))
+    else:
+        assert not result.ok and result.reason == "integrity" and not result.mm_embeddings
