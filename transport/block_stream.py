@@ -427,8 +427,8 @@ def _recv_bytes(conn: socket.socket, n: int) -> bytes:
 
 
 def _send_hashed(conn: socket.socket, segment: np.ndarray) -> int:
-    """Send a segment piece by piece, each hashed just before it leaves (read from the CPU's caches twice,
-    from memory once); the segment's checksum."""
+    """Send a segment piece by piece, each hashed just before it leaves (the hash reads it from memory, the
+    socket's copy then from the CPU's caches); the segment's checksum."""
     digest = checksum.running()
     for start in range(0, segment.nbytes, _HASH_PIECE_BYTES):
         piece = segment[start:start + _HASH_PIECE_BYTES]
