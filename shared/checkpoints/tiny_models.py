@@ -74,14 +74,15 @@ LM_HEAD_SCALE = 8.0
 NORM_WEIGHT_SPREAD = 0.5  # random_norms: RMSNorm scales uniform in 1 +- this
 
 
-def build_tiny_model(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """Write a random `arch` checkpoint (config.json, model.safetensors, tokenizer) to `out`."""
+def build_tiny_model(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0, **config_overrides) -> Path:
+    """Write a random `arch` checkpoint (config.json, model.safetensors, tokenizer) to `out`;
+    `config_overrides` change its HF config (a test's variant of a family)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if arch not in TINY_CONFIGS:
         raise ValueError(f"unknown tiny model {arch!r}; choose one of {sorted(TINY_CONFIGS)}")
-    params = dict(TINY_CONFIGS[arch])
+    params = {**TINY_CONFIGS[arch], **config_overrides}
     # RMSNorm weights drawn around 1 instead of HF's all-ones init, so that a norm weight loaded into the
     # wrong place (q_norm for k_norm, a layer's for another's) changes the output.
     random_norms = params.pop("random_norms", False)

@@ -1,8 +1,10 @@
 """Qwen3, Qwen3-MoE, Mixtral and Gemma 3 through the engine paths test_hf_exactness.py does not walk: n > 1,
 a prefill -> decode handoff of KV blocks, structured outputs, and the Triton kernels (interpreted on CPU);
-Gemma 3's sliding and global layers on the PyTorch attention backend too, and its soft-capped logits.
+Gemma 3's sliding and global layers on the PyTorch attention backend too, its soft-capped logits, and
+Qwen2's window on only the layers HF slides.
 Greedy tokens are compared with HF transformers `generate`, or with one engine doing it all."""
 import asyncio
+import json
 from dataclasses import replace
 
 import pytest
@@ -116,3 +118,26 @@ def test_gemma3_prompt_logprobs_are_hf_soft_capped_ones(tiny_model_paths, hf_mod
     scores = out[0].prompt_logprobs
     for pos in range(1, len(prompt)):  # HF's row pos - 1 predicts token pos
         assert scores[pos][prompt[pos]].logprob == pytest.approx(float(hf[pos - 1, prompt[pos]]), abs=1e-4), pos
+
+
+@pytest.mark.parametrize("layer_types", [True, False])
+def test_qwen2_slides_only_the_layers_hf_slides(tmp_path, default_model_path, hf_greedy, near_tie_check, layer_types):
+    """use_sliding_window with max_window_layers = 1: layer 0 sees everything, layer 1 a window of 8; said by
+    `layer_types` (as transformers 5 writes configs) or by max_window_layers alone (as older ones did)."""
+    from transformers import AutoModelForCausalLM
+
+    from epdserve.shared.checkpoints.tiny_models import build_tiny_model
+
+    path = str(build_tiny_model("qwen2", tmp_path / "qwen2-window", default_model_path, use_sliding_window=True,
+                                sliding_window=8, max_window_layers=1))
+    if not layer_types:
+        raw = json.loads((tmp_path / "qwen2-window" / "config.json").read_text())
+        del raw["layer_types"]
+        (tmp_path / "qwen2-window" / "config.json").write_text(json.dumps(raw))
+    llm = LLM(model=path, num_kv_blocks=64)
+    assert [a.sliding_window for a in llm.engine.runner.model.attention_layers()] == [None, 8]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+    for i, (prompt, out) in enumerate(zip(PROMPTS, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))):
+        tokens, logits = hf_greedy(hf, prompt, MAX_TOKENS)
+        assert near_tie_check(f"prompt {i}", out.outputs[0].token_ids, tokens, logits) == 0
