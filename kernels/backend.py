@@ -24,7 +24,8 @@ class AttentionBackend(NamedTuple):
     write_kv: Callable[..., None]  # kv_cache_write(key, value, key_cache, value_cache, slot_mapping)
     attend: Callable[..., torch.Tensor]  # paged_attention(query, key_cache, ..., scale, sliding_window, out)
     # plan_attention(block_tables, seq_lens, query_start_loc, block_size, num_kv_heads, sliding_window):
-    # per-step work shared by all layers, passed to `attend` as plan=...; None when there is none.
+    # per-step work shared by all layers of that window, passed to `attend` as plan=...; None when there is
+    # none. With base= (the same step's plan for another window) it reuses what does not depend on the window.
     plan: Callable[..., object] | None = None
 
 

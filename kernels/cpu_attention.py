@@ -49,7 +49,12 @@ class CpuAttentionPlan(NamedTuple):
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                   block_size: int, num_kv_heads: int, sliding_window: int | None = None) -> CpuAttentionPlan:
+                   block_size: int, num_kv_heads: int, sliding_window: int | None = None,
+                   base: CpuAttentionPlan | None = None) -> CpuAttentionPlan:
+    """`base`: this step's plan for another sliding window, which serves every window (the kernel is given
+    the window in each call)."""
+    if base is not None:
+        return base
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     num_tokens = int(query_start_loc[-1])
     rows = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens, output_size=num_tokens)

@@ -62,15 +62,33 @@ class AttentionPlan(NamedTuple):
     decode_newest: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
+def _decode_bias(lens: torch.Tensor, ctx: int, num_kv_heads: int, sliding_window: int | None) -> torch.Tensor:
+    """[num_decodes * num_kv_heads, 1, ctx]: 0 where a decode sees the key, -inf elsewhere."""
+    key_pos = torch.arange(ctx, device=lens.device).view(1, -1)
+    visible = key_pos < lens.view(-1, 1)
+    if sliding_window is not None:
+        visible &= key_pos > lens.view(-1, 1) - 1 - sliding_window
+    bias = torch.zeros(visible.shape, device=lens.device).masked_fill_(~visible, float("-inf"))
+    return bias.repeat_interleave(num_kv_heads, dim=0).unsqueeze(1)
+
+
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                    block_size: int, num_kv_heads: int, sliding_window: int | None = None,
                    mirror: DecodeMirror | None = None, seq_ids: tuple | None = None, num_layers: int = 1,
-                   head_size: int = 0) -> AttentionPlan:
-    """`mirror` with `seq_ids` (one id per sequence) lets decodes reuse last step's gathered K/V."""
+                   head_size: int = 0, base: AttentionPlan | None = None) -> AttentionPlan:
+    """`mirror` with `seq_ids` (one id per sequence) lets decodes reuse last step's gathered K/V. `base`: this
+    step's plan for another sliding window (a model whose layers differ in theirs); its indices and mirror
+    are shared, only the decodes' mask is made again."""
     device = block_tables.device
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     is_decode = q_lens == 1
     decode_idx = torch.nonzero(is_decode).flatten()
+    if base is not None:
+        if base.decode_bias is None:
+            return base._replace(sliding_window=sliding_window)
+        lens = seq_lens[decode_idx].long()
+        return base._replace(sliding_window=sliding_window,
+                             decode_bias=_decode_bias(lens, base.decode_bias.shape[-1], num_kv_heads, sliding_window))
     token_idx = table = rows = bias = newest = None
     if decode_idx.numel():
         token_idx = query_start_loc[:-1][decode_idx].long()
@@ -88,12 +106,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
                           positions)
             else:
                 mirror = None
-        key_pos = torch.arange(ctx, device=device).view(1, -1)
-        visible = key_pos < lens.view(-1, 1)
-        if sliding_window is not None:
-            visible &= key_pos > lens.view(-1, 1) - 1 - sliding_window
-        bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
-        bias = bias.repeat_interleave(num_kv_heads, dim=0).unsqueeze(1)
+        bias = _decode_bias(lens, ctx, num_kv_heads, sliding_window)
     starts, ends, lens_list = query_start_loc[:-1].tolist(), query_start_loc[1:].tolist(), seq_lens.tolist()
     prefills = [(starts[s], ends[s], lens_list[s], s) for s in torch.nonzero(~is_decode & (q_lens > 0)).flatten().tolist()]
     return AttentionPlan(block_size, num_kv_heads, sliding_window, token_idx, table, rows, bias, prefills,

@@ -13,12 +13,15 @@ if TYPE_CHECKING:
     import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM")
 # The language model inside a multimodal checkpoint (LLaVA's `text_config`) is named by its model_type.
 _TEXT_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                      "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 # Architectures whose attention RMS-normalises each query and key head before RoPE.
-_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+# Architectures whose config may slide the window over some layers only (`layer_types`, or every layer from
+# `max_window_layers` on); the others slide it over every layer when they have one.
+_LAYERED_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # The dtypes a model runs in, by name, with their size in bytes. Names, not torch dtypes: the proxy reads
 # model folders too, and loads no torch.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -64,6 +67,67 @@ def _text_config(raw: dict) -> dict:
     text.setdefault("architectures", None)
     text["architectures"] = text["architectures"] or [_TEXT_MODEL_TYPES.get(model_type, model_type)]
     return text
+
+
+def _rope(params: dict | None, default_theta: float) -> tuple[float, dict[str, Any] | None]:
+    """rope_theta and the scaling (None for plain RoPE) of HF `rope_parameters` / `rope_scaling`."""
+    rope = dict(params or {})
+    theta = float(rope.pop("rope_theta", default_theta))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    return theta, None if rope_type == "default" else {**rope, "rope_type": rope_type}
+
+
+def _sliding_layers(arch: str, raw: dict) -> tuple[int, ...]:
+    """The layers a sliding window applies to, as HF chooses them: Gemma 3 and Qwen2/Qwen3 by `layer_types`
+    when the config lists them, else Gemma 3 every layer but each `sliding_window_pattern`-th and Qwen2/Qwen3
+    the layers from `max_window_layers` on; the other families every layer."""
+    num_layers = raw["num_hidden_layers"]
+    layer_types = raw.get("layer_types")
+    if layer_types and arch in (*_LAYERED_WINDOW_ARCHITECTURES, "Gemma3ForCausalLM"):
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types names {len(layer_types)} layers, the model has {num_layers}")
+        return tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    if arch == "Gemma3ForCausalLM":
+        pattern = raw.get("sliding_window_pattern", 6)
+        return tuple(i for i in range(num_layers) if (i + 1) % pattern)
+    if arch in _LAYERED_WINDOW_ARCHITECTURES:
+        return tuple(range(raw.get("max_window_layers", 28), num_layers))
+    return tuple(range(num_layers))
+
+
+# The only MLP activation HF's Gemma 3 checkpoints name (`hidden_activation`), run as torch's tanh GELU.
+_GEMMA3_ACTIVATIONS = ("gelu_pytorch_tanh",)
+
+
+def _gemma3_fields(raw: dict) -> dict[str, Any]:
+    """What a Gemma 3 text config (transformers 4 or 5 layout) sets beyond the Llama family's fields."""
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"Gemma 3 with attn_logit_softcapping={raw['attn_logit_softcapping']} is not supported "
+                         "(the attention kernels do not soft-cap scores; HF's Gemma 3 checkpoints set none)")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("Gemma 3 with use_bidirectional_attention is not supported (an encoder, not a decoder)")
+    act = raw.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act not in _GEMMA3_ACTIVATIONS:
+        raise ValueError(f"Gemma 3 with hidden_activation={act!r} is not supported (supported: {_GEMMA3_ACTIVATIONS})")
+    # transformers 5 nests RoPE by layer type; transformers 4 has rope_theta, rope_scaling (global layers)
+    # and rope_local_base_freq (sliding layers).
+    nested = raw.get("rope_parameters") or {}
+    if "full_attention" not in nested and "sliding_attention" not in nested:
+        nested = {}
+    full = {"rope_theta": raw.get("rope_theta", 1_000_000.0), **(nested.get("full_attention")
+                                                                or raw.get("rope_scaling") or {})}
+    local = {"rope_theta": raw.get("rope_local_base_freq", 10_000.0), **(nested.get("sliding_attention") or {})}
+    rope_theta, rope_scaling = _rope(full, 1_000_000.0)
+    sliding_rope_theta, sliding_rope_scaling = _rope(local, 10_000.0)
+    cap = raw.get("final_logit_softcapping")
+    return dict(
+        rope_theta=rope_theta, rope_scaling=rope_scaling, sliding_rope_theta=sliding_rope_theta,
+        sliding_rope_scaling=sliding_rope_scaling, sliding_window=raw.get("sliding_window", 4096),
+        hidden_act=act, embedding_scale=raw["hidden_size"] ** 0.5,
+        attention_scale=raw.get("query_pre_attn_scalar", 256) ** -0.5, unit_offset_norms=True,
+        sandwich_norms=True, final_logit_softcapping=None if cap is None else float(cap),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +197,24 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     model_id: str = ""
-    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3, Gemma 3)
     moe: MoEConfig | None = None  # the sparse MLP, for a mixture-of-experts model
+    # The layers `sliding_window` applies to (HF's "sliding_attention" layers); None: every layer. Each
+    # layer's window is layer_sliding_window(i). Every layer keeps its whole context in the KV cache.
+    sliding_layers: tuple[int, ...] | None = None
+    # The RoPE of the sliding layers where they have their own (Gemma 3: rope_local_base_freq, unscaled);
+    # None: every layer uses rope_theta and rope_scaling.
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: dict[str, Any] | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu", or "gelu_pytorch_tanh" (Gemma 3's GeGLU)
+    embedding_scale: float | None = None  # token embeddings times this, rounded to the model dtype (Gemma 3)
+    attention_scale: float | None = None  # of the attention scores; None: head_size ** -0.5
+    # RMSNorm scales by (1 + weight), in float32 before the cast to the model dtype (Gemma 3).
+    unit_offset_norms: bool = False
+    # Each layer norms its attention and MLP outputs before adding them to the residual stream (four norms
+    # a layer: input, post_attention, pre_feedforward, post_feedforward; Gemma 3).
+    sandwich_norms: bool = False
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap), in the model dtype
 
     @staticmethod
     def from_pretrained(path: str | Path, dtype: str | torch.dtype = "float32",
@@ -152,22 +232,22 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {archs}; supported: {list(SUPPORTED_ARCHITECTURES)}")
         num_heads = raw["num_attention_heads"]
         head_size = raw.get("head_dim") or raw["hidden_size"] // num_heads
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        rope_theta, rope_scaling = _rope(raw.get("rope_parameters") or raw.get("rope_scaling"),
+                                         raw.get("rope_theta", 10000.0))
         model_len = raw.get("max_position_embeddings", 2048)
         if max_model_len is not None:
             if max_model_len <= 0:
                 raise ValueError(f"max_model_len must be positive, got {max_model_len}")
             model_len = min(model_len, max_model_len)
         use_sliding = raw.get("use_sliding_window", arch in ("MistralForCausalLM", "MixtralForCausalLM"))
+        gemma = _gemma3_fields(raw) if arch == "Gemma3ForCausalLM" else {}
+        sliding_window = gemma.pop("sliding_window", raw.get("sliding_window") if use_sliding else None)
         eos = raw.get("eos_token_id")
         generation_config = folder / "generation_config.json"
         if generation_config.is_file():
             eos = json.loads(generation_config.read_text()).get("eos_token_id", eos)
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return ModelConfig(
+        fields = dict(
             path=str(folder),
             architecture=arch,
             dtype_name=dtype_name(dtype),
@@ -186,12 +266,22 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            sliding_window=raw.get("sliding_window") if use_sliding else None,
+            sliding_window=sliding_window,
             eos_token_ids=eos_ids,
             model_id=raw.get("_name_or_path") or folder.name,
             qk_norm=arch in _QK_NORM_ARCHITECTURES,
             moe=MoEConfig.from_hf(arch, raw),
+            sliding_layers=_sliding_layers(arch, raw) if sliding_window is not None or gemma else (),
         )
+        return ModelConfig(**{**fields, **gemma})
+
+    def is_sliding_layer(self, layer_id: int) -> bool:
+        """Whether the layer is one of the sliding ones (whatever its window)."""
+        return self.sliding_layers is None or layer_id in self.sliding_layers
+
+    def layer_sliding_window(self, layer_id: int) -> int | None:
+        """The sliding window of a layer's attention; None: the whole context."""
+        return self.sliding_window if self.is_sliding_layer(layer_id) else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -208,7 +298,7 @@ class ModelConfig:
         attention = h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.qkv_bias + h * self.o_bias
         attention += 2 * self.head_size * self.qk_norm
         mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h) * self.mlp_bias
-        layers = self.num_layers * (attention + 2 * h)  # + the two RMSNorms
+        layers = self.num_layers * (attention + (4 if self.sandwich_norms else 2) * h)  # + the RMSNorms
         if self.moe is None:
             layers += self.num_layers * mlp
         else:  # the sparse layers' experts and router

@@ -34,7 +34,7 @@ def default_model_path():
 @pytest.fixture(scope="session")
 def tiny_model_paths(tmp_path_factory, default_model_path):
     """Random tiny checkpoints of every supported text family (tiny_models.TINY_CONFIGS: llama, qwen2, qwen3,
-    qwen3-moe, mixtral), built by the project's own script (fixed seed)."""
+    qwen3-moe, mixtral, gemma3), built by the project's own script (fixed seed)."""
     from epdserve.shared.checkpoints.tiny_models import TINY_CONFIGS, build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")

@@ -56,19 +56,33 @@ TINY_CONFIGS = {
         num_local_experts=4, num_experts_per_tok=2, sliding_window=96,
         random_norms=True,
     ),
+    # Gemma 3: 8 layers, sliding (window 12, shorter than most test prompts) but for layer 5, the global one
+    # (HF's pattern of 5 to 1), whose RoPE has its own base and linear scaling (as Gemma 3 4B and up); an
+    # attention scale of its own (query_pre_attn_scalar is not head_dim), soft-capped logits, GQA 4:2,
+    # GeGLU, four norms a layer. Untied, as qwen3.
+    "gemma3": dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=128, intermediate_size=256,
+        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        query_pre_attn_scalar=48, sliding_window=12, final_logit_softcapping=30.0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        random_norms=True,
+    ),
 }
 LM_HEAD_SCALE = 8.0
-NORM_WEIGHT_SPREAD = 0.5  # random_norms: RMSNorm weights uniform in 1 +- this
+NORM_WEIGHT_SPREAD = 0.5  # random_norms: RMSNorm scales uniform in 1 +- this
 
 
-def build_tiny_model(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """Write a random `arch` checkpoint (config.json, model.safetensors, tokenizer) to `out`."""
+def build_tiny_model(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0, **config_overrides) -> Path:
+    """Write a random `arch` checkpoint (config.json, model.safetensors, tokenizer) to `out`;
+    `config_overrides` change its HF config (a test's variant of a family)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if arch not in TINY_CONFIGS:
         raise ValueError(f"unknown tiny model {arch!r}; choose one of {sorted(TINY_CONFIGS)}")
-    params = dict(TINY_CONFIGS[arch])
+    params = {**TINY_CONFIGS[arch], **config_overrides}
     # RMSNorm weights drawn around 1 instead of HF's all-ones init, so that a norm weight loaded into the
     # wrong place (q_norm for k_norm, a layer's for another's) changes the output.
     random_norms = params.pop("random_norms", False)
@@ -79,11 +93,13 @@ def build_tiny_model(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0) -
         initializer_range=0.05, dtype="float32", **params)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Gemma's norms scale by 1 + weight.
+    center = 0.0 if config.model_type == "gemma3_text" else 1.0
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(LM_HEAD_SCALE)
         for name, param in model.named_parameters():
             if random_norms and name.endswith("norm.weight"):
-                param.uniform_(1 - NORM_WEIGHT_SPREAD, 1 + NORM_WEIGHT_SPREAD)
+                param.uniform_(center - NORM_WEIGHT_SPREAD, center + NORM_WEIGHT_SPREAD)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     for name in TOKENIZER_FILES:

@@ -77,6 +77,8 @@ class ModelRunner:
             attn.backend = backend
         self.backend = backend
         self.attention_backend = backend.name
+        # The sliding windows the layers use (None: the whole context), each planned once per step.
+        self.attention_windows = tuple(dict.fromkeys(attn.sliding_window for attn in self.model.attention_layers()))
         # The CPU path keeps the decode batch's K/V contiguous across steps, within the pool's own size.
         self.decode_mirror = None
         if backend.name == "torch" and self.device.type == "cpu":
@@ -213,7 +215,10 @@ class ModelRunner:
             if self.decode_mirror is not None:
                 extra = dict(mirror=self.decode_mirror, seq_ids=tuple(r.request_id for r, _ in scheduled),
                              num_layers=m.num_layers, head_size=m.head_size)
-            meta.plan = self.backend.plan(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs,
-                                          m.num_kv_heads, m.sliding_window, **extra)
+            for window in self.attention_windows:
+                # The first window's plan begins the mirror's step; the others share its work.
+                base = {"base": next(iter(meta.plans.values()))} if meta.plans else extra
+                meta.plans[window] = self.backend.plan(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs,
+                                                       m.num_kv_heads, window, **base)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         return input_ids, positions.to(dev), meta, torch.tensor(sample_rows, device=dev), sample_requests, spans

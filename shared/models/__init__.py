@@ -6,7 +6,9 @@ def model_class(architecture: str):
     what only reads model configs (the proxy) loads no torch."""
     from epdserve.shared.models.llama import LlamaForCausalLM
 
-    # One decoder for every supported family: where they differ, ModelConfig says so (qk_norm, moe, biases).
+    # One decoder for every supported family: where they differ, ModelConfig says so (qk_norm, moe, biases,
+    # sliding layers, Gemma 3's norms, embeddings, activation, RoPE and logit cap).
     return {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
             "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
-            "Qwen3MoeForCausalLM": LlamaForCausalLM, "MixtralForCausalLM": LlamaForCausalLM}[architecture]
+            "Qwen3MoeForCausalLM": LlamaForCausalLM, "MixtralForCausalLM": LlamaForCausalLM,
+            "Gemma3ForCausalLM": LlamaForCausalLM}[architecture]

@@ -1,7 +1,10 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over the paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma 3) over the
+paged KV cache.
 
-The families differ only where ModelConfig says so: biases, per-head query/key RMSNorm (Qwen3), and a
-sparse mixture-of-experts MLP in some or all layers (Qwen3-MoE, Mixtral; layers/sparse_moe.py).
+The families differ only where ModelConfig says so: biases, per-head query/key RMSNorm (Qwen3, Gemma 3), a
+sparse mixture-of-experts MLP in some or all layers (Qwen3-MoE, Mixtral; layers/sparse_moe.py), a sliding
+window on some or all layers, and Gemma 3's ways: scaled embeddings, (1 + weight) RMSNorms, four norms a
+layer, a GeGLU MLP, its own attention scale, a second RoPE for the sliding layers, soft-capped logits.
 Numerics follow HF transformers (float32 RMSNorm, rotate-half RoPE, residuals in the model dtype), so
 greedy float32 output matches `generate` token for token. The Q/K/V projections are fused into one
 matmul: on CPU a batch-64 decode step is a handful of small matmuls per layer, and fewer, larger ones
@@ -12,6 +15,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from epdserve.kernels import cpu_layer_ops
@@ -25,17 +29,18 @@ from epdserve.shared.models.weight_loader import load_weights
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size = config.num_heads, config.num_kv_heads, config.head_size
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_size, config.sliding_window)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_size, config.layer_sliding_window(layer_id),
+                              config.attention_scale)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, config.unit_offset_norms)
+            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, config.unit_offset_norms)
         else:
             self.q_norm = self.k_norm = None
 
@@ -69,46 +74,76 @@ class LlamaMLP(nn.Module):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu:  # GeGLU (Gemma 3): HF's act(gate) * up, in the model dtype
+            return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh").mul_(self.up_proj(x)))
         return self.down_proj(cpu_layer_ops.silu_mul_(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layer_id)
         is_sparse = config.moe is not None and layer_id in config.moe.sparse_layers
         self.mlp = SparseMoE(config) if is_sparse else LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Which RoPE table the layer's attention rotates by (the sliding layers' own, where they have one).
+        self.local_rope = config.sliding_rope_theta is not None and config.is_sliding_layer(layer_id)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(config.hidden_size, config.rms_norm_eps, config.unit_offset_norms)
+
+        self.input_layernorm = norm()
+        # Llama's pre-MLP norm; with sandwich norms (Gemma) the attention output's, under HF's same name.
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm() if config.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if config.sandwich_norms else None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, delta: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:
         """x: the residual stream, updated in place; delta: what the layer before adds to it (None for the
         first). Returns what this layer adds: each add happens inside the RMSNorm that follows it."""
         attn_out = self.self_attn(rope, self.input_layernorm(x, delta), meta)
-        return self.mlp(self.post_attention_layernorm(x, attn_out))
+        if self.pre_feedforward_layernorm is None:
+            return self.mlp(self.post_attention_layernorm(x, attn_out))
+        hidden = self.pre_feedforward_layernorm(x, self.post_attention_layernorm(attn_out))
+        return self.post_feedforward_layernorm(self.mlp(hidden))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        # One RoPE table shared by all layers.
+        # Gemma scales embeddings by a float32 scalar rounded to the model dtype (HF: sqrt(3072) is 55.5 in
+        # bfloat16); a buffer, not a weight.
+        scale = None
+        if config.embedding_scale is not None:
+            scale = torch.tensor(config.embedding_scale, dtype=torch.float32).to(config.dtype)
+        self.register_buffer("embed_scale", scale, persistent=False)
+        # One RoPE table shared by all layers; the sliding layers' own second one where they have it (Gemma 3).
         self.rotary = RotaryEmbedding(config.head_size, config.max_model_len, config.rope_theta,
                                       config.rope_scaling, config.dtype)
+        self.local_rotary = None
+        if config.sliding_rope_theta is not None:
+            self.local_rotary = RotaryEmbedding(config.head_size, config.max_model_len, config.sliding_rope_theta,
+                                                config.sliding_rope_scaling, config.dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.unit_offset_norms)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         # The residual stream, updated in place: never the caller's tensor.
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.clone()
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.clone()
         rope = self.rotary.lookup(positions)
+        local_rope = rope if self.local_rotary is None else self.local_rotary.lookup(positions)
         delta = None
         for layer in self.layers:
-            delta = layer(rope, x, delta, meta)
+            delta = layer(local_rope if layer.local_rope else rope, x, delta, meta)
         return self.norm(x, delta)
 
 
@@ -126,11 +161,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta, inputs_embeds)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        return self.model.embed(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Logits in the model dtype, then float32, as HF generate takes them.
-        return self.lm_head(hidden).float()
+        # Logits in the model dtype (soft-capped there, where the config says so), then float32, as HF
+        # generate takes them.
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

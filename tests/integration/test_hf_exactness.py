@@ -90,7 +90,8 @@ PATHS = {
 }
 
 
-@pytest.fixture(params=["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral", "smollm2"])
+@pytest.fixture(params=["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-gemma3",
+                        "smollm2"])
 def model(request, tiny_model_paths, default_model_path):
     if request.param == "smollm2":
         return str(default_model_path), True

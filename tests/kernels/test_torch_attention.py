@@ -1,5 +1,6 @@
 """The PyTorch attention backend (the engine's CPU path) on the engine's own head-major cache layout, against
-dense attention on gathered K/V: mixed decode/prefill/chunked batches, GQA, sliding windows."""
+dense attention on gathered K/V: mixed decode/prefill/chunked batches, GQA, sliding windows (one step's plan
+shared by layers of different windows)."""
 import pytest
 import torch
 
@@ -46,3 +47,16 @@ def test_head_major_reference_equals_dense(num_heads, num_kv_heads, sliding_wind
     # Without a plan the function makes the same one itself.
     again = torch_attention.paged_attention(query, kc, vc, tables, seq_lens, qsl, scale, sliding_window)
     assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("first, second", [(5, None), (None, 5), (5, 9)])
+def test_a_plan_made_from_another_windows_plan_equals_a_fresh_one(first, second):
+    """Layers with different windows (Gemma 3's sliding and global ones) share one step's plan but the
+    decodes' mask."""
+    specs = [(1, 1), (1, 37), (20, 20), (7, 40), (1, 90)]
+    query, kc, vc, tables, seq_lens, qsl = head_major_batch(specs, 4, 2, 32, 16, 0)
+    base = torch_attention.plan_attention(tables, seq_lens, qsl, 16, 2, first)
+    derived = torch_attention.plan_attention(tables, seq_lens, qsl, 16, 2, second, base=base)
+    assert derived.sliding_window == second and derived.decode_table is base.decode_table
+    out = torch_attention.paged_attention(query, kc, vc, tables, seq_lens, qsl, 0.2, second, plan=derived)
+    assert torch.equal(out, torch_attention.paged_attention(query, kc, vc, tables, seq_lens, qsl, 0.2, second))

@@ -1,7 +1,7 @@
 """Attention over the paged KV cache, through whichever backend the engine selected."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -15,14 +15,17 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32
     seq_lens: torch.Tensor  # [num_seqs] int32: length including this step's tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    plan: object | None = None  # the backend's per-step plan, if it makes one
+    # The backend's per-step plan for each sliding window the layers use (None: the whole context), if it
+    # makes plans.
+    plans: dict[int | None, object] = field(default_factory=dict)
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, sliding_window: int | None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, sliding_window: int | None,
+                 scale: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
-        self.scale = head_size ** -0.5
+        self.scale = head_size ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
         # Bound by the model runner after the cache is allocated: [num_blocks, block_size, num_kv_heads, head_size].
         self.key_cache: torch.Tensor | None = None
@@ -33,6 +36,7 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_size]; key/value: [num_tokens, num_kv_heads, head_size]
         self.backend.write_kv(key, value, self.key_cache, self.value_cache, meta.slot_mapping)
-        extra = {} if meta.plan is None else {"plan": meta.plan}
+        plan = meta.plans.get(self.sliding_window)
+        extra = {} if plan is None else {"plan": plan}
         return self.backend.attend(query, self.key_cache, self.value_cache, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, self.scale, self.sliding_window, **extra)
