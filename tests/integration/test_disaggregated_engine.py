@@ -219,7 +219,7 @@ def test_kv_that_lands_corrupted_is_fetched_again_then_recomputed(tiny_model_pat
             sources = PeerSources(RequestSpans("decode-0"), kv_handle=handle)
             request = await decode.make_request({"prompt_token_ids": prompt},
                                                 replace(params, output_kind=RequestOutputKind.DELTA), "r",
-                                                first_token_ids=firsts, kv_transfer_params=sources)
+                                                peer_token_ids=[[t] for t in firsts], kv_transfer_params=sources)
             tokens = list(firsts)
             async for out in decode.generate(request):
                 tokens += out.outputs[0].token_ids
