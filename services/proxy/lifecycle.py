@@ -128,8 +128,9 @@ class ServiceBackend:
         await self.inbox.close()
 
     async def _dispatch(self) -> None:
-        """Deliver what services push to the stream of the request it belongs to. Tokens of a request
-        nobody waits for any more (it ended here while the service went on) get that request aborted."""
+        """Deliver what services push to the stream of the request it belongs to, with the sender's engine id.
+        Tokens of a request nobody waits for any more (it ended here while the service went on) get that
+        request aborted."""
         orphans: collections.OrderedDict[str, None] = collections.OrderedDict()
         while True:
             message, peer = await self.inbox.recv_from()
@@ -138,7 +139,7 @@ class ServiceBackend:
                 rid = getattr(item, "request_id", None) or ""
                 queue = self._streams.get(rid)
                 if queue is not None:
-                    queue.put_nowait(item)
+                    queue.put_nowait((peer.engine_id, item))
                 elif rid not in orphans and not (isinstance(item, TokenDelta) and item.finish_reason):
                     orphans[rid] = None
                     if len(orphans) > 1024:
@@ -312,10 +313,20 @@ class ServiceBackend:
             # Counted again at once: no other routing decision happens in between.
             instance.start()
             liveness = Liveness(instance, self._check_cut)
+            owner = instance.status.engine_id if instance.status is not None else None
+            stale: set[str] = set()
             while not finished:
-                message = await self._next(queue, liveness)
-                if message is _CUT:
+                received = await self._next(queue, liveness)
+                if received is _CUT:
                     self._check_cut()
+                sender, message = received
+                if owner is not None and sender != owner:
+                    # An instance this call failed over from (frozen, then back) still runs the request under
+                    # the same id: its tokens are not this stream's.
+                    if sender not in stale:
+                        stale.add(sender)
+                        self._abort_soon(self.router.find(sender), rid)
+                    continue
                 if isinstance(message, Error):
                     if message.code == ErrorCode.ABORTED:  # stopped by its instance, which is going away
                         raise StreamLost(f"{role.value} {instance.address}: {message.message}", "drained", 503,
