@@ -92,7 +92,7 @@ def wait_for(condition, what: str, timeout: float = 60) -> None:
 
 async def stream_all(stack, requests: dict, progress: dict | None = None, stalls: dict | None = None) -> dict:
     """name -> {choice index: (text, finish_reason)} for each request streamed at once; `progress[name]`
-    counts the chunks received so far, `stalls[name]` is the longest wait between two of them (seconds)."""
+    counts the chunks received so far (`progress["ended"]`: the requests whose stream ended), `stalls[name]` is the longest wait between two of them (seconds)."""
     async def one(c, name, kwargs):
         choices: dict[int, list] = {}
         last = time.monotonic()
@@ -106,6 +106,8 @@ async def stream_all(stack, requests: dict, progress: dict | None = None, stalls
                 choices[choice.index] = [text + choice.text, choice.finish_reason]
                 if progress is not None:
                     progress[name] = progress.get(name, 0) + 1
+        if progress is not None:
+            progress.setdefault("ended", set()).add(name)
         return {i: tuple(v) for i, v in choices.items()}
 
     async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
@@ -114,23 +116,28 @@ async def stream_all(stack, requests: dict, progress: dict | None = None, stalls
     return dict(zip(names, results))
 
 
-async def lose_decode_mid_stream(stack, lose: str, keep: str, requests: dict, how, stalls: dict) -> dict:
+async def lose_decode_mid_stream(stack, lose: str, keep: str, requests: dict, how,
+                                 stalls: dict) -> tuple[dict, int]:
     """Stream `requests` on decode `lose` only (`keep` frozen while they are accepted), let them get going, then
-    `how(service)` takes `lose` away; what each stream received (and in `stalls`, its longest silence)."""
-    progress: dict[str, int] = {}
+    `how(service)` takes `lose` away; what each stream received (and in `stalls`, its longest silence), and how
+    many were still running when it went."""
+    progress: dict = {}
     stack.services[keep].proc.send_signal(signal.SIGSTOP)
     try:
         await asyncio.to_thread(wait_for, lambda: healthy(stack, "decode") == 1, f"{keep} still routed to")
         task = asyncio.create_task(stream_all(stack, requests, progress, stalls))
-        while len(progress) < len(requests):
+        # Every sequence decoding on `lose` (a stream's first token comes from prefill, before decode has it).
+        sequences = sum(kwargs.get("n", 1) for kwargs in requests.values())
+        while counter(stack, lose, "epdserve:num_requests_running") < sequences:
             assert not task.done(), task.result()
             await asyncio.sleep(0.05)
     finally:
         stack.services[keep].proc.send_signal(signal.SIGCONT)
     await asyncio.to_thread(wait_for, lambda: healthy(stack, "decode") == 2, f"{keep} not routed to again")
-    assert min(progress.values()) < 100, "the streams ended before their decode was lost"
+    running = len(requests) - len(progress.get("ended", ()))
+    assert running, "the streams ended before their decode was lost"
     how(stack.services[lose])
-    return await task
+    return await task, running
 
 
 def test_streams_continue_on_another_decode_when_theirs_is_lost(stack, client):
@@ -141,21 +148,21 @@ def test_streams_continue_on_another_decode_when_theirs_is_lost(stack, client):
     migrations = proxy.metrics().get("epdserve:request_migrations_total", 0.0)
 
     stalls: dict[str, float] = {}
-    killed = asyncio.run(lose_decode_mid_stream(stack, "decode-0", "decode-1", STREAMS,
-                                                lambda s: s.stop(signal.SIGKILL), stalls))
+    killed, running = asyncio.run(lose_decode_mid_stream(stack, "decode-0", "decode-1", STREAMS,
+                                                         lambda s: s.stop(signal.SIGKILL), stalls))
     assert killed == expected
     assert max(stalls.values()) < 30, stalls
     print(f"\ndecode SIGKILL: {len(killed)}/{len(STREAMS)} streams completed, identical; longest stall "
           f"{max(stalls.values()):.2f}s")
-    assert proxy.metrics()["epdserve:request_migrations_total"] >= migrations + len(STREAMS)
+    assert proxy.metrics()["epdserve:request_migrations_total"] >= migrations + running
     stack.services["decode-0"].start()  # as a restart policy would: the stack heals
     wait_for(lambda: healthy(stack, "decode") == 2, "decode-0 did not come back", 120)
 
     # SIGTERM: decode-1 drains for its grace (--drain-timeout 1), then cuts its streams; they continue on decode-0.
     drained = {name: STREAMS[name] for name in ("greedy", "n3")}
     stalls.clear()
-    cut = asyncio.run(lose_decode_mid_stream(stack, "decode-1", "decode-0", drained,
-                                             lambda s: s.proc.send_signal(signal.SIGTERM), stalls))
+    cut, _ = asyncio.run(lose_decode_mid_stream(stack, "decode-1", "decode-0", drained,
+                                                lambda s: s.proc.send_signal(signal.SIGTERM), stalls))
     assert cut == {name: expected[name] for name in drained}
     assert max(stalls.values()) < 30, stalls
     print(f"decode drained past its grace: {len(cut)}/{len(drained)} streams completed, identical; longest stall "
