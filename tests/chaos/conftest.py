@@ -48,11 +48,11 @@ SUITE = {"started": time.time()}
 
 
 def pytest_collection_modifyitems(config, items):
-    if ENABLED:
-        return
+    """The faults need the stack: skipped unless run.sh set EPDSERVE_COMPOSE_TEST=1 (the suite's parts
+    run everywhere)."""
     skip = pytest.mark.skip(reason="needs a Docker engine, root and the built image: run `make test-chaos`")
     for item in items:
-        if HERE in Path(item.path).parents:
+        if Path(item.path) == HERE / "test_chaos.py" and not ENABLED:
             item.add_marker(skip)
 
 

@@ -4,7 +4,8 @@ A fault's run (`run_fault`), on a stack healed beforehand:
 
 1. wave A (every stream of the catalog, a salt of its own) starts and gets going (a few chunks each);
 2. wave B starts - its requests are encoding, prefilling or queued - and the fault lands 0.3 s later, on the
-   instance that holds the most (a decode by its running requests, a prefill by running + waiting);
+   instance that holds the most (a decode by its running requests, a prefill by running + waiting); faults
+   of the KV path are in place before wave A, so that every request's pull meets them;
 3. the fault lasts as long as it says (`hold`), is undone (`end`), and both waves are read to their ends;
 4. once the engines are idle, what was measured becomes a Result: streams completed, answers equal to the
    no-fault run's, KV blocks still held, the longest silence of any stream, corruptions flipped and detected.
@@ -20,8 +21,9 @@ from typing import Callable
 from epdserve_chaos_cluster import Cluster, docker, wait_for
 from epdserve_chaos_load import Answer, Stream, join_all, start_wave, wait_started
 
-HEARTBEAT_WINDOW_S = 9.0  # the proxy drops an instance after 3 missed polls (1 s apart, 2 s timeout each)
-PAUSE_S = 12.0  # a pause outlasts the heartbeat window: the proxy must give up on the frozen instance
+# The proxy drops an instance after 3 missed polls: a round every second, each poll timing out after 2 s.
+HEARTBEAT_WINDOW_S = 3 * (1.0 + 2.0)
+PAUSE_S = HEARTBEAT_WINDOW_S + 3  # outlasts the heartbeats: the proxy must give up on the frozen instance
 PARTITION_S = 10.0
 LOSS_PROBABILITY = "0.01"
 KV_DELAY_S = 1.0  # before every KV answer (one per fetch message) of every prefill
@@ -52,8 +54,9 @@ class Result:
 
 @dataclass
 class Fault:
-    """`inject(cluster, victim)` starts the fault; `hold` (seconds) later `end(cluster, victim)` undoes it (None:
-    held until the streams ended); `heal_needed` faults leave the victim for `Cluster.heal` to bring back."""
+    """`inject(cluster, victim)` starts the fault on the busiest container of `service`; `hold` seconds later
+    (None: once every stream ended) `end(cluster, victim)` undoes it. A victim left down (killed, stopped) is
+    brought back by `Cluster.heal`, as an operator or a restart policy would."""
 
     name: str
     service: str
@@ -61,6 +64,7 @@ class Fault:
     end: Callable[[Cluster, str], None] = lambda cluster, victim: None
     hold: float | None = 0.0
     description: str = ""
+    before_load: bool = False  # injected before wave A starts (the KV path: every request's pull meets it)
 
 
 def _kill(cluster: Cluster, victim: str) -> None:
@@ -117,9 +121,9 @@ FAULTS = [
     Fault("none", "decode", lambda c, v: None, description="no fault (control)"),
     # The KV path first: the taps went in before any KV moved, on the prefills as they were started.
     Fault("kv-delay", "prefill", lambda c, v: c.set_taps(delay=KV_DELAY_S), lambda c, v: c.set_taps(), None,
-          f"{KV_DELAY_S:.1f} s before every KV answer of both prefills"),
+          f"{KV_DELAY_S:.1f} s before every KV answer of both prefills", before_load=True),
     Fault("kv-bitflip", "prefill", lambda c, v: c.set_taps(flip=True), lambda c, v: c.set_taps(), None,
-          "one bit flipped in the first KV answer of every request, on both prefills"),
+          "one bit flipped in the first KV answer of every request, on both prefills", before_load=True),
     Fault("kill-decode", "decode", _kill, description="docker kill of the decode streaming the most"),
     Fault("pause-decode", "decode", _pause, _unpause, PAUSE_S, f"docker pause for {PAUSE_S:.0f} s"),
     Fault("stop-decode", "decode", _stop, _stopped, None, description="docker stop: drain grace runs out mid-stream"),
@@ -163,15 +167,20 @@ def run_fault(cluster: Cluster, client, catalog: dict, reference: dict[str, Answ
     """One fault under load on a healed stack (see the module's docstring): its Result, and the streams."""
     result = Result(fault.name)
     started = time.monotonic()
-    migrations_before, integrity_before = migrations(cluster), integrity_failures(cluster)
-    flipped_before = len(cluster.flipped())
+    corrupting = fault.name == "kv-bitflip"
+    migrations_before = migrations(cluster)
+    integrity_before, flipped_before = (integrity_failures(cluster), len(cluster.flipped())) if corrupting else (0, 0)
+    if fault.before_load:
+        victim = result.target = "every prefill's KV tap"
+        fault.inject(cluster, victim)
     wave_a = start_wave(client, catalog, f"{fault.name}-a")
     wait_started(wave_a, 4, 180)
     wave_b = start_wave(client, catalog, f"{fault.name}-b")
     time.sleep(0.3)
-    victim = result.target = pick_victim(cluster, fault.service)
-    restarts_before = cluster.restart_count(victim)
-    fault.inject(cluster, victim)
+    if not fault.before_load:
+        victim = result.target = pick_victim(cluster, fault.service)
+        restarts_before = cluster.restart_count(victim)
+        fault.inject(cluster, victim)
     streams = wave_a + wave_b
     if fault.hold is not None:
         time.sleep(fault.hold)
@@ -186,10 +195,11 @@ def run_fault(cluster: Cluster, client, catalog: dict, reference: dict[str, Answ
     result.longest_stall_s = round(max(s.longest_gap for s in streams), 1)
     result.failures = [describe_difference(s, reference[s.name]) for s in streams
                        if not (s.completed and s.answer == reference[s.name])]
-    result.corruptions_injected = len(cluster.flipped()) - flipped_before if fault.name == "kv-bitflip" else None
-    integrity_after = integrity_failures(cluster)
-    if fault.name == "kv-bitflip" and integrity_before is not None and integrity_after is not None:
-        result.corruptions_detected = int(integrity_after - integrity_before)
+    if corrupting:
+        result.corruptions_injected = len(cluster.flipped()) - flipped_before
+        integrity_after = integrity_failures(cluster)
+        if integrity_before is not None and integrity_after is not None:
+            result.corruptions_detected = int(integrity_after - integrity_before)
 
     if fault.name.startswith("kill-"):  # does `restart: unless-stopped` bring a killed container back?
         time.sleep(2)
