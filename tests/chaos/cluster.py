@@ -197,6 +197,10 @@ class Cluster:
         for tap in self.taps.values():
             tap.wait_mode(delay, flip)
 
+    def tapped_fetches(self) -> int:
+        """KV fetch messages the taps have seen so far."""
+        return sum(tap.read_stats().get("requests", 0) for tap in self.taps.values())
+
     def flipped(self) -> list[str]:
         return [rid for tap in self.taps.values() for rid in tap.read_stats().get("flipped", [])]
 

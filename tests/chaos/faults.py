@@ -46,6 +46,7 @@ class Result:
     corruptions_injected: int | None = None
     corruptions_detected: int | None = None
     migrations: int = 0
+    kv_fetches_tapped: int | None = None  # KV fetch messages that went through the taps (faults of the KV path)
     seconds: float = 0.0
     outcome: str = "passed"
     notes: list[str] = field(default_factory=list)
@@ -164,31 +165,17 @@ def migrations(cluster: Cluster) -> float:
 
 def run_fault(cluster: Cluster, client, catalog: dict, reference: dict[str, Answer], fault: Fault) -> tuple[
         Result, list[Stream]]:
-    """One fault under load on a healed stack (see the module's docstring): its Result, and the streams."""
+    """One fault under load (see the module's docstring): its Result, and the streams."""
     result = Result(fault.name)
     started = time.monotonic()
+    cluster.heal()  # a no-op after a fault that passed: the last one healed
     corrupting = fault.name == "kv-bitflip"
     migrations_before = migrations(cluster)
     integrity_before, flipped_before = (integrity_failures(cluster), len(cluster.flipped())) if corrupting else (0, 0)
+    tapped_before = cluster.tapped_fetches()
+    streams = _under_fault(cluster, client, catalog, fault, result)
     if fault.before_load:
-        victim = result.target = "every prefill's KV tap"
-        fault.inject(cluster, victim)
-    wave_a = start_wave(client, catalog, f"{fault.name}-a")
-    wait_started(wave_a, 4, 180)
-    wave_b = start_wave(client, catalog, f"{fault.name}-b")
-    time.sleep(0.3)
-    if not fault.before_load:
-        victim = result.target = pick_victim(cluster, fault.service)
-        restarts_before = cluster.restart_count(victim)
-        fault.inject(cluster, victim)
-    streams = wave_a + wave_b
-    if fault.hold is not None:
-        time.sleep(fault.hold)
-        fault.end(cluster, victim)
-        join_all(streams, STREAMS_TIMEOUT_S)
-    else:
-        join_all(streams, STREAMS_TIMEOUT_S)
-        fault.end(cluster, victim)
+        result.kv_fetches_tapped = cluster.tapped_fetches() - tapped_before
     result.streams = len(streams)
     result.completed = sum(s.completed for s in streams)
     result.identical = sum(s.completed and s.answer == reference[s.name] for s in streams)
@@ -200,13 +187,6 @@ def run_fault(cluster: Cluster, client, catalog: dict, reference: dict[str, Answ
         integrity_after = integrity_failures(cluster)
         if integrity_before is not None and integrity_after is not None:
             result.corruptions_detected = int(integrity_after - integrity_before)
-
-    if fault.name.startswith("kill-"):  # does `restart: unless-stopped` bring a killed container back?
-        time.sleep(2)
-        state = cluster.state(victim)
-        policy = state["Running"] or state["Restarting"] or cluster.restart_count(victim) > restarts_before
-        result.notes.append("restart policy brought it back" if policy else
-                            "restart: unless-stopped did not restart it after docker kill: started again")
     result.notes += cluster.heal()
     held = cluster.wait_idle(IDLE_TIMEOUT_S)
     result.leaked_blocks = sum(n or 0 for n in held.values())
@@ -216,6 +196,39 @@ def run_fault(cluster: Cluster, client, catalog: dict, reference: dict[str, Answ
     result.migrations = int(migrations(cluster) - migrations_before)
     result.seconds = round(time.monotonic() - started, 1)
     return result, streams
+
+
+def _under_fault(cluster: Cluster, client, catalog: dict, fault: Fault, result: Result) -> list[Stream]:
+    """Both waves with the fault injected among them, read to their ends; the fault undone whatever happens."""
+    victim, ended, restarts_before = "", False, 0
+    try:
+        if fault.before_load:
+            victim = result.target = "every prefill's KV tap"
+            fault.inject(cluster, victim)
+        wave_a = start_wave(client, catalog, f"{fault.name}-a")
+        wait_started(wave_a, 4, 180)
+        wave_b = start_wave(client, catalog, f"{fault.name}-b")
+        streams = wave_a + wave_b
+        time.sleep(0.3)
+        if not fault.before_load:
+            victim = result.target = pick_victim(cluster, fault.service)
+            restarts_before = cluster.restart_count(victim)
+            fault.inject(cluster, victim)
+        if fault.hold is not None:
+            time.sleep(fault.hold)
+            ended = True
+            fault.end(cluster, victim)
+        join_all(streams, STREAMS_TIMEOUT_S)
+    finally:
+        if victim and not ended:
+            fault.end(cluster, victim)
+    if fault.name.startswith("kill-"):  # does `restart: unless-stopped` bring a killed container back?
+        time.sleep(2)
+        state = cluster.state(victim)
+        by_policy = state["Running"] or state["Restarting"] or cluster.restart_count(victim) > restarts_before
+        result.notes.append("restarted by its restart policy" if by_policy else
+                            "restart: unless-stopped did not restart it after docker kill: started again by the suite")
+    return streams
 
 
 def describe_difference(stream: Stream, expected: Answer) -> str:

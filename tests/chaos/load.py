@@ -41,6 +41,8 @@ def requests(picture_png: bytes) -> dict[str, dict]:
                                       "json_schema": {"name": "cities", "schema": JSON_SCHEMA}}),
         "seeded": dict(messages=[{"role": "user", "content": "Write a poem about the sea."}], temperature=1.0,
                        top_p=0.95, seed=1234, max_tokens=MAX_TOKENS, extra_body=long),
+        "seeded-2": dict(messages=[{"role": "user", "content": "Invent a new colour and describe it."}],
+                         temperature=0.7, seed=99, max_tokens=MAX_TOKENS, extra_body=long),
     }
 
 
