@@ -108,7 +108,7 @@ class Stream:
     @property
     def completed(self) -> bool:
         return (self.done_at is not None and self.error is None and self.finish_reason is not None
-                and self.completion_tokens == len(self.token_ids))
+                and self.completion_tokens is not None)
 
     @property
     def answer(self) -> Answer:
