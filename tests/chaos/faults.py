@@ -159,8 +159,12 @@ def integrity_failures(cluster: Cluster) -> float | None:
     return sum(found) if found else None
 
 
-def migrations(cluster: Cluster) -> float:
-    return cluster.proxy_metrics().get("epdserve:request_migrations_total", 0.0)
+def migrations(cluster: Cluster) -> dict[str, float]:
+    """The proxy's migrations so far: in all (""), and by reason."""
+    metrics = cluster.proxy_metrics()
+    prefix = "epdserve:request_migrations_total{reason="
+    return {"": metrics.get("epdserve:request_migrations_total", 0.0),
+            **{k.removeprefix(prefix).rstrip("}"): v for k, v in metrics.items() if k.startswith(prefix)}}
 
 
 def run_fault(cluster: Cluster, client, catalog: dict, reference: dict[str, Answer], fault: Fault) -> tuple[
@@ -193,7 +197,11 @@ def run_fault(cluster: Cluster, client, catalog: dict, reference: dict[str, Answ
     if held:
         result.notes.append(f"blocks held once idle: {held}")
     result.failures += [f"{c}: /metrics unreadable once healed" for c, n in held.items() if n is None]
-    result.migrations = int(migrations(cluster) - migrations_before)
+    after = migrations(cluster)
+    result.migrations = int(after[""] - migrations_before[""])
+    reasons = {k: int(v - migrations_before.get(k, 0.0)) for k, v in after.items() if k and v > migrations_before.get(k, 0.0)}
+    if reasons:
+        result.notes.append(f"migrations by reason: {reasons}")
     result.seconds = round(time.monotonic() - started, 1)
     return result, streams
 
