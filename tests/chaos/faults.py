@@ -199,7 +199,8 @@ def run_fault(cluster: Cluster, client, catalog: dict, reference: dict[str, Answ
     result.failures += [f"{c}: /metrics unreadable once healed" for c, n in held.items() if n is None]
     after = migrations(cluster)
     result.migrations = int(after[""] - migrations_before[""])
-    reasons = {k: int(v - migrations_before.get(k, 0.0)) for k, v in after.items() if k and v > migrations_before.get(k, 0.0)}
+    reasons = {k: int(v - migrations_before.get(k, 0.0)) for k, v in after.items()
+               if k and v > migrations_before.get(k, 0.0)}
     if reasons:
         result.notes.append(f"migrations by reason: {reasons}")
     result.seconds = round(time.monotonic() - started, 1)

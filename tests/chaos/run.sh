@@ -19,7 +19,7 @@ skipped() {
 
 if ! command -v iptables >/dev/null || ! command -v nsenter >/dev/null; then
   [ "$(id -u)" = 0 ] || skipped "network faults need root (nsenter, iptables) and this is not root"
-  command -v apt-get >/dev/null || skipped "no iptables or nsenter here, and this is not a Debian system to install them"
+  command -v apt-get >/dev/null || skipped "no iptables or nsenter here, and no apt-get to install them"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq && apt-get install -y -qq --no-install-recommends iptables util-linux >/dev/null \
     || { echo "$SUITE: installing iptables failed"; exit 1; }
