@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -117,6 +118,12 @@ class Cluster:
     def __init__(self, stack, api_key: str, workdir: Path) -> None:
         self.stack, self.api_key, self.workdir = stack, api_key, workdir
         self.taps: dict[str, KVTap] = {}
+        self.frozen: dict[str, list[int] | None] = {}  # container -> pids stopped by signal (None: docker pause)
+        self.notes: list[str] = []  # what a fault's run should record, taken by `take_notes`
+
+    def take_notes(self) -> list[str]:
+        notes, self.notes = self.notes, []
+        return notes
 
     # -- containers ----------------------------------------------------------------------------------
     def containers(self, service: str) -> list[str]:
@@ -141,6 +148,32 @@ class Cluster:
 
     def iptables(self, container: str, *rule: str) -> None:
         nsenter_iptables(self.pid(container), *rule)
+
+    def freeze(self, container: str) -> None:
+        """`docker pause`; where the cgroup freezer fails ("unable to freeze", seen on this project's CI
+        machines), SIGSTOP to every process of the container, which freezes it as far as any peer can tell."""
+        paused = docker("pause", container, check=False)
+        if paused.returncode == 0:
+            self.frozen[container] = None
+            return
+        pids = [int(pid) for pid in docker("top", container, "-eo", "pid").stdout.split()[1:]]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        self.frozen[container] = pids
+        self.notes.append(f"docker pause failed ({paused.stderr.strip()[-120:]}): froze its {len(pids)} "
+                          "process(es) with SIGSTOP instead, SIGCONT to thaw")
+
+    def thaw(self, container: str) -> None:
+        if container not in self.frozen:
+            return
+        pids = self.frozen.pop(container)
+        if pids is None:
+            docker("unpause", container)
+        for pid in pids or ():
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     # -- metrics -------------------------------------------------------------------------------------
     def metrics(self, container: str) -> dict[str, float]:
@@ -213,6 +246,9 @@ class Cluster:
         """Every container running and ready, the proxy routing to all of them, no fault left in a network
         namespace; what had to be done, for the record."""
         done = []
+        for container in list(self.frozen):
+            self.thaw(container)
+            done.append(f"thawed {container}")
         for service in (*ENGINE_SERVICES, "proxy"):
             for container in self.containers(service):
                 state = self.state(container)

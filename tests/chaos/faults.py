@@ -73,11 +73,11 @@ def _kill(cluster: Cluster, victim: str) -> None:
 
 
 def _pause(cluster: Cluster, victim: str) -> None:
-    docker("pause", victim)
+    cluster.freeze(victim)
 
 
 def _unpause(cluster: Cluster, victim: str) -> None:
-    docker("unpause", victim)
+    cluster.thaw(victim)
 
 
 def _stop(cluster: Cluster, victim: str) -> None:
@@ -173,6 +173,7 @@ def run_fault(cluster: Cluster, client, catalog: dict, reference: dict[str, Answ
     result = Result(fault.name)
     started = time.monotonic()
     cluster.heal()  # a no-op after a fault that passed: the last one healed
+    cluster.take_notes()
     corrupting = fault.name == "kv-bitflip"
     migrations_before = migrations(cluster)
     integrity_before, flipped_before = (integrity_failures(cluster), len(cluster.flipped())) if corrupting else (0, 0)
@@ -191,7 +192,7 @@ def run_fault(cluster: Cluster, client, catalog: dict, reference: dict[str, Answ
         integrity_after = integrity_failures(cluster)
         if integrity_before is not None and integrity_after is not None:
             result.corruptions_detected = int(integrity_after - integrity_before)
-    result.notes += cluster.heal()
+    result.notes += cluster.take_notes() + cluster.heal()
     held = cluster.wait_idle(IDLE_TIMEOUT_S)
     result.leaked_blocks = sum(n or 0 for n in held.values())
     if held:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import random
@@ -43,9 +44,11 @@ class Tap:
         self.random = random.Random(seed)
         self.flipped: list[str] = []  # request ids whose first answer got a flipped bit, in order
         self.counts = {"connections": 0, "requests": 0, "answers_delayed": 0}
+        self.written: dict | None = None  # the stats last written
 
     # -- control and stats ----------------------------------------------------------------------------
     async def watch_control(self) -> None:
+        """Takes the control file's mode when it changes; writes the stats whenever they changed."""
         while True:
             try:
                 mtime = os.stat(self.control_path).st_mtime
@@ -54,13 +57,16 @@ class Tap:
                         control = json.load(f)
                     self.control_mtime = mtime
                     self.delay, self.flip = float(control.get("delay", 0.0)), bool(control.get("flip", False))
-                    self.write_stats()
             except (OSError, ValueError):
                 pass  # missing or half-written: keep the last mode
+            self.write_stats()
             await asyncio.sleep(0.1)
 
     def write_stats(self) -> None:
         stats = {**self.counts, "delay": self.delay, "flip": self.flip, "flipped": self.flipped}
+        if stats == self.written:
+            return
+        self.written = copy.deepcopy(stats)
         tmp = self.stats_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(stats, f)
