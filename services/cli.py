@@ -245,7 +245,8 @@ def stack_config(args: argparse.Namespace, model: str):
 
     for flag, value, least in (("--port", args.port, 1), ("--prefills", args.prefills, 0),
                                ("--decodes", args.decodes, 0), ("--encoders", args.encoders, 0),
-                               ("--threads", args.threads, 1), ("--drain-timeout", args.drain_timeout, 0)):
+                               ("--threads", args.threads, 1), ("--drain-timeout", args.drain_timeout, 0),
+                               ("--migration-limit", args.migration_limit, 0)):
         if value is not None and value < least:
             raise SystemExit(f"epdserve: error: {flag} must be at least {least}, got {value}")
     if args.port > 65535:
@@ -275,7 +276,7 @@ def stack_config(args: argparse.Namespace, model: str):
     return StackConfig(model, args.host, args.port, encoders, args.prefills, args.decodes, args.unified,
                        api_key(args), args.threads, args.log_level, tuple(extra), args.drain_timeout,
                        args.routing_policy, args.kv_transport, args.ucx_net_devices, args.otlp_traces_endpoint,
-                       args.request_trace, args.served_model_name, args.internal_ports)
+                       args.request_trace, args.served_model_name, args.internal_ports, args.migration_limit)
 
 
 def _check_kv_transport(args: argparse.Namespace) -> None:

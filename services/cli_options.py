@@ -244,6 +244,9 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
     up.add_argument("--routing-policy", choices=[policy.value for policy in RoutingPolicy], default="kv",
                     help="how the proxy picks instances: kv (by the prompt blocks each caches, and load) or load "
                          "(default: %(default)s)")
+    up.add_argument("--migration-limit", type=int, default=3, metavar="N",
+                    help="times the proxy may continue one request's stream on another decode after its own was "
+                         "lost; 0: never (default: %(default)s)")
     add_kv_transport_args(up)
     _add_trace_options(up)
     up.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"), metavar="KEY",

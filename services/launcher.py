@@ -146,6 +146,7 @@ class StackConfig:
     request_trace: bool = False  # the proxy's --request-trace
     served_model_name: str | None = None  # given to every service: one name in the API, metrics and traces
     internal_ports: tuple[int, int] | None = None  # (LOW, HIGH): where the services but the API listen
+    migration_limit: int = 3  # the proxy's --migration-limit
 
     @property
     def model_name(self) -> str:
@@ -201,7 +202,7 @@ class LocalStack:
             procs.append((f"{role}-{i}", argv))
             targets[role].append(f"127.0.0.1:{listen[listen.index('--port') + 1]}")
         proxy = [*base, "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port), *ports("proxy"), *name,
-                 *drain, "--routing-policy", c.routing_policy]
+                 *drain, "--routing-policy", c.routing_policy, "--migration-limit", str(c.migration_limit)]
         if c.otlp_traces_endpoint:
             proxy += ["--otlp-traces-endpoint", c.otlp_traces_endpoint]
         if c.request_trace:

@@ -173,22 +173,23 @@ class ServiceBackend:
                 except StreamLost as lost:
                     if not progress.unfinished():
                         return
-                    if hops == self.config.migration_limit or self._cut is not None:
+                    role = Role.DECODE if self.router.disaggregated else Role.UNIFIED
+                    if hops == self.config.migration_limit or self._cut is not None or \
+                            not self.router.pool(role).healthy():
                         raise
                     hops += 1
                     logger.warning("request %s: %s; continuing it elsewhere (migration %d of at most %d)",
                                    gen.request_id, lost, hops, self.config.migration_limit)
                     self.migrated(lost.reason)
                     await stream.aclose()
-                    stream = self._migrate(gen, placeholders, progress, hops, lost.reason)
+                    stream = self._migrate(role, gen, placeholders, progress, hops, lost.reason)
         finally:
             await stream.aclose()
 
-    def _migrate(self, gen: GenerateInput, placeholders, progress: Progress, hop: int,
+    def _migrate(self, role: Role, gen: GenerateInput, placeholders, progress: Progress, hop: int,
                  reason: str) -> AsyncIterator[Chunk]:
         """The rest of `gen` after what `progress` says was delivered: each unfinished sequence continued on an
-        instance that computes (or finds cached) the prompt and the tokens so far."""
-        role = Role.DECODE if self.router.disaggregated else Role.UNIFIED
+        instance of `role` that computes (or finds cached) the prompt and the tokens so far."""
         route = self._plan(gen, placeholders).route
         params = replace(gen.params, prompt_logprobs=None)  # scored and delivered with the first token
         lost_at = time.time()

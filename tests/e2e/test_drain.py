@@ -1,7 +1,8 @@
 """Graceful shutdown of real processes: a SIGTERMed decode finishes its streams while new requests go
 elsewhere; a SIGTERMed proxy turns unready, refuses new requests and lets its streams finish - or, at the
-end of a short grace, ends them with an error event and `data: [DONE]`; a decode killed outright ends its
-streams with an error event and `[DONE]` within seconds, never a hang; `epdserve up` drains its whole
+end of a short grace, ends them with an error event and `data: [DONE]`; a decode killed outright, with no
+other decode to continue its streams on, ends them with an error event and `[DONE]` within seconds, never a
+hang; `epdserve up` drains its whole
 stack when it is stopped.
 
 Streams are read as raw server-sent events (httpx), so that `[DONE]` and error events are seen as sent;

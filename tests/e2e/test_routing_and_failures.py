@@ -90,12 +90,17 @@ def wait_for(condition, what: str, timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
-async def stream_all(stack, requests: dict, progress: dict | None = None) -> dict:
+async def stream_all(stack, requests: dict, progress: dict | None = None, stalls: dict | None = None) -> dict:
     """name -> {choice index: (text, finish_reason)} for each request streamed at once; `progress[name]`
-    counts the chunks received so far."""
+    counts the chunks received so far, `stalls[name]` is the longest wait between two of them (seconds)."""
     async def one(c, name, kwargs):
         choices: dict[int, list] = {}
+        last = time.monotonic()
         async for event in await c.completions.create(model="demo", stream=True, **kwargs):
+            now = time.monotonic()
+            if stalls is not None:
+                stalls[name] = max(stalls.get(name, 0.0), now - last)
+            last = now
             for choice in event.choices:
                 text, _ = choices.get(choice.index, ("", None))
                 choices[choice.index] = [text + choice.text, choice.finish_reason]
@@ -109,14 +114,14 @@ async def stream_all(stack, requests: dict, progress: dict | None = None) -> dic
     return dict(zip(names, results))
 
 
-async def lose_decode_mid_stream(stack, lose: str, keep: str, requests: dict, how) -> dict:
+async def lose_decode_mid_stream(stack, lose: str, keep: str, requests: dict, how, stalls: dict) -> dict:
     """Stream `requests` on decode `lose` only (`keep` frozen while they are accepted), let them get going, then
-    `how(service)` takes `lose` away; what each stream received."""
+    `how(service)` takes `lose` away; what each stream received (and in `stalls`, its longest silence)."""
     progress: dict[str, int] = {}
     stack.services[keep].proc.send_signal(signal.SIGSTOP)
     try:
         await asyncio.to_thread(wait_for, lambda: healthy(stack, "decode") == 1, f"{keep} still routed to")
-        task = asyncio.create_task(stream_all(stack, requests, progress))
+        task = asyncio.create_task(stream_all(stack, requests, progress, stalls))
         while len(progress) < len(requests):
             assert not task.done(), task.result()
             await asyncio.sleep(0.05)
@@ -135,18 +140,26 @@ def test_streams_continue_on_another_decode_when_theirs_is_lost(stack, client):
     expected = asyncio.run(stream_all(stack, STREAMS))
     migrations = proxy.metrics().get("epdserve:request_migrations_total", 0.0)
 
+    stalls: dict[str, float] = {}
     killed = asyncio.run(lose_decode_mid_stream(stack, "decode-0", "decode-1", STREAMS,
-                                                lambda s: s.stop(signal.SIGKILL)))
+                                                lambda s: s.stop(signal.SIGKILL), stalls))
     assert killed == expected
+    assert max(stalls.values()) < 30, stalls
+    print(f"\ndecode SIGKILL: {len(killed)}/{len(STREAMS)} streams completed, identical; longest stall "
+          f"{max(stalls.values()):.2f}s")
     assert proxy.metrics()["epdserve:request_migrations_total"] >= migrations + len(STREAMS)
     stack.services["decode-0"].start()  # as a restart policy would: the stack heals
     wait_for(lambda: healthy(stack, "decode") == 2, "decode-0 did not come back", 120)
 
     # SIGTERM: decode-1 drains for its grace (--drain-timeout 1), then cuts its streams; they continue on decode-0.
     drained = {name: STREAMS[name] for name in ("greedy", "n3")}
+    stalls.clear()
     cut = asyncio.run(lose_decode_mid_stream(stack, "decode-1", "decode-0", drained,
-                                             lambda s: s.proc.send_signal(signal.SIGTERM)))
+                                             lambda s: s.proc.send_signal(signal.SIGTERM), stalls))
     assert cut == {name: expected[name] for name in drained}
+    assert max(stalls.values()) < 30, stalls
+    print(f"decode drained past its grace: {len(cut)}/{len(drained)} streams completed, identical; longest stall "
+          f"{max(stalls.values()):.2f}s")
     stack.services["decode-1"].proc.wait(30)
     assert 'epdserve:request_migrations_total{model_name="demo",reason="drained"}' in \
         httpx.get(stack.url + "/metrics", timeout=5).text

@@ -36,7 +36,7 @@ def resumed(llm: LLM, params: SamplingParams, delivered: list[int]):
     request = engine.make_request("resumed", {"prompt_token_ids": PROMPT}, params, peer_token_ids=[delivered])
     engine.add_request("resumed", request)
     outputs = []
-    while engine.has_unfinished_requests():
+    while engine.has_work():
         outputs += [out for out in engine.step() if out.request_id == "resumed"]
     return outputs
 
