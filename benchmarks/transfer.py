@@ -19,11 +19,20 @@ elsewhere on the machine hits them alike (the median round is reported):
     python benchmarks/transfer.py                       # every backend available; JSON (+ PNG) in results/
     python benchmarks/transfer.py --backends tcp,zmq --rounds 3 --layouts contiguous
     python benchmarks/transfer.py --profile             # + where the receiving process spends its time
+    python benchmarks/transfer.py --checksum            # + what the transfers' checksums cost
+
+Every transfer carries a checksum per segment, taken by the sender and again by the receiver
+(transport/checksum.py), so the times above include them. `--checksum` measures what they cost: it adds
+the method `zmq_unchecked` (the ZMQ transport with its checksums switched off on both ends: a server
+process of its own, and the client's fetches of it) and times one side's checksums of each payload alone
+- XXH3 over the segments the fetch lands (contiguous: one per run, layer and K/V; shuffled: the gathered
+blocks, in 16 MiB messages) - as a share of each transfer's median time.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -36,7 +45,9 @@ from pathlib import Path
 
 import torch
 
-from epdserve.transport.kv_transfer import gather_blocks, scatter_blocks
+from epdserve.transport import checksum
+from epdserve.transport.kv_client import GATHERED_MESSAGE_BYTES
+from epdserve.transport.kv_transfer import Run, as_bytes, gather_blocks, run_views, scatter_blocks
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 30, 3, 64, 16
 MODEL_ID = "SmolLM2-135M-Instruct"
@@ -46,12 +57,34 @@ NUM_BLOCKS = max(PAYLOAD_TOKENS) // BLOCK_SIZE + 64
 RESULTS = Path(__file__).resolve().parent / "results"
 SOCKET_METHODS = ("tcp", "tcp_copy")
 # Method -> (backend, server options): the ZMQ backend with blocks as ZMQ frames, as CURVE has them.
-VARIANTS = {"zmq_frames": ("zmq", {"block_port": None})}
+# The ZMQ transport without checksums (--checksum): served by a process whose checksums all read 0, fetched
+# with the client's switched off alike.
+UNCHECKED = "zmq_unchecked"
+VARIANTS = {"zmq_frames": ("zmq", {"block_port": None}), UNCHECKED: ("zmq", {})}
 LAYOUTS = ("contiguous", "shuffled")
 
 
 def backend_of(method: str) -> tuple[str, dict]:
     return VARIANTS.get(method, (method, {}))
+
+
+class _NoChecksum:
+    def update(self, piece) -> None:
+        pass
+
+    def intdigest(self) -> int:
+        return 0
+
+
+@contextlib.contextmanager
+def unchecked():
+    """This process's transfer checksums switched off (each reads 0), for the `zmq_unchecked` method."""
+    taken = checksum.checksum, checksum.running
+    checksum.checksum, checksum.running = (lambda buffer: 0), _NoChecksum
+    try:
+        yield
+    finally:
+        checksum.checksum, checksum.running = taken
 
 
 def make_cache(dtype: str, seed: int) -> torch.Tensor:
@@ -117,8 +150,8 @@ async def run_server(backends: list[str]) -> None:
             name, options = backend_of(backend)
             server = transports.create_server(name, f"bench-{backend}-{dtype}", kv_cache=cache, model_id=MODEL_ID,
                                                **options)
-            addresses[f"{backend}/{dtype}"] = await server.start()
-            server.expose("bench", range(NUM_BLOCKS))
+            address = await server.start()
+            addresses[f"{backend}/{dtype}"] = [address, server.expose("bench", range(NUM_BLOCKS))]
             servers.append(server)
     if set(SOCKET_METHODS) & set(backends):
         listener = socket.create_server(("127.0.0.1", 0))
@@ -157,6 +190,23 @@ class SocketClient:
         scatter_blocks(cache, local, data)
 
 
+def checksum_seconds(cache: torch.Tensor, layout: str, local: list[int], repeats: int = 5) -> float:
+    """One side's checksums of a fetch into `local` blocks of `cache`: XXH3 over the segments as they land
+    (a contiguous run: one per layer and K/V; shuffled blocks: gathered, in messages of 16 MiB); the
+    median of `repeats`."""
+    if layout == "contiguous":
+        buffers = run_views(cache, [Run(local[0], len(local))])
+    else:
+        flat = as_bytes(gather_blocks(cache, local))
+        buffers = [flat[i:i + GATHERED_MESSAGE_BYTES] for i in range(0, flat.nbytes, GATHERED_MESSAGE_BYTES)]
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        checksum.checksums(buffers)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def block_ids(layout: str, num_blocks: int, gen: torch.Generator) -> list[int]:
     if layout == "shuffled":
         return torch.randperm(NUM_BLOCKS, generator=gen)[:num_blocks].tolist()
@@ -164,7 +214,8 @@ def block_ids(layout: str, num_blocks: int, gen: torch.Generator) -> list[int]:
     return list(range(start, start + num_blocks))
 
 
-async def run_client(addresses: dict[str, str], backends: list[str], rounds: int, layouts: list[str]) -> list[dict]:
+async def run_client(addresses: dict, backends: list[str], rounds: int, layouts: list[str],
+                     checksums: bool = False) -> list[dict]:
     from epdserve.transport import transports
 
     caches = {dtype: make_cache(dtype, seed=2) for dtype in DTYPES}
@@ -195,8 +246,10 @@ async def run_client(addresses: dict[str, str], backends: list[str], rounds: int
                 elif backend == "tcp_copy":
                     await asyncio.to_thread(sock.blocks, caches[dtype], dtype_index, remote, local)
                 else:
-                    result = await clients[backend, dtype].fetch_blocks(
-                        addresses[f"{backend}/{dtype}"], "bench", remote, local, timeout=120)
+                    address, generation = addresses[f"{backend}/{dtype}"]
+                    with unchecked() if backend == UNCHECKED else contextlib.nullcontext():
+                        result = await clients[backend, dtype].fetch_blocks(address, "bench", remote, local,
+                                                                            generation=generation, timeout=120)
                     assert result.num_bytes == num_bytes
                 if round_:
                     seconds[backend].append(time.perf_counter() - started)
@@ -213,6 +266,15 @@ async def run_client(addresses: dict[str, str], backends: list[str], rounds: int
                     # Per round, so that a slow phase of the machine hits both sides of the ratio.
                     ratios = [t / s for s, t in zip(seconds[backend], seconds["tcp"])]
                     row[f"{backend}_vs_tcp"] = round(statistics.median(ratios), 3)
+        if checksums:
+            hashed = checksum_seconds(caches[dtype], layout, local)
+            row["checksum_ms"] = round(hashed * 1e3, 2)
+            row["checksum_gbps"] = round(num_bytes / hashed / 1e9, 2)
+            for backend in (b for b in backends if b not in SOCKET_METHODS):
+                row[f"checksum_share_{backend}"] = round(hashed / statistics.median(seconds[backend]), 4)
+            if UNCHECKED in backends and "zmq" in backends:  # per round, as the ratios to the socket
+                ratios = [t / u for t, u in zip(seconds["zmq"], seconds[UNCHECKED])]
+                row["checksum_overhead_zmq"] = round(statistics.median(ratios) - 1, 4)
         results.append(row)
         print(_format_row(row, backends), flush=True)
     for client in clients.values():
@@ -220,7 +282,7 @@ async def run_client(addresses: dict[str, str], backends: list[str], rounds: int
     return results
 
 
-async def profile_receives(addresses: dict[str, str], backends: list[str], fetches: int = 5) -> list[dict]:
+async def profile_receives(addresses: dict, backends: list[str], fetches: int = 5) -> list[dict]:
     """Where the receiving process spends a fetch (8k tokens, float32, contiguous blocks): the copy
     from received memory into the cache (`copy_segment`), the one a receive costs beyond the
     socket's, against the fetch's wall time. ZMQ's block connections and UCX receive into the cache:
@@ -238,12 +300,13 @@ async def profile_receives(addresses: dict[str, str], backends: list[str], fetch
         client = transports.create_client(backend_of(backend)[0], f"profile-{backend}", kv_cache=cache,
                                            model_id=MODEL_ID)
         ids = list(range(num_blocks))
-        await client.fetch_blocks(addresses[f"{backend}/float32"], "bench", ids, ids)  # warm-up
+        address, generation = addresses[f"{backend}/float32"]
+        await client.fetch_blocks(address, "bench", ids, ids, generation=generation)  # warm-up
         profiler = cProfile.Profile()
         started = time.perf_counter()
         profiler.enable()
         for _ in range(fetches):
-            await client.fetch_blocks(addresses[f"{backend}/float32"], "bench", ids, ids)
+            await client.fetch_blocks(address, "bench", ids, ids, generation=generation)
         profiler.disable()
         wall = time.perf_counter() - started
         await client.close()
@@ -267,8 +330,8 @@ def median_rows(runs: list[list[dict]]) -> list[dict]:
     for rows in zip(*runs):
         row = dict(rows[0])
         for key, value in rows[0].items():
-            if key.endswith(("_gbps", "_vs_tcp")):
-                row[key] = round(statistics.median(r[key] for r in rows), 3)
+            if key.endswith(("_gbps", "_vs_tcp", "_ms")) or key.startswith(("checksum_share", "checksum_overhead")):
+                row[key] = round(statistics.median(r[key] for r in rows), 4)
         medians.append(row)
     return medians
 
@@ -278,6 +341,13 @@ def _format_row(row: dict, backends: list[str]) -> str:
     for backend in backends:
         ratio = f" ({row[f'{backend}_vs_tcp']:.2f}x)" if f"{backend}_vs_tcp" in row else ""
         parts.append(f"{backend} {row[f'{backend}_gbps']:.2f} GB/s{ratio}")
+    if "checksum_ms" in row:
+        shares = ", ".join(f"{key.removeprefix('checksum_share_')} {value:.1%}" for key, value in row.items()
+                           if key.startswith("checksum_share_"))
+        overhead = (f"; zmq {row['checksum_overhead_zmq']:+.1%} against zmq_unchecked"
+                    if "checksum_overhead_zmq" in row else "")
+        parts.append(f"checksums {row['checksum_ms']:.1f} ms ({row['checksum_gbps']:.1f} GB/s; "
+                     f"one side's of a transfer: {shares}{overhead})")
     return " | ".join(parts)
 
 
@@ -313,34 +383,42 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ",".join(LAYOUTS))
     parser.add_argument("--profile", action="store_true",
                         help="also profile the receiving side of each backend (copies beyond the socket's)")
+    parser.add_argument("--checksum", action="store_true",
+                        help="also time one side's checksums of each payload, as a share of each transfer")
     parser.add_argument("--output", type=Path, default=RESULTS / "transfer.json")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server process
     args = parser.parse_args()
     backends = (args.backends.split(",") if args.backends
                 else ["tcp", "tcp_copy", "zmq", "zmq_frames"] + (["ucx"] if ucx_available() else []))
     if args.serve:
-        asyncio.run(run_server(backends))
+        with unchecked() if backends == [UNCHECKED] else contextlib.nullcontext():
+            asyncio.run(run_server(backends))
         return
+    if args.checksum and "zmq" in backends and UNCHECKED not in backends:
+        backends.insert(backends.index("zmq") + 1, UNCHECKED)
     if "ucx" not in backends:
         print("ucx: not measured (ucxx not importable, or not requested)")
+    # The unchecked method has a server process of its own: the checksums are switched off process-wide.
+    served = [group for group in ([b for b in backends if b != UNCHECKED], [UNCHECKED]) if set(group) & set(backends)]
     runs, profiles = [], []
     for run in range(args.runs):
         print(f"run {run + 1} of {args.runs}", flush=True)
-        server = subprocess.Popen(
-            [sys.executable, __file__, "--serve", "--backends", ",".join(backends)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )
+        servers = [subprocess.Popen([sys.executable, __file__, "--serve", "--backends", ",".join(group)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for group in served]
         try:
-            addresses = json.loads(server.stdout.readline())
-            runs.append(asyncio.run(run_client(addresses, backends, args.rounds, args.layouts.split(","))))
+            addresses = {key: value for server in servers
+                         for key, value in json.loads(server.stdout.readline()).items()}
+            runs.append(asyncio.run(run_client(addresses, backends, args.rounds, args.layouts.split(","),
+                                               args.checksum)))
             if args.profile:
-                profiles.append(asyncio.run(profile_receives(addresses, backends)))
+                profiles.append(asyncio.run(profile_receives(addresses, [b for b in backends if b != UNCHECKED])))
         finally:
-            server.stdin.close()
-            try:
-                server.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            for server in servers:
+                server.stdin.close()
+                try:
+                    server.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    server.kill()
     results = median_rows(runs)
     if len(runs) > 1:
         print(f"median of {len(runs)} runs:")

@@ -17,6 +17,11 @@ One decode request's handoff, as its trace shows it:
 
 Prefill holds the blocks until decode releases them - after the pull, or at once when the request ends,
 gives up or never needs them (its own prefix cache held the whole prompt) - or until its lease runs out.
+
+A fetch whose bytes landed corrupted (IntegrityError: their checksums differ from the sender's) is counted
+in `transfer_integrity_failures_total` and made once more; a second mismatch fails the load like any other
+failed pull: the prompt is recomputed here (`kv.recompute:integrity`), and a request whose image embeddings
+cannot be had intact ends with an error. Corrupt bytes are never used.
 """
 from __future__ import annotations
 
@@ -25,14 +30,14 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Awaitable
+from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
 
 from epdserve.services.request_spans import RequestSpans
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.shared.engine import KVConnector, KVLoad, LoadResult
 from epdserve.transport.channel import ChannelError, ErrorReply
 from epdserve.transport.kv_client import KVTransferClient
-from epdserve.transport.kv_transfer import TransferError
+from epdserve.transport.kv_transfer import IntegrityError, TransferError
 from epdserve.transport.peer_pool import PeerPool
 from epdserve.transport.protocol import Ack, KVHandle, LeaseRenewed, Message, Release, RenewLease
 from epdserve.transport.request_client import RequestClient
@@ -44,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 # What a pull from a peer fails with: the prompt is then recomputed here.
 PULL_ERRORS = (TransferError, ChannelError, TimeoutError)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -143,8 +149,9 @@ class PeerKVConnector(KVConnector):
         remote = list(handle.block_ids[load.first_block:load.first_block + len(load.block_ids)])
         metrics.local_kv_hit_blocks.inc(load.first_block)
         try:
-            result = await self.client.fetch_blocks(handle.kv_addr, request_id, remote, load.block_ids,
-                                                    timeout=self.transfer_timeout)
+            result = await self._intact("kv", request_id, lambda: self.client.fetch_blocks(
+                handle.kv_addr, request_id, remote, load.block_ids, generation=handle.generation,
+                timeout=self.transfer_timeout))
         except PULL_ERRORS as exc:
             reason = failure_reason(exc)
             logger.warning("request %s: KV pull from %s failed (%s: %s); recomputing the prompt here",
@@ -173,8 +180,9 @@ class PeerKVConnector(KVConnector):
         try:
             for mm_hash in load.mm_hashes:
                 started = time.monotonic()
-                tensor = await self.client.fetch_embeddings(sources.encoder_addrs[mm_hash], mm_hash,
-                                                            timeout=self.transfer_timeout)
+                address = sources.encoder_addrs[mm_hash]
+                tensor = await self._intact("embeddings", request_id, lambda: self.client.fetch_embeddings(
+                    address, mm_hash, timeout=self.transfer_timeout))
                 embeddings[mm_hash] = tensor.to(self.dtype)
                 sources.spans.add("embeddings.fetch", started, time.monotonic(), tensor.nbytes)
                 self.metrics.embeddings_fetched.inc()
@@ -183,6 +191,20 @@ class PeerKVConnector(KVConnector):
             self.finish(LoadResult(load.request_id, False, failure_reason(exc)))
             return
         self.finish(LoadResult(load.request_id, True, mm_embeddings=embeddings))
+
+    async def _intact(self, kind: str, request_id: str, fetch: Callable[[], Awaitable[T]]) -> T:
+        """`fetch()`, made once more if what landed was corrupted (counted by `kind`: kv | embeddings); a
+        second IntegrityError is raised."""
+        try:
+            return await fetch()
+        except IntegrityError as exc:
+            self.metrics.integrity_failures[kind].inc()
+            logger.warning("request %s: %s landed corrupted (%s); fetching again", request_id, kind, exc)
+        try:
+            return await fetch()
+        except IntegrityError:
+            self.metrics.integrity_failures[kind].inc()
+            raise
 
     # -- prefill's hold (event loop) ----------------------------------------------------------------
     async def _hold(self, request_id: str, handoff: _Handoff) -> None:

@@ -120,6 +120,12 @@ class ServiceMetrics:
         self.request_transfer_bytes = histogram("epdserve:request_kv_transfer_bytes",
                                                 "Bytes of one request's KV pull from prefill.", TRANSFER_BYTE_BUCKETS)
         self.transfer_failures = counter("epdserve:kv_transfer_failures", "Transfers that failed.")
+        integrity = Counter("epdserve:transfer_integrity_failures",
+                            "Fetches whose bytes landed corrupted (checksums differ from the sender's), by kind: "
+                            "kv (KV blocks) or embeddings. Each is fetched once more; a second one recomputes "
+                            "the prompt (kv) or fails the request (embeddings).",
+                            names + ["kind"], registry=self.registry)
+        self.integrity_failures = {kind: integrity.labels(**self.labels, kind=kind) for kind in ("kv", "embeddings")}
         self.remote_kv_requests = counter("epdserve:remote_kv_requests", "Requests decoded on KV pulled from prefill.")
         self.remote_kv_blocks = counter("epdserve:remote_kv_blocks", "KV blocks pulled from prefill.")
         self.local_kv_hit_blocks = counter("epdserve:remote_kv_local_hit_blocks",

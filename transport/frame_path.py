@@ -2,21 +2,29 @@
 its block connections cannot serve - the channel is encrypted (CURVE covers ZMQ connections only), or a
 cache lives on a device - and its only path for embeddings.
 
-The server answers FetchBlocks with BlocksData whose frames are sent from the cache's memory; it keeps
-their trackers, so that the blocks are not freed while ZMQ's I/O thread still reads them (`sending`). A
-device cache's segments are staged in one pinned host buffer first. The client receives into memory
-libzmq allocates and copies once into the cache - ZMQ has no receive into caller memory and hands a
-multipart message over only whole. Copies out of ZMQ frames run on the event loop thread: handing them to a
-worker thread cost more in wake-ups than it saved (measured on two cores: up to 1.5x slower).
+The server answers FetchBlocks with BlocksData whose frames are sent from the cache's memory, with the
+checksum of each; it keeps their trackers, so that the blocks are not freed while ZMQ's I/O thread still
+reads them (`sending`). The fetch is checked and its reply's tracked send begins on the event loop with no
+await in between (a ROUTER socket sends without waiting), so a withdraw, on the same loop, finds either a
+refused fetch or a tracker. A device cache's segments are staged in one pinned host buffer first. The
+client receives into memory libzmq allocates and copies once into the cache - ZMQ has no receive into
+caller memory and hands a multipart message over only whole - then checks the segments where they landed
+(gathered blocks, and the blocks of a device cache: in the received frames, before they are scattered or
+copied to the device). Copies out of ZMQ frames run on the
+event loop thread: handing them to a worker thread cost more in wake-ups than it saved (measured on two
+cores: up to 1.5x slower).
+
+Embeddings go the same way, as EmbeddingsData with the tensor's checksum.
 """
 from __future__ import annotations
 
 import torch
 import zmq
 
+from epdserve.transport import checksum
 from epdserve.transport.kv_client import Chunk, ClientPath
 from epdserve.transport.kv_server import ServerPath
-from epdserve.transport.kv_transfer import BlockRangeError, TransferError, copy_segment, run_segments, scatter_blocks
+from epdserve.transport.kv_transfer import BlockRangeError, TransferError, as_bytes, copy_segment, run_segments
 from epdserve.transport.protocol import (BlocksData, EmbeddingsData, FetchBlocks, FetchEmbeddings, HandshakeAck,
                                          Handshake, Message)
 from epdserve.transport.request_client import RequestClient
@@ -33,12 +41,14 @@ class FrameServerPath(ServerPath):
         return message.ucx_tag is None
 
     async def reply_blocks(self, message: FetchBlocks, peer: Handshake) -> tuple[Message, int]:
-        segments = self.server.segments(message)
-        reply = BlocksData(message.request_id, message.block_ids, tuple(_host_segments(segments)))
-        return reply, sum(segment.nbytes for segment in segments)
+        segments = _host_segments(self.server.segments(message))
+        sums = checksum.checksums(as_bytes(segment) for segment in segments)
+        return BlocksData(message.request_id, message.block_ids, sums, tuple(segments)), \
+            sum(segment.nbytes for segment in segments)
 
     async def reply_embeddings(self, message: FetchEmbeddings, peer: Handshake, tensor: torch.Tensor) -> Message:
-        return EmbeddingsData(message.mm_hash, tensor.detach().cpu())  # a GPU encoder cache sends host bytes
+        data = tensor.detach().contiguous().cpu()  # a GPU encoder cache sends host bytes
+        return EmbeddingsData(message.mm_hash, checksum.checksum(as_bytes(data)), data)
 
     def on_sent(self, reply: Message, tracker: zmq.MessageTracker) -> None:
         if isinstance(reply, BlocksData) and not tracker.done:
@@ -77,9 +87,8 @@ class FrameClientPath(ClientPath):
     def usable(self, peer: HandshakeAck) -> bool:
         return True  # every ZMQ server answers over its channel
 
-    async def fetch_chunk(self, control: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
+    async def fetch_chunk(self, control: RequestClient, request: FetchBlocks, chunk: Chunk, deadline: float) -> int:
         client = self.client
-        request = chunk.request(request_id)
         reply = await control.request(request, timeout=client.remaining(deadline), expect=BlocksData)
         if reply.block_ids != request.block_ids:
             raise TransferError(f"{control.address} answered with blocks {reply.block_ids[:8]}..., not those asked for")
@@ -92,15 +101,26 @@ class FrameClientPath(ClientPath):
                 raise BlockRangeError(f"peer sent {segment.dtype}{list(segment.shape)}, expected "
                                       f"{client.kv_cache.dtype}{list(shape)}")
         if chunk.gathered:
-            scatter_blocks(client.kv_cache, chunk.local_ids, reply.segments[0])
-        else:
-            for segment, destination in zip(reply.segments, destinations):
-                copy_segment(destination, segment)
-        return sum(segment.nbytes for segment in reply.segments)
+            return client.land(chunk, [as_bytes(reply.segments[0])], reply.checksums, gathered=reply.segments[0],
+                               source=control.address)
+        on_device = client.kv_cache.device.type != "cpu"
+        if on_device:  # checked in the host memory they arrived in: hashing device blocks would copy them back
+            num_bytes = client.land(chunk, [as_bytes(s) for s in reply.segments], reply.checksums,
+                                    source=control.address)
+        landed = []
+        for segment, destination in zip(reply.segments, destinations):
+            copy_segment(destination, segment)
+            if not on_device:  # hashed while the copy left it in the CPU's caches
+                landed.append(checksum.checksum(as_bytes(destination)))
+        if on_device:
+            return num_bytes
+        return client.land(chunk, [as_bytes(d) for d in destinations], reply.checksums, landed=landed,
+                           source=control.address)
 
-    async def fetch_embeddings(self, control: RequestClient, mm_hash: str, deadline: float) -> torch.Tensor:
+    async def fetch_embeddings(self, control: RequestClient, mm_hash: str,
+                               deadline: float) -> tuple[torch.Tensor, int]:
         reply = await control.request(FetchEmbeddings(mm_hash), timeout=self.client.remaining(deadline),
                                       expect=EmbeddingsData)
         if reply.mm_hash != mm_hash:
             raise TransferError(f"{control.address} answered with embeddings of {reply.mm_hash!r}")
-        return reply.data
+        return reply.data, reply.checksum

@@ -8,9 +8,14 @@ into a few large messages of which up to `max_inflight_messages` are in flight. 
 first path usable with that peer (`ClientPath.usable`): UCX for a UCX client; for a ZMQ one, block
 connections when the server offers them and the cache is on the CPU, else ZMQ frames.
 
+Every path hands what landed to `land` (blocks) or returns it to `fetch_embeddings`, which compare the
+checksums of the bytes in place with those the server sent (checksum.py): a mismatch fails the fetch with
+IntegrityError. A fetch carries its handle's generation, and the server refuses it with StaleHandleError
+once the blocks the handle names were released.
+
 `stats` counts bytes, seconds and failures of every fetch. A failed fetch leaves the local blocks it was
-writing undefined: the caller frees them (or computes them itself). `create_client` assembles the paths
-of a transport.
+writing undefined: the caller frees them (or computes them itself), or fetches again. `create_client`
+assembles the paths of a transport.
 """
 from __future__ import annotations
 
@@ -24,12 +29,12 @@ from typing import ClassVar
 
 import torch
 
-from epdserve.transport import codec, peer_pool
+from epdserve.transport import checksum, codec, peer_pool
 from epdserve.transport.channel import ChannelError, ChannelTimeout, ErrorReply, HandshakeError
 from epdserve.transport.kv_transfer import (BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, FetchResult,
-                                            IncompatiblePeerError, Run, TransferError, TransferStats, TransferTimeout,
-                                            as_bytes, block_index, common_runs, kv_layout, layout_mismatch,
-                                            run_segments, run_views)
+                                            IncompatiblePeerError, Run, StaleHandleError, TransferError,
+                                            TransferStats, TransferTimeout, as_bytes, block_index, common_runs,
+                                            kv_layout, layout_mismatch, run_segments, run_views, scatter_blocks)
 from epdserve.transport.kv_server import transport_mismatch
 from epdserve.transport.limits import DEFAULT_LIMITS, Limits
 from epdserve.transport.peer_pool import PeerPool
@@ -62,9 +67,9 @@ class Chunk:
     def local_runs(self) -> list[Run]:
         return [local for _, local in self.pairs]
 
-    def request(self, request_id: str, ucx_tag: int | None = None) -> FetchBlocks:
+    def request(self, request_id: str, generation: int, ucx_tag: int | None = None) -> FetchBlocks:
         run_lengths = () if self.gathered else tuple(remote.length for remote, _ in self.pairs)
-        return FetchBlocks(request_id, self.remote_ids, run_lengths, ucx_tag=ucx_tag)
+        return FetchBlocks(request_id, generation, self.remote_ids, run_lengths, ucx_tag=ucx_tag)
 
 
 class ClientPath:
@@ -84,13 +89,16 @@ class ClientPath:
         """Whether this path can fetch blocks from the peer that answered the handshake so."""
         return False
 
-    async def fetch_chunk(self, control: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
-        """Receive one message's blocks into the cache (`KVTransferClient.landing`); the bytes received."""
+    async def fetch_chunk(self, control: RequestClient, request: FetchBlocks, chunk: Chunk, deadline: float) -> int:
+        """Receive one message's blocks into the cache (`KVTransferClient.landing`) and hand them to
+        `KVTransferClient.land`; the bytes received."""
         raise NotImplementedError
 
     fetches_embeddings: ClassVar[bool] = False
 
-    async def fetch_embeddings(self, control: RequestClient, mm_hash: str, deadline: float) -> torch.Tensor:
+    async def fetch_embeddings(self, control: RequestClient, mm_hash: str,
+                               deadline: float) -> tuple[torch.Tensor, int]:
+        """The embeddings, and the checksum the server sent with them."""
         raise NotImplementedError
 
     async def close(self) -> None:
@@ -156,9 +164,11 @@ class KVTransferClient:
         return common_runs(list(map(int, remote_block_ids)), list(map(int, local_block_ids)))
 
     async def fetch_blocks(self, kv_addr: str, request_id: str, remote_block_ids: Sequence[int],
-                           local_block_ids: Sequence[int], *, timeout: float | None = None) -> FetchResult:
-        """Copy remote blocks `remote_block_ids` (exposed under `request_id`) into local `local_block_ids`,
-        pairwise. Raises a TransferError subclass on any failure."""
+                           local_block_ids: Sequence[int], *, generation: int,
+                           timeout: float | None = None) -> FetchResult:
+        """Copy remote blocks `remote_block_ids` (exposed under `request_id` with `generation`: the KV
+        handle's) into local `local_block_ids`, pairwise. Raises a TransferError subclass on any failure:
+        IntegrityError when bytes landed corrupted, StaleHandleError when the handle's blocks were released."""
         pairs = self.runs(remote_block_ids, local_block_ids)
         started = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + (self.timeout if timeout is None else timeout)
@@ -172,18 +182,19 @@ class KVTransferClient:
                 if control.peer.kv_layout != self.layout:
                     raise IncompatiblePeerError(f"{kv_addr} ({control.peer.engine_id}) has no matching KV cache")
                 num_bytes = sum(await self._bounded(
-                    [functools.partial(self._fetch_chunk, control, request_id, chunk, deadline) for chunk in chunks]))
+                    [functools.partial(self._fetch_chunk, control, chunk.request(request_id, generation), chunk,
+                                       deadline) for chunk in chunks]))
         except BaseException as e:
             self._fail(e, kv_addr)
         return self.stats.record(num_bytes, started, connect_seconds)
 
-    async def _fetch_chunk(self, control: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
+    async def _fetch_chunk(self, control: RequestClient, request: FetchBlocks, chunk: Chunk, deadline: float) -> int:
         # Handshaken again if the connection dropped since the fetch began (a restarted server has a new port).
         peer = control.peer or await control.connect(self.remaining(deadline))
         path = next((path for path in self.paths if path.usable(peer)), None)
         if path is None:
             raise IncompatiblePeerError(f"{control.address} offers no data path this client can use")
-        return await path.fetch_chunk(control, request_id, chunk, deadline)
+        return await path.fetch_chunk(control, request, chunk, deadline)
 
     def _messages(self, pairs: list[tuple[Run, Run]]) -> list[Chunk]:
         """The fetch's messages: runs whose segments reach `min_segment_bytes` in messages of their own,
@@ -229,6 +240,19 @@ class KVTransferClient:
             return run_views(self.kv_cache, chunk.local_runs), None
         return [as_bytes(segment) for segment in run_segments(self.kv_cache, chunk.local_runs)], None
 
+    def land(self, chunk: Chunk, buffers: Sequence, sent: Sequence[int], *, landed: Sequence[int] | None = None,
+             gathered: torch.Tensor | None = None, source: str = "") -> int:
+        """A message's segments are in place in `buffers` (flat bytes, in FetchBlocks' order: the destination
+        blocks, or the one gathered buffer): compare their checksums (`landed`, when the path took them as
+        they arrived) with those the server `sent` - IntegrityError unless all match - then scatter
+        `gathered` blocks into the cache. The bytes received."""
+        if landed is None:
+            landed = checksum.checksums(buffers)
+        checksum.verify(sent, landed, f"blocks from {chunk.pairs[0][0].first} on of {source or 'the peer'}")
+        if gathered is not None:
+            scatter_blocks(self.kv_cache, chunk.local_ids, gathered)
+        return sum(buffer.nbytes for buffer in buffers)
+
     def gathered_shape(self, chunk: Chunk) -> torch.Size:
         """The one segment a gathered message's blocks travel in: [layers, 2, n, *block], as our cache's."""
         return torch.Size((self.kv_cache.shape[0], 2, sum(local.length for local in chunk.local_runs),
@@ -242,9 +266,11 @@ class KVTransferClient:
         path = next(path for path in self.paths if path.fetches_embeddings)
         try:
             with self._controls.holding(encoder_addr) as control:
-                tensor = await path.fetch_embeddings(control, mm_hash, deadline)
+                tensor, sent = await path.fetch_embeddings(control, mm_hash, deadline)
             if tensor.dim() != 2:
                 raise TransferError(f"{encoder_addr} sent embeddings of shape {tuple(tensor.shape)}, not 2-D")
+            checksum.verify((sent,), (checksum.checksum(as_bytes(tensor)),),
+                            f"embeddings {mm_hash[:16]}... from {encoder_addr}")
         except BaseException as e:
             self._fail(e, encoder_addr, mm_hash)
         self.stats.record(tensor.nbytes, started)
@@ -298,6 +324,8 @@ def _as_transfer_error(error: BaseException, address: str, mm_hash: str | None =
         return IncompatiblePeerError(str(error))
     if isinstance(error, ErrorReply):
         code = error.error.code
+        if code is ErrorCode.STALE:
+            return StaleHandleError(f"{address}: {error.error.message}")
         if code is ErrorCode.NOT_FOUND:
             return EmbeddingNotFoundError(error.error.message) if mm_hash else BlocksNotFoundError(error.error.message)
         if code is ErrorCode.OUT_OF_RANGE:

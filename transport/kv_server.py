@@ -5,16 +5,24 @@ What every path shares is here: the control channel and its handshake checks (tr
 requests' blocks exposed while held and withdrawn on release, the checks of every fetch against them, and
 the segments' bytes as the cache holds them. How those bytes travel is a `ServerPath`'s business, and none
 knows another: ZMQ frames (frame_path.py), plain TCP block connections (block_stream.py), UCX (ucx_path.py).
-`create_server` assembles the paths of a transport.
+Each path sends the checksum of every segment (and embedding tensor) it sends, taken over the bytes just
+before they leave (checksum.py). `create_server` assembles the paths of a transport.
 
 `expose` / `withdraw` are called by the engine's loop (the owner of the blocks and their leases); the
-server only reads exposed blocks, never frees or writes any. A path that reads them off the loop checks
-a fetch and starts its send under `lock`, which `withdraw` holds too: a withdrawn request's blocks are
-freed only once `wait_sent` says no send reads them any more.
+server only reads exposed blocks, never frees or writes any. Each exposure gets a generation of its own,
+which the handle carries and every fetch must carry back: a fetch is served only while its request's
+blocks are exposed under that very generation, so a handle outlives neither a release nor a new exposure
+of the same request id. A path checks a fetch and marks its send as reading the blocks (`sending`) with
+nothing in between that a withdraw could run in: off the loop under `lock`, which `withdraw` holds too;
+on the loop without an await. The owner frees a withdrawn request's blocks only once `wait_sent` says no
+send reads them any more - sends that outlast its timeout are cut, and waited for still.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -25,18 +33,21 @@ import zmq
 
 from epdserve.transport.channel import ErrorReply
 from epdserve.transport.kv_transfer import (BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError,
-                                            EmbeddingSource, IncompatiblePeerError, Run, TransferError, TransferStats,
-                                            as_bytes, block_index, gather_blocks, kv_layout, layout_mismatch,
-                                            run_segments, run_views, split_runs)
+                                            EmbeddingSource, IncompatiblePeerError, Run, StaleHandleError,
+                                            TransferError, TransferStats, as_bytes, block_index, gather_blocks,
+                                            kv_layout, layout_mismatch, run_segments, run_views, split_runs)
 from epdserve.transport.limits import DEFAULT_LIMITS, Limits
 from epdserve.transport.protocol import (MAY_SEND, Error, ErrorCode, FetchBlocks, FetchEmbeddings, Handshake, KVLayout,
                                          Message)
 from epdserve.transport.reply_server import ReplyServer
 from epdserve.transport.security import CurveConfig
 
+logger = logging.getLogger(__name__)
+
 _ERROR_CODES = {
     BlockRangeError: ErrorCode.OUT_OF_RANGE,
     BlocksNotFoundError: ErrorCode.NOT_FOUND,
+    StaleHandleError: ErrorCode.STALE,
     EmbeddingNotFoundError: ErrorCode.NOT_FOUND,
     IncompatiblePeerError: ErrorCode.INCOMPATIBLE,
 }
@@ -93,7 +104,8 @@ class ServerPath:
         return False
 
     def abort(self, request_id: str) -> None:
-        """Stop the sends still reading the request's blocks (their fetches fail)."""
+        """Stop the sends still reading the request's blocks (their fetches fail); `sending` turns False once
+        they no longer read them."""
 
     @property
     def num_rejected(self) -> int:
@@ -121,8 +133,11 @@ class KVTransferServer:
         self.encoder_cache = encoder_cache
         self.stats = TransferStats()  # bytes served
         self.lock = threading.Lock()  # a path's off-loop check of a fetch and the start of its send; withdraw
-        # request id -> the block ids exposed for it; only these may be read by peers.
-        self._exposed: dict[str, frozenset[int]] = {}
+        # request id -> (its exposure's generation, the block ids exposed for it); only these may be read by peers.
+        self._exposed: dict[str, tuple[int, frozenset[int]]] = {}
+        # Generations: consecutive from a random start, so that a handle from before a restart of the server
+        # (or from another server at the same address) does not match either.
+        self._generations = itertools.count(secrets.randbits(62) + 1)
         self.control = ReplyServer(engine_id, host=host, port=port, allow_wildcard=allow_wildcard, curve=curve,
                                    limits=limits, kv_layout=self.layout, kv_transport=self.transport,
                                    on_sent=self._on_sent, check_handshake=self._check_peer, max_inflight=max_inflight,
@@ -170,12 +185,21 @@ class KVTransferServer:
         await self.close()
 
     # -- what peers may read --------------------------------------------------------------------------
-    def expose(self, request_id: str, block_ids: Sequence[int]) -> None:
-        """Let peers fetch `block_ids` under `request_id` (until withdraw)."""
+    def expose(self, request_id: str, block_ids: Sequence[int]) -> int:
+        """Let peers fetch `block_ids` under `request_id` (until withdraw); the exposure's generation, which
+        their fetches must carry (KVHandle.generation)."""
         if self.kv_cache is None:
             raise RuntimeError(f"{self.engine_id} has no KV cache to expose")
         block_index(block_ids, self.kv_cache.shape[2], f"expose {request_id}")
-        self._exposed[request_id] = frozenset(block_ids)
+        generation = next(self._generations)
+        with self.lock:
+            self._exposed[request_id] = (generation, frozenset(block_ids))
+        return generation
+
+    def generation(self, request_id: str) -> int | None:
+        """The generation the request's blocks are exposed under; None when they are not exposed."""
+        exposed = self._exposed.get(request_id)
+        return exposed[0] if exposed is not None else None
 
     def withdraw(self, request_id: str) -> None:
         """Stop serving the request's blocks (released, aborted or lease expired)."""
@@ -184,23 +208,35 @@ class KVTransferServer:
 
     async def wait_sent(self, request_id: str, timeout: float = 60.0) -> bool:
         """Wait until no send still reads the request's blocks: blocks go out straight from the cache, so
-        the engine frees withdrawn blocks only after this. False if some send still held them after
-        `timeout` (a peer that stopped reading), which is then cut."""
+        the engine frees withdrawn blocks only after this. Sends still reading them after `timeout` (a peer
+        that stopped reading) are cut, and waited for until they no longer read them: a block is never
+        freed under a send. False if it had to cut some."""
         deadline = time.monotonic() + timeout
+        cut, warned = False, deadline + timeout
         while any(path.sending(request_id) for path in self.paths):
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
+                cut = True
                 for path in self.paths:
                     path.abort(request_id)  # the peer's fetch fails rather than read freed blocks
-                return False
-            await asyncio.sleep(0.001)
-        return True
+                if now > warned:
+                    logger.warning("%s: a send of %s's blocks outlived its cut; they stay held until it ends",
+                                   self.engine_id, request_id)
+                    warned = now + timeout
+            await asyncio.sleep(0.01 if cut else 0.001)
+        return not cut
 
-    def check_exposed(self, request_id: str, block_ids: Sequence[int]) -> None:
-        """Refuse a fetch of blocks not exposed for the request (exposed ids were checked by `expose`)."""
+    def check_exposed(self, request_id: str, generation: int, block_ids: Sequence[int]) -> None:
+        """Refuse a fetch of blocks not exposed for the request under `generation` (exposed ids were
+        checked by `expose`)."""
         exposed = self._exposed.get(request_id)
         if exposed is None:
             raise BlocksNotFoundError(f"{self.engine_id} holds no blocks for request {request_id!r}")
-        if not exposed.issuperset(block_ids):
+        if exposed[0] != generation:
+            raise StaleHandleError(f"{self.engine_id}: the blocks of request {request_id!r} that the handle "
+                                   f"names (generation {generation}) were released; it exposes generation "
+                                   f"{exposed[0]} now")
+        if not exposed[1].issuperset(block_ids):
             raise BlockRangeError(f"request {request_id!r}: asked for blocks not exposed for it")
 
     def embeddings(self, mm_hash: str) -> torch.Tensor:
@@ -214,7 +250,7 @@ class KVTransferServer:
         """The runs FetchBlocks cuts its blocks into (None: gathered); ErrorReply when it asks for blocks not
         exposed for its request or cuts them into bad runs."""
         try:
-            self.check_exposed(message.request_id, message.block_ids)
+            self.check_exposed(message.request_id, message.generation, message.block_ids)
             return split_runs(message.block_ids, message.run_lengths) if message.run_lengths else None
         except TransferError as e:
             raise error_reply(e, message.request_id) from None

@@ -10,8 +10,11 @@ encoder's server exposes its encoder cache (mm_hash -> [num_tokens, hidden_size]
 
 Before any block moves the two sides compare KVLayout (model id, dtype, block size, layers, KV heads,
 head size) in the connection handshake. Block ids and sizes that come from the wire are checked
-against the local cache on both sides: a server serves only blocks it exposed for that request, and
-a client writes only blocks it named, with exactly the shape its own cache has.
+against the local cache on both sides: a server serves only blocks it exposed for that request, under
+the generation it gave that exposure (a handle to blocks released since is refused, never read), and a
+client writes only blocks it named, with exactly the shape its own cache has. Every segment and embedding
+tensor carries the checksum its sender took of the bytes sent, which the receiver compares with the bytes
+that landed (checksum.py).
 
 Blocks move as runs: a client pairs remote and local block ids into runs consecutive on both sides
 (`common_runs`; the block manager allocates so that a request's blocks usually are), and each run
@@ -53,6 +56,16 @@ class BlockRangeError(TransferError, ValueError):
 
 class BlocksNotFoundError(TransferError):
     """The server exposes no blocks for the request (released, or its lease expired)."""
+
+
+class StaleHandleError(BlocksNotFoundError):
+    """The server exposes the request's blocks under another generation than the handle's: the blocks the
+    handle named were released since (and may hold another request's KV by now)."""
+
+
+class IntegrityError(TransferError):
+    """Bytes landed other than the peer sent: their checksums differ (see checksum.py). Corrupted in flight,
+    or read by the sender while being overwritten; what landed is unusable."""
 
 
 class EmbeddingNotFoundError(TransferError):

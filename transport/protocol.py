@@ -60,6 +60,7 @@ class FinishReason(str, enum.Enum):
 class ErrorCode(str, enum.Enum):
     BAD_REQUEST = "bad_request"  # the request itself is invalid; retrying elsewhere will not help
     NOT_FOUND = "not_found"  # unknown request id, mm_hash or expired lease
+    STALE = "stale"  # a KV handle of an earlier generation: its blocks were released since
     OUT_OF_RANGE = "out_of_range"  # block ids or sizes outside what the peer holds
     INCOMPATIBLE = "incompatible"  # handshake refused: model or KV layout differ
     VERSION_MISMATCH = "version_mismatch"  # handshake refused: protocol versions differ
@@ -165,6 +166,9 @@ class KVHandle:
     engine_id: str
     kv_addr: str  # address of the prefill engine's KV transfer server
     block_ids: tuple[int, ...]  # in the request's block-table order
+    # The server's token for this exposure of the blocks: a fetch must carry it back, and is refused once the
+    # blocks were released (and maybe reused), even if the request id is exposed again.
+    generation: int
     num_tokens: int  # tokens whose KV the blocks hold (the last block may be partial)
     lease_deadline: float  # Unix seconds; the blocks are freed after it unless renewed
     control_addr: str = ""  # the prefill engine's control channel, where Release goes
@@ -449,11 +453,16 @@ class FetchBlocks:
     in block_ids order (blocks scattered over the cache move cheaper so than as tiny segments).
 
     With `ucx_tag` set, segment i goes over UCX with tag `ucx_tag + i` and the reply is BlocksSent;
-    otherwise the reply is BlocksData carrying the segments.
+    otherwise the reply is BlocksData carrying the segments. Either reply carries the checksum of each
+    segment's bytes as sent (transport/checksum.py), which the client compares with what landed.
+
+    `generation` is the KVHandle's: the server refuses (ErrorCode.STALE) a fetch of another generation
+    than the one it exposes the request's blocks under.
     """
 
     TAG: ClassVar[str] = "fetch_blocks"
     request_id: str
+    generation: int
     block_ids: tuple[int, ...]
     run_lengths: tuple[int, ...]
     ucx_tag: int | None = None
@@ -464,6 +473,7 @@ class BlocksData:
     TAG: ClassVar[str] = "blocks_data"
     request_id: str
     block_ids: tuple[int, ...]
+    checksums: tuple[int, ...]  # one per segment, over its bytes as sent
     # The segments FetchBlocks describes, each [run_length, *block] with blocks as the engines' caches
     # store them: head-major, [num_kv_heads, block_size, head_size] (see model_runner). The handshake's
     # KVLayout makes both sides' block shapes equal, so a block moves as raw bytes.
@@ -472,9 +482,13 @@ class BlocksData:
 
 @dataclass(frozen=True, slots=True)
 class BlocksSent:
+    """The segments of a FetchBlocks went (or are going) another way: over UCX, or before this message on a
+    block connection (block_stream.py)."""
+
     TAG: ClassVar[str] = "blocks_sent"
     request_id: str
-    num_segments: int  # sent over UCX with tags ucx_tag .. ucx_tag + num_segments - 1
+    num_segments: int  # over UCX: with tags ucx_tag .. ucx_tag + num_segments - 1
+    checksums: tuple[int, ...]  # one per segment, over its bytes as sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -488,6 +502,7 @@ class FetchEmbeddings:
 class EmbeddingsData:
     TAG: ClassVar[str] = "embeddings_data"
     mm_hash: str
+    checksum: int  # over the tensor's bytes as sent
     data: torch.Tensor = field(compare=False)  # [num_tokens, hidden_size]
 
 
@@ -498,6 +513,7 @@ class EmbeddingsSent:
     TAG: ClassVar[str] = "embeddings_sent"
     mm_hash: str
     spec: TensorSpec
+    checksum: int  # over the tensor's bytes as sent
 
 
 Message = Union[

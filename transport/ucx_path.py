@@ -10,15 +10,23 @@ backend between trusted peers (CURVE) only.
 
 One fetch message: the client posts one receive per segment (run x layer x K/V) straight into the
 destination blocks of its cache (blocks that form no runs: into one buffer, scattered after), with
-tags ucx_tag .. ucx_tag + n - 1, then sends FetchBlocks; the server starts one send per segment from
-its own cache and answers BlocksSent at once. The receives are posted before the data leaves, so UCX
-delivers into the cache without holding an unexpected copy; on the server nothing is gathered. A receive that fails or times out aborts the endpoint,
-which cancels every receive still posted on it: no late data lands in blocks the caller reuses.
-`ucxx` is an optional extra, imported on first use.
+tags ucx_tag .. ucx_tag + n - 1, then sends FetchBlocks; the server takes each segment's checksum,
+starts one send per segment from its own cache and answers BlocksSent, with the checksums, at once. The
+receives are posted before the data leaves, so UCX delivers into the cache without holding an unexpected
+copy; on the server nothing is gathered. Once every receive completed, the client compares the
+checksums of what landed with those of BlocksSent (KVTransferClient.land). A receive that fails or
+times out aborts the endpoint, which cancels every receive still posted on it: no late data lands in
+blocks the caller reuses. Embeddings go the same way (EmbeddingsSent carries their checksum).
+
+A fetch counts as sending from its check on (`sending`), before it waits for an endpoint or a send slot:
+a withdraw in that wait does not free the blocks under the send that follows. `ucxx` is an optional
+extra, imported on first use.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import logging
 import os
 import secrets
@@ -28,11 +36,11 @@ from typing import Any
 
 import torch
 
-from epdserve.transport import peer_pool
+from epdserve.transport import checksum, peer_pool
 from epdserve.transport.channel import ErrorReply
 from epdserve.transport.kv_client import Chunk, ClientPath
 from epdserve.transport.kv_server import ServerPath
-from epdserve.transport.kv_transfer import BlockRangeError, TransferError, TransferTimeout, as_bytes, scatter_blocks
+from epdserve.transport.kv_transfer import BlockRangeError, TransferError, TransferTimeout, as_bytes
 from epdserve.transport.peer_pool import PeerPool
 from epdserve.transport.protocol import (BlocksSent, EmbeddingsSent, Error, ErrorCode, FetchBlocks, FetchEmbeddings,
                                          Handshake, HandshakeAck, Message)
@@ -234,6 +242,8 @@ class UcxServerPath(ServerPath):
         self._endpoints = _Endpoints(lambda: self._ucxx, peer_idle_seconds)  # by client worker address
         self._sends: set[asyncio.Task] = set()
         self._sends_of: dict[str, set[asyncio.Task]] = {}  # request id -> its block sends in flight
+        # request id -> fetches of it checked and not yet handed to a send task (waiting for an endpoint or slot)
+        self._starting: collections.Counter[str] = collections.Counter()
         self._send_slots: asyncio.Semaphore | None = None
         self._max_inflight_sends = max_inflight_sends
         self._send_timeout = send_timeout
@@ -258,16 +268,25 @@ class UcxServerPath(ServerPath):
         return None
 
     async def reply_blocks(self, message: FetchBlocks, peer: Handshake) -> tuple[Message, int]:
-        buffers = self.server.segment_bytes(message)
-        if len(buffers) >= 1 << SEGMENT_TAG_BITS or message.ucx_tag + len(buffers) >= 1 << 64:
-            raise ErrorReply(Error(ErrorCode.OUT_OF_RANGE, "too many segments for the tag range", message.request_id))
-        await self._send_later(peer, buffers, message.ucx_tag, message.request_id)
-        return BlocksSent(message.request_id, len(buffers)), sum(b.nbytes for b in buffers)
+        rid = message.request_id
+        self._starting[rid] += 1  # before the check: reading the blocks from here on
+        try:
+            buffers = self.server.segment_bytes(message)
+            if len(buffers) >= 1 << SEGMENT_TAG_BITS or message.ucx_tag + len(buffers) >= 1 << 64:
+                raise ErrorReply(Error(ErrorCode.OUT_OF_RANGE, "too many segments for the tag range", rid))
+            sums = checksum.checksums(buffers)
+            await self._send_later(peer, buffers, message.ucx_tag, rid)
+        finally:
+            self._starting[rid] -= 1
+            if not self._starting[rid]:
+                del self._starting[rid]
+        return BlocksSent(rid, len(buffers), sums), sum(b.nbytes for b in buffers)
 
     async def reply_embeddings(self, message: FetchEmbeddings, peer: Handshake, tensor: torch.Tensor) -> Message:
         tensor = tensor.detach().contiguous().cpu()
+        sent = checksum.checksum(as_bytes(tensor))
         await self._send_later(peer, [as_bytes(tensor)], message.ucx_tag, None)
-        return EmbeddingsSent(message.mm_hash, tensor_spec(tensor))
+        return EmbeddingsSent(message.mm_hash, tensor_spec(tensor), sent)
 
     async def _send_later(self, peer: Handshake, buffers: list, tag: int, request_id: str | None) -> None:
         """Start sending buffer i with tag + i (from its own memory); the sends complete on their own."""
@@ -312,7 +331,7 @@ class UcxServerPath(ServerPath):
             self._endpoints.release(peer.ucx_address, endpoint)
 
     def sending(self, request_id: str) -> bool:
-        return bool(self._sends_of.get(request_id))
+        return bool(self._sends_of.get(request_id)) or request_id in self._starting
 
     def abort(self, request_id: str) -> None:
         for task in list(self._sends_of.get(request_id, ())):
@@ -346,14 +365,12 @@ class UcxClientPath(ClientPath):
     def usable(self, peer: HandshakeAck) -> bool:
         return True  # a UCX server (the handshake checked the transport)
 
-    async def fetch_chunk(self, control: RequestClient, request_id: str, chunk: Chunk, deadline: float) -> int:
+    async def fetch_chunk(self, control: RequestClient, request: FetchBlocks, chunk: Chunk, deadline: float) -> int:
         buffers, gathered = self.client.landing(chunk)
         tag = secrets.randbits(64 - SEGMENT_TAG_BITS) << SEGMENT_TAG_BITS
         # Posted before the request leaves: the data lands in the blocks, never in UCX's unexpected queue.
-        await self._receive(control, buffers, tag, deadline, chunk.request(request_id, tag))
-        if gathered is not None:
-            scatter_blocks(self.client.kv_cache, chunk.local_ids, gathered)
-        return sum(b.nbytes for b in buffers)
+        reply = await self._receive(control, buffers, tag, deadline, dataclasses.replace(request, ucx_tag=tag))
+        return self.client.land(chunk, buffers, reply.checksums, gathered=gathered, source=control.address)
 
     async def _cancel(self, ucx_address: bytes, endpoint: Any, receives: list[Any]) -> None:
         """Abort the endpoint: UCX cancels the receives still posted on it, so that no late data
@@ -367,7 +384,8 @@ class UcxClientPath(ClientPath):
         except Exception:
             pass  # cancelled by the abort, as intended
 
-    async def fetch_embeddings(self, control: RequestClient, mm_hash: str, deadline: float) -> torch.Tensor:
+    async def fetch_embeddings(self, control: RequestClient, mm_hash: str,
+                               deadline: float) -> tuple[torch.Tensor, int]:
         tag = secrets.randbits(64)
         reply = await control.request(FetchEmbeddings(mm_hash, ucx_tag=tag), timeout=self.client.remaining(deadline),
                                       expect=EmbeddingsSent)
@@ -376,17 +394,17 @@ class UcxClientPath(ClientPath):
         dtype, _ = check_spec(reply.spec, self.client.limits)
         data = torch.empty(reply.spec.shape, dtype=dtype)
         await self._receive(control, [as_bytes(data)], tag, deadline)
-        return data
+        return data, reply.checksum
 
     async def _receive(self, control: RequestClient, buffers: list, tag: int, deadline: float,
-                       request: Message | None = None) -> None:
+                       request: FetchBlocks | None = None) -> BlocksSent | None:
         """Post a receive per buffer (tags tag, tag + 1, ...), send `request` if any, and wait for the data;
-        on any failure abort the endpoint (see _cancel)."""
+        the request's answer. On any failure abort the endpoint (see _cancel)."""
         address, ucx_address = control.address, control.peer.ucx_address
         if not ucx_address or len(ucx_address) > MAX_WORKER_ADDRESS_BYTES:
             raise TransferError(f"{address} sent no usable UCX worker address")
         endpoint = await self._endpoints.acquire(ucx_address)
-        disconnects, receives = control.num_disconnects, []
+        disconnects, receives, reply = control.num_disconnects, [], None
         remaining = self.client.remaining
         try:
             receives = _post(endpoint, buffers, tag, send=False)
@@ -408,6 +426,7 @@ class UcxClientPath(ClientPath):
             raise
         finally:
             self._endpoints.release(ucx_address, endpoint)
+        return reply
 
     async def close(self) -> None:
         await self._endpoints.close()

@@ -2,9 +2,12 @@
 
 A PrefillRequest runs to its first token with the request's own sampling parameters. If that token ends
 the request (a stop token, or max_tokens == 1) the blocks are freed at once; otherwise they stay
-allocated under a lease and are exposed, for that request id only, on this service's KV transfer server.
-They are freed when decode sends Release, when the proxy aborts the request, or when the lease runs out
-(seconds, renewable, counted in a metric): a dead decode never pins them for long.
+allocated under a lease and are exposed, for that request id only, on this service's KV transfer server,
+under a generation of their own that the KVHandle carries (a fetch with another one is refused). They are
+withdrawn when decode sends Release, when the proxy aborts the request, or when the lease runs out
+(seconds, renewable, counted in a metric): a dead decode never pins them for long. Withdrawn blocks are
+freed once no send reads them any more (a send that outlasts --transfer-timeout is cut, and still waited
+for): a fetch in flight never reads blocks that were freed, let alone reused.
 
 A request with n > 1 is prefilled once and samples n first tokens, one per sequence (each with its own
 seed stream); the sequences share one set of prompt blocks, which is what decode pulls.
@@ -67,7 +70,8 @@ class PrefillWorker(EngineWorker):
         self.control_addr = control_addr  # where decode sends Release
         self.leases: dict[str, float] = {}  # request id -> monotonic deadline of its held KV
         self._lease_task: asyncio.Task | None = None  # expires leases; started with the first one
-        self._freeing: set[asyncio.Task] = set()  # released blocks waiting for their last sends
+        # request id -> the task freeing its withdrawn blocks once their last sends are done
+        self._freeing: dict[str, asyncio.Task] = {}
 
     @property
     def busy(self) -> bool:
@@ -91,7 +95,7 @@ class PrefillWorker(EngineWorker):
 
     async def _prefill(self, m: PrefillRequest) -> Message:
         rid = m.request_id
-        if rid in self.leases:
+        if rid in self.leases or rid in self._freeing:  # its blocks are released by request id
             return bad_request(rid, "request id already in use")
         if refusal := self.refuse_if_overloaded(rid):
             return refusal
@@ -138,12 +142,12 @@ class PrefillWorker(EngineWorker):
                        for _, f in sorted(firsts.items())[1:])
         # From the output itself: asking the engine thread would wait out the step it is running.
         block_ids = out.kv_block_ids
-        self.kv_server.expose(rid, block_ids)
+        generation = self.kv_server.expose(rid, block_ids)
         self.leases[rid] = time.monotonic() + self.service.lease_seconds
         if self._lease_task is None:
             self._lease_task = asyncio.create_task(self._expire_leases())
-        handle = KVHandle(self.service.engine_id, self.data_addr, tuple(block_ids), len(m.prompt_token_ids),
-                          time.time() + self.service.lease_seconds, self.control_addr)
+        handle = KVHandle(self.service.engine_id, self.data_addr, tuple(block_ids), generation,
+                          len(m.prompt_token_ids), time.time() + self.service.lease_seconds, self.control_addr)
         return PrefillDone(rid, first, handle, out.num_cached_tokens, None, first_logprobs,
                            other_first_tokens=others, prompt_logprobs=prompt_logprobs, trace=spans.take())
 
@@ -166,12 +170,12 @@ class PrefillWorker(EngineWorker):
         # Freed once no send still reads them (at once, unless a peer stopped reading), in a task of its own:
         # neither the Release's answer nor the lease expiry of other requests waits for a stuck peer.
         task = asyncio.create_task(self._free_when_sent(request_id))
-        self._freeing.add(task)
-        task.add_done_callback(self._freeing.discard)
+        self._freeing[request_id] = task
+        task.add_done_callback(lambda _: self._freeing.pop(request_id, None))
 
     async def _free_when_sent(self, request_id: str) -> None:
-        if not await self.kv_server.wait_sent(request_id):
-            logger.warning("%s: blocks of %s still queued for a peer that stopped reading; freeing them",
+        if not await self.kv_server.wait_sent(request_id, self.service.transport.transfer_timeout):
+            logger.warning("%s: blocks of %s were still being sent to a peer that stopped reading; cut it off",
                            self.service.engine_id, request_id)
         self.llm.release_kv(request_id)  # freed at the engine's next step boundary
 
@@ -187,7 +191,7 @@ class PrefillWorker(EngineWorker):
     async def close(self) -> None:
         if self._lease_task:
             self._lease_task.cancel()
-        for task in self._freeing:
+        for task in list(self._freeing.values()):
             task.cancel()
         await self.kv_server.close()
         await super().close()

@@ -1,5 +1,7 @@
 """What the engine-level disaggregation tests share: a prefill run in-process, which keeps its blocks through a
-KV connector, and a KV connector that copies those blocks into another engine's cache."""
+KV connector, and a KV connector that copies those blocks into another engine's cache; and a KV transfer
+server path that corrupts what it sends after taking its checksums."""
+import dataclasses
 import threading
 import time
 import weakref
@@ -10,6 +12,7 @@ import torch
 from epdserve.shared.engine.kv_connector import KVConnector, KVLoad, LoadResult
 from epdserve.shared.engine.llm_engine import LLMEngine
 from epdserve.shared.engine.sampling_params import SamplingParams
+from epdserve.transport.frame_path import FrameServerPath
 
 
 KEEP = "keep"  # the kv_transfer_params of a request whose blocks a KeepConnector keeps once it finishes
@@ -91,3 +94,43 @@ def copy_connector():
 def prefill_held():
     """prefill(engine, request id, prompt token ids, params) -> (each sequence's first token, held block ids)."""
     return prefill
+
+
+def flipped(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` with one bit of its last byte flipped."""
+    copy = tensor.clone()
+    copy.reshape(-1).view(torch.uint8)[-1] ^= 0x10
+    return copy
+
+
+class CorruptingFrames(FrameServerPath):
+    """ZMQ frames whose last segment (or embedding tensor) has a bit flipped after the server took its checksums,
+    in the first `faults` replies of each request (embeddings: of each mm_hash): what a reply read while its
+    blocks were being overwritten would carry. The cache itself stays intact."""
+
+    def __init__(self, faults: int) -> None:
+        super().__init__()
+        self.faults = faults
+        self.replies: dict[str, int] = {}  # request id or mm_hash -> replies so far
+
+    def _corrupts(self, key: str) -> bool:
+        self.replies[key] = self.replies.get(key, 0) + 1
+        return self.replies[key] <= self.faults
+
+    async def reply_blocks(self, message, peer):
+        reply, num_bytes = await super().reply_blocks(message, peer)
+        if reply.segments and self._corrupts(message.request_id):
+            reply = dataclasses.replace(reply, segments=(*reply.segments[:-1], flipped(reply.segments[-1])))
+        return reply, num_bytes
+
+    async def reply_embeddings(self, message, peer, tensor):
+        reply = await super().reply_embeddings(message, peer, tensor)
+        if self._corrupts(message.mm_hash):
+            reply = dataclasses.replace(reply, data=flipped(reply.data))
+        return reply
+
+
+@pytest.fixture(scope="session")
+def corrupting_frames():
+    """The CorruptingFrames class: CorruptingFrames(faults) is a server path."""
+    return CorruptingFrames

@@ -70,8 +70,8 @@ def test_a_stranger_and_garbage_are_dropped_and_counted_while_others_are_served(
 
     async def main():
         async with zmq_server("prefill-0", kv_cache=remote, model_id="m") as server:
-            server.expose("r1", range(8))
-            request = _frame(p.FetchBlocks("r1", tuple(range(8)), (8,)))
+            gen = server.expose("r1", range(8))
+            request = _frame(p.FetchBlocks("r1", gen, tuple(range(8)), (8,)))
             for opening in (bytes(TOKEN_BYTES) + request,  # a wrong token
                             block_stream(server).token + (5).to_bytes(4, "little") + b"\xc1junk",  # not msgpack
                             block_stream(server).token + (1 << 31).to_bytes(4, "little"),  # oversized
@@ -81,7 +81,7 @@ def test_a_stranger_and_garbage_are_dropped_and_counted_while_others_are_served(
                     assert closed_without_a_byte(conn)
             assert server.num_rejected == 4
             async with zmq_client("decode-0", kv_cache=local, model_id="m") as client:
-                await client.fetch_blocks(server.address, "r1", list(range(8)), list(range(8, 16)))
+                await client.fetch_blocks(server.address, "r1", list(range(8)), list(range(8, 16)), generation=gen)
 
     asyncio.run(main())
     assert torch.equal(local[:, :, 8:16], remote[:, :, :8])
@@ -92,12 +92,12 @@ def test_a_refusal_arrives_as_the_servers_error_and_the_next_fetch_goes_through(
 
     async def main():
         async with zmq_server("prefill-0", kv_cache=remote, model_id="m") as server:
-            server.expose("r1", range(4))
+            gen = server.expose("r1", range(4))
             async with zmq_client("decode-0", kv_cache=local, model_id="m") as client:
                 with pytest.raises(BlocksNotFoundError, match="holds no blocks for request 'r2'"):
-                    await client.fetch_blocks(server.address, "r2", [0, 1], [0, 1])
+                    await client.fetch_blocks(server.address, "r2", [0, 1], [0, 1], generation=0)
                 assert not local.any()
-                await client.fetch_blocks(server.address, "r1", [0, 1, 2, 3], [4, 5, 6, 7])
+                await client.fetch_blocks(server.address, "r1", [0, 1, 2, 3], [4, 5, 6, 7], generation=gen)
                 assert client.stats.num_failures == 1
 
     asyncio.run(main())
@@ -115,7 +115,7 @@ def test_a_server_that_never_answers_times_the_fetch_out():
         started = time.monotonic()
         with pytest.raises(TransferTimeout):
             await client.fetch("127.0.0.1", listener.getsockname()[1], bytes(TOKEN_BYTES),
-                               p.FetchBlocks("r", (1,), (1,)), [bytearray(1024)], timeout=0.5)
+                               p.FetchBlocks("r", 1, (1,), (1,)), [bytearray(1024)], timeout=0.5)
         assert time.monotonic() - started < 5
         await client.close()
 
@@ -140,7 +140,7 @@ def test_a_server_closing_mid_blocks_fails_the_fetch_without_misreading_them():
         asyncio.get_running_loop().run_in_executor(None, serve)
         with pytest.raises(TransferError, match="closed after 5000 bytes"):
             await client.fetch("127.0.0.1", listener.getsockname()[1], bytes(TOKEN_BYTES),
-                               p.FetchBlocks("r", (1,), (1,)), [bytearray(4096), bytearray(4096)], timeout=5)
+                               p.FetchBlocks("r", 1, (1,), (1,)), [bytearray(4096), bytearray(4096)], timeout=5)
         await client.close()
 
     asyncio.run(main())
@@ -153,11 +153,11 @@ def test_no_byte_lands_in_the_cache_after_a_cancelled_fetch_returns():
 
     async def main():
         async with zmq_server("prefill-0", kv_cache=remote, model_id="m") as server:
-            server.expose("r1", range(1024))
+            gen = server.expose("r1", range(1024))
             async with zmq_client("decode-0", kv_cache=local, model_id="m", min_message_bytes=1 << 40) as client:
-                await client.fetch_blocks(server.address, "r1", [0], [0])  # connected, handshaken
+                await client.fetch_blocks(server.address, "r1", [0], [0], generation=gen)  # connected, handshaken
                 fetch = asyncio.create_task(client.fetch_blocks(server.address, "r1", list(range(1024)),
-                                                                list(range(1024))))
+                                                                list(range(1024)), generation=gen))
                 while not local[0, 0, 1].any():  # the fetch is writing into the cache
                     await asyncio.sleep(0.001)
                 fetch.cancel()
@@ -168,7 +168,7 @@ def test_no_byte_lands_in_the_cache_after_a_cancelled_fetch_returns():
                 assert torch.equal(local, snapshot), "a cancelled fetch went on writing"
                 assert not torch.equal(local[-1, 1], remote[-1, 1]), "the fetch was not cut short"
                 # The connection it used is gone; the next fetch opens another.
-                await client.fetch_blocks(server.address, "r1", [5, 6], [5, 6])
+                await client.fetch_blocks(server.address, "r1", [5, 6], [5, 6], generation=gen)
             assert torch.equal(local[:, :, 5:7], remote[:, :, 5:7])
 
     asyncio.run(main())
@@ -176,24 +176,20 @@ def test_no_byte_lands_in_the_cache_after_a_cancelled_fetch_returns():
 
 def test_blocks_withdrawn_while_a_peer_stopped_reading_are_cut_off_from_it():
     """wait_sent waits while a block connection still sends the request's blocks; when the peer never
-    reads them, it gives up after its timeout and cuts the connection, so the blocks can be freed
-    without a send still reading them."""
+    reads them, it cuts the connection after its timeout and returns once the send stopped, so the
+    blocks can be freed without a send still reading them."""
     remote = make_cache(num_blocks=512, seed=4)  # 128 MiB: more than the sockets' buffers hold
 
     async def main():
         async with zmq_server("prefill-0", kv_cache=remote, model_id="m") as server:
-            server.expose("r1", range(512))
+            gen = server.expose("r1", range(512))
             conn = raw_connection(server)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
-            conn.sendall(block_stream(server).token + _frame(p.FetchBlocks("r1", tuple(range(512)), (512,))))
+            conn.sendall(block_stream(server).token + _frame(p.FetchBlocks("r1", gen, tuple(range(512)), (512,))))
             while not block_stream(server).sending("r1"):
                 await asyncio.sleep(0.01)
             server.withdraw("r1")
             assert not await server.wait_sent("r1", timeout=0.3)
-            for _ in range(200):
-                if not block_stream(server).sending("r1"):
-                    break
-                await asyncio.sleep(0.01)
             assert not block_stream(server).sending("r1")
             conn.close()
 
@@ -206,10 +202,11 @@ def test_a_closed_client_cuts_its_fetches_short():
 
     async def main():
         async with zmq_server("prefill-0", kv_cache=remote, model_id="m") as server:
-            server.expose("r1", range(1024))
+            gen = server.expose("r1", range(1024))
             client = zmq_client("decode-0", kv_cache=local, model_id="m", min_message_bytes=1 << 40)
-            await client.fetch_blocks(server.address, "r1", [0], [0])
-            fetch = asyncio.create_task(client.fetch_blocks(server.address, "r1", list(range(1024)), list(range(1024))))
+            await client.fetch_blocks(server.address, "r1", [0], [0], generation=gen)
+            fetch = asyncio.create_task(client.fetch_blocks(server.address, "r1", list(range(1024)), list(range(1024)),
+                                                            generation=gen))
             while not local[0, 0, 1].any():
                 await asyncio.sleep(0.001)
             await client.close()

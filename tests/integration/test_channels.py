@@ -443,7 +443,7 @@ def _still_answers(sock) -> None:
 
 def _valid_body(tag):
     sample = {
-        "fetch_blocks": p.FetchBlocks("r", (1, 2), (2,)),
+        "fetch_blocks": p.FetchBlocks("r", 1, (1, 2), (2,)),
         "prefill_request": p.PrefillRequest("r", (1, 2, 3), p.WireSamplingParams(stop=("x",))),
         "status": status_of("e"),
         "abort": p.Abort("r"),

@@ -1,15 +1,24 @@
 """Prefill on one engine, decode on another, through the engine's KV door (kv_connector.py): a connector
 copies the blocks prefill holds into decode's cache, on a thread of its own as a transport would. The
 tokens equal those of one engine doing both - when the load works, when it fails and decode recomputes,
-with seeded sampling, penalties and prefix hits - and every block comes back to both pools."""
+with seeded sampling, penalties and prefix hits - and every block comes back to both pools. The services'
+own connector (PeerKVConnector) pulls over the real transport when what arrives is corrupted."""
 import asyncio
+import time
 from dataclasses import replace
 
 import pytest
 
 from epdserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
+from epdserve.services.engine_worker import kv_layout
+from epdserve.services.peer_kv_connector import PeerKVConnector, PeerSources
+from epdserve.services.request_spans import RequestSpans
+from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.shared.engine.llm import build_engine_config
 from epdserve.shared.engine.llm_engine import LLMEngine
+from epdserve.transport import transports
+from epdserve.transport.kv_server import KVTransferServer
+from epdserve.transport.protocol import KVHandle
 
 PROMPTS = [list(range(200, 200 + n)) for n in (1, 15, 16, 17, 40, 70)]
 MAX_TOKENS = 12
@@ -171,5 +180,68 @@ def test_a_first_token_that_stops_ends_the_request_at_once(tiny_model_paths):
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "stop"
         assert outs[-1].outputs[0].token_ids == []  # the token itself went out with prefill's answer
         assert decode.stats().num_free_blocks == 32
+    finally:
+        decode.shutdown()
+
+
+@pytest.mark.parametrize("faults, stale, failure", [(1, False, None), (2, False, "integrity"), (0, True, "stale_handle")],
+                         ids=["fetched-again", "recomputed", "stale-handle-recomputed"])
+def test_kv_that_lands_corrupted_is_fetched_again_then_recomputed(tiny_model_paths, prefill_held, corrupting_frames,
+                                                                  faults, stale, failure):
+    """Decode pulls prefill's blocks with the services' connector and the real KV transfer client, from a server
+    whose first `faults` replies have a bit flipped after it took their checksums: one corruption is caught
+    and the pull made again; a second makes decode recompute the prompt. A handle whose blocks prefill
+    exposed anew since (`stale`) is refused, and decode recomputes too. Each mismatch is counted, and every
+    way decode's tokens equal one engine's."""
+    path = tiny_model_paths["qwen2"]
+    params = SamplingParams(temperature=1.5, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompt = PROMPTS[4]
+    want = LLM(model=path, num_kv_blocks=128).generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    prefill_engine, decode = engines(path)
+    layout = kv_layout(prefill_engine.config)
+    metrics = ServiceMetrics("decode", "decode-0", "tiny")
+
+    async def main():
+        firsts, held = prefill_held(prefill_engine, "r", prompt, params)
+        server = KVTransferServer("prefill-0", [corrupting_frames(faults)], kv_cache=prefill_engine.runner.kv_cache,
+                                  layout=layout)
+        client = transports.create_client("zmq", "decode-0", kv_cache=decode.kv_cache, layout=layout)
+        connector = PeerKVConnector(client, metrics, asyncio.get_running_loop(), 30.0,
+                                    prefill_engine.config.model.dtype, {"timeout": 5.0})
+        decode.add_connector(connector)
+        try:
+            await server.start()
+            generation = server.expose("r", held)
+            if stale:  # released, and exposed again under a new generation
+                server.withdraw("r")
+                assert server.expose("r", held) != generation
+            handle = KVHandle("prefill-0", server.address, tuple(held), generation, len(prompt), time.time() + 60)
+            sources = PeerSources(RequestSpans("decode-0"), kv_handle=handle)
+            request = await decode.make_request({"prompt_token_ids": prompt},
+                                                replace(params, output_kind=RequestOutputKind.DELTA), "r",
+                                                first_token_ids=firsts, kv_transfer_params=sources)
+            tokens = list(firsts)
+            async for out in decode.generate(request):
+                tokens += out.outputs[0].token_ids
+            assert await all_blocks_back(decode)
+            return tokens, sources
+        finally:
+            await connector.close()
+            await client.close()
+            await server.close()
+
+    try:
+        tokens, sources = asyncio.run(main())
+        assert tokens == want
+        spans = [span.name for span in sources.spans.take()]
+        if failure is None:
+            assert sources.kv_ready is not None and sources.failed is None and "kv.transfer" in spans
+        else:
+            assert sources.kv_ready is None and sources.failed[1] == failure and "kv.transfer:failed" in spans
+        count = metrics.registry.get_sample_value
+        assert count("epdserve:transfer_integrity_failures_total", {**metrics.labels, "kind": "kv"}) == faults
+        assert count("epdserve:transfer_integrity_failures_total", {**metrics.labels, "kind": "embeddings"}) == 0
+        assert count("epdserve:kv_transfer_failures_total", metrics.labels) == (failure is not None)
+        assert prefill_engine.release_kv("r")
     finally:
         decode.shutdown()

@@ -69,11 +69,11 @@ def test_blocks_land_bit_exact_in_shuffled_local_blocks(dtype, message_bytes, mi
 
     async def main():
         async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m", block_port=block_port) as server:
-            server.expose("r1", remote_ids)
+            gen = server.expose("r1", remote_ids)
             async with zmq_client("decode-0", kv_cache=local_cache, model_id="m",
                                    max_message_bytes=message_bytes, min_message_bytes=1,
                                    min_segment_bytes=min_segment_bytes) as client:
-                result = await client.fetch_blocks(server.address, "r1", remote_ids, local_ids)
+                result = await client.fetch_blocks(server.address, "r1", remote_ids, local_ids, generation=gen)
                 assert result.num_bytes == remote_cache[:, :, remote_ids].nbytes
                 assert client.stats.num_transfers == 1 and client.stats.num_bytes == result.num_bytes
                 assert client.stats.num_failures == 0
@@ -93,7 +93,7 @@ def test_runs_move_over_the_block_connection_from_cache_to_cache():
 
     async def main():
         async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m") as server:
-            server.expose("r1", remote_ids)
+            gen = server.expose("r1", remote_ids)
             sent, received, frames = [], [], []
             stream = stream_path(server).stream
             prepare = stream._prepare
@@ -101,11 +101,11 @@ def test_runs_move_over_the_block_connection_from_cache_to_cache():
             server.control._on_sent = lambda reply, tracker: frames.append(reply)
             async with zmq_client("decode-0", kv_cache=local_cache, model_id="m", min_segment_bytes=2 * segment_bytes,
                                    max_message_bytes=8 * block_bytes, min_message_bytes=8 * block_bytes) as client:
-                await client.fetch_blocks(server.address, "r1", [], [])  # connects and handshakes
+                await client.fetch_blocks(server.address, "r1", [], [], generation=gen)  # connects and handshakes
                 (stream_client, _) = client.paths
                 fetch = stream_client.stream.fetch
                 stream_client.stream.fetch = lambda *args: received.append(args[4]) or fetch(*args)
-                await client.fetch_blocks(server.address, "r1", remote_ids, local_ids)
+                await client.fetch_blocks(server.address, "r1", remote_ids, local_ids, generation=gen)
             assert await server.wait_sent("r1")
         assert not frames
         # 10..29 -> 5..24 in messages of 8, 8 and 4 blocks; 2 -> 40 and 3 -> 45 gathered into one segment.
@@ -135,13 +135,13 @@ def test_contiguous_runs_move_as_whole_zmq_frames_straight_from_the_cache():
 
     async def main():
         async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m", block_port=None) as server:
-            server.expose("r1", remote_ids)
+            gen = server.expose("r1", remote_ids)
             sent: list[p.BlocksData] = []
             on_sent = server._on_sent
             server.control._on_sent = lambda reply, tracker: (sent.append(reply), on_sent(reply, tracker))
             async with zmq_client("decode-0", kv_cache=local_cache, model_id="m", min_segment_bytes=2 * segment_bytes,
                                    max_message_bytes=8 * block_bytes, min_message_bytes=8 * block_bytes) as client:
-                await client.fetch_blocks(server.address, "r1", remote_ids, local_ids)
+                await client.fetch_blocks(server.address, "r1", remote_ids, local_ids, generation=gen)
             assert await server.wait_sent("r1")
         # Runs (remote -> local): 10..29 -> 5..24 in messages of at most 8 blocks; 2 -> 40 and 3 -> 45 gathered.
         assert [reply.block_ids for reply in sent] == [tuple(range(10, 18)), tuple(range(18, 26)),
@@ -158,12 +158,12 @@ def test_contiguous_runs_move_as_whole_zmq_frames_straight_from_the_cache():
 def test_runs_that_are_not_consecutive_are_refused():
     async def main():
         async with zmq_server("prefill-0", kv_cache=make_cache(), model_id="m") as server:
-            server.expose("r1", [1, 2, 3, 7])
+            gen = server.expose("r1", [1, 2, 3, 7])
             async with RequestClient(server.address, engine_id="decode", role=p.Role.DECODE,
                                      kv_layout=server.layout) as client:
                 for ids, runs in (((1, 2, 7), (3,)), ((1, 2), (1,)), ((1, 2), (3, -1)), ((1,), (0, 1))):
                     with pytest.raises(ErrorReply, match="out_of_range|consecutive|run lengths"):
-                        await client.request(p.FetchBlocks("r1", ids, runs))
+                        await client.request(p.FetchBlocks("r1", gen, ids, runs))
 
     asyncio.run(main())
 
@@ -178,12 +178,12 @@ def test_common_runs_pair_stretches_consecutive_on_both_sides():
 def test_a_transport_mismatch_is_refused_naming_the_option():
     async def main():
         async with zmq_server("prefill-0", kv_cache=make_cache(), model_id="m") as server:
-            server.expose("r1", [1])
+            gen = server.expose("r1", [1])
             hello = dict(engine_id="decode-0", role=p.Role.DECODE, kv_layout=server.layout, kv_transport="ucx")
             async with RequestClient(server.address, **hello) as client:
                 with pytest.raises(Exception, match="prefill-0 moves KV and embeddings over zmq, decode-0 over "
                                                     "ucx.*same --kv-transport"):
-                    await client.request(p.FetchBlocks("r1", (1,), (1,)))
+                    await client.request(p.FetchBlocks("r1", gen, (1,), (1,)))
 
     asyncio.run(main())
 
@@ -193,11 +193,11 @@ def test_fetch_of_a_subset_and_of_nothing():
 
     async def main():
         async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m") as server:
-            server.expose("r1", [5, 6, 7, 8])
+            gen = server.expose("r1", [5, 6, 7, 8])
             async with zmq_client("decode-0", kv_cache=local_cache, model_id="m") as client:
                 # Decode pulls only the blocks its own prefix cache lacks.
-                await client.fetch_blocks(server.address, "r1", [7, 8], [0, 1])
-                assert (await client.fetch_blocks(server.address, "r1", [], [])).num_bytes == 0
+                await client.fetch_blocks(server.address, "r1", [7, 8], [0, 1], generation=gen)
+                assert (await client.fetch_blocks(server.address, "r1", [], [], generation=gen)).num_bytes == 0
 
     asyncio.run(main())
     assert torch.equal(local_cache[:, :, [0, 1]], remote_cache[:, :, [7, 8]])
@@ -218,14 +218,14 @@ def test_a_client_closes_its_connections_to_a_server_it_no_longer_fetches_from()
 
     async def main():
         async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m") as server:
-            server.expose("r1", [5, 6, 7, 8])
+            gen = server.expose("r1", [5, 6, 7, 8])
             ports = {int(server.address.rsplit(":", 1)[1]), stream_path(server).stream.port}
             async with zmq_client("decode-0", kv_cache=local_cache, model_id="m", peer_idle_seconds=0.3) as client:
-                await client.fetch_blocks(server.address, "r1", [5, 6], [0, 1])
+                await client.fetch_blocks(server.address, "r1", [5, 6], [0, 1], generation=gen)
                 assert established_to(ports) == 2  # the control connection and one block connection
                 await asyncio.sleep(0.8)
                 assert established_to(ports) == 0
-                await client.fetch_blocks(server.address, "r1", [7, 8], [2, 3])  # connects again
+                await client.fetch_blocks(server.address, "r1", [7, 8], [2, 3], generation=gen)  # connects again
                 assert established_to(ports) == 2
 
     asyncio.run(main())
@@ -238,24 +238,24 @@ def test_block_ids_are_bounds_checked_on_both_sides(block_port):
 
     async def main():
         async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m", block_port=block_port) as server:
-            server.expose("r1", [1, 2, 3])
+            gen = server.expose("r1", [1, 2, 3])
             with pytest.raises(BlockRangeError):
                 server.expose("r2", [NUM_BLOCKS])
             async with zmq_client("decode-0", kv_cache=local_cache, model_id="m") as client:
                 # Remote ids the server did not expose for the request, or that do not exist there.
                 for remote in ([4], [NUM_BLOCKS + 5], [-1], [2**63 - 1]):
                     with pytest.raises(BlockRangeError):
-                        await client.fetch_blocks(server.address, "r1", remote, [0])
+                        await client.fetch_blocks(server.address, "r1", remote, [0], generation=gen)
                 # Local ids outside our own cache, repeated, or not pairing up: refused before sending.
                 for remote, local in (([1], [NUM_BLOCKS]), ([1], [-1]), ([1, 2], [0, 0]), ([1, 2], [0])):
                     with pytest.raises(BlockRangeError):
-                        await client.fetch_blocks(server.address, "r1", remote, local)
+                        await client.fetch_blocks(server.address, "r1", remote, local, generation=gen)
                 assert client.stats.num_failures == 4  # the server's refusals; local mistakes are not transfers
                 with pytest.raises(BlocksNotFoundError):
-                    await client.fetch_blocks(server.address, "unknown", [1], [0])
+                    await client.fetch_blocks(server.address, "unknown", [1], [0], generation=0)
                 server.withdraw("r1")  # released: its blocks are no longer served
                 with pytest.raises(BlocksNotFoundError):
-                    await client.fetch_blocks(server.address, "r1", [1], [0])
+                    await client.fetch_blocks(server.address, "r1", [1], [0], generation=gen)
             assert server.num_rejected == 0  # refusals are answers, not dropped frames
 
     asyncio.run(main())
@@ -278,10 +278,10 @@ def test_layout_mismatch_is_refused_before_any_block_moves(field, value):
 
     async def main():
         async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m") as server:
-            server.expose("r1", [1, 2])
+            gen = server.expose("r1", [1, 2])
             async with zmq_client("decode-0", kv_cache=local_cache, model_id=model_id) as client:
                 with pytest.raises(IncompatiblePeerError, match=field):
-                    await client.fetch_blocks(server.address, "r1", [1, 2], [1, 2])
+                    await client.fetch_blocks(server.address, "r1", [1, 2], [1, 2], generation=gen)
                 assert client.stats.num_failures == 1
 
     asyncio.run(main())
@@ -291,10 +291,10 @@ def test_layout_mismatch_is_refused_before_any_block_moves(field, value):
 def test_a_client_without_kv_layout_cannot_fetch_blocks():
     async def main():
         async with zmq_server("prefill-0", kv_cache=make_cache(), model_id="m") as server:
-            server.expose("r1", [1])
+            gen = server.expose("r1", [1])
             async with RequestClient(server.address, engine_id="decode", role=p.Role.DECODE) as client:
                 with pytest.raises(Exception, match="incompatible"):
-                    await client.request(p.FetchBlocks("r1", (1,), (1,)))
+                    await client.request(p.FetchBlocks("r1", gen, (1,), (1,)))
 
     asyncio.run(main())
 
@@ -304,11 +304,11 @@ def test_only_engines_that_pull_may_fetch():
     async def main():
         async with zmq_server("prefill-0", kv_cache=make_cache(), model_id="m") as server:
             layout = server.layout
-            server.expose("r1", [1])
+            gen = server.expose("r1", [1])
             for role in (p.Role.PROXY, p.Role.ENCODER, p.Role.PREFILL):
                 async with RequestClient(server.address, engine_id="x", role=role, kv_layout=layout) as client:
                     with pytest.raises(ErrorReply, match=f"{role.value} peers may not send FetchBlocks"):
-                        await client.request(p.FetchBlocks("r1", (1,), (1,)))
+                        await client.request(p.FetchBlocks("r1", gen, (1,), (1,)))
             assert server.num_rejected == 3
 
     asyncio.run(main())
@@ -327,7 +327,7 @@ def test_embeddings_by_mm_hash():
                 with pytest.raises(EmbeddingNotFoundError, match="ef" * 32):
                     await client.fetch_embeddings(server.address, "ef" * 32)
                 with pytest.raises(IncompatiblePeerError):
-                    await client.fetch_blocks(server.address, "r1", [1], [1])  # an encoder holds no KV
+                    await client.fetch_blocks(server.address, "r1", [1], [1], generation=0)  # an encoder holds no KV
                 assert client.stats.num_transfers == 2 and client.stats.num_failures == 2
 
     asyncio.run(main())
@@ -342,19 +342,19 @@ def test_curve_protected_transfer(tmp_path):
     async def main():
         curve = CurveConfig(server_secret, allowed_clients=(tmp_path,))  # a folder of allowed public keys
         async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m", curve=curve) as server:
-            server.expose("r1", [3, 4])
+            gen = server.expose("r1", [3, 4])
             good = CurveConfig(client_secret, server_public_key_file=server_public)
             async with zmq_client("decode-0", kv_cache=local_cache, model_id="m", curve=good) as client:
-                await client.fetch_blocks(server.address, "r1", [3, 4], [9, 8])
+                await client.fetch_blocks(server.address, "r1", [3, 4], [9, 8], generation=gen)
             # The allow-list is the folder's *.key files: drop the stranger's so it is not on it.
             (tmp_path / "stranger.key").unlink()
             server2_curve = CurveConfig(server_secret, allowed_clients=(tmp_path,))
             async with zmq_server("prefill-1", kv_cache=remote_cache, model_id="m", curve=server2_curve) as server2:
-                server2.expose("r1", [3])
+                gen = server2.expose("r1", [3])
                 bad = CurveConfig(stranger_secret, server_public_key_file=server_public)
                 async with zmq_client("decode-1", kv_cache=local_cache, model_id="m", curve=bad, timeout=3) as client:
                     with pytest.raises((IncompatiblePeerError, TransferTimeout)):
-                        await client.fetch_blocks(server2.address, "r1", [3], [0])
+                        await client.fetch_blocks(server2.address, "r1", [3], [0], generation=gen)
                 assert server2.num_auth_denied >= 1
 
     asyncio.run(main())
@@ -391,7 +391,7 @@ async def main():
     paths = [StallingFrames()] + ([] if sys.argv[1] == "None" else [StallingStream("127.0.0.1")])
     server = KVTransferServer("prefill-doomed", paths, kv_cache=cache, model_id="m")
     print(await server.start(), flush=True)
-    server.expose("r1", range(48))
+    print(server.expose("r1", range(48)), flush=True)
     await asyncio.sleep(3600)
 
 asyncio.run(main())
@@ -403,12 +403,13 @@ def test_peer_dying_mid_transfer_fails_the_fetch_at_once(block_port):
     proc = subprocess.Popen([sys.executable, "-c", DYING_SERVER, str(block_port)], stdout=subprocess.PIPE, text=True)
     local_cache = torch.zeros(make_cache().shape)
     try:
-        address = proc.stdout.readline().strip()
+        address, gen = proc.stdout.readline().strip(), int(proc.stdout.readline())
 
         async def main():
             async with zmq_client("decode-0", kv_cache=local_cache, model_id="m", timeout=60,
                                    max_message_bytes=1, min_message_bytes=1, max_inflight_messages=1) as client:
-                fetch = asyncio.create_task(client.fetch_blocks(address, "r1", list(range(10)), list(range(10))))
+                fetch = asyncio.create_task(client.fetch_blocks(address, "r1", list(range(10)), list(range(10)),
+                                                                generation=gen))
                 for _ in range(100):  # until the first block has landed: the transfer is under way
                     await asyncio.sleep(0.02)
                     if local_cache[:, :, 0].any():
@@ -450,10 +451,10 @@ def test_blocks_between_gpu_caches(min_segment_bytes):
 
     async def main():
         async with zmq_server("prefill-0", kv_cache=remote_cache, model_id="m") as server:
-            server.expose("r1", remote_ids)
+            gen = server.expose("r1", remote_ids)
             async with zmq_client("decode-0", kv_cache=local_cache, model_id="m",
                                    min_segment_bytes=min_segment_bytes) as client:
-                await client.fetch_blocks(server.address, "r1", remote_ids, local_ids)
+                await client.fetch_blocks(server.address, "r1", remote_ids, local_ids, generation=gen)
         torch.cuda.synchronize()
 
     asyncio.run(main())

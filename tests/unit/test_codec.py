@@ -15,7 +15,7 @@ LAYOUT = p.KVLayout("SmolLM2-135M", "bfloat16", 16, 30, 3, 64)
 SAMPLING = p.WireSamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=1234, max_tokens=None,
                                 stop=("\n\n", "</s>"), stop_token_ids=(2,), logprobs=5)
 PLACEHOLDER = p.MMPlaceholder(offset=3, length=576, mm_hash="ab" * 32, encoder_addr="tcp://127.0.0.1:5000")
-HANDLE = p.KVHandle("prefill-0", "tcp://127.0.0.1:6000", (7, 3, 11), 40, 1.8e9 + 0.25)
+HANDLE = p.KVHandle("prefill-0", "tcp://127.0.0.1:6000", (7, 3, 11), 2**62 + 5, 40, 1.8e9 + 0.25)
 LOGPROBS = p.TokenLogprobs(-0.25, (5, 9), (-0.25, -2.5))
 
 SAMPLES = [
@@ -51,14 +51,15 @@ SAMPLES = [
     p.Status("decode-0", p.Role.DECODE, p.Health.READY, 100, 4096, 3, 1),
     p.Status("prefill-0", p.Role.PREFILL, p.Health.READY, 100, 4096, 3, 1, data_addr="tcp://10.0.0.2:7001"),
     p.Error(p.ErrorCode.NOT_FOUND, "no such request", "r1", retryable=False),
-    p.FetchBlocks("r1", (7, 3, 11), (1, 1, 1)),
-    p.FetchBlocks("r1", (7,), (1,), ucx_tag=2**64 - 1),
-    p.BlocksData("r1", (7, 8, 3), (torch.randn(2, 4, 1, 8), torch.randn(1, 4, 1, 8).to(torch.bfloat16))),
-    p.BlocksData("r1", (), ()),
-    p.BlocksSent("r1", 120),
+    p.FetchBlocks("r1", 9, (7, 3, 11), (1, 1, 1)),
+    p.FetchBlocks("r1", 9, (7,), (1,), ucx_tag=2**64 - 1),
+    p.BlocksData("r1", (7, 8, 3), (2**64 - 1, 0),
+                 (torch.randn(2, 4, 1, 8), torch.randn(1, 4, 1, 8).to(torch.bfloat16))),
+    p.BlocksData("r1", (), (), ()),
+    p.BlocksSent("r1", 2, (2**64 - 1, 12345)),
     p.FetchEmbeddings("ab" * 32),
-    p.EmbeddingsData("ab" * 32, torch.randn(5, 16).to(torch.bfloat16)),
-    p.EmbeddingsSent("ab" * 32, p.TensorSpec("bfloat16", (576, 576))),
+    p.EmbeddingsData("ab" * 32, 2**64 - 1, torch.randn(5, 16).to(torch.bfloat16)),
+    p.EmbeddingsSent("ab" * 32, p.TensorSpec("bfloat16", (576, 576)), 7),
 ]
 
 
@@ -122,27 +123,27 @@ def _random_tensor(dtype: torch.dtype, shape) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(3, 5, 7), (0, 4), (), (1,)], ids=str)
 def test_every_dtype_is_bit_exact(dtype, shape):
     tensor = _random_tensor(dtype, shape)  # random bits: includes NaNs, infs, subnormals
-    decoded = roundtrip(p.EmbeddingsData("h", tensor)).data
+    decoded = roundtrip(p.EmbeddingsData("h", 0, tensor)).data
     assert decoded.dtype == dtype and decoded.shape == tensor.shape
     assert torch.equal(_bits(decoded), _bits(tensor))
 
 
 def test_bfloat16_special_values_survive():
     values = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, 3.0e38], dtype=torch.bfloat16)
-    assert torch.equal(_bits(roundtrip(p.EmbeddingsData("h", values)).data), _bits(values))
+    assert torch.equal(_bits(roundtrip(p.EmbeddingsData("h", 0, values)).data), _bits(values))
 
 
 def test_non_contiguous_input_is_sent_contiguous():
     base = torch.randn(8, 6, dtype=torch.bfloat16)
     for view in (base.t(), base[:, ::2], base[1:7:3]):
         assert not view.is_contiguous()
-        decoded = roundtrip(p.EmbeddingsData("h", view)).data
+        decoded = roundtrip(p.EmbeddingsData("h", 0, view)).data
         assert decoded.is_contiguous() and torch.equal(decoded, view)
 
 
 def test_tensor_decode_aliases_the_frame_without_copying():
     tensor = torch.randn(64, 32)
-    head, raw = codec.encode(p.EmbeddingsData("h", tensor))
+    head, raw = codec.encode(p.EmbeddingsData("h", 0, tensor))
     assert memoryview(raw).obj is not None and raw.nbytes == tensor.nbytes
     frame = bytearray(raw)
     decoded = codec.decode([head, frame]).data
@@ -152,14 +153,14 @@ def test_tensor_decode_aliases_the_frame_without_copying():
 
 def test_encode_sends_the_tensor_storage_itself():
     tensor = torch.randn(16, 16)
-    frame = codec.encode(p.EmbeddingsData("h", tensor))[1]
+    frame = codec.encode(p.EmbeddingsData("h", 0, tensor))[1]
     tensor[0, 0] = 123.0
     assert torch.frombuffer(bytearray(frame), dtype=torch.float32)[0].item() == 123.0
 
 
 def test_a_tuple_of_tensors_travels_as_one_frame_each_from_their_own_storage():
     cache = torch.randn(4, 2, 8, 3)
-    message = p.BlocksData("r", (2, 3, 6), (cache[0, 0, 2:4], cache[1, 1, 6:7]))
+    message = p.BlocksData("r", (2, 3, 6), (0, 0), (cache[0, 0, 2:4], cache[1, 1, 6:7]))
     head, *frames = codec.encode(message)
     assert len(frames) == 2
     cache[0, 0, 2, 0] = 7.0  # a frame is the cache's own memory: no gather copy
@@ -171,7 +172,7 @@ def test_a_tuple_of_tensors_travels_as_one_frame_each_from_their_own_storage():
 
 
 def test_tensor_frame_size_must_match_its_header():
-    head, raw = codec.encode(p.EmbeddingsData("h", torch.randn(4, 4)))
+    head, raw = codec.encode(p.EmbeddingsData("h", 0, torch.randn(4, 4)))
     with pytest.raises(DecodeError, match="needs 64 bytes"):
         codec.decode([head, bytearray(raw)[:-4]])
     with pytest.raises(DecodeError):
@@ -179,7 +180,7 @@ def test_tensor_frame_size_must_match_its_header():
 
 
 def test_bool_tensor_with_invalid_bytes_is_rejected():
-    head, _ = codec.encode(p.EmbeddingsData("h", torch.zeros(3, dtype=torch.bool)))
+    head, _ = codec.encode(p.EmbeddingsData("h", 0, torch.zeros(3, dtype=torch.bool)))
     with pytest.raises(DecodeError, match="bool"):
         codec.decode([head, bytearray(b"\x00\x01\x02")])
 
@@ -204,13 +205,13 @@ def test_bad_tensor_headers_are_rejected(spec):
 
 def test_encoding_rejects_cuda_free_unsupported_dtypes():
     with pytest.raises(EncodeError):
-        codec.encode(p.EmbeddingsData("h", torch.zeros(2, dtype=torch.complex64)))
+        codec.encode(p.EmbeddingsData("h", 0, torch.zeros(2, dtype=torch.complex64)))
 
 
 # ---------------------------------------------------------------------------------------------
 # Strict decoding of control frames
 
-GOOD = {"request_id": "r1", "block_ids": [1, 2], "run_lengths": [2], "ucx_tag": None}
+GOOD = {"request_id": "r1", "generation": 9, "block_ids": [1, 2], "run_lengths": [2], "ucx_tag": None}
 
 
 @pytest.mark.parametrize("body, match", [
@@ -221,7 +222,8 @@ GOOD = {"request_id": "r1", "block_ids": [1, 2], "run_lengths": [2], "ucx_tag": 
     ({**GOOD, "request_id": 5}, "expected str"),
     ({**GOOD, "request_id": None}, "expected str"),
     ({**GOOD, "ucx_tag": "x"}, "ucx_tag: expected int"),
-    ({"request_id": "r1", "block_ids": [1], "run_lengths": [1]}, "missing fields \\['ucx_tag'\\]"),
+    ({"request_id": "r1", "generation": 9, "block_ids": [1], "run_lengths": [1]}, "missing fields \\['ucx_tag'\\]"),
+    ({**GOOD, "generation": None}, "generation: expected int"),
     ({**GOOD, "priority": 1}, "unknown fields \\['priority'\\]"),
     ([1, 2, 3], "map"),
 ])
@@ -279,10 +281,10 @@ SMALL = Limits(max_message_bytes=4096, max_tensor_bytes=1024, max_str_len=100, m
 
 @pytest.mark.parametrize("message, match", [
     (p.Release("x" * 101), "max_str_len"),
-    (p.FetchBlocks("r", tuple(range(51)), (51,)), "max_array_len"),
+    (p.FetchBlocks("r", 1, tuple(range(51)), (51,)), "max_array_len"),
     (p.EncodeRequest("r", (p.MMItem("h", b"\0" * 201),)), "max_bin_len"),
     (p.PrefillRequest("r", tuple(range(45)), p.WireSamplingParams(stop=("s" * 95,) * 49)), "exceeds the limit"),
-    (p.EmbeddingsData("h", torch.zeros(257)), "exceeds the limit"),
+    (p.EmbeddingsData("h", 0, torch.zeros(257)), "exceeds the limit"),
 ])
 def test_over_long_strings_lists_binaries_and_frames_are_rejected(message, match):
     with pytest.raises(DecodeError, match=match):
@@ -293,11 +295,11 @@ def test_encoding_checks_field_types():
     with pytest.raises(EncodeError, match="request_id"):
         codec.encode(p.Release(7))
     with pytest.raises(EncodeError, match="block_ids"):
-        codec.encode(p.FetchBlocks("r", (1, "2"), (2,)))
+        codec.encode(p.FetchBlocks("r", 1, (1, "2"), (2,)))
     with pytest.raises(EncodeError, match="Health"):
         codec.encode(p.Status("e", p.Role.DECODE, "ready", 1, 1, 1, 1))
     with pytest.raises(EncodeError):
-        codec.encode(p.FetchBlocks("r", (2**70,), (1,)))  # beyond msgpack's 64-bit integers
+        codec.encode(p.FetchBlocks("r", 1, (2**70,), (1,)))  # beyond msgpack's 64-bit integers
     with pytest.raises(EncodeError, match="not a protocol message"):
         codec.encode({"tag": "ack"})
 
