@@ -67,7 +67,7 @@ def test_kv_tap_delays_answers_and_flips_one_bit_per_request(tmp_path):
         with client:
             client.sendall(b"t" * 32)
             for rid, flipped in (("req-a", True), ("req-a", False), ("req-b", True)):
-                (frame,) = codec.encode(FetchBlocks(rid, (1, 2), ()))
+                (frame,) = codec.encode(FetchBlocks(rid, 1, (1, 2), ()))
                 started = time.monotonic()
                 client.sendall(len(frame).to_bytes(4, "little") + bytes(frame))
                 got = bytearray(len(ANSWER))
