@@ -212,6 +212,16 @@ class Cluster:
                 return {c: n for c, n in held.items() if n != 0}
             time.sleep(1)
 
+    def warnings_since(self, since: float, per_container: int = 12) -> list[str]:
+        """The WARNING and ERROR lines every container of the stack logged since `since` (Unix time)."""
+        lines = []
+        for container in [*self.engines(), *self.containers("proxy")]:
+            done = docker("logs", "--since", f"{since:.0f}", container, check=False)
+            found = [line for line in (done.stdout + done.stderr).splitlines() if " WARNING " in line
+                     or " ERROR " in line]
+            lines += [f"{container}: {line[:400]}" for line in found[-per_container:]]
+        return lines
+
     # -- KV taps -------------------------------------------------------------------------------------
     def install_taps(self) -> None:
         """A KV tap on every prefill whose current process has none (a restarted container is a new one)."""

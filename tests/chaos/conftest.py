@@ -118,6 +118,8 @@ def _cell(result, key: str) -> str:
             return "-"
         detected = "?" if result.corruptions_detected is None else result.corruptions_detected
         return f"{result.corruptions_injected}/{detected}"
+    if key == "outcome" and len(result.outcome) > 100:
+        return result.outcome[:97] + "..."
     if key == "target":
         return result.target.removeprefix(f"{os.environ.get('EPDSERVE_COMPOSE_PROJECT', 'epdserve-test')}-")
     return str(getattr(result, key))
@@ -138,7 +140,7 @@ def pytest_terminal_summary(terminalreporter):
     for line in lines:
         terminalreporter.write_line(line)
     for result in RESULTS:
-        for note in result.notes + result.failures:
+        for note in result.notes + result.failures + [f"log: {line}" for line in result.logs]:
             terminalreporter.write_line(f"  {result.fault}: {note}")
     report = os.environ.get("EPDSERVE_COMPOSE_REPORT")
     if report:  # run.sh's closing summary shows the table too

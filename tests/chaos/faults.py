@@ -51,6 +51,8 @@ class Result:
     outcome: str = "passed"
     notes: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # streams that did not complete or differ
+    logs: list[str] = field(default_factory=list)  # the stack's warnings during a fault that broke an invariant
+    started_at: float = 0.0  # Unix time
 
 
 @dataclass
@@ -170,7 +172,7 @@ def migrations(cluster: Cluster) -> dict[str, float]:
 def run_fault(cluster: Cluster, client, catalog: dict, reference: dict[str, Answer], fault: Fault) -> tuple[
         Result, list[Stream]]:
     """One fault under load (see the module's docstring): its Result, and the streams."""
-    result = Result(fault.name)
+    result = Result(fault.name, started_at=time.time())
     started = time.monotonic()
     cluster.heal()  # a no-op after a fault that passed: the last one healed
     cluster.take_notes()

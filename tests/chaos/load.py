@@ -116,9 +116,9 @@ class Stream:
 
     @property
     def longest_gap(self) -> float:
-        """Longest silence of the stream, in seconds: request to first chunk, between chunks, or - still open -
-        since its last chunk."""
-        times = self.times + ([] if self.done_at is not None else [time.monotonic()])
+        """Longest silence of the stream, in seconds: request to first chunk, between chunks, last chunk to its
+        end (an error included) or, still open, to now."""
+        times = self.times + [self.done_at if self.done_at is not None else time.monotonic()]
         return max((b - a for a, b in zip(times, times[1:])), default=0.0)
 
     def describe(self) -> str:
