@@ -1,5 +1,6 @@
 # Two commands: `make run` (serve llava-demo, the demo model) and `make test` (every test).
-# `make test-compose` runs the image under a real Docker engine (tests/compose/run.sh).
+# `make test-compose` runs the image under a real Docker engine (tests/compose/run.sh); `make test-chaos`
+# puts a compose stack of it through faults under load (tests/chaos/run.sh).
 # Both create .venv at the repo root and install everything on first use.
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.installed
 TOOLS := $(VENV)/tools
 TOOLS_STAMP := $(TOOLS)/.installed
 
-.PHONY: run test test-compose install model bench clean
+.PHONY: run test test-compose test-chaos install model bench clean
 
 # Also rebuilt when a C++ kernel changes: the install compiles them (setup.py).
 $(STAMP): pyproject.toml setup.py kernels/cpu_levels.py $(wildcard kernels/csrc/*)
@@ -54,6 +55,12 @@ test: $(STAMP) $(TOOLS_STAMP)
 # (root on Debian); says it skipped, and passes, only where no container can run.
 test-compose: $(STAMP) $(TOOLS_STAMP)
 	PYTHON=$(PY) tests/compose/run.sh
+
+# The same image under faults (docker kill/pause/stop, a network partition, packet loss, a delayed and corrupted
+# KV path), one at a time while streams run; writes benchmarks/results/chaos.json. Needs root (iptables in
+# the containers' network namespaces, installed when missing); passes with a notice where it cannot run.
+test-chaos: $(STAMP) $(TOOLS_STAMP)
+	PYTHON=$(PY) tests/chaos/run.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache kernels/prebuilt

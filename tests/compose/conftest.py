@@ -26,7 +26,8 @@ from epdserve.services.launcher import free_port
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 ENABLED = os.environ.get("EPDSERVE_COMPOSE_TEST") == "1"
-PROJECT = "epdserve-test"
+# run.sh names it (make test-chaos runs its own project, so that it never meets this suite's).
+PROJECT = os.environ.get("EPDSERVE_COMPOSE_PROJECT", "epdserve-test")
 API_KEY = "compose-test-key"
 # Where the Dockerfile bakes the demo model ($EPDSERVE_CACHE_DIR/models/llava-demo).
 MODEL_IN_IMAGE = "/models/models/llava-demo"

@@ -15,6 +15,8 @@
 #   EPDSERVE_DOCKER_DIR   work folder of an engine started here (default /var/tmp/epdserve-docker; its
 #                         image store is kept between runs, so later builds are cached)
 #   EPDSERVE_IMAGE        test this image instead of building one
+#   EPDSERVE_COMPOSE_PROJECT  the compose project the tests bring up (default epdserve-test)
+#   EPDSERVE_SUITE        the name the summary gives the run (default make test-compose)
 #   PYTHON                the project's Python, with the test extras (default .venv/bin/python)
 #   COMPOSE               the compose v2 command (default: `docker compose`, else docker-compose)
 set -uo pipefail
@@ -23,9 +25,12 @@ HERE=tests/compose
 WORK=${EPDSERVE_DOCKER_DIR:-/var/tmp/epdserve-docker}
 PYTHON=${PYTHON:-.venv/bin/python}
 TAG=epdserve:compose-test
+PROJECT=${EPDSERVE_COMPOSE_PROJECT:-epdserve-test}
+SUITE=${EPDSERVE_SUITE:-make test-compose}
 LOCAL_BASE=epdserve-base:bookworm-py3.11
 LOCAL_PROMETHEUS=epdserve-prometheus:debian
 REPORT=$(mktemp)
+TESTS=("${@:-$HERE}")
 STEPS=()
 T0=$(date +%s)
 
@@ -39,14 +44,14 @@ step() {  # step NAME COMMAND...: runs it, records its time and outcome
 
 summary() {
   echo
-  echo "== make test-compose summary =="
+  echo "== $SUITE summary =="
   printf '%s\n' "${STEPS[@]}"
-  [ -s "$REPORT" ] && { echo "-- tests (tests/compose)"; cat "$REPORT"; }
+  [ -s "$REPORT" ] && { echo "-- tests (${TESTS[*]})"; cat "$REPORT"; }
   echo "total $(($(date +%s) - T0))s: $1"
 }
 
 compose_down() {  # every container and volume of the test project, whatever created them
-  COMPOSE_PROJECT_NAME=epdserve-test $COMPOSE_CMD --env-file /dev/null -f compose.yaml --profile monitoring \
+  COMPOSE_PROJECT_NAME=$PROJECT $COMPOSE_CMD --env-file /dev/null -f compose.yaml --profile monitoring \
     down -v --remove-orphans --timeout 60 >/dev/null 2>&1 || true
 }
 
@@ -54,8 +59,8 @@ cleanup() {
   local rc=$?
   if [ -n "${COMPOSE_CMD:-}" ] && docker info >/dev/null 2>&1; then
     compose_down
-    left=$(docker ps -aq --filter label=com.docker.compose.project=epdserve-test)
-    volumes=$(docker volume ls -q --filter label=com.docker.compose.project=epdserve-test)
+    left=$(docker ps -aq --filter label=com.docker.compose.project=$PROJECT)
+    volumes=$(docker volume ls -q --filter label=com.docker.compose.project=$PROJECT)
     if [ -n "$left$volumes" ]; then
       STEPS+=("FAILED            compose down -v left containers or volumes: $left $volumes"); rc=1
     else
@@ -80,7 +85,7 @@ compose_cmd() {
 # 1. the engine
 engine_out=$($HERE/docker-engine.sh start "$WORK" 2>&1); rc=$?
 if [ $rc = 3 ]; then
-  echo "make test-compose: SKIPPED - this environment cannot run containers (${engine_out##*$'\n'})"
+  echo "$SUITE: SKIPPED - this environment cannot run containers (${engine_out##*$'\n'})"
   [ "${EPDSERVE_REQUIRE_DOCKER:-0}" = 1 ] && exit 1
   exit 0
 fi
@@ -114,6 +119,11 @@ EOP
   nice -n 10 docker build "${args[@]}" -t "$TAG" . >"$WORK/build.log" 2>&1 \
     || { tail -n 40 "$WORK/build.log"; return 1; }
   docker image inspect --format 'image {{.Id}}: {{.Size}} bytes' "$TAG"
+  # The build stage tagged too (all cached, at once): the classic builder keeps a stage's layers only as
+  # images, and an untagged stage is dangling - pruned below, it made every later build compile the C++
+  # kernels again and reinstall every dependency (make test-chaos right after make test-compose included).
+  nice -n 10 docker build "${args[@]}" --target build -t "$TAG-build" . >>"$WORK/build.log" 2>&1 \
+    || { tail -n 40 "$WORK/build.log"; return 1; }
   # An engine of our own keeps its image store between runs: drop what earlier builds left untagged.
   [ -f "$WORK/dockerd.pid" ] && docker image prune -f >/dev/null
   PROMETHEUS_BASE=$base
@@ -133,5 +143,6 @@ export EPDSERVE_PROMETHEUS_IMAGE
 # 4. the tests, on a clean slate: a run that was killed leaves its containers and volumes in the engine's
 # store, and `compose up` would restart them instead of creating new ones.
 compose_down
-export EPDSERVE_COMPOSE_TEST=1 EPDSERVE_COMPOSE="$COMPOSE_CMD" EPDSERVE_COMPOSE_REPORT="$REPORT"
-step "compose tests" nice -n 10 "$PYTHON" -m pytest -q -p no:cacheprovider "${@:-$HERE}"
+export EPDSERVE_COMPOSE_TEST=1 EPDSERVE_COMPOSE="$COMPOSE_CMD" EPDSERVE_COMPOSE_REPORT="$REPORT" \
+  EPDSERVE_COMPOSE_PROJECT="$PROJECT"
+step "compose tests" nice -n 10 "$PYTHON" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
