@@ -135,7 +135,7 @@ def test_prometheus_scrapes_every_service(stack):
         time.sleep(2)
 
 
-def test_killing_a_decode_mid_stream_spares_the_other_streams(stack, client, docker_cli, references):
+def test_killing_a_decode_mid_stream_loses_no_stream(stack, client, docker_cli, references):
     decodes = stack.containers("decode")
     # Long enough to be mid-stream on both decodes when the kill lands.
     streams = [Stream(client, 300) for _ in range(4)]
@@ -143,17 +143,14 @@ def test_killing_a_decode_mid_stream_spares_the_other_streams(stack, client, doc
         assert stream.started.wait(120) and stream.error is None, stream.error
     running = {c: running_requests(stack, c) for c in decodes}
     victim = max(decodes, key=running.get)
-    (survivor,) = [c for c in decodes if c != victim]
     docker_cli("kill", victim)
     for stream in streams:
         stream.join()
-    hung = [s.error for s in streams if isinstance(s.error, openai.APITimeoutError)]
-    assert not hung, f"streams of the killed decode hung instead of ending with an error: {hung}"
-    completed = sum(s.completed for s in streams)
-    # Those on the surviving decode finish; those on the killed one end with an error.
-    assert running[victim] and completed >= running[survivor] and completed < len(streams), \
+    # Those on the killed decode continue on the other one from the tokens they had: every stream ends whole,
+    # and all four (one greedy request) alike.
+    assert running[victim] and all(s.completed for s in streams), \
         (running, [(s.error, s.finish_reason, s.completion_tokens) for s in streams])
-    assert all(s.completed or s.error for s in streams)
+    assert len({"".join(s.text) for s in streams}) == 1
     for _ in range(3):  # new requests go to the decode that is left
         reply = client.chat.completions.create(model="llava-demo", messages=references.text_messages,
                                                **greedy(references))
