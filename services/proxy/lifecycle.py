@@ -24,7 +24,9 @@ When the proxy's drain grace runs out (`cut`), every request still waiting on a 
 with the cut's error.
 
 A stream whose decode (or unified instance) is lost after it accepted the request - died, cut off,
-drained past its grace - continues on another one from the tokens already delivered (migration.py).
+drained past its grace - continues on another one from the tokens already delivered (migration.py). A stream
+takes tokens only from the instance that accepted it: one its call failed over from may come back (frozen,
+then thawed) still running the request under the same id, and has it aborted instead.
 
 The spans services return (EncodeDone, PrefillDone, a stream's first TokenDelta), with `proxy.encode`,
 `proxy.prefill` (each call as this proxy waited for it) and `proxy.migrate`, ride on the chunks to the
