@@ -43,7 +43,7 @@ def cost(args: argparse.Namespace, log_dir: Path, tmp: Path) -> dict:
         for stack in stacks.values():
             stack.start(600)
         bench = ["--model", args.served_name, "--tokenizer", args.model, "--dataset-name", "random",
-                 "--random-input-len", "128", "--random-output-len", "128", "--num-prompts", str(args.num_prompts),
+                 "--input-len", "128", "--output-len", "128", "--num-prompts", str(args.num_prompts),
                  "--request-rate", "inf"]
         for r in range(args.repeats):
             for label, stack in stacks.items():
