@@ -90,9 +90,9 @@ def wait_for(condition, what: str, timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
-async def stream_all(stack, requests: dict, progress: dict | None = None, stalls: dict | None = None) -> dict:
-    """name -> {choice index: (text, finish_reason)} for each request streamed at once; `progress[name]`
-    counts the chunks received so far (`progress["ended"]`: the requests whose stream ended), `stalls[name]` is the longest wait between two of them (seconds)."""
+async def stream_all(stack, requests: dict, ended: set | None = None, stalls: dict | None = None) -> dict:
+    """name -> {choice index: (text, finish_reason)} for each request streamed at once; `ended` collects the
+    names whose stream has ended, `stalls[name]` is its longest wait between two chunks (seconds)."""
     async def one(c, name, kwargs):
         choices: dict[int, list] = {}
         last = time.monotonic()
@@ -104,10 +104,8 @@ async def stream_all(stack, requests: dict, progress: dict | None = None, stalls
             for choice in event.choices:
                 text, _ = choices.get(choice.index, ("", None))
                 choices[choice.index] = [text + choice.text, choice.finish_reason]
-                if progress is not None:
-                    progress[name] = progress.get(name, 0) + 1
-        if progress is not None:
-            progress.setdefault("ended", set()).add(name)
+        if ended is not None:
+            ended.add(name)
         return {i: tuple(v) for i, v in choices.items()}
 
     async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
@@ -121,11 +119,11 @@ async def lose_decode_mid_stream(stack, lose: str, keep: str, requests: dict, ho
     """Stream `requests` on decode `lose` only (`keep` frozen while they are accepted), let them get going, then
     `how(service)` takes `lose` away; what each stream received (and in `stalls`, its longest silence), and how
     many were still running when it went."""
-    progress: dict = {}
+    ended: set[str] = set()
     stack.services[keep].proc.send_signal(signal.SIGSTOP)
     try:
         await asyncio.to_thread(wait_for, lambda: healthy(stack, "decode") == 1, f"{keep} still routed to")
-        task = asyncio.create_task(stream_all(stack, requests, progress, stalls))
+        task = asyncio.create_task(stream_all(stack, requests, ended, stalls))
         # Every sequence decoding on `lose` (a stream's first token comes from prefill, before decode has it).
         sequences = sum(kwargs.get("n", 1) for kwargs in requests.values())
         while counter(stack, lose, "epdserve:num_requests_running") < sequences:
@@ -134,7 +132,7 @@ async def lose_decode_mid_stream(stack, lose: str, keep: str, requests: dict, ho
     finally:
         stack.services[keep].proc.send_signal(signal.SIGCONT)
     await asyncio.to_thread(wait_for, lambda: healthy(stack, "decode") == 2, f"{keep} not routed to again")
-    running = len(requests) - len(progress.get("ended", ()))
+    running = len(requests) - len(ended)
     assert running, "the streams ended before their decode was lost"
     how(stack.services[lose])
     return await task, running
