@@ -18,7 +18,7 @@ from epdserve.services.proxy_channels import ProxyChannels
 from epdserve.services.request_spans import RequestSpans
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.services.stats_log import StatsLog
-from epdserve.shared.engine import AsyncLLM, RequestOutput
+from epdserve.shared.engine import AsyncLLM, InputsUnavailableError, RequestOutput
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason, GenerateRequest,
@@ -233,6 +233,9 @@ class EngineWorker:
             if self._stop_reason is not None:  # the service is going away: the proxy ends the stream at once
                 self.proxies.send_soon(reply_to, Error(ErrorCode.ABORTED, self._stop_reason, request_id))
             raise  # aborted; the engine request was aborted by the iterator's cleanup
+        except InputsUnavailableError as exc:  # the proxy encodes the image again and sends the request once more
+            logger.warning("request %s failed: %s", request_id, exc)
+            self.proxies.send_soon(reply_to, Error(ErrorCode.EMBEDDINGS_UNAVAILABLE, str(exc), request_id))
         except Exception as exc:
             logger.exception("request %s failed", request_id)
             code = ErrorCode.BAD_REQUEST if isinstance(exc, ValueError) else ErrorCode.INTERNAL

@@ -22,6 +22,11 @@ A fetch whose bytes landed corrupted (IntegrityError: their checksums differ fro
 in `transfer_integrity_failures_total` and made once more; a second mismatch fails the load like any other
 failed pull: the prompt is recomputed here (`kv.recompute:integrity`), and a request whose image embeddings
 cannot be had intact ends with an error. Corrupt bytes are never used.
+
+Image embeddings that cannot be had at all - their encoder is gone (a refused connection fails the fetch at
+once, an unreachable one within the client's connect timeout), evicted them, or sent them corrupted twice -
+fail the request with `InputsUnavailableError`, which the worker answers as `embeddings_unavailable`: the proxy
+encodes the image again, on a live encoder, and sends the request once more.
 """
 from __future__ import annotations
 
@@ -188,6 +193,7 @@ class PeerKVConnector(KVConnector):
                 self.metrics.embeddings_fetched.inc()
         except PULL_ERRORS as exc:
             logger.warning("request %s: image embeddings out of reach: %s", request_id, exc)
+            self.metrics.embeddings_unavailable.inc()
             self.finish(LoadResult(load.request_id, False, failure_reason(exc)))
             return
         self.finish(LoadResult(load.request_id, True, mm_embeddings=embeddings))

@@ -136,6 +136,10 @@ class ServiceMetrics:
         self.lease_renewals = counter("epdserve:kv_lease_renewals",
                                       "Leases on prefill's KV renewed while a request waited here for its pull.")
         self.embeddings_fetched = counter("epdserve:embeddings_fetched", "Image embeddings pulled from encoders.")
+        self.embeddings_unavailable = counter("epdserve:embeddings_unavailable",
+                                              "Requests failed because their image embeddings could not be had "
+                                              "from the encoder that made them (gone, unreachable): answered as "
+                                              "retryable, the proxy encodes the image again.")
         self.refused_overloaded = counter("epdserve:requests_refused_overloaded",
                                           "Requests refused because the prompts queued ahead would take longer "
                                           "than --max-queue-wait (admission control).")

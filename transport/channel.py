@@ -55,6 +55,10 @@ class ChannelTimeout(ChannelError, TimeoutError):
     """The peer did not answer in time: it is down, unreachable, overloaded or refusing us."""
 
 
+class PeerUnreachable(ChannelError):
+    """Nothing accepts connections at the peer's address (refused): its process is gone, or not up yet."""
+
+
 class HandshakeError(ChannelError):
     """The peer refused our handshake (protocol version, KV layout, CURVE keys) or we refused its."""
 

@@ -30,9 +30,10 @@ from typing import ClassVar
 import torch
 
 from epdserve.transport import checksum, codec, peer_pool
-from epdserve.transport.channel import ChannelError, ChannelTimeout, ErrorReply, HandshakeError
+from epdserve.transport.channel import ChannelError, ChannelTimeout, ErrorReply, HandshakeError, PeerUnreachable
 from epdserve.transport.kv_transfer import (BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, FetchResult,
-                                            IncompatiblePeerError, Run, StaleHandleError, TransferError,
+                                            IncompatiblePeerError, PeerUnreachableError, Run, StaleHandleError,
+                                            TransferError,
                                             TransferStats, TransferTimeout, as_bytes, block_index, common_runs,
                                             kv_layout, layout_mismatch, run_segments, run_views, scatter_blocks)
 from epdserve.transport.kv_server import transport_mismatch
@@ -46,6 +47,11 @@ from epdserve.transport.security import CurveConfig
 # fresh buffer on the server and received into one on the client, which glibc reuses below its mmap
 # threshold (32 MiB) instead of faulting in fresh pages on every message.
 GATHERED_MESSAGE_BYTES = 16 << 20
+# Seconds a connection to a server may take before the fetch fails (PeerUnreachableError), however long the
+# fetch itself may take: a server that is gone holds nothing of what was asked (a restarted one neither), so
+# its fetch fails within this and is made good elsewhere (blocks recomputed, an image encoded again) rather
+# than waiting out the transfer timeout. A refused connection fails it at once.
+CONNECT_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +119,7 @@ class KVTransferClient:
                  curve: CurveConfig | None = None, limits: Limits = DEFAULT_LIMITS,
                  max_message_bytes: int = 256 << 20, min_message_bytes: int = 64 << 20,
                  max_inflight_messages: int = 2, min_segment_bytes: int = 64 << 10,
-                 peer_idle_seconds: float = peer_pool.IDLE_SECONDS):
+                 peer_idle_seconds: float = peer_pool.IDLE_SECONDS, connect_timeout: float = CONNECT_TIMEOUT):
         transports = {path.transport for path in paths}
         assert len(transports) == 1, f"the paths of one client move data over one transport, not {transports}"
         self.engine_id = engine_id
@@ -123,6 +129,7 @@ class KVTransferClient:
         self.layout = kv_layout(kv_cache, model_id, layout) if kv_cache is not None else None
         self.stats = TransferStats()
         self.role, self.timeout, self.limits, self._curve = role, timeout, limits, curve
+        self.connect_timeout = connect_timeout
         # Large messages: runs cost no gather, so a message costs a round trip and Python work per segment,
         # and few large ones measured fastest (64-256 MiB x 2 in flight on 2 cores).
         self.max_message_bytes = max_message_bytes
@@ -142,7 +149,7 @@ class KVTransferClient:
         extra = {key: value for path in self.paths for key, value in path.hello_extra().items()}
         return RequestClient(address, engine_id=self.engine_id, role=self.role, timeout=self.timeout,
                              curve=self._curve, limits=self.limits, kv_layout=self.layout,
-                             kv_transport=self.transport, check_ack=self._check_ack, **extra)
+                             kv_transport=self.transport, check_ack=self._check_ack, fail_if_refused=True, **extra)
 
     def _check_ack(self, ack: HandshakeAck) -> str | None:
         refusal = transport_mismatch(self.transport, ack.kv_transport, self.engine_id, ack.engine_id)
@@ -152,6 +159,20 @@ class KVTransferClient:
 
     def remaining(self, deadline: float) -> float:
         return max(deadline - asyncio.get_running_loop().time(), 0.0)
+
+    async def _connect(self, control: RequestClient, deadline: float) -> HandshakeAck:
+        """The server's handshake answer, connecting first if need be: within `connect_timeout` (and the
+        fetch's deadline), at once PeerUnreachable if the connection is refused."""
+        if control.peer is not None:
+            return control.peer
+        remaining = self.remaining(deadline)
+        try:
+            return await control.connect(min(self.connect_timeout, remaining))
+        except ChannelTimeout as exc:
+            if remaining <= self.connect_timeout:
+                raise
+            raise PeerUnreachableError(f"no connection to {control.address} within {self.connect_timeout:g}s: "
+                                       f"{exc}") from exc
 
     # -- blocks -----------------------------------------------------------------------------------------
     def runs(self, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> list[tuple[Run, Run]]:
@@ -177,7 +198,7 @@ class KVTransferClient:
         try:
             with self._controls.holding(kv_addr) as control:
                 if control.peer is None:
-                    await control.connect(self.remaining(deadline))
+                    await self._connect(control, deadline)
                     connect_seconds = time.perf_counter() - started
                 if control.peer.kv_layout != self.layout:
                     raise IncompatiblePeerError(f"{kv_addr} ({control.peer.engine_id}) has no matching KV cache")
@@ -190,7 +211,7 @@ class KVTransferClient:
 
     async def _fetch_chunk(self, control: RequestClient, request: FetchBlocks, chunk: Chunk, deadline: float) -> int:
         # Handshaken again if the connection dropped since the fetch began (a restarted server has a new port).
-        peer = control.peer or await control.connect(self.remaining(deadline))
+        peer = await self._connect(control, deadline)
         path = next((path for path in self.paths if path.usable(peer)), None)
         if path is None:
             raise IncompatiblePeerError(f"{control.address} offers no data path this client can use")
@@ -266,6 +287,7 @@ class KVTransferClient:
         path = next(path for path in self.paths if path.fetches_embeddings)
         try:
             with self._controls.holding(encoder_addr) as control:
+                await self._connect(control, deadline)
                 tensor, sent = await path.fetch_embeddings(control, mm_hash, deadline)
             if tensor.dim() != 2:
                 raise TransferError(f"{encoder_addr} sent embeddings of shape {tuple(tensor.shape)}, not 2-D")
@@ -320,6 +342,8 @@ def _as_transfer_error(error: BaseException, address: str, mm_hash: str | None =
         return error  # already typed, or cancellation / interpreter exit: never mask those
     if isinstance(error, ChannelTimeout):
         return TransferTimeout(f"{address}: {error}")
+    if isinstance(error, PeerUnreachable):
+        return PeerUnreachableError(str(error))
     if isinstance(error, HandshakeError):
         return IncompatiblePeerError(str(error))
     if isinstance(error, ErrorReply):

@@ -72,6 +72,11 @@ class EmbeddingNotFoundError(TransferError):
     """The encoder cache holds no embeddings for the mm_hash (never encoded, or evicted)."""
 
 
+class PeerUnreachableError(TransferError):
+    """No connection to the peer: refused (its process is gone, and what it held with it), or not made within
+    the client's connect timeout (its host down or cut off)."""
+
+
 class TransferTimeout(TransferError, TimeoutError):
     """The peer did not deliver in time (dead, unreachable or overloaded)."""
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 class Role(str, enum.Enum):
@@ -60,6 +60,9 @@ class FinishReason(str, enum.Enum):
 class ErrorCode(str, enum.Enum):
     BAD_REQUEST = "bad_request"  # the request itself is invalid; retrying elsewhere will not help
     NOT_FOUND = "not_found"  # unknown request id, mm_hash or expired lease
+    # A request's image embeddings could not be had from the encoder that made them (gone, unreachable):
+    # encoded again, the same request may succeed.
+    EMBEDDINGS_UNAVAILABLE = "embeddings_unavailable"
     STALE = "stale"  # a KV handle of an earlier generation: its blocks were released since
     OUT_OF_RANGE = "out_of_range"  # block ids or sizes outside what the peer holds
     INCOMPATIBLE = "incompatible"  # handshake refused: model or KV layout differ

@@ -14,8 +14,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from epdserve.transport import codec, security
 from epdserve.transport.channel import (
-    NO_REPLY, AckCheck, ChannelError, ChannelTimeout, ErrorReply, HandshakeError, Rejections, configure_socket,
-    rejection_reason,
+    NO_REPLY, AckCheck, ChannelError, ChannelTimeout, ErrorReply, HandshakeError, PeerUnreachable, Rejections,
+    configure_socket, rejection_reason,
 )
 from epdserve.transport.codec import DEFAULT_LIMITS, DecodeError, Limits, VersionMismatchError
 from epdserve.transport.protocol import (
@@ -56,8 +56,13 @@ class RequestClient:
         kv_transport: str | None = None,
         ucx_address: bytes | None = None,
         check_ack: AckCheck | None = None,
+        fail_if_refused: bool = False,
     ):
+        """`fail_if_refused`: a handshake raises PeerUnreachable as soon as a connect is refused (nothing
+        listens at the address) instead of waiting, until its timeout, for a server to come back there - for
+        peers whose state dies with their process (a restarted one holds none of it)."""
         self.address = address
+        self.fail_if_refused = fail_if_refused
         self.timeout = timeout
         self.limits = limits
         self.peer: HandshakeAck | None = None  # the server's answer to our handshake
@@ -70,11 +75,16 @@ class RequestClient:
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._refused: asyncio.Future | None = None  # set by the watcher while a handshake runs
+        # Set by the watcher when a connect is refused while a handshake that fails on it runs.
+        self._connect_refused: asyncio.Future | None = None
         self.num_disconnects = 0
         # Loop time the connection dropped, until the next one is made (None: up, or never tried yet). A
         # dead peer's connection drops at once (its kernel closes it) or within a heartbeat timeout (a
         # frozen or unreachable host): callers route around it without waiting for a request to time out.
         self.down_since: float | None = None
+        # Loop time a connect was first refused since the last connection was made (None: connected, or
+        # nothing refused): nothing listens at the address, so whatever the peer held went with it.
+        self.refused_since: float | None = None
         self._pending: dict[bytes, asyncio.Future] = {}
         self._corr_ids = itertools.count(1)
         self._handshake_lock: asyncio.Lock | None = None
@@ -97,7 +107,8 @@ class RequestClient:
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             security.configure_client(sock, self._curve)
             monitor = sock.get_monitor_socket(_HANDSHAKE_FAILURES | zmq.EVENT_DISCONNECTED |
-                                              zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                                              zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED |
+                                              zmq.EVENT_CONNECT_RETRIED)
             sock.connect(self.address)
             self._sock = sock
             self._handshake_lock = asyncio.Lock()
@@ -106,13 +117,20 @@ class RequestClient:
         return self._sock
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
-        """Connection events: a refused ZMTP handshake (CURVE) and dropped connections."""
+        """Connection events: a refused ZMTP handshake (CURVE), refused connects and dropped connections."""
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] & _HANDSHAKE_FAILURES:
                     if self._refused is not None and not self._refused.done():
                         self._refused.set_result(event)
+                elif event["event"] == zmq.EVENT_CONNECTED:
+                    self.refused_since = None
+                elif event["event"] == zmq.EVENT_CONNECT_RETRIED:  # the connect failed; ZMQ tries again
+                    if self.refused_since is None:
+                        self.refused_since = asyncio.get_running_loop().time()
+                    if self._connect_refused is not None and not self._connect_refused.done():
+                        self._connect_refused.set_result(event)
                 elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.down_since = None
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
@@ -179,10 +197,19 @@ class RequestClient:
 
     async def _handshake(self, deadline: float) -> HandshakeAck:
         self._socket()
-        refused = self._refused = asyncio.get_running_loop().create_future()
+        fail_if_refused = self.fail_if_refused
+        if fail_if_refused and self.refused_since is not None:
+            raise PeerUnreachable(f"{self.address} refuses connections: nothing listens there")
+        loop = asyncio.get_running_loop()
+        refused = self._refused = loop.create_future()
+        unreachable = loop.create_future()
+        if fail_if_refused:
+            self._connect_refused = unreachable
         roundtrip = asyncio.ensure_future(self._roundtrip(self._hello, deadline))
         try:
-            await asyncio.wait({refused, roundtrip}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({refused, roundtrip, unreachable}, return_when=asyncio.FIRST_COMPLETED)
+            if unreachable.done() and not roundtrip.done():
+                raise PeerUnreachable(f"{self.address} refused the connection: nothing listens there")
             if refused.done():  # checked first: the dropped connection that follows fails the roundtrip too
                 event = refused.result()
                 # A wrong server key and a peer dying mid-handshake look the same from here (NO_DETAIL).
@@ -198,9 +225,9 @@ class RequestClient:
             raise ChannelTimeout(f"no handshake answer from {self.address}: peer down, unreachable, "
                                  "or not completing the CURVE handshake") from None
         finally:
-            for fut in (refused, roundtrip):
+            for fut in (refused, roundtrip, unreachable):
                 fut.cancel()
-            self._refused = None
+            self._refused = self._connect_refused = None
         if isinstance(reply, Error):
             raise HandshakeError(f"{self.address} refused the handshake: {reply.code.value}: {reply.message}")
         if not isinstance(reply, HandshakeAck) or reply.protocol_version != PROTOCOL_VERSION:

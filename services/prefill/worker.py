@@ -26,7 +26,7 @@ from epdserve.services.engine_worker import (EngineWorker, bad_request, kv_layou
                                              start_engine)
 from epdserve.services.network import advertised, server_curve
 from epdserve.services.request_spans import RequestSpans
-from epdserve.shared.engine import PREFILL_OUTPUT_TOKENS, AsyncLLM, RequestOutput
+from epdserve.shared.engine import PREFILL_OUTPUT_TOKENS, AsyncLLM, InputsUnavailableError, RequestOutput
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.transport.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, FirstToken, Handshake, KVHandle,
                                       LeaseRenewed, Message, PrefillDone, PrefillRequest, Release, RenewLease, Role,
@@ -120,6 +120,8 @@ class PrefillWorker(EngineWorker):
         except asyncio.CancelledError:  # aborted by the proxy while prefilling
             self.llm.release_kv(rid)
             return Error(ErrorCode.ABORTED, "aborted", rid)
+        except InputsUnavailableError as exc:  # the proxy encodes the image again and sends the request once more
+            return Error(ErrorCode.EMBEDDINGS_UNAVAILABLE, str(exc), rid)
         finally:
             self._tasks.pop(rid, None)
         out = firsts[0]

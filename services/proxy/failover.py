@@ -8,6 +8,8 @@ timeout. Each attempt ends in one of four outcomes:
 - refused, retryable (starting, draining, overloaded), or by an instance found dead: the next instance;
 - refused for a reason the request itself may have caused (bad input; an internal error of an instance
   that is still alive): the client's error at once - retried, it could take every instance down in turn;
+  or because the request's image embeddings are gone with their encoder: `EmbeddingsUnavailable`, which
+  the request's lifecycle answers by encoding the images again (any instance of the role would fail alike);
 - failed (instance dead, connection lost, no answer in time): the instance is marked failed, the call
   aborted there (it may have been accepted with only the answer lost), and the next instance tried.
 
@@ -33,6 +35,11 @@ T = TypeVar("T")
 
 class InstanceDown(ChannelError):
     """The instance working on a request was found dead while we waited for it."""
+
+
+class EmbeddingsUnavailable(GenerationError):
+    """An engine could not have the request's image embeddings from the encoder that made them (gone,
+    unreachable): encoded again, the request may be sent once more. If it cannot, the client gets this error."""
 
 
 def _never() -> None:
@@ -86,6 +93,9 @@ def service_error(error: Error, instance: Instance) -> GenerationError:
     if error.code == ErrorCode.ABORTED:  # the instance stopped it: it is shutting down
         return GenerationError(f"{instance.role.value} {instance.address}: {error.message}", 503,
                                "ServiceUnavailableError")
+    if error.code == ErrorCode.EMBEDDINGS_UNAVAILABLE:
+        return EmbeddingsUnavailable(f"{instance.role.value} {instance.address}: {error.message}", 503,
+                                     "ServiceUnavailableError")
     return GenerationError(f"{instance.role.value} {instance.address}: {error.message}", 500)
 
 

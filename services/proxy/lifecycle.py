@@ -23,6 +23,11 @@ leaving a stream early (client gone, stop string) aborts the request on every se
 When the proxy's drain grace runs out (`cut`), every request still waiting on a service ends the same way,
 with the cut's error.
 
+An engine that cannot have a request's image embeddings from the encoder that made them (the encoder died,
+or was cut off, after encoding) answers `embeddings_unavailable` within seconds: the images are encoded
+again, on a live encoder, and the request sent once more, at most `max_attempts - 1` times and only before
+anything reached the client (`epdserve:request_reencodes_total`); otherwise the client gets a 503.
+
 A stream whose decode (or unified instance) is lost after it accepted the request - died, cut off,
 drained past its grace - continues on another one from the tokens already delivered (migration.py). A stream
 takes tokens only from the instance that accepted it: one its call failed over from may come back (frozen,
@@ -43,7 +48,8 @@ from typing import AsyncIterator, Callable, NamedTuple
 
 from epdserve.services.network import advertised
 from epdserve.services.proxy.choices import merge
-from epdserve.services.proxy.failover import Failover, InstanceDown, Liveness, service_error, watched
+from epdserve.services.proxy.failover import (EmbeddingsUnavailable, Failover, InstanceDown, Liveness, service_error,
+                                              watched)
 from epdserve.services.proxy import kv_routing
 from epdserve.services.proxy.generation import Chunk, GenerateInput, GenerationError
 from epdserve.services.proxy.kv_routing import KVRoutingConfig, RoutingPolicy
@@ -91,11 +97,13 @@ class ServiceBackend:
 
     def __init__(self, router: Router, inbox: PullChannel, config: LifecycleConfig, bind_host: str = "127.0.0.1",
                  advertise_host: str | None = None, routed: Callable[[str, str], None] = lambda path, reason: None,
-                 engine_id: str = "proxy", migrated: Callable[[str], None] = lambda reason: None) -> None:
+                 engine_id: str = "proxy", migrated: Callable[[str], None] = lambda reason: None,
+                 reencoded: Callable[[], None] = lambda: None) -> None:
         self.router = router
         self.engine_id = engine_id  # on the proxy's own spans
         self.routed = routed  # (path, reason) of each request, for the metrics
         self.migrated = migrated  # (reason) of each migration, for the metrics
+        self.reencoded = reencoded  # each request whose images are encoded again, for the metrics
         self.inbox = inbox
         self.config = config
         self._bind_host, self._advertise_host = bind_host, advertise_host
@@ -155,15 +163,9 @@ class ServiceBackend:
             raise GenerationError("no healthy decode instance", 503, "ServiceUnavailableError")
         spans: list[TraceSpan] = []  # the encoders', and proxy.encode: they ride on the first chunk
         placeholders = await self._encode(gen, spans) if gen.images else ()
-        plan = self._plan(gen, placeholders)
-        self.routed(plan.path, plan.reason)
-        if plan.path == "prefill_decode":
-            stream = self._disaggregated(gen, placeholders, plan)
-        else:
-            stream = self._generate_on(Role.UNIFIED if plan.path == "unified" else Role.DECODE, gen, placeholders,
-                                       plan.route)
+        stream = self._start(gen, placeholders)
         progress = Progress(gen.params.n)
-        hops = 0
+        hops = reencodes = 0
         try:
             while True:
                 try:
@@ -173,6 +175,18 @@ class ServiceBackend:
                         progress.record(chunk)
                         yield chunk
                     return
+                except EmbeddingsUnavailable as lost:
+                    # The images' encoder went away before an engine had their embeddings: encoded again (by a
+                    # live encoder) the request starts over - while nothing of it reached the client yet.
+                    if progress.delivered or reencodes == self.config.max_attempts - 1 or self._cut is not None:
+                        raise
+                    reencodes += 1
+                    logger.warning("request %s: %s; encoding its images again (%d of at most %d)", gen.request_id,
+                                   lost, reencodes, self.config.max_attempts - 1)
+                    self.reencoded()
+                    await stream.aclose()
+                    placeholders = await self._encode(gen, spans)
+                    stream = self._start(gen, placeholders)
                 except StreamLost as lost:
                     if not progress.unfinished():
                         return
@@ -188,6 +202,15 @@ class ServiceBackend:
                     stream = self._migrate(role, gen, placeholders, progress, hops, lost.reason)
         finally:
             await stream.aclose()
+
+    def _start(self, gen: GenerateInput, placeholders: tuple[MMPlaceholder, ...]) -> AsyncIterator[Chunk]:
+        """`gen`'s stream along the path its plan chooses (counted in the metrics)."""
+        plan = self._plan(gen, placeholders)
+        self.routed(plan.path, plan.reason)
+        if plan.path == "prefill_decode":
+            return self._disaggregated(gen, placeholders, plan)
+        return self._generate_on(Role.UNIFIED if plan.path == "unified" else Role.DECODE, gen, placeholders,
+                                 plan.route)
 
     def _migrate(self, role: Role, gen: GenerateInput, placeholders, progress: Progress, hop: int,
                  reason: str) -> AsyncIterator[Chunk]:

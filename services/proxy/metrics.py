@@ -78,6 +78,9 @@ class ProxyMetrics:
         self._migrations = Counter("epdserve:request_migrations", "Streams continued on another instance after "
                                    "theirs was lost, by reason (instance_lost, drained).", labels + ["reason"],
                                    registry=self.registry)
+        self._reencodes = counter("epdserve:request_reencodes", "Requests whose images were encoded again because an "
+                                  "engine could not have their embeddings from the encoder that made them "
+                                  "(gone, unreachable), then sent once more.")
         self._routes = Counter("epdserve:routing_decisions", "Where requests were sent (path: prefill_decode, "
                                "decode_only, unified) and why (reason).", labels + ["path", "reason"],
                                registry=self.registry)
@@ -128,6 +131,9 @@ class ProxyMetrics:
 
     def migrated(self, reason: str) -> None:
         self._migrations.labels(self.model_name, reason).inc()
+
+    def reencoded(self) -> None:
+        self._reencodes.inc()
 
     def watch_prefix_index(self, index: PrefixIndex) -> None:
         """Export what the KV-aware router knows: blocks indexed per instance, resyncs, memory."""

@@ -45,5 +45,10 @@ class Progress:
         if chunk.finish_reason is not None:
             self.finished.add(chunk.index)
 
+    @property
+    def delivered(self) -> bool:
+        """Whether the client has been sent anything yet."""
+        return bool(self.finished) or any(self.tokens)
+
     def unfinished(self) -> list[int]:
         return [i for i in range(len(self.tokens)) if i not in self.finished]

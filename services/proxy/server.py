@@ -122,7 +122,7 @@ async def build_proxy(config: ProxyConfig):
     if index is not None:
         metrics.watch_prefix_index(index)
     backend = ServiceBackend(router, inbox, config.lifecycle, config.host, config.advertise_host, metrics.routed,
-                             engine_id, metrics.migrated)
+                             engine_id, metrics.migrated, metrics.reencoded)
     export = OTelExport.otlp(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
     tracer = Tracer(engine_id, metrics.observe_stage, export, config.model_name)
     chat_encoder = None

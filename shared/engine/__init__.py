@@ -11,6 +11,7 @@ import importlib
 
 _EXPORTS = {
     "AsyncLLM": "async_llm", "EngineDeadError": "async_llm", "RequestFailedError": "async_llm",
+    "InputsUnavailableError": "async_llm",
     "SamplingParams": "sampling_params", "RequestOutputKind": "sampling_params",
     "StructuredOutputsParams": "sampling_params", "LOGIT_BIAS_MAX": "sampling_params",
     "LOGIT_BIAS_MIN": "sampling_params", "MAX_LOGPROBS": "sampling_params", "SEED_MAX": "sampling_params",

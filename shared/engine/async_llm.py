@@ -43,6 +43,11 @@ class RequestFailedError(RuntimeError):
     doing (its structured output allows no token) raises ValueError instead, as bad input does."""
 
 
+class InputsUnavailableError(RequestFailedError):
+    """This request's inputs that a connector was to supply (image embeddings) could not be had where they were
+    said to be: their source is gone. Made again elsewhere, the same request may succeed."""
+
+
 class _Stream:
     """Where one request's outputs land, on the caller's event loop."""
 
@@ -318,7 +323,8 @@ class AsyncLLM:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                item = out if out.error is None else (ValueError if out.bad_input else RequestFailedError)(out.error)
+                item = out if out.error is None else (ValueError if out.bad_input else InputsUnavailableError
+                                                      if out.inputs_unavailable else RequestFailedError)(out.error)
                 by_loop.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, items in by_loop.items():
             if not loop.is_closed():  # a caller's loop that ended has nobody left to tell

@@ -148,6 +148,7 @@ class OutputProcessor:
         output = RequestOutput(request.group_id, request.prompt, request.prompt_token_ids, [completion],
                                finished, max(request.num_cached_tokens, 0), state.metrics, held,
                                failure.message if failure else None, bool(failure and failure.bad_input),
+                               bool(failure and failure.inputs_unavailable),
                                self._take_prompt_logprobs(state, sp.output_kind))
         return output if request.group_id == request.request_id else self._group_output(request, output)
 

@@ -48,6 +48,7 @@ class RequestOutput:
     kv_block_ids: list[int] | None = None
     error: str | None = None  # why the request failed (finish reason "error")
     bad_input: bool = False  # ... and whether that was the request's own doing (see RequestFailure)
+    inputs_unavailable: bool = False  # ... or its inputs' source was gone (see RequestFailure)
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (as in vLLM).
     # DELTA outputs carry it once, on the first output that has it.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

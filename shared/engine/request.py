@@ -56,6 +56,9 @@ class RequestFailure(NamedTuple):
     # The request's own doing (HTTP 400): its structured output admits no token here, a token a peer
     # sampled does not fit it. Otherwise an internal error (its step or its sampling raised).
     bad_input: bool = False
+    # Inputs a connector was to supply (image embeddings) could not be had where they were said to be (their
+    # source gone): once they are made again elsewhere, the same request may succeed.
+    inputs_unavailable: bool = False
 
 
 class Request:

@@ -347,7 +347,8 @@ class Scheduler:
         got = result.mm_embeddings
         if not result.ok or any(tuple(getattr(got.get(h), "shape", ())) != (n, hidden_size) for h, n in wanted.items()):
             request.status = RequestStatus.FINISHED_ERROR
-            request.failure = RequestFailure(f"the request's image embeddings could not be had: {result.reason or 'wrong shapes'}")
+            request.failure = RequestFailure(f"the request's image embeddings could not be had: {result.reason or 'wrong shapes'}",
+                                             inputs_unavailable=not result.ok)
             self._remove(request)
             return [request]
         request.mm_embeddings.update({h: got[h] for h in wanted})

@@ -3,8 +3,10 @@
 Blocks move over the server's block connections (block_stream) unless it offers none (`block_port=None`,
 as with CURVE or a device cache): then as ZMQ frames. Tests of what both paths do run on both."""
 import asyncio
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,8 @@ import zmq.auth
 from epdserve.transport import protocol as p
 from epdserve.transport import kv_transfer
 from epdserve.transport.kv_transfer import (
-    BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, IncompatiblePeerError, TransferError,
-    TransferTimeout,
+    BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, IncompatiblePeerError, PeerUnreachableError,
+    TransferError, TransferTimeout,
 )
 from epdserve.transport.channel import ErrorReply
 from epdserve.transport.request_client import RequestClient
@@ -24,6 +26,7 @@ from epdserve.transport import transports
 from epdserve.transport.block_stream import BlockStreamServerPath
 from epdserve.transport.kv_client import KVTransferClient
 from epdserve.transport.kv_server import KVTransferServer
+from epdserve.services.launcher import free_port
 
 
 
@@ -459,3 +462,48 @@ def test_blocks_between_gpu_caches(min_segment_bytes):
 
     asyncio.run(main())
     assert torch.equal(bits(local_cache[:, :, local_ids].cpu()), bits(remote_cache[:, :, remote_ids].cpu()))
+
+
+def test_embeddings_of_an_encoder_that_is_gone_fail_at_once_not_at_the_transfer_timeout():
+    """Nothing listens where the embeddings were (their encoder died after encoding them, or never was): the
+    refused connection fails the fetch at once with PeerUnreachableError (a fetch racing the client's notice of
+    the dropped connection fails with it, as lost), however long the fetch itself could take."""
+    mm_hash = "ab" * 32
+
+    async def main():
+        async with zmq_client("prefill-0", timeout=60) as client:
+            async with zmq_server("encoder-0", encoder_cache={mm_hash: torch.randn(3, 8)}) as server:
+                await client.fetch_embeddings(server.address, mm_hash)  # connected: the pool keeps it
+            for address, error in ((server.address, TransferError), (f"tcp://127.0.0.1:{free_port()}",
+                                                                      PeerUnreachableError)):
+                started = time.monotonic()
+                with pytest.raises(error, match="refuse|lost"):
+                    await client.fetch_embeddings(address, mm_hash)
+                assert time.monotonic() - started < 3, address
+            with pytest.raises(PeerUnreachableError, match="refuse"):  # its loss is known by now
+                await client.fetch_embeddings(server.address, mm_hash)
+            assert client.stats.num_failures == 3
+
+    asyncio.run(main())
+
+
+def test_a_peer_that_accepts_but_never_answers_fails_within_the_connect_timeout():
+    """A host that takes the connection but never completes a handshake (frozen, or not our server): the fetch
+    fails with PeerUnreachableError after the client's connect timeout, not its transfer timeout."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+
+    async def main():
+        async with zmq_client("decode-0", kv_cache=make_cache(), model_id="m", timeout=60,
+                              connect_timeout=1.0) as client:
+            started = time.monotonic()
+            with pytest.raises(PeerUnreachableError, match="within 1s"):
+                await client.fetch_embeddings(address, "ab" * 32)
+            assert 0.9 < time.monotonic() - started < 5
+            with pytest.raises(PeerUnreachableError, match="within 1s"):
+                await client.fetch_blocks(address, "r1", [1], [1], generation=0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        listener.close()

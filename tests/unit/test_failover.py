@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from epdserve.services.proxy.failover import Failover, InstanceDown, Liveness, watched
+from epdserve.services.proxy.failover import EmbeddingsUnavailable, Failover, InstanceDown, Liveness, watched
 from epdserve.services.proxy.generation import GenerationError
 from epdserve.services.proxy.router import Instance, RolePool, Route, Router
 from epdserve.transport.protocol import Ack, Error, ErrorCode, GenerateRequest, Role, WireSamplingParams
@@ -79,6 +79,17 @@ def test_a_refusal_the_request_may_have_caused_is_never_retried(error):
     with pytest.raises(GenerationError) as raised:
         call(failover)
     assert raised.value.status == (400 if error.error.code == ErrorCode.BAD_REQUEST else 500)
+    assert not second.requests and not aborted and all(i.alive for i in instances)
+
+
+def test_embeddings_gone_with_their_encoder_are_the_request_s_to_encode_again_not_another_instance_s():
+    """Every instance would fail alike (the embeddings are gone): the call ends at once with the typed error the
+    request's lifecycle answers by encoding its images again; the instance stays routable."""
+    second = FakeClient(Ack("r1"))
+    failover, instances, aborted = make_failover(FakeClient(refusal(ErrorCode.EMBEDDINGS_UNAVAILABLE)), second)
+    with pytest.raises(EmbeddingsUnavailable) as raised:
+        call(failover)
+    assert raised.value.status == 503 and raised.value.error_type == "ServiceUnavailableError"
     assert not second.requests and not aborted and all(i.alive for i in instances)
 
 
