@@ -162,12 +162,11 @@ class Request:
 
     def rope_positions(self, start: int, end: int) -> torch.Tensor:
         """The 3-D (M-RoPE) positions of tokens start..end-1, [3, end - start] int64."""
+        if self.mrope_positions is None:  # a text prompt: every token's three positions are its index
+            return torch.arange(start, end).expand(3, -1)
         num_prompt = len(self.prompt_token_ids)
         first_later = max(start, num_prompt)
         later = torch.arange(first_later, max(first_later, end)) + self.mrope_delta
-        if self.mrope_positions is None:
-            prompt = torch.arange(start, min(end, num_prompt))
-            return torch.cat((prompt, later)).expand(3, -1)
         return torch.cat((self.mrope_positions[:, start:min(end, num_prompt)], later.expand(3, -1)), dim=1)
 
     def missing_embeddings(self, num_computed: int) -> tuple[str, ...]:

@@ -132,31 +132,38 @@ def hf_model(qwen2_5_vl_path):
     return Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen2_5_vl_path, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def hf_inputs(qwen2_5_vl_path, hf_model):
-    """HF's own processing of every prompt: its chat template, image processor, and Qwen2_5_VLProcessor's
-    expansion of each image pad into grid.prod() / merge_size**2 pads (HF's combined processor itself
-    needs torchvision for its video half, so its image half is spelled out here)."""
-    from transformers import AutoImageProcessor, AutoTokenizer
+def hf_processing(model_path: str):
+    """prepare(messages, image files) -> HF's own model inputs for a chat prompt: its chat template, image
+    processor, and Qwen2_5_VLProcessor's expansion of each image pad into grid.prod() / merge_size**2 pads
+    (HF's combined processor itself needs torchvision for its video half, so its image half is spelled out)."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(qwen2_5_vl_path)
-    image_processor = AutoImageProcessor.from_pretrained(qwen2_5_vl_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    image_processor = AutoImageProcessor.from_pretrained(model_path)
     assert not type(image_processor).__name__.endswith("Fast")
-    inputs = {}
-    for name, (messages, images) in PROMPTS.items():
+    image_token_id = AutoConfig.from_pretrained(model_path).image_token_id
+
+    def prepare(messages, image_files: list[bytes]) -> dict:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         extra = {}
-        if images:
-            pixels = image_processor(images=[Image.open(io.BytesIO(IMAGES[i])) for i in images], return_tensors="pt")
+        if image_files:
+            pixels = image_processor(images=[Image.open(io.BytesIO(f)) for f in image_files], return_tensors="pt")
             pieces = text.split(IMAGE_PAD)
-            assert len(pieces) == len(images) + 1
+            assert len(pieces) == len(image_files) + 1
             counts = (pixels["image_grid_thw"].prod(-1) // image_processor.merge_size ** 2).tolist()
             text = pieces[0] + "".join(IMAGE_PAD * n + rest for n, rest in zip(counts, pieces[1:]))
             extra = dict(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        inputs[name] = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
-                            mm_token_type_ids=(ids == hf_model.config.image_token_id).int(), **extra)
-    return inputs
+        return dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                    mm_token_type_ids=(ids == image_token_id).int(), **extra)
+
+    return prepare
+
+
+@pytest.fixture(scope="module")
+def hf_inputs(qwen2_5_vl_path):
+    prepare = hf_processing(qwen2_5_vl_path)
+    return {name: prepare(messages, [IMAGES[i] for i in images]) for name, (messages, images) in PROMPTS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -236,8 +243,11 @@ def test_encoder_refuses_patches_that_do_not_fit(pipeline):
 def test_greedy_equals_hf(qwen2_5_vl_path, prepared, hf_reference, path, near_tie_check):
     llm = LLM(model=qwen2_5_vl_path, **path)
     names = list(PROMPTS)
-    ours = run_engine(llm, [prepared[n] for n in names])
-    assert_matches_hf(near_tie_check, ours, [hf_reference[n] for n in names], names)
+    # A text prompt may come without positions (as the proxy sends it): they are its token indices.
+    text_ids, *_ = prepared["text-only"]
+    ours = run_engine(llm, [prepared[n] for n in names] + [(text_ids, (), {}, None)])
+    assert_matches_hf(near_tie_check, ours, [hf_reference[n] for n in names + ["text-only"]],
+                      names + ["text-only without positions"])
     if "num_kv_blocks" in path:
         assert llm.engine.stats().num_preemptions > 0, "the pool was meant to be too small for the batch"
     check_engine_is_clean(llm)
