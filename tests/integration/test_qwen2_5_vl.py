@@ -299,3 +299,86 @@ def test_engine_checks_mrope_positions(qwen2_5_vl_path, prepared, tmp_path, defa
     text_llm = LLM(model=str(build_tiny_model("qwen2", tmp_path / "qwen2", default_model_path)), num_kv_blocks=16)
     with pytest.raises(ValueError, match="for models with M-RoPE"):
         text_llm.engine.make_request("d", [1, 2, 3], PARAMS, mrope_positions=[[0, 1, 2]] * 3)
+
+
+@pytest.mark.parametrize("name", ["wide", "two-images", "text-only"])
+def test_a_continued_request_recomputes_at_the_same_positions(qwen2_5_vl_path, prepared, hf_reference, name):
+    """What a decode that recomputes the prompt after prefill's first token does, and a migrated stream after
+    several: the prompt at its M-RoPE positions, the delivered tokens and the rest continuing from the
+    prompt's largest position plus one - the rest equals HF's."""
+    llm = LLM(model=qwen2_5_vl_path, num_kv_blocks=64)
+    engine = llm.engine
+    ids, phs, embs, positions = prepared[name]
+    reference = hf_reference[name][0]
+    assert len(reference) == MAX_NEW_TOKENS
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, output_kind=RequestOutputKind.DELTA)
+    for cut in (1, 5):
+        rid = f"{name}-{cut}"
+        request = engine.make_request(rid, {"prompt_token_ids": ids}, params, mm_placeholders=phs,
+                                      mm_embeddings=embs, mrope_positions=positions,
+                                      peer_token_ids=[reference[:cut]])
+        engine.add_request(rid, request)
+        following = []
+        while engine.has_work():
+            following += [t for out in engine.step() if out.request_id == rid for t in out.outputs[0].token_ids]
+        assert following == reference[cut:], f"cut at {cut}"
+    check_engine_is_clean(llm)
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["pulled", "recomputed"])
+def test_prefill_then_decode_equals_hf(qwen2_5_vl_path, prepared, hf_reference, copy_connector, keep, fail):
+    """Prefill computes the image prompts at their positions and keeps the blocks; decode gets the same
+    positions with prefill's first token, pulls the blocks (or, when the pull fails, recomputes the prompt
+    at those positions) and continues from the prompt's largest position plus one: HF's tokens throughout."""
+    import asyncio
+
+    from epdserve import AsyncLLM
+    from epdserve.shared.engine.llm import build_engine_config
+    from epdserve.shared.engine.llm_engine import LLMEngine
+
+    names = ["small-square", "wide", "two-images"]
+    prefill_engine = LLMEngine(build_engine_config(qwen2_5_vl_path, num_kv_blocks=64), detokenize=False)
+    prefill_engine.add_connector(copy_connector(None), prefill_engine.finish_load, prefill_engine.release_kv)
+    decode = AsyncLLM.from_config(build_engine_config(qwen2_5_vl_path, num_kv_blocks=64), detokenize=False)
+    connector = copy_connector(decode.kv_cache, fail=fail)
+    decode.add_connector(connector)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, output_kind=RequestOutputKind.DELTA)
+
+    def prefill(rid, ids, phs, embs, positions):
+        request = prefill_engine.make_request(rid, {"prompt_token_ids": ids}, params, mm_placeholders=phs,
+                                              mm_embeddings=embs, mrope_positions=positions, max_output_tokens=1,
+                                              kv_transfer_params=keep)
+        prefill_engine.add_request(rid, request)
+        first, held = None, None
+        while prefill_engine.has_unfinished_requests():
+            for out in prefill_engine.step():
+                first = out.outputs[0].token_ids[0] if out.outputs[0].token_ids else first
+                held = out.kv_block_ids or held
+        return first, held
+
+    async def decoded(rid, ids, phs, embs, positions, first, held):
+        # Decode has the embeddings too: the recompute needs them (a service fetches them from the encoder).
+        request = await decode.make_request({"prompt_token_ids": ids}, params, rid, mm_placeholders=phs,
+                                            mm_embeddings=embs, mrope_positions=positions, peer_token_ids=[[first]],
+                                            kv_transfer_params=(prefill_engine.runner.kv_cache, held, len(ids)))
+        tokens = [first]
+        async for out in decode.generate(request):
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    async def main():
+        runs = []
+        for name in names:
+            first, held = prefill(name, *prepared[name])
+            runs.append(decoded(name, *prepared[name], first, held))
+        return await asyncio.gather(*runs)
+
+    try:
+        results = asyncio.run(main())
+        for name, tokens in zip(names, results):
+            assert tokens == hf_reference[name][0], name
+        assert {load.request_id for load in connector.loads} == set(names)
+        for name in names:
+            assert prefill_engine.release_kv(name)
+    finally:
+        decode.shutdown()
