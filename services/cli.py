@@ -50,6 +50,10 @@ def prepare_model(which: str, cache_dir: str | None = None, out: str | None = No
         if out is None and (folder / "config.json").is_file():
             return folder  # built before: same seed, same checkpoint
         return build_llava_demo(folder, text_model, seed=seed)
+    if which == "tiny-qwen2.5-vl":
+        from epdserve.shared.checkpoints.tiny_qwen2_5_vl import build_tiny_qwen2_5_vl
+
+        return build_tiny_qwen2_5_vl(folder, text_model, seed=seed)
     from epdserve.shared.checkpoints.tiny_models import build_tiny_model
 
     return build_tiny_model(which.removeprefix("tiny-"), folder, text_model, seed=seed)

@@ -9,7 +9,7 @@ from epdserve.services.proxy.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAM
 
 ROLES = ("encoder", "prefill", "decode", "unified", "proxy")
 MODELS = ("llava-demo", "smollm2", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral",
-          "tiny-gemma3")
+          "tiny-gemma3", "tiny-qwen2.5-vl")
 SERVED_BY_DEFAULT = "llava-demo"  # what `up` and `serve` run without --model
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SERVED_MODEL_NAME_HELP = ("the model's one name: in the API (/v1/models, requests' \"model\"), in the model_name "

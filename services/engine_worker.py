@@ -24,7 +24,8 @@ from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason, GenerateRequest,
                                       Handshake, Health, KVEvents, KVEventsRequest, KVLayout, Message, PrefillRequest,
                                       Role, Status, TokenDelta)
-from epdserve.services.wire import logprobs_to_wire, prompt_logprobs_to_wire, sampling_params_from_wire
+from epdserve.services.wire import (logprobs_to_wire, mrope_positions_from_wire, prompt_logprobs_to_wire,
+                                   sampling_params_from_wire)
 from epdserve.transport.kv_client import KVTransferClient
 from epdserve.transport.transports import create_client
 
@@ -148,7 +149,7 @@ class EngineWorker:
                 {"prompt_token_ids": list(m.prompt_token_ids)}, sampling_params_from_wire(m.sampling_params),
                 m.request_id, cache_salt=m.cache_salt, kv_transfer_params=sources,
                 mm_placeholders=tuple(MultiModalPlaceholder(p.offset, p.length, p.mm_hash) for p in m.mm_placeholders),
-                **kwargs)
+                mrope_positions=mrope_positions_from_wire(m.mrope_positions), **kwargs)
         except ValueError as exc:
             return bad_request(m.request_id, str(exc))
         return request, sources

@@ -8,6 +8,7 @@ they meet, on the services' side (the engine knows no wire, the transport no eng
   structured_outputs (StructuredOutputsParams <-> WireStructuredOutputs, the same kind and spec).
 - The engine's per-token logprobs (vLLM-shaped `dict[int, Logprob]` of a RequestOutput) ->
   TokenLogprobs, the one logprobs type that services send and the proxy formats.
+- A prompt's M-RoPE positions: three rows (temporal, height, width) <-> MRopePositions.
 
 Imports no torch and nothing of the engine but its plain types: the proxy uses it too.
 """
@@ -17,7 +18,8 @@ import dataclasses
 from typing import Any
 
 from epdserve.shared.engine import RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams
-from epdserve.transport.protocol import LogitBias, TokenLogprobs, WireSamplingParams, WireStructuredOutputs
+from epdserve.transport.protocol import (LogitBias, MRopePositions, TokenLogprobs, WireSamplingParams,
+                                         WireStructuredOutputs)
 
 # SamplingParams fields that never travel: how the caller takes its outputs, and the model's EOS ids,
 # which the receiving engine fills in itself.
@@ -42,6 +44,16 @@ def sampling_params_from_wire(wire: WireSamplingParams,
     so = wire.structured_outputs
     fields["structured_outputs"] = None if so is None else StructuredOutputsParams(so.kind, so.spec)
     return SamplingParams(**fields, output_kind=output_kind)
+
+
+def mrope_positions_to_wire(rows) -> MRopePositions | None:
+    """A prompt's three rows of positions (None: 1-D positions) as the protocol carries them."""
+    return None if rows is None else MRopePositions(*(tuple(row) for row in rows))
+
+
+def mrope_positions_from_wire(positions: MRopePositions | None) -> tuple[tuple[int, ...], ...] | None:
+    """The three rows the engine takes (it checks their lengths and values)."""
+    return None if positions is None else (positions.temporal, positions.height, positions.width)
 
 
 def logprobs_to_wire(output: RequestOutput, num_top: int | None) -> tuple[TokenLogprobs, ...]:

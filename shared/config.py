@@ -15,8 +15,13 @@ if TYPE_CHECKING:
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM")
 # The language model inside a multimodal checkpoint (LLaVA's `text_config`) is named by its model_type.
+# Qwen2.5-VL's is a Qwen2 decoder whose RoPE takes 3-D positions (M-RoPE).
 _TEXT_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                     "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                     "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                     "qwen2_5_vl_text": "Qwen2ForCausalLM"}
+# Vision-language architectures whose config.json may keep the language model's settings at its top level
+# (checkpoints saved before transformers 5) rather than in `text_config`.
+_FLAT_MULTIMODAL_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
 # Architectures whose attention RMS-normalises each query and key head before RoPE.
 _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 # Architectures whose config may slide the window over some layers only (`layer_types`, or every layer from
@@ -70,11 +75,30 @@ def _text_config(raw: dict) -> dict:
 
 
 def _rope(params: dict | None, default_theta: float) -> tuple[float, dict[str, Any] | None]:
-    """rope_theta and the scaling (None for plain RoPE) of HF `rope_parameters` / `rope_scaling`."""
+    """rope_theta and the scaling (None for plain RoPE) of HF `rope_parameters` / `rope_scaling`. M-RoPE's
+    sections (`_mrope_section`) are not scaling: "mrope" is plain RoPE over three position streams."""
     rope = dict(params or {})
+    rope.pop("mrope_section", None)
+    rope.pop("mrope_interleaved", None)
     theta = float(rope.pop("rope_theta", default_theta))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    return theta, None if rope_type == "default" else {**rope, "rope_type": rope_type}
+    return theta, None if rope_type in ("default", "mrope") else {**rope, "rope_type": rope_type}
+
+
+def _mrope_section(raw: dict, head_size: int) -> tuple[int, ...] | None:
+    """M-RoPE's split of the rotary frequency pairs among the temporal, height and width positions (Qwen2.5-VL);
+    None for 1-D RoPE."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    section = rope.get("mrope_section")
+    if section is None:
+        return None
+    if rope.get("mrope_interleaved"):
+        raise ValueError("interleaved M-RoPE is not supported")
+    section = tuple(int(s) for s in section)
+    if len(section) != 3 or any(s < 0 for s in section) or sum(section) != head_size // 2:
+        raise ValueError(f"mrope_section {list(section)} must be three sizes summing to head_size / 2 = "
+                         f"{head_size // 2}")
+    return section
 
 
 def _sliding_layers(arch: str, raw: dict) -> tuple[int, ...]:
@@ -215,6 +239,9 @@ class ModelConfig:
     # a layer: input, post_attention, pre_feedforward, post_feedforward; Gemma 3).
     sandwich_norms: bool = False
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap), in the model dtype
+    # M-RoPE (Qwen2.5-VL): the rotary frequency pairs taken from the temporal, height and width position of
+    # each token, in that order; None: 1-D positions. A request's 3-D positions come with it.
+    mrope_section: tuple[int, ...] | None = None
 
     @staticmethod
     def from_pretrained(path: str | Path, dtype: str | torch.dtype = "float32",
@@ -226,6 +253,9 @@ class ModelConfig:
         raw = json.loads(config_file.read_text())
         if "text_config" in raw:  # multimodal (LLaVA layout): the engine runs its language model
             raw = _text_config(raw)
+        elif flat := next((_FLAT_MULTIMODAL_ARCHITECTURES[a] for a in raw.get("architectures") or ()
+                           if a in _FLAT_MULTIMODAL_ARCHITECTURES), None):
+            raw = {**raw, "architectures": [flat]}
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -272,6 +302,7 @@ class ModelConfig:
             qk_norm=arch in _QK_NORM_ARCHITECTURES,
             moe=MoEConfig.from_hf(arch, raw),
             sliding_layers=_sliding_layers(arch, raw) if sliding_window is not None or gemma else (),
+            mrope_section=_mrope_section(raw, head_size),
         )
         return ModelConfig(**{**fields, **gemma})
 

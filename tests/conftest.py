@@ -85,3 +85,12 @@ def _hf_greedy(model, input_ids: list[int], max_new_tokens: int, **inputs):
 @pytest.fixture(scope="session")
 def hf_greedy():
     return _hf_greedy
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_vl_path(tmp_path_factory, default_model_path):
+    """The tiny Qwen2.5-VL checkpoint (random vision tower and Qwen2 decoder with M-RoPE, fixed seed), built
+    by the project's own builder."""
+    from epdserve.shared.checkpoints.tiny_qwen2_5_vl import build_tiny_qwen2_5_vl
+
+    return str(build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "tiny-qwen2.5-vl", default_model_path))

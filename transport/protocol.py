@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 class Role(str, enum.Enum):
@@ -163,6 +163,17 @@ class MMPlaceholder:
 
 
 @dataclass(frozen=True, slots=True)
+class MRopePositions:
+    """An M-RoPE model's (Qwen2.5-VL) three positions of each prompt token, computed where the prompt was
+    built: every engine that computes the prompt - prefill, a decode that recomputes, a unified one -
+    rotates by these, and continues after them from the largest plus one."""
+
+    temporal: tuple[int, ...]
+    height: tuple[int, ...]
+    width: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class KVHandle:
     """A request's KV blocks held by a prefill engine under a lease, for decode to pull."""
 
@@ -271,6 +282,7 @@ class PrefillRequest:
     sampling_params: WireSamplingParams
     mm_placeholders: tuple[MMPlaceholder, ...] = ()
     cache_salt: str | None = None
+    mrope_positions: MRopePositions | None = None  # an M-RoPE model's image prompt's; None: 1-D positions
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +317,9 @@ class DecodeRequest:
     # With n > 1, the first tokens prefill sampled for sequences 1 .. n-1: decode pulls the prompt's KV
     # once and forks every sequence from it.
     other_first_tokens: tuple[int, ...] = ()
+    # The positions prefill computed the prompt at: a decode that recomputes it uses the same, and every
+    # token after it continues from them.
+    mrope_positions: MRopePositions | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,6 +336,7 @@ class GenerateRequest:
     # A stream another instance lost, continued (n = 1): the tokens it delivered. The engine continues after
     # them, as if it had sampled them, and streams only what follows.
     output_token_ids: tuple[int, ...] = ()
+    mrope_positions: MRopePositions | None = None  # an M-RoPE model's image prompt's; None: 1-D positions
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,9 +25,8 @@ from epdserve.services.request_spans import RequestSpans
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.shared.compute_threads import set_this_thread
 from epdserve.shared.config import ServiceConfig
-from epdserve.shared.processing.image_processor import ImageProcessor
 from epdserve.shared.models.cpu_kernels import load_cpu_kernels
-from epdserve.shared.models.llava_encoder import LlavaEncoder
+from epdserve.shared.models.image_encoder import ImageEncoder
 from epdserve.shared.processing.multimodal import mm_hash
 from epdserve.transport.protocol import (EncodeDone, EncodedItem, EncodeRequest, Error, ErrorCode, Handshake, Health,
                                       Message, Role, Status)
@@ -65,20 +64,21 @@ class EncoderCache:
 async def build_encoder_worker(service: ServiceConfig, model_path: str, dtype: torch.dtype, device: str,
                                control_rejected: Callable[[], int]) -> EncoderWorker:
     """An encoder worker for `model_path`'s vision tower in `dtype` on `device`, its data server serving."""
-    def load() -> tuple[ImageProcessor, LlavaEncoder]:
+    def load() -> ImageEncoder:
         if torch.device(device).type == "cpu":
-            load_cpu_kernels(dtype, layer_ops=False, attention=False)  # a CLIP tower's are its linear layers
+            # A vision tower's are its linear layers (and Qwen2.5-VL's RMSNorms).
+            load_cpu_kernels(dtype, layer_ops=True, attention=False)
         logger.info("loading the vision tower of %s (a few seconds)", Path(model_path).name)
-        return ImageProcessor.from_pretrained(model_path), LlavaEncoder.from_pretrained(model_path, dtype, device)
+        return ImageEncoder.from_pretrained(model_path, dtype, device)
 
-    processor, encoder = await asyncio.to_thread(load)
+    encoder = await asyncio.to_thread(load)
     cache = EncoderCache(service.encoder_cache_items)
     transport = service.transport
     kv_server = create_server(transport.kv_transport, service.engine_id, encoder_cache=cache, host=service.host,
                               port=service.data_port, allow_wildcard=service.host in WILDCARD_HOSTS,
                               curve=server_curve(transport), **transport.transfer_options())
     data_addr = advertised(await kv_server.start(), service.host, service.advertise_host)
-    return EncoderWorker(service, service.served_model_name or Path(model_path).name, processor, encoder, cache,
+    return EncoderWorker(service, service.served_model_name or Path(model_path).name, encoder, cache,
                          kv_server, data_addr, lambda: control_rejected() + kv_server.num_rejected)
 
 
@@ -87,11 +87,10 @@ class EncoderWorker:
 
     role = Role.ENCODER
 
-    def __init__(self, service: ServiceConfig, model_name: str, processor: ImageProcessor, encoder: LlavaEncoder,
-                 cache: EncoderCache, kv_server: KVTransferServer, data_addr: str,
+    def __init__(self, service: ServiceConfig, model_name: str, encoder: ImageEncoder, cache: EncoderCache, kv_server: KVTransferServer, data_addr: str,
                  rejected_frames: Callable[[], int]) -> None:
         self.service = service
-        self.processor = processor
+        self.processor = encoder.processor
         self.encoder = encoder
         self.cache = cache
         self.kv_server = kv_server
@@ -142,7 +141,7 @@ class EncoderWorker:
             if mm_hash(rgb, self.processor.config) != item_hash:
                 raise ValueError("mm_hash does not match the image")
             # Kept on the host: the transfer server sends host bytes.
-            return self.encoder.encode(self.processor.preprocess(rgb).unsqueeze(0))[0].cpu().contiguous()
+            return self.encoder.embed(rgb).cpu().contiguous()
 
         queued = time.monotonic()
         async with self._lock:

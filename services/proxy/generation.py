@@ -21,6 +21,8 @@ class ImageInput:
     data: bytes
     offset: int
     length: int
+    # An M-RoPE model's image: its (t, h, w) grid of merged tokens, from which the prompt's positions follow.
+    grid: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,8 @@ class GenerateInput:
     params: SamplingParams
     images: list[ImageInput] = field(default_factory=list)
     cache_salt: str | None = None
+    # An M-RoPE model's image prompt: its (temporal, height, width) position rows; None: 1-D positions.
+    mrope_positions: tuple[tuple[int, ...], ...] | None = None
 
 
 class Chunk(NamedTuple):

@@ -13,8 +13,7 @@ import httpx
 
 from epdserve.services.proxy.generation import ImageInput
 from epdserve.services.proxy.serving import BadRequest
-from epdserve.shared.processing.image_processor import ImageProcessor
-from epdserve.shared.processing.multimodal import ImagePromptSpec, expand_image_tokens, mm_hash
+from epdserve.shared.processing.multimodal import ImagePromptSpec, expand_image_tokens, load_image_processor, mm_hash
 from epdserve.shared.processing.tokenizer import Tokenizer
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<b64>;base64)?,(?P<data>.*)$", re.S)
@@ -124,7 +123,7 @@ class MultimodalChatEncoder:
 
     def __init__(self, tokenizer: Tokenizer, model_path: str, fetcher: ImageFetcher) -> None:
         self.tokenizer = tokenizer
-        self.processor = ImageProcessor.from_pretrained(model_path)
+        self.processor = load_image_processor(model_path)
         self.spec = ImagePromptSpec.from_pretrained(model_path)
         self.fetcher = fetcher
 
@@ -134,21 +133,33 @@ class MultimodalChatEncoder:
         if len(urls) > self.fetcher.max_images:
             raise BadRequest(f"at most {self.fetcher.max_images} images per request")
         blobs = await asyncio.gather(*(self.fetcher.fetch(u) for u in urls))
-        hashes = await asyncio.gather(*(asyncio.to_thread(self._hash, b) for b in blobs))
+        hashed = await asyncio.gather(*(asyncio.to_thread(self._hash, b) for b in blobs))
+        hashes = [h for h, _ in hashed]
+        # Dynamic resolution (Qwen2.5-VL): each image's tokens and grid follow from its size.
+        grids = [self._grid(*size) for _, size in hashed] if self.spec.num_image_tokens is None else None
         try:
             ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, add_generation_prompt, **kwargs)
         except Exception as exc:
             raise BadRequest(f"could not apply the chat template: {exc}") from None
         try:
-            expanded = expand_image_tokens(ids, self.spec, hashes)
+            expanded = expand_image_tokens(ids, self.spec, hashes,
+                                           None if grids is None else [t * h * w for t, h, w in grids])
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        images = [ImageInput(ph.mm_hash, blob, ph.offset, ph.length)
-                  for ph, blob in zip(expanded.mm_placeholders, blobs)]
+        images = [ImageInput(ph.mm_hash, blob, ph.offset, ph.length, None if grids is None else grids[i])
+                  for i, (ph, blob) in enumerate(zip(expanded.mm_placeholders, blobs))]
         return expanded.token_ids, images
 
-    def _hash(self, data: bytes) -> str:
+    def _hash(self, data: bytes) -> tuple[str, tuple[int, int]]:
+        """The image's mm_hash and its (height, width)."""
         try:
-            return mm_hash(self.processor.load(data), self.processor.config)
+            rgb = self.processor.load(data)
+            return mm_hash(rgb, self.processor.config), rgb.shape[:2]
         except ValueError as exc:
             raise BadRequest(f"invalid image: {exc}", param="image_url") from None
+
+    def _grid(self, height: int, width: int) -> tuple[int, int, int]:
+        """(t, h, w) of the merged tokens an image of this size becomes."""
+        config = self.processor.config
+        t, h, w = config.grid(height, width)
+        return t, h // config.merge_size, w // config.merge_size

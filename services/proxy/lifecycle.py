@@ -59,7 +59,7 @@ from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, EncodeDone, 
                                       GenerateRequest, MMItem, MMPlaceholder, PrefillDone, PrefillRequest, Role,
                                       TokenDelta, TokenDeltas, TraceSpan)
 from epdserve.shared.block_hash import extend_block_hashes
-from epdserve.services.wire import sampling_params_to_wire
+from epdserve.services.wire import mrope_positions_to_wire, sampling_params_to_wire
 from epdserve.shared.engine import sequence_seed
 from epdserve.transport.channel import ChannelError
 from epdserve.transport.reply_server import PullChannel
@@ -224,7 +224,7 @@ class ServiceBackend:
             sequence = params if params.n == 1 else replace(params, n=1, seed=sequence_seed(params.seed, index))
             request = GenerateRequest(f"{gen.request_id}.m{hop}.{index}", tuple(gen.prompt_token_ids),
                                       sampling_params_to_wire(sequence), self.reply_to, placeholders, gen.cache_salt,
-                                      tuple(progress.tokens[index]))
+                                      tuple(progress.tokens[index]), mrope_positions_to_wire(gen.mrope_positions))
             streams.append(self._continued(role, request, route, index, f"proxy.migrate:{reason}", lost_at))
         return merge(streams)
 
@@ -286,7 +286,8 @@ class ServiceBackend:
         started = time.time()
         prefill, done = await self._failover.call(
             Role.PREFILL, plan.prefill_route,
-            PrefillRequest(gen.request_id, tuple(gen.prompt_token_ids), wire, placeholders, gen.cache_salt),
+            PrefillRequest(gen.request_id, tuple(gen.prompt_token_ids), wire, placeholders, gen.cache_salt,
+                           mrope_positions_to_wire(gen.mrope_positions)),
             self.config.prefill_timeout, PrefillDone)
         first = Chunk([done.first_token], [done.first_logprobs] if done.first_logprobs else [],
                       done.finish_reason.value if done.finish_reason else None, None, done.num_cached_tokens,
@@ -307,7 +308,8 @@ class ServiceBackend:
             # Prefill scored the prompt: decode, even when it recomputes the prompt, must not do it again.
             request = DecodeRequest(gen.request_id, tuple(gen.prompt_token_ids), done.first_token, done.kv_handle,
                                     replace(wire, prompt_logprobs=None), placeholders, gen.cache_salt, self.reply_to,
-                                    other_first_tokens=tuple(f.token_id for f in done.other_first_tokens))
+                                    other_first_tokens=tuple(f.token_id for f in done.other_first_tokens),
+                                    mrope_positions=mrope_positions_to_wire(gen.mrope_positions))
             unfinished = set(range(gen.params.n))
             async for chunk in self._stream_from(Role.DECODE, request, plan.route):
                 if chunk.finish_reason is not None:
@@ -320,7 +322,8 @@ class ServiceBackend:
 
     async def _generate_on(self, role: Role, gen: GenerateInput, placeholders, route: Route) -> AsyncIterator[Chunk]:
         request = GenerateRequest(gen.request_id, tuple(gen.prompt_token_ids), sampling_params_to_wire(gen.params),
-                                  self.reply_to, placeholders, gen.cache_salt)
+                                  self.reply_to, placeholders, gen.cache_salt,
+                                  mrope_positions=mrope_positions_to_wire(gen.mrope_positions))
         async for chunk in self._stream_from(role, request, route):
             yield chunk
 

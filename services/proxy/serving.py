@@ -26,6 +26,8 @@ from epdserve.services.proxy.tracing import RequestTrace, Tracer
 from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
 from epdserve.transport.protocol import TokenLogprobs
 from epdserve.shared.engine import SamplingParams
+from epdserve.shared.processing.mrope import mrope_positions
+from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 from epdserve.shared.processing.tokenizer import Tokenizer
 
 
@@ -225,7 +227,11 @@ class OpenAIServing:
                salt: str | None) -> GenerateInput:
         # Stop strings stay here: the engine gets token-level stops only.
         engine_params = replace(sampling, stop=[], include_stop_str_in_output=False)
-        return GenerateInput(request_id, ids, engine_params, images, salt)
+        positions = None
+        if images and images[0].grid is not None:  # an M-RoPE model's: positions follow from the image grids
+            positions = mrope_positions(len(ids), [MultiModalPlaceholder(i.offset, i.length, i.mm_hash) for i in images],
+                                        [i.grid for i in images])
+        return GenerateInput(request_id, ids, engine_params, images, salt, positions)
 
     # -- /v1/completions ----------------------------------------------------------------------------
     async def completion(self, req: CompletionRequest, request_id: str) -> dict | AsyncIterator[str]:

@@ -1,8 +1,8 @@
 """What epdserve serves: a local HF model folder, checked before any process starts loading it.
 
 A model folder holds `config.json` (a supported architecture), `*.safetensors` weights, a tokenizer
-(`tokenizer.json` or `tokenizer_config.json`) and, for a LLaVA checkpoint, its image processor's
-settings. epdserve downloads nothing: a hub id such as `org/name` is refused with the way to fetch it.
+(`tokenizer.json` or `tokenizer_config.json`) and, for a LLaVA or Qwen2.5-VL checkpoint, its image
+processor's settings. epdserve downloads nothing: a hub id such as `org/name` is refused with the way to fetch it.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ PREPARE_HINT = "`epdserve model llava-demo` or `epdserve model smollm2` prepares
 def check_model_folder(path: str | Path) -> Path:
     """The folder, if it has everything a stack needs; else FileNotFoundError or ValueError in one line."""
     from epdserve.shared.config import ModelConfig
-    from epdserve.shared.processing.image_processor import ImageProcessorConfig
+    from epdserve.shared.processing.multimodal import load_image_processor
     from epdserve.shared.models.weights import safetensors_files
 
     text = str(path)
@@ -45,5 +45,5 @@ def check_model_folder(path: str | Path) -> Path:
     if not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
         raise FileNotFoundError(f"{text!r} has no tokenizer (tokenizer.json or tokenizer_config.json)")
     if "vision_config" in raw:
-        ImageProcessorConfig.from_pretrained(folder)  # raises when the image processor's settings are missing
+        load_image_processor(folder)  # raises when the image processor's settings are missing
     return folder

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import torch
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -65,7 +67,8 @@ class LLMEngine:
                      mm_placeholders: tuple[MultiModalPlaceholder, ...] = (), mm_embeddings: dict | None = None,
                      compiled_grammar=None, max_output_tokens: int | None = None,
                      peer_token_ids: Sequence[Sequence[int]] | None = None,
-                     kv_transfer_params: object | None = None) -> Request:
+                     kv_transfer_params: object | None = None,
+                     mrope_positions: Sequence[Sequence[int]] | None = None) -> Request:
         """Validate and tokenize; raises ValueError naming the problem. Changes no engine state.
 
         `compiled_grammar`: the params' output constraint, compiled already (else it is compiled here).
@@ -73,12 +76,16 @@ class LLMEngine:
         `max_output_tokens`: stop after that many tokens whatever the params allow (a prefill's part).
         `peer_token_ids`: each sequence's tokens sampled and delivered elsewhere - the first token of each, by
         the peer that computed the prompt, or (n = 1) every token a lost stream delivered (handoff.py);
-        `kv_transfer_params`: where the prompt's KV may be had from, for the KV connectors."""
+        `kv_transfer_params`: where the prompt's KV may be had from, for the KV connectors.
+        `mrope_positions`: an M-RoPE model's 3-D positions of the prompt (3 rows of one position per token:
+        temporal, height, width), as the prompt's builder computed them (processing/mrope.py); a text
+        prompt may leave them out."""
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
         self._check_sampling(params)
         self._check_multimodal(len(token_ids), mm_placeholders, mm_embeddings or {})
+        positions = self._mrope_positions(len(token_ids), mm_placeholders, mrope_positions)
         params = replace(params, eos_token_ids=self.model_config.eos_token_ids)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
@@ -86,7 +93,8 @@ class LLMEngine:
         # n > 1: the first of n sequences, the others waiting to fork from it (parallel_sampling.py).
         request = make_group(request_id, params, lambda rid, p: Request(
             rid, token_ids, p, self.model_config.max_model_len, arrival_time, cache_salt, tuple(mm_placeholders),
-            text, dict(mm_embeddings or {}), self._grammar(p, compiled_grammar), bias, kv_transfer_params))
+            text, dict(mm_embeddings or {}), self._grammar(p, compiled_grammar), bias, kv_transfer_params,
+            positions))
         for sequence in group_members(request):
             if max_output_tokens is not None:
                 sequence.max_output_tokens = min(sequence.max_output_tokens, max_output_tokens)
@@ -175,6 +183,28 @@ class LLMEngine:
             if emb is not None and tuple(emb.shape) != (ph.length, self.model_config.hidden_size):
                 raise ValueError(f"item {ph.mm_hash!r} needs embeddings of shape "
                                  f"({ph.length}, {self.model_config.hidden_size})")
+
+    def _mrope_positions(self, num_tokens: int, placeholders, positions) -> torch.Tensor | None:
+        """The prompt's 3-D positions as a [3, num_tokens] tensor, checked: each in [0, num_tokens), so that
+        every later token's (the largest plus one, and on) stays inside the model's length too."""
+        if self.model_config.mrope_section is None:
+            if positions is not None and len(positions):
+                raise ValueError("mrope_positions are for models with M-RoPE; this model takes 1-D positions")
+            return None
+        if positions is None or not len(positions):
+            if placeholders:
+                raise ValueError("an image prompt for this model needs its mrope_positions (3-D positions)")
+            return None
+        try:
+            tensor = torch.tensor([list(row) for row in positions], dtype=torch.long)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise ValueError("mrope_positions must be 3 rows of integer positions") from None
+        if tuple(tensor.shape) != (3, num_tokens):
+            raise ValueError(f"mrope_positions must be 3 rows of {num_tokens} positions (one per prompt token), "
+                             f"got shape {list(tensor.shape)}")
+        if bool((tensor < 0).any()) or int(tensor.max()) >= num_tokens:
+            raise ValueError(f"mrope_positions must lie in [0, {num_tokens})")
+        return tensor
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests wherever they are; every block they held returns to the pool."""

@@ -221,4 +221,8 @@ class ModelRunner:
                 meta.plans[window] = self.backend.plan(meta.block_tables, meta.seq_lens, meta.query_start_loc, bs,
                                                        m.num_kv_heads, window, **base)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        if self.config.model.mrope_section is not None:  # the rotary positions are 3-D; the slots stay 1-D
+            positions = torch.cat([request.rope_positions(request.num_computed_tokens,
+                                                          request.num_computed_tokens + num_new)
+                                   for request, num_new in scheduled], dim=1)
         return input_ids, positions.to(dev), meta, torch.tensor(sample_rows, device=dev), sample_requests, spans

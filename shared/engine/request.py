@@ -83,6 +83,7 @@ class Request:
         grammar: GrammarState | None = None,
         logit_bias: torch.Tensor | None = None,
         kv_transfer_params: object | None = None,
+        mrope_positions: torch.Tensor | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -95,6 +96,11 @@ class Request:
         # placeholder's positions are (re)computed, so kept until the request ends (preemption recomputes).
         # Missing ones are loaded by a KV connector before any step computes their positions.
         self.mm_embeddings = mm_embeddings or {}
+        # M-RoPE models: the prompt's 3-D positions [3, num_prompt_tokens] (temporal, height, width), made
+        # where the prompt was built; every later token continues from the largest plus one, as HF's
+        # `rope_deltas` do. None: 1-D positions (a text prompt's three positions are all its index).
+        self.mrope_positions = mrope_positions
+        self.mrope_delta = 0 if mrope_positions is None else int(mrope_positions.max()) + 1 - len(prompt_token_ids)
         # For the KV connectors (kv_connector.py), opaque to the engine: where this request's KV may be had
         # from (a peer's handle, say). They are asked for it once: `kv_load_started` says they were.
         self.kv_transfer_params = kv_transfer_params
@@ -156,6 +162,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def rope_positions(self, start: int, end: int) -> torch.Tensor:
+        """The 3-D (M-RoPE) positions of tokens start..end-1, [3, end - start] int64."""
+        if self.mrope_positions is None:  # a text prompt: every token's three positions are its index
+            return torch.arange(start, end).expand(3, -1)
+        num_prompt = len(self.prompt_token_ids)
+        first_later = max(start, num_prompt)
+        later = torch.arange(first_later, max(first_later, end)) + self.mrope_delta
+        return torch.cat((self.mrope_positions[:, start:min(end, num_prompt)], later.expand(3, -1)), dim=1)
 
     def missing_embeddings(self, num_computed: int) -> tuple[str, ...]:
         """Encoder outputs this request lacks for the positions from `num_computed` on, which it must compute."""

@@ -1,10 +1,11 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma 3) over the
-paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Gemma 3, and the
+language model of Qwen2.5-VL) over the paged KV cache.
 
 The families differ only where ModelConfig says so: biases, per-head query/key RMSNorm (Qwen3, Gemma 3), a
 sparse mixture-of-experts MLP in some or all layers (Qwen3-MoE, Mixtral; layers/sparse_moe.py), a sliding
 window on some or all layers, and Gemma 3's ways: scaled embeddings, (1 + weight) RMSNorms, four norms a
-layer, a GeGLU MLP, its own attention scale, a second RoPE for the sliding layers, soft-capped logits.
+layer, a GeGLU MLP, its own attention scale, a second RoPE for the sliding layers, soft-capped logits; and
+Qwen2.5-VL's M-RoPE, which rotates by three positions per token (layers/rotary_embedding.py).
 Numerics follow HF transformers (float32 RMSNorm, rotate-half RoPE, residuals in the model dtype), so
 greedy float32 output matches `generate` token for token. The Q/K/V projections are fused into one
 matmul: on CPU a batch-64 decode step is a handful of small matmuls per layer, and fewer, larger ones
@@ -123,7 +124,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("embed_scale", scale, persistent=False)
         # One RoPE table shared by all layers; the sliding layers' own second one where they have it (Gemma 3).
         self.rotary = RotaryEmbedding(config.head_size, config.max_model_len, config.rope_theta,
-                                      config.rope_scaling, config.dtype)
+                                      config.rope_scaling, config.dtype, config.mrope_section)
         self.local_rotary = None
         if config.sliding_rope_theta is not None:
             self.local_rotary = RotaryEmbedding(config.head_size, config.max_model_len, config.sliding_rope_theta,
@@ -137,6 +138,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: [num_tokens], or [3, num_tokens] with M-RoPE."""
         # The residual stream, updated in place: never the caller's tensor.
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.clone()
         rope = self.rotary.lookup(positions)

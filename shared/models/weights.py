@@ -43,7 +43,8 @@ def iterate_weights(folder: str | Path, prefixes: tuple[str, ...] | None = None)
 # parts that belong to the encoder instead.
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
-_ENCODER_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
+_ENCODER_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.",
+                     "visual.", "model.visual.")
 
 
 def language_model_weights(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -104,8 +104,8 @@ class ImageProcessorConfig:
             do_rescale=bool(raw.get("do_rescale", True)),
             rescale_factor=float(raw.get("rescale_factor", 1 / 255)),
             do_normalize=bool(raw.get("do_normalize", True)),
-            image_mean=_three_floats(mean, "image_mean"),
-            image_std=_three_floats(std, "image_std"),
+            image_mean=three_floats(mean, "image_mean"),
+            image_std=three_floats(std, "image_std"),
             do_convert_rgb=bool(raw.get("do_convert_rgb", True)),
         )
 
@@ -229,7 +229,7 @@ class ImageProcessor:
         return (new_long, c.shortest_edge) if width <= height else (c.shortest_edge, new_long)
 
 
-def _three_floats(value, name: str) -> tuple[float, float, float]:
+def three_floats(value, name: str) -> tuple[float, float, float]:
     values = list(value) if isinstance(value, (list, tuple)) else [value] * 3
     if len(values) != 3:
         raise ValueError(f"{name} needs one value per RGB channel, got {value!r}")

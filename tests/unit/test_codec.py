@@ -18,6 +18,7 @@ PLACEHOLDER = p.MMPlaceholder(offset=3, length=576, mm_hash="ab" * 32, encoder_a
 HANDLE = p.KVHandle("prefill-0", "tcp://127.0.0.1:6000", (7, 3, 11), 2**62 + 5, 40, 1.8e9 + 0.25)
 LOGPROBS = p.TokenLogprobs(-0.25, (5, 9), (-0.25, -2.5))
 
+MROPE = p.MRopePositions((0, 1, 1), (0, 1, 2), (0, 1, 1))  # an image of 1 x 2 x 1 tokens after one text token
 SAMPLES = [
     p.Handshake(p.PROTOCOL_VERSION, p.Role.DECODE, "decode-0", LAYOUT, "ucx", b"\x00ucx\xff"),
     p.Handshake(p.PROTOCOL_VERSION, p.Role.PROXY, "proxy-0"),
@@ -27,11 +28,14 @@ SAMPLES = [
     p.EncodeDone("r1", (), (p.TraceSpan("encode", "encoder-0", 1.8e9, 1.8e9 + 0.5),)),
     p.PrefillRequest("r1", tuple(range(100)), SAMPLING, (PLACEHOLDER,), cache_salt="tenant-a"),
     p.PrefillRequest("r2", (1,), p.WireSamplingParams()),
+    p.PrefillRequest("r3", (1, 2, 3), SAMPLING, (PLACEHOLDER,), mrope_positions=MROPE),
     p.PrefillDone("r1", 42, HANDLE, num_cached_tokens=32, first_logprobs=LOGPROBS),
     p.PrefillDone("r3", 2, None, finish_reason=p.FinishReason.STOP),
     p.PrefillDone("r4", 2, HANDLE, trace=(p.TraceSpan("prefill.compute", "prefill-0", 1.8e9, 1.8e9 + 1),)),
     p.DecodeRequest("r1", tuple(range(100)), 42, HANDLE, SAMPLING, (PLACEHOLDER,), "tenant-a", "tcp://10.0.0.1:7000"),
     p.GenerateRequest("r2", (1, 2, 3), SAMPLING, "tcp://10.0.0.1:7000", (PLACEHOLDER,), None),
+    p.GenerateRequest("r3", (1, 2, 3), SAMPLING, "tcp://10.0.0.1:7000", (PLACEHOLDER,), None, (4,), MROPE),
+    p.DecodeRequest("r3", (1, 2, 3), 42, HANDLE, SAMPLING, (PLACEHOLDER,), mrope_positions=MROPE),
     p.TokenDelta("r1", (5, 6, 7), (LOGPROBS,) * 3),
     p.TokenDelta("r1", (), finish_reason=p.FinishReason.STOP, stop_reason="</s>"),
     p.TokenDelta("r1", (2,), finish_reason=p.FinishReason.STOP, stop_reason=2),

@@ -9,7 +9,8 @@ from epdserve.transport import protocol as p
 from epdserve.shared.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from epdserve.services.wire import (ENGINE_ONLY_SAMPLING_FIELDS, WIRE_SAMPLING_FIELDS, logprobs_to_wire,
-                                  prompt_logprobs_to_wire, sampling_params_from_wire, sampling_params_to_wire)
+                                  mrope_positions_from_wire, mrope_positions_to_wire, prompt_logprobs_to_wire,
+                                  sampling_params_from_wire, sampling_params_to_wire)
 from epdserve.transport import codec
 
 # Every wire field away from its default (but n, which must be 1).
@@ -73,6 +74,13 @@ def test_prompt_logprobs_skip_the_first_token_which_nothing_predicts():
     assert prompt_logprobs_to_wire(out, None) == ()
     assert prompt_logprobs_to_wire(RequestOutput("r", None, [3], [completion], False), 1) == ()
     assert p.TokenLogprobs(-0.1, (5, 9), (-0.1, -2.5)).top == [(5, -0.1), (9, -2.5)]
+
+
+def test_mrope_positions_cross_as_three_rows():
+    rows = ((0, 1, 2, 2, 4), (0, 1, 2, 3, 4), (0, 1, 2, 2, 4))
+    wire = mrope_positions_to_wire([list(r) for r in rows])
+    assert wire == p.MRopePositions(*rows) and mrope_positions_from_wire(wire) == rows
+    assert mrope_positions_to_wire(None) is None and mrope_positions_from_wire(None) is None
 
 
 def test_the_openai_layer_and_the_wire_types_load_without_torch():

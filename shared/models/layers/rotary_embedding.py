@@ -1,4 +1,6 @@
-"""Rotary position embedding (rotate-half form, as HF Llama/Qwen2), with Llama 3 and linear scaling."""
+"""Rotary position embedding (rotate-half form, as HF Llama/Qwen2), with Llama 3 and linear scaling, and
+M-RoPE (Qwen2.5-VL): each frequency pair rotated by one of a token's three positions (temporal, height,
+width), as `mrope_section` splits the pairs."""
 from __future__ import annotations
 
 import math
@@ -34,17 +36,32 @@ def inverse_frequencies(head_size: int, theta: float, scaling: dict[str, Any] | 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, max_position: int, theta: float,
-                 scaling: dict[str, Any] | None, dtype: torch.dtype) -> None:
+                 scaling: dict[str, Any] | None, dtype: torch.dtype,
+                 mrope_section: tuple[int, ...] | None = None) -> None:
         super().__init__()
         inv_freq = inverse_frequencies(head_size, theta, scaling)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_size]
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        # M-RoPE: which of the three positions each column of the table is read at, [head_size]; the same
+        # split for both halves (HF's recomposition of cos and sin).
+        streams = None
+        if mrope_section is not None:
+            half = torch.repeat_interleave(torch.arange(len(mrope_section)), torch.tensor(mrope_section))
+            streams = torch.cat((half, half))
+        self.register_buffer("mrope_streams", streams, persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of the step's positions, [num_tokens, head_size]: looked up once, used by every layer."""
-        return self.cos[positions], self.sin[positions]
+        """cos and sin of the step's positions, [num_tokens, head_size]: looked up once, used by every layer.
+
+        positions: [num_tokens], or with M-RoPE [3, num_tokens] (temporal, height, width); a token whose three
+        positions are equal is rotated as 1-D RoPE rotates it."""
+        if positions.dim() == 1:
+            return self.cos[positions], self.sin[positions]
+        # Each column of the table at its own stream's position: index[t, c] = positions[stream(c), t].
+        index = positions[self.mrope_streams].T
+        return self.cos.gather(0, index), self.sin.gather(0, index)
 
     @staticmethod
     def apply(rope: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor, key: torch.Tensor):

@@ -1,0 +1,125 @@
+"""Qwen2.5-VL through 1 encoder + 1 prefill + 1 decode + proxy, each its own process, driven by the official
+openai client: the encoder runs the windowed vision tower on each image (its token count from its size),
+the proxy computes the prompt's M-RoPE positions, prefill and decode rotate by them (decode continuing
+from the largest plus one). Every answer must equal HF Qwen2_5_VLForConditionalGeneration.generate on the
+same tiny checkpoint, token for token (greedy, float32; a mismatch only at a checked near-tie).
+"""
+import base64
+import io
+
+import openai
+import pytest
+import torch
+from PIL import Image
+
+from tests.integration.test_qwen2_5_vl import IMAGES, hf_generate, hf_processing
+
+MAX_TOKENS = 12
+NUM_BLOCKS = 256
+GREEDY = dict(temperature=0, max_tokens=MAX_TOKENS, logprobs=True, extra_body={"return_tokens_as_token_ids": True})
+QUESTION = "What is in this picture?"
+
+
+def image_part(data: bytes) -> dict:
+    mime = "jpeg" if data[:2] == b"\xff\xd8" else "png"
+    return {"type": "image_url", "image_url": {"url": f"data:image/{mime};base64," + base64.b64encode(data).decode()}}
+
+
+# Three sizes (three token counts), one of them non-square, and two images in one prompt.
+CASES = {
+    "small-square": [{"role": "user", "content": [image_part(IMAGES["small-square"]), {"type": "text", "text": QUESTION}]}],
+    "wide": [{"role": "system", "content": "You describe images in one sentence."},
+             {"role": "user", "content": [{"type": "text", "text": "Look at this:\n"}, image_part(IMAGES["wide"]),
+                                          {"type": "text", "text": "\nWhat do you see?"}]}],
+    "photo": [{"role": "user", "content": [image_part(IMAGES["photo"]), {"type": "text", "text": QUESTION}]}],
+    "two-images": [{"role": "user", "content": [image_part(IMAGES["wide"]), {"type": "text", "text": "and"},
+                                                image_part(IMAGES["photo"]),
+                                                {"type": "text", "text": "Compare the two images."}]}],
+    "text-only": [{"role": "user", "content": "Why is the sky blue?"}],
+}
+
+
+def hf_messages(messages: list[dict]) -> tuple[list[dict], list[bytes]]:
+    """The OpenAI messages as HF's chat template takes them, and their images' bytes in order."""
+    out, images = [], []
+    for m in messages:
+        if isinstance(m["content"], str):
+            out.append(m)
+            continue
+        parts = []
+        for part in m["content"]:
+            if part["type"] == "image_url":
+                images.append(base64.b64decode(part["image_url"]["url"].split(",", 1)[1]))
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        out.append({"role": m["role"], "content": parts})
+    return out, images
+
+
+@pytest.fixture(scope="module")
+def hf_reference(qwen2_5_vl_path):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen2_5_vl_path, dtype=torch.float32).eval()
+    prepare = hf_processing(qwen2_5_vl_path)
+    reference = {}
+    with torch.no_grad():
+        for name, messages in CASES.items():
+            inputs = prepare(*hf_messages(messages))
+            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=model.generation_config.eos_token_id)
+            reference[name] = (out.sequences[0, inputs["input_ids"].shape[1]:].tolist(),
+                               [step[0] for step in out.logits], inputs["input_ids"].shape[1])
+    return reference
+
+
+@pytest.fixture(scope="module")
+def stack(qwen2_5_vl_path, stack_factory):
+    return stack_factory(qwen2_5_vl_path, encoders=1, prefills=1, decodes=1,
+                         engine_args=["--num-kv-blocks", str(NUM_BLOCKS)], proxy_args=["--rpc-timeout", "30"])
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_chat_equals_hf(client, hf_reference, name, near_tie_check, ids_of):
+    ref, logits, num_prompt = hf_reference[name]
+    resp = client.chat.completions.create(model="demo", messages=CASES[name], **GREEDY)
+    ours = ids_of([c.token for c in resp.choices[0].logprobs.content])
+    assert near_tie_check(name, ours, ref, logits) == 0, "the tiny model's logits are spread wide: no near-tie"
+    assert resp.usage.prompt_tokens == num_prompt
+
+
+def test_streamed_two_images_equal_hf_and_the_prefix_cache_keeps_images_apart(stack, client, hf_reference,
+                                                                               near_tie_check, ids_of):
+    ref, logits, _ = hf_reference["two-images"]
+    tokens = []
+    for event in client.chat.completions.create(model="demo", messages=CASES["two-images"], stream=True, **GREEDY):
+        if event.choices and event.choices[0].logprobs:
+            tokens += ids_of([c.token for c in event.choices[0].logprobs.content])
+    assert near_tie_check("two-images streamed", tokens, ref, logits) == 0
+    # Asked again, the prompt is found in the prefill's prefix cache, images and all.
+    again = client.chat.completions.create(model="demo", messages=CASES["two-images"], **GREEDY)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert ids_of([c.token for c in again.choices[0].logprobs.content]) == tokens
+    # The same prompt with another picture of the photo's size: same token ids, another image hash, so the
+    # cache stops before that image.
+    other = [dict(CASES["two-images"][0], content=[*CASES["two-images"][0]["content"][:2],
+                                                    image_part(IMAGES["other-photo"]),
+                                                    CASES["two-images"][0]["content"][3]])]
+    changed = client.chat.completions.create(model="demo", messages=other, **GREEDY)
+    assert changed.usage.prompt_tokens == again.usage.prompt_tokens
+    assert changed.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens_details.cached_tokens
+    assert stack.services["encoder-0"].alive
+
+
+def test_a_strip_of_an_image_is_a_400_naming_the_field(client):
+    buf = io.BytesIO()
+    Image.new("RGB", (2010, 10), (200, 10, 10)).save(buf, format="PNG")
+    with pytest.raises(openai.BadRequestError, match="aspect ratio"):
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": [
+            image_part(buf.getvalue()), {"type": "text", "text": "hi"}]}], max_tokens=4)
