@@ -179,7 +179,8 @@ def pipeline(qwen2_5_vl_path):
 
 @pytest.fixture(scope="module")
 def prepared(pipeline):
-    return {name: pipeline.prepare(messages, [IMAGES[i] for i in images]) for name, (messages, images) in PROMPTS.items()}
+    return {name: pipeline.prepare(messages, [IMAGES[i] for i in images])
+            for name, (messages, images) in PROMPTS.items()}
 
 
 def assert_matches_hf(check, ours, reference, names) -> None:
@@ -292,7 +293,8 @@ def test_engine_checks_mrope_positions(qwen2_5_vl_path, prepared, tmp_path, defa
     with pytest.raises(ValueError, match="needs its mrope_positions"):
         make("a", {"prompt_token_ids": ids}, PARAMS, mm_placeholders=phs, mm_embeddings=embs)
     with pytest.raises(ValueError, match=r"3 rows of \d+ positions"):
-        make("b", {"prompt_token_ids": ids}, PARAMS, mm_placeholders=phs, mrope_positions=[row[:-1] for row in positions])
+        make("b", {"prompt_token_ids": ids}, PARAMS, mm_placeholders=phs,
+             mrope_positions=[row[:-1] for row in positions])
     with pytest.raises(ValueError, match=r"must lie in \[0, "):
         make("c", {"prompt_token_ids": ids}, PARAMS, mm_placeholders=phs,
              mrope_positions=[row[:-1] + (len(ids),) for row in positions])
