@@ -87,8 +87,8 @@ class EncoderWorker:
 
     role = Role.ENCODER
 
-    def __init__(self, service: ServiceConfig, model_name: str, encoder: ImageEncoder, cache: EncoderCache, kv_server: KVTransferServer, data_addr: str,
-                 rejected_frames: Callable[[], int]) -> None:
+    def __init__(self, service: ServiceConfig, model_name: str, encoder: ImageEncoder, cache: EncoderCache,
+                 kv_server: KVTransferServer, data_addr: str, rejected_frames: Callable[[], int]) -> None:
         self.service = service
         self.processor = encoder.processor
         self.encoder = encoder

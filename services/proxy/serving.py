@@ -229,8 +229,8 @@ class OpenAIServing:
         engine_params = replace(sampling, stop=[], include_stop_str_in_output=False)
         positions = None
         if images and images[0].grid is not None:  # an M-RoPE model's: positions follow from the image grids
-            positions = mrope_positions(len(ids), [MultiModalPlaceholder(i.offset, i.length, i.mm_hash) for i in images],
-                                        [i.grid for i in images])
+            placeholders = [MultiModalPlaceholder(i.offset, i.length, i.mm_hash) for i in images]
+            positions = mrope_positions(len(ids), placeholders, [i.grid for i in images])
         return GenerateInput(request_id, ids, engine_params, images, salt, positions)
 
     # -- /v1/completions ----------------------------------------------------------------------------

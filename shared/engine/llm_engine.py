@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import logging
 import time
-
-import torch
 from dataclasses import replace
 from typing import Callable, Sequence
+
+import torch
 
 from epdserve.shared.engine.block_manager import BlockManager
 from epdserve.shared.config import EngineConfig

@@ -76,13 +76,16 @@ class ImagePromptSpec:
 
 
 def load_image_processor(path: str | Path, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageProcessor:
-    """The image processor a model folder's preprocessor_config.json names: Qwen2-VL's, or CLIP's."""
+    """The image processor a model folder's preprocessor_config.json (or the image processor inside its
+    processor_config.json) names: Qwen2-VL's, or CLIP's."""
     import json
 
     folder = Path(path)
-    single = folder / "preprocessor_config.json"
+    single, combined = folder / "preprocessor_config.json", folder / "processor_config.json"
     raw = json.loads(single.read_text()) if single.is_file() else {}
-    if raw.get("image_processor_type") in QWEN_PROCESSORS:
+    if not raw and combined.is_file():
+        raw = json.loads(combined.read_text()).get("image_processor") or {}
+    if isinstance(raw, dict) and raw.get("image_processor_type") in QWEN_PROCESSORS:
         return QwenImageProcessor(QwenImageProcessorConfig.from_dict(raw), max_image_pixels)
     return ImageProcessor.from_pretrained(folder, max_image_pixels)
 

@@ -27,7 +27,8 @@ def image_part(data: bytes) -> dict:
 
 # Three sizes (three token counts), one of them non-square, and two images in one prompt.
 CASES = {
-    "small-square": [{"role": "user", "content": [image_part(IMAGES["small-square"]), {"type": "text", "text": QUESTION}]}],
+    "small-square": [{"role": "user", "content": [image_part(IMAGES["small-square"]),
+                                                  {"type": "text", "text": QUESTION}]}],
     "wide": [{"role": "system", "content": "You describe images in one sentence."},
              {"role": "user", "content": [{"type": "text", "text": "Look at this:\n"}, image_part(IMAGES["wide"]),
                                           {"type": "text", "text": "\nWhat do you see?"}]}],
@@ -123,3 +124,13 @@ def test_a_strip_of_an_image_is_a_400_naming_the_field(client):
     with pytest.raises(openai.BadRequestError, match="aspect ratio"):
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": [
             image_part(buf.getvalue()), {"type": "text", "text": "hi"}]}], max_tokens=4)
+
+
+def test_unified_stack_equals_hf(qwen2_5_vl_path, start_stack, hf_reference, near_tie_check, ids_of):
+    """1 encoder + 1 unified engine: the positions travel in the GenerateRequest instead."""
+    stack = start_stack(qwen2_5_vl_path, encoders=1, unified=1, engine_args=["--num-kv-blocks", str(NUM_BLOCKS)])
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    for name in ("two-images", "wide"):
+        ref, logits, _ = hf_reference[name]
+        resp = client.chat.completions.create(model="demo", messages=CASES[name], **GREEDY)
+        assert near_tie_check(name, ids_of([c.token for c in resp.choices[0].logprobs.content]), ref, logits) == 0

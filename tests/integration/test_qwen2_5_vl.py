@@ -9,6 +9,7 @@ are within tests/conftest.py's TIE_GAP (on this tiny model's spread logits, none
 """
 import io
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -179,7 +180,8 @@ def pipeline(qwen2_5_vl_path):
 
 @pytest.fixture(scope="module")
 def prepared(pipeline):
-    return {name: pipeline.prepare(messages, [IMAGES[i] for i in images]) for name, (messages, images) in PROMPTS.items()}
+    return {name: pipeline.prepare(messages, [IMAGES[i] for i in images])
+            for name, (messages, images) in PROMPTS.items()}
 
 
 def assert_matches_hf(check, ours, reference, names) -> None:
@@ -292,7 +294,8 @@ def test_engine_checks_mrope_positions(qwen2_5_vl_path, prepared, tmp_path, defa
     with pytest.raises(ValueError, match="needs its mrope_positions"):
         make("a", {"prompt_token_ids": ids}, PARAMS, mm_placeholders=phs, mm_embeddings=embs)
     with pytest.raises(ValueError, match=r"3 rows of \d+ positions"):
-        make("b", {"prompt_token_ids": ids}, PARAMS, mm_placeholders=phs, mrope_positions=[row[:-1] for row in positions])
+        make("b", {"prompt_token_ids": ids}, PARAMS, mm_placeholders=phs,
+             mrope_positions=[row[:-1] for row in positions])
     with pytest.raises(ValueError, match=r"must lie in \[0, "):
         make("c", {"prompt_token_ids": ids}, PARAMS, mm_placeholders=phs,
              mrope_positions=[row[:-1] + (len(ids),) for row in positions])
@@ -382,3 +385,30 @@ def test_prefill_then_decode_equals_hf(qwen2_5_vl_path, prepared, hf_reference, 
             assert prefill_engine.release_kv(name)
     finally:
         decode.shutdown()
+
+
+def test_n_sequences_share_the_prompt_and_its_positions(qwen2_5_vl_path, prepared, hf_reference):
+    """n = 2 greedy: one computation of the image prompt, both sequences forked from it at its positions."""
+    llm = LLM(model=qwen2_5_vl_path, num_kv_blocks=64)
+    ids, phs, embs, positions = prepared["two-images"]
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_NEW_TOKENS, output_kind=RequestOutputKind.FINAL_ONLY)
+    request = llm.engine.make_request("n2", {"prompt_token_ids": ids}, params, mm_placeholders=phs,
+                                      mm_embeddings=embs, mrope_positions=positions)
+    llm.engine.add_request("n2", request)
+    final = None
+    while llm.engine.has_unfinished_requests():
+        final = next((out for out in llm.engine.step() if out.finished), final)
+    assert [list(c.token_ids) for c in final.outputs] == [hf_reference["two-images"][0]] * 2
+    check_engine_is_clean(llm)
+
+
+def test_the_cli_builds_the_same_checkpoint(qwen2_5_vl_path, tmp_path, capsys):
+    """`epdserve model tiny-qwen2.5-vl`: the project's builder, fixed seed - the tests' checkpoint, byte for byte."""
+    from epdserve.services import cli
+
+    assert cli.main(["model", "tiny-qwen2.5-vl", "--out", str(tmp_path / "tiny")]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(tmp_path / "tiny")
+    built = sorted(p.name for p in (tmp_path / "tiny").iterdir())
+    assert built == sorted(p.name for p in Path(qwen2_5_vl_path).iterdir())
+    for name in ("model.safetensors", "config.json", "preprocessor_config.json", "tokenizer.json"):
+        assert (tmp_path / "tiny" / name).read_bytes() == (Path(qwen2_5_vl_path) / name).read_bytes(), name

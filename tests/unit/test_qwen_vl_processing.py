@@ -96,3 +96,16 @@ def test_model_config_of_both_transformers_layouts(tmp_path):
                                                                               "mrope_section": [2, 3, 4]}}))
     with pytest.raises(ValueError, match="summing to head_size / 2 = 8"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_the_processor_is_found_in_either_file(tmp_path):
+    from epdserve.shared.processing.multimodal import load_image_processor
+    from epdserve.shared.processing.qwen_image_processor import QwenImageProcessor
+
+    raw = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 3136, "max_pixels": 62720}
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_processor": raw}))
+    combined = load_image_processor(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(raw))
+    single = load_image_processor(tmp_path)
+    assert isinstance(combined, QwenImageProcessor) and combined.config == single.config
+    assert combined.config == QwenImageProcessorConfig(min_pixels=3136, max_pixels=62720)
