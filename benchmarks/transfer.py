@@ -22,11 +22,18 @@ elsewhere on the machine hits them alike (the median round is reported):
     python benchmarks/transfer.py --checksum            # + what the transfers' checksums cost
 
 Every transfer carries a checksum per segment, taken by the sender and again by the receiver
-(transport/checksum.py), so the times above include them. `--checksum` measures what they cost: it adds
-the method `zmq_unchecked` (the ZMQ transport with its checksums switched off on both ends: a server
-process of its own, and the client's fetches of it) and times one side's checksums of each payload alone
-- XXH3 over the segments the fetch lands (contiguous: one per run, layer and K/V; shuffled: the gathered
-blocks, in 16 MiB messages) - as a share of each transfer's median time.
+(transport/checksum.py), so the times above include them. `--checksum` measures what they cost, three ways:
+  in the path  each process times (CPU seconds, HashClock) every checksum its data paths take during a
+               fetch - the receiver (this process) and the sender (the server process, asked after each
+               fetch) - as a share of that fetch's time, per round: `checksum_{receiver,sender}_share_*`;
+  alone        one side's checksums of each payload taken alone, from memory - XXH3 over the segments the
+               fetch lands (contiguous: one per run, layer and K/V; shuffled: the gathered blocks, in 16 MiB
+               messages) - as a share of each transfer's median time: `checksum_ms`, `checksum_share_*` (no
+               path hashes like this any more: they hash bytes a copy just touched);
+  end to end   the method `zmq_unchecked` (the ZMQ transport with its checksums switched off on both ends: a
+               server process of its own, and the client's fetches of it) against `zmq`, per round:
+               `checksum_overhead_zmq`.
+A quick run: --backends zmq --layouts contiguous --tokens 1024 --dtypes float32 --rounds 2 --runs 1 --checksum.
 """
 from __future__ import annotations
 
@@ -89,9 +96,7 @@ class HashClock:
 
     def install(self) -> None:
         """Time every checksum this process takes from now on (its transfer checksums wrapped in place)."""
-        for name in ("checksum", "copy_hashed"):
-            if hasattr(checksum, name):
-                setattr(checksum, name, self._timed(getattr(checksum, name)))
+        checksum.checksum = self._timed(checksum.checksum)  # copy_hashed's hashes are its running digest's
         running = checksum.running
         checksum.running = lambda: _TimedDigest(running(), self._timed)
 

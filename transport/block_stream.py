@@ -20,11 +20,13 @@ Nothing precedes the blocks: the client knows each segment's size from its own r
 handshake made both sides' layouts equal) and reads exactly that, and a connection that ends early
 carries the server's Error in its first bytes. (A reply header before the blocks, even a few bytes
 sent with them, made a 1k-token fetch take 1.8x as long on 2 cores; the same bytes without it ran
-as fast as a plain socket - so the checksums follow the blocks.) Both ends hash a segment piece by
-piece (`_HASH_PIECE_BYTES`) while the socket's copy of the piece finds it in the CPU's caches: the
-server just before a piece leaves, the client as soon as it landed in its cache; the client compares
-the segments' checksums once the trailer came (KVTransferClient.land). (Hashed whole, after a
-segment's last byte, they added 40-50% to a fetch on 2 busy cores; in pieces, 10-20%.) The token ties a connection to a peer the ZMQ channel accepted (protocol,
+as fast as a plain socket - so the checksums follow the blocks.) Both ends move a segment piece by
+piece (`_HASH_PIECE_BYTES`) and hash each piece once the socket has copied it, while the CPU's caches
+still hold it: while the socket would wait (for room to send, for data to arrive), or at once when
+`_HASH_BACKLOG_BYTES` are left unhashed; the client compares the segments' checksums once the trailer
+came (KVTransferClient.land). (Hashed whole, after a segment's last byte, they added 40-50% to a fetch on
+2 busy cores; each piece hashed from memory before it left, the sender's took 11-17% of a fetch; now 3-7%
+a side: benchmarks/results/transfer.md.) The token ties a connection to a peer the ZMQ channel accepted (protocol,
 KV layout, role); the server checks every FetchBlocks against the blocks exposed for its request and
 the generation it carries, as over ZMQ. With CURVE the server announces no port: blocks move as
 encrypted ZMQ frames.
