@@ -22,11 +22,18 @@ elsewhere on the machine hits them alike (the median round is reported):
     python benchmarks/transfer.py --checksum            # + what the transfers' checksums cost
 
 Every transfer carries a checksum per segment, taken by the sender and again by the receiver
-(transport/checksum.py), so the times above include them. `--checksum` measures what they cost: it adds
-the method `zmq_unchecked` (the ZMQ transport with its checksums switched off on both ends: a server
-process of its own, and the client's fetches of it) and times one side's checksums of each payload alone
-- XXH3 over the segments the fetch lands (contiguous: one per run, layer and K/V; shuffled: the gathered
-blocks, in 16 MiB messages) - as a share of each transfer's median time.
+(transport/checksum.py), so the times above include them. `--checksum` measures what they cost, three ways:
+  in the path  each process times (CPU seconds, HashClock) every checksum its data paths take during a
+               fetch - the receiver (this process) and the sender (the server process, asked after each
+               fetch) - as a share of that fetch's time, per round: `checksum_{receiver,sender}_share_*`;
+  alone        one side's checksums of each payload taken alone, from memory - XXH3 over the segments the
+               fetch lands (contiguous: one per run, layer and K/V; shuffled: the gathered blocks, in 16 MiB
+               messages) - as a share of each transfer's median time: `checksum_ms`, `checksum_share_*` (no
+               path hashes like this any more: they hash bytes a copy just touched);
+  end to end   the method `zmq_unchecked` (the ZMQ transport with its checksums switched off on both ends: a
+               server process of its own, and the client's fetches of it) against `zmq`, per round:
+               `checksum_overhead_zmq`.
+A quick run: --backends zmq --layouts contiguous --tokens 1024 --dtypes float32 --rounds 2 --runs 1 --checksum.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +82,52 @@ class _NoChecksum:
 
     def intdigest(self) -> int:
         return 0
+
+
+class HashClock:
+    """CPU seconds this process spends inside the transfer checksums - checksum.py's functions and its running
+    hashes' updates, wherever the data paths call them (socket threads included): their cost in the path,
+    with the bytes wherever the path has them then (a piece just received is in the CPU's caches; a segment
+    read from memory for the first time is not)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def install(self) -> None:
+        """Time every checksum this process takes from now on (its transfer checksums wrapped in place)."""
+        checksum.checksum = self._timed(checksum.checksum)  # copy_hashed's hashes are its running digest's
+        running = checksum.running
+        checksum.running = lambda: _TimedDigest(running(), self._timed)
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            started = time.thread_time()  # the CPU's time: a thread the kernel set aside meanwhile costs none
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.thread_time() - started
+                with self._lock:
+                    self.seconds += elapsed
+        return timed
+
+    def take(self) -> float:
+        """The seconds since the last take."""
+        with self._lock:
+            seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+class _TimedDigest:
+    def __init__(self, digest, timed) -> None:
+        self._digest = digest
+        self.update = timed(digest.update)
+
+    def intdigest(self) -> int:
+        return self._digest.intdigest()
+
+
+HASH_CLOCK = HashClock()
 
 
 @contextlib.contextmanager
@@ -160,7 +214,9 @@ async def run_server(backends: list[str]) -> None:
         addresses["socket"] = "%s:%d" % listener.getsockname()
         asyncio.get_running_loop().run_in_executor(None, serve_socket, listener, payload, caches)
     print(json.dumps(addresses), flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
+    # Until the parent closes stdin: each line it sends asks for the seconds spent in checksums since the last.
+    while await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline):
+        print(json.dumps(HASH_CLOCK.take()), flush=True)
     for server in servers:
         await server.close()
 
@@ -214,8 +270,17 @@ def block_ids(layout: str, num_blocks: int, gen: torch.Generator) -> list[int]:
     return list(range(start, start + num_blocks))
 
 
+def server_hash_seconds(server: subprocess.Popen) -> float:
+    """The seconds the server process spent in checksums since last asked (see HashClock)."""
+    server.stdin.write("\n")
+    server.stdin.flush()
+    return json.loads(server.stdout.readline())
+
+
 async def run_client(addresses: dict, backends: list[str], rounds: int, layouts: list[str],
-                     checksums: bool = False) -> list[dict]:
+                     checksums: bool = False, servers: dict | None = None, tokens=PAYLOAD_TOKENS,
+                     dtypes=DTYPES) -> list[dict]:
+    """`servers`: backend -> its server process, to ask for its checksums' seconds (with `checksums`)."""
     from epdserve.transport import transports
 
     caches = {dtype: make_cache(dtype, seed=2) for dtype in DTYPES}
@@ -232,10 +297,13 @@ async def run_client(addresses: dict, backends: list[str], rounds: int, layouts:
     gen = torch.Generator().manual_seed(3)
     results = []
     for layout, (dtype_index, dtype), num_tokens in (
-            (layout, d, n) for layout in layouts for d in enumerate(DTYPES) for n in PAYLOAD_TOKENS):
+            (layout, d, n) for layout in layouts for d in enumerate(DTYPES) for n in tokens if d[1] in dtypes):
         num_blocks = num_tokens // BLOCK_SIZE
         num_bytes = caches[dtype][:, :, :num_blocks].nbytes
         seconds: dict[str, list[float]] = {b: [] for b in backends}
+        # backend -> per round, the shares of the fetch's time the receiving (client) and the sending (server)
+        # side spent in checksums
+        in_path: dict[str, list[tuple[float, float]]] = {b: [] for b in backends}
         for round_ in range(rounds + 1):  # round 0 warms up connections and allocators
             remote, local = block_ids(layout, num_blocks, gen), block_ids(layout, num_blocks, gen)
             want = make_cache(dtype, seed=1)[:, :, remote] if round_ == rounds else None
@@ -247,12 +315,19 @@ async def run_client(addresses: dict, backends: list[str], rounds: int, layouts:
                     await asyncio.to_thread(sock.blocks, caches[dtype], dtype_index, remote, local)
                 else:
                     address, generation = addresses[f"{backend}/{dtype}"]
+                    HASH_CLOCK.take()
                     with unchecked() if backend == UNCHECKED else contextlib.nullcontext():
                         result = await clients[backend, dtype].fetch_blocks(address, "bench", remote, local,
                                                                             generation=generation, timeout=120)
                     assert result.num_bytes == num_bytes
+                elapsed = time.perf_counter() - started
+                hashed = None
+                if checksums and backend not in SOCKET_METHODS:
+                    hashed = HASH_CLOCK.take(), server_hash_seconds(servers[backend])
                 if round_:
-                    seconds[backend].append(time.perf_counter() - started)
+                    seconds[backend].append(elapsed)
+                    if hashed is not None:
+                        in_path[backend].append((hashed[0] / elapsed, hashed[1] / elapsed))
                 if want is not None and backend != "tcp":  # every block mover landed the exact bytes
                     assert torch.equal(caches[dtype][:, :, local], want), f"{backend} moved wrong bytes"
                     caches[dtype][:, :, local] = 0
@@ -272,6 +347,10 @@ async def run_client(addresses: dict, backends: list[str], rounds: int, layouts:
             row["checksum_gbps"] = round(num_bytes / hashed / 1e9, 2)
             for backend in (b for b in backends if b not in SOCKET_METHODS):
                 row[f"checksum_share_{backend}"] = round(hashed / statistics.median(seconds[backend]), 4)
+            for backend in (b for b in backends if b not in SOCKET_METHODS and b != UNCHECKED):
+                for side, i in (("receiver", 0), ("sender", 1)):
+                    row[f"checksum_{side}_share_{backend}"] = round(
+                        statistics.median(shares[i] for shares in in_path[backend]), 4)
             if UNCHECKED in backends and "zmq" in backends:  # per round, as the ratios to the socket
                 ratios = [t / u for t, u in zip(seconds["zmq"], seconds[UNCHECKED])]
                 row["checksum_overhead_zmq"] = round(statistics.median(ratios) - 1, 4)
@@ -330,7 +409,8 @@ def median_rows(runs: list[list[dict]]) -> list[dict]:
     for rows in zip(*runs):
         row = dict(rows[0])
         for key, value in rows[0].items():
-            if key.endswith(("_gbps", "_vs_tcp", "_ms")) or key.startswith(("checksum_share", "checksum_overhead")):
+            if key.endswith(("_gbps", "_vs_tcp", "_ms")) or key.startswith(("checksum_share", "checksum_overhead",
+                                                                             "checksum_receiver", "checksum_sender")):
                 row[key] = round(statistics.median(r[key] for r in rows), 4)
         medians.append(row)
     return medians
@@ -346,8 +426,11 @@ def _format_row(row: dict, backends: list[str]) -> str:
                            if key.startswith("checksum_share_"))
         overhead = (f"; zmq {row['checksum_overhead_zmq']:+.1%} against zmq_unchecked"
                     if "checksum_overhead_zmq" in row else "")
-        parts.append(f"checksums {row['checksum_ms']:.1f} ms ({row['checksum_gbps']:.1f} GB/s; "
-                     f"one side's of a transfer: {shares}{overhead})")
+        in_path = ", ".join(f"{key.removeprefix('checksum_receiver_share_')} "
+                            f"{value:.1%} + {row['checksum_sender_share_' + key.removeprefix('checksum_receiver_share_')]:.1%}"
+                            for key, value in row.items() if key.startswith("checksum_receiver_share_"))
+        parts.append(f"checksums alone, from memory: {row['checksum_ms']:.1f} ms ({row['checksum_gbps']:.1f} GB/s; "
+                     f"one side's of a transfer: {shares}{overhead}) | in the path, receiver + sender: {in_path}")
     return " | ".join(parts)
 
 
@@ -381,15 +464,21 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3,
                         help="whole measurements, each with a fresh server process; the table is their median")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ",".join(LAYOUTS))
+    parser.add_argument("--tokens", default=",".join(map(str, PAYLOAD_TOKENS)),
+                        help="comma-separated subset of the payloads' token counts (a quick run: 1024)")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated subset of " + ",".join(DTYPES))
     parser.add_argument("--profile", action="store_true",
                         help="also profile the receiving side of each backend (copies beyond the socket's)")
     parser.add_argument("--checksum", action="store_true",
-                        help="also time one side's checksums of each payload, as a share of each transfer")
+                        help="also time the checksums: each side's in the path of each transfer, and one side's of "
+                             "each payload alone, as shares of the transfer's time")
     parser.add_argument("--output", type=Path, default=RESULTS / "transfer.json")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server process
     args = parser.parse_args()
     backends = (args.backends.split(",") if args.backends
                 else ["tcp", "tcp_copy", "zmq", "zmq_frames"] + (["ucx"] if ucx_available() else []))
+    if args.checksum:
+        HASH_CLOCK.install()
     if args.serve:
         with unchecked() if backends == [UNCHECKED] else contextlib.nullcontext():
             asyncio.run(run_server(backends))
@@ -403,13 +492,16 @@ def main() -> None:
     runs, profiles = [], []
     for run in range(args.runs):
         print(f"run {run + 1} of {args.runs}", flush=True)
-        servers = [subprocess.Popen([sys.executable, __file__, "--serve", "--backends", ",".join(group)],
+        servers = [subprocess.Popen([sys.executable, __file__, "--serve", "--backends", ",".join(group),
+                                     *(["--checksum"] if args.checksum else [])],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for group in served]
         try:
             addresses = {key: value for server in servers
                          for key, value in json.loads(server.stdout.readline()).items()}
+            serving = {backend: server for group, server in zip(served, servers) for backend in group}
             runs.append(asyncio.run(run_client(addresses, backends, args.rounds, args.layouts.split(","),
-                                               args.checksum)))
+                                               args.checksum, serving,
+                                               [int(n) for n in args.tokens.split(",")], args.dtypes.split(","))))
             if args.profile:
                 profiles.append(asyncio.run(profile_receives(addresses, [b for b in backends if b != UNCHECKED])))
         finally:

@@ -20,11 +20,13 @@ Nothing precedes the blocks: the client knows each segment's size from its own r
 handshake made both sides' layouts equal) and reads exactly that, and a connection that ends early
 carries the server's Error in its first bytes. (A reply header before the blocks, even a few bytes
 sent with them, made a 1k-token fetch take 1.8x as long on 2 cores; the same bytes without it ran
-as fast as a plain socket - so the checksums follow the blocks.) Both ends hash a segment piece by
-piece (`_HASH_PIECE_BYTES`) while the socket's copy of the piece finds it in the CPU's caches: the
-server just before a piece leaves, the client as soon as it landed in its cache; the client compares
-the segments' checksums once the trailer came (KVTransferClient.land). (Hashed whole, after a
-segment's last byte, they added 40-50% to a fetch on 2 busy cores; in pieces, 10-20%.) The token ties a connection to a peer the ZMQ channel accepted (protocol,
+as fast as a plain socket - so the checksums follow the blocks.) Both ends move a segment piece by
+piece (`_HASH_PIECE_BYTES`) and hash each piece once the socket has copied it, while the CPU's caches
+still hold it: while the socket would wait (for room to send, for data to arrive), or at once when
+`_HASH_BACKLOG_BYTES` are left unhashed; the client compares the segments' checksums once the trailer
+came (KVTransferClient.land). (Hashed whole, after a segment's last byte, they added 40-50% to a fetch on
+2 busy cores; each piece hashed from memory before it left, the sender's took 11-17% of a fetch; now 3-7%
+a side: benchmarks/results/transfer.md.) The token ties a connection to a peer the ZMQ channel accepted (protocol,
 KV layout, role); the server checks every FetchBlocks against the blocks exposed for its request and
 the generation it carries, as over ZMQ. With CURVE the server announces no port: blocks move as
 encrypted ZMQ frames.
@@ -73,9 +75,12 @@ _LENGTH_BYTES = 4
 Prepare = Callable[[FetchBlocks], "Sequence[np.ndarray] | Error"]
 # A server closes connections idle this long; clients reuse none idle for half of it.
 IDLE_SECONDS = 120.0
-# Segments are hashed in pieces of this size as they are sent and received: a piece is hashed while the
-# socket's copy of it (or the one to come) finds it in the CPU's caches.
+# Segments are sent, received and hashed in pieces of this size: a piece is hashed once the socket copied
+# it, while the CPU's caches still hold it.
 _HASH_PIECE_BYTES = 256 << 10
+# Bytes sent or received but not hashed yet past which they are hashed before the socket is used again: the
+# socket seldom waits on a fast peer, and bytes left longer fall out of the CPU's caches.
+_HASH_BACKLOG_BYTES = 1 << 20
 # Requests up to this size go out from the event loop: into an idle connection's empty send buffer
 # (16 KiB at the least) they never block it.
 _LOOP_SEND_BYTES = 8 << 10
@@ -427,33 +432,59 @@ def _recv_bytes(conn: socket.socket, n: int) -> bytes:
 
 
 def _send_hashed(conn: socket.socket, segment: np.ndarray) -> int:
-    """Send a segment piece by piece, each hashed just before it leaves (the hash reads it from memory, the
-    socket's copy then from the CPU's caches); the segment's checksum."""
+    """Send a segment, hashing what the socket has copied while it would wait for room (the copy read it from
+    memory, the hash then finds it in the CPU's caches; a backlog past _HASH_BACKLOG_BYTES is hashed at
+    once, while they still hold it); the segment's checksum."""
     digest = checksum.running()
-    for start in range(0, segment.nbytes, _HASH_PIECE_BYTES):
-        piece = segment[start:start + _HASH_PIECE_BYTES]
-        digest.update(piece)
-        conn.sendall(piece)
+    sent = hashed = 0
+    while sent < segment.nbytes:
+        piece = segment[sent:sent + _HASH_PIECE_BYTES]
+        if hashed < sent:
+            try:
+                sent += conn.send(piece, socket.MSG_DONTWAIT)
+            except BlockingIOError:  # no room now: hash instead of waiting for it
+                hashed = _hash_next(digest, segment, hashed, sent)
+                continue
+        else:
+            sent += conn.send(piece)
+        while sent - hashed > _HASH_BACKLOG_BYTES:
+            hashed = _hash_next(digest, segment, hashed, sent)
+    digest.update(segment[hashed:])
     return digest.intdigest()
 
 
 def _recv_into(conn: socket.socket, view: memoryview, deadline: float | None = None, digest=None) -> int:
     """Fill `view`; with a deadline, checked between receives (a peer trickling bytes cannot hold
-    the connection past it); with `digest` (checksum.running()), hashing what arrived every
-    _HASH_PIECE_BYTES, while it is still in the CPU's caches. EOFError(message, bytes received) when
-    the peer closes first."""
+    the connection past it); with `digest` (checksum.running()), hashing what arrived while the socket has
+    nothing more yet (a backlog past _HASH_BACKLOG_BYTES at once), while the CPU's caches still hold it.
+    EOFError(message, bytes received) when the peer closes first."""
     got = hashed = 0
     while got < view.nbytes:
-        n = conn.recv_into(view[got:])
+        if digest is not None and hashed < got:
+            try:
+                n = conn.recv_into(view[got:got + _HASH_PIECE_BYTES], 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:  # nothing arrived yet: hash instead of waiting for it
+                hashed = _hash_next(digest, view, hashed, got)
+                continue
+        else:
+            n = conn.recv_into(view[got:got + _HASH_PIECE_BYTES] if digest is not None else view[got:])
         if n == 0:
             raise EOFError("connection closed by the peer", got)
         got += n
-        if digest is not None and (got - hashed >= _HASH_PIECE_BYTES or got == view.nbytes):
-            digest.update(view[hashed:got])
-            hashed = got
+        while digest is not None and got - hashed > _HASH_BACKLOG_BYTES:
+            hashed = _hash_next(digest, view, hashed, got)
         if deadline is not None and got < view.nbytes:
             _remaining(deadline)
+    if digest is not None:
+        digest.update(view[hashed:got])
     return got
+
+
+def _hash_next(digest, buffer, hashed: int, end: int) -> int:
+    """Hash `buffer`'s next piece from `hashed` (at most up to `end`); where hashing got to."""
+    upto = min(hashed + _HASH_PIECE_BYTES, end)
+    digest.update(buffer[hashed:upto])
+    return upto
 
 
 class BlockStreamServerPath(ServerPath):

@@ -9,13 +9,16 @@ TCP's 16-bit checksum misses some multi-bit errors, shared memory and RDMA check
 read while it was being reused is sent intact.
 
 The hash is XXH3 (64 bits, seed 0), over the buffer's memory itself (no copy): non-cryptographic and
-fast enough to run on every transfer (benchmarks/results/transfer.md has its cost). Device memory is
-copied to the host first, which a GPU cache pays on every segment.
+fast enough to run on every transfer (benchmarks/results/transfer.md has its cost). It runs at memory
+speed from memory and several times that from the CPU's caches, so the data paths hash bytes right after a
+copy touched them, piece by piece (`copy_hashed`; the block connections' sockets). xxhash releases the GIL
+while it hashes. Device memory is copied to the host first, which a GPU cache pays on every segment.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import xxhash
 
@@ -38,6 +41,23 @@ def running():
     """The checksum of a buffer taken piece by piece, as it is sent or received: `update(piece)` with its
     consecutive pieces, then `intdigest()` - equal to `checksum` of the whole."""
     return xxhash.xxh3_64()
+
+
+# Bytes copied then hashed at a time by `copy_hashed`: hashed while the CPU's caches still hold them.
+PIECE_BYTES = 256 << 10
+
+
+def copy_hashed(dst: np.ndarray, src: np.ndarray) -> int:
+    """dst[:] = src (flat uint8 arrays of one size), piece by piece, each hashed as soon as it is in `dst`: the
+    checksum of `dst`'s bytes as they landed, for the price of hashing them from the CPU's caches."""
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copying {src.nbytes} bytes into {dst.nbytes}")
+    digest = running()
+    for start in range(0, dst.nbytes, PIECE_BYTES):
+        piece = dst[start:start + PIECE_BYTES]
+        np.copyto(piece, src[start:start + PIECE_BYTES], casting="no")
+        digest.update(piece)
+    return digest.intdigest()
 
 
 def verify(sent: Sequence[int], landed: Sequence[int], what: str) -> None:

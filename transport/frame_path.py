@@ -109,9 +109,10 @@ class FrameClientPath(ClientPath):
                                     source=control.address)
         landed = []
         for segment, destination in zip(reply.segments, destinations):
-            copy_segment(destination, segment)
-            if not on_device:  # hashed while the copy left it in the CPU's caches
-                landed.append(checksum.checksum(as_bytes(destination)))
+            if on_device:
+                copy_segment(destination, segment)
+            else:  # each piece hashed as soon as it is in the cache, while the CPU's caches hold it
+                landed.append(checksum.copy_hashed(as_bytes(destination), as_bytes(segment)))
         if on_device:
             return num_bytes
         return client.land(chunk, [as_bytes(d) for d in destinations], reply.checksums, landed=landed,

@@ -5,8 +5,8 @@ What every path shares is here: the control channel and its handshake checks (tr
 requests' blocks exposed while held and withdrawn on release, the checks of every fetch against them, and
 the segments' bytes as the cache holds them. How those bytes travel is a `ServerPath`'s business, and none
 knows another: ZMQ frames (frame_path.py), plain TCP block connections (block_stream.py), UCX (ucx_path.py).
-Each path sends the checksum of every segment (and embedding tensor) it sends, taken over the bytes just
-before they leave (checksum.py). `create_server` assembles the paths of a transport.
+Each path sends the checksum of every segment (and embedding tensor) it sends, taken over the bytes as they
+leave (just before, or piece by piece once a socket copied them: checksum.py). `create_server` assembles the paths of a transport.
 
 `expose` / `withdraw` are called by the engine's loop (the owner of the blocks and their leases); the
 server only reads exposed blocks, never frees or writes any. Each exposure gets a generation of its own,

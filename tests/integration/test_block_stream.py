@@ -220,3 +220,55 @@ def test_error_frames_decode_with_the_codec():
     error = p.Error(p.ErrorCode.NOT_FOUND, "gone", "r1")
     frame = _frame(error)
     assert codec.decode([frame[4:]]) == error and int.from_bytes(frame[:4], "little") == len(frame) - 4
+
+
+@pytest.mark.parametrize("slow", ["reader", "writer"])
+def test_segments_hashed_while_the_socket_waits_are_hashed_whole_and_in_order(slow):
+    """Both ends hash a segment in pieces, out of step with the socket (while it would wait, or once a backlog
+    builds): each side's checksum still equals XXH3 of the whole segment, the bytes land exact, and a byte
+    changed anywhere - not only in the first piece - changes the checksum. A slow reader makes the sender
+    wait for room; a slow writer, the receiver for data."""
+    from epdserve.transport import checksum
+    from epdserve.transport.block_stream import _recv_into, _send_hashed
+
+    gen = torch.Generator().manual_seed(5)
+    segment = torch.randint(0, 256, ((3 << 20) + 12345,), dtype=torch.uint8, generator=gen).numpy()
+    landed = torch.zeros(segment.nbytes, dtype=torch.uint8).numpy()
+    a, b = socket.socketpair()
+    for conn in (a, b):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+
+    def send() -> int:
+        if slow != "writer":
+            return _send_hashed(a, segment)
+        for start in range(0, segment.nbytes, 300 << 10):  # in bursts, with pauses between
+            a.sendall(segment[start:start + (300 << 10)])
+            time.sleep(0.01)
+        return checksum.checksum(segment)
+
+    def receive() -> int:
+        digest = checksum.running()
+        if slow == "reader":
+            got = 0
+            while got < landed.nbytes:
+                time.sleep(0.002)
+                got += b.recv_into(memoryview(landed)[got:got + (200 << 10)])
+            digest.update(landed)
+        else:
+            _recv_into(b, memoryview(landed), time.monotonic() + 30, digest)
+        return digest.intdigest()
+
+    async def both():
+        return await asyncio.gather(asyncio.to_thread(send), asyncio.to_thread(receive))
+
+    try:
+        sent, received = asyncio.run(both())
+    finally:
+        a.close()
+        b.close()
+    assert (landed == segment).all()
+    assert sent == received == checksum.checksum(segment)
+    landed[(2 << 20) + 7] ^= 0x10
+    assert checksum.checksum(landed) != sent
+    assert checksum.copy_hashed(landed, segment) == sent and (landed == segment).all()
