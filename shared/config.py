@@ -344,6 +344,62 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
 
 
+# The keys of vLLM's speculative config that are ours too; any other key is refused, never ignored.
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's spelling (`--speculative-config '{"method": "ngram", ...}'`).
+
+    "ngram" is prompt lookup: the proposal is what followed the latest earlier occurrence of the request's
+    last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in its prompt and output, up to
+    num_speculative_tokens of it. vLLM's defaults: both lookup bounds 5 when neither is given, else the one
+    given for both."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got {self.num_speculative_tokens!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+
+    @staticmethod
+    def parse(spec: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From vLLM's JSON (text or dict); None stays None. Raises ValueError naming what is wrong."""
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative config is not valid JSON: {exc}") from None
+        if not isinstance(spec, dict):
+            raise ValueError("speculative config must be a JSON object")
+        unknown = sorted(set(spec) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative config: unsupported keys {unknown} (supported: {list(_SPECULATIVE_KEYS)})")
+        if "method" not in spec or "num_speculative_tokens" not in spec:
+            raise ValueError("speculative config needs 'method' and 'num_speculative_tokens'")
+        if "model" in spec:
+            raise ValueError(f"speculative config: 'model' is not used by method {spec['method']!r}")
+        low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        low, high = (5, 5) if low is None and high is None else (high if low is None else low,
+                                                               low if high is None else high)
+        return SpeculativeConfig(spec["method"], spec["num_speculative_tokens"], low, high)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
@@ -355,6 +411,8 @@ class EngineConfig:
     # Seconds a service gives a request's structured output to compile before refusing the request (the
     # compile runs off the event loop either way; the offline LLM compiles without a limit).
     grammar_compile_timeout: float = 10.0
+    # Speculative decoding (None: one token per request and step).
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if not self.grammar_compile_timeout > 0:

@@ -32,7 +32,7 @@ def req(rid, n, max_tokens=4, vocab=3, seed=0):
 def step(sched, token=7):
     out = sched.schedule()
     # A group's waiting sequences sample from the row of the one that completes the prompt.
-    sampled = {s.request_id: token for r, _ in out.scheduled for s in [r, *r.forks]}
+    sampled = {s.request_id: [token] for r, _ in out.scheduled for s in [r, *r.forks]}
     sched.update_from_output(out, sampled)
     return out
 
