@@ -286,4 +286,4 @@ class LLMEngine:
                            self.scheduler.num_preemptions, dict(self.scheduler.num_finished),
                            self.step_timer.num_steps, self.step_timer.breakdown(), self.num_prompt_tokens,
                            self.num_generation_tokens,
-                           None if self.proposer is None else self.scheduler.spec_stats.counts())
+                           None if self.proposer is None else self.scheduler.spec_stats.counts(self.proposer.k))

@@ -121,6 +121,8 @@ class SpecDecodeStats:
         for i in range(num_accepted):
             self.num_accepted_tokens_per_pos[i] += 1
 
-    def counts(self) -> SpecDecodeCounts:
+    def counts(self, num_positions: int) -> SpecDecodeCounts:
+        """The counters, with one per-position count for each of `num_positions` draft positions at least."""
+        per_pos = self.num_accepted_tokens_per_pos
         return SpecDecodeCounts(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                                tuple(self.num_accepted_tokens_per_pos))
+                                tuple(per_pos) + (0,) * (num_positions - len(per_pos)))
