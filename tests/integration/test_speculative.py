@@ -192,3 +192,19 @@ def test_sampling_keeps_the_distribution(base, spec):
 def test_bad_speculative_config_is_refused(tiny, config, message):
     with pytest.raises(ValueError, match=message):
         LLM(model=tiny, num_kv_blocks=16, speculative_config=config)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_attention_backend_verifies_drafts(tiny_model_paths, backend):
+    """The PyTorch path (its decode mirror rebuilt around the steps that verify drafts) and the Triton
+    kernels (interpreted on CPU) give the tokens of one token per step too."""
+    steps = 24 if backend == "torch" else 6
+    prompts = [{"prompt_token_ids": [100 + i % 5 for i in range(n)]} for n in (3, 11, 19)]
+    kwargs = dict(model=tiny_model_paths["llama"], num_kv_blocks=32, attention_backend=backend)
+    for params in (SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True),
+                   SamplingParams(temperature=1.0, seed=2, max_tokens=steps, ignore_eos=True)):
+        want = LLM(**kwargs).generate(prompts, params) if backend == "torch" else \
+            LLM(**{**kwargs, "attention_backend": "torch"}).generate(prompts, params)
+        llm = LLM(**kwargs, speculative_config=SPEC)
+        assert_same(want, llm.generate(prompts, params))
+        assert accepted(llm) > 0
