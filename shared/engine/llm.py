@@ -29,8 +29,10 @@ def build_engine_config(
     grammar_compile_timeout: float = 10.0,
     speculative_config: str | dict | SpeculativeConfig | None = None,
 ) -> EngineConfig:
+    model_config = ModelConfig.from_pretrained(model, dtype, max_model_len)
+    speculative = SpeculativeConfig.parse(speculative_config)
     return EngineConfig(
-        model=ModelConfig.from_pretrained(model, dtype, max_model_len),
+        model=model_config,
         cache=CacheConfig(block_size, kv_cache_memory_bytes, num_kv_blocks, enable_prefix_caching,
                           kv_cache_memory_fraction),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
@@ -38,7 +40,7 @@ def build_engine_config(
         attention_backend=attention_backend,
         seed=seed,
         grammar_compile_timeout=grammar_compile_timeout,
-        speculative=SpeculativeConfig.parse(speculative_config),
+        speculative=None if speculative is None else speculative.with_draft(dtype, model_config.max_model_len),
     )
 
 

@@ -10,6 +10,7 @@ from epdserve.shared.engine.block_manager import BlockManager
 from epdserve.shared.config import EngineConfig
 from epdserve.shared.engine.kv_cache_budget import size_kv_cache
 from epdserve.shared.engine.model_runner import ModelRunner
+from epdserve.shared.engine.draft_proposer import DraftModelProposer
 from epdserve.shared.engine.ngram_proposer import NgramProposer
 from epdserve.shared.engine.handoff import continue_from_peer
 from epdserve.shared.engine.kv_connector import KVConnector, LoadResult
@@ -47,7 +48,7 @@ class LLMEngine:
         self.step_timer = StepTimer()
         self.queue_estimate = QueueEstimate()  # read by services from other threads (admission control)
         self.runner = ModelRunner(config, num_blocks, self.step_timer)
-        self.proposer = None if config.speculative is None else NgramProposer(config.speculative)
+        self.proposer = self._proposer(config, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer.fast if self.tokenizer and detokenize else None)
         # Structured outputs need the vocabulary's token strings, hence a tokenizer.
         self.grammar_compiler = None if self.tokenizer is None else GrammarCompiler(
@@ -222,6 +223,9 @@ class LLMEngine:
             if self.proposer is not None:
                 self._propose()
             sched = self.scheduler.schedule()
+        if self.proposer is not None:
+            with timer.phase("draft"):
+                self.proposer.fill(sched.scheduled, sched.block_copies)
         if sched.scheduled and self.on_step_tokens is not None:
             self.on_step_tokens(sum(item.num_new_tokens for item in sched.scheduled))
         for item in sched.scheduled:
@@ -255,6 +259,18 @@ class LLMEngine:
         self.queue_estimate.observe_step(sched.num_batched_tokens, time.perf_counter() - started,
                                          self.scheduler.num_queued_prompt_tokens)
         return outputs
+
+    @staticmethod
+    def _proposer(config: EngineConfig, num_blocks: int) -> NgramProposer | DraftModelProposer | None:
+        """Where draft tokens come from (speculative decoding), if anywhere."""
+        spec = config.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        logger.info("draft model %s: loading it for speculative decoding", spec.draft.path)
+        # Its own timer: its forward passes are the step's "draft" phase, not the target's "forward".
+        return DraftModelProposer(config, num_blocks, StepTimer())
 
     def _propose(self) -> None:
         """Draft tokens for every running request that is decoding (its last token is all it computes)."""

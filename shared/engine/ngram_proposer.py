@@ -35,6 +35,9 @@ class NgramProposer:
                 return draft[:i]
         return draft
 
+    def fill(self, scheduled, block_copies=()) -> None:
+        """Nothing to do once the step is scheduled: the drafts were whole before (draft_proposer.py's are not)."""
+
 
 def _lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """The up to k tokens after the latest earlier occurrence of the longest suffix of `tokens` of length in

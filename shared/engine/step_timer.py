@@ -2,6 +2,7 @@
 
 The phases of one step, in order:
     schedule   the scheduler picks requests and allocates blocks
+    draft      a draft model proposes tokens (speculative decoding with one; zero otherwise)
     prepare    the runner builds the varlen batch and the attention plan
     forward    the model, attention excluded (linear layers, norms, RoPE, activations, logits)
     attention  KV-cache writes and attention reads (the backend's two entry points)
@@ -17,7 +18,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-PHASES = ("schedule", "prepare", "forward", "attention", "sampler", "output")
+PHASES = ("schedule", "draft", "prepare", "forward", "attention", "sampler", "output")
 
 
 class StepTimer:

@@ -208,3 +208,47 @@ def test_every_attention_backend_verifies_drafts(tiny_model_paths, backend):
         llm = LLM(**kwargs, speculative_config=SPEC)
         assert_same(want, llm.generate(prompts, params))
         assert accepted(llm) > 0
+
+
+@pytest.mark.parametrize("draft", ["qwen3", "llama"], ids=["draft-is-the-model", "other-draft"])
+def test_draft_model_output_is_that_of_one_token_per_step(tiny_model_paths, draft):
+    """A draft model (here the tiny qwen3 itself, then the tiny llama, which shares its vocabulary) proposes;
+    the output is the target's own, and a draft that is the target itself has its greedy drafts accepted."""
+    target = tiny_model_paths["qwen3"]
+    base = LLM(model=target, num_kv_blocks=64)
+    spec = LLM(model=target, num_kv_blocks=64, speculative_config={
+        "method": "draft_model", "num_speculative_tokens": 3, "model": tiny_model_paths[draft]})
+    for params in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+                   SamplingParams(temperature=1.0, seed=8, max_tokens=24, ignore_eos=True),
+                   SamplingParams(n=2, temperature=1.0, seed=2, max_tokens=16, ignore_eos=True)):
+        before = spec.engine.stats().spec_decode
+        assert_same(base.generate(PROMPTS, params), spec.generate(PROMPTS, params))
+        after = spec.engine.stats().spec_decode
+        if draft == "qwen3" and params.temperature == 0.0:
+            assert after.num_accepted_tokens - before.num_accepted_tokens == \
+                after.num_draft_tokens - before.num_draft_tokens > 0
+    assert spec.engine.stats().step_seconds["draft"] > 0
+    assert_clean(spec)
+
+
+def test_draft_model_under_preemption_and_prefix_caching(tiny_model_paths):
+    target = tiny_model_paths["qwen3"]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    want = LLM(model=target, num_kv_blocks=256).generate(PROMPTS * 2, params)
+    small = LLM(model=target, num_kv_blocks=16, max_num_batched_tokens=24, speculative_config={
+        "method": "draft_model", "num_speculative_tokens": 3, "model": target})
+    assert_same(want, small.generate(PROMPTS * 2, params))
+    stats = small.engine.stats()
+    assert stats.num_preemptions > 0 and stats.spec_decode.num_accepted_tokens > 0
+    assert_clean(small)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/nonexistent"}, "no model at"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "x", "prompt_lookup_max": 2}, "unsupported keys"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unsupported keys"),
+])
+def test_bad_draft_model_config_is_refused(tiny, config, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model=tiny, num_kv_blocks=16, speculative_config=config)
