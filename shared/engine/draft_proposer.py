@@ -76,16 +76,21 @@ class DraftModelProposer:
             if block_copies:
                 self.runner.execute([], (), block_copies)
             return
+        active = views
         for j in range(max(len(r.spec_token_ids) for r, _ in views)):
-            batch = [(r, v) for r, v in views if j < len(r.spec_token_ids)]
+            batch = [(r, v) for r, v in active if j < len(r.spec_token_ids)]
+            if not batch:
+                break
             out = self.runner.execute([ScheduledRequest(v, v.num_tokens - v.num_computed_tokens) for _, v in batch],
                                       (), block_copies if j == 0 else ())
+            active = []
             for request, view in batch:
-                # A failed draft forward leaves the placeholder: a draft like any other, just a poor one.
-                token_id = out.token_ids.get(view.request_id, [request.spec_token_ids[j]])[0]
-                request.spec_token_ids[j] = token_id
-                view.num_computed_tokens = view.num_tokens
-                view.all_token_ids.append(token_id)
+                # A failed draft forward leaves the placeholders: drafts like any others, just poor ones.
+                if view.request_id in out.token_ids:
+                    request.spec_token_ids[j] = out.token_ids[view.request_id][0]
+                    view.num_computed_tokens = view.num_tokens
+                    view.all_token_ids.append(request.spec_token_ids[j])
+                    active.append((request, view))
         for request, view in views:
             blocks = -(-view.num_computed_tokens // self.runner.block_size)
             self._computed[request] = (view.num_computed_tokens, tuple(request.block_ids[:blocks]))

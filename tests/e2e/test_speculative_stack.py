@@ -1,7 +1,7 @@
-"""Speculative decoding served: a unified engine and 1 prefill + 1 decode, each engine speculating with
---speculative-config, answer exactly what the offline engine answers without speculation - greedy (and that
-is HF's), seeded, with a JSON schema, with n > 1, streamed - while the decode (or unified) engine accepts
-draft tokens, as its spec_decode metrics show."""
+"""Speculative decoding served: a unified engine and 1 prefill + 1 decode (ngram; and a draft model), each
+engine speculating with --speculative-config, answer exactly what the offline engine answers without
+speculation - greedy (and that is HF's), seeded, with a JSON schema, with n > 1, streamed - while the
+decode (or unified) engine accepts draft tokens, as its spec_decode metrics show."""
 import json
 
 import jsonschema
@@ -9,7 +9,8 @@ import openai
 import pytest
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
-LAYOUTS = {"unified": dict(unified=1), "1p1d": dict(prefills=1, decodes=1)}
+LAYOUTS = {"unified": dict(unified=1), "1p1d": dict(prefills=1, decodes=1),
+           "1p1d-draft-model": dict(prefills=1, decodes=1)}
 TEXT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
         "Rewrite the code above, word for word:\n\ndef add(a, b):\n")
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -19,7 +20,11 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def stack(request, stack_factory, default_model_path):
-    stack = stack_factory(default_model_path, engine_args=["--num-kv-blocks", "256", "--speculative-config", SPEC],
+    # The draft model layout drafts with the model itself: what is tested is the serving path, and every
+    # greedy draft is accepted.
+    spec = json.dumps({"method": "draft_model", "num_speculative_tokens": 3, "model": str(default_model_path)}) \
+        if request.param.endswith("draft-model") else SPEC
+    stack = stack_factory(default_model_path, engine_args=["--num-kv-blocks", "256", "--speculative-config", spec],
                           **LAYOUTS[request.param])
     yield stack
     stack.stop()  # one stack at a time
