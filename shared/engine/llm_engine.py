@@ -219,9 +219,10 @@ class LLMEngine:
         timer = self.step_timer
         timer.num_steps += 1
         started = time.perf_counter()
-        with timer.phase("schedule"):
-            if self.proposer is not None:
+        if self.proposer is not None:
+            with timer.phase("draft"):
                 self._propose()
+        with timer.phase("schedule"):
             sched = self.scheduler.schedule()
         if self.proposer is not None:
             with timer.phase("draft"):
