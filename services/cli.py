@@ -132,7 +132,8 @@ def engine_config(args: argparse.Namespace, model: str):
         kv_cache_memory_bytes=int(args.kv_cache_memory * (1 << 30)) if args.kv_cache_memory else None,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_model_len=args.max_model_len, attention_backend=args.attention_backend, device=args.device,
-        seed=args.seed, grammar_compile_timeout=args.grammar_compile_timeout)
+        seed=args.seed, grammar_compile_timeout=args.grammar_compile_timeout,
+        speculative_config=args.speculative_config)
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -269,6 +270,13 @@ def stack_config(args: argparse.Namespace, model: str):
         raise SystemExit(f"epdserve: error: --port {args.port} is inside --internal-ports "
                          f"{args.internal_ports[0]}-{args.internal_ports[1]}: keep the API's port out of it")
     _check_kv_transport(args)
+    if args.speculative_config is not None:  # checked once here, not by every engine it is given to
+        from epdserve.shared.config import SpeculativeConfig
+
+        try:
+            SpeculativeConfig.parse(args.speculative_config)
+        except ValueError as exc:
+            raise SystemExit(f"epdserve: error: --speculative-config: {exc}") from None
     if args.otlp_traces_endpoint:  # checked here, not by the proxy child after every engine started
         from epdserve.services.proxy.tracing import check_otlp_endpoint
 
@@ -280,7 +288,8 @@ def stack_config(args: argparse.Namespace, model: str):
     return StackConfig(model, args.host, args.port, encoders, args.prefills, args.decodes, args.unified,
                        api_key(args), args.threads, args.log_level, tuple(extra), args.drain_timeout,
                        args.routing_policy, args.kv_transport, args.ucx_net_devices, args.otlp_traces_endpoint,
-                       args.request_trace, args.served_model_name, args.internal_ports, args.migration_limit)
+                       args.request_trace, args.served_model_name, args.internal_ports, args.migration_limit,
+                       args.speculative_config)
 
 
 def _check_kv_transport(args: argparse.Namespace) -> None:

@@ -76,6 +76,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="seconds a request's structured output (JSON schema, regex, grammar) may take to compile "
                         "before the request is refused with a 400; compiles run off the service's event loop")
+    g.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding, in vLLM\'s spelling: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (prompt lookup: drafts copied from what '
+                        'followed the latest earlier occurrence of the last tokens); outputs are those of decoding '
+                        'without it, token for token (default: off)')
     g.add_argument("--threads", type=int, help="compute threads of the engine (or encoder); the service's other "
                                                 "threads use one (default: one per core)")
 
@@ -242,6 +247,9 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
     up.add_argument("--decodes", type=int, default=1, metavar="N",
                     help="decode engine processes (default: %(default)s)")
     up.add_argument("--unified", action="store_true", help="one unified engine instead of prefills and decodes")
+    up.add_argument("--speculative-config", metavar="JSON",
+                    help="speculative decoding for the decode (or unified) engines, as their --speculative-config; "
+                         "prefill samples one token and needs none (default: off)")
     up.add_argument("--routing-policy", choices=[policy.value for policy in RoutingPolicy], default="kv",
                     help="how the proxy picks instances: kv (by the prompt blocks each caches, and load) or load "
                          "(default: %(default)s)")

@@ -147,6 +147,7 @@ class StackConfig:
     served_model_name: str | None = None  # given to every service: one name in the API, metrics and traces
     internal_ports: tuple[int, int] | None = None  # (LOW, HIGH): where the services but the API listen
     migration_limit: int = 3  # the proxy's --migration-limit
+    speculative_config: str | None = None  # the decode and unified engines' --speculative-config (JSON)
 
     @property
     def model_name(self) -> str:
@@ -199,6 +200,8 @@ class LocalStack:
                     *name, *drain, *transport]
             if role != "encoder":
                 argv += ["--threads", str(c.threads), *c.engine_args]
+            if role in ("decode", "unified") and c.speculative_config is not None:
+                argv += ["--speculative-config", c.speculative_config]
             procs.append((f"{role}-{i}", argv))
             targets[role].append(f"127.0.0.1:{listen[listen.index('--port') + 1]}")
         proxy = [*base, "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port), *ports("proxy"), *name,

@@ -7,7 +7,8 @@ Who counts what, so that a sum over every target counts each thing once:
     the proxy    requests: `request_success_total` (the request count, by finish reason), TTFT, ITL,
                  TPOT, e2e latency, prompt and generation tokens, request lengths and parameters
     engines      their batch and cache: running/waiting, KV usage, prefix-cache queries and hits,
-                 preemptions, `iteration_tokens_total`, and the time each request spent here (queue,
+                 preemptions, `iteration_tokens_total`, speculative decoding's drafts and accepted tokens
+                 (`spec_decode_*`), and the time each request spent here (queue,
                  prefill, decode, inference); `engine_requests_finished_total` is each engine's share of
                  the requests (a request served by prefill and decode ends once on each)
     encoders     `mm_cache_queries_total` / `mm_cache_hits_total` (images looked up, images found)
@@ -66,6 +67,8 @@ class _EngineCollector:
                       s.prefix_cache_queries)
         yield counter("epdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("epdserve:num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions)
+        if s.spec_decode is not None:
+            yield from self._spec_decode(s.spec_decode, counter, names, values)
         steps = CounterMetricFamily("epdserve:engine_step_seconds", "Engine step time by phase (schedule, prepare, "
                                     "forward, attention, sampler, output).", labels=names + ["phase"])
         for phase, seconds in s.step_seconds.items():
@@ -79,6 +82,23 @@ class _EngineCollector:
         for reason, count in s.num_finished.items():
             finished.add_metric(values + [reason], count)
         yield finished
+
+    @staticmethod
+    def _spec_decode(sd, counter, names: list[str], values: list[str]):
+        """Speculative decoding's counters; acceptance rate = accepted / draft tokens, mean accepted length =
+        1 + accepted / drafts (as vLLM's dashboards compute them)."""
+        yield counter("epdserve:spec_decode_num_drafts", "Speculative decoding: verification runs (one "
+                      "request's draft tokens in one step).", sd.num_drafts)
+        yield counter("epdserve:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+                      sd.num_draft_tokens)
+        yield counter("epdserve:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+                      sd.num_accepted_tokens)
+        per_pos = CounterMetricFamily("epdserve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative decoding: draft tokens accepted, by position in the draft.",
+                                      labels=names + ["position"])
+        for position, count in enumerate(sd.num_accepted_tokens_per_pos):
+            per_pos.add_metric(values + [str(position)], count)
+        yield per_pos
 
 
 class ServiceMetrics:

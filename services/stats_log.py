@@ -3,6 +3,7 @@
     decode decode-0: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 48.3 tokens/s,
     Running: 4 reqs, Waiting: 0 reqs, KV cache usage: 1.2%, Prefix cache hit rate: 37.5%
 
+With speculative decoding on, the line ends with its draft acceptance rate and mean acceptance length.
 Throughputs are over the time since the previous line; the hit rate over every prompt token looked up
 since the engine started. A line comes only when the engine stepped, or its queues changed, since the
 previous one: an idle engine stays quiet.
@@ -38,7 +39,7 @@ class StatsLog:
                 f"tokens/s, Avg generation throughput: "
                 f"{(s.num_generation_tokens - last.num_generation_tokens) / seconds:.1f} tokens/s, "
                 f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
-                f"KV cache usage: {s.kv_cache_usage:.1%}, Prefix cache hit rate: {hit_rate:.1%}")
+                f"KV cache usage: {s.kv_cache_usage:.1%}, Prefix cache hit rate: {hit_rate:.1%}" + _spec_decode(s, last))
 
     async def run(self, interval: float) -> None:
         """Log a line every `interval` seconds when there is one, until cancelled."""
@@ -47,3 +48,15 @@ class StatsLog:
             line = self.line()
             if line is not None:
                 logger.info(line)
+
+
+def _spec_decode(s: EngineStats, last: EngineStats) -> str:
+    """Speculative decoding over the interval, as vLLM reports it: draft tokens accepted, and tokens a
+    verification run yields on average (its accepted drafts and the token after them)."""
+    if s.spec_decode is None or s.spec_decode.num_drafts == last.spec_decode.num_drafts:
+        return ""
+    drafts = s.spec_decode.num_drafts - last.spec_decode.num_drafts
+    proposed = s.spec_decode.num_draft_tokens - last.spec_decode.num_draft_tokens
+    accepted = s.spec_decode.num_accepted_tokens - last.spec_decode.num_accepted_tokens
+    return (f", Spec decode draft acceptance rate: {accepted / max(proposed, 1):.1%}, "
+            f"Mean acceptance length: {1 + accepted / drafts:.2f}")

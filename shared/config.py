@@ -5,7 +5,7 @@ Nothing below the entry point reads the environment or the model folder again; i
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -375,6 +375,80 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
 
 
+# The keys of vLLM's speculative config that are ours too, by method; any other key is refused, never ignored.
+_SPECULATIVE_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+                     "draft_model": ("method", "num_speculative_tokens", "model")}
+SPECULATIVE_METHODS = tuple(_SPECULATIVE_KEYS)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's spelling (`--speculative-config '{"method": "ngram", ...}'`).
+
+    "ngram" is prompt lookup: the proposal is what followed the latest earlier occurrence of the request's
+    last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in its prompt and output, up to
+    num_speculative_tokens of it. vLLM's defaults: both lookup bounds 5 when neither is given, else the one
+    given for both. "draft_model": a small model of the same vocabulary (`model`, a folder) proposes
+    num_speculative_tokens greedy tokens; `draft` is its config, read at the entry point."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    draft: ModelConfig | None = None
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got {self.num_speculative_tokens!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if (self.method == "draft_model") != isinstance(self.model, str) or self.model == "":
+            raise ValueError("speculative method 'draft_model' needs 'model' (the draft model's folder), and only it")
+
+    @staticmethod
+    def parse(spec: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From vLLM's JSON (text or dict); None stays None. Raises ValueError naming what is wrong."""
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative config is not valid JSON: {exc}") from None
+        if not isinstance(spec, dict):
+            raise ValueError("speculative config must be a JSON object")
+        if "method" not in spec or "num_speculative_tokens" not in spec:
+            raise ValueError("speculative config needs 'method' and 'num_speculative_tokens'")
+        keys = _SPECULATIVE_KEYS.get(spec["method"])
+        if keys is None:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {spec['method']!r}")
+        unknown = sorted(set(spec) - set(keys))
+        if unknown:
+            raise ValueError(f"speculative config: unsupported keys {unknown} for method {spec['method']!r} "
+                             f"(supported: {list(keys)})")
+        low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        low, high = (5, 5) if low is None and high is None else (high if low is None else low,
+                                                               low if high is None else high)
+        return SpeculativeConfig(spec["method"], spec["num_speculative_tokens"], low, high, spec.get("model"))
+
+    def with_draft(self, dtype: str, max_model_len: int) -> "SpeculativeConfig":
+        """This config with its draft model's config read (draft_model; raises ValueError), else itself."""
+        if self.method != "draft_model":
+            return self
+        try:
+            draft = ModelConfig.from_pretrained(self.model, dtype, max_model_len)
+        except FileNotFoundError as exc:
+            raise ValueError(f"speculative config: {exc}") from None
+        return replace(self, draft=draft)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
@@ -386,10 +460,18 @@ class EngineConfig:
     # Seconds a service gives a request's structured output to compile before refusing the request (the
     # compile runs off the event loop either way; the offline LLM compiles without a limit).
     grammar_compile_timeout: float = 10.0
+    # Speculative decoding (None: one token per request and step).
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}")
+        draft = self.speculative.draft if self.speculative is not None else None
+        if self.speculative is not None and self.speculative.method == "draft_model" and draft is None:
+            raise ValueError("a draft_model speculative config needs its draft's config (SpeculativeConfig.with_draft)")
+        if draft is not None and draft.vocab_size != self.model.vocab_size:
+            raise ValueError(f"speculative config: the draft model's vocabulary ({draft.vocab_size} tokens) is not "
+                             f"the model's ({self.model.vocab_size})")
 
 
 @dataclass(frozen=True, slots=True)

@@ -177,7 +177,9 @@ class BlockManager:
         """Register the request's newly computed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        # Computed and known: a step that verified draft tokens has computed positions whose tokens the
+        # request is still being given one by one.
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return
@@ -192,6 +194,18 @@ class BlockManager:
             self.cached_blocks[block_hash] = block
             self.events.stored(block_hash)
         self._num_registered[request.request_id] = num_full
+
+    def trim(self, request: Request) -> None:
+        """Give back the blocks past the request's computed tokens (allocated for draft tokens that were
+        rejected): they hold nothing of it, and join the front of the free queue."""
+        keep = self.num_blocks_for(request.num_computed_tokens)
+        for block_id in reversed(request.block_ids[keep:]):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            assert block.ref_cnt == 0 and block.block_hash is None, f"block {block_id} is not the request's alone"
+            self.free_queue[block_id] = block
+            self.free_queue.move_to_end(block_id, last=False)
+        del request.block_ids[keep:]
 
     def free(self, request: Request) -> None:
         """Drop the request's references. Cached blocks join the LRU tail, last block first, so a prefix's

@@ -5,7 +5,7 @@ import itertools
 from dataclasses import replace
 from typing import Sequence
 
-from epdserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from epdserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from epdserve.shared.engine.default_logging import use_default_logging
 from epdserve.shared.engine.llm_engine import LLMEngine, PromptType
 from epdserve.shared.engine.outputs import RequestOutput
@@ -27,9 +27,12 @@ def build_engine_config(
     device: str = "cpu",
     seed: int = 0,
     grammar_compile_timeout: float = 10.0,
+    speculative_config: str | dict | SpeculativeConfig | None = None,
 ) -> EngineConfig:
+    model_config = ModelConfig.from_pretrained(model, dtype, max_model_len)
+    speculative = SpeculativeConfig.parse(speculative_config)
     return EngineConfig(
-        model=ModelConfig.from_pretrained(model, dtype, max_model_len),
+        model=model_config,
         cache=CacheConfig(block_size, kv_cache_memory_bytes, num_kv_blocks, enable_prefix_caching,
                           kv_cache_memory_fraction),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
@@ -37,6 +40,7 @@ def build_engine_config(
         attention_backend=attention_backend,
         seed=seed,
         grammar_compile_timeout=grammar_compile_timeout,
+        speculative=None if speculative is None else speculative.with_draft(dtype, model_config.max_model_len),
     )
 
 
@@ -45,7 +49,8 @@ class LLM:
     model, dtype ("float32" | "bfloat16"), block_size, enable_prefix_caching, max_num_seqs,
     max_num_batched_tokens, kv_cache_memory_bytes or num_kv_blocks (default: kv_cache_memory_fraction of the
     memory available, see kv_cache_budget.py), max_model_len, attention_backend
-    ("auto" | "torch" | "triton"), device, seed."""
+    ("auto" | "torch" | "triton"), device, seed, speculative_config (vLLM's: a dict or its JSON text, e.g.
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})."""
 
     def __init__(self, model: str, **kwargs) -> None:
         use_default_logging()

@@ -12,6 +12,8 @@ from epdserve.shared.engine.block_manager import BlockManager
 from epdserve.shared.config import EngineConfig
 from epdserve.shared.engine.kv_cache_budget import size_kv_cache
 from epdserve.shared.engine.model_runner import ModelRunner
+from epdserve.shared.engine.draft_proposer import DraftModelProposer
+from epdserve.shared.engine.ngram_proposer import NgramProposer
 from epdserve.shared.engine.handoff import continue_from_peer
 from epdserve.shared.engine.kv_connector import KVConnector, LoadResult
 from epdserve.shared.engine.output_processor import OutputProcessor
@@ -48,6 +50,7 @@ class LLMEngine:
         self.step_timer = StepTimer()
         self.queue_estimate = QueueEstimate()  # read by services from other threads (admission control)
         self.runner = ModelRunner(config, num_blocks, self.step_timer)
+        self.proposer = self._proposer(config, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer.fast if self.tokenizer and detokenize else None)
         # Structured outputs need the vocabulary's token strings, hence a tokenizer.
         self.grammar_compiler = None if self.tokenizer is None else GrammarCompiler(
@@ -246,8 +249,14 @@ class LLMEngine:
         timer = self.step_timer
         timer.num_steps += 1
         started = time.perf_counter()
+        if self.proposer is not None:
+            with timer.phase("draft"):
+                self._propose()
         with timer.phase("schedule"):
             sched = self.scheduler.schedule()
+        if self.proposer is not None:
+            with timer.phase("draft"):
+                self.proposer.fill(sched.scheduled, sched.block_copies)
         if sched.scheduled and self.on_step_tokens is not None:
             self.on_step_tokens(sum(item.num_new_tokens for item in sched.scheduled))
         for item in sched.scheduled:
@@ -255,7 +264,6 @@ class LLMEngine:
             self.num_prompt_tokens += max(min(computed + item.num_new_tokens, item.request.num_prompt_tokens)
                                           - computed, 0)
         result = self.runner.execute(sched.scheduled, sched.new_block_ids, sched.block_copies)
-        self.num_generation_tokens += len(result.token_ids)
         with timer.phase("output"):
             outputs, self._due = self._due, []
             outputs += self._fail(result.failed)
@@ -267,17 +275,39 @@ class LLMEngine:
                 if request is not None:
                     self.output_processor.process_prompt_logprobs(request_id, scores.first_token, scores.entries,
                                                                   request.prompt_token_ids)
-            for request in self.scheduler.update_from_output(sched, result.token_ids):
-                stop = self.output_processor.process_token(request, result.logprobs.get(request.request_id))
+            def on_token(request: Request, i: int) -> None:
+                self.num_generation_tokens += 1
+                logprobs = result.logprobs.get(request.request_id)
+                stop = self.output_processor.process_token(request, logprobs[i] if logprobs else None)
                 if stop is not None and not request.is_finished:
                     self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
                     request.stop_reason = stop
+
+            for request in self.scheduler.update_from_output(sched, result.token_ids, on_token):
                 out = self.output_processor.make_output(request)
                 if out is not None:
                     outputs.append(out)
         self.queue_estimate.observe_step(sched.num_batched_tokens, time.perf_counter() - started,
                                          self.scheduler.num_queued_prompt_tokens)
         return outputs
+
+    @staticmethod
+    def _proposer(config: EngineConfig, num_blocks: int) -> NgramProposer | DraftModelProposer | None:
+        """Where draft tokens come from (speculative decoding), if anywhere."""
+        spec = config.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        logger.info("draft model %s: loading it for speculative decoding", spec.draft.path)
+        # Its own timer: its forward passes are the step's "draft" phase, not the target's "forward".
+        return DraftModelProposer(config, num_blocks, StepTimer())
+
+    def _propose(self) -> None:
+        """Draft tokens for every running request that is decoding (its last token is all it computes)."""
+        for request in self.scheduler.running:
+            request.spec_token_ids = self.proposer.propose(request) \
+                if request.num_computed_tokens == request.num_tokens - 1 else []
 
     def _fail(self, errors: dict[str, RequestFailure]) -> list[RequestOutput]:
         """End requests that failed on their own (their blocks return to the pool); their final outputs
@@ -302,4 +332,5 @@ class LLMEngine:
                            bm.num_blocks, bm.usage, bm.num_prefix_queries, bm.num_prefix_hits,
                            self.scheduler.num_preemptions, dict(self.scheduler.num_finished),
                            self.step_timer.num_steps, self.step_timer.breakdown(), self.num_prompt_tokens,
-                           self.num_generation_tokens)
+                           self.num_generation_tokens,
+                           None if self.proposer is None else self.scheduler.spec_stats.counts(self.proposer.k))

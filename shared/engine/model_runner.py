@@ -23,6 +23,7 @@ from epdserve.shared.engine.prompt_logprobs import PromptScores, prompt_span, sc
 from epdserve.shared.engine.request import RequestFailure
 from epdserve.shared.engine.sampler import SampledLogprobs, Sampler
 from epdserve.shared.engine.scheduler import ScheduledRequest
+from epdserve.shared.engine.speculative import Sampled, verify_drafts
 from epdserve.shared.engine.step_timer import StepTimer
 from epdserve.shared.models.weights import iterate_weights, language_model_weights
 
@@ -30,9 +31,10 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunnerOutput(NamedTuple):
-    # Only requests whose computed tokens reached their length this step get a token.
-    token_ids: dict[str, int]
-    logprobs: dict[str, SampledLogprobs]
+    # Only requests whose computed tokens reached their length this step get tokens: one, or (a step that
+    # verified draft tokens, speculative.py) the drafts accepted and the token after them.
+    token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[SampledLogprobs]]
     # Requests that failed on their own this step (request id -> why): they get no token.
     failed: dict[str, RequestFailure]
     # Requests with prompt_logprobs whose prompt positions this step computed (chunk by chunk).
@@ -118,7 +120,7 @@ class ModelRunner:
 
     def _execute(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
         with self.timer.phase("prepare"):
-            input_ids, positions, meta, sample_rows, sample_requests, spans = self._prepare(scheduled)
+            input_ids, positions, meta, sample_rows, sample_requests, spans, spec = self._prepare(scheduled)
         with self.timer.phase("forward"):
             hidden = self.model(input_ids, positions, meta, self._multimodal_embeds(scheduled, input_ids))
             prompt_logprobs = score_prompt_spans(hidden, spans, self.model.compute_logits) if spans else {}
@@ -126,9 +128,15 @@ class ModelRunner:
                 return ModelRunnerOutput({}, {}, {}, prompt_logprobs)
             logits = self.model.compute_logits(hidden[sample_rows]).cpu()
         with self.timer.phase("sampler"):
-            return self._sample(logits, sample_requests)._replace(prompt_logprobs=prompt_logprobs)
+            # Every request's next position first, as without drafts; then the draft positions, in order.
+            first = self._sample(logits[:len(sample_requests)], sample_requests)
+            token_ids = {rid: [token_id] for rid, token_id in first.token_ids.items()}
+            logprobs = {rid: [lp] for rid, lp in first.logprobs.items()}
+            if spec:
+                verify_drafts(logits, spec, token_ids, logprobs, self._sample)
+            return ModelRunnerOutput(token_ids, logprobs, first.failed, prompt_logprobs)
 
-    def _sample(self, logits: torch.Tensor, requests: list) -> ModelRunnerOutput:
+    def _sample(self, logits: torch.Tensor, requests: list) -> Sampled:
         failed: dict[str, RequestFailure] = {}
         try:
             outs = [(requests, self.sampler(logits, requests))]
@@ -151,7 +159,7 @@ class ModelRunner:
                 ids[request.request_id] = token_id
                 if logprobs is not None:
                     lps[request.request_id] = logprobs
-        return ModelRunnerOutput(ids, lps, failed)
+        return Sampled(ids, lps, failed)
 
     def _multimodal_embeds(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor | None:
         """Token embeddings with encoder outputs written over the image placeholders this step computes;
@@ -180,19 +188,31 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_requests = []
         spans = []  # prompt tokens scored this step, for requests that want prompt logprobs
+        draft_rows: list[tuple[object, int]] = []  # (request, its row after its first draft), rows in token order
         for request, num_new in scheduled:
             start = request.num_computed_tokens
             end = start + num_new
             if (span := prompt_span(request, start, end, len(token_ids))) is not None:
                 spans.append(span)
             token_ids.extend(request.all_token_ids[start:end])
+            # Draft tokens follow the request's own (the scheduler gives them room only after all of those).
+            num_drafts = max(end - request.num_tokens, 0)
+            token_ids.extend(request.spec_token_ids[:num_drafts])
             starts.append(start)
             q_lens.append(num_new)
             tables.append(request.block_ids)
-            if end == request.num_tokens:
+            if end - num_drafts == request.num_tokens:
+                last = len(token_ids) - 1 - num_drafts
                 # Sequences waiting to fork from this one sample their first tokens from the same row.
-                sample_rows.extend([len(token_ids) - 1] * (1 + len(request.forks)))
+                sample_rows.extend([last] * (1 + len(request.forks)))
                 sample_requests.extend([request, *request.forks])
+                if num_drafts:
+                    draft_rows.append((request, last + 1))
+        # Draft positions' rows go after every request's first row: [first rows..., draft rows...].
+        spec = []
+        for request, row in draft_rows:
+            spec.append((request, len(sample_rows)))
+            sample_rows.extend(range(row, row + len(request.spec_token_ids)))
         num_seqs = len(scheduled)
         max_blocks = max(len(t) for t in tables)
         # Rows are padded with the sequence's own last block: padding is never attended to, but a kernel
@@ -225,4 +245,5 @@ class ModelRunner:
             positions = torch.cat([request.rope_positions(request.num_computed_tokens,
                                                           request.num_computed_tokens + num_new)
                                    for request, num_new in scheduled], dim=1)
-        return input_ids, positions.to(dev), meta, torch.tensor(sample_rows, device=dev), sample_requests, spans
+        return (input_ids, positions.to(dev), meta, torch.tensor(sample_rows, device=dev), sample_requests, spans,
+                spec)

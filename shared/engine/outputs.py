@@ -54,6 +54,15 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
+class SpecDecodeCounts(NamedTuple):
+    """Speculative decoding's counters, as vLLM names them (`spec_decode_*`), since the engine started."""
+
+    num_drafts: int  # verification runs: one request's draft tokens in one step
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: tuple[int, ...]  # [i]: runs whose draft token i + 1 was accepted
+
+
 class EngineStats(NamedTuple):
     num_running: int
     num_waiting: int
@@ -68,3 +77,4 @@ class EngineStats(NamedTuple):
     step_seconds: dict[str, float]  # by phase (see StepTimer)
     num_prompt_tokens: int  # prompt tokens computed here (not those found in the prefix cache or pulled)
     num_generation_tokens: int  # tokens sampled here
+    spec_decode: SpecDecodeCounts | None = None  # with speculative decoding on

@@ -114,6 +114,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Draft tokens to verify in the next step (speculative decoding): proposed before each step, cut to
+        # what the step has room for by the scheduler; they follow `all_token_ids` and are not the request's.
+        self.spec_token_ids: list[int] = []
         # Prompt tokens found in the prefix cache when the request was first scheduled.
         self.num_cached_tokens = -1
         self.num_preemptions = 0

@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import time
 from collections import deque
-from typing import Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 from epdserve.shared.engine.block_manager import BlockManager
 from epdserve.shared.config import SchedulerConfig
@@ -27,6 +27,7 @@ from epdserve.shared.engine.kv_connector import KVLoad, LoadResult
 from epdserve.shared.engine.kv_loads import Admission, KVLoads
 from epdserve.shared.engine.parallel_sampling import group_members, ungroup
 from epdserve.shared.engine.request import Request, RequestFailure, RequestStatus
+from epdserve.shared.engine.speculative import SpecDecodeStats
 
 
 class ScheduledRequest(NamedTuple):
@@ -63,6 +64,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}  # by finish reason
         self.loads = KVLoads(block_manager)  # the KV connectors, and the requests they are loading
+        self.spec_stats = SpecDecodeStats()  # draft tokens verified and accepted (speculative decoding)
 
     def add_request(self, request: Request) -> None:
         self._admit(request)
@@ -133,7 +135,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Draft tokens ride along where the budget has room for all the request's own tokens.
+            request.spec_token_ids = request.spec_token_ids[:budget - num_new] \
+                if num_new == request.num_tokens - request.num_computed_tokens else []
+            num_new += len(request.spec_token_ids)
             while not bm.can_allocate(request, num_new):
+                if request.spec_token_ids:  # drafts give way before anybody is preempted
+                    num_new -= len(request.spec_token_ids)
+                    request.spec_token_ids = []
+                    continue
                 # Parked sequences compute nothing now: their blocks go first.
                 victim = self.parked.pop() if self.parked else self.running.pop()
                 self._preempt(victim)
@@ -210,28 +220,62 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Advance counters after a step; append sampled tokens; return requests that have a new token."""
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]],
+                           on_token: Callable[[Request, int], None] | None = None) -> list[Request]:
+        """Advance counters after a step; append the sampled tokens; return the requests that got tokens.
+
+        A request whose step verified draft tokens (speculative.py) gets the drafts that were accepted and the
+        token sampled after them, one at a time, each checked for the stops as if it had been a step of its own;
+        `on_token(request, i)` follows each one (i: its index among the step's tokens of the request) and may end
+        the request (a stop string), which then gets no more of them."""
         with_new_token: list[Request] = []
         for request, num_new in output.scheduled:
             if request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += num_new
+            # Draft tokens are what the step computed past the request's own tokens (as the model runner reads it).
+            num_drafts = max(request.num_computed_tokens + num_new - request.num_tokens, 0)
+            drafts, request.spec_token_ids = request.spec_token_ids[:num_drafts], []
+            request.num_computed_tokens += num_new - num_drafts
             self.block_manager.cache_full_blocks(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk that did not reach the end yet
             # The waiting sequences of its group were sampled from the same logits (the model runner).
             for sequence in [request, *self._fork(request)]:
-                sequence.append_output_token(sampled_token_ids[sequence.request_id])
+                token_ids = sampled_token_ids[sequence.request_id]
+                if drafts and sequence is request:
+                    self._accept_drafts(request, drafts, token_ids)
+                self._append(sequence, token_ids, on_token)
                 with_new_token.append(sequence)
-                if sequence.check_stop():
-                    self._remove(sequence)
         return with_new_token
+
+    def _accept_drafts(self, request: Request, drafts: list[int], token_ids: list[int]) -> None:
+        """The drafts that match the sampled tokens were computed with the right tokens: their KV is the
+        request's. The others' slots are written over later; blocks that hold nothing else go back now."""
+        num_accepted = 0
+        while num_accepted < min(len(drafts), len(token_ids)) and drafts[num_accepted] == token_ids[num_accepted]:
+            num_accepted += 1
+        # Never past the last token's position: a run cut short of its bonus token computes it again.
+        request.num_computed_tokens = min(request.num_computed_tokens + num_accepted,
+                                          request.num_tokens + len(token_ids) - 1)
+        self.block_manager.trim(request)
+        self.spec_stats.observe(len(drafts), num_accepted)
+
+    def _append(self, sequence: Request, token_ids: list[int], on_token) -> None:
+        for i, token_id in enumerate(token_ids):
+            sequence.append_output_token(token_id)
+            self.block_manager.cache_full_blocks(sequence)
+            if sequence.check_stop():
+                self._remove(sequence)
+            if on_token is not None:
+                on_token(sequence, i)
+            if sequence.is_finished:
+                return
 
     def _fork(self, request: Request) -> list[Request]:
         """The sequences waiting on `request`, which has just computed its prompt, now share its blocks and

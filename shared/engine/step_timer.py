@@ -1,7 +1,8 @@
 """Where an engine's steps spend their time, summed per phase since the engine started.
 
-The phases of one step, in order:
+The phases of one step, in order (draft around schedule):
     schedule   the scheduler picks requests and allocates blocks
+    draft      draft tokens proposed, before and (a draft model's) after scheduling; zero without speculation
     prepare    the runner builds the varlen batch and the attention plan
     forward    the model, attention excluded (linear layers, norms, RoPE, activations, logits)
     attention  KV-cache writes and attention reads (the backend's two entry points)
@@ -17,7 +18,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-PHASES = ("schedule", "prepare", "forward", "attention", "sampler", "output")
+PHASES = ("schedule", "draft", "prepare", "forward", "attention", "sampler", "output")
 
 
 class StepTimer:

@@ -52,6 +52,12 @@ class GrammarState:
         if self.compiler is not None:
             self.compiler.accept_seconds += time.perf_counter() - start
 
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last `num_tokens` accepted tokens (draft tokens taken in on trial, speculative.py)."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+            self.num_accepted -= num_tokens
+
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was taken: nothing more may follow."""

@@ -31,7 +31,9 @@ REQUIRED = {
     "epdserve:iteration_tokens_total_bucket", "epdserve:http_responses_total",
     "epdserve:kv_transfer_bytes_total", "epdserve:kv_transfer_seconds_total", "epdserve:kv_lease_renewals_total",
     "epdserve:kv_lease_expired_total", "epdserve:local_prefills_total", "epdserve:mm_cache_hits_total",
-    "epdserve:mm_cache_queries_total",
+    "epdserve:mm_cache_queries_total", "epdserve:spec_decode_num_drafts_total",
+    "epdserve:spec_decode_num_draft_tokens_total", "epdserve:spec_decode_num_accepted_tokens_total",
+    "epdserve:spec_decode_num_accepted_tokens_per_pos_total",
 }
 
 
@@ -88,8 +90,10 @@ def test_the_dashboard_is_well_formed():
 
 @pytest.fixture(scope="module")
 def stack(stack_factory, demo_model):
+    # Speculating engines export the spec_decode series too.
     return stack_factory(demo_model, encoders=1, prefills=1, decodes=1,
-                         engine_args=["--num-kv-blocks", "128", "--max-model-len", "1024"])
+                         engine_args=["--num-kv-blocks", "128", "--max-model-len", "1024", "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 2}'])
 
 
 def scrape(stack) -> list:

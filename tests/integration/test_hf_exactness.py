@@ -87,6 +87,10 @@ PATHS = {
     "prefix-cache": dict(enable_prefix_caching=True),
     "chunked-prefill": dict(enable_prefix_caching=False, max_num_batched_tokens=48),
     "preemption": dict(enable_prefix_caching=True, num_kv_blocks=48, max_num_batched_tokens=512),
+    # Prompt lookup drafts, verified in the step (drafts cut by the budget, and preempted, too).
+    "speculative": dict(enable_prefix_caching=True, num_kv_blocks=64, max_num_batched_tokens=96,
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                            "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
 }
 
 
@@ -117,4 +121,6 @@ def test_greedy_equals_hf(model, prompts, path, near_tie_check):
         assert matches_hf(near_tie_check, again, reference) == 0 or ties_possible
     if path == "preemption":
         assert stats.num_preemptions > 0, "the pool was meant to be too small for the batch"
+    if path == "speculative":
+        assert stats.spec_decode.num_accepted_tokens > 0
     check_engine_is_clean(llm)

@@ -305,3 +305,35 @@ def test_up_restarts_a_service_that_dies_and_gives_up_on_one_that_keeps_dying(ca
     assert f"decode-0 exited with code 3 (its log lines above say why), the {launcher.RESTART_LIMIT}th time within" \
         in err
     assert "giving up on it (the others serve without it)" in err and "giving up on it; stopping the stack" in err
+
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+
+
+@pytest.mark.parametrize("layout, speculating", [([], {"decode-0"}), (["--unified"], {"unified-0"})])
+def test_up_gives_the_speculative_config_to_the_engines_that_decode(default_model_path, layout, speculating):
+    from epdserve.services.cli import engine_config
+
+    commands = dict(LocalStack(stack_config(parse("up", *layout, "--speculative-config", SPEC),
+                                            str(default_model_path))).commands())
+    for name, argv in commands.items():
+        if name == "proxy":
+            continue
+        config = engine_config(parse(*argv[argv.index("serve"):]), str(default_model_path))
+        spec = config.speculative
+        assert (spec is not None) == (name in speculating), name
+        if spec is not None:
+            assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == \
+                ("ngram", 3, 2, 2)
+
+
+@pytest.mark.parametrize("value, message", [("{bad", "not valid JSON"), ('{"method": "eagle", "num_speculative_tokens": 1}',
+                                                                         "speculative method"),
+                                            ('{"method": "ngram", "num_speculative_tokens": 2, "x": 1}', "unsupported")])
+def test_a_bad_speculative_config_stops_up_and_serve_with_one_line(default_model_path, value, message):
+    from epdserve.services.cli import engine_config
+
+    with pytest.raises(SystemExit, match=f"--speculative-config: .*{message}"):
+        stack_config(parse("up", "--speculative-config", value), str(default_model_path))
+    with pytest.raises(ValueError, match=message):
+        engine_config(parse("serve", "decode", "--speculative-config", value), str(default_model_path))

@@ -32,7 +32,7 @@ def req(rid, n, max_tokens=4, vocab=3, seed=0):
 def step(sched, token=7):
     out = sched.schedule()
     # A group's waiting sequences sample from the row of the one that completes the prompt.
-    sampled = {s.request_id: token for r, _ in out.scheduled for s in [r, *r.forks]}
+    sampled = {s.request_id: [token] for r, _ in out.scheduled for s in [r, *r.forks]}
     sched.update_from_output(out, sampled)
     return out
 
@@ -195,3 +195,80 @@ def test_a_connector_keeps_a_finished_requests_blocks_until_released_and_an_abor
     assert all(bm.blocks[b].ref_cnt == 1 for b in kept.block_ids)
     assert sched.release_kv("keep-a") and not sched.release_kv("keep-a") and not sched.release_kv("b")
     assert bm.num_free_blocks == 16 and not sched.held
+
+
+def spec_step(sched, rng, k=3):
+    """One step with draft tokens: every decoding request proposes k, the step accepts a random number of
+    those the scheduler kept, and samples one more token after them (never equal to the next draft)."""
+    for r in sched.running:
+        r.spec_token_ids = [rng.randrange(3) for _ in range(k)] if r.num_computed_tokens == r.num_tokens - 1 else []
+    out = sched.schedule()
+    sampled = {}
+    for r, num_new in out.scheduled:
+        num_drafts = max(r.num_computed_tokens + num_new - r.num_tokens, 0)
+        assert r.spec_token_ids[:num_drafts] == r.spec_token_ids  # what is left is what is computed
+        accepted = rng.randint(0, num_drafts)
+        bonus = 3 + rng.randrange(3)  # outside the drafts' range: a mismatch
+        sampled[r.request_id] = r.spec_token_ids[:accepted] + [bonus]
+        for s in r.forks:
+            sampled[s.request_id] = [bonus]
+    sched.update_from_output(out, sampled)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(OPS, st.integers(10, 24), st.integers(4, 40), st.booleans(), st.integers(0, 10_000))
+def test_random_traffic_with_drafts_never_leaks_and_gives_back_rejected_blocks(ops, num_blocks, budget, caching, seed):
+    rng = random.Random(seed)
+    sched, bm = make_scheduler(num_blocks=num_blocks, max_num_seqs=4, budget=budget, caching=caching)
+    ids = []
+    for i, (op, a, b) in enumerate(ops):
+        if op == "add":
+            r = req(f"r{i}", a, max_tokens=b, seed=i)
+            if bm.num_blocks_for(a + b) <= num_blocks:
+                sched.add_request(r)
+                ids.append(r.request_id)
+        elif op == "step":
+            for _ in range(a):
+                spec_step(sched, rng)
+        elif ids:
+            sched.finish_requests([ids[a % len(ids)]], RequestStatus.FINISHED_ABORTED)
+        check_invariants(sched, bm)  # blocks past the accepted tokens went back
+    for _ in range(2000):
+        if not sched.num_unfinished:
+            break
+        spec_step(sched, rng)
+        check_invariants(sched, bm)
+    assert not sched.num_unfinished
+    assert bm.num_free_blocks == bm.num_blocks
+    # Only computed tokens were registered: every cached block's tokens are some request's real tokens.
+    assert all(b.ref_cnt == 0 for b in bm.blocks)
+
+
+def test_drafts_fill_the_budget_left():
+    sched, bm = make_scheduler(num_blocks=64, budget=6)
+    a, b = req("a", 3, max_tokens=20), req("b", 3, max_tokens=20)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)  # both prompts: 6 tokens
+    a.spec_token_ids, b.spec_token_ids = [1, 1, 1, 1], [2, 2, 2, 2]
+    out = sched.schedule()
+    # a: its token and 4 drafts (5); b: its own token, the 1 budget left, no room for drafts.
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 5), ("b", 1)]
+    assert b.spec_token_ids == []
+    sched.update_from_output(out, {"a": [1, 1, 9], "b": [4]})
+    assert a.output_token_ids == [7, 1, 1, 9] and a.num_computed_tokens == a.num_tokens - 1
+    assert len(a.block_ids) == bm.num_blocks_for(a.num_computed_tokens)
+    assert sched.spec_stats.num_drafts == 1 and sched.spec_stats.num_accepted_tokens_per_pos == [1, 1]
+
+
+def test_drafts_give_way_before_anybody_is_preempted():
+    sched, bm = make_scheduler(num_blocks=3, budget=32)
+    a, b = req("a", 3, max_tokens=4), req("b", 6, max_tokens=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)  # a holds 1 block, b 2: none free
+    a.spec_token_ids = [1, 1]  # positions 3..5: a second block
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 1)]
+    assert not out.preempted and a.spec_token_ids == []

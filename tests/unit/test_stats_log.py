@@ -29,3 +29,19 @@ def test_a_line_for_what_happened_since_the_last_and_none_while_idle(monkeypatch
                                  "0.2 tokens/s, Running: 0 reqs, Waiting: 0 reqs")
     now[0] += 5
     assert log.line() is None
+
+
+def test_speculative_decoding_adds_its_acceptance_over_the_interval(monkeypatch):
+    from epdserve.shared.engine.outputs import SpecDecodeCounts
+
+    now = [100.0]
+    monkeypatch.setattr(stats_log.time, "monotonic", lambda: now[0])
+    state = [stats()._replace(spec_decode=SpecDecodeCounts(10, 40, 30, (10, 9, 6, 5)))]
+    log = StatsLog("unified unified-0", lambda: state[0])
+    state[0] = stats(num_steps=5, generated=50)._replace(spec_decode=SpecDecodeCounts(20, 80, 50, (19, 15, 9, 7)))
+    now[0] += 10
+    # 10 runs of 40 draft tokens, 20 of them accepted: 50% of the drafts, 1 + 20 / 10 tokens a run.
+    assert log.line().endswith(", Spec decode draft acceptance rate: 50.0%, Mean acceptance length: 3.00")
+    state[0] = stats(num_steps=6, generated=51)._replace(spec_decode=SpecDecodeCounts(20, 80, 50, (19, 15, 9, 7)))
+    now[0] += 10
+    assert log.line().endswith("Prefix cache hit rate: 0.0%")  # no drafts in the interval: nothing to say

@@ -1,0 +1,49 @@
+"""Prompt lookup: the longest suffix match, its latest occurrence with room for k tokens, and drafts that never
+hold a stop token nor reach max_tokens."""
+import pytest
+
+from epdserve.shared.config import SpeculativeConfig
+from epdserve.shared.engine.ngram_proposer import NgramProposer
+from epdserve.shared.engine.request import Request
+from epdserve.shared.engine.sampling_params import SamplingParams
+
+
+def proposal(prompt, output=(), k=3, low=1, high=3, **params):
+    request = Request("r", list(prompt), SamplingParams(**{"max_tokens": 100, **params}), max_model_len=4096)
+    for token_id in output:
+        request.append_output_token(token_id)
+    return NgramProposer(SpeculativeConfig("ngram", k, low, high)).propose(request)
+
+
+def test_the_longest_suffix_match_wins():
+    # Suffix (8, 9) occurs once, followed by 30; suffix (9,) also after 50 (later) but is shorter.
+    assert proposal([1, 8, 9, 30, 31, 32, 9, 50, 51, 52, 8, 9]) == [30, 31, 32]
+
+
+def test_the_latest_occurrence_with_k_tokens_after_it_is_taken():
+    assert proposal([5, 1, 2, 5, 3, 4, 0, 5], k=2, low=1, high=1) == [3, 4]
+    # A loop that has just begun: the latest occurrence of (7,) is followed by one token only.
+    assert proposal([7, 7, 7], k=3, low=1, high=1) == [7, 7]
+
+
+def test_no_match_below_min_gives_nothing():
+    assert proposal([1, 2, 3, 4], low=2, high=3) == []
+    assert proposal([4]) == []
+
+
+def test_output_tokens_count_and_drafts_stop_before_stop_tokens_and_max_tokens():
+    assert proposal([1, 2, 3, 4, 5], output=[1, 2], k=3) == [3, 4, 5]
+    assert proposal([1, 2, 3, 4, 5], output=[1, 2], k=3, stop_token_ids=[4]) == [3]
+    assert proposal([1, 2, 3, 4, 5], output=[1, 2], k=3, max_tokens=4) == [3]
+    assert proposal([1, 2, 3, 4, 5], output=[1, 2], k=3, max_tokens=3) == []
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ({"method": "ngram", "num_speculative_tokens": 2}, (5, 5)),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, (3, 3)),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}, (2, 2)),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 4}', (1, 4)),
+])
+def test_vllm_spelling_and_defaults(spec, expected):
+    config = SpeculativeConfig.parse(spec)
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == expected and config.num_speculative_tokens == 2
