@@ -319,8 +319,18 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_memory_fraction: float | None = None
+    # The local offload tier (offload_connector.py): bytes of blocks kept beyond the pool once evicted, in
+    # a memory-mapped file at `kv_offloading_path` (None: a temp file); 0: none. With
+    # `kv_offloading_save_finished`, finished requests' full blocks are saved too, not only evicted ones.
+    kv_offloading_bytes: int = 0
+    kv_offloading_path: str | None = None
+    kv_offloading_save_finished: bool = False
 
     def __post_init__(self):
+        if self.kv_offloading_bytes < 0:
+            raise ValueError(f"kv_offloading_bytes must be at least 0, got {self.kv_offloading_bytes}")
+        if self.kv_offloading_bytes and not self.enable_prefix_caching:
+            raise ValueError("KV offloading finds blocks by their prefix hash: it needs prefix caching")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
