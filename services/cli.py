@@ -128,7 +128,9 @@ def engine_config(args: argparse.Namespace, model: str):
         kv_cache_memory_bytes=int(args.kv_cache_memory * (1 << 30)) if args.kv_cache_memory else None,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_model_len=args.max_model_len, attention_backend=args.attention_backend, device=args.device,
-        seed=args.seed, grammar_compile_timeout=args.grammar_compile_timeout)
+        seed=args.seed, grammar_compile_timeout=args.grammar_compile_timeout,
+        kv_offloading_size=args.kv_offloading_size, kv_offloading_path=args.kv_offloading_path,
+        kv_offloading_save_finished=args.kv_offloading_save_finished)
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -174,7 +176,7 @@ def proxy_config(args: argparse.Namespace, model: str):
                                   rpc_timeout=transport.rpc_timeout, prefill_timeout=args.prefill_timeout,
                                   token_timeout=args.token_timeout, migration_limit=args.migration_limit,
                                   kv_routing=KVRoutingConfig(RoutingPolicy(args.routing_policy), args.kv_load_weight,
-                                                             args.kv_local_prefill_tokens)),
+                                                             args.kv_local_prefill_tokens, args.kv_tier_weight)),
         transport=transport, allowed_image_domains=_split_targets(args.allowed_image_domains),
         allow_private_image_urls=args.allow_private_image_urls, access_log=args.log_level == "debug",
         tool_call_parser=args.tool_call_parser,

@@ -65,6 +65,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-fraction", type=float,
                    help="share of the memory available at start-up, after the weights, that the KV pool takes when "
                         "no size is given (default 0.05 on CPU, 0.9 on a GPU)")
+    g.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GiB",
+                   help="local offload tier: GiB of KV blocks kept beyond the pool once it evicts them, in a "
+                        "memory-mapped file, restored on a prefix hit instead of recomputed (0: none; "
+                        "default: %(default)s)")
+    g.add_argument("--kv-offloading-path", metavar="DIR",
+                   help="folder of the offload tier's file (each engine makes its own, removed from the folder "
+                        "once mapped; default: the temp folder)")
+    g.add_argument("--kv-offloading-save-finished", action=argparse.BooleanOptionalAction, default=False,
+                   help="also save finished requests' full blocks to the offload tier, not only evicted ones")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int)
@@ -176,6 +185,9 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-local-prefill-tokens", type=int, default=256,
                    help="kv routing: a decode that caches all but at most this many prompt tokens "
                         "computes them itself, with no prefill and no transfer (default: %(default)s)")
+    p.add_argument("--kv-tier-weight", type=float, default=0.8,
+                   help="kv routing: what a prompt block in an engine's offload tier (--kv-offloading-size) is "
+                        "worth against one in its pool, in [0, 1] (default: %(default)s)")
     p.add_argument("--prefill-timeout", type=float, default=600.0,
                    help="seconds a whole prefill may take (long prompts on CPU take a while; "
                         "default: %(default)s)")

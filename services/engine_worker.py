@@ -121,8 +121,10 @@ class EngineWorker:
     async def _kv_events(self, m: KVEventsRequest) -> KVEvents:
         """What the prefix cache stored and evicted since batch `m.next_seq` (routers follow it)."""
         batch = await self.llm.kv_events(m.next_seq)
+        local = next((t for t in batch.tiers if t.tier == "local"), None)
         return KVEvents(self.service.engine_id, self.engine_config.cache.block_size, batch.first_seq, batch.last_seq,
-                        b"".join(batch.stored), b"".join(batch.removed), batch.snapshot)
+                        b"".join(batch.stored), b"".join(batch.removed), batch.snapshot,
+                        b"".join(local.stored) if local else b"", b"".join(local.removed) if local else b"")
 
     async def abort(self, request_id: str) -> None:
         task = self._tasks.get(request_id)

@@ -320,7 +320,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory_fraction: float | None = None
     # The local offload tier (offload_connector.py): bytes of blocks kept beyond the pool once evicted, in
-    # a memory-mapped file at `kv_offloading_path` (None: a temp file); 0: none. With
+    # a memory-mapped file of the engine's own in folder `kv_offloading_path` (None: the temp folder); 0:
+    # none. With
     # `kv_offloading_save_finished`, finished requests' full blocks are saved too, not only evicted ones.
     kv_offloading_bytes: int = 0
     kv_offloading_path: str | None = None

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 class Role(str, enum.Enum):
@@ -424,6 +424,10 @@ class KVEvents:
     stored: bytes = b""
     removed: bytes = b""
     snapshot: bool = False  # `stored` is all the cache holds as of `last_seq`; forget the rest
+    # The same for the engine's local offload tier: blocks it keeps beyond its pool, restored on a hit at
+    # the cost of a copy (a snapshot's `offloaded_stored` is all the tier holds).
+    offloaded_stored: bytes = b""
+    offloaded_removed: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

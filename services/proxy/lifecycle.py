@@ -225,7 +225,7 @@ class ServiceBackend:
         route, reason = Route(), "load"
         if kv.policy is RoutingPolicy.KV and index is not None and index.block_size is not None:
             hashes = extend_block_hashes([], prompt, index.block_size, placeholders, gen.cache_salt)
-            cached = index.match(hashes)
+            cached = index.match_weighted(hashes, kv.tier_weight)
             route = affinity = Route(affinity.key, cached, len(hashes), kv.load_weight)
             reason = "cached_prefix" if cached else "no_cached_prefix"
         if not self.router.disaggregated:

@@ -6,6 +6,11 @@ block hashes, how many leading blocks each instance holds. Event numbers make lo
 batch that does not start where the last one ended (lost, or the instance restarted and counts from 1
 again) clears what the index knows of that instance and asks for a snapshot, which replaces it whole.
 
+An engine with a local offload tier reports that tier's blocks too, in the same numbered batches; they
+are kept in a second index of the same kind (`tier`), fed and resynced with the first. `match_weighted`
+counts an instance's leading blocks in its pool, then those its tier holds beyond them at `tier_weight`
+(a tier block is restored by a copy: cheaper than computing it, dearer than a pool hit).
+
 Memory is bounded: a block is keyed by the first 8 bytes of its hash (an int; a collision can only
 make the router over-estimate a cached prefix, never corrupt a cache - the engine checks its own
 hashes and token ids), and each instance may hold at most `max_blocks_per_instance` keys; past that its
@@ -34,8 +39,10 @@ class _Holdings:
 class PrefixIndex:
     """Block key -> the instances holding it; instance -> its keys. One owner: the router."""
 
-    def __init__(self, max_blocks_per_instance: int = 1 << 20) -> None:
+    def __init__(self, max_blocks_per_instance: int = 1 << 20, tiers: bool = True) -> None:
         self.max_blocks_per_instance = max_blocks_per_instance
+        # What each instance's local offload tier holds (its numbering is the pool's: one batch says both).
+        self.tier: PrefixIndex | None = PrefixIndex(max_blocks_per_instance, tiers=False) if tiers else None
         # Most blocks live on one instance: its slot is stored as an int, a set only once shared.
         self._holders: dict[int, int | set[int]] = {}
         self._instances: dict[str, _Holdings] = {}
@@ -46,11 +53,15 @@ class PrefixIndex:
 
     # -- events ---------------------------------------------------------------------------------------
     def apply(self, instance: str, first_seq: int, last_seq: int, stored: Sequence[bytes],
-              removed: Sequence[bytes], snapshot: bool = False) -> bool:
-        """Apply events [first_seq, last_seq] of `instance` (a snapshot: all it holds, as of last_seq).
+              removed: Sequence[bytes], snapshot: bool = False, tier_stored: Sequence[bytes] = (),
+              tier_removed: Sequence[bytes] = ()) -> bool:
+        """Apply events [first_seq, last_seq] of `instance` (a snapshot: all it holds, as of last_seq), of
+        its pool and (`tier_*`) of its local offload tier.
 
         Returns False when they do not follow what was applied before: the instance's entry is then
         cleared and the caller must ask for a snapshot."""
+        if self.tier is not None:
+            self.tier.apply(instance, first_seq, last_seq, tier_stored, tier_removed, snapshot)
         holdings = self._instances.get(instance) or self._add(instance)
         # A new entry takes batches from 1 on: the instance's whole history.
         follows = first_seq == holdings.next_seq and (holdings.synced or first_seq == 1)
@@ -76,6 +87,8 @@ class PrefixIndex:
 
     def drop(self, instance: str) -> None:
         """Forget an instance (it died or left)."""
+        if self.tier is not None:
+            self.tier.drop(instance)
         holdings = self._instances.pop(instance, None)
         if holdings is not None:
             self._clear(holdings)
@@ -100,6 +113,25 @@ class PrefixIndex:
                 counts[slot] = i + 1
         return {self._names[slot]: n for slot, n in counts.items()}
 
+    def match_weighted(self, block_hashes: Sequence[bytes], tier_weight: float) -> dict[str, float]:
+        """Instance name -> the leading `block_hashes` it holds in its pool, plus `tier_weight` times those
+        its local tier holds right after them (the engine restores exactly those: kv_connector.py)."""
+        held: dict[str, float] = dict(self.match(block_hashes))
+        if self.tier is None or tier_weight <= 0:
+            return held
+        by_start: dict[int, list[str]] = {}
+        for name, n in held.items():
+            by_start.setdefault(int(n), []).append(name)
+        for name, n in self.tier.match(block_hashes).items():
+            if name not in held:
+                held[name] = tier_weight * n
+        for start, names in by_start.items():
+            if start < len(block_hashes):
+                more = self.tier.match(block_hashes[start:])
+                for name in names:
+                    held[name] += tier_weight * more.get(name, 0)
+        return held
+
     def blocks_per_instance(self) -> dict[str, int]:
         return {name: len(holdings.keys) for name, holdings in self._instances.items()}
 
@@ -114,7 +146,7 @@ class PrefixIndex:
             total += sys.getsizeof(key) + (sys.getsizeof(held) if isinstance(held, set) else 0)
         for holdings in self._instances.values():
             total += sys.getsizeof(holdings.keys)  # its int keys are the ones counted above
-        return total
+        return total + (self.tier.memory_bytes() if self.tier is not None else 0)
 
     # -- internals ------------------------------------------------------------------------------------
     def _add(self, instance: str) -> _Holdings:

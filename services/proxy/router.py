@@ -84,7 +84,7 @@ class Route(NamedTuple):
     holds (`cached`: address -> blocks, of `prompt_blocks`; see kv_routing), else by affinity `key`,
     else the least loaded."""
     key: bytes | None = None
-    cached: dict[str, int] | None = None
+    cached: dict[str, float] | None = None
     prompt_blocks: int = 0
     load_weight: float = 0.0
 
@@ -207,7 +207,8 @@ class RolePool:
                            instance.address, events.block_size, index.block_size)
             return
         if not index.apply(instance.address, events.first_seq, events.last_seq, _hashes(events.stored),
-                           _hashes(events.removed), events.snapshot):
+                           _hashes(events.removed), events.snapshot, _hashes(events.offloaded_stored),
+                           _hashes(events.offloaded_removed)):
             logger.info("%s instance %s: KV events from %d do not follow; asking for a snapshot",
                         self.role.value, instance.address, events.first_seq)
 

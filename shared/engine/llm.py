@@ -33,7 +33,8 @@ def build_engine_config(
     kv_offloading_path: str | None = None,
     kv_offloading_save_finished: bool = False,
 ) -> EngineConfig:
-    """`kv_offloading_size`: GiB of the local offload tier (0: none), as vLLM's `--kv-offloading-size`."""
+    """`kv_offloading_size`: GiB of the local offload tier (0: none), as vLLM's `--kv-offloading-size`;
+    `kv_offloading_path`: the folder its file goes in (default: the temp folder)."""
     return EngineConfig(
         model=ModelConfig.from_pretrained(model, dtype, max_model_len),
         cache=CacheConfig(block_size, kv_cache_memory_bytes, num_kv_blocks, enable_prefix_caching,

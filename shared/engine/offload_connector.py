@@ -40,9 +40,11 @@ _LOAD, _SAVE = 0, 1  # the worker's priorities: a waiting request first
 _files = itertools.count()
 
 
-def default_offload_path() -> str:
-    """A fresh file name for one engine's tier under the temp folder (unlinked once mapped)."""
-    return os.path.join(tempfile.gettempdir(), "epdserve-kv", f"offload-{os.getpid()}-{next(_files)}.bin")
+def offload_path(folder: str | None) -> str:
+    """A fresh file name for one engine's tier in `folder` (None: under the temp folder). Engines of one
+    deployment may share the folder: each has a file of its own, removed once mapped."""
+    folder = folder or os.path.join(tempfile.gettempdir(), "epdserve-kv")
+    return os.path.join(folder, f"offload-{os.getpid()}-{next(_files)}.bin")
 
 
 class OffloadConnector(KVConnector):
@@ -69,17 +71,18 @@ class OffloadConnector(KVConnector):
         self._thread.start()
 
     @classmethod
-    def create(cls, kv_cache: torch.Tensor, block_size: int, num_bytes: int, path: str | None = None,
+    def create(cls, kv_cache: torch.Tensor, block_size: int, num_bytes: int, folder: str | None = None,
                save_finished: bool = False) -> OffloadConnector:
-        """A tier of `num_bytes` (whole blocks) for `kv_cache`, in the file at `path` (None: a temp file)."""
+        """A tier of `num_bytes` (whole blocks) for `kv_cache`, in a file of its own in `folder` (None: the
+        temp folder's)."""
         block_shape = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[3:])
         block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
         num_slots = num_bytes // block_bytes
         if num_slots <= 0:
             raise ValueError(f"kv offloading size {num_bytes} bytes holds no block of {block_bytes} bytes")
-        file = OffloadFile(path or default_offload_path(), num_slots, block_shape, kv_cache.dtype, unlink=path is None)
-        logger.info("KV offloading tier: %d blocks (%.2f GiB) in %s", num_slots, num_slots * block_bytes / (1 << 30),
-                    file.path if path else "a temp file")
+        file = OffloadFile(offload_path(folder), num_slots, block_shape, kv_cache.dtype, unlink=True)
+        logger.info("KV offloading tier: %d blocks (%.2f GiB), mapped from %s (removed from the folder once "
+                    "mapped)", num_slots, num_slots * block_bytes / (1 << 30), file.path)
         return cls(kv_cache, block_size, file, save_finished)
 
     # -- the engine's side (its thread) -------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The local offload tier: a conversation whose blocks the pool evicted comes back from the tier, its prefill
 mostly skipped, with exactly the tokens of a run without tiers; a corrupted tier file is recomputed."""
 import pytest
+import torch
 
 from epdserve import LLM, SamplingParams
 from epdserve.shared.block_hash import extend_block_hashes
@@ -44,7 +45,7 @@ def test_without_tiers_an_evicted_conversation_is_prefilled_again(tiny_model_pat
 
 def test_an_evicted_conversation_comes_back_from_the_local_tier(tiny_model_paths, reference, tmp_path):
     llm = LLM(model=tiny_model_paths["llama"], num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-              kv_offloading_size=0.01, kv_offloading_path=str(tmp_path / "tier.bin"))
+              kv_offloading_size=0.01, kv_offloading_path=str(tmp_path))
     tokens, computed = evict_then_return(llm)
     assert tokens == reference
     # 160 prompt tokens: 9 full blocks restored (the 10th holds the last token, which is computed).
@@ -56,26 +57,22 @@ def test_an_evicted_conversation_comes_back_from_the_local_tier(tiny_model_paths
     events = llm.engine.kv_events(None)
     (local,) = events.tiers
     assert local.tier == "local" and set(extend_block_hashes([], conversation(1), BLOCK_SIZE)[:9]) <= set(local.stored)
+    assert not list(tmp_path.iterdir())  # the tier's file left the folder once mapped
     llm.engine.close()
 
 
 def test_a_corrupted_tier_file_is_recomputed_not_used(tiny_model_paths, reference, tmp_path):
-    path = tmp_path / "tier.bin"
     llm = LLM(model=tiny_model_paths["llama"], num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-              kv_offloading_size=0.01, kv_offloading_path=str(path))
+              kv_offloading_size=0.01, kv_offloading_path=str(tmp_path))
     tier = llm.engine.tiers[0]
     engine = llm.engine
     llm.generate([{"prompt_token_ids": conversation(0)}], GREEDY)
     for i in range(1, 5):
         llm.generate([{"prompt_token_ids": conversation(i)}], GREEDY)
-    # Flip one byte of every block this tier holds, in the file itself, as a bad disk would.
-    with open(path, "r+b") as f:
-        for block_hash in tier.hashes():
-            slot = tier.file._entries[block_hash].slot
-            f.seek(slot * tier.file.block_bytes + 7)
-            byte = f.read(1)
-            f.seek(slot * tier.file.block_bytes + 7)
-            f.write(bytes([byte[0] ^ 0x40]))
+    # Flip one bit of every block this tier holds, in the mapped file's pages, as a bad disk would.
+    for block_hash in tier.hashes():
+        data = tier.file.slot(tier.file._entries[block_hash].slot).view(-1).view(torch.uint8)
+        data[7] ^= 0x40
     before = engine.num_prompt_tokens
     out = llm.generate([{"prompt_token_ids": conversation(0)}], GREEDY)[0]
     assert out.outputs[0].token_ids == reference

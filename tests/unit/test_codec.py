@@ -48,6 +48,7 @@ SAMPLES = [
     p.KVEventsRequest(41),
     p.KVEvents("decode-0", 16, 3, 5, bytes(range(32)), bytes(16)),
     p.KVEvents("decode-0", 16, 0, 5, bytes(48), snapshot=True),
+    p.KVEvents("decode-0", 16, 6, 7, bytes(16), offloaded_stored=bytes(range(32)), offloaded_removed=bytes(16)),
     p.Status("decode-0", p.Role.DECODE, p.Health.READY, 100, 4096, 3, 1),
     p.Status("prefill-0", p.Role.PREFILL, p.Health.READY, 100, 4096, 3, 1, data_addr="tcp://10.0.0.2:7001"),
     p.Error(p.ErrorCode.NOT_FOUND, "no such request", "r1", retryable=False),
