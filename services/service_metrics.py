@@ -66,6 +66,8 @@ class _EngineCollector:
                       s.prefix_cache_queries)
         yield counter("epdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("epdserve:num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions)
+        yield counter("epdserve:prompt_tokens_computed", "Prompt tokens this engine computed (not those found in "
+                      "its prefix cache, pulled from a peer or restored from a KV tier).", s.num_prompt_tokens)
         steps = CounterMetricFamily("epdserve:engine_step_seconds", "Engine step time by phase (schedule, prepare, "
                                     "forward, attention, sampler, output).", labels=names + ["phase"])
         for phase, seconds in s.step_seconds.items():
