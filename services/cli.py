@@ -191,19 +191,47 @@ def service_config(args: argparse.Namespace, threads: int = 1):
     from epdserve.shared.config import ServiceConfig
 
     engine_id = args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port or os.getpid()}"
-    stats_interval = None if args.role == "encoder" or args.disable_log_stats else args.log_stats_interval
+    stats_interval = None if args.role in ("encoder", "kvstore") or args.disable_log_stats else args.log_stats_interval
     if stats_interval is not None and stats_interval <= 0:
         raise SystemExit(f"epdserve: error: --log-stats-interval must be positive, got {stats_interval:g} "
                          "(--disable-log-stats turns the lines off)")
-    return ServiceConfig(args.role, engine_id, args.host, args.port, args.data_port, args.http_port,
-                         args.advertise_host, args.lease_seconds, args.encoder_cache_items, transport_config(args),
-                         args.drain_timeout, threads, args.served_model_name, args.block_port,
-                         args.max_queue_wait, stats_interval)
+    if args.role == "kvstore":
+        try:
+            return ServiceConfig(args.role, engine_id, args.host, args.port, http_port=args.http_port,
+                                 advertise_host=args.advertise_host, transport=transport_config(args),
+                                 drain_timeout=args.drain_timeout, log_stats_interval=None,
+                                 kv_store_bytes=int(args.kv_store_size * (1 << 30)))
+        except ValueError as exc:
+            raise SystemExit(f"epdserve: error: {exc}") from None
+    kv_store = None
+    if getattr(args, "kv_store", None):
+        from epdserve.services.network import split_target
+        from epdserve.transport.security import bracketed
+
+        try:
+            host, port = split_target(args.kv_store)
+        except ValueError as exc:
+            raise SystemExit(f"epdserve: error: --kv-store {exc}") from None
+        kv_store = f"tcp://{bracketed(host)}:{port}"
+    try:
+        return ServiceConfig(args.role, engine_id, args.host, args.port, args.data_port, args.http_port,
+                             args.advertise_host, args.lease_seconds, args.encoder_cache_items, transport_config(args),
+                             args.drain_timeout, threads, args.served_model_name, args.block_port,
+                             args.max_queue_wait, stats_interval, kv_store=kv_store,
+                             kv_store_timeout=getattr(args, "kv_store_timeout", 2.0))
+    except ValueError as exc:
+        raise SystemExit(f"epdserve: error: {exc}") from None
 
 
 def _serve_command(args: argparse.Namespace) -> int:
     import asyncio
 
+    if args.role == "kvstore":  # no model: blocks of any layout, by hash
+        from epdserve.services.runtime import run_service
+
+        config = service_config(args)
+        _starting(config.engine_id, "no model")
+        return asyncio.run(run_service(config, None, ""))
     model = model_folder(args)
     if args.role == "proxy":
         from epdserve.services.proxy.server import run_proxy

@@ -7,7 +7,7 @@ import os
 from epdserve.services.proxy.kv_routing import RoutingPolicy
 from epdserve.services.proxy.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 
-ROLES = ("encoder", "prefill", "decode", "unified", "proxy")
+ROLES = ("encoder", "prefill", "decode", "unified", "proxy", "kvstore")
 MODELS = ("llava-demo", "smollm2", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral",
           "tiny-gemma3")
 SERVED_BY_DEFAULT = "llava-demo"  # what `up` and `serve` run without --model
@@ -127,6 +127,8 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--advertise-host", help="host peers use to reach this process (default: --host)")
     if role == "proxy":
         _add_proxy_options(p)
+    elif role == "kvstore":
+        _add_kvstore_options(p)
     else:
         p.add_argument("--port", type=int, default=0, help="control channel port")
         p.add_argument("--data-port", type=int, default=0, help="KV / embedding transfer port (prefill, encoder)")
@@ -149,7 +151,23 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
         add_engine_args(p)
         if role != "encoder":
             _add_stats_options(p)
+            p.add_argument("--kv-store", metavar="HOST:PORT",
+                           help="a shared KV store (epdserve serve kvstore): blocks this engine evicts or "
+                                "finishes are put there, and a prompt's blocks it lacks are got from there")
+            p.add_argument("--kv-store-timeout", type=float, default=2.0, metavar="SECONDS",
+                           help="how long one call to the KV store may take; past it the store counts as down "
+                                "for a few seconds and requests compute their prompts (default: %(default)s)")
     add_transport_args(p)
+
+
+def _add_kvstore_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=0, help="control channel port (engines' --kv-store)")
+    p.add_argument("--http-port", type=int, default=0, help="/health, /ready, /metrics")
+    p.add_argument("--engine-id", help="default: kvstore-<hostname>-<port>")
+    p.add_argument("--kv-store-size", type=float, default=1.0, metavar="GiB",
+                   help="GiB of KV blocks the store keeps in memory, least recently used dropped first "
+                        "(default: %(default)s)")
+    p.add_argument("--drain-timeout", type=float, default=1.0, help=argparse.SUPPRESS)
 
 
 def _add_stats_options(p: argparse.ArgumentParser) -> None:

@@ -432,7 +432,17 @@ class ServiceConfig:
     max_queue_wait: float = 60.0
     # Seconds between an engine's stats lines (stats_log.py); None: none.
     log_stats_interval: float | None = 10.0
+    # An engine's shared KV store (`host:port` of `epdserve serve kvstore`; None: none), and how long one
+    # call to it may take before the store counts as down (its requests then recompute).
+    kv_store: str | None = None
+    kv_store_timeout: float = 2.0
+    # The KV store itself: bytes of blocks it keeps.
+    kv_store_bytes: int = 1 << 30
 
     def __post_init__(self):
+        if self.kv_store_timeout <= 0:
+            raise ValueError(f"--kv-store-timeout must be positive, got {self.kv_store_timeout:g}")
+        if self.kv_store_bytes <= 0:
+            raise ValueError(f"--kv-store-size must be positive, got {self.kv_store_bytes} bytes")
         if self.max_queue_wait < 0:
             raise ValueError(f"--max-queue-wait must be at least 0, got {self.max_queue_wait:g}")

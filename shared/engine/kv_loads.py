@@ -85,9 +85,9 @@ class KVLoads:
         return self.loading.pop(request_id, None)
 
     def keeps(self, request: Request) -> bool:
-        """Whether a connector keeps the blocks of `request`, which just finished (the first that does is the
-        one that releases them)."""
-        return any(connector.request_finished(request) for connector in self.connectors)
+        """Whether a connector keeps the blocks of `request`, which just finished (the one that does releases
+        them). Every connector is told - a tier copies the blocks out then - even once one keeps them."""
+        return any([connector.request_finished(request) for connector in self.connectors])
 
     def ended(self, request: Request) -> None:
         """`request` is gone: the connectors that may know it forget it."""

@@ -17,6 +17,23 @@ def complete(client, prompt_ids: list[int], max_tokens: int = 8) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
 
 
+def served(service) -> float:
+    return service.metrics().get("epdserve:engine_requests_finished_total", 0.0)
+
+
+def push_out(stack, client, first: int) -> int:
+    """Other conversations, from `first` on, until every engine has served 3 of them: 3 x 18 blocks leave
+    no block of an earlier conversation in a 40-block pool (the prefill serves them all). The next unused."""
+    engines = [s for s in stack.services.values() if s.role in ("prefill", "decode")]
+    before = {s.name: served(s) for s in engines}
+    i = first
+    while any(served(s) - before[s.name] < 3 for s in engines):
+        assert i < first + 16, "the router never spread the conversations over both decodes"
+        complete(client, conversation(i))
+        i += 1
+    return i
+
+
 def total(stack, name: str) -> float:
     """`name` summed over the engines (each runs the one tier, `local`)."""
     return sum(s.metrics().get(name, 0.0) for s in stack.services.values() if s.role in ("prefill", "decode"))
@@ -34,8 +51,7 @@ def client(stack):
 
 def test_an_evicted_conversation_comes_back_from_the_local_tiers_token_for_token(stack, client):
     first = complete(client, conversation(0))
-    for i in range(1, 7):  # 6 x 18 blocks through 40-block pools: conversation 0 leaves every one
-        complete(client, conversation(i))
+    push_out(stack, client, 1)
     computed = total(stack, "epdserve:prompt_tokens_computed_total")
     hits = total(stack, "epdserve:kv_tier_hit_tokens_total")
     assert complete(client, conversation(0)) == first
