@@ -281,6 +281,8 @@ def stack_config(args: argparse.Namespace, model: str):
             raise SystemExit(f"epdserve: error: {flag} must be at least {least}, got {value}")
     if args.port > 65535:
         raise SystemExit(f"epdserve: error: --port {args.port} is not a port (1 to 65535)")
+    if args.kv_store is not None and args.kv_store <= 0:
+        raise SystemExit(f"epdserve: error: --kv-store must be a positive size in GiB, got {args.kv_store:g}")
     if not args.unified and args.decodes < 1:
         raise SystemExit("epdserve: error: a stack needs at least one decode (--decodes), or --unified")
     if args.extra[:1] not in ([], ["--"]):
@@ -306,7 +308,8 @@ def stack_config(args: argparse.Namespace, model: str):
     return StackConfig(model, args.host, args.port, encoders, args.prefills, args.decodes, args.unified,
                        api_key(args), args.threads, args.log_level, tuple(extra), args.drain_timeout,
                        args.routing_policy, args.kv_transport, args.ucx_net_devices, args.otlp_traces_endpoint,
-                       args.request_trace, args.served_model_name, args.internal_ports, args.migration_limit)
+                       args.request_trace, args.served_model_name, args.internal_ports, args.migration_limit,
+                       args.kv_store)
 
 
 def _check_kv_transport(args: argparse.Namespace) -> None:

@@ -278,6 +278,9 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
     up.add_argument("--migration-limit", type=int, default=3, metavar="N",
                     help="times the proxy may continue one request's stream on another decode after its own was "
                          "lost; 0: never (default: %(default)s)")
+    up.add_argument("--kv-store", type=float, nargs="?", const=1.0, metavar="GiB",
+                    help="start a shared KV store (epdserve serve kvstore) of this many GiB (1 if none given) that "
+                         "every engine puts the blocks it evicts or finishes to and gets missing ones from")
     add_kv_transport_args(up)
     _add_trace_options(up)
     up.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"), metavar="KEY",

@@ -305,3 +305,23 @@ def test_up_restarts_a_service_that_dies_and_gives_up_on_one_that_keeps_dying(ca
     assert f"decode-0 exited with code 3 (its log lines above say why), the {launcher.RESTART_LIMIT}th time within" \
         in err
     assert "giving up on it (the others serve without it)" in err and "giving up on it; stopping the stack" in err
+
+
+def test_up_with_a_kv_store_starts_one_and_gives_every_engine_its_address(default_model_path):
+    commands = dict(LocalStack(stack_config(parse("up", "--decodes", "2", "--kv-store", "0.5", "--",
+                                                  "--kv-offloading-size", "2"), str(default_model_path))).commands())
+    store = commands["kvstore-0"]
+    assert list(commands)[0] == "kvstore-0" and store[store.index("--kv-store-size") + 1] == "0.5"
+    address = f"127.0.0.1:{store[store.index('--port') + 1]}"
+    for name in ("prefill-0", "decode-0", "decode-1"):
+        argv = commands[name]
+        serve = parse(*argv[argv.index("serve"):])
+        config = service_config(serve)
+        assert config.kv_store == f"tcp://{address}" and serve.kv_offloading_size == 2.0
+    assert "--kv-store" not in commands["proxy"]
+    assert service_config(parse("serve", "kvstore", "--kv-store-size", "0.25")).kv_store_bytes == 1 << 28
+    assert "kvstore-0" not in dict(LocalStack(stack_config(parse("up"), str(default_model_path))).commands())
+    with pytest.raises(SystemExit, match="--kv-store must be a positive size"):
+        stack_config(parse("up", "--kv-store", "0"), str(default_model_path))
+    with pytest.raises(SystemExit, match="--kv-store .* is not HOST:PORT"):
+        service_config(parse("serve", "decode", "--kv-store", "nowhere"))
