@@ -151,9 +151,10 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
         add_engine_args(p)
         if role != "encoder":
             _add_stats_options(p)
-            p.add_argument("--kv-store", metavar="HOST:PORT",
+            p.add_argument("--kv-store", metavar="HOST:PORT", default=os.environ.get("EPDSERVE_KV_STORE") or None,
                            help="a shared KV store (epdserve serve kvstore): blocks this engine evicts or "
-                                "finishes are put there, and a prompt's blocks it lacks are got from there")
+                                "finishes are put there, and a prompt's blocks it lacks are got from there "
+                                "(default: $EPDSERVE_KV_STORE; unset: none)")
             p.add_argument("--kv-store-timeout", type=float, default=2.0, metavar="SECONDS",
                            help="how long one call to the KV store may take; past it the store counts as down "
                                 "for a few seconds and requests compute their prompts (default: %(default)s)")
