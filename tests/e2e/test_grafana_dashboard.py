@@ -31,7 +31,8 @@ REQUIRED = {
     "epdserve:iteration_tokens_total_bucket", "epdserve:http_responses_total",
     "epdserve:kv_transfer_bytes_total", "epdserve:kv_transfer_seconds_total", "epdserve:kv_lease_renewals_total",
     "epdserve:kv_lease_expired_total", "epdserve:local_prefills_total", "epdserve:mm_cache_hits_total",
-    "epdserve:mm_cache_queries_total",
+    "epdserve:mm_cache_queries_total", "epdserve:prompt_tokens_computed_total",
+    "epdserve:kv_tier_hit_tokens_total", "epdserve:kv_tier_restore_seconds_bucket",
 }
 
 
@@ -89,7 +90,8 @@ def test_the_dashboard_is_well_formed():
 @pytest.fixture(scope="module")
 def stack(stack_factory, demo_model):
     return stack_factory(demo_model, encoders=1, prefills=1, decodes=1,
-                         engine_args=["--num-kv-blocks", "128", "--max-model-len", "1024"])
+                         engine_args=["--num-kv-blocks", "128", "--max-model-len", "1024",
+                                      "--kv-offloading-size", "0.05"])
 
 
 def scrape(stack) -> list:
