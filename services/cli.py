@@ -200,7 +200,9 @@ def service_config(args: argparse.Namespace, threads: int = 1):
             return ServiceConfig(args.role, engine_id, args.host, args.port, http_port=args.http_port,
                                  advertise_host=args.advertise_host, transport=transport_config(args),
                                  drain_timeout=args.drain_timeout, log_stats_interval=None,
-                                 kv_store_bytes=int(args.kv_store_size * (1 << 30)))
+                                 kv_store_bytes=int(args.kv_store_size * (1 << 30)),
+                                 kv_store_disk_bytes=int(args.kv_store_disk_size * (1 << 30)),
+                                 kv_store_path=args.kv_store_path)
         except ValueError as exc:
             raise SystemExit(f"epdserve: error: {exc}") from None
     kv_store = None

@@ -168,6 +168,12 @@ def _add_kvstore_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-store-size", type=float, default=1.0, metavar="GiB",
                    help="GiB of KV blocks the store keeps in memory, least recently used dropped first "
                         "(default: %(default)s)")
+    p.add_argument("--kv-store-disk-size", type=float, default=0.0, metavar="GiB",
+                   help="GiB of blocks (per model) kept on disk once memory lets them go, in a memory-mapped "
+                        "file (0: no disk; default: %(default)s)")
+    p.add_argument("--kv-store-path", metavar="DIR",
+                   help="folder of the disk tier's files (removed from the folder once mapped; default: the "
+                        "temp folder)")
     p.add_argument("--drain-timeout", type=float, default=1.0, help=argparse.SUPPRESS)
 
 

@@ -96,7 +96,7 @@ class Service:
         if self.role == Role.KVSTORE:
             from epdserve.services.kvstore.worker import build_kvstore_worker
 
-            return await build_kvstore_worker(config, config.kv_store_bytes, control_rejected)
+            return await build_kvstore_worker(config, control_rejected)
         if self.role == Role.ENCODER:
             from epdserve.services.encoder.worker import build_encoder_worker
             from epdserve.shared.config import parse_dtype

@@ -436,13 +436,18 @@ class ServiceConfig:
     # call to it may take before the store counts as down (its requests then recompute).
     kv_store: str | None = None
     kv_store_timeout: float = 2.0
-    # The KV store itself: bytes of blocks it keeps.
+    # The KV store itself: bytes of blocks it keeps in memory, and on disk (per model; 0: no disk) in a
+    # file in folder `kv_store_path` (None: the temp folder).
     kv_store_bytes: int = 1 << 30
+    kv_store_disk_bytes: int = 0
+    kv_store_path: str | None = None
 
     def __post_init__(self):
         if self.kv_store_timeout <= 0:
             raise ValueError(f"--kv-store-timeout must be positive, got {self.kv_store_timeout:g}")
         if self.kv_store_bytes <= 0:
             raise ValueError(f"--kv-store-size must be positive, got {self.kv_store_bytes} bytes")
+        if self.kv_store_disk_bytes < 0:
+            raise ValueError(f"--kv-store-disk-size must be at least 0, got {self.kv_store_disk_bytes} bytes")
         if self.max_queue_wait < 0:
             raise ValueError(f"--max-queue-wait must be at least 0, got {self.max_queue_wait:g}")

@@ -8,19 +8,24 @@ hash - equal hashes mean equal prefixes (shared/block_hash.py) - with their toke
 checks against its own, and the checksum they were put with, which the store checks on arrival (a
 corrupted block is refused) and a getter checks again once the bytes have landed.
 
-Memory is bounded (`capacity_bytes`), least recently used blocks go first. The store is a cache: losing
-it (a crash, a restart, a full memory) costs engines recomputation, never a wrong token.
+Memory is bounded (`capacity_bytes`), least recently used blocks go first - to disk when the store has
+one (`disk_bytes` per KV layout, in a memory-mapped file of `disk_path`, checksummed like an engine's
+offload tier: shared/engine/offload_file.py), else away. A get is answered from memory, then from disk.
+The store is a cache: losing it (a crash, a restart, a full memory) costs engines recomputation, never a
+wrong token.
 """
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from collections import OrderedDict
 from typing import Callable, NamedTuple
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from epdserve.shared.engine import KVEventLog
+from epdserve.shared.engine import KVEventLog, OffloadFile
 from epdserve.shared.config import ServiceConfig
 from epdserve.transport.checksum import checksum
 from epdserve.transport.protocol import (Ack, Error, ErrorCode, Handshake, Health, KVEvents, KVEventsRequest, KVLayout,
@@ -65,13 +70,16 @@ class KVStoreWorker:
     data_addr = ""
     busy = False  # it holds no streams: a drain has nothing to wait for
 
-    def __init__(self, config: ServiceConfig, capacity_bytes: int, rejected_frames: Callable[[], int]) -> None:
+    def __init__(self, config: ServiceConfig, capacity_bytes: int, rejected_frames: Callable[[], int],
+                 disk_bytes: int = 0, disk_path: str | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"the KV store's size must be positive, got {capacity_bytes} bytes")
         self.config = config
         self.capacity_bytes = capacity_bytes
         self.num_bytes = 0
         self.blocks: OrderedDict[tuple[KVLayout, bytes], _Block] = OrderedDict()  # least recently used first
+        self.disk_bytes, self.disk_path = disk_bytes, disk_path
+        self.disks: dict[KVLayout, OffloadFile] = {}  # blocks memory let go, per layout (with a disk)
         self.events = KVEventLog()
         self.metrics = KVStoreMetrics(config.engine_id, rejected_frames)
 
@@ -88,7 +96,10 @@ class KVStoreWorker:
             return bad_request(str(exc))
         if isinstance(message, KVEventsRequest):
             self.events.seal()
-            batch = self.events.since(message.next_seq, (h for _, h in self.blocks))
+            held = dict.fromkeys(h for _, h in self.blocks)
+            for disk in self.disks.values():
+                held.update(dict.fromkeys(disk.hashes()))
+            batch = self.events.since(message.next_seq, held)
             return KVEvents(self.config.engine_id, 0, batch.first_seq, batch.last_seq, b"".join(batch.stored),
                             b"".join(batch.removed), batch.snapshot)
         return bad_request(f"a kvstore service does not take {type(message).__name__}")
@@ -110,6 +121,9 @@ class KVStoreWorker:
             if key in self.blocks:
                 self.blocks.move_to_end(key)
                 continue
+            disk = self.disks.get(layout)
+            if disk is not None and disk.holds(block_hash):
+                continue
             data = tensor[i].clone()  # not a view of the received frame: the frame goes
             if checksum(data) != m.checksums[i]:
                 self.metrics.corrupt_puts.inc()
@@ -123,22 +137,57 @@ class KVStoreWorker:
 
     def _evict(self) -> None:
         while self.num_bytes > self.capacity_bytes and self.blocks:
-            (_, block_hash), block = self.blocks.popitem(last=False)
+            (layout, block_hash), block = self.blocks.popitem(last=False)
             self.num_bytes -= block.data.nbytes
-            self.events.removed(block_hash)
             self.metrics.evicted_blocks.inc()
-        self.metrics.blocks.set(len(self.blocks))
+            disk = self._disk(layout, block.data)
+            if disk is None:
+                self.events.removed(block_hash)
+                continue
+            slot = disk.reserve(block_hash, block.token_ids)
+            if slot is not None:
+                disk.write(block_hash, block.data)
+            _, dropped = disk.take_changes()
+            for gone in dropped:  # the disk's own LRU: gone from the store unless memory has it again
+                if (layout, gone) not in self.blocks:
+                    self.events.removed(gone)
+            if slot is None and not disk.holds(block_hash):
+                self.events.removed(block_hash)
+        self.metrics.blocks.set(len(self.blocks) + sum(d.num_blocks for d in self.disks.values()))
         self.metrics.bytes.set(self.num_bytes)
+
+    def _disk(self, layout: KVLayout, block: torch.Tensor) -> OffloadFile | None:
+        """The disk tier of `layout`'s blocks, made on first use; None without a disk."""
+        if not self.disk_bytes:
+            return None
+        disk = self.disks.get(layout)
+        if disk is None:
+            num_slots = self.disk_bytes // block.nbytes
+            if num_slots <= 0:
+                return None
+            folder = self.disk_path or os.path.join(tempfile.gettempdir(), "epdserve-kv")
+            path = os.path.join(folder, f"kvstore-{os.getpid()}-{len(self.disks)}.bin")
+            disk = self.disks[layout] = OffloadFile(path, num_slots, tuple(block.shape), block.dtype, unlink=True)
+            logger.info("KV store: %d blocks of %s on disk (%s)", num_slots, layout.model_id, path)
+        return disk
 
     def get(self, m: KVStoreGet) -> KVStoreBlocks:
         found: list[tuple[bytes, _Block]] = []
         hashes = _split(m.block_hashes)
         self.metrics.get_blocks.inc(len(hashes))
+        disk = self.disks.get(m.layout)
         for block_hash in hashes:
             block = self.blocks.get((m.layout, block_hash))
-            if block is None:
+            if block is not None:
+                self.blocks.move_to_end((m.layout, block_hash))
+            elif disk is not None and (stored := disk.read(block_hash)) is not None:
+                token_ids, data, digest = stored
+                block = _Block(token_ids, digest, data)
+            else:
+                if disk is not None:
+                    for gone in disk.take_changes()[1]:  # a corrupt block it just dropped
+                        self.events.removed(gone)
                 break
-            self.blocks.move_to_end((m.layout, block_hash))
             found.append((block_hash, block))
         self.metrics.hit_blocks.inc(len(found))
         if not found:
@@ -148,6 +197,8 @@ class KVStoreWorker:
 
     async def close(self) -> None:
         self.blocks.clear()
+        for disk in self.disks.values():
+            disk.close()
 
 
 def bad_request(message: str) -> Error:
@@ -160,7 +211,8 @@ def _split(block_hashes: bytes) -> list[bytes]:
     return [block_hashes[i:i + HASH_BYTES] for i in range(0, len(block_hashes), HASH_BYTES)]
 
 
-async def build_kvstore_worker(config: ServiceConfig, capacity_bytes: int,
-                               rejected_frames: Callable[[], int]) -> KVStoreWorker:
-    logger.info("KV store %s: up to %.2f GiB of blocks", config.engine_id, capacity_bytes / (1 << 30))
-    return KVStoreWorker(config, capacity_bytes, rejected_frames)
+async def build_kvstore_worker(config: ServiceConfig, rejected_frames: Callable[[], int]) -> KVStoreWorker:
+    logger.info("KV store %s: up to %.2f GiB of blocks in memory, %.2f GiB per model on disk", config.engine_id,
+                config.kv_store_bytes / (1 << 30), config.kv_store_disk_bytes / (1 << 30))
+    return KVStoreWorker(config, config.kv_store_bytes, rejected_frames, config.kv_store_disk_bytes,
+                         config.kv_store_path)

@@ -17,6 +17,7 @@ _EXPORTS = {
     "SEED_MIN": "sampling_params", "sequence_seed": "sampling_params",
     "RequestOutput": "outputs", "EngineStats": "outputs", "RequestMetrics": "outputs", "KVTierStats": "outputs",
     "RESTORE_SECONDS_BUCKETS": "outputs", "KVEventLog": "kv_events", "TierEvents": "kv_events",
+    "OffloadFile": "offload_file",
     "KVConnector": "kv_connector", "KVLoad": "kv_connector", "LoadResult": "kv_connector",
     "EvictedBlock": "kv_connector",
     "build_engine_config": "llm", "PREFILL_OUTPUT_TOKENS": "handoff", "Request": "request",

@@ -179,6 +179,21 @@ class OffloadFile:
                     if slot not in self._orphans:  # else the last of its readers frees it
                         self._free.append(slot)
 
+    def read(self, block_hash: bytes) -> tuple[tuple[int, ...], torch.Tensor, int] | None:
+        """(token ids, a copy of the block, its checksum) of a block held, its bytes checked against the
+        checksum (a corrupt one is dropped); None if it is not here or not intact. Counts as a use."""
+        with self._lock:
+            entry = self._entries.get(block_hash)
+            if entry is None or not entry.ready:
+                return None
+            self._entries.move_to_end(block_hash)
+            entry.readers += 1
+            slot, digest, token_ids = entry.slot, entry.checksum, entry.token_ids
+        data = self.slot(slot).clone()
+        intact = checksum(data) == digest
+        self.unpin([block_hash], [slot], () if intact else [block_hash])
+        return (token_ids, data, digest) if intact else None
+
     def _drop(self, block_hash: bytes) -> int:
         """Remove an entry (lock held); its slot, which the caller frees (or keeps while it is read)."""
         entry = self._entries.pop(block_hash)

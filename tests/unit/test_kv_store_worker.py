@@ -55,3 +55,24 @@ def test_a_corrupt_block_is_refused_and_events_follow_the_store():
     assert not events.snapshot and events.removed == h(1) and events.stored == h(3) + h(4)
     bad = asyncio.run(worker.handle(KVStoreGet(LAYOUT, b"short"), None))
     assert isinstance(bad, Error) and "16 bytes" in bad.message
+
+
+def test_blocks_memory_lets_go_are_kept_on_disk_and_served_from_there(tmp_path):
+    worker = KVStoreWorker(ServiceConfig("kvstore", "s"), 2 * BLOCK_BYTES, lambda: 0, disk_bytes=2 * BLOCK_BYTES,
+                           disk_path=str(tmp_path))
+    snapshot = asyncio.run(worker.handle(KVEventsRequest(None), None))
+    put(worker, [1, 2, 3, 4])  # 1 and 2 go to disk
+    assert worker.num_bytes == 2 * BLOCK_BYTES
+    got = get(worker, [1, 2, 3])
+    assert got.block_hashes == h(1) + h(2) + h(3) and got.token_ids[:4] == (1,) * 4
+    assert torch.equal(got.blocks[0][0], torch.full((2, 2, 1, 4, 8), 1.0))
+    assert [checksum(b) for b in got.blocks[0]] == list(got.checksums)
+    put(worker, [5, 6])  # 3 and 4 to disk, pushing out 1 and 2: gone from the store
+    assert get(worker, [1]).block_hashes == b"" and get(worker, [3, 4, 5]).block_hashes == h(3) + h(4) + h(5)
+    events = asyncio.run(worker.handle(KVEventsRequest(snapshot.last_seq + 1), None))
+    assert set(events.removed[i:i + 16] for i in range(0, len(events.removed), 16)) == {h(1), h(2)}
+    # A block whose bytes changed on disk is not served, and leaves the store.
+    (disk,) = worker.disks.values()
+    disk.slot(disk._entries[h(3)].slot).view(-1)[0] += 1.0
+    assert get(worker, [3]).block_hashes == b""
+    assert h(3) in asyncio.run(worker.handle(KVEventsRequest(events.last_seq + 1), None)).removed
