@@ -125,7 +125,7 @@ def run(args: argparse.Namespace, seed: int) -> dict:
         tokens = conv[0]
         started = time.perf_counter()
         hashes = extend_block_hashes([], tokens, BLOCK_SIZE)
-        chosen, _ = pick(instances, index.match_weighted(hashes, args.tier_weight), len(hashes), args.load_weight)
+        chosen, _ = pick(instances, index.match_weighted(hashes, args.tier_weight)[0], len(hashes), args.load_weight)
         latencies.append(time.perf_counter() - started)
         if conv[1] > 1:
             later_turns += 1

@@ -176,13 +176,29 @@ def proxy_config(args: argparse.Namespace, model: str):
                                   rpc_timeout=transport.rpc_timeout, prefill_timeout=args.prefill_timeout,
                                   token_timeout=args.token_timeout, migration_limit=args.migration_limit,
                                   kv_routing=KVRoutingConfig(RoutingPolicy(args.routing_policy), args.kv_load_weight,
-                                                             args.kv_local_prefill_tokens, args.kv_tier_weight)),
+                                                             args.kv_local_prefill_tokens, args.kv_tier_weight,
+                                                             args.kv_store_weight)),
+        kv_store=_kv_store_address(args),
         transport=transport, allowed_image_domains=_split_targets(args.allowed_image_domains),
         allow_private_image_urls=args.allow_private_image_urls, access_log=args.log_level == "debug",
         tool_call_parser=args.tool_call_parser,
         drain_timeout=args.drain_timeout, max_request_body_bytes=args.max_request_body_bytes,
         otlp_traces_endpoint=args.otlp_traces_endpoint, request_trace=args.request_trace,
         constraint_limits=ConstraintLimits(args.max_structured_output_bytes, args.max_logit_bias))
+
+
+def _kv_store_address(args: argparse.Namespace) -> str | None:
+    """--kv-store HOST:PORT as a control address (tcp://...), checked; None when not given."""
+    if not getattr(args, "kv_store", None):
+        return None
+    from epdserve.services.network import split_target
+    from epdserve.transport.security import bracketed
+
+    try:
+        host, port = split_target(args.kv_store)
+    except ValueError as exc:
+        raise SystemExit(f"epdserve: error: --kv-store {exc}") from None
+    return f"tcp://{bracketed(host)}:{port}"
 
 
 def service_config(args: argparse.Namespace, threads: int = 1):
@@ -205,16 +221,7 @@ def service_config(args: argparse.Namespace, threads: int = 1):
                                  kv_store_path=args.kv_store_path)
         except ValueError as exc:
             raise SystemExit(f"epdserve: error: {exc}") from None
-    kv_store = None
-    if getattr(args, "kv_store", None):
-        from epdserve.services.network import split_target
-        from epdserve.transport.security import bracketed
-
-        try:
-            host, port = split_target(args.kv_store)
-        except ValueError as exc:
-            raise SystemExit(f"epdserve: error: --kv-store {exc}") from None
-        kv_store = f"tcp://{bracketed(host)}:{port}"
+    kv_store = _kv_store_address(args)
     try:
         return ServiceConfig(args.role, engine_id, args.host, args.port, args.data_port, args.http_port,
                              args.advertise_host, args.lease_seconds, args.encoder_cache_items, transport_config(args),

@@ -213,6 +213,12 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-tier-weight", type=float, default=0.8,
                    help="kv routing: what a prompt block in an engine's offload tier (--kv-offloading-size) is "
                         "worth against one in its pool, in [0, 1] (default: %(default)s)")
+    p.add_argument("--kv-store", metavar="HOST:PORT", default=os.environ.get("EPDSERVE_KV_STORE") or None,
+                   help="kv routing: the shared KV store the engines use (their --kv-store), whose blocks count "
+                        "for every instance (default: $EPDSERVE_KV_STORE; unset: none)")
+    p.add_argument("--kv-store-weight", type=float, default=0.5,
+                   help="kv routing: what a prompt block only the shared KV store holds is worth against one in "
+                        "an engine's pool, in [0, 1] (default: %(default)s)")
     p.add_argument("--prefill-timeout", type=float, default=600.0,
                    help="seconds a whole prefill may take (long prompts on CPU take a while; "
                         "default: %(default)s)")

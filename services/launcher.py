@@ -211,7 +211,8 @@ class LocalStack:
             procs.append((f"{role}-{i}", argv))
             targets[role].append(f"127.0.0.1:{listen[listen.index('--port') + 1]}")
         proxy = [*base, "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port), *ports("proxy"), *name,
-                 *drain, "--routing-policy", c.routing_policy, "--migration-limit", str(c.migration_limit)]
+                 *drain, "--routing-policy", c.routing_policy, "--migration-limit", str(c.migration_limit),
+                 *engine_args[len(c.engine_args):]]  # the store, if up started one
         if c.otlp_traces_endpoint:
             proxy += ["--otlp-traces-endpoint", c.otlp_traces_endpoint]
         if c.request_trace:

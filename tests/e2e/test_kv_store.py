@@ -69,7 +69,9 @@ def store(tmp_path_factory):
 def stack(stack_factory, tiny_model_paths, store):
     engine_args = ["--num-kv-blocks", "40", "--block-size", str(BLOCK_SIZE), "--kv-store", f"127.0.0.1:{store.port}",
                    "--kv-store-timeout", "1.0"]
-    return stack_factory(tiny_model_paths["llama"], prefills=1, decodes=2, engine_args=engine_args)
+    # The proxy follows the store too: its blocks count for every instance when routing.
+    return stack_factory(tiny_model_paths["llama"], prefills=1, decodes=2, engine_args=engine_args,
+                         proxy_args=["--kv-store", f"127.0.0.1:{store.port}"])
 
 
 @pytest.fixture(scope="module")

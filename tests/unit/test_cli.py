@@ -318,7 +318,8 @@ def test_up_with_a_kv_store_starts_one_and_gives_every_engine_its_address(defaul
         serve = parse(*argv[argv.index("serve"):])
         config = service_config(serve)
         assert config.kv_store == f"tcp://{address}" and serve.kv_offloading_size == 2.0
-    assert "--kv-store" not in commands["proxy"]
+    proxy = commands["proxy"]
+    assert proxy_config(parse(*proxy[proxy.index("serve"):]), str(default_model_path)).kv_store == f"tcp://{address}"
     assert service_config(parse("serve", "kvstore", "--kv-store-size", "0.25")).kv_store_bytes == 1 << 28
     assert "kvstore-0" not in dict(LocalStack(stack_config(parse("up"), str(default_model_path))).commands())
     with pytest.raises(SystemExit, match="--kv-store must be a positive size"):
