@@ -50,7 +50,9 @@ class KVLoads:
                                  request.num_prompt_tokens - num_cached)
                 if num_tokens > best_tokens:
                     best, best_tokens = connector, num_tokens
-            if best is not None:
+            # Positions left to compute after the load need their encoder outputs first: those are loaded
+            # now, and the KV once the request is back at the queue's head with them.
+            if best is not None and not request.missing_embeddings(num_cached + best_tokens):
                 return self._start_kv(request, best, computed_blocks, num_cached, best_tokens)
         missing = request.missing_embeddings(num_cached)
         if not missing:
