@@ -119,9 +119,10 @@ def add_transport_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
-    """`epdserve serve <role>`'s options (every role has a `--model` and the log level too)."""
-    p.add_argument("--model", metavar="FOLDER",
-                   help=f"local HF model folder (default: the {SERVED_BY_DEFAULT} model, built on first use)")
+    """`epdserve serve <role>`'s options (every role but the KV store has a `--model`; all the log level)."""
+    if role != "kvstore":  # the store holds blocks of any model
+        p.add_argument("--model", metavar="FOLDER",
+                       help=f"local HF model folder (default: the {SERVED_BY_DEFAULT} model, built on first use)")
     add_log_level(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes every interface)")
     p.add_argument("--advertise-host", help="host peers use to reach this process (default: --host)")
