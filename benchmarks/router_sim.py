@@ -7,9 +7,12 @@ traffic reuses a few templates most), then grows by a user turn and a reply per 
 what the proxy does per request: hash the prompt's full blocks (block_hash.py), look them up in the
 index, and pick the cheapest instance (kv_routing.pick) among all of them. After each decision the
 chosen instance "caches" the conversation, as its engine's events would report, and evicts its oldest
-blocks when it is over its share, so the index stays at `--blocks`.
+blocks when it is over its share, so the index stays at `--blocks`. With `--tier-factor F`, each
+instance also has an offload tier of F pools that its evicted blocks go to (reported as the tier's KV
+events), and a decision counts tier blocks at `--tier-weight` (PrefixIndex.match_weighted).
 
     python benchmarks/router_sim.py                     # 1,000 instances, 1,000,000 blocks
+    python benchmarks/router_sim.py --tier-factor 4     # and 4,000,000 more in offload tiers
     python benchmarks/router_sim.py --instances 100 --blocks 100000 --decisions 2000
 
 Reports decision latency p50/p90/p99 (median of --repeats runs), index memory (tracemalloc: what the
@@ -27,7 +30,7 @@ import sys
 import time
 import tracemalloc
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from epdserve.services.proxy.kv_routing import pick
@@ -51,6 +54,7 @@ class SimInstance:
     status: SimStatus
     held: deque  # its cached block hashes, oldest first
     seq: int = 0
+    tier: deque = field(default_factory=deque)  # blocks its pool evicted into its offload tier, oldest first
 
 
 class Workload:
@@ -89,22 +93,26 @@ def fill(index: PrefixIndex, instances: list[SimInstance], per_instance: int, rn
         index.apply(inst.address, inst.seq, inst.seq, blocks, ())
 
 
-def cache_on(index: PrefixIndex, inst: SimInstance, hashes: list[bytes], per_instance: int) -> None:
+def cache_on(index: PrefixIndex, inst: SimInstance, hashes: list[bytes], per_instance: int, per_tier: int) -> None:
     """The chosen instance's KV events after serving: the conversation's blocks stored, its oldest
-    blocks evicted to stay at its share."""
+    blocks evicted to stay at its share - into its offload tier (at most `per_tier` blocks; 0: none)."""
     held = set(inst.held)
     stored = [h for h in hashes if h not in held]
     inst.held.extend(stored)
     removed = [inst.held.popleft() for _ in range(max(0, len(inst.held) - per_instance))]
+    tier_stored = removed if per_tier else []
+    inst.tier.extend(tier_stored)
+    tier_removed = [inst.tier.popleft() for _ in range(max(0, len(inst.tier) - per_tier))]
     inst.seq += 1
-    index.apply(inst.address, inst.seq, inst.seq, stored, removed)
+    index.apply(inst.address, inst.seq, inst.seq, stored, removed, tier_stored=tier_stored, tier_removed=tier_removed)
 
 
 def run(args: argparse.Namespace, seed: int) -> dict:
     rng = random.Random(seed)
     per_instance = args.blocks // args.instances
+    per_tier = int(per_instance * args.tier_factor)
     tracemalloc.start()
-    index = PrefixIndex(max_blocks_per_instance=2 * per_instance)
+    index = PrefixIndex(max_blocks_per_instance=2 * max(per_instance, per_tier))
     instances = [SimInstance(f"tcp://10.0.{i // 250}.{i % 250}:7000", rng.randrange(8),
                              SimStatus(rng.randrange(64, 4096)), deque()) for i in range(args.instances)]
     fill(index, instances, per_instance, rng)
@@ -117,12 +125,12 @@ def run(args: argparse.Namespace, seed: int) -> dict:
         tokens = conv[0]
         started = time.perf_counter()
         hashes = extend_block_hashes([], tokens, BLOCK_SIZE)
-        chosen, _ = pick(instances, index.match(hashes), len(hashes), args.load_weight)
+        chosen, _ = pick(instances, index.match_weighted(hashes, args.tier_weight)[0], len(hashes), args.load_weight)
         latencies.append(time.perf_counter() - started)
         if conv[1] > 1:
             later_turns += 1
             followed += chosen is conv[2]
-        cache_on(index, chosen, hashes, per_instance)
+        cache_on(index, chosen, hashes, per_instance, per_tier)
         chosen.load = max(0, chosen.load + rng.choice((-1, 0, 1)))  # queues drift
         workload.finish(conv, chosen)
     latencies.sort()
@@ -164,6 +172,9 @@ def main() -> None:
     parser.add_argument("--reply-len", type=int, default=128, help="tokens of each reply")
     parser.add_argument("--max-turns", type=int, default=8)
     parser.add_argument("--load-weight", type=float, default=0.25)
+    parser.add_argument("--tier-factor", type=float, default=0.0,
+                        help="each instance's offload tier, in pools: evicted blocks go there (0: no tiers)")
+    parser.add_argument("--tier-weight", type=float, default=0.8, help="a tier block's worth against a pool block")
     parser.add_argument("--output", type=Path, default=RESULTS / "router_sim.json")
     args = parser.parse_args()
 

@@ -133,7 +133,9 @@ def engine_config(args: argparse.Namespace, model: str):
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_model_len=args.max_model_len, attention_backend=args.attention_backend, device=args.device,
         seed=args.seed, grammar_compile_timeout=args.grammar_compile_timeout,
-        speculative_config=args.speculative_config)
+        speculative_config=args.speculative_config,
+        kv_offloading_size=args.kv_offloading_size, kv_offloading_path=args.kv_offloading_path,
+        kv_offloading_save_finished=args.kv_offloading_save_finished)
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -179,7 +181,9 @@ def proxy_config(args: argparse.Namespace, model: str):
                                   rpc_timeout=transport.rpc_timeout, prefill_timeout=args.prefill_timeout,
                                   token_timeout=args.token_timeout, migration_limit=args.migration_limit,
                                   kv_routing=KVRoutingConfig(RoutingPolicy(args.routing_policy), args.kv_load_weight,
-                                                             args.kv_local_prefill_tokens)),
+                                                             args.kv_local_prefill_tokens, args.kv_tier_weight,
+                                                             args.kv_store_weight)),
+        kv_store=_kv_store_address(args),
         transport=transport, allowed_image_domains=_split_targets(args.allowed_image_domains),
         allow_private_image_urls=args.allow_private_image_urls, access_log=args.log_level == "debug",
         tool_call_parser=args.tool_call_parser,
@@ -188,25 +192,60 @@ def proxy_config(args: argparse.Namespace, model: str):
         constraint_limits=ConstraintLimits(args.max_structured_output_bytes, args.max_logit_bias))
 
 
+def _kv_store_address(args: argparse.Namespace) -> str | None:
+    """--kv-store HOST:PORT as a control address (tcp://...), checked; None when not given."""
+    if not getattr(args, "kv_store", None):
+        return None
+    from epdserve.services.network import split_target
+    from epdserve.transport.security import bracketed
+
+    try:
+        host, port = split_target(args.kv_store)
+    except ValueError as exc:
+        raise SystemExit(f"epdserve: error: --kv-store {exc}") from None
+    return f"tcp://{bracketed(host)}:{port}"
+
+
 def service_config(args: argparse.Namespace, threads: int = 1):
     import socket
 
     from epdserve.shared.config import ServiceConfig
 
     engine_id = args.engine_id or f"{args.role}-{socket.gethostname()}-{args.port or os.getpid()}"
-    stats_interval = None if args.role == "encoder" or args.disable_log_stats else args.log_stats_interval
+    stats_interval = None if args.role in ("encoder", "kvstore") or args.disable_log_stats else args.log_stats_interval
     if stats_interval is not None and stats_interval <= 0:
         raise SystemExit(f"epdserve: error: --log-stats-interval must be positive, got {stats_interval:g} "
                          "(--disable-log-stats turns the lines off)")
-    return ServiceConfig(args.role, engine_id, args.host, args.port, args.data_port, args.http_port,
-                         args.advertise_host, args.lease_seconds, args.encoder_cache_items, transport_config(args),
-                         args.drain_timeout, threads, args.served_model_name, args.block_port,
-                         args.max_queue_wait, stats_interval)
+    if args.role == "kvstore":
+        try:
+            return ServiceConfig(args.role, engine_id, args.host, args.port, http_port=args.http_port,
+                                 advertise_host=args.advertise_host, transport=transport_config(args),
+                                 drain_timeout=args.drain_timeout, log_stats_interval=None,
+                                 kv_store_bytes=int(args.kv_store_size * (1 << 30)),
+                                 kv_store_disk_bytes=int(args.kv_store_disk_size * (1 << 30)),
+                                 kv_store_path=args.kv_store_path)
+        except ValueError as exc:
+            raise SystemExit(f"epdserve: error: {exc}") from None
+    kv_store = _kv_store_address(args)
+    try:
+        return ServiceConfig(args.role, engine_id, args.host, args.port, args.data_port, args.http_port,
+                             args.advertise_host, args.lease_seconds, args.encoder_cache_items, transport_config(args),
+                             args.drain_timeout, threads, args.served_model_name, args.block_port,
+                             args.max_queue_wait, stats_interval, kv_store=kv_store,
+                             kv_store_timeout=getattr(args, "kv_store_timeout", 2.0))
+    except ValueError as exc:
+        raise SystemExit(f"epdserve: error: {exc}") from None
 
 
 def _serve_command(args: argparse.Namespace) -> int:
     import asyncio
 
+    if args.role == "kvstore":  # no model: blocks of any layout, by hash
+        from epdserve.services.runtime import run_service
+
+        config = service_config(args)
+        _starting(config.engine_id, "no model")
+        return asyncio.run(run_service(config, None, ""))
     model = model_folder(args)
     if args.role == "proxy":
         from epdserve.services.proxy.server import run_proxy
@@ -256,6 +295,8 @@ def stack_config(args: argparse.Namespace, model: str):
             raise SystemExit(f"epdserve: error: {flag} must be at least {least}, got {value}")
     if args.port > 65535:
         raise SystemExit(f"epdserve: error: --port {args.port} is not a port (1 to 65535)")
+    if args.kv_store is not None and args.kv_store <= 0:
+        raise SystemExit(f"epdserve: error: --kv-store must be a positive size in GiB, got {args.kv_store:g}")
     if not args.unified and args.decodes < 1:
         raise SystemExit("epdserve: error: a stack needs at least one decode (--decodes), or --unified")
     if args.extra[:1] not in ([], ["--"]):
@@ -289,7 +330,7 @@ def stack_config(args: argparse.Namespace, model: str):
                        api_key(args), args.threads, args.log_level, tuple(extra), args.drain_timeout,
                        args.routing_policy, args.kv_transport, args.ucx_net_devices, args.otlp_traces_endpoint,
                        args.request_trace, args.served_model_name, args.internal_ports, args.migration_limit,
-                       args.speculative_config)
+                       args.speculative_config, args.kv_store)
 
 
 def _check_kv_transport(args: argparse.Namespace) -> None:

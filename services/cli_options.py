@@ -7,7 +7,7 @@ import os
 from epdserve.services.proxy.kv_routing import RoutingPolicy
 from epdserve.services.proxy.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 
-ROLES = ("encoder", "prefill", "decode", "unified", "proxy")
+ROLES = ("encoder", "prefill", "decode", "unified", "proxy", "kvstore")
 MODELS = ("llava-demo", "smollm2", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral",
           "tiny-gemma3", "tiny-qwen2.5-vl")
 SERVED_BY_DEFAULT = "llava-demo"  # what `up` and `serve` run without --model
@@ -65,6 +65,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-fraction", type=float,
                    help="share of the memory available at start-up, after the weights, that the KV pool takes when "
                         "no size is given (default 0.05 on CPU, 0.9 on a GPU)")
+    g.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GiB",
+                   help="local offload tier: GiB of KV blocks kept beyond the pool once it evicts them, in a "
+                        "memory-mapped file, restored on a prefix hit instead of recomputed (0: none; "
+                        "default: %(default)s)")
+    g.add_argument("--kv-offloading-path", metavar="DIR",
+                   help="folder of the offload tier's file (each engine makes its own, removed from the folder "
+                        "once mapped; default: the temp folder)")
+    g.add_argument("--kv-offloading-save-finished", action=argparse.BooleanOptionalAction, default=False,
+                   help="also save finished requests' full blocks to the offload tier, not only evicted ones")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int)
@@ -115,14 +124,17 @@ def add_transport_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
-    """`epdserve serve <role>`'s options (every role has a `--model` and the log level too)."""
-    p.add_argument("--model", metavar="FOLDER",
-                   help=f"local HF model folder (default: the {SERVED_BY_DEFAULT} model, built on first use)")
+    """`epdserve serve <role>`'s options (every role but the KV store has a `--model`; all the log level)."""
+    if role != "kvstore":  # the store holds blocks of any model
+        p.add_argument("--model", metavar="FOLDER",
+                       help=f"local HF model folder (default: the {SERVED_BY_DEFAULT} model, built on first use)")
     add_log_level(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes every interface)")
     p.add_argument("--advertise-host", help="host peers use to reach this process (default: --host)")
     if role == "proxy":
         _add_proxy_options(p)
+    elif role == "kvstore":
+        _add_kvstore_options(p)
     else:
         p.add_argument("--port", type=int, default=0, help="control channel port")
         p.add_argument("--data-port", type=int, default=0, help="KV / embedding transfer port (prefill, encoder)")
@@ -145,7 +157,30 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
         add_engine_args(p)
         if role != "encoder":
             _add_stats_options(p)
+            p.add_argument("--kv-store", metavar="HOST:PORT", default=os.environ.get("EPDSERVE_KV_STORE") or None,
+                           help="a shared KV store (epdserve serve kvstore): blocks this engine evicts or "
+                                "finishes are put there, and a prompt's blocks it lacks are got from there "
+                                "(default: $EPDSERVE_KV_STORE; unset: none)")
+            p.add_argument("--kv-store-timeout", type=float, default=2.0, metavar="SECONDS",
+                           help="how long one call to the KV store may take; past it the store counts as down "
+                                "for a few seconds and requests compute their prompts (default: %(default)s)")
     add_transport_args(p)
+
+
+def _add_kvstore_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=0, help="control channel port (engines' --kv-store)")
+    p.add_argument("--http-port", type=int, default=0, help="/health, /ready, /metrics")
+    p.add_argument("--engine-id", help="default: kvstore-<hostname>-<port>")
+    p.add_argument("--kv-store-size", type=float, default=1.0, metavar="GiB",
+                   help="GiB of KV blocks the store keeps in memory, least recently used dropped first "
+                        "(default: %(default)s)")
+    p.add_argument("--kv-store-disk-size", type=float, default=0.0, metavar="GiB",
+                   help="GiB of blocks (per model) kept on disk once memory lets them go, in a memory-mapped "
+                        "file (0: no disk; default: %(default)s)")
+    p.add_argument("--kv-store-path", metavar="DIR",
+                   help="folder of the disk tier's files (removed from the folder once mapped; default: the "
+                        "temp folder)")
+    p.add_argument("--drain-timeout", type=float, default=1.0, help=argparse.SUPPRESS)
 
 
 def _add_stats_options(p: argparse.ArgumentParser) -> None:
@@ -181,6 +216,15 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-local-prefill-tokens", type=int, default=256,
                    help="kv routing: a decode that caches all but at most this many prompt tokens "
                         "computes them itself, with no prefill and no transfer (default: %(default)s)")
+    p.add_argument("--kv-tier-weight", type=float, default=0.8,
+                   help="kv routing: what a prompt block in an engine's offload tier (--kv-offloading-size) is "
+                        "worth against one in its pool, in [0, 1] (default: %(default)s)")
+    p.add_argument("--kv-store", metavar="HOST:PORT", default=os.environ.get("EPDSERVE_KV_STORE") or None,
+                   help="kv routing: the shared KV store the engines use (their --kv-store), whose blocks count "
+                        "for every instance (default: $EPDSERVE_KV_STORE; unset: none)")
+    p.add_argument("--kv-store-weight", type=float, default=0.5,
+                   help="kv routing: what a prompt block only the shared KV store holds is worth against one in "
+                        "an engine's pool, in [0, 1] (default: %(default)s)")
     p.add_argument("--prefill-timeout", type=float, default=600.0,
                    help="seconds a whole prefill may take (long prompts on CPU take a while; "
                         "default: %(default)s)")
@@ -256,6 +300,9 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
     up.add_argument("--migration-limit", type=int, default=3, metavar="N",
                     help="times the proxy may continue one request's stream on another decode after its own was "
                          "lost; 0: never (default: %(default)s)")
+    up.add_argument("--kv-store", type=float, nargs="?", const=1.0, metavar="GiB",
+                    help="start a shared KV store (epdserve serve kvstore) of this many GiB (1 if none given) that "
+                         "every engine puts the blocks it evicts or finishes to and gets missing ones from")
     add_kv_transport_args(up)
     _add_trace_options(up)
     up.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"), metavar="KEY",

@@ -18,7 +18,8 @@ from epdserve.services.proxy_channels import ProxyChannels
 from epdserve.services.request_spans import RequestSpans
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.services.stats_log import StatsLog
-from epdserve.shared.engine import AsyncLLM, InputsUnavailableError, RequestOutput
+from epdserve.services.store_kv_connector import StoreKVConnector
+from epdserve.shared.engine import AsyncLLM, EngineStats, InputsUnavailableError, RequestOutput
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason, GenerateRequest,
@@ -84,19 +85,30 @@ class EngineWorker:
         self.engine_config = engine_config
         self.llm = llm
         self.kv_client = kv_client
+        self.store: StoreKVConnector | None = None  # the shared KV store's door, with --kv-store
         self.metrics = ServiceMetrics(service.role, service.engine_id,
                                       service.served_model_name or Path(engine_config.model.path).name,
-                                      self.llm.stats, rejected_frames=rejected_frames)
+                                      self._stats, rejected_frames=rejected_frames)
         self.llm.on_step(self.metrics.iteration_tokens.observe)
         self.connector = PeerKVConnector(kv_client, self.metrics, asyncio.get_running_loop(),
                                          service.transport.transfer_timeout, engine_config.model.dtype,
                                          control_client_kwargs(service))
         self.llm.add_connector(self.connector)
+        if service.kv_store:  # after the peers': a peer's KV handle, when it covers as much, goes first
+            self.store = StoreKVConnector(service.kv_store, llm.kv_cache, kv_layout(engine_config),
+                                          asyncio.get_running_loop(), control_client_kwargs(service),
+                                          service.kv_store_timeout)
+            self.llm.add_connector(self.store)
         self.proxies = ProxyChannels(control_client_kwargs(service), on_failure=self._proxy_unreachable)
         self._tasks: dict[str, asyncio.Task] = {}
         self._stop_reason: str | None = None  # set by stop_streams: the streams it stops tell their proxy why
         self._stats_log = None if service.log_stats_interval is None else asyncio.create_task(
             StatsLog(f"{service.role} {service.engine_id}", self.llm.stats).run(service.log_stats_interval))
+
+    def _stats(self) -> EngineStats:
+        """The engine's stats, with the shared store's door counted as a tier of its own."""
+        stats = self.llm.stats()
+        return stats if self.store is None else stats._replace(kv_tiers={**stats.kv_tiers, "store": self.store.stats()})
 
     def status(self, health: Health) -> Status:
         stats = self.llm.stats()
@@ -122,8 +134,10 @@ class EngineWorker:
     async def _kv_events(self, m: KVEventsRequest) -> KVEvents:
         """What the prefix cache stored and evicted since batch `m.next_seq` (routers follow it)."""
         batch = await self.llm.kv_events(m.next_seq)
+        local = next((t for t in batch.tiers if t.tier == "local"), None)
         return KVEvents(self.service.engine_id, self.engine_config.cache.block_size, batch.first_seq, batch.last_seq,
-                        b"".join(batch.stored), b"".join(batch.removed), batch.snapshot)
+                        b"".join(batch.stored), b"".join(batch.removed), batch.snapshot,
+                        b"".join(local.stored) if local else b"", b"".join(local.removed) if local else b"")
 
     async def abort(self, request_id: str) -> None:
         task = self._tasks.get(request_id)
@@ -266,5 +280,7 @@ class EngineWorker:
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         await self.proxies.close()
         await self.connector.close()
+        if self.store is not None:
+            await self.store.close()
         await self.kv_client.close()
         self.llm.shutdown()

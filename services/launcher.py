@@ -33,6 +33,7 @@ ENGINE_ROLES = ("prefill", "decode", "unified")
 PORT_OPTIONS = {"encoder": ("--port", "--data-port", "--http-port"),
                 "prefill": ("--port", "--data-port", "--block-port", "--http-port"),
                 "decode": ("--port", "--http-port"), "unified": ("--port", "--http-port"),
+                "kvstore": ("--port", "--http-port"),
                 "proxy": ("--inbox-port",)}
 
 
@@ -148,6 +149,7 @@ class StackConfig:
     internal_ports: tuple[int, int] | None = None  # (LOW, HIGH): where the services but the API listen
     migration_limit: int = 3  # the proxy's --migration-limit
     speculative_config: str | None = None  # the decode and unified engines' --speculative-config (JSON)
+    kv_store_size: float | None = None  # GiB of a shared KV store every engine uses (None: no store)
 
     @property
     def model_name(self) -> str:
@@ -188,24 +190,32 @@ class LocalStack:
         roles = [("encoder", c.encoders)]
         roles += [("unified", 1)] if c.unified else [("prefill", c.prefills), ("decode", c.decodes)]
         services = [(role, i) for role, count in roles for i in range(count)]
-        free = iter(internal_ports(sum(len(PORT_OPTIONS[role]) for role, _ in [*services, ("proxy", 0)]),
+        store = [("kvstore", 0)] if c.kv_store_size is not None else []
+        free = iter(internal_ports(sum(len(PORT_OPTIONS[role]) for role, _ in [*store, *services, ("proxy", 0)]),
                                    c.internal_ports, {c.port}))
 
         def ports(role: str) -> list[str]:  # the role's listening options, each with a port of its own
             return [arg for option in PORT_OPTIONS[role] for arg in (option, str(next(free)))]
 
+        engine_args = list(c.engine_args)
+        if store:  # first: the engines find it up when they start
+            listen = ports("kvstore")
+            procs.append(("kvstore-0", [*base, "kvstore", "--host", "127.0.0.1", *listen, "--engine-id", "kvstore-0",
+                                        "--kv-store-size", f"{c.kv_store_size:g}", *drain]))
+            engine_args += ["--kv-store", f"127.0.0.1:{listen[listen.index('--port') + 1]}"]
         for role, i in services:
             listen = ports(role)
             argv = [*base, role, "--model", c.model, "--host", "127.0.0.1", *listen, "--engine-id", f"{role}-{i}",
                     *name, *drain, *transport]
             if role != "encoder":
-                argv += ["--threads", str(c.threads), *c.engine_args]
+                argv += ["--threads", str(c.threads), *engine_args]
             if role in ("decode", "unified") and c.speculative_config is not None:
                 argv += ["--speculative-config", c.speculative_config]
             procs.append((f"{role}-{i}", argv))
             targets[role].append(f"127.0.0.1:{listen[listen.index('--port') + 1]}")
         proxy = [*base, "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port), *ports("proxy"), *name,
-                 *drain, "--routing-policy", c.routing_policy, "--migration-limit", str(c.migration_limit)]
+                 *drain, "--routing-policy", c.routing_policy, "--migration-limit", str(c.migration_limit),
+                 *engine_args[len(c.engine_args):]]  # the store, if up started one
         if c.otlp_traces_endpoint:
             proxy += ["--otlp-traces-endpoint", c.otlp_traces_endpoint]
         if c.request_trace:

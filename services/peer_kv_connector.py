@@ -117,7 +117,8 @@ class PeerKVConnector(KVConnector):
 
     # -- the engine's side (its thread) -------------------------------------------------------------
     def num_loadable_tokens(self, request, num_local_tokens: int) -> int:
-        handle = request.kv_transfer_params.kv_handle
+        sources = request.kv_transfer_params
+        handle = sources.kv_handle if isinstance(sources, PeerSources) else None
         if handle is None or request.group_id in self._gave_up:
             return 0
         if num_local_tokens >= handle.num_tokens:  # this engine's prefix cache holds it all

@@ -93,6 +93,10 @@ class Service:
         """This service's worker, whole: its engine (or encoder) loaded and its data server serving.
         `control_rejected()`: frames the control channel dropped."""
         config, engine = self.config, self.engine
+        if self.role == Role.KVSTORE:
+            from epdserve.services.kvstore.worker import build_kvstore_worker
+
+            return await build_kvstore_worker(config, control_rejected)
         if self.role == Role.ENCODER:
             from epdserve.services.encoder.worker import build_encoder_worker
             from epdserve.shared.config import parse_dtype

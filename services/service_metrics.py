@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from epdserve.shared.engine import EngineStats, RequestOutput
+from epdserve.shared.engine import RESTORE_SECONDS_BUCKETS, EngineStats, RequestOutput
 
 disable_created_metrics()  # no `_created` series beside every counter and histogram, as in vLLM
 
@@ -69,6 +69,8 @@ class _EngineCollector:
         yield counter("epdserve:num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions)
         if s.spec_decode is not None:
             yield from self._spec_decode(s.spec_decode, counter, names, values)
+        yield counter("epdserve:prompt_tokens_computed", "Prompt tokens this engine computed (not those found in "
+                      "its prefix cache, pulled from a peer or restored from a KV tier).", s.num_prompt_tokens)
         steps = CounterMetricFamily("epdserve:engine_step_seconds", "Engine step time by phase (schedule, prepare, "
                                     "forward, attention, sampler, output).", labels=names + ["phase"])
         for phase, seconds in s.step_seconds.items():
@@ -82,6 +84,47 @@ class _EngineCollector:
         for reason, count in s.num_finished.items():
             finished.add_metric(values + [reason], count)
         yield finished
+        if s.kv_tiers:
+            yield from self._tiers(s, names, values)
+
+    @staticmethod
+    def _tiers(s: EngineStats, names: list[str], values: list[str]):
+        """The KV tiers beyond the pool, by `tier` (local: the offload tier)."""
+        labels = names + ["tier"]
+        for kind, name, doc, field in _TIER_SERIES:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=labels)
+            for tier, stats in s.kv_tiers.items():
+                family.add_metric(values + [tier], getattr(stats, field))
+            yield family
+        restore = HistogramMetricFamily("epdserve:kv_tier_restore_seconds",
+                                        "Time of one load from a KV tier into the pool, start to finish.",
+                                        labels=labels)
+        for tier, stats in s.kv_tiers.items():
+            cumulative, buckets = 0, []
+            for bound, count in zip((*RESTORE_SECONDS_BUCKETS, float("inf")), stats.restore_buckets):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+            restore.add_metric(values + [tier], buckets, stats.restore_seconds)
+        yield restore
+
+
+_TIER_SERIES = (
+    ("gauge", "epdserve:kv_tier_blocks", "KV blocks a tier holds.", "num_blocks"),
+    ("gauge", "epdserve:kv_tier_capacity_blocks", "KV blocks a tier can hold.", "capacity_blocks"),
+    ("counter", "epdserve:kv_tier_hit_blocks", "KV blocks restored from a tier instead of computed.", "hit_blocks"),
+    ("counter", "epdserve:kv_tier_hit_tokens", "Prompt tokens restored from a tier instead of computed.",
+     "hit_tokens"),
+    ("counter", "epdserve:kv_tier_restored_bytes", "Bytes of KV restored from a tier.", "restored_bytes"),
+    ("counter", "epdserve:kv_tier_saved_blocks", "KV blocks saved to a tier.", "saved_blocks"),
+    ("counter", "epdserve:kv_tier_saved_bytes", "Bytes of KV saved to a tier.", "saved_bytes"),
+    ("counter", "epdserve:kv_tier_dropped_saves", "Evicted KV blocks a tier did not save (its staging was full).",
+     "dropped_saves"),
+    ("counter", "epdserve:kv_tier_failed_restores",
+     "Loads from a tier that failed (a block's checksum differed, or it was gone): those tokens were computed.",
+     "failed_restores"),
+    ("counter", "epdserve:kv_tier_corrupt_blocks", "Blocks in a tier whose bytes no longer matched their checksum.",
+     "corrupt_blocks"),
+)
 
     @staticmethod
     def _spec_decode(sd, counter, names: list[str], values: list[str]):

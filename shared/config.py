@@ -350,8 +350,19 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_memory_fraction: float | None = None
+    # The local offload tier (offload_connector.py): bytes of blocks kept beyond the pool once evicted, in
+    # a memory-mapped file of the engine's own in folder `kv_offloading_path` (None: the temp folder); 0:
+    # none. With
+    # `kv_offloading_save_finished`, finished requests' full blocks are saved too, not only evicted ones.
+    kv_offloading_bytes: int = 0
+    kv_offloading_path: str | None = None
+    kv_offloading_save_finished: bool = False
 
     def __post_init__(self):
+        if self.kv_offloading_bytes < 0:
+            raise ValueError(f"kv_offloading_bytes must be at least 0, got {self.kv_offloading_bytes}")
+        if self.kv_offloading_bytes and not self.enable_prefix_caching:
+            raise ValueError("KV offloading finds blocks by their prefix hash: it needs prefix caching")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
@@ -534,7 +545,22 @@ class ServiceConfig:
     max_queue_wait: float = 60.0
     # Seconds between an engine's stats lines (stats_log.py); None: none.
     log_stats_interval: float | None = 10.0
+    # An engine's shared KV store (`host:port` of `epdserve serve kvstore`; None: none), and how long one
+    # call to it may take before the store counts as down (its requests then recompute).
+    kv_store: str | None = None
+    kv_store_timeout: float = 2.0
+    # The KV store itself: bytes of blocks it keeps in memory, and on disk (per model; 0: no disk) in a
+    # file in folder `kv_store_path` (None: the temp folder).
+    kv_store_bytes: int = 1 << 30
+    kv_store_disk_bytes: int = 0
+    kv_store_path: str | None = None
 
     def __post_init__(self):
+        if self.kv_store_timeout <= 0:
+            raise ValueError(f"--kv-store-timeout must be positive, got {self.kv_store_timeout:g}")
+        if self.kv_store_bytes <= 0:
+            raise ValueError(f"--kv-store-size must be positive, got {self.kv_store_bytes} bytes")
+        if self.kv_store_disk_bytes < 0:
+            raise ValueError(f"--kv-store-disk-size must be at least 0, got {self.kv_store_disk_bytes} bytes")
         if self.max_queue_wait < 0:
             raise ValueError(f"--max-queue-wait must be at least 0, got {self.max_queue_wait:g}")

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 
 class Role(str, enum.Enum):
@@ -42,6 +42,7 @@ class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     UNIFIED = "unified"
+    KVSTORE = "kvstore"  # a shared KV store: blocks by chained hash, for every engine
 
 
 class Health(str, enum.Enum):
@@ -443,6 +444,40 @@ class KVEvents:
     stored: bytes = b""
     removed: bytes = b""
     snapshot: bool = False  # `stored` is all the cache holds as of `last_seq`; forget the rest
+    # The same for the engine's local offload tier: blocks it keeps beyond its pool, restored on a hit at
+    # the cost of a copy (a snapshot's `offloaded_stored` is all the tier holds).
+    offloaded_stored: bytes = b""
+    offloaded_removed: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class KVStorePut:
+    """Blocks for a KV store to keep, by chained block hash (shared/block_hash.py), answered with Ack. Each
+    block is [num_layers, 2, num_kv_heads, block_size, head_size] of every layer's K and V, as `layout`
+    says; the store checks each against its checksum (XXH3 of its bytes as sent) and keeps those intact."""
+    TAG: ClassVar[str] = "kv_store_put"
+    layout: KVLayout
+    block_hashes: bytes  # 16 bytes each, concatenated
+    token_ids: tuple[int, ...]  # block_size per block, in order
+    checksums: tuple[int, ...]  # one per block
+    blocks: tuple[torch.Tensor, ...] = field(compare=False)  # one [num_blocks, *block] tensor
+
+
+@dataclass(frozen=True, slots=True)
+class KVStoreGet:
+    """The leading blocks of `block_hashes` the store holds for `layout`, answered with KVStoreBlocks."""
+    TAG: ClassVar[str] = "kv_store_get"
+    layout: KVLayout
+    block_hashes: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KVStoreBlocks:
+    TAG: ClassVar[str] = "kv_store_blocks"
+    block_hashes: bytes  # the leading ones of the request held (maybe none)
+    token_ids: tuple[int, ...]
+    checksums: tuple[int, ...]  # as the blocks were put: the getter compares them with what landed
+    blocks: tuple[torch.Tensor, ...] = field(compare=False)  # one [num_blocks, *block] tensor, or none
 
 
 @dataclass(frozen=True, slots=True)
@@ -539,7 +574,7 @@ Message = Union[
     Handshake, HandshakeAck,
     EncodeRequest, EncodeDone, PrefillRequest, PrefillDone, DecodeRequest, GenerateRequest, TokenDelta,
     TokenDeltas, Release, RenewLease, LeaseRenewed, Abort, Ack,
-    StatusRequest, Status, KVEventsRequest, KVEvents, Error,
+    StatusRequest, Status, KVEventsRequest, KVEvents, KVStorePut, KVStoreGet, KVStoreBlocks, Error,
     FetchBlocks, BlocksData, BlocksSent, FetchEmbeddings, EmbeddingsData, EmbeddingsSent,
 ]
 
@@ -548,13 +583,17 @@ MESSAGE_TYPES: dict[str, type] = {cls.TAG: cls for cls in Message.__args__}
 # What each role may send to a service (besides its Handshake): the request path of the design and
 # nothing else. A peer's role is what its handshake claims; with CURVE on, only holders of the
 # deployment's key get that far.
+_KV_STORE_USE = (KVStorePut, KVStoreGet, KVEventsRequest, StatusRequest)
 MAY_SEND: dict[Role, frozenset[type]] = {
     Role.PROXY: frozenset({StatusRequest, KVEventsRequest, EncodeRequest, PrefillRequest, DecodeRequest,
                            GenerateRequest, Abort}),
     # Engines pull embeddings and KV, hand prefill's blocks back, and push tokens to proxies.
-    Role.PREFILL: frozenset({FetchEmbeddings, TokenDelta, TokenDeltas, Error}),
-    Role.DECODE: frozenset({FetchEmbeddings, FetchBlocks, RenewLease, Release, TokenDelta, TokenDeltas, Error}),
-    Role.UNIFIED: frozenset({FetchEmbeddings, TokenDelta, TokenDeltas, Error}),
+    # Engines with a shared KV store put blocks there and get them, following what it holds by its KV events.
+    Role.PREFILL: frozenset({FetchEmbeddings, TokenDelta, TokenDeltas, Error, *_KV_STORE_USE}),
+    Role.DECODE: frozenset({FetchEmbeddings, FetchBlocks, RenewLease, Release, TokenDelta, TokenDeltas, Error,
+                            *_KV_STORE_USE}),
+    Role.UNIFIED: frozenset({FetchEmbeddings, TokenDelta, TokenDeltas, Error, *_KV_STORE_USE}),
     Role.ENCODER: frozenset(),
+    Role.KVSTORE: frozenset(),
 }
 assert len(MESSAGE_TYPES) == len(Message.__args__), "two messages share a tag"

@@ -4,7 +4,10 @@ Each candidate's cost is the work the request would make there, in blocks of the
 
     cost = (prompt blocks - leading blocks it holds) + load_weight * prompt blocks * requests it has
 
-so a follow-up turn goes to the decode (or prefill) that holds its conversation so far, and moves
+where a block held in the instance's local offload tier (not its pool) counts `tier_weight` of one held
+in the pool (it is restored by a copy, not computed: prefix_index.py), and one only the shared KV store
+holds `store_weight` (a transfer over the network), so a follow-up turn goes to the
+decode (or prefill) that holds its conversation so far, and moves
 elsewhere only when the queue there costs more than recomputing (or pulling) the prompt would; an
 instance without room for the blocks it lacks is chosen last. `load_weight` says what one queued
 request costs relative to the whole prompt (0: ignore load; large: least loaded first).
@@ -31,10 +34,18 @@ class KVRoutingConfig:
     load_weight: float = 0.25
     # A decode holding all but at most this many of the prompt's tokens prefills the rest itself.
     local_prefill_tokens: int = 256
+    # What a block in an instance's offload tier is worth against one in its pool (1: as much; 0: nothing).
+    tier_weight: float = 0.8
+    # ... and a block in the shared KV store, which any instance gets over the network.
+    store_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if self.load_weight < 0:
             raise ValueError(f"the KV routing load weight must be >= 0, got {self.load_weight}")
+        if not 0 <= self.tier_weight <= 1:
+            raise ValueError(f"the KV routing tier weight must be in [0, 1], got {self.tier_weight}")
+        if not 0 <= self.store_weight <= 1:
+            raise ValueError(f"the KV routing store weight must be in [0, 1], got {self.store_weight}")
         if self.local_prefill_tokens < 0:
             raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
 
@@ -52,16 +63,16 @@ class Candidate(Protocol):
 C = TypeVar("C", bound=Candidate)
 
 
-def pick(candidates: Sequence[C], cached_blocks: dict[str, int], prompt_blocks: int, load_weight: float,
-         key: bytes = b"") -> tuple[C, int]:
+def pick(candidates: Sequence[C], cached_blocks: dict[str, float], prompt_blocks: int, load_weight: float,
+         key: bytes = b"", elsewhere: float = 0.0) -> tuple[C, float]:
     """The cheapest candidate and how many leading blocks it holds. `cached_blocks`: address -> blocks
-    held (from the prefix index; absent: none). Equal costs - above all a prompt nobody caches yet - go
+    held (from the prefix index, tier and store blocks weighted; absent: `elsewhere`, the store's). Equal costs - above all a prompt nobody caches yet - go
     by rendezvous hashing of `key` (the prompt's head): distinct prompts spread, and requests that share
     a new prefix meet where its blocks will be, before any engine has reported them."""
     scale = load_weight * max(prompt_blocks, 1)
 
     def cost(candidate: C) -> tuple[bool, float]:
-        missing = prompt_blocks - cached_blocks.get(candidate.address, 0)
+        missing = prompt_blocks - cached_blocks.get(candidate.address, elsewhere)
         free = candidate.status.num_free_blocks if candidate.status is not None else 0
         return free < missing, missing + scale * candidate.load
 
@@ -69,7 +80,7 @@ def pick(candidates: Sequence[C], cached_blocks: dict[str, int], prompt_blocks: 
     lowest = min(c for c, _ in costs)
     tied = [candidate for c, candidate in costs if c == lowest]
     best = tied[0] if len(tied) == 1 else max(tied, key=lambda c: rendezvous(key, c.address))
-    return best, cached_blocks.get(best.address, 0)
+    return best, cached_blocks.get(best.address, elsewhere)
 
 
 def rendezvous(key: bytes, address: str) -> bytes:

@@ -248,8 +248,8 @@ class ServiceBackend:
         route, reason = Route(), "load"
         if kv.policy is RoutingPolicy.KV and index is not None and index.block_size is not None:
             hashes = extend_block_hashes([], prompt, index.block_size, placeholders, gen.cache_salt)
-            cached = index.match(hashes)
-            route = affinity = Route(affinity.key, cached, len(hashes), kv.load_weight)
+            cached, elsewhere = index.match_weighted(hashes, kv.tier_weight, kv.store_weight)
+            route = affinity = Route(affinity.key, cached, len(hashes), kv.load_weight, elsewhere)
             reason = "cached_prefix" if cached else "no_cached_prefix"
         if not self.router.disaggregated:
             return _Plan("unified", reason if route.cached is not None else "prefix_affinity", affinity, affinity)
@@ -259,7 +259,8 @@ class ServiceBackend:
             return _Plan("decode_only", "no_prefill", route, affinity)
         if route.cached:
             decodes = self.router.pool(Role.DECODE).healthy()
-            _, held = kv_routing.pick(decodes, route.cached, route.prompt_blocks, route.load_weight, route.key)
+            _, held = kv_routing.pick(decodes, route.cached, route.prompt_blocks, route.load_weight, route.key,
+                                      route.elsewhere)
             if held and len(prompt) - held * index.block_size <= kv.local_prefill_tokens:
                 return _Plan("decode_only", "decode_holds_prefix", route, affinity)
         return _Plan("prefill_decode", reason, route, affinity)

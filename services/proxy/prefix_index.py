@@ -6,6 +6,13 @@ block hashes, how many leading blocks each instance holds. Event numbers make lo
 batch that does not start where the last one ended (lost, or the instance restarted and counts from 1
 again) clears what the index knows of that instance and asks for a snapshot, which replaces it whole.
 
+An engine with a local offload tier reports that tier's blocks too, in the same numbered batches; they
+are kept in a second index of the same kind (`tier`), fed and resynced with the first. A shared KV store
+reports its own (`store`, one holder every engine may load from). `match_weighted` counts an instance's
+leading blocks in its pool, then those its tier holds beyond them at `tier_weight` (a tier block is
+restored by a copy: cheaper than computing it, dearer than a pool hit), then those the store holds beyond
+both at `store_weight` (a transfer over the network).
+
 Memory is bounded: a block is keyed by the first 8 bytes of its hash (an int; a collision can only
 make the router over-estimate a cached prefix, never corrupt a cache - the engine checks its own
 hashes and token ids), and each instance may hold at most `max_blocks_per_instance` keys; past that its
@@ -15,6 +22,17 @@ from __future__ import annotations
 
 import sys
 from typing import Sequence
+
+
+STORE = "kvstore"  # the shared KV store's name in `PrefixIndex.store`
+
+
+def _by_start(counts: dict[str, int]) -> dict[int, list[str]]:
+    """Instances grouped by how many leading blocks they hold (few distinct counts: one lookup each)."""
+    groups: dict[int, list[str]] = {}
+    for name, n in counts.items():
+        groups.setdefault(n, []).append(name)
+    return groups
 
 
 def block_key(block_hash: bytes) -> int:
@@ -34,8 +52,12 @@ class _Holdings:
 class PrefixIndex:
     """Block key -> the instances holding it; instance -> its keys. One owner: the router."""
 
-    def __init__(self, max_blocks_per_instance: int = 1 << 20) -> None:
+    def __init__(self, max_blocks_per_instance: int = 1 << 20, tiers: bool = True) -> None:
         self.max_blocks_per_instance = max_blocks_per_instance
+        # What each instance's local offload tier holds (its numbering is the pool's: one batch says both).
+        self.tier: PrefixIndex | None = PrefixIndex(max_blocks_per_instance, tiers=False) if tiers else None
+        # What the shared KV store holds, as its one holder STORE.
+        self.store: PrefixIndex | None = PrefixIndex(max_blocks_per_instance, tiers=False) if tiers else None
         # Most blocks live on one instance: its slot is stored as an int, a set only once shared.
         self._holders: dict[int, int | set[int]] = {}
         self._instances: dict[str, _Holdings] = {}
@@ -46,11 +68,15 @@ class PrefixIndex:
 
     # -- events ---------------------------------------------------------------------------------------
     def apply(self, instance: str, first_seq: int, last_seq: int, stored: Sequence[bytes],
-              removed: Sequence[bytes], snapshot: bool = False) -> bool:
-        """Apply events [first_seq, last_seq] of `instance` (a snapshot: all it holds, as of last_seq).
+              removed: Sequence[bytes], snapshot: bool = False, tier_stored: Sequence[bytes] = (),
+              tier_removed: Sequence[bytes] = ()) -> bool:
+        """Apply events [first_seq, last_seq] of `instance` (a snapshot: all it holds, as of last_seq), of
+        its pool and (`tier_*`) of its local offload tier.
 
         Returns False when they do not follow what was applied before: the instance's entry is then
         cleared and the caller must ask for a snapshot."""
+        if self.tier is not None:
+            self.tier.apply(instance, first_seq, last_seq, tier_stored, tier_removed, snapshot)
         holdings = self._instances.get(instance) or self._add(instance)
         # A new entry takes batches from 1 on: the instance's whole history.
         follows = first_seq == holdings.next_seq and (holdings.synced or first_seq == 1)
@@ -76,6 +102,8 @@ class PrefixIndex:
 
     def drop(self, instance: str) -> None:
         """Forget an instance (it died or left)."""
+        if self.tier is not None:
+            self.tier.drop(instance)
         holdings = self._instances.pop(instance, None)
         if holdings is not None:
             self._clear(holdings)
@@ -100,6 +128,33 @@ class PrefixIndex:
                 counts[slot] = i + 1
         return {self._names[slot]: n for slot, n in counts.items()}
 
+    def match_weighted(self, block_hashes: Sequence[bytes], tier_weight: float,
+                       store_weight: float = 0.0) -> tuple[dict[str, float], float]:
+        """(instance name -> the leading `block_hashes` it holds in its pool, plus `tier_weight` times those
+        its local tier holds right after them, plus `store_weight` times those the shared store holds after
+        both - the engine restores exactly those: kv_connector.py; what an instance absent from the dict
+        holds: the store's leading blocks at `store_weight`)."""
+        pool = self.match(block_hashes)
+        reach: dict[str, int] = dict(pool)  # leading blocks in pool or tier
+        held: dict[str, float] = {name: float(n) for name, n in pool.items()}
+        if self.tier is not None and tier_weight > 0:
+            for name, n in self.tier.match(block_hashes).items():
+                if name not in pool:
+                    held[name], reach[name] = tier_weight * n, n
+            for start, names in _by_start(pool).items():
+                if start < len(block_hashes):
+                    more = self.tier.match(block_hashes[start:])
+                    for name in names:
+                        held[name] += tier_weight * more.get(name, 0)
+                        reach[name] += more.get(name, 0)
+        if self.store is None or store_weight <= 0:
+            return held, 0.0
+        for start, names in _by_start(reach).items():
+            more = self.store.match(block_hashes[start:]).get(STORE, 0) if start < len(block_hashes) else 0
+            for name in names:
+                held[name] += store_weight * more
+        return held, store_weight * self.store.match(block_hashes).get(STORE, 0)
+
     def blocks_per_instance(self) -> dict[str, int]:
         return {name: len(holdings.keys) for name, holdings in self._instances.items()}
 
@@ -114,7 +169,7 @@ class PrefixIndex:
             total += sys.getsizeof(key) + (sys.getsizeof(held) if isinstance(held, set) else 0)
         for holdings in self._instances.values():
             total += sys.getsizeof(holdings.keys)  # its int keys are the ones counted above
-        return total
+        return total + sum(part.memory_bytes() for part in (self.tier, self.store) if part is not None)
 
     # -- internals ------------------------------------------------------------------------------------
     def _add(self, instance: str) -> _Holdings:

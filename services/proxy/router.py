@@ -31,9 +31,9 @@ from typing import Callable, NamedTuple, Sequence
 
 from epdserve.services.network import split_target
 from epdserve.services.proxy import kv_routing
-from epdserve.services.proxy.prefix_index import PrefixIndex
+from epdserve.services.proxy.prefix_index import STORE, PrefixIndex
 from epdserve.transport.protocol import Health, KVEvents, KVEventsRequest, Role, Status, StatusRequest
-from epdserve.transport.channel import ChannelError
+from epdserve.transport.channel import ChannelError, ErrorReply
 from epdserve.transport.request_client import RequestClient
 from epdserve.transport.security import bracketed
 
@@ -84,9 +84,10 @@ class Route(NamedTuple):
     holds (`cached`: address -> blocks, of `prompt_blocks`; see kv_routing), else by affinity `key`,
     else the least loaded."""
     key: bytes | None = None
-    cached: dict[str, int] | None = None
+    cached: dict[str, float] | None = None
     prompt_blocks: int = 0
     load_weight: float = 0.0
+    elsewhere: float = 0.0  # what an instance absent from `cached` holds: the shared store's blocks, weighted
 
 
 class NoInstanceError(Exception):
@@ -207,7 +208,8 @@ class RolePool:
                            instance.address, events.block_size, index.block_size)
             return
         if not index.apply(instance.address, events.first_seq, events.last_seq, _hashes(events.stored),
-                           _hashes(events.removed), events.snapshot):
+                           _hashes(events.removed), events.snapshot, _hashes(events.offloaded_stored),
+                           _hashes(events.offloaded_removed)):
             logger.info("%s instance %s: KV events from %d do not follow; asking for a snapshot",
                         self.role.value, instance.address, events.first_seq)
 
@@ -228,7 +230,7 @@ class RolePool:
     def pick(self, route: Route, exclude: Sequence[Instance] = ()) -> Instance:
         if route.cached is not None:
             return kv_routing.pick(self._require(exclude), route.cached, route.prompt_blocks, route.load_weight,
-                                   route.key or b"")[0]
+                                   route.key or b"", route.elsewhere)[0]
         if route.key is not None:
             return self.pick_affine(route.key, exclude)
         return self.pick_least_loaded(exclude)
@@ -267,9 +269,11 @@ class Router:
     """The pools of every role, kept fresh by one background task."""
 
     def __init__(self, pools: dict[Role, RolePool], poll_interval: float = 1.0, resolve_interval: float = 5.0,
-                 index: PrefixIndex | None = None) -> None:
+                 index: PrefixIndex | None = None, store: RequestClient | None = None) -> None:
+        """`store`: the shared KV store's control channel, whose KV events the index follows too."""
         self.pools = pools
         self.index = index  # what the engines' prefix caches hold, when routing is KV-aware
+        self.store = store if index is not None and index.store is not None else None
         self.poll_interval = poll_interval
         self.resolve_interval = resolve_interval
         self._task: asyncio.Task | None = None
@@ -284,7 +288,24 @@ class Router:
     async def refresh(self) -> None:
         for pool in self.pools.values():
             await pool.resolve()
-        await asyncio.gather(*(pool.poll() for pool in self.pools.values()))
+        await asyncio.gather(*(pool.poll() for pool in self.pools.values()), self._poll_store())
+
+    async def _poll_store(self) -> None:
+        """Apply what the shared KV store stored and dropped since the last poll; a store that does not
+        answer holds nothing for routing until it does (engines recompute rather than wait on it)."""
+        if self.store is None:
+            return
+        index = self.index.store
+        try:
+            events = await self.store.request(KVEventsRequest(index.next_seq(STORE)), timeout=self.poll_interval * 2,
+                                              expect=KVEvents)
+        except (ChannelError, ErrorReply, TimeoutError) as exc:
+            if index.num_blocks(STORE):
+                logger.warning("KV store %s: no KV events (%s); routing without it", self.store.address, exc)
+            index.drop(STORE)
+            return
+        index.apply(STORE, events.first_seq, events.last_seq, _hashes(events.stored), _hashes(events.removed),
+                    events.snapshot)
 
     async def start(self) -> None:
         await self.refresh()
@@ -299,7 +320,7 @@ class Router:
                     for pool in self.pools.values():
                         await pool.resolve()
                     last_resolve = time.monotonic()
-                await asyncio.gather(*(pool.poll() for pool in self.pools.values()))
+                await asyncio.gather(*(pool.poll() for pool in self.pools.values()), self._poll_store())
             except Exception:  # the router must keep polling whatever one poll did
                 logger.exception("router refresh failed")
 
@@ -324,3 +345,5 @@ class Router:
             await asyncio.gather(self._task, return_exceptions=True)
         for pool in self.pools.values():
             await pool.close()
+        if self.store is not None:
+            await self.store.close()

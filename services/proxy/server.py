@@ -54,6 +54,9 @@ class ProxyConfig:
     unified: tuple[str, ...] = ()
     poll_interval: float = 1.0
     resolve_interval: float = 5.0
+    # The shared KV store's control address (tcp://host:port; None: none): KV-aware routing follows what
+    # it holds too (its events), counting those blocks at the routing config's store_weight.
+    kv_store: str | None = None
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     max_image_bytes: int = 20 << 20
@@ -114,7 +117,8 @@ async def build_proxy(config: ProxyConfig):
     pools = {role: RolePool(role, targets, make_client, index=None if role == Role.ENCODER else index)
              for role, targets in ((Role.ENCODER, config.encoders), (Role.PREFILL, config.prefills),
                                    (Role.DECODE, config.decodes), (Role.UNIFIED, config.unified))}
-    router = Router(pools, config.poll_interval, config.resolve_interval, index)
+    store = make_client(config.kv_store, Role.KVSTORE) if config.kv_store and index is not None else None
+    router = Router(pools, config.poll_interval, config.resolve_interval, index, store)
     wildcard = config.host in WILDCARD_HOSTS
     inbox = PullChannel(engine_id, host=config.host, port=config.inbox_port, allow_wildcard=wildcard,
                         curve=server_curve(config.transport), senders=MAY_SEND)

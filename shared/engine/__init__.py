@@ -16,8 +16,11 @@ _EXPORTS = {
     "StructuredOutputsParams": "sampling_params", "LOGIT_BIAS_MAX": "sampling_params",
     "LOGIT_BIAS_MIN": "sampling_params", "MAX_LOGPROBS": "sampling_params", "SEED_MAX": "sampling_params",
     "SEED_MIN": "sampling_params", "sequence_seed": "sampling_params",
-    "RequestOutput": "outputs", "EngineStats": "outputs", "RequestMetrics": "outputs",
+    "RequestOutput": "outputs", "EngineStats": "outputs", "RequestMetrics": "outputs", "KVTierStats": "outputs",
+    "RESTORE_SECONDS_BUCKETS": "outputs", "KVEventLog": "kv_events", "TierEvents": "kv_events",
+    "OffloadFile": "offload_file",
     "KVConnector": "kv_connector", "KVLoad": "kv_connector", "LoadResult": "kv_connector",
+    "EvictedBlock": "kv_connector",
     "build_engine_config": "llm", "PREFILL_OUTPUT_TOKENS": "handoff", "Request": "request",
 }
 __all__ = list(_EXPORTS)

@@ -197,6 +197,8 @@ class AsyncLLM:
         self._stopping = True
         self._commands.put(Stop())
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self._engine.close()
 
     def _put(self, command: Command) -> None:
         with self._lock:
@@ -240,6 +242,8 @@ class AsyncLLM:
         except BaseException as exc:
             built.set_exception(exc)
             return
+        for tier in self._engine.tiers:  # first: a tier offers its blocks before a peer's connector is asked
+            self._engine.add_connector(tier, lambda result: self._put(FinishLoad(result)), self.release_kv)
         built.set_result(self._engine)
         self._run()
 

@@ -5,7 +5,9 @@ ids and its extra keys (multimodal item hashes overlapping it; the request's `ca
 block), so equal hashes mean equal prefixes. A hit is also verified against the block's stored token ids.
 Free blocks wait in one LRU queue (an OrderedDict: O(1) removal from the middle when a cached block is
 hit again); a cached block keeps its content until it is popped for reuse, which is the eviction. Each
-registration and eviction is logged (`events`) for routers that follow what this cache holds.
+registration and eviction is logged (`events`) for routers that follow what this cache holds, and the
+blocks one allocation evicts are handed to `on_evict` before it returns - before anything writes them -
+so a tier can copy them out (kv_connector.py).
 
 Parallel sampling forks a sequence: the child takes a reference on every block of its parent's table
 (`fork`). Full blocks are never written again, so sharing them is free; a shared *partial* last block
@@ -15,9 +17,10 @@ copy is listed for the model runner, which makes it before the step's forward pa
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Sequence
 
 from epdserve.shared.block_hash import extend_block_hashes
+from epdserve.shared.engine.kv_connector import EvictedBlock
 from epdserve.shared.engine.kv_events import KVEventLog
 from epdserve.shared.engine.request import Request
 
@@ -56,6 +59,9 @@ class BlockManager:
         self.num_prefix_hits = 0
         # Registered and evicted hashes, for routers that follow what this cache holds.
         self.events = KVEventLog()
+        # Told of the prefix-cache blocks each allocation evicts, while their content is still there.
+        self.on_evict: Callable[[list[EvictedBlock]], None] | None = None
+        self._evicted: list[EvictedBlock] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -139,6 +145,10 @@ class BlockManager:
         fresh = sorted(self._pop_free().block_id for _ in range(max(num_new, 0)))
         request.block_ids.extend(fresh)
         self.new_block_ids.extend(fresh)
+        if self._evicted:
+            evicted, self._evicted = self._evicted, []
+            if self.on_evict is not None:
+                self.on_evict(evicted)
 
     def _pop_free(self) -> KVBlock:
         _, block = self.free_queue.popitem(last=False)
@@ -146,6 +156,7 @@ class BlockManager:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
                 self.events.removed(block.block_hash)
+                self._evicted.append(EvictedBlock(block.block_hash, block.block_id, block.token_ids))
             block.block_hash, block.token_ids = None, ()
         block.ref_cnt = 1
         return block

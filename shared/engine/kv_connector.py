@@ -18,15 +18,23 @@ A `KVConnector` has two halves, as vLLM's KV connectors do:
   it copies them. Kept blocks stay allocated - out of the pool, readable by the connector's worker half,
   never written - until the connector calls the `release` it was bound to (any thread). An aborted or
   failed request keeps nothing.
+- Saving on eviction: when the pool reuses a free block that still holds a full, registered prefix block
+  (the prefix cache's eviction), the block manager first tells the connectors which blocks go
+  (`blocks_evicted`: hash, block id, tokens), on the engine's thread, before the step that reuses them
+  writes anything. A connector that wants them must copy their KV out during that call (one gather into a
+  staging tensor, which a worker thread then writes wherever it keeps them); reuse is never deferred, so an
+  eviction costs the step one copy, never a wait on a tier.
 
-A request marks itself for connectors with `kv_transfer_params` (opaque to the engine: a peer's KV handle,
-say). Each request's connectors are asked at most once for its KV; encoder outputs are asked for whenever a
+A request marks itself for peers' connectors with `kv_transfer_params` (opaque to the engine: a peer's KV
+handle, say); a tier's connector offers what it holds of any request's prefix, by block hash. Every
+connector is asked; the one that offers the most tokens loads them (ties: the first added). Each request's
+connectors are asked at most once for its KV; encoder outputs are asked for whenever a
 (re)computation needs ones it lacks, after a failed KV load or a preemption. `request_ended` tells the
 connector a request is gone (finished, aborted, failed), once its blocks are no longer being written.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +50,14 @@ class KVLoad(NamedTuple):
     first_block: int  # index of block_ids[0] in the request's block table
     num_tokens: int  # the request's computed tokens once the blocks are filled
     mm_hashes: tuple[str, ...] = ()  # encoder outputs to supply
+
+
+class EvictedBlock(NamedTuple):
+    """A full prefix-cache block about to be reused: its content is still in `block_id` during the call."""
+
+    block_hash: bytes
+    block_id: int
+    token_ids: tuple[int, ...]
 
 
 class LoadResult(NamedTuple):
@@ -83,3 +99,7 @@ class KVConnector:
 
     def request_ended(self, request: Request) -> None:
         """The request is gone and no load of it is in flight: forget it."""
+
+    def blocks_evicted(self, blocks: Sequence[EvictedBlock]) -> None:
+        """These prefix-cache blocks are about to be reused: a connector that keeps evicted KV copies it
+        now (their content is gone once this returns)."""

@@ -10,7 +10,7 @@ import enum
 from typing import NamedTuple
 
 from epdserve.shared.engine.block_manager import BlockManager, KVBlock
-from epdserve.shared.engine.kv_connector import KVConnector, KVLoad
+from epdserve.shared.engine.kv_connector import EvictedBlock, KVConnector, KVLoad
 from epdserve.shared.engine.request import Request
 
 
@@ -34,15 +34,26 @@ class KVLoads:
         self.block_manager = block_manager
         self.connectors: list[KVConnector] = []
         self.loading: dict[str, Loading] = {}
+        block_manager.on_evict = self._evicted
+
+    def _evicted(self, blocks: list[EvictedBlock]) -> None:
+        for connector in self.connectors:
+            connector.blocks_evicted(blocks)
 
     def try_start(self, request: Request, computed_blocks: list[KVBlock], num_cached: int) -> Admission:
-        """Start a load for `request` (waiting, its prefix hits found) if a connector can feed it."""
-        if request.kv_transfer_params is not None and not request.kv_load_started:
+        """Start a load for `request` (waiting, its prefix hits found) if a connector can feed it: the one
+        that offers the most tokens (ties: the first added)."""
+        if self.connectors and not request.kv_load_started:
+            best, best_tokens = None, 0
             for connector in self.connectors:
                 num_tokens = min(connector.num_loadable_tokens(request, num_cached),
                                  request.num_prompt_tokens - num_cached)
-                if num_tokens > 0:
-                    return self._start_kv(request, connector, computed_blocks, num_cached, num_tokens)
+                if num_tokens > best_tokens:
+                    best, best_tokens = connector, num_tokens
+            # Positions left to compute after the load need their encoder outputs first: those are loaded
+            # now, and the KV once the request is back at the queue's head with them.
+            if best is not None and not request.missing_embeddings(num_cached + best_tokens):
+                return self._start_kv(request, best, computed_blocks, num_cached, best_tokens)
         missing = request.missing_embeddings(num_cached)
         if not missing:
             return Admission.NONE
@@ -76,9 +87,9 @@ class KVLoads:
         return self.loading.pop(request_id, None)
 
     def keeps(self, request: Request) -> bool:
-        """Whether a connector keeps the blocks of `request`, which just finished (the first that does is the
-        one that releases them)."""
-        return any(connector.request_finished(request) for connector in self.connectors)
+        """Whether a connector keeps the blocks of `request`, which just finished (the one that does releases
+        them). Every connector is told - a tier copies the blocks out then - even once one keeps them."""
+        return any([connector.request_finished(request) for connector in self.connectors])
 
     def ended(self, request: Request) -> None:
         """`request` is gone: the connectors that may know it forget it."""

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import itertools
+import queue
 from dataclasses import replace
 from typing import Sequence
 
 from epdserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from epdserve.shared.engine.default_logging import use_default_logging
+from epdserve.shared.engine.kv_connector import LoadResult
 from epdserve.shared.engine.llm_engine import LLMEngine, PromptType
 from epdserve.shared.engine.outputs import RequestOutput
 from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -28,13 +30,19 @@ def build_engine_config(
     seed: int = 0,
     grammar_compile_timeout: float = 10.0,
     speculative_config: str | dict | SpeculativeConfig | None = None,
+    kv_offloading_size: float = 0.0,
+    kv_offloading_path: str | None = None,
+    kv_offloading_save_finished: bool = False,
 ) -> EngineConfig:
+    """`kv_offloading_size`: GiB of the local offload tier (0: none), as vLLM's `--kv-offloading-size`;
+    `kv_offloading_path`: the folder its file goes in (default: the temp folder)."""
     model_config = ModelConfig.from_pretrained(model, dtype, max_model_len)
     speculative = SpeculativeConfig.parse(speculative_config)
     return EngineConfig(
         model=model_config,
         cache=CacheConfig(block_size, kv_cache_memory_bytes, num_kv_blocks, enable_prefix_caching,
-                          kv_cache_memory_fraction),
+                          kv_cache_memory_fraction, int(kv_offloading_size * (1 << 30)), kv_offloading_path,
+                          kv_offloading_save_finished),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
         device=device,
         attention_backend=attention_backend,
@@ -50,12 +58,17 @@ class LLM:
     max_num_batched_tokens, kv_cache_memory_bytes or num_kv_blocks (default: kv_cache_memory_fraction of the
     memory available, see kv_cache_budget.py), max_model_len, attention_backend
     ("auto" | "torch" | "triton"), device, seed, speculative_config (vLLM's: a dict or its JSON text, e.g.
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})."""
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}), kv_offloading_size (GiB of
+    the local offload tier), kv_offloading_path, kv_offloading_save_finished."""
 
     def __init__(self, model: str, **kwargs) -> None:
         use_default_logging()
         self.engine = LLMEngine(build_engine_config(model, **kwargs))
         self._ids = itertools.count()
+        # Loads from the engine's own tiers end on their worker threads; `_run` applies them between steps.
+        self._loads_done: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
+        for connector in self.engine.tiers:
+            self.engine.add_connector(connector, self._loads_done.put, lambda request_id: None)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -97,7 +110,20 @@ class LLM:
             self.engine.add_request(request.request_id, request)
         finals: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            outputs = self._finish_loads(wait=not self.engine.has_work())
+            outputs += self.engine.step() if self.engine.has_work() else []
+            for out in outputs:
                 if out.finished:
                     finals[out.request_id] = out
         return [finals[r.group_id] for r in requests]
+
+    def _finish_loads(self, wait: bool) -> list[RequestOutput]:
+        """Apply the loads that ended; with `wait`, wait a while for one first (nothing else can run)."""
+        outputs: list[RequestOutput] = []
+        try:
+            result = self._loads_done.get(timeout=1.0) if wait else self._loads_done.get_nowait()
+            while True:
+                outputs += self.engine.finish_load(result)
+                result = self._loads_done.get_nowait()
+        except queue.Empty:
+            return outputs

@@ -14,6 +14,7 @@ from epdserve.shared.engine.kv_cache_budget import size_kv_cache
 from epdserve.shared.engine.model_runner import ModelRunner
 from epdserve.shared.engine.draft_proposer import DraftModelProposer
 from epdserve.shared.engine.ngram_proposer import NgramProposer
+from epdserve.shared.engine.offload_connector import OffloadConnector
 from epdserve.shared.engine.handoff import continue_from_peer
 from epdserve.shared.engine.kv_connector import KVConnector, LoadResult
 from epdserve.shared.engine.output_processor import OutputProcessor
@@ -51,6 +52,13 @@ class LLMEngine:
         self.queue_estimate = QueueEstimate()  # read by services from other threads (admission control)
         self.runner = ModelRunner(config, num_blocks, self.step_timer)
         self.proposer = self._proposer(config, num_blocks)
+        # The engine's own KV tiers beyond the pool: connectors the front door (LLM, AsyncLLM) adds first,
+        # with the finish callback that brings their loads to its thread.
+        self.tiers: list[OffloadConnector] = []
+        if config.cache.kv_offloading_bytes:
+            self.tiers.append(OffloadConnector.create(
+                self.runner.kv_cache, config.cache.block_size, config.cache.kv_offloading_bytes,
+                config.cache.kv_offloading_path, config.cache.kv_offloading_save_finished))
         self.output_processor = OutputProcessor(self.tokenizer.fast if self.tokenizer and detokenize else None)
         # Structured outputs need the vocabulary's token strings, hence a tokenizer.
         self.grammar_compiler = None if self.tokenizer is None else GrammarCompiler(
@@ -323,8 +331,12 @@ class LLMEngine:
         """What the prefix cache gained and lost from event batch `next_seq` on; a snapshot of what it
         holds when `next_seq` is None or those batches are gone."""
         manager = self.scheduler.block_manager
+        for tier in self.tiers:
+            stored, removed = tier.take_changes()
+            manager.events.tier_changed(tier.name, stored, removed)
         manager.events.seal()
-        return manager.events.since(next_seq, manager.cached_blocks)
+        return manager.events.since(next_seq, manager.cached_blocks,
+                                    {tier.name: tier.hashes() for tier in self.tiers})
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -333,4 +345,10 @@ class LLMEngine:
                            self.scheduler.num_preemptions, dict(self.scheduler.num_finished),
                            self.step_timer.num_steps, self.step_timer.breakdown(), self.num_prompt_tokens,
                            self.num_generation_tokens,
-                           None if self.proposer is None else self.scheduler.spec_stats.counts(self.proposer.k))
+                           None if self.proposer is None else self.scheduler.spec_stats.counts(self.proposer.k),
+                           {tier.name: tier.stats() for tier in self.tiers})
+
+    def close(self) -> None:
+        """Stop the engine's tiers' threads (the engine itself holds nothing else that needs it)."""
+        for tier in self.tiers:
+            tier.close()

@@ -78,3 +78,26 @@ class EngineStats(NamedTuple):
     num_prompt_tokens: int  # prompt tokens computed here (not those found in the prefix cache or pulled)
     num_generation_tokens: int  # tokens sampled here
     spec_decode: SpecDecodeCounts | None = None  # with speculative decoding on
+    # The KV tiers beyond the pool (empty: none configured), by name: "local" (offload_connector.py).
+    kv_tiers: dict[str, "KVTierStats"] = {}
+
+
+# Bounds (seconds) of the restore latency histogram's buckets: a load from a tier, start to finish.
+RESTORE_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class KVTierStats(NamedTuple):
+    """A KV tier's counters since the engine started, and what it holds now."""
+
+    num_blocks: int  # blocks it holds now
+    capacity_blocks: int
+    hit_blocks: int  # blocks restored from it into the pool
+    hit_tokens: int
+    restored_bytes: int
+    saved_blocks: int
+    saved_bytes: int
+    dropped_saves: int  # evicted blocks not saved (staging full, tier busy, or unreachable)
+    failed_restores: int  # loads that failed (a block's checksum differed, the tier was gone): recomputed
+    corrupt_blocks: int  # blocks whose bytes did not match their checksum
+    restore_buckets: tuple[int, ...]  # restores per RESTORE_SECONDS_BUCKETS bound (not cumulative), then +Inf
+    restore_seconds: float  # summed over restores

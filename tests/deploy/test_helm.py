@@ -146,7 +146,7 @@ def test_engines_advertise_their_pod_ip(render, served, values):
 @pytest.mark.parametrize("values", GOOD_VALUES, ids=value_id)
 def test_services_route_to_declared_container_ports(render, values):
     objects = render(values)[1]
-    pods = [d["spec"]["template"] for d in of_kind(objects, "Deployment")]
+    pods = [d["spec"]["template"] for d in of_kind(objects, "Deployment") + of_kind(objects, "StatefulSet")]
     for service in of_kind(objects, "Service"):
         (pod,) = [p for p in pods if selects(service["spec"]["selector"], p["metadata"]["labels"])]
         names = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
@@ -156,8 +156,9 @@ def test_services_route_to_declared_container_ports(render, values):
 
 @pytest.mark.parametrize("values", GOOD_VALUES, ids=value_id)
 def test_nothing_runs_as_root_or_writes_its_image(render, values):
-    for obj in of_kind(render(values)[1], "Deployment") + of_kind(render(values)[1], "Pod"):
-        spec = obj["spec"]["template"]["spec"] if obj["kind"] == "Deployment" else obj["spec"]
+    objects = render(values)[1]
+    for obj in of_kind(objects, "Deployment") + of_kind(objects, "StatefulSet") + of_kind(objects, "Pod"):
+        spec = obj["spec"]["template"]["spec"] if obj["kind"] != "Pod" else obj["spec"]
         pod_context = spec["securityContext"]
         assert pod_context["runAsNonRoot"] is True and pod_context["runAsUser"] != 0
         assert pod_context["seccompProfile"]["type"] == "RuntimeDefault"
@@ -484,3 +485,24 @@ def test_default_memory_requests_and_limits_fit_measured_use(render):
         assert quantity_gb(resources["requests"]["memory"]) >= measured, role
         # Headroom for a request's activations, a bigger KV share, allocator slack: twice what was seen.
         assert quantity_gb(resources["limits"]["memory"]) >= 2 * measured, role
+
+
+def test_kv_store_is_a_statefulset_every_engine_is_pointed_at(render, served, parse_cli):
+    objects = render(CHART / "ci" / "kvstore-values.yaml")[1]
+    (store,) = of_kind(objects, "StatefulSet")
+    container = main_container(store)
+    args = parse_cli(container["command"] + container["args"])
+    assert args.role == "kvstore" and args.kv_store_size == 2 and args.host == "0.0.0.0"
+    service = by_name(objects, "Service")[store["spec"]["serviceName"]]
+    assert service["spec"]["clusterIP"] == "None"
+    assert selects(service["spec"]["selector"], store["spec"]["template"]["metadata"]["labels"])
+    (config,) = of_kind(objects, "ConfigMap")
+    name = store["metadata"]["name"]
+    assert config["data"]["EPDSERVE_KV_STORE"] == f"{name}-0.{name}:{args.port}"
+    for deployment in of_kind(objects, "Deployment"):
+        engine, _ = served(deployment)
+        if engine.role in ("prefill", "decode"):
+            assert engine.kv_offloading_size == 1.0
+            refs = [e["configMapRef"]["name"] for e in main_container(deployment)["envFrom"] if "configMapRef" in e]
+            assert config["metadata"]["name"] in refs  # EPDSERVE_KV_STORE: their --kv-store default
+    assert not of_kind(render(None)[1], "StatefulSet")  # off by default

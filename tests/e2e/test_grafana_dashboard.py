@@ -34,6 +34,8 @@ REQUIRED = {
     "epdserve:mm_cache_queries_total", "epdserve:spec_decode_num_drafts_total",
     "epdserve:spec_decode_num_draft_tokens_total", "epdserve:spec_decode_num_accepted_tokens_total",
     "epdserve:spec_decode_num_accepted_tokens_per_pos_total",
+    "epdserve:prompt_tokens_computed_total",
+    "epdserve:kv_tier_hit_tokens_total", "epdserve:kv_tier_restore_seconds_bucket",
 }
 
 
@@ -90,10 +92,11 @@ def test_the_dashboard_is_well_formed():
 
 @pytest.fixture(scope="module")
 def stack(stack_factory, demo_model):
-    # Speculating engines export the spec_decode series too.
+    # Speculating engines with an offload tier export the spec_decode and kv_tier series too.
     return stack_factory(demo_model, encoders=1, prefills=1, decodes=1,
                          engine_args=["--num-kv-blocks", "128", "--max-model-len", "1024", "--speculative-config",
-                                      '{"method": "ngram", "num_speculative_tokens": 2}'])
+                                      '{"method": "ngram", "num_speculative_tokens": 2}',
+                                      "--kv-offloading-size", "0.05"])
 
 
 def scrape(stack) -> list:

@@ -35,7 +35,7 @@ class CopyConnector(KeepConnector):
         self.ended: list[str] = []
 
     def num_loadable_tokens(self, request, num_local_tokens: int) -> int:
-        if request.kv_transfer_params == KEEP:
+        if request.kv_transfer_params in (KEEP, None):
             return 0
         _, _, num_tokens = request.kv_transfer_params
         return max(num_tokens - num_local_tokens, 0)

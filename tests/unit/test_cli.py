@@ -337,3 +337,24 @@ def test_a_bad_speculative_config_stops_up_and_serve_with_one_line(default_model
         stack_config(parse("up", "--speculative-config", value), str(default_model_path))
     with pytest.raises(ValueError, match=message):
         engine_config(parse("serve", "decode", "--speculative-config", value), str(default_model_path))
+
+
+def test_up_with_a_kv_store_starts_one_and_gives_every_engine_its_address(default_model_path):
+    commands = dict(LocalStack(stack_config(parse("up", "--decodes", "2", "--kv-store", "0.5", "--",
+                                                  "--kv-offloading-size", "2"), str(default_model_path))).commands())
+    store = commands["kvstore-0"]
+    assert list(commands)[0] == "kvstore-0" and store[store.index("--kv-store-size") + 1] == "0.5"
+    address = f"127.0.0.1:{store[store.index('--port') + 1]}"
+    for name in ("prefill-0", "decode-0", "decode-1"):
+        argv = commands[name]
+        serve = parse(*argv[argv.index("serve"):])
+        config = service_config(serve)
+        assert config.kv_store == f"tcp://{address}" and serve.kv_offloading_size == 2.0
+    proxy = commands["proxy"]
+    assert proxy_config(parse(*proxy[proxy.index("serve"):]), str(default_model_path)).kv_store == f"tcp://{address}"
+    assert service_config(parse("serve", "kvstore", "--kv-store-size", "0.25")).kv_store_bytes == 1 << 28
+    assert "kvstore-0" not in dict(LocalStack(stack_config(parse("up"), str(default_model_path))).commands())
+    with pytest.raises(SystemExit, match="--kv-store must be a positive size"):
+        stack_config(parse("up", "--kv-store", "0"), str(default_model_path))
+    with pytest.raises(SystemExit, match="--kv-store .* is not HOST:PORT"):
+        service_config(parse("serve", "decode", "--kv-store", "nowhere"))

@@ -1,0 +1,78 @@
+"""The KV store's own rules: blocks by layout and chained hash, LRU within its size, corrupt puts refused,
+the leading blocks of a get, and KV events a follower can apply."""
+import asyncio
+
+import torch
+
+from epdserve.services.kvstore.worker import KVStoreWorker
+from epdserve.shared.config import ServiceConfig
+from epdserve.transport.checksum import checksum
+from epdserve.transport.protocol import (Ack, Error, KVEvents, KVEventsRequest, KVLayout, KVStoreBlocks, KVStoreGet,
+                                      KVStorePut)
+
+LAYOUT = KVLayout("m", "float32", 4, 2, 1, 8)
+OTHER = KVLayout("m2", "float32", 4, 2, 1, 8)
+BLOCK_BYTES = 2 * 2 * 1 * 4 * 8 * 4
+
+
+def h(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+def put(worker, hashes, layout=LAYOUT, corrupt=()):
+    blocks = torch.stack([torch.full((2, 2, 1, 4, 8), float(i)) for i in hashes])
+    sums = [checksum(b) ^ (1 if i in corrupt else 0) for i, b in zip(hashes, blocks)]
+    message = KVStorePut(layout, b"".join(h(i) for i in hashes), tuple(t for i in hashes for t in [i] * 4),
+                         tuple(sums), (blocks,))
+    return asyncio.run(worker.handle(message, None))
+
+
+def get(worker, hashes, layout=LAYOUT) -> KVStoreBlocks:
+    return asyncio.run(worker.handle(KVStoreGet(layout, b"".join(h(i) for i in hashes)), None))
+
+
+def test_blocks_by_layout_and_hash_least_recently_used_first():
+    worker = KVStoreWorker(ServiceConfig("kvstore", "s"), 3 * BLOCK_BYTES, lambda: 0)
+    assert isinstance(put(worker, [1, 2, 3]), Ack)
+    got = get(worker, [1, 2, 9, 3])  # the leading ones held: 1, 2
+    assert got.block_hashes == h(1) + h(2) and got.token_ids == (1,) * 4 + (2,) * 4
+    assert torch.equal(got.blocks[0][1], torch.full((2, 2, 1, 4, 8), 2.0))
+    assert [checksum(b) for b in got.blocks[0]] == list(got.checksums)
+    assert get(worker, [1], OTHER).block_hashes == b""  # another model's blocks are another's
+    put(worker, [4])  # full: 3 was used least recently
+    assert get(worker, [3]).block_hashes == b"" and get(worker, [4]).block_hashes == h(4)
+    assert worker.num_bytes == 3 * BLOCK_BYTES
+
+
+def test_a_corrupt_block_is_refused_and_events_follow_the_store():
+    worker = KVStoreWorker(ServiceConfig("kvstore", "s"), 2 * BLOCK_BYTES, lambda: 0)
+    put(worker, [1, 2], corrupt=[2])
+    assert get(worker, [1, 2]).block_hashes == h(1)
+    snapshot = asyncio.run(worker.handle(KVEventsRequest(None), None))
+    assert isinstance(snapshot, KVEvents) and snapshot.snapshot and snapshot.stored == h(1)
+    put(worker, [3, 4])
+    events = asyncio.run(worker.handle(KVEventsRequest(snapshot.last_seq + 1), None))
+    assert not events.snapshot and events.removed == h(1) and events.stored == h(3) + h(4)
+    bad = asyncio.run(worker.handle(KVStoreGet(LAYOUT, b"short"), None))
+    assert isinstance(bad, Error) and "16 bytes" in bad.message
+
+
+def test_blocks_memory_lets_go_are_kept_on_disk_and_served_from_there(tmp_path):
+    worker = KVStoreWorker(ServiceConfig("kvstore", "s"), 2 * BLOCK_BYTES, lambda: 0, disk_bytes=2 * BLOCK_BYTES,
+                           disk_path=str(tmp_path))
+    snapshot = asyncio.run(worker.handle(KVEventsRequest(None), None))
+    put(worker, [1, 2, 3, 4])  # 1 and 2 go to disk
+    assert worker.num_bytes == 2 * BLOCK_BYTES
+    got = get(worker, [1, 2, 3])
+    assert got.block_hashes == h(1) + h(2) + h(3) and got.token_ids[:4] == (1,) * 4
+    assert torch.equal(got.blocks[0][0], torch.full((2, 2, 1, 4, 8), 1.0))
+    assert [checksum(b) for b in got.blocks[0]] == list(got.checksums)
+    put(worker, [5, 6])  # 3 and 4 to disk, pushing out 1 and 2: gone from the store
+    assert get(worker, [1]).block_hashes == b"" and get(worker, [3, 4, 5]).block_hashes == h(3) + h(4) + h(5)
+    events = asyncio.run(worker.handle(KVEventsRequest(snapshot.last_seq + 1), None))
+    assert set(events.removed[i:i + 16] for i in range(0, len(events.removed), 16)) == {h(1), h(2)}
+    # A block whose bytes changed on disk is not served, and leaves the store.
+    (disk,) = worker.disks.values()
+    disk.slot(disk._entries[h(3)].slot).view(-1)[0] += 1.0
+    assert get(worker, [3]).block_hashes == b""
+    assert h(3) in asyncio.run(worker.handle(KVEventsRequest(events.last_seq + 1), None)).removed
