@@ -107,6 +107,23 @@ class _EngineCollector:
             restore.add_metric(values + [tier], buckets, stats.restore_seconds)
         yield restore
 
+    @staticmethod
+    def _spec_decode(sd, counter, names: list[str], values: list[str]):
+        """Speculative decoding's counters; acceptance rate = accepted / draft tokens, mean accepted length =
+        1 + accepted / drafts (as vLLM's dashboards compute them)."""
+        yield counter("epdserve:spec_decode_num_drafts", "Speculative decoding: verification runs (one "
+                      "request's draft tokens in one step).", sd.num_drafts)
+        yield counter("epdserve:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+                      sd.num_draft_tokens)
+        yield counter("epdserve:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+                      sd.num_accepted_tokens)
+        per_pos = CounterMetricFamily("epdserve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative decoding: draft tokens accepted, by position in the draft.",
+                                      labels=names + ["position"])
+        for position, count in enumerate(sd.num_accepted_tokens_per_pos):
+            per_pos.add_metric(values + [str(position)], count)
+        yield per_pos
+
 
 _TIER_SERIES = (
     ("gauge", "epdserve:kv_tier_blocks", "KV blocks a tier holds.", "num_blocks"),
@@ -125,23 +142,6 @@ _TIER_SERIES = (
     ("counter", "epdserve:kv_tier_corrupt_blocks", "Blocks in a tier whose bytes no longer matched their checksum.",
      "corrupt_blocks"),
 )
-
-    @staticmethod
-    def _spec_decode(sd, counter, names: list[str], values: list[str]):
-        """Speculative decoding's counters; acceptance rate = accepted / draft tokens, mean accepted length =
-        1 + accepted / drafts (as vLLM's dashboards compute them)."""
-        yield counter("epdserve:spec_decode_num_drafts", "Speculative decoding: verification runs (one "
-                      "request's draft tokens in one step).", sd.num_drafts)
-        yield counter("epdserve:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
-                      sd.num_draft_tokens)
-        yield counter("epdserve:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
-                      sd.num_accepted_tokens)
-        per_pos = CounterMetricFamily("epdserve:spec_decode_num_accepted_tokens_per_pos",
-                                      "Speculative decoding: draft tokens accepted, by position in the draft.",
-                                      labels=names + ["position"])
-        for position, count in enumerate(sd.num_accepted_tokens_per_pos):
-            per_pos.add_metric(values + [str(position)], count)
-        yield per_pos
 
 
 class ServiceMetrics:
