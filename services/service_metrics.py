@@ -201,8 +201,8 @@ class ServiceMetrics:
         self.embeddings_fetched = counter("epdserve:embeddings_fetched", "Image embeddings pulled from encoders.")
         self.embeddings_unavailable = counter("epdserve:embeddings_unavailable",
                                               "Requests failed because their image embeddings could not be had "
-                                              "from the encoder that made them (gone, unreachable): answered as "
-                                              "retryable, the proxy encodes the image again.")
+                                              "from the encoder that made them (gone, unreachable, corrupted twice): "
+                                              "answered as retryable, the proxy encodes the image again.")
         self.refused_overloaded = counter("epdserve:requests_refused_overloaded",
                                           "Requests refused because the prompts queued ahead would take longer "
                                           "than --max-queue-wait (admission control).")

@@ -1,10 +1,11 @@
-"""2 encoders + 1 prefill + 1 decode: an encoder SIGKILLed after it encoded a request's image, before the prefill
-fetched the embeddings, costs the request seconds, not its answer. The prefill finds the encoder gone at once
-(its connection refused), answers `embeddings_unavailable`, and the proxy encodes the image again on the live
-encoder and sends the prefill once more: the answer equals the one served without the fault. With no encoder
-left, the client gets a prompt 503, never a 500 after the transfer timeout; an encoder back heals the stack.
+"""2 encoders + 1 prefill + 1 decode (or 1 unified engine): an encoder SIGKILLed after it encoded a request's
+image, before the engine fetched the embeddings, costs the request seconds, not its answer. The engine finds
+the encoder gone at once (its connection refused), answers `embeddings_unavailable` (the prefill as its reply,
+the unified engine on the stream), and the proxy encodes the image again on the live encoder and sends the
+request once more: the answer equals the one served without the fault. With no encoder left, the client gets a
+prompt 503, never a 500 after the transfer timeout; an encoder back heals the stack.
 
-The window is made with real signals: the prefill is frozen (SIGSTOP) while the request is encoded, so that it
+The window is made with real signals: the engine is frozen (SIGSTOP) while the request is encoded, so that it
 cannot fetch the embeddings before the encoder that made them is killed; it is thawed (SIGCONT) well within
 the proxy's heartbeats.
 """
@@ -27,10 +28,13 @@ QUESTION = "What is in this picture?"
 PROMPT_S = 10.0
 
 
-@pytest.fixture(scope="module")
-def stack(demo_model, stack_factory):
-    return stack_factory(demo_model, encoders=2, prefills=1, decodes=1,
-                         engine_args=["--num-kv-blocks", str(NUM_BLOCKS)])
+@pytest.fixture(scope="module", params=["prefill-0", "unified-0"])
+def stack(request, demo_model, stack_factory):
+    """A stack whose engine that fetches the embeddings is `stack.fetcher`."""
+    roles = dict(prefills=1, decodes=1) if request.param == "prefill-0" else dict(unified=1)
+    stack = stack_factory(demo_model, encoders=2, engine_args=["--num-kv-blocks", str(NUM_BLOCKS)], **roles)
+    stack.fetcher = request.param
+    return stack
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +67,10 @@ def wait_for(condition, what: str, timeout: float = 120) -> None:
 
 
 def encoder_lost_after_encoding(stack, client, png: bytes, salt: str, encoders: list[str]):
-    """Ask about `png` (whose embeddings one of `encoders` already holds) with the prefill frozen; once that
-    encoder has answered the encode (its cache hit counted), SIGKILL it and thaw the prefill. (the encoder
-    killed, the reply or the error, seconds from the ask to its end)."""
-    prefill = stack.services["prefill-0"]
+    """Ask about `png` (whose embeddings one of `encoders` already holds) with the engine that fetches them
+    frozen; once that encoder has answered the encode (its cache hit counted), SIGKILL it and thaw the engine.
+    (the encoder killed, the reply or the error, seconds from the ask to its end)."""
+    prefill = stack.services[stack.fetcher]
     before = {name: hits(stack, name) for name in encoders}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         prefill.proc.send_signal(signal.SIGSTOP)
@@ -77,7 +81,7 @@ def encoder_lost_after_encoding(stack, client, png: bytes, salt: str, encoders: 
             while not (encoded := [name for name in encoders if hits(stack, name) > before[name]]):
                 assert time.monotonic() < deadline and not asked.done(), "the image was never encoded"
                 time.sleep(0.02)
-            time.sleep(0.1)  # the hit is counted just before EncodeDone leaves; the frozen prefill fetches nothing
+            time.sleep(0.1)  # the hit is counted just before EncodeDone leaves; the frozen engine fetches nothing
             (killed,) = encoded
             stack.services[killed].proc.send_signal(signal.SIGKILL)
             stack.services[killed].proc.wait(10)
@@ -91,7 +95,7 @@ def encoder_lost_after_encoding(stack, client, png: bytes, salt: str, encoders: 
 
 
 def test_an_encoder_killed_after_encoding_is_made_good_by_encoding_again(stack, client):
-    proxy, prefill = stack.services["proxy"], stack.services["prefill-0"]
+    proxy, prefill = stack.services["proxy"], stack.services[stack.fetcher]
     png = picture_png(7)
     started = time.monotonic()
     expected = ask(client, png, "reference")  # encoded now: the encoder it went to holds the embeddings
@@ -106,7 +110,7 @@ def test_an_encoder_killed_after_encoding_is_made_good_by_encoding_again(stack, 
     assert seconds < unfaulted + PROMPT_S
     assert prefill.metrics()["epdserve:embeddings_unavailable_total"] == unavailable + 1
     assert proxy.metrics()["epdserve:request_reencodes_total"] == reencodes + 1
-    print(f"\nencoder SIGKILLed after encoding: answered in {seconds:.2f}s ({unfaulted:.2f}s without the fault), "
+    print(f"\n{stack.fetcher}: encoder SIGKILLed after encoding: answered in {seconds:.2f}s ({unfaulted:.2f}s without the fault), "
           "identical, image encoded again")
 
     # The last encoder lost the same way: nothing can encode the image again; the client is told at once.
