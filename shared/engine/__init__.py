@@ -18,6 +18,7 @@ _EXPORTS = {
     "RequestOutput": "outputs", "EngineStats": "outputs", "RequestMetrics": "outputs",
     "KVConnector": "kv_connector", "KVLoad": "kv_connector", "LoadResult": "kv_connector",
     "build_engine_config": "llm", "PREFILL_OUTPUT_TOKENS": "handoff", "Request": "request",
+    "LoRARequest": "lora_request", "LoRAAdapterError": "lora_manager", "NoLoRASlotError": "lora_manager",
 }
 __all__ = list(_EXPORTS)
 

@@ -5,9 +5,10 @@ import itertools
 from dataclasses import replace
 from typing import Sequence
 
-from epdserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from epdserve.shared.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from epdserve.shared.engine.default_logging import use_default_logging
 from epdserve.shared.engine.llm_engine import LLMEngine, PromptType
+from epdserve.shared.engine.lora_request import LoRARequest
 from epdserve.shared.engine.outputs import RequestOutput
 from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -27,6 +28,9 @@ def build_engine_config(
     device: str = "cpu",
     seed: int = 0,
     grammar_compile_timeout: float = 10.0,
+    enable_lora: bool = False,
+    max_loras: int = 4,
+    max_lora_rank: int = 16,
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig.from_pretrained(model, dtype, max_model_len),
@@ -37,6 +41,7 @@ def build_engine_config(
         attention_backend=attention_backend,
         seed=seed,
         grammar_compile_timeout=grammar_compile_timeout,
+        lora=LoRAConfig(max_loras, max_lora_rank) if enable_lora else None,
     )
 
 
@@ -45,7 +50,7 @@ class LLM:
     model, dtype ("float32" | "bfloat16"), block_size, enable_prefix_caching, max_num_seqs,
     max_num_batched_tokens, kv_cache_memory_bytes or num_kv_blocks (default: kv_cache_memory_fraction of the
     memory available, see kv_cache_budget.py), max_model_len, attention_backend
-    ("auto" | "torch" | "triton"), device, seed."""
+    ("auto" | "torch" | "triton"), device, seed, enable_lora with max_loras and max_lora_rank."""
 
     def __init__(self, model: str, **kwargs) -> None:
         use_default_logging()
@@ -56,14 +61,27 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (a string, token ids, or {"prompt_token_ids": [...]}); outputs in order."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (a string, token ids, or {"prompt_token_ids": [...]}); outputs in order.
+        `lora_request`: one adapter for every prompt, or one (or None: the base model) per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
+        loras = self._loras_per_prompt(lora_request, len(prompts))
         # Validate everything before adding anything, so a bad prompt leaves the engine untouched.
-        requests = [self.engine.make_request(str(next(self._ids)), p, sp) for p, sp in zip(prompts, params)]
+        requests = [self.engine.make_request(str(next(self._ids)), p, sp, lora_request=lora)
+                    for p, sp, lora in zip(prompts, params, loras)]
         return self._run(requests)
+
+    @staticmethod
+    def _loras_per_prompt(lora_request, n: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        loras = list(lora_request)
+        if len(loras) != n:
+            raise ValueError(f"{len(loras)} LoRA requests for {n} prompts")
+        return loras
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -17,6 +17,7 @@ import torch
 from epdserve.kernels.backend import select_attention_backend
 from epdserve.shared.config import EngineConfig
 from epdserve.shared.models.layers.attention import AttentionMetadata
+from epdserve.shared.models.layers.lora import group_by_slot
 from epdserve.shared.models import model_class
 from epdserve.shared.models.cpu_kernels import load_cpu_kernels
 from epdserve.shared.engine.prompt_logprobs import PromptScores, prompt_span, score_prompt_spans
@@ -66,6 +67,7 @@ class ModelRunner:
             # which would otherwise wait while a ready engine compiles.
             load_cpu_kernels(m.dtype, layer_ops=True, attention=config.attention_backend in ("auto", "cpu"))
         self.model = load_model(config)
+        self.lora = None if config.lora is None else self.model.enable_lora(config.lora)
         self.kv_cache = torch.zeros(m.num_layers, 2, num_blocks, m.num_kv_heads, self.block_size, m.head_size,
                                     dtype=m.dtype, device=self.device)
         backend = select_attention_backend(config.attention_backend, self.device)
@@ -208,6 +210,10 @@ class ModelRunner:
         slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
         seq_lens = torch.tensor(starts, dtype=torch.int32) + q_lens_t
         dev = self.device
+        if self.lora is not None:
+            slots = torch.tensor([request.lora_slot for request, _ in scheduled])
+            batch = group_by_slot(slots[seq_idx])
+            self.lora.batch = None if batch is None else batch._replace(token_indices=batch.token_indices.to(dev))
         meta = AttentionMetadata(slot_mapping.to(dev), block_tables.to(dev), seq_lens.to(dev), query_start_loc.to(dev))
         if self.backend.plan is not None:
             m = self.config.model
