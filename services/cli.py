@@ -128,7 +128,21 @@ def engine_config(args: argparse.Namespace, model: str):
         kv_cache_memory_bytes=int(args.kv_cache_memory * (1 << 30)) if args.kv_cache_memory else None,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_model_len=args.max_model_len, attention_backend=args.attention_backend, device=args.device,
-        seed=args.seed, grammar_compile_timeout=args.grammar_compile_timeout)
+        seed=args.seed, grammar_compile_timeout=args.grammar_compile_timeout, enable_lora=args.enable_lora,
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, lora_modules=lora_modules(args))
+
+
+def lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """--lora-modules NAME=PATH ..., checked; an engine's need --enable-lora."""
+    from epdserve.services.proxy.lora_modules import parse_lora_modules
+
+    try:
+        modules = parse_lora_modules(args.lora_modules)
+    except ValueError as exc:
+        raise SystemExit(f"epdserve: error: {exc}") from None
+    if modules and hasattr(args, "enable_lora") and not args.enable_lora:
+        raise SystemExit("epdserve: error: --lora-modules needs --enable-lora")
+    return modules
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -180,7 +194,8 @@ def proxy_config(args: argparse.Namespace, model: str):
         tool_call_parser=args.tool_call_parser,
         drain_timeout=args.drain_timeout, max_request_body_bytes=args.max_request_body_bytes,
         otlp_traces_endpoint=args.otlp_traces_endpoint, request_trace=args.request_trace,
-        constraint_limits=ConstraintLimits(args.max_structured_output_bytes, args.max_logit_bias))
+        constraint_limits=ConstraintLimits(args.max_structured_output_bytes, args.max_logit_bias),
+        lora_modules=lora_modules(args), enable_lora_runtime_updates=args.enable_lora_runtime_updates)
 
 
 def service_config(args: argparse.Namespace, threads: int = 1):
@@ -237,7 +252,8 @@ def _starting(name: str, model: str) -> None:
 # Options `up` gives every service that takes them itself, and whom each would miss after -- (which
 # reaches the prefill, decode and unified engines only).
 UP_OWN_OPTIONS = {"--kv-transport": "the encoders", "--kv-backend": "the encoders", "--ucx-net-devices": "the encoders",
-                  "--served-model-name": "the encoders and the proxy"}
+                  "--served-model-name": "the encoders and the proxy", "--lora-modules": "the proxy",
+                  "--enable-lora": "the proxy", "--max-loras": "nothing", "--max-lora-rank": "nothing"}
 
 
 def stack_config(args: argparse.Namespace, model: str):
@@ -276,7 +292,19 @@ def stack_config(args: argparse.Namespace, model: str):
     return StackConfig(model, args.host, args.port, encoders, args.prefills, args.decodes, args.unified,
                        api_key(args), args.threads, args.log_level, tuple(extra), args.drain_timeout,
                        args.routing_policy, args.kv_transport, args.ucx_net_devices, args.otlp_traces_endpoint,
-                       args.request_trace, args.served_model_name, args.internal_ports, args.migration_limit)
+                       args.request_trace, args.served_model_name, args.internal_ports, args.migration_limit,
+                       lora_args(args), args.enable_lora_runtime_updates)
+
+
+def lora_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """`up`'s LoRA options, as every engine service takes them (the proxy takes --lora-modules of them)."""
+    modules = lora_modules(args)
+    if args.enable_lora_runtime_updates and not args.enable_lora:
+        raise SystemExit("epdserve: error: --enable-lora-runtime-updates needs --enable-lora")
+    if not args.enable_lora:
+        return ()
+    found = ["--lora-modules", *(f"{name}={path}" for name, path in modules)] if modules else []
+    return ("--enable-lora", "--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank), *found)
 
 
 def _check_kv_transport(args: argparse.Namespace) -> None:

@@ -78,6 +78,31 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "before the request is refused with a 400; compiles run off the service's event loop")
     g.add_argument("--threads", type=int, help="compute threads of the engine (or encoder); the service's other "
                                                 "threads use one (default: one per core)")
+    add_lora_engine_args(g)
+
+
+def add_lora_engine_args(g: argparse._ActionsContainer) -> None:
+    """An engine's LoRA options (`up` takes them too and passes them on)."""
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders) beside the base weights; a batch mixes them")
+    add_lora_modules_arg(g)
+    g.add_argument("--max-loras", type=int, default=4, metavar="N",
+                   help="adapters resident in the model at once; a request for another while every one is in use "
+                        "is refused retryably (default: %(default)s)")
+    g.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
+                   help="largest adapter rank served; an adapter above it is refused at load (default: %(default)s)")
+
+
+def add_lora_modules_arg(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--lora-modules", nargs="+", action="extend", metavar="NAME=PATH",
+                   help="LoRA adapters served as models named NAME, each a PEFT folder (adapter_config.json + "
+                        "adapter_model.safetensors); read and checked at start-up")
+
+
+def add_lora_runtime_updates_arg(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--enable-lora-runtime-updates", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key), which "
+                        "load an adapter on every engine or unload it (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
 
 
 def add_kv_transport_args(g: argparse._ActionsContainer) -> None:
@@ -207,6 +232,8 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                         "what the services' wire carries; default: %(default)s)")
     p.add_argument("--max-logit-bias", type=int, default=1024, metavar="N",
                    help="most logit_bias entries one request may send (a 400 beyond; default: %(default)s)")
+    add_lora_modules_arg(p)
+    add_lora_runtime_updates_arg(p)
     _add_trace_options(p)
 
 
@@ -250,6 +277,8 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
                          "lost; 0: never (default: %(default)s)")
     add_kv_transport_args(up)
     _add_trace_options(up)
+    add_lora_engine_args(up)
+    add_lora_runtime_updates_arg(up)
     up.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"), metavar="KEY",
                     help="Bearer token the API requires (default: $EPDSERVE_API_KEY; unset: open). A key on the "
                          "command line shows in `ps`: prefer --api-key-file or the variable. " + _API_KEY_SCOPE)

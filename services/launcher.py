@@ -147,6 +147,9 @@ class StackConfig:
     served_model_name: str | None = None  # given to every service: one name in the API, metrics and traces
     internal_ports: tuple[int, int] | None = None  # (LOW, HIGH): where the services but the API listen
     migration_limit: int = 3  # the proxy's --migration-limit
+    # LoRA options of every engine (--enable-lora, --max-loras, ...); --lora-modules of them go to the proxy too.
+    lora_args: tuple[str, ...] = ()
+    enable_lora_runtime_updates: bool = False  # the proxy's
 
     @property
     def model_name(self) -> str:
@@ -198,7 +201,7 @@ class LocalStack:
             argv = [*base, role, "--model", c.model, "--host", "127.0.0.1", *listen, "--engine-id", f"{role}-{i}",
                     *name, *drain, *transport]
             if role != "encoder":
-                argv += ["--threads", str(c.threads), *c.engine_args]
+                argv += ["--threads", str(c.threads), *c.lora_args, *c.engine_args]
             procs.append((f"{role}-{i}", argv))
             targets[role].append(f"127.0.0.1:{listen[listen.index('--port') + 1]}")
         proxy = [*base, "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port), *ports("proxy"), *name,
@@ -207,6 +210,10 @@ class LocalStack:
             proxy += ["--otlp-traces-endpoint", c.otlp_traces_endpoint]
         if c.request_trace:
             proxy.append("--request-trace")
+        if "--lora-modules" in c.lora_args:  # (last of them: NAME=PATH ... to the end)
+            proxy += c.lora_args[c.lora_args.index("--lora-modules"):]
+        if c.enable_lora_runtime_updates:
+            proxy.append("--enable-lora-runtime-updates")
         for role, addrs in targets.items():
             if addrs:
                 proxy += [f"--{role}", ",".join(addrs)]

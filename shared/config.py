@@ -351,8 +351,13 @@ class LoRAConfig:
 
     max_loras: int = 4
     max_lora_rank: int = 16
+    # (name, PEFT folder) of the adapters read and checked at start-up (an engine's --lora-modules).
+    modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
+        names = [name for name, _ in self.modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA module names must be distinct, got {names}")
         if self.max_loras <= 0:
             raise ValueError(f"max_loras must be positive, got {self.max_loras}")
         if not 0 < self.max_lora_rank <= 512:

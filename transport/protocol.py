@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 class Role(str, enum.Enum):
@@ -160,6 +160,15 @@ class MMPlaceholder:
 
 
 @dataclass(frozen=True, slots=True)
+class WireLoRA:
+    """The LoRA adapter a request runs with: its name, and the PEFT folder an engine reads it from (each
+    engine that computes the request's KV - prefill and decode alike - applies the same adapter)."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
 class KVHandle:
     """A request's KV blocks held by a prefill engine under a lease, for decode to pull."""
 
@@ -268,6 +277,7 @@ class PrefillRequest:
     sampling_params: WireSamplingParams
     mm_placeholders: tuple[MMPlaceholder, ...] = ()
     cache_salt: str | None = None
+    lora: WireLoRA | None = None  # None: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +312,7 @@ class DecodeRequest:
     # With n > 1, the first tokens prefill sampled for sequences 1 .. n-1: decode pulls the prompt's KV
     # once and forks every sequence from it.
     other_first_tokens: tuple[int, ...] = ()
+    lora: WireLoRA | None = None  # prefill's adapter: decode continues with the same one
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +329,7 @@ class GenerateRequest:
     # A stream another instance lost, continued (n = 1): the tokens it delivered. The engine continues after
     # them, as if it had sampled them, and streams only what follows.
     output_token_ids: tuple[int, ...] = ()
+    lora: WireLoRA | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,6 +414,25 @@ class Status:
     num_running: int
     num_waiting: int
     data_addr: str = ""  # its KV / embedding transfer server, for encoders and prefills
+    # LoRA adapters it has read, which it serves without reading them again (routers prefer it for them),
+    # and how many it can hold in its model at once (0: it serves none).
+    lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadLoRA:
+    """Read and check a LoRA adapter now (answered by Ack, or an Error saying why it cannot be served)."""
+    TAG: ClassVar[str] = "load_lora"
+    name: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadLoRA:
+    """Forget a LoRA adapter: requests running with it finish, new ones may not name it (Ack, or NOT_FOUND)."""
+    TAG: ClassVar[str] = "unload_lora"
+    name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -520,7 +551,7 @@ Message = Union[
     Handshake, HandshakeAck,
     EncodeRequest, EncodeDone, PrefillRequest, PrefillDone, DecodeRequest, GenerateRequest, TokenDelta,
     TokenDeltas, Release, RenewLease, LeaseRenewed, Abort, Ack,
-    StatusRequest, Status, KVEventsRequest, KVEvents, Error,
+    StatusRequest, Status, KVEventsRequest, KVEvents, Error, LoadLoRA, UnloadLoRA,
     FetchBlocks, BlocksData, BlocksSent, FetchEmbeddings, EmbeddingsData, EmbeddingsSent,
 ]
 
@@ -531,7 +562,7 @@ MESSAGE_TYPES: dict[str, type] = {cls.TAG: cls for cls in Message.__args__}
 # deployment's key get that far.
 MAY_SEND: dict[Role, frozenset[type]] = {
     Role.PROXY: frozenset({StatusRequest, KVEventsRequest, EncodeRequest, PrefillRequest, DecodeRequest,
-                           GenerateRequest, Abort}),
+                           GenerateRequest, Abort, LoadLoRA, UnloadLoRA}),
     # Engines pull embeddings and KV, hand prefill's blocks back, and push tokens to proxies.
     Role.PREFILL: frozenset({FetchEmbeddings, TokenDelta, TokenDeltas, Error}),
     Role.DECODE: frozenset({FetchEmbeddings, FetchBlocks, RenewLease, Release, TokenDelta, TokenDeltas, Error}),

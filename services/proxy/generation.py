@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, NamedTuple, Protocol
 
-from epdserve.transport.protocol import TokenLogprobs, TraceSpan
+from epdserve.transport.protocol import TokenLogprobs, TraceSpan, WireLoRA
 from epdserve.shared.engine import SamplingParams
 
 
@@ -31,6 +31,7 @@ class GenerateInput:
     params: SamplingParams
     images: list[ImageInput] = field(default_factory=list)
     cache_salt: str | None = None
+    lora: WireLoRA | None = None  # the LoRA adapter the request's `model` names; None: the base model
 
 
 class Chunk(NamedTuple):

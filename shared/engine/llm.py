@@ -31,6 +31,7 @@ def build_engine_config(
     enable_lora: bool = False,
     max_loras: int = 4,
     max_lora_rank: int = 16,
+    lora_modules: tuple[tuple[str, str], ...] = (),
 ) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig.from_pretrained(model, dtype, max_model_len),
@@ -41,7 +42,7 @@ def build_engine_config(
         attention_backend=attention_backend,
         seed=seed,
         grammar_compile_timeout=grammar_compile_timeout,
-        lora=LoRAConfig(max_loras, max_lora_rank) if enable_lora else None,
+        lora=LoRAConfig(max_loras, max_lora_rank, tuple(lora_modules)) if enable_lora else None,
     )
 
 

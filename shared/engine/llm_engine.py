@@ -50,6 +50,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, num_blocks, self.step_timer)
         self.lora_manager = None if config.lora is None else LoRAManager(config.lora, config.model,
                                                                          self.runner.model.set_lora)
+        for i, (name, path) in enumerate(config.lora.modules if config.lora else ()):
+            self.load_lora(LoRARequest(name, i + 1, path))  # a bad one stops the start, saying why
         self.output_processor = OutputProcessor(self.tokenizer.fast if self.tokenizer and detokenize else None)
         # Structured outputs need the vocabulary's token strings, hence a tokenizer.
         self.grammar_compiler = None if self.tokenizer is None else GrammarCompiler(
@@ -144,13 +146,18 @@ class LLMEngine:
 
     def _seat_adapter(self, request: Request, members: list[Request]) -> None:
         """Put the request's adapter in a slot (NoLoRASlotError when every slot is in use)."""
-        adapter = self.lora_manager.adapters.get(request.lora_name)
+        adapter = self.lora_manager.adapters.get(request.lora_name)  # (one dict read: no lock needed)
         if adapter is None or adapter.digest != request.lora_key:
             raise ValueError(f"LoRA adapter {request.lora_name!r} was unloaded")
         in_use = {r.lora_slot for r in self.scheduler.requests.values() if r.lora_slot >= 0}
         slot = self.lora_manager.acquire(adapter, in_use)
         for sequence in members:
             sequence.lora_slot = slot
+
+    def can_seat_lora(self, name: str) -> bool:
+        """Whether a request with adapter `name` (read already) would find it a slot now."""
+        in_use = {r.lora_slot for r in self.scheduler.requests.values() if r.lora_slot >= 0}
+        return self.lora_manager is not None and self.lora_manager.can_seat(name, in_use)
 
     def load_lora(self, lora_request: LoRARequest) -> None:
         """Read and check an adapter now (LoRAAdapterError if this model cannot serve it); it takes a slot
@@ -164,7 +171,7 @@ class LLMEngine:
 
     def lora_adapters(self) -> list[str]:
         """The adapters loaded, by name."""
-        return [] if self.lora_manager is None else list(self.lora_manager.adapters)
+        return [] if self.lora_manager is None else self.lora_manager.names()
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -8,6 +8,7 @@ request. When every slot is in use the request is refused (`NoLoRASlotError`: re
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable, Iterable
 
 from epdserve.shared.config import LoRAConfig, ModelConfig
@@ -33,22 +34,40 @@ class LoRAManager:
         self.slots: list[LoRAAdapter | None] = [None] * config.max_loras
         self._last_used = [0] * config.max_loras
         self._clock = 0
+        # `load` and `remove` may run off the engine's thread (a service reads adapters without holding
+        # up its steps); the adapters dict is what they share with it.
+        self._lock = threading.Lock()
 
     def load(self, lora: LoRARequest) -> LoRAAdapter:
         """The adapter `lora` names, read from its path unless known already under that name and path;
         raises LoRAAdapterError (a ValueError) for an adapter this base model cannot serve."""
-        known = self.adapters.get(lora.lora_name)
+        with self._lock:
+            known = self.adapters.get(lora.lora_name)
         if known is not None and known.path == lora.lora_path:
             return known
         adapter = load_lora_adapter(lora.lora_name, lora.lora_path, self.model_config, self.config.max_lora_rank)
-        self.adapters[lora.lora_name] = adapter
+        with self._lock:
+            self.adapters[lora.lora_name] = adapter
         logger.info("LoRA adapter %s loaded from %s (rank %d, %d modules)", adapter.name, adapter.path,
                     adapter.rank, len(adapter.weights))
         return adapter
 
     def remove(self, name: str) -> bool:
         """Forget adapter `name` (False if unknown); its slot is reused once no request uses it."""
-        return self.adapters.pop(name, None) is not None
+        with self._lock:
+            return self.adapters.pop(name, None) is not None
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self.adapters)
+
+    def can_seat(self, name: str, slots_in_use: Iterable[int]) -> bool:
+        """Whether `acquire` would find adapter `name` a slot now."""
+        with self._lock:
+            adapter = self.adapters.get(name)
+        if adapter is not None and any(held is adapter for held in self.slots):
+            return True
+        return len(set(slots_in_use)) < len(self.slots)
 
     def acquire(self, adapter: LoRAAdapter, slots_in_use: Iterable[int]) -> int:
         """A slot holding `adapter`, written now if it has none; raises NoLoRASlotError."""
