@@ -5,6 +5,7 @@ is refused at load with the engines' reason."""
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 
 import httpx
 import pytest
@@ -180,15 +181,21 @@ def test_an_instance_without_room_refuses_retryably(start_stack, tiny, lora_path
     stack = start_stack(tiny, unified=1, engine_args=["--enable-lora", "--max-loras", "1", "--num-kv-blocks", "256",
                                                       *lora_flags(lora_paths, ("all", "attn"))],
                         proxy_args=[*lora_flags(lora_paths, ("all", "attn")), "--api-key", KEY])
+    started = threading.Event()
+
+    def hold_the_slot() -> int:
+        body = {"model": "all", "prompt": prompt_ids[0], "max_tokens": 1800, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", stack.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
+            for _ in r.iter_lines():
+                started.set()  # its first token is out: the adapter holds the slot
+        return r.status_code
+
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        busy = pool.submit(complete, stack.url, "all", prompt_ids[0], 400, ignore_eos=True)
-        refused = None
-        for _ in range(100):  # until the stream holds the slot
-            r = complete(stack.url, "attn", prompt_ids[1], 2)
-            if r.status_code == 503:
-                refused = r
-                break
-        assert refused is not None and "no room for LoRA adapter 'attn'" in refused.text
+        busy = pool.submit(hold_the_slot)
+        assert started.wait(60)
+        refused = complete(stack.url, "attn", prompt_ids[1], 2)
+        assert not busy.done(), "the stream ended before the probe: make it longer"
+        assert refused.status_code == 503 and "no room for LoRA adapter 'attn'" in refused.text, refused.text
         assert "retry-after" in refused.headers
-        assert busy.result().status_code == 200
+        assert busy.result() == 200
     assert complete(stack.url, "attn", prompt_ids[1], 2).status_code == 200
