@@ -70,10 +70,19 @@ class LLM:
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
         loras = self._loras_per_prompt(lora_request, len(prompts))
+        self._check_lora_room(loras)
         # Validate everything before adding anything, so a bad prompt leaves the engine untouched.
         requests = [self.engine.make_request(str(next(self._ids)), p, sp, lora_request=lora)
                     for p, sp, lora in zip(prompts, params, loras)]
         return self._run(requests)
+
+    def _check_lora_room(self, loras: list[LoRARequest | None]) -> None:
+        """The call's requests all run at once: their adapters must fit the slots together."""
+        names = {lora.lora_name for lora in loras if lora is not None}
+        lora_config = self.engine.config.lora
+        if names and lora_config is not None and len(names) > lora_config.max_loras:
+            raise ValueError(f"no room for LoRA adapters {sorted(names)} in one call: {len(names)} adapters, "
+                             f"max_loras {lora_config.max_loras}")
 
     @staticmethod
     def _loras_per_prompt(lora_request, n: int) -> list[LoRARequest | None]:

@@ -67,7 +67,6 @@ class ModelRunner:
             # which would otherwise wait while a ready engine compiles.
             load_cpu_kernels(m.dtype, layer_ops=True, attention=config.attention_backend in ("auto", "cpu"))
         self.model = load_model(config)
-        self.lora = None if config.lora is None else self.model.enable_lora(config.lora)
         self.kv_cache = torch.zeros(m.num_layers, 2, num_blocks, m.num_kv_heads, self.block_size, m.head_size,
                                     dtype=m.dtype, device=self.device)
         backend = select_attention_backend(config.attention_backend, self.device)
@@ -79,6 +78,8 @@ class ModelRunner:
             attn.backend = backend
         self.backend = backend
         self.attention_backend = backend.name
+        # LoRA by the Triton kernels where attention runs Triton's (a GPU, or the interpreter in tests).
+        self.lora = None if config.lora is None else self.model.enable_lora(config.lora, backend.name == "triton")
         # The sliding windows the layers use (None: the whole context), each planned once per step.
         self.attention_windows = tuple(dict.fromkeys(attn.sliding_window for attn in self.model.attention_layers()))
         # The CPU path keeps the decode batch's K/V contiguous across steps, within the pool's own size.

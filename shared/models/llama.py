@@ -173,10 +173,11 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
-    def enable_lora(self, lora: LoRAConfig) -> LoRAState:
-        """Give every adaptable linear layer its slots of stacked adapter weights (all zero: no adapter)."""
+    def enable_lora(self, lora: LoRAConfig, triton: bool) -> LoRAState:
+        """Give every adaptable linear layer its slots of stacked adapter weights (all zero: no adapter);
+        `triton`: apply them with the Triton kernels."""
         weight = self.lm_head.weight
-        state = LoRAState(lora.max_loras, lora.max_lora_rank, weight.device)
+        state = LoRAState(lora.max_loras, lora.max_lora_rank, triton)
         for layer in self.model.layers:
             attn = layer.self_attn
             attn.qkv_proj.lora = LoRAStack(state, attn.qkv_proj.in_features,

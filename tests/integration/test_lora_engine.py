@@ -89,10 +89,32 @@ def test_adapters_never_share_kv(tiny_model_paths, lora_paths, tokenized, hf_ref
 
 
 def test_more_adapters_than_slots_in_one_call(tiny_model_paths, lora_paths, tokenized):
+    """Refused before anything is added; calls within the limit then swap adapters through the slots."""
     llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=64)
-    with pytest.raises(Exception, match="no room for LoRA adapter"):
+    with pytest.raises(ValueError, match="no room for LoRA adapters"):
         llm.generate([{"prompt_token_ids": tokenized[1]}] * 3, SamplingParams(max_tokens=2),
                      lora_request=[lora_request(n, lora_paths) for n in ADAPTERS])
+    assert not llm.engine.has_unfinished_requests()
+    for names in (ADAPTERS[:2], ADAPTERS[1:], ADAPTERS[::2]):
+        outs = llm.generate([{"prompt_token_ids": tokenized[1]}] * 2, SamplingParams(max_tokens=2),
+                            lora_request=[lora_request(n, lora_paths) for n in names])
+        assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+
+
+def test_triton_kernels_in_the_model_match_hf_peft(tiny_model_paths, lora_paths, tokenized, hf_references,
+                                                  near_tie_check):
+    """The Triton attention backend applies adapters with the Triton LoRA kernels (the interpreter, on CPU)."""
+    llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=64,
+              attention_backend="triton")
+    from epdserve.kernels import lora_shrink_expand
+
+    assert llm.engine.runner.lora.shrink is lora_shrink_expand.lora_shrink
+    cases = [(None, 1), ("all", 1), ("attn", 3), ("mlp-rslora", 1)]
+    outputs = llm.generate([{"prompt_token_ids": tokenized[i]} for _, i in cases],
+                           SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS),
+                           lora_request=[lora_request(name, lora_paths) for name, _ in cases])
+    for (name, i), out in zip(cases, outputs):
+        near_tie_check(f"{name} prompt {i}", out.outputs[0].token_ids, *hf_references[name, i])
 
 
 @pytest.fixture()

@@ -41,10 +41,12 @@ def group_by_slot(slot_per_token: torch.Tensor) -> LoRABatch | None:
 class LoRAState:
     """Shared by every stack of one model; `batch` is written by the model runner before each forward."""
 
-    def __init__(self, max_loras: int, max_rank: int, device: torch.device) -> None:
+    def __init__(self, max_loras: int, max_rank: int, triton: bool) -> None:
+        """`triton`: the Triton kernels (GPUs; on CPU only under the Triton interpreter, for tests), else
+        PyTorch's matmuls per adapter."""
         self.max_loras, self.max_rank = max_loras, max_rank
         self.batch: LoRABatch | None = None
-        if device.type == "cuda":
+        if triton:
             from epdserve.kernels import lora_shrink_expand as ops
         else:
             ops = torch_lora
