@@ -64,3 +64,21 @@ def test_reference_is_the_per_token_sum():
     for t, s in enumerate(slot_of_token.tolist()):
         want = torch.zeros(8) if s < 0 else b[s] @ (a[s] @ x[t])
         torch.testing.assert_close(y[t], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 1, 3, -1, 0, 3, 3, 1], [2, 2, -1, 2, 4], [1, 0, 1, 0]])
+def test_padded_layout_equals_the_reference(slots):
+    """The CPU's batched form (slots spanned x longest segment, padded) adds what the per-adapter loop does."""
+    gen = torch.Generator().manual_seed(len(slots))
+    slot_of_token = torch.tensor(slots)
+    x, a, b = torch.randn(len(slots), 24, generator=gen), torch.randn(5, 6, 24, generator=gen), \
+        torch.randn(5, 40, 6, generator=gen)
+    indices, starts, seg_slots = grouped(slot_of_token)
+    y0 = torch.randn(len(slots), 40, generator=gen)
+    expected, y = y0.clone(), y0.clone()
+    torch_lora.lora_expand(torch_lora.lora_shrink(x, a, indices, starts, seg_slots), b, indices, starts, seg_slots,
+                           expected)
+    index, valid, lo, _ = torch_lora.padded_layout(indices, starts, seg_slots)
+    torch_lora.lora_padded(x, a, b, index, valid, lo, y)
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(y[slot_of_token < 0], y0[slot_of_token < 0])

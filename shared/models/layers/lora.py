@@ -26,16 +26,29 @@ class LoRABatch(NamedTuple):
     token_indices: torch.Tensor  # [M] int64, on the model's device
     seg_starts: list[int]
     seg_slots: list[int]
+    # The CPU's batched layout of the segments (torch_lora.padded_layout), where its padding is cheap.
+    padded: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
 
 
-def group_by_slot(slot_per_token: torch.Tensor) -> LoRABatch | None:
-    """[num_tokens] slots (-1: no adapter) -> the step's LoRABatch, None when no token uses an adapter."""
+# The padded layout computes (slots spanned) x (longest segment) rows: used while that is at most this many
+# times the rows that use an adapter (decode steps, even mixes), else one matmul pair per adapter (a long
+# prefill beside a few decodes of other adapters).
+MAX_PADDING = 2
+
+
+def group_by_slot(slot_per_token: torch.Tensor, padded: bool = False) -> LoRABatch | None:
+    """[num_tokens] slots (-1: no adapter) -> the step's LoRABatch, None when no token uses an adapter;
+    `padded`: with the batched layout when its padding is cheap."""
     order = torch.argsort(slot_per_token, stable=True)
     order = order[slot_per_token[order] >= 0]
     if not order.numel():
         return None
     slots, counts = torch.unique_consecutive(slot_per_token[order], return_counts=True)
-    return LoRABatch(order, [0] + torch.cumsum(counts, 0).tolist(), slots.tolist())
+    batch = LoRABatch(order, [0] + torch.cumsum(counts, 0).tolist(), slots.tolist())
+    spanned = batch.seg_slots[-1] - batch.seg_slots[0] + 1
+    if padded and len(batch.seg_slots) > 1 and spanned * int(counts.max()) <= MAX_PADDING * order.numel():
+        batch = batch._replace(padded=torch_lora.padded_layout(order, batch.seg_starts, batch.seg_slots))
+    return batch
 
 
 class LoRAState:
@@ -46,6 +59,7 @@ class LoRAState:
         PyTorch's matmuls per adapter."""
         self.max_loras, self.max_rank = max_loras, max_rank
         self.batch: LoRABatch | None = None
+        self.triton = triton
         if triton:
             from epdserve.kernels import lora_shrink_expand as ops
         else:
@@ -83,5 +97,9 @@ class LoRAStack:
         if batch is None:
             return
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        if batch.padded is not None:
+            index, valid, lo, _ = batch.padded
+            torch_lora.lora_padded(x2, self.a, self.b, index, valid, lo, y2)
+            return
         h = self.state.shrink(x2, self.a, batch.token_indices, batch.seg_starts, batch.seg_slots)
         self.state.expand(h, self.b, batch.token_indices, batch.seg_starts, batch.seg_slots, y2)
