@@ -99,8 +99,10 @@ async def run_mix(url: str, args: argparse.Namespace, mix: int, prompts: list[li
         results = await asyncio.gather(*(bounded(client, i, p) for i, p in enumerate(prompts)))
     elapsed = max(r["end"] for r in results) - start
     tpots = sorted(r["tpot"] * 1000 for r in results)
-    return {"mix": mix, "num_requests": len(results), "output_throughput": sum(r["tokens"] for r in results) / elapsed,
-            "median_tpot_ms": statistics.median(tpots), "p99_tpot_ms": tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))],
+    return {"mix": mix, "num_requests": len(results),
+            "output_throughput": sum(r["tokens"] for r in results) / elapsed,
+            "median_tpot_ms": statistics.median(tpots),
+            "p99_tpot_ms": tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))],
             "median_ttft_ms": statistics.median(r["ttft"] * 1000 for r in results)}
 
 
@@ -131,8 +133,8 @@ def measure(name: str, args: argparse.Namespace, adapters: dict[str, str], log_d
 def table(rows: list[dict]) -> str:
     base = {r["server"]: r for r in rows if r["mix"] == 0}
     vllm = {r["mix"]: r for r in rows if r["server"] == "vllm"}
-    lines = ["| server | adapters mixed | out tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | throughput vs base only "
-             "| throughput vs vLLM |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| server | adapters mixed | out tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms "
+             "| throughput vs base only | throughput vs vLLM |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         own, peer = base.get(r["server"]), vllm.get(r["mix"])
         vs_base = f"{r['output_throughput'] / own['output_throughput']:.2f}x" if own else "-"

@@ -2,8 +2,9 @@
 
 A block's hash covers its parent's hash, its token ids and its extra keys (the hashes of images whose
 placeholder tokens overlap it; the request's `cache_salt` and LoRA adapter on the first block), so equal
-hashes mean equal prefixes computed by the same weights. The hash is stable across processes (unlike `hash()` of strings): engines report the hashes
-of the blocks they hold, and the proxy's router hashes a prompt the same way to find where it is cached.
+hashes mean equal prefixes computed by the same weights. The hash is stable across processes (unlike
+`hash()` of strings): engines report the hashes of the blocks they hold, and the proxy's router hashes a
+prompt the same way to find where it is cached.
 Imports neither torch nor the engine, so the proxy can use it.
 """
 from __future__ import annotations

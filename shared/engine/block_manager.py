@@ -2,7 +2,8 @@
 
 Prefix caching is a chained hash over *full* blocks: a block's hash covers its parent's hash, its token
 ids and its extra keys (multimodal item hashes overlapping it; the request's `cache_salt` and LoRA
-adapter on the first block), so equal hashes mean equal prefixes. A hit is also verified against the block's stored token ids.
+adapter on the first block), so equal hashes mean equal prefixes. A hit is also verified against the
+block's stored token ids.
 Free blocks wait in one LRU queue (an OrderedDict: O(1) removal from the middle when a cached block is
 hit again); a cached block keeps its content until it is popped for reuse, which is the eviction. Each
 registration and eviction is logged (`events`) for routers that follow what this cache holds.

@@ -13,7 +13,8 @@ from typing import Callable, Iterable
 
 from epdserve.shared.config import LoRAConfig, ModelConfig
 from epdserve.shared.engine.lora_request import LoRARequest
-from epdserve.shared.models.lora_adapter import LoRAAdapter, LoRAAdapterError, load_lora_adapter  # noqa: F401 (exported)
+# LoRAAdapterError: exported from the engine package by this module's name.
+from epdserve.shared.models.lora_adapter import LoRAAdapter, LoRAAdapterError, load_lora_adapter  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

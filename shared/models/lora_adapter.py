@@ -80,12 +80,11 @@ def _read_config(name: str, folder: Path) -> dict:
     if settings.get("peft_type", "LORA") != "LORA":
         raise LoRAAdapterError(f"LoRA adapter {name!r}: peft_type {settings['peft_type']!r} is not LORA")
     # PEFT features that change the arithmetic: refused rather than served wrongly.
-    unsupported = {"use_dora": bool(settings.get("use_dora")), "modules_to_save": bool(settings.get("modules_to_save")),
-                   "bias": settings.get("bias", "none") != "none", "fan_in_fan_out": bool(settings.get("fan_in_fan_out")),
-                   "rank_pattern": bool(settings.get("rank_pattern")), "alpha_pattern": bool(settings.get("alpha_pattern")),
-                   "lora_bias": bool(settings.get("lora_bias")), "target_parameters": bool(settings.get("target_parameters")),
-                   "trainable_token_indices": bool(settings.get("trainable_token_indices")),
-                   "use_qalora": bool(settings.get("use_qalora")), "use_bdlora": bool(settings.get("use_bdlora"))}
+    unsupported = {
+        "use_dora": bool(settings.get("use_dora")), "modules_to_save": bool(settings.get("modules_to_save")),
+        "bias": settings.get("bias", "none") != "none", "fan_in_fan_out": bool(settings.get("fan_in_fan_out")),
+        **{key: bool(settings.get(key)) for key in ("rank_pattern", "alpha_pattern", "lora_bias", "target_parameters",
+                                                     "trainable_token_indices", "use_qalora", "use_bdlora")}}
     if any(unsupported.values()):
         names = ", ".join(k for k, v in unsupported.items() if v)
         raise LoRAAdapterError(f"LoRA adapter {name!r} uses {names}, which this server does not support")
