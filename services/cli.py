@@ -52,6 +52,10 @@ def prepare_model(which: str, cache_dir: str | None = None, out: str | None = No
         return build_llava_demo(folder, text_model, seed=seed)
     from epdserve.shared.checkpoints.tiny_models import build_tiny_model
 
+    if which == "tiny-lora":  # on tiny-llama as `epdserve model tiny-llama` builds it
+        from epdserve.shared.checkpoints.tiny_lora import build_tiny_lora
+
+        return build_tiny_lora(prepare_model("tiny-llama", cache_dir), folder, seed=seed)
     return build_tiny_model(which.removeprefix("tiny-"), folder, text_model, seed=seed)
 
 
