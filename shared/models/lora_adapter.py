@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from epdserve.shared.config import ModelConfig
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+logger = logging.getLogger(__name__)
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -64,7 +66,20 @@ def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, max_rank
     scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
     tensors, digest = _read_weights(name, folder)
     weights = _pair_up(name, tensors, config, settings, rank, scaling)
+    _note_base_name(name, settings.get("base_model_name_or_path"), config)
     return LoRAAdapter(name, str(folder), rank, digest, weights)
+
+
+def _note_base_name(name: str, base: object, config: ModelConfig) -> None:
+    """A base named otherwise is only warned about: names are paths or hub ids that differ for one model (a
+    copy, a mirror), and an adapter of another base with this one's shapes is the user's call. Shapes that
+    differ are refused (_pair_up)."""
+    if not isinstance(base, str) or not base:
+        return
+    ours = {Path(config.path).name, Path(config.model_id).name, config.model_id}
+    if Path(base).name not in ours and base not in ours:
+        logger.warning("LoRA adapter %s was trained on %r; this model is %r (shapes match: serving it)", name, base,
+                       config.model_id)
 
 
 def _read_config(name: str, folder: Path) -> dict:
