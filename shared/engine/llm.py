@@ -95,7 +95,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, formatted by the tokenizer's chat template."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
@@ -103,7 +104,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": tokenizer.encode_chat(c, add_generation_prompt, **(chat_template_kwargs or {}))}
                    for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request)
 
     @staticmethod
     def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:

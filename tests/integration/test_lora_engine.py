@@ -158,6 +158,17 @@ def test_bad_adapters_are_refused_at_load(tiny_model_paths, lora_paths, tokenize
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
 
 
+def test_chat_takes_an_adapter(tiny_model_paths, lora_paths):
+    llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=2, num_kv_blocks=64)
+    conversation = [{"role": "user", "content": "Where do ships pass?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    base = llm.chat(conversation, params)[0].outputs[0].token_ids
+    adapted = llm.chat(conversation, params, lora_request=lora_request("all", lora_paths))[0].outputs[0].token_ids
+    prompt = {"prompt_token_ids": llm.get_tokenizer().encode_chat(conversation, True)}
+    assert adapted == llm.generate(prompt, params, lora_request=lora_request("all", lora_paths))[0].outputs[0].token_ids
+    assert adapted != base
+
+
 def test_lora_needs_enable_lora(tiny_model_paths, lora_paths):
     llm = LLM(model=tiny_model_paths["llama"], num_kv_blocks=64)
     with pytest.raises(ValueError, match="serves no adapters"):
