@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from epdserve.shared.config import ModelConfig
+from epdserve.shared.config import DTYPE_BYTES, LoRAConfig, ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -49,6 +49,18 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
         config.num_kv_heads * config.head_size, config.intermediate_size
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+def slot_bytes(config: ModelConfig, lora: LoRAConfig) -> int:
+    """Memory the model's adapter slots take (layers/lora.py: per adapted layer A [max_loras, parts * rank, in]
+    and B [max_loras, out, parts * rank]; q/k/v are one layer of three parts, the experts none)."""
+    shapes, r = module_shapes(config), lora.max_lora_rank
+    h = config.hidden_size
+    qkv_out = sum(shapes[m][1] for m in ("q_proj", "k_proj", "v_proj"))
+    per_layer = 3 * r * (h + qkv_out) + r * sum(shapes["o_proj"])
+    num_dense = config.num_layers - (len(config.moe.sparse_layers) if config.moe is not None else 0)
+    mlp = r * sum(sum(shapes[m]) for m in ("gate_proj", "up_proj", "down_proj"))
+    return lora.max_loras * (config.num_layers * per_layer + num_dense * mlp) * DTYPE_BYTES[config.dtype_name]
 
 
 def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:

@@ -173,3 +173,15 @@ def test_lora_needs_enable_lora(tiny_model_paths, lora_paths):
     llm = LLM(model=tiny_model_paths["llama"], num_kv_blocks=64)
     with pytest.raises(ValueError, match="serves no adapters"):
         llm.generate([1, 2, 3], SamplingParams(max_tokens=2), lora_request=LoRARequest("a", 1, lora_paths["all"]))
+
+
+def test_slot_bytes_are_what_the_model_allocates(tiny_model_paths):
+    """The KV cache's budget counts the adapter slots as the model allocates them."""
+    from epdserve.shared.models.lora_adapter import slot_bytes
+
+    llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=3, max_lora_rank=8, num_kv_blocks=16)
+    layers = llm.engine.runner.model.model.layers
+    stacks = [p.lora for layer in layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    allocated = sum(s.a.numel() * s.a.element_size() + s.b.numel() * s.b.element_size() for s in stacks)
+    assert slot_bytes(llm.engine.config.model, llm.engine.config.lora) == allocated
