@@ -56,6 +56,10 @@ def prepare_model(which: str, cache_dir: str | None = None, out: str | None = No
         return build_tiny_qwen2_5_vl(folder, text_model, seed=seed)
     from epdserve.shared.checkpoints.tiny_models import build_tiny_model
 
+    if which == "tiny-lora":  # on tiny-llama as `epdserve model tiny-llama` builds it
+        from epdserve.shared.checkpoints.tiny_lora import build_tiny_lora
+
+        return build_tiny_lora(prepare_model("tiny-llama", cache_dir), folder, seed=seed)
     return build_tiny_model(which.removeprefix("tiny-"), folder, text_model, seed=seed)
 
 
@@ -135,7 +139,22 @@ def engine_config(args: argparse.Namespace, model: str):
         seed=args.seed, grammar_compile_timeout=args.grammar_compile_timeout,
         speculative_config=args.speculative_config,
         kv_offloading_size=args.kv_offloading_size, kv_offloading_path=args.kv_offloading_path,
-        kv_offloading_save_finished=args.kv_offloading_save_finished)
+        kv_offloading_save_finished=args.kv_offloading_save_finished,
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        lora_modules=lora_modules(args))
+
+
+def lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """--lora-modules NAME=PATH ..., checked; an engine's need --enable-lora."""
+    from epdserve.services.proxy.lora_modules import parse_lora_modules
+
+    try:
+        modules = parse_lora_modules(args.lora_modules)
+    except ValueError as exc:
+        raise SystemExit(f"epdserve: error: {exc}") from None
+    if modules and hasattr(args, "enable_lora") and not args.enable_lora:
+        raise SystemExit("epdserve: error: --lora-modules needs --enable-lora")
+    return modules
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -189,7 +208,8 @@ def proxy_config(args: argparse.Namespace, model: str):
         tool_call_parser=args.tool_call_parser,
         drain_timeout=args.drain_timeout, max_request_body_bytes=args.max_request_body_bytes,
         otlp_traces_endpoint=args.otlp_traces_endpoint, request_trace=args.request_trace,
-        constraint_limits=ConstraintLimits(args.max_structured_output_bytes, args.max_logit_bias))
+        constraint_limits=ConstraintLimits(args.max_structured_output_bytes, args.max_logit_bias),
+        lora_modules=lora_modules(args), enable_lora_runtime_updates=args.enable_lora_runtime_updates)
 
 
 def _kv_store_address(args: argparse.Namespace) -> str | None:
@@ -281,7 +301,8 @@ def _starting(name: str, model: str) -> None:
 # Options `up` gives every service that takes them itself, and whom each would miss after -- (which
 # reaches the prefill, decode and unified engines only).
 UP_OWN_OPTIONS = {"--kv-transport": "the encoders", "--kv-backend": "the encoders", "--ucx-net-devices": "the encoders",
-                  "--served-model-name": "the encoders and the proxy"}
+                  "--served-model-name": "the encoders and the proxy", "--lora-modules": "the proxy",
+                  "--enable-lora": "the proxy", "--max-loras": "nothing", "--max-lora-rank": "nothing"}
 
 
 def stack_config(args: argparse.Namespace, model: str):
@@ -330,7 +351,19 @@ def stack_config(args: argparse.Namespace, model: str):
                        api_key(args), args.threads, args.log_level, tuple(extra), args.drain_timeout,
                        args.routing_policy, args.kv_transport, args.ucx_net_devices, args.otlp_traces_endpoint,
                        args.request_trace, args.served_model_name, args.internal_ports, args.migration_limit,
-                       args.speculative_config, args.kv_store)
+                       args.speculative_config, args.kv_store, lora_args(args),
+                       args.enable_lora_runtime_updates)
+
+
+def lora_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """`up`'s LoRA options, as every engine service takes them (the proxy takes --lora-modules of them)."""
+    modules = lora_modules(args)
+    if args.enable_lora_runtime_updates and not args.enable_lora:
+        raise SystemExit("epdserve: error: --enable-lora-runtime-updates needs --enable-lora")
+    if not args.enable_lora:
+        return ()
+    found = ["--lora-modules", *(f"{name}={path}" for name, path in modules)] if modules else []
+    return ("--enable-lora", "--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank), *found)
 
 
 def _check_kv_transport(args: argparse.Namespace) -> None:

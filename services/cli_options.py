@@ -9,7 +9,7 @@ from epdserve.services.proxy.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAM
 
 ROLES = ("encoder", "prefill", "decode", "unified", "proxy", "kvstore")
 MODELS = ("llava-demo", "smollm2", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral",
-          "tiny-gemma3", "tiny-qwen2.5-vl")
+          "tiny-gemma3", "tiny-qwen2.5-vl", "tiny-lora")
 SERVED_BY_DEFAULT = "llava-demo"  # what `up` and `serve` run without --model
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SERVED_MODEL_NAME_HELP = ("the model's one name: in the API (/v1/models, requests' \"model\"), in the model_name "
@@ -48,7 +48,7 @@ def add_model_options(model: argparse.ArgumentParser) -> None:
                        help=f"{SERVED_BY_DEFAULT}: what `epdserve up` and `make run` serve without --model "
                             "(SmolLM2-135M-Instruct behind an untrained CLIP vision tower, LLaVA layout); "
                             "smollm2: SmolLM2-135M-Instruct alone, converted from its packaged GGUF; "
-                            "tiny-*: random test models")
+                            "tiny-*: random test models (tiny-lora: a LoRA adapter of tiny-llama, a PEFT folder)")
     model.add_argument("--cache-dir", help="where prepared models live (default: $EPDSERVE_CACHE_DIR or ~/.cache/epdserve)")
     model.add_argument("--out", help="output folder (tiny and llava-demo models)")
     model.add_argument("--seed", type=int, default=0)
@@ -92,6 +92,31 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         'without it, token for token (default: off)')
     g.add_argument("--threads", type=int, help="compute threads of the engine (or encoder); the service's other "
                                                 "threads use one (default: one per core)")
+    add_lora_engine_args(g)
+
+
+def add_lora_engine_args(g: argparse._ActionsContainer) -> None:
+    """An engine's LoRA options (`up` takes them too and passes them on)."""
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders) beside the base weights; a batch mixes them")
+    add_lora_modules_arg(g)
+    g.add_argument("--max-loras", type=int, default=4, metavar="N",
+                   help="adapters resident in the model at once; a request for another while every one is in use "
+                        "is refused retryably (default: %(default)s)")
+    g.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
+                   help="largest adapter rank served; an adapter above it is refused at load (default: %(default)s)")
+
+
+def add_lora_modules_arg(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--lora-modules", nargs="+", action="extend", metavar="NAME=PATH",
+                   help="LoRA adapters served as models named NAME, each a PEFT folder (adapter_config.json + "
+                        "adapter_model.safetensors); read and checked at start-up")
+
+
+def add_lora_runtime_updates_arg(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--enable-lora-runtime-updates", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key), which "
+                        "load an adapter on every engine or unload it (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
 
 
 def add_kv_transport_args(g: argparse._ActionsContainer) -> None:
@@ -256,6 +281,8 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                         "what the services' wire carries; default: %(default)s)")
     p.add_argument("--max-logit-bias", type=int, default=1024, metavar="N",
                    help="most logit_bias entries one request may send (a 400 beyond; default: %(default)s)")
+    add_lora_modules_arg(p)
+    add_lora_runtime_updates_arg(p)
     _add_trace_options(p)
 
 
@@ -305,6 +332,8 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
                          "every engine puts the blocks it evicts or finishes to and gets missing ones from")
     add_kv_transport_args(up)
     _add_trace_options(up)
+    add_lora_engine_args(up)
+    add_lora_runtime_updates_arg(up)
     up.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"), metavar="KEY",
                     help="Bearer token the API requires (default: $EPDSERVE_API_KEY; unset: open). A key on the "
                          "command line shows in `ps`: prefer --api-key-file or the variable. " + _API_KEY_SCOPE)

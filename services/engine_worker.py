@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
@@ -19,12 +20,12 @@ from epdserve.services.request_spans import RequestSpans
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.services.stats_log import StatsLog
 from epdserve.services.store_kv_connector import StoreKVConnector
-from epdserve.shared.engine import AsyncLLM, EngineStats, InputsUnavailableError, RequestOutput
+from epdserve.shared.engine import AsyncLLM, EngineStats, InputsUnavailableError, LoRARequest, RequestOutput
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason, GenerateRequest,
-                                      Handshake, Health, KVEvents, KVEventsRequest, KVLayout, Message, PrefillRequest,
-                                      Role, Status, TokenDelta)
+                                      Handshake, Health, KVEvents, KVEventsRequest, KVLayout, LoadLoRA, Message,
+                                      PrefillRequest, Role, Status, TokenDelta, UnloadLoRA, WireLoRA)
 from epdserve.services.wire import (logprobs_to_wire, mrope_positions_from_wire, prompt_logprobs_to_wire,
                                    sampling_params_from_wire)
 from epdserve.transport.kv_client import KVTransferClient
@@ -38,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 def bad_request(request_id: str | None, message: str) -> Error:
     return Error(ErrorCode.BAD_REQUEST, message, request_id)
+
+
+def lora_request(lora: WireLoRA) -> LoRARequest:
+    # The name identifies the adapter; vLLM's integer id is derived from it, the same on every engine.
+    return LoRARequest(lora.name, zlib.crc32(lora.name.encode()) + 1, lora.path)
 
 
 def kv_layout(engine: EngineConfig) -> KVLayout:
@@ -112,8 +118,10 @@ class EngineWorker:
 
     def status(self, health: Health) -> Status:
         stats = self.llm.stats()
+        lora = self.engine_config.lora
         return Status(self.service.engine_id, self.role, health, stats.num_free_blocks, stats.num_total_blocks,
-                      stats.num_running, stats.num_waiting, data_addr=self.data_addr)
+                      stats.num_running, stats.num_waiting, data_addr=self.data_addr,
+                      lora_adapters=tuple(self.llm.lora_adapters()), max_loras=lora.max_loras if lora else 0)
 
     @property
     def busy(self) -> bool:
@@ -128,6 +136,8 @@ class EngineWorker:
             return await self._start_generate(message)
         if isinstance(message, KVEventsRequest):
             return await self._kv_events(message)
+        if isinstance(message, (LoadLoRA, UnloadLoRA)):
+            return await self._lora_update(message)
         return bad_request(getattr(message, "request_id", None),
                            f"a {self.role.value} service does not take {type(message).__name__}")
 
@@ -138,6 +148,20 @@ class EngineWorker:
         return KVEvents(self.service.engine_id, self.engine_config.cache.block_size, batch.first_seq, batch.last_seq,
                         b"".join(batch.stored), b"".join(batch.removed), batch.snapshot,
                         b"".join(local.stored) if local else b"", b"".join(local.removed) if local else b"")
+
+    async def _lora_update(self, m: LoadLoRA | UnloadLoRA) -> Message:
+        """Read (and check) or forget an adapter; answered with Ack(name), or an Error saying why not."""
+        if self.engine_config.lora is None:
+            return bad_request(None, f"{self.service.engine_id} serves no LoRA adapters (start it with --enable-lora)")
+        if isinstance(m, UnloadLoRA):
+            if await self.llm.unload_lora(m.name):
+                return Ack(m.name)
+            return Error(ErrorCode.NOT_FOUND, f"no LoRA adapter {m.name!r} is loaded here")
+        try:
+            await self.llm.load_lora(lora_request(WireLoRA(m.name, m.path)))
+        except ValueError as exc:
+            return bad_request(None, str(exc))
+        return Ack(m.name)
 
     async def abort(self, request_id: str) -> None:
         task = self._tasks.get(request_id)
@@ -155,6 +179,16 @@ class EngineWorker:
         The embeddings are fetched only when a step must compute their positions."""
         if m.request_id in self._tasks:
             return bad_request(m.request_id, "request id already in use")
+        if m.lora is not None:
+            if self.engine_config.lora is None:
+                return bad_request(m.request_id, f"LoRA adapter {m.lora.name!r} requested, but this engine serves "
+                                                 "no adapters (start it with --enable-lora)")
+            kwargs["lora_request"] = lora_request(m.lora)
+            if m.lora.name not in self.llm.lora_adapters():  # read it off the event loop first
+                try:
+                    await self.llm.load_lora(kwargs["lora_request"])
+                except ValueError as exc:
+                    return bad_request(m.request_id, str(exc))
         sources = PeerSources(spans, kv_handle=kwargs.pop("kv_handle", None),
                               hold_for_peer=kwargs.pop("hold_for_peer", False),
                               encoder_addrs={ph.mm_hash: ph.encoder_addr for ph in m.mm_placeholders})
@@ -166,6 +200,11 @@ class EngineWorker:
                 mrope_positions=mrope_positions_from_wire(m.mrope_positions), **kwargs)
         except ValueError as exc:
             return bad_request(m.request_id, str(exc))
+        if request.lora_name is not None and not await self.llm.can_seat_lora(request.lora_name):
+            # Every adapter slot is busy with other adapters' requests: another instance may have room.
+            return Error(ErrorCode.OVERLOADED, f"no room for LoRA adapter {request.lora_name!r}: all "
+                         f"{self.engine_config.lora.max_loras} adapter slots are in use", m.request_id,
+                         retryable=True, retry_after=1.0)
         return request, sources
 
     def refuse_if_overloaded(self, request_id: str) -> Error | None:

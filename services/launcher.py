@@ -150,6 +150,9 @@ class StackConfig:
     migration_limit: int = 3  # the proxy's --migration-limit
     speculative_config: str | None = None  # the decode and unified engines' --speculative-config (JSON)
     kv_store_size: float | None = None  # GiB of a shared KV store every engine uses (None: no store)
+    # LoRA options of every engine (--enable-lora, --max-loras, ...); --lora-modules of them go to the proxy too.
+    lora_args: tuple[str, ...] = ()
+    enable_lora_runtime_updates: bool = False  # the proxy's
 
     @property
     def model_name(self) -> str:
@@ -208,7 +211,7 @@ class LocalStack:
             argv = [*base, role, "--model", c.model, "--host", "127.0.0.1", *listen, "--engine-id", f"{role}-{i}",
                     *name, *drain, *transport]
             if role != "encoder":
-                argv += ["--threads", str(c.threads), *engine_args]
+                argv += ["--threads", str(c.threads), *c.lora_args, *engine_args]
             if role in ("decode", "unified") and c.speculative_config is not None:
                 argv += ["--speculative-config", c.speculative_config]
             procs.append((f"{role}-{i}", argv))
@@ -220,6 +223,10 @@ class LocalStack:
             proxy += ["--otlp-traces-endpoint", c.otlp_traces_endpoint]
         if c.request_trace:
             proxy.append("--request-trace")
+        if "--lora-modules" in c.lora_args:  # (last of them: NAME=PATH ... to the end)
+            proxy += c.lora_args[c.lora_args.index("--lora-modules"):]
+        if c.enable_lora_runtime_updates:
+            proxy.append("--enable-lora-runtime-updates")
         for role, addrs in targets.items():
             if addrs:
                 proxy += [f"--{role}", ",".join(addrs)]

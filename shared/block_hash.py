@@ -1,9 +1,10 @@
 """The prefix cache's block identity: a chained hash over full blocks of tokens.
 
 A block's hash covers its parent's hash, its token ids and its extra keys (the hashes of images whose
-placeholder tokens overlap it; the request's `cache_salt` on the first block), so equal hashes mean equal
-prefixes. The hash is stable across processes (unlike `hash()` of strings): engines report the hashes
-of the blocks they hold, and the proxy's router hashes a prompt the same way to find where it is cached.
+placeholder tokens overlap it; the request's `cache_salt` and LoRA adapter on the first block), so equal
+hashes mean equal prefixes computed by the same weights. The hash is stable across processes (unlike
+`hash()` of strings): engines report the hashes of the blocks they hold, and the proxy's router hashes a
+prompt the same way to find where it is cached.
 Imports neither torch nor the engine, so the proxy can use it.
 """
 from __future__ import annotations
@@ -31,17 +32,22 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: 
 
 
 def block_extra_keys(block_index: int, block_size: int, images: Sequence[ImageSpan],
-                     cache_salt: str | None) -> tuple[str, ...]:
-    """The keys besides its tokens that a block's hash covers."""
+                     cache_salt: str | None, lora_key: str | None = None) -> tuple[str, ...]:
+    """The keys besides its tokens that a block's hash covers. The adapter's key on the first block makes
+    every block of the chain its own: the same prompt through two adapters (or one and the base) shares
+    no KV."""
     start, end = block_index * block_size, (block_index + 1) * block_size
     keys = [p.mm_hash for p in images if p.offset < end and p.offset + p.length > start]
     if block_index == 0 and cache_salt:
         keys.insert(0, "salt:" + cache_salt)
+    if block_index == 0 and lora_key:
+        keys.insert(0, "lora:" + lora_key)
     return tuple(keys)
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
-                        images: Sequence[ImageSpan] = (), cache_salt: str | None = None) -> list[bytes]:
+                        images: Sequence[ImageSpan] = (), cache_salt: str | None = None,
+                        lora_key: str | None = None) -> list[bytes]:
     """Appends to `hashes` the hashes of the full blocks of `token_ids` it lacks; returns it."""
     start, end = len(hashes), len(token_ids) // block_size
     if start >= end:
@@ -53,7 +59,8 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
     for i in range(start, end):
         h = hashlib.blake2b(parent, digest_size=16)
         h.update(raw[(i - start) * step:(i - start + 1) * step])
-        for key in block_extra_keys(i, block_size, images, cache_salt) if images or cache_salt else ():
+        for key in block_extra_keys(i, block_size, images, cache_salt, lora_key) \
+                if images or cache_salt or lora_key else ():
             h.update(b"\x1f" + key.encode())
         parent = h.digest()
         hashes.append(parent)

@@ -461,6 +461,26 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base weights: `max_loras` resident at once (each a slot of stacked
+    weights in every targeted layer), none of rank above `max_lora_rank`."""
+
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    # (name, PEFT folder) of the adapters read and checked at start-up (an engine's --lora-modules).
+    modules: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        names = [name for name, _ in self.modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA module names must be distinct, got {names}")
+        if self.max_loras <= 0:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}")
+        if not 0 < self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -468,6 +488,7 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     seed: int = 0
+    lora: LoRAConfig | None = None  # None: no adapters
     # Seconds a service gives a request's structured output to compile before refusing the request (the
     # compile runs off the event loop either way; the offline LLM compiles without a limit).
     grammar_compile_timeout: float = 10.0

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 
 class Role(str, enum.Enum):
@@ -175,6 +175,15 @@ class MRopePositions:
 
 
 @dataclass(frozen=True, slots=True)
+class WireLoRA:
+    """The LoRA adapter a request runs with: its name, and the PEFT folder an engine reads it from (each
+    engine that computes the request's KV - prefill and decode alike - applies the same adapter)."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
 class KVHandle:
     """A request's KV blocks held by a prefill engine under a lease, for decode to pull."""
 
@@ -284,6 +293,7 @@ class PrefillRequest:
     mm_placeholders: tuple[MMPlaceholder, ...] = ()
     cache_salt: str | None = None
     mrope_positions: MRopePositions | None = None  # an M-RoPE model's image prompt's; None: 1-D positions
+    lora: WireLoRA | None = None  # None: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,6 +331,7 @@ class DecodeRequest:
     # The positions prefill computed the prompt at: a decode that recomputes it uses the same, and every
     # token after it continues from them.
     mrope_positions: MRopePositions | None = None
+    lora: WireLoRA | None = None  # prefill's adapter: decode continues with the same one
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +349,7 @@ class GenerateRequest:
     # them, as if it had sampled them, and streams only what follows.
     output_token_ids: tuple[int, ...] = ()
     mrope_positions: MRopePositions | None = None  # an M-RoPE model's image prompt's; None: 1-D positions
+    lora: WireLoRA | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,6 +434,25 @@ class Status:
     num_running: int
     num_waiting: int
     data_addr: str = ""  # its KV / embedding transfer server, for encoders and prefills
+    # LoRA adapters it has read, which it serves without reading them again (routers prefer it for them),
+    # and how many it can hold in its model at once (0: it serves none).
+    lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadLoRA:
+    """Read and check a LoRA adapter now (answered by Ack, or an Error saying why it cannot be served)."""
+    TAG: ClassVar[str] = "load_lora"
+    name: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadLoRA:
+    """Forget a LoRA adapter: requests running with it finish, new ones may not name it (Ack, or NOT_FOUND)."""
+    TAG: ClassVar[str] = "unload_lora"
+    name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -574,7 +605,8 @@ Message = Union[
     Handshake, HandshakeAck,
     EncodeRequest, EncodeDone, PrefillRequest, PrefillDone, DecodeRequest, GenerateRequest, TokenDelta,
     TokenDeltas, Release, RenewLease, LeaseRenewed, Abort, Ack,
-    StatusRequest, Status, KVEventsRequest, KVEvents, KVStorePut, KVStoreGet, KVStoreBlocks, Error,
+    StatusRequest, Status, KVEventsRequest, KVEvents, KVStorePut, KVStoreGet, KVStoreBlocks, Error, LoadLoRA,
+    UnloadLoRA,
     FetchBlocks, BlocksData, BlocksSent, FetchEmbeddings, EmbeddingsData, EmbeddingsSent,
 ]
 
@@ -586,7 +618,7 @@ MESSAGE_TYPES: dict[str, type] = {cls.TAG: cls for cls in Message.__args__}
 _KV_STORE_USE = (KVStorePut, KVStoreGet, KVEventsRequest, StatusRequest)
 MAY_SEND: dict[Role, frozenset[type]] = {
     Role.PROXY: frozenset({StatusRequest, KVEventsRequest, EncodeRequest, PrefillRequest, DecodeRequest,
-                           GenerateRequest, Abort}),
+                           GenerateRequest, Abort, LoadLoRA, UnloadLoRA}),
     # Engines pull embeddings and KV, hand prefill's blocks back, and push tokens to proxies.
     # Engines with a shared KV store put blocks there and get them, following what it holds by its KV events.
     Role.PREFILL: frozenset({FetchEmbeddings, TokenDelta, TokenDeltas, Error, *_KV_STORE_USE}),

@@ -25,9 +25,11 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from epdserve.services.proxy.generation import GenerationError
+from epdserve.services.proxy.lora_modules import LoRAUpdateError
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                     ErrorResponse, TokenizeRequest)
+                                                     ErrorResponse, LoadLoRAAdapterRequest, TokenizeRequest,
+                                                     UnloadLoRAAdapterRequest)
 from epdserve.services.proxy.serving import BadRequest, OpenAIServing, new_request_id
 
 logger = logging.getLogger(__name__)
@@ -262,18 +264,24 @@ def _add_management_routes(app: FastAPI, metrics: ProxyMetrics,
 
 
 def _add_model_and_tokenizer_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    def model_card() -> dict:
-        return {"id": serving.model_name, "object": "model", "created": 0, "owned_by": "epdserve",
-                "max_model_len": serving.max_model_len}
+    def model_card(name: str | None = None) -> dict:
+        """The base model's card, or (as vLLM lists them) a LoRA adapter's, with the base as its parent."""
+        lora = serving.loras.get(name) if name is not None else None
+        card = {"id": serving.model_name, "object": "model", "created": 0, "owned_by": "epdserve",
+                "root": serving.model_name, "parent": None, "max_model_len": serving.max_model_len}
+        return card if lora is None else card | {"id": lora.name, "root": lora.path, "parent": serving.model_name}
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *(model_card(name) for name in serving.loras.paths)]}
 
     @app.get("/v1/models/{model_id:path}", responses={404: {"model": ErrorResponse, "description": "Unknown model"}})
     async def model(model_id: str) -> dict:
-        serving.check_model(model_id)
-        return model_card()
+        lora = serving.check_model(model_id)
+        return model_card(lora.name if lora else None)
+
+    if serving.loras.runtime_updates:
+        _add_lora_update_routes(app, serving)
 
     @app.post("/tokenize", responses=BAD_INPUT)
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -292,6 +300,25 @@ def _add_model_and_tokenizer_routes(app: FastAPI, serving: OpenAIServing) -> Non
         serving.check_model(body.model)
         serving.check_token_ids(body.tokens, "tokens")
         return {"prompt": await asyncio.to_thread(serving.tokenizer.decode, body.tokens, False)}
+
+
+def _add_lora_update_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """vLLM's routes for adapters loaded and unloaded at run time (only with --enable-lora-runtime-updates)."""
+
+    async def update(change) -> Response:
+        try:
+            return Response(await change(), media_type="text/plain")
+        except LoRAUpdateError as exc:
+            return error_response(str(exc), HTTP_ERROR_TYPES.get(exc.status, "BadRequestError"), exc.status,
+                                  "lora_name")
+
+    @app.post("/v1/load_lora_adapter", responses=BAD_INPUT)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        return await update(lambda: serving.loras.load(body.lora_name, body.lora_path))
+
+    @app.post("/v1/unload_lora_adapter", responses=BAD_INPUT)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        return await update(lambda: serving.loras.unload(body.lora_name))
 
 
 def _add_generation_routes(app: FastAPI, serving: OpenAIServing, metrics: ProxyMetrics) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, NamedTuple, Protocol
 
-from epdserve.transport.protocol import TokenLogprobs, TraceSpan
+from epdserve.transport.protocol import TokenLogprobs, TraceSpan, WireLoRA
 from epdserve.shared.engine import SamplingParams
 
 
@@ -35,6 +35,7 @@ class GenerateInput:
     cache_salt: str | None = None
     # An M-RoPE model's image prompt: its (temporal, height, width) position rows; None: 1-D positions.
     mrope_positions: tuple[tuple[int, ...], ...] | None = None
+    lora: WireLoRA | None = None  # the LoRA adapter the request's `model` names; None: the base model
 
 
 class Chunk(NamedTuple):

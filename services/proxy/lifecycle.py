@@ -56,12 +56,12 @@ from epdserve.services.proxy.kv_routing import KVRoutingConfig, RoutingPolicy
 from epdserve.services.proxy.migration import Progress, StreamLost
 from epdserve.services.proxy.router import Instance, Route, Router, prefix_key
 from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error, ErrorCode,
-                                      GenerateRequest, MMItem, MMPlaceholder, PrefillDone, PrefillRequest, Role,
-                                      TokenDelta, TokenDeltas, TraceSpan)
+                                      GenerateRequest, Message, MMItem, MMPlaceholder, PrefillDone, PrefillRequest,
+                                      Role, TokenDelta, TokenDeltas, TraceSpan)
 from epdserve.shared.block_hash import extend_block_hashes
 from epdserve.services.wire import mrope_positions_to_wire, sampling_params_to_wire
 from epdserve.shared.engine import sequence_seed
-from epdserve.transport.channel import ChannelError
+from epdserve.transport.channel import ChannelError, ErrorReply
 from epdserve.transport.reply_server import PullChannel
 
 logger = logging.getLogger(__name__)
@@ -224,7 +224,8 @@ class ServiceBackend:
             sequence = params if params.n == 1 else replace(params, n=1, seed=sequence_seed(params.seed, index))
             request = GenerateRequest(f"{gen.request_id}.m{hop}.{index}", tuple(gen.prompt_token_ids),
                                       sampling_params_to_wire(sequence), self.reply_to, placeholders, gen.cache_salt,
-                                      tuple(progress.tokens[index]), mrope_positions_to_wire(gen.mrope_positions))
+                                      tuple(progress.tokens[index]), mrope_positions_to_wire(gen.mrope_positions),
+                                      gen.lora)
             streams.append(self._continued(role, request, route, index, f"proxy.migrate:{reason}", lost_at))
         return merge(streams)
 
@@ -243,10 +244,13 @@ class ServiceBackend:
 
     def _plan(self, gen: GenerateInput, placeholders: tuple[MMPlaceholder, ...]) -> _Plan:
         prompt = gen.prompt_token_ids
-        affinity = Route(key=prefix_key(prompt, gen.cache_salt))
+        # An adapter's blocks are hashed under its digest, which only engines know: its requests are routed
+        # by load among the instances that have read the adapter, never by the base model's cached blocks.
+        lora = gen.lora.name if gen.lora is not None else None
+        affinity = Route(key=prefix_key(prompt, gen.cache_salt), lora=lora)
         index, kv = self.router.index, self.config.kv_routing
-        route, reason = Route(), "load"
-        if kv.policy is RoutingPolicy.KV and index is not None and index.block_size is not None:
+        route, reason = Route(lora=lora), "load"
+        if kv.policy is RoutingPolicy.KV and index is not None and index.block_size is not None and lora is None:
             hashes = extend_block_hashes([], prompt, index.block_size, placeholders, gen.cache_salt)
             cached, elsewhere = index.match_weighted(hashes, kv.tier_weight, kv.store_weight)
             route = affinity = Route(affinity.key, cached, len(hashes), kv.load_weight, elsewhere)
@@ -288,7 +292,7 @@ class ServiceBackend:
         prefill, done = await self._failover.call(
             Role.PREFILL, plan.prefill_route,
             PrefillRequest(gen.request_id, tuple(gen.prompt_token_ids), wire, placeholders, gen.cache_salt,
-                           mrope_positions_to_wire(gen.mrope_positions)),
+                           mrope_positions_to_wire(gen.mrope_positions), gen.lora),
             self.config.prefill_timeout, PrefillDone)
         first = Chunk([done.first_token], [done.first_logprobs] if done.first_logprobs else [],
                       done.finish_reason.value if done.finish_reason else None, None, done.num_cached_tokens,
@@ -310,7 +314,7 @@ class ServiceBackend:
             request = DecodeRequest(gen.request_id, tuple(gen.prompt_token_ids), done.first_token, done.kv_handle,
                                     replace(wire, prompt_logprobs=None), placeholders, gen.cache_salt, self.reply_to,
                                     other_first_tokens=tuple(f.token_id for f in done.other_first_tokens),
-                                    mrope_positions=mrope_positions_to_wire(gen.mrope_positions))
+                                    mrope_positions=mrope_positions_to_wire(gen.mrope_positions), lora=gen.lora)
             unfinished = set(range(gen.params.n))
             async for chunk in self._stream_from(Role.DECODE, request, plan.route):
                 if chunk.finish_reason is not None:
@@ -324,9 +328,27 @@ class ServiceBackend:
     async def _generate_on(self, role: Role, gen: GenerateInput, placeholders, route: Route) -> AsyncIterator[Chunk]:
         request = GenerateRequest(gen.request_id, tuple(gen.prompt_token_ids), sampling_params_to_wire(gen.params),
                                   self.reply_to, placeholders, gen.cache_salt,
-                                  mrope_positions=mrope_positions_to_wire(gen.mrope_positions))
+                                  mrope_positions=mrope_positions_to_wire(gen.mrope_positions), lora=gen.lora)
         async for chunk in self._stream_from(role, request, route):
             yield chunk
+
+    async def broadcast(self, message: Message) -> list[tuple[str, str | None]]:
+        """Send `message` to every healthy engine instance (prefill, decode, unified) at once: (engine id, the
+        error it answered or None) for each."""
+        instances = [i for role in (Role.PREFILL, Role.DECODE, Role.UNIFIED)
+                     for i in self.router.pool(role).healthy()]
+
+        async def one(instance) -> tuple[str, str | None]:
+            name = instance.status.engine_id if instance.status else instance.address
+            try:
+                await instance.client.request(message, timeout=self.config.rpc_timeout, expect=Ack)
+            except ErrorReply as exc:
+                return name, exc.error.message
+            except ChannelError as exc:
+                return name, f"unreachable ({exc})"
+            return name, None
+
+        return list(await asyncio.gather(*(one(i) for i in instances)))
 
     async def _stream_from(self, role: Role, request, route: Route) -> AsyncIterator[Chunk]:
         """Send `request` to an instance of `role` that accepts it, then yield what it pushes back, until

@@ -322,3 +322,17 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's body for POST /v1/load_lora_adapter."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """vLLM's body for POST /v1/unload_lora_adapter (its lora_int_id is taken and unused: names identify)."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None

@@ -88,6 +88,9 @@ class Route(NamedTuple):
     prompt_blocks: int = 0
     load_weight: float = 0.0
     elsewhere: float = 0.0  # what an instance absent from `cached` holds: the shared store's blocks, weighted
+    # The request's LoRA adapter: instances that have read it are preferred (the others would read it first,
+    # and may have no slot for it).
+    lora: str | None = None
 
 
 class NoInstanceError(Exception):
@@ -228,12 +231,21 @@ class RolePool:
         return candidates
 
     def pick(self, route: Route, exclude: Sequence[Instance] = ()) -> Instance:
+        if route.lora is not None:
+            exclude = [*exclude, *self._lacking_adapter(route.lora, exclude)]
         if route.cached is not None:
             return kv_routing.pick(self._require(exclude), route.cached, route.prompt_blocks, route.load_weight,
                                    route.key or b"", route.elsewhere)[0]
         if route.key is not None:
             return self.pick_affine(route.key, exclude)
         return self.pick_least_loaded(exclude)
+
+    def _lacking_adapter(self, name: str, exclude: Sequence[Instance]) -> list[Instance]:
+        """The candidates that have not read adapter `name`, when some other candidate has (else none: any
+        instance reads it on first use)."""
+        candidates = [i for i in self.healthy() if i not in exclude]
+        lacking = [i for i in candidates if i.status is None or name not in i.status.lora_adapters]
+        return lacking if len(lacking) < len(candidates) else []
 
     def pick_affine(self, key: bytes, exclude: Sequence[Instance] = (), slack: int = 4) -> Instance:
         """The key's rendezvous-hash favourite, unless it carries `slack` more requests than the least loaded."""

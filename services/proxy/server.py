@@ -20,6 +20,7 @@ from epdserve.services.proxy.drain import Drain, DrainGate
 from epdserve.services.proxy.images import ImageFetcher, MultimodalChatEncoder
 from epdserve.services.proxy.kv_routing import RoutingPolicy
 from epdserve.services.proxy.lifecycle import LifecycleConfig, ServiceBackend
+from epdserve.services.proxy.lora_modules import LoRAModules
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.output_constraints import ConstraintLimits
 from epdserve.services.proxy.prefix_index import PrefixIndex
@@ -75,6 +76,10 @@ class ProxyConfig:
     otlp_traces_endpoint: str | None = None
     request_trace: bool = False
     constraint_limits: ConstraintLimits = field(default_factory=ConstraintLimits)
+    # LoRA adapters offered as models: (name, PEFT folder) from the start, and whether
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora_runtime_updates: bool = False
 
     def __post_init__(self):
         if self.drain_timeout < 0:
@@ -134,11 +139,13 @@ async def build_proxy(config: ProxyConfig):
         chat_encoder = MultimodalChatEncoder(tokenizer, config.model, ImageFetcher(
             config.max_image_bytes, allowed_domains=config.allowed_image_domains,
             allow_private=config.allow_private_image_urls))
+    loras = LoRAModules(config.model_name, config.lora_modules, config.enable_lora_runtime_updates)
+    loras.fan_out = backend.broadcast
     serving = OpenAIServing(config.model_name, tokenizer, backend, model_config.max_model_len,
                             model_config.vocab_size, metrics, chat_encoder,
                             response_timeout=config.lifecycle.token_timeout, tool_call_parser=config.tool_call_parser,
                             tracer=tracer, request_trace=config.request_trace,
-                            constraint_limits=config.constraint_limits)
+                            constraint_limits=config.constraint_limits, loras=loras)
 
     drain = Drain(config.drain_timeout)
     drain.on_cut(backend.cut)

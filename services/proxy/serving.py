@@ -17,6 +17,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from epdserve.services.proxy.choices import Choice, best_of, merge
 from epdserve.services.proxy.generation import Backend, GenerateInput, GenerationError, ImageInput
+from epdserve.services.proxy.lora_modules import LoRAModules
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.chat_tools import ChatAnswer
 from epdserve.services.proxy.openai_protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -24,7 +25,7 @@ from epdserve.services.proxy.output_constraints import ConstraintError, Constrai
 from epdserve.services.proxy.prompt_logprobs import Echo, echo_logprobs, vllm_prompt_logprobs
 from epdserve.services.proxy.tracing import RequestTrace, Tracer
 from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
-from epdserve.transport.protocol import TokenLogprobs
+from epdserve.transport.protocol import TokenLogprobs, WireLoRA
 from epdserve.shared.engine import SamplingParams
 from epdserve.shared.processing.mrope import mrope_positions
 from epdserve.shared.processing.multimodal import MultiModalPlaceholder
@@ -50,7 +51,8 @@ class OpenAIServing:
     def __init__(self, model_name: str, tokenizer: Tokenizer, backend: Backend, max_model_len: int, vocab_size: int,
                  metrics: ProxyMetrics, chat_encoder: ChatEncoder | None = None,
                  response_timeout: float = 600.0, tool_call_parser: str = "hermes", tracer: Tracer | None = None,
-                 request_trace: bool = False, constraint_limits: ConstraintLimits = ConstraintLimits()) -> None:
+                 request_trace: bool = False, constraint_limits: ConstraintLimits = ConstraintLimits(),
+                 loras: LoRAModules | None = None) -> None:
         """`response_timeout`: seconds an HTTP request may wait for its answer (a stream's first event, or a
         whole non-streamed body) before it fails with 504. `tracer`: where each request's trace goes (default:
         the DEBUG log and the stage histogram); `request_trace`: also return it in the response."""
@@ -66,11 +68,21 @@ class OpenAIServing:
         self.tracer = tracer or Tracer(observe_stage=metrics.observe_stage, model_name=model_name)
         self.request_trace = request_trace
         self.constraint_limits = constraint_limits  # how large a structured output or logit_bias may be
+        self.loras = loras if loras is not None else LoRAModules(model_name)  # adapters offered as models
 
     # -- input --------------------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> WireLoRA | None:
+        """The LoRA adapter `model` names (None: the base model, or no model given); 404 for any other name."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
             raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+        return lora
+
+    def _answering(self, lora: WireLoRA | None) -> str:
+        """The model a response names: the adapter asked for, else the base model."""
+        return self.model_name if lora is None else lora.name
 
     async def encode_chat(self, request: ChatCompletionRequest) -> tuple[list[int], list[ImageInput]]:
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
@@ -224,24 +236,24 @@ class OpenAIServing:
         return [finals[i] for i in sorted(finals)]
 
     def _input(self, request_id: str, ids: list[int], sampling: SamplingParams, images: list[ImageInput],
-               salt: str | None) -> GenerateInput:
+               salt: str | None, lora: WireLoRA | None = None) -> GenerateInput:
         # Stop strings stay here: the engine gets token-level stops only.
         engine_params = replace(sampling, stop=[], include_stop_str_in_output=False)
         positions = None
         if images and images[0].grid is not None:  # an M-RoPE model's: positions follow from the image grids
             placeholders = [MultiModalPlaceholder(i.offset, i.length, i.mm_hash) for i in images]
             positions = mrope_positions(len(ids), placeholders, [i.grid for i in images])
-        return GenerateInput(request_id, ids, engine_params, images, salt, positions)
+        return GenerateInput(request_id, ids, engine_params, images, salt, positions, lora)
 
     # -- /v1/completions ----------------------------------------------------------------------------
     async def completion(self, req: CompletionRequest, request_id: str) -> dict | AsyncIterator[str]:
         arrived = time.time()
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.log_unknown_fields(req, request_id)
         # Tokenizing and checking the constraints take seconds for a huge body: off the event loop.
-        gens, samplings, echoes = await asyncio.to_thread(self._completion_inputs, req, request_id)
+        gens, samplings, echoes = await asyncio.to_thread(self._completion_inputs, req, request_id, lora)
         created = int(time.time())
-        head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
+        head = {"id": request_id, "object": "text_completion", "created": created, "model": self._answering(lora)}
         as_ids = req.return_tokens_as_token_ids
         traces = [self.tracer.new(gen.request_id, arrived) for gen in gens]
         if req.stream:
@@ -269,8 +281,8 @@ class OpenAIServing:
             choices.append(choice)
         return head | {"choices": choices, "usage": self._usage(gens, results, echoes[0])} | self._trace_field(traces)
 
-    def _completion_inputs(self, req: CompletionRequest,
-                           request_id: str) -> tuple[list[GenerateInput], list[SamplingParams], list[Echo | None]]:
+    def _completion_inputs(self, req: CompletionRequest, request_id: str, lora: WireLoRA | None = None
+                           ) -> tuple[list[GenerateInput], list[SamplingParams], list[Echo | None]]:
         """Each prompt's request (tokenized, its sampling checked), sampling and echo; raises BadRequest."""
         try:
             prompts = req.prompts()
@@ -290,7 +302,7 @@ class OpenAIServing:
             sampling = self.with_prompt_logprobs(sampling, req.prompt_logprobs, req.logprobs if req.echo else None)
             if req.best_of is not None:  # ranked by cumulative logprob: every token's is needed
                 sampling = replace(sampling, n=req.best_of, logprobs=sampling.logprobs or 0)
-            gens.append(self._input(_internal_id(request_id), ids, sampling, [], req.cache_salt))
+            gens.append(self._input(_internal_id(request_id), ids, sampling, [], req.cache_salt, lora))
             samplings.append(sampling)
             echoes.append(Echo(prompt, ids, req.max_tokens == 0) if req.echo else None)
         return gens, samplings, echoes
@@ -363,15 +375,16 @@ class OpenAIServing:
     # -- /v1/chat/completions -----------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request_id: str) -> dict | AsyncIterator[str]:
         arrived = time.time()
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.log_unknown_fields(req, request_id)
         ids, images = await self.encode_chat(req)
         # A JSON schema is checked against its metaschema here: seconds for a huge one, off the event loop.
         sampling = await asyncio.to_thread(self._sampling, req, len(ids), req.effective_max_tokens, req.num_logprobs,
                                            "messages", req.max_tokens_field)
         sampling = self.with_prompt_logprobs(sampling, req.prompt_logprobs)
-        gen = self._input(_internal_id(request_id), ids, sampling, images, req.cache_salt)
-        head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
+        gen = self._input(_internal_id(request_id), ids, sampling, images, req.cache_salt, lora)
+        head = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": self._answering(lora)}
         trace = self.tracer.new(gen.request_id, arrived)
         if req.stream:
             return self._stream_chat(gen, sampling, head | {"object": "chat.completion.chunk"}, req.include_usage,

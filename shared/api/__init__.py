@@ -20,6 +20,7 @@ _EXPORTS = {
     "StructuredOutputsParams": "epdserve.shared.engine.sampling_params",
     "RequestOutput": "epdserve.shared.engine.outputs",
     "CompletionOutput": "epdserve.shared.engine.outputs",
+    "LoRARequest": "epdserve.shared.engine.lora_request",
 }
 __all__ = list(_EXPORTS)
 

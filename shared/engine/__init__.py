@@ -22,6 +22,7 @@ _EXPORTS = {
     "KVConnector": "kv_connector", "KVLoad": "kv_connector", "LoadResult": "kv_connector",
     "EvictedBlock": "kv_connector",
     "build_engine_config": "llm", "PREFILL_OUTPUT_TOKENS": "handoff", "Request": "request",
+    "LoRARequest": "lora_request", "LoRAAdapterError": "lora_manager", "NoLoRASlotError": "lora_manager",
 }
 __all__ = list(_EXPORTS)
 

@@ -156,6 +156,22 @@ class AsyncLLM:
         async for out in self._drain(request.group_id, stream):
             yield out
 
+    # -- LoRA adapters ------------------------------------------------------------------------------
+    async def load_lora(self, lora_request) -> None:
+        """Read and check a LoRA adapter (LoRAAdapterError, a ValueError, if it cannot be served), off the
+        event loop and off the engine's steps."""
+        await asyncio.to_thread(self._engine.load_lora, lora_request)
+
+    async def unload_lora(self, name: str) -> bool:
+        return await self._query(lambda engine: engine.unload_lora(name))
+
+    def lora_adapters(self) -> list[str]:
+        """The adapters read, by name (any thread)."""
+        return self._engine.lora_adapters()
+
+    async def can_seat_lora(self, name: str) -> bool:
+        return await self._query(lambda engine: engine.can_seat_lora(name))
+
     async def abort(self, request_id: str) -> None:
         self._commands.put(Abort(request_id))
 

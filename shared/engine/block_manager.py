@@ -1,8 +1,9 @@
 """The KV block pool: allocation, reference counts and the prefix cache.
 
 Prefix caching is a chained hash over *full* blocks: a block's hash covers its parent's hash, its token
-ids and its extra keys (multimodal item hashes overlapping it; the request's `cache_salt` on the first
-block), so equal hashes mean equal prefixes. A hit is also verified against the block's stored token ids.
+ids and its extra keys (multimodal item hashes overlapping it; the request's `cache_salt` and LoRA
+adapter on the first block), so equal hashes mean equal prefixes. A hit is also verified against the
+block's stored token ids.
 Free blocks wait in one LRU queue (an OrderedDict: O(1) removal from the middle when a cached block is
 hit again); a cached block keeps its content until it is popped for reuse, which is the eviction. Each
 registration and eviction is logged (`events`) for routers that follow what this cache holds, and the
@@ -77,7 +78,7 @@ class BlockManager:
     # -- prefix cache -------------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> None:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.mm_placeholders,
-                            request.cache_salt)
+                            request.cache_salt, request.lora_key)
 
     def get_computed_blocks(self, request: Request, max_tokens: int | None = None) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request's first `max_tokens` tokens, in whole blocks.

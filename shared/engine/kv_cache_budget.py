@@ -64,6 +64,10 @@ def size_kv_cache(config: EngineConfig, limit: MemoryLimit | None = None) -> KVC
     limit = limit if limit is not None else available_memory(config.device)
     fraction = cache.kv_cache_memory_fraction or default_fraction(config.device)
     weights = model.num_weight_bytes
+    if config.lora is not None:  # the adapter slots sit beside the weights
+        from epdserve.shared.models.lora_adapter import slot_bytes
+
+        weights += slot_bytes(model, config.lora)
     spare = limit.num_bytes - weights
     if spare < block_bytes:
         raise ValueError(f"no memory for a KV cache: {_gib(limit.num_bytes)} available ({limit.source}) and the "

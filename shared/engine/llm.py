@@ -6,10 +6,12 @@ import queue
 from dataclasses import replace
 from typing import Sequence
 
-from epdserve.shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from epdserve.shared.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig,
+                                    SpeculativeConfig)
 from epdserve.shared.engine.default_logging import use_default_logging
 from epdserve.shared.engine.kv_connector import LoadResult
 from epdserve.shared.engine.llm_engine import LLMEngine, PromptType
+from epdserve.shared.engine.lora_request import LoRARequest
 from epdserve.shared.engine.outputs import RequestOutput
 from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -33,6 +35,10 @@ def build_engine_config(
     kv_offloading_size: float = 0.0,
     kv_offloading_path: str | None = None,
     kv_offloading_save_finished: bool = False,
+    enable_lora: bool = False,
+    max_loras: int = 4,
+    max_lora_rank: int = 16,
+    lora_modules: tuple[tuple[str, str], ...] = (),
 ) -> EngineConfig:
     """`kv_offloading_size`: GiB of the local offload tier (0: none), as vLLM's `--kv-offloading-size`;
     `kv_offloading_path`: the folder its file goes in (default: the temp folder)."""
@@ -49,6 +55,7 @@ def build_engine_config(
         seed=seed,
         grammar_compile_timeout=grammar_compile_timeout,
         speculative=None if speculative is None else speculative.with_draft(dtype, model_config.max_model_len),
+        lora=LoRAConfig(max_loras, max_lora_rank, tuple(lora_modules)) if enable_lora else None,
     )
 
 
@@ -59,7 +66,8 @@ class LLM:
     memory available, see kv_cache_budget.py), max_model_len, attention_backend
     ("auto" | "torch" | "triton"), device, seed, speculative_config (vLLM's: a dict or its JSON text, e.g.
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}), kv_offloading_size (GiB of
-    the local offload tier), kv_offloading_path, kv_offloading_save_finished."""
+    the local offload tier), kv_offloading_path, kv_offloading_save_finished, enable_lora with max_loras,
+    max_lora_rank and lora_modules."""
 
     def __init__(self, model: str, **kwargs) -> None:
         use_default_logging()
@@ -74,18 +82,41 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (a string, token ids, or {"prompt_token_ids": [...]}); outputs in order."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (a string, token ids, or {"prompt_token_ids": [...]}); outputs in order.
+        `lora_request`: one adapter for every prompt, or one (or None: the base model) per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
+        loras = self._loras_per_prompt(lora_request, len(prompts))
+        self._check_lora_room(loras)
         # Validate everything before adding anything, so a bad prompt leaves the engine untouched.
-        requests = [self.engine.make_request(str(next(self._ids)), p, sp) for p, sp in zip(prompts, params)]
+        requests = [self.engine.make_request(str(next(self._ids)), p, sp, lora_request=lora)
+                    for p, sp, lora in zip(prompts, params, loras)]
         return self._run(requests)
+
+    def _check_lora_room(self, loras: list[LoRARequest | None]) -> None:
+        """The call's requests all run at once: their adapters must fit the slots together."""
+        names = {lora.lora_name for lora in loras if lora is not None}
+        lora_config = self.engine.config.lora
+        if names and lora_config is not None and len(names) > lora_config.max_loras:
+            raise ValueError(f"no room for LoRA adapters {sorted(names)} in one call: {len(names)} adapters, "
+                             f"max_loras {lora_config.max_loras}")
+
+    @staticmethod
+    def _loras_per_prompt(lora_request, n: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        loras = list(lora_request)
+        if len(loras) != n:
+            raise ValueError(f"{len(loras)} LoRA requests for {n} prompts")
+        return loras
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, formatted by the tokenizer's chat template."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
@@ -93,7 +124,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": tokenizer.encode_chat(c, add_generation_prompt, **(chat_template_kwargs or {}))}
                    for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request)
 
     @staticmethod
     def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:

@@ -22,6 +22,8 @@ from epdserve.shared.engine.queue_estimate import QueueEstimate
 from epdserve.shared.engine.parallel_sampling import group_members, make_group
 from epdserve.shared.engine.outputs import EngineStats, RequestOutput
 from epdserve.shared.engine.kv_events import KVEventBatch
+from epdserve.shared.engine.lora_manager import LoRAManager
+from epdserve.shared.engine.lora_request import LoRARequest
 from epdserve.shared.engine.request import Request, RequestFailure, RequestStatus, dense_logit_bias
 from epdserve.shared.engine.sampling_params import SamplingParams
 from epdserve.shared.engine.scheduler import Scheduler
@@ -59,6 +61,10 @@ class LLMEngine:
             self.tiers.append(OffloadConnector.create(
                 self.runner.kv_cache, config.cache.block_size, config.cache.kv_offloading_bytes,
                 config.cache.kv_offloading_path, config.cache.kv_offloading_save_finished))
+        self.lora_manager = None if config.lora is None else LoRAManager(config.lora, config.model,
+                                                                         self.runner.model.set_lora)
+        for i, (name, path) in enumerate(config.lora.modules if config.lora else ()):
+            self.load_lora(LoRARequest(name, i + 1, path))  # a bad one stops the start, saying why
         self.output_processor = OutputProcessor(self.tokenizer.fast if self.tokenizer and detokenize else None)
         # Structured outputs need the vocabulary's token strings, hence a tokenizer.
         self.grammar_compiler = None if self.tokenizer is None else GrammarCompiler(
@@ -79,7 +85,8 @@ class LLMEngine:
                      compiled_grammar=None, max_output_tokens: int | None = None,
                      peer_token_ids: Sequence[Sequence[int]] | None = None,
                      kv_transfer_params: object | None = None,
-                     mrope_positions: Sequence[Sequence[int]] | None = None) -> Request:
+                     mrope_positions: Sequence[Sequence[int]] | None = None,
+                     lora_request: LoRARequest | None = None) -> Request:
         """Validate and tokenize; raises ValueError naming the problem. Changes no engine state.
 
         `compiled_grammar`: the params' output constraint, compiled already (else it is compiled here).
@@ -90,7 +97,9 @@ class LLMEngine:
         `kv_transfer_params`: where the prompt's KV may be had from, for the KV connectors.
         `mrope_positions`: an M-RoPE model's 3-D positions of the prompt (3 rows of one position per token:
         temporal, height, width), as the prompt's builder computed them (processing/mrope.py); a text
-        prompt may leave them out."""
+        prompt may leave them out.
+        `lora_request`: the LoRA adapter to run the request with (read from disk on first use and checked
+        here; LoRAAdapterError, a ValueError, for one this model cannot serve)."""
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
@@ -101,17 +110,29 @@ class LLMEngine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         bias = dense_logit_bias(params.logit_bias, self.model_config.vocab_size)
+        adapter = self._lora_adapter(lora_request)
+        lora_name, lora_key = (None, None) if adapter is None else (adapter.name, adapter.digest)
         # n > 1: the first of n sequences, the others waiting to fork from it (parallel_sampling.py).
         request = make_group(request_id, params, lambda rid, p: Request(
             rid, token_ids, p, self.model_config.max_model_len, arrival_time, cache_salt, tuple(mm_placeholders),
             text, dict(mm_embeddings or {}), self._grammar(p, compiled_grammar), bias, kv_transfer_params,
-            positions))
+            positions, lora_name, lora_key))
         for sequence in group_members(request):
             if max_output_tokens is not None:
                 sequence.max_output_tokens = min(sequence.max_output_tokens, max_output_tokens)
         if peer_token_ids is not None:
             continue_from_peer(request, peer_token_ids, self.model_config.vocab_size)
         return request
+
+    def _lora_adapter(self, lora_request: LoRARequest | None):
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora_manager is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but this engine serves no "
+                             f"adapters (enable LoRA)")
+        return self.lora_manager.load(lora_request)
 
     def _grammar(self, params: SamplingParams, compiled=None):
         """A fresh matcher for a constrained request (compiled grammars are cached); raises ValueError."""
@@ -126,8 +147,10 @@ class LLMEngine:
         """Queue a request (made here from `prompt` unless it is one). Sequences that a peer's token ended
         already (handoff.py) finish at once: their outputs come with the next step's."""
         request = prompt if isinstance(prompt, Request) else self.make_request(request_id, prompt, params, **kwargs)
-        self.scheduler.add_request(request)
         members = group_members(request)
+        if request.lora_name is not None:
+            self._seat_adapter(request, members)
+        self.scheduler.add_request(request)
         for sequence in members:
             self.output_processor.add_request(sequence)
         self.queue_estimate.queued_tokens += request.num_prompt_tokens
@@ -139,6 +162,35 @@ class LLMEngine:
             if sequence.is_finished and out is not None:
                 self._due.append(out)
         return request
+
+    def _seat_adapter(self, request: Request, members: list[Request]) -> None:
+        """Put the request's adapter in a slot (NoLoRASlotError when every slot is in use)."""
+        adapter = self.lora_manager.adapters.get(request.lora_name)  # (one dict read: no lock needed)
+        if adapter is None or adapter.digest != request.lora_key:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} was unloaded")
+        in_use = {r.lora_slot for r in self.scheduler.requests.values() if r.lora_slot >= 0}
+        slot = self.lora_manager.acquire(adapter, in_use)
+        for sequence in members:
+            sequence.lora_slot = slot
+
+    def can_seat_lora(self, name: str) -> bool:
+        """Whether a request with adapter `name` (read already) would find it a slot now."""
+        in_use = {r.lora_slot for r in self.scheduler.requests.values() if r.lora_slot >= 0}
+        return self.lora_manager is not None and self.lora_manager.can_seat(name, in_use)
+
+    def load_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (LoRAAdapterError if this model cannot serve it); it takes a slot
+        when a request first uses it."""
+        self._lora_adapter(lora_request)
+
+    def unload_lora(self, name: str) -> bool:
+        """Forget an adapter (False if unknown): requests already added finish with it, new ones may not
+        name it."""
+        return self.lora_manager is not None and self.lora_manager.remove(name)
+
+    def lora_adapters(self) -> list[str]:
+        """The adapters loaded, by name."""
+        return [] if self.lora_manager is None else self.lora_manager.names()
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

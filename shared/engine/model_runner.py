@@ -17,6 +17,7 @@ import torch
 from epdserve.kernels.backend import select_attention_backend
 from epdserve.shared.config import EngineConfig
 from epdserve.shared.models.layers.attention import AttentionMetadata
+from epdserve.shared.models.layers.lora import group_by_slot
 from epdserve.shared.models import model_class
 from epdserve.shared.models.cpu_kernels import load_cpu_kernels
 from epdserve.shared.engine.prompt_logprobs import PromptScores, prompt_span, score_prompt_spans
@@ -79,6 +80,8 @@ class ModelRunner:
             attn.backend = backend
         self.backend = backend
         self.attention_backend = backend.name
+        # LoRA by the Triton kernels where attention runs Triton's (a GPU, or the interpreter in tests).
+        self.lora = None if config.lora is None else self.model.enable_lora(config.lora, backend.name == "triton")
         # The sliding windows the layers use (None: the whole context), each planned once per step.
         self.attention_windows = tuple(dict.fromkeys(attn.sliding_window for attn in self.model.attention_layers()))
         # The CPU path keeps the decode batch's K/V contiguous across steps, within the pool's own size.
@@ -228,6 +231,10 @@ class ModelRunner:
         slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
         seq_lens = torch.tensor(starts, dtype=torch.int32) + q_lens_t
         dev = self.device
+        if self.lora is not None:
+            slots = torch.tensor([request.lora_slot for request, _ in scheduled])
+            batch = group_by_slot(slots[seq_idx], padded=not self.lora.triton)
+            self.lora.batch = None if batch is None else batch._replace(token_indices=batch.token_indices.to(dev))
         meta = AttentionMetadata(slot_mapping.to(dev), block_tables.to(dev), seq_lens.to(dev), query_start_loc.to(dev))
         if self.backend.plan is not None:
             m = self.config.model

@@ -84,6 +84,8 @@ class Request:
         logit_bias: torch.Tensor | None = None,
         kv_transfer_params: object | None = None,
         mrope_positions: torch.Tensor | None = None,
+        lora_name: str | None = None,
+        lora_key: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -92,6 +94,11 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
         self.mm_placeholders = mm_placeholders
+        # Its LoRA adapter (None: the base model): the name it was asked by, the key its KV is cached under
+        # (the adapter's digest), and the model's slot holding it (set when the engine adds the request).
+        self.lora_name = lora_name
+        self.lora_key = lora_key
+        self.lora_slot = -1
         # mm_hash -> encoder output [length, hidden_size] for each placeholder; needed while the
         # placeholder's positions are (re)computed, so kept until the request ends (preemption recomputes).
         # Missing ones are loaded by a KV connector before any step computes their positions.

@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdserve.kernels import cpu_layer_ops
-from epdserve.shared.config import ModelConfig
+from epdserve.shared.config import LoRAConfig, ModelConfig
 from epdserve.shared.models.layers.attention import Attention, AttentionMetadata
 from epdserve.shared.models.layers.linear import Linear
+from epdserve.shared.models.layers.lora import LoRAStack, LoRAState
 from epdserve.shared.models.layers.rms_norm import RMSNorm
 from epdserve.shared.models.layers.rotary_embedding import RotaryEmbedding
 from epdserve.shared.models.layers.sparse_moe import Experts, SparseMoE
@@ -173,6 +174,31 @@ class LlamaForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    def enable_lora(self, lora: LoRAConfig, triton: bool) -> LoRAState:
+        """Give every adaptable linear layer its slots of stacked adapter weights (all zero: no adapter);
+        `triton`: apply them with the Triton kernels."""
+        weight = self.lm_head.weight
+        state = LoRAState(lora.max_loras, lora.max_lora_rank, triton)
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            attn.qkv_proj.lora = LoRAStack(state, attn.qkv_proj.in_features,
+                                           (attn.q_size, attn.kv_size, attn.kv_size), weight.dtype, weight.device)
+            attn.o_proj.lora = LoRAStack(state, attn.q_size, (attn.o_proj.out_features,), weight.dtype, weight.device)
+            if isinstance(layer.mlp, LlamaMLP):
+                for proj in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                    proj.lora = LoRAStack(state, proj.in_features, (proj.out_features,), weight.dtype, weight.device)
+        return state
+
+    def set_lora(self, slot: int, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write an adapter's weights ((layer, HF module) -> (A, scaled B)) into `slot` ({}: clear it)."""
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            attn.qkv_proj.lora.set_slot(slot, [weights.get((i, m)) for m in ("q_proj", "k_proj", "v_proj")])
+            attn.o_proj.lora.set_slot(slot, [weights.get((i, "o_proj"))])
+            if isinstance(layer.mlp, LlamaMLP):
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    getattr(layer.mlp, name).lora.set_slot(slot, [weights.get((i, name))])
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

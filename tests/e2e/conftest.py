@@ -88,6 +88,9 @@ class Stack:
         self.services["proxy"] = Service("proxy", "proxy", proxy, self.port, None, self.port, log_dir / "proxy.log",
                                          host)
         self.url = f"http://{http_host(host)}:{self.port}"
+        # /ready is behind the proxy's API key, when it has one.
+        key = proxy_args[list(proxy_args).index("--api-key") + 1] if "--api-key" in proxy_args else None
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     def start(self, timeout: float = 300) -> "Stack":
         for s in self.services.values():
@@ -106,7 +109,7 @@ class Stack:
 
     def _all_ready(self) -> bool:
         """Every service answers /ready, and the proxy routes to every one of them."""
-        r = httpx.get(self.url + "/ready", timeout=2)
+        r = httpx.get(self.url + "/ready", timeout=2, headers=self.headers)
         if r.status_code != 200:
             return False
         expected: dict[str, int] = {}

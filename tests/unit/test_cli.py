@@ -358,3 +358,34 @@ def test_up_with_a_kv_store_starts_one_and_gives_every_engine_its_address(defaul
         stack_config(parse("up", "--kv-store", "0"), str(default_model_path))
     with pytest.raises(SystemExit, match="--kv-store .* is not HOST:PORT"):
         service_config(parse("serve", "decode", "--kv-store", "nowhere"))
+
+
+def test_up_gives_every_engine_its_lora_options_and_the_proxy_the_adapters(tmp_path, default_model_path):
+    from epdserve.services.cli import engine_config
+
+    model = str(default_model_path)
+    commands = dict(LocalStack(stack_config(parse(
+        "up", "--encoders", "1", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32", "--lora-modules",
+        f"sql={tmp_path}/sql", f"chat={tmp_path}/chat", "--enable-lora-runtime-updates"), model)).commands())
+    proxy = proxy_config(parse(*commands["proxy"][commands["proxy"].index("serve"):]), model)
+    assert proxy.lora_modules == (("sql", f"{tmp_path}/sql"), ("chat", f"{tmp_path}/chat"))
+    assert proxy.enable_lora_runtime_updates
+    assert "--enable-lora" not in commands["encoder-0"]
+    for name in ("prefill-0", "decode-0"):
+        argv = commands[name]
+        lora = engine_config(parse(*argv[argv.index("serve"):]), model).lora
+        assert (lora.max_loras, lora.max_lora_rank) == (3, 32)
+        assert lora.modules == (("sql", f"{tmp_path}/sql"), ("chat", f"{tmp_path}/chat"))
+    plain = dict(LocalStack(stack_config(parse("up"), model)).commands())
+    assert not any("--enable-lora" in argv or "--lora-modules" in argv for argv in plain.values())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--lora-modules", "sql"), "give NAME=PATH"),
+    (("--lora-modules", "a=/x", "a=/y", "--enable-lora"), "names must be distinct"),
+    (("--lora-modules", "a=/x"), "--lora-modules needs --enable-lora"),
+    (("--enable-lora-runtime-updates",), "--enable-lora-runtime-updates needs --enable-lora"),
+])
+def test_up_refuses_bad_lora_options(default_model_path, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        stack_config(parse("up", *argv), str(default_model_path))

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdserve.kernels import cpu_linear
+from epdserve.shared.models.layers.lora import LoRAStack
 
 _ONEDNN_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _PACK_BATCH_HINT = 64  # rows the packing is tuned for; any row count works
@@ -33,6 +34,7 @@ def onednn_supports(dtype: torch.dtype) -> bool:
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout
     panels: torch.Tensor | None = None  # cpu_linear's
+    lora: LoRAStack | None = None  # the resident LoRA adapters' weights, on a layer they may adapt
 
     @classmethod
     def over(cls, weight: torch.Tensor) -> Linear:
@@ -55,6 +57,12 @@ class Linear(nn.Linear):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base(x)
+        if self.lora is not None:
+            self.lora.add_to(x, y)
+        return y
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None and x.dtype == self.panels.dtype:
             return cpu_linear.linear(x, self.panels, self.out_features, self.bias)
         if self.packed_weight is not None:

@@ -1,0 +1,174 @@
+"""Reads a PEFT LoRA adapter folder (`adapter_config.json` + `adapter_model.safetensors`) into plain tensors.
+
+No PEFT at run time: the format is small. A LoRA on module W of layer i adds `scaling * B(A x)` to W x,
+A [r, in_features], B [out_features, r], scaling = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA).
+Every check that can fail does so here, at load, with a message naming the adapter and what is wrong: a
+rank above the engine's limit, a tensor whose shape is not this base model's (an adapter trained on
+another base), a module we do not adapt, a PEFT feature we do not implement, an unreadable file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from epdserve.shared.config import DTYPE_BYTES, LoRAConfig, ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+logger = logging.getLogger(__name__)
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class LoRAAdapterError(ValueError):
+    """An adapter that cannot be served on this base model (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAAdapter:
+    name: str
+    path: str
+    rank: int
+    # Stable across processes for the same files: keys the adapter's KV in the prefix cache, so an adapter
+    # reloaded under the same name with other weights never meets the old one's blocks.
+    digest: str
+    # (layer, module) -> (A [r, in], B [out, r] times the scaling), in float32.
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each adaptable module's (in_features, out_features) on this base model."""
+    h, q, kv, inter = config.hidden_size, config.num_heads * config.head_size, \
+        config.num_kv_heads * config.head_size, config.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+def slot_bytes(config: ModelConfig, lora: LoRAConfig) -> int:
+    """Memory the model's adapter slots take (layers/lora.py: per adapted layer A [max_loras, parts * rank, in]
+    and B [max_loras, out, parts * rank]; q/k/v are one layer of three parts, the experts none)."""
+    shapes, r = module_shapes(config), lora.max_lora_rank
+    h = config.hidden_size
+    qkv_out = sum(shapes[m][1] for m in ("q_proj", "k_proj", "v_proj"))
+    per_layer = 3 * r * (h + qkv_out) + r * sum(shapes["o_proj"])
+    num_dense = config.num_layers - (len(config.moe.sparse_layers) if config.moe is not None else 0)
+    mlp = r * sum(sum(shapes[m]) for m in ("gate_proj", "up_proj", "down_proj"))
+    return lora.max_loras * (config.num_layers * per_layer + num_dense * mlp) * DTYPE_BYTES[config.dtype_name]
+
+
+def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """Read and check the adapter at `path` for the base model `config`; raises LoRAAdapterError."""
+    folder = Path(path)
+    settings = _read_config(name, folder)
+    rank = settings.get("r")
+    if not isinstance(rank, int) or rank <= 0:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: 'r' in {CONFIG_FILE} must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise LoRAAdapterError(f"LoRA adapter {name!r} has rank {rank}, above this server's max_lora_rank {max_rank}")
+    alpha = settings.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: 'lora_alpha' must be a number, got {alpha!r}")
+    scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
+    tensors, digest = _read_weights(name, folder)
+    weights = _pair_up(name, tensors, config, settings, rank, scaling)
+    _note_base_name(name, settings.get("base_model_name_or_path"), config)
+    return LoRAAdapter(name, str(folder), rank, digest, weights)
+
+
+def _note_base_name(name: str, base: object, config: ModelConfig) -> None:
+    """A base named otherwise is only warned about: names are paths or hub ids that differ for one model (a
+    copy, a mirror), and an adapter of another base with this one's shapes is the user's call. Shapes that
+    differ are refused (_pair_up)."""
+    if not isinstance(base, str) or not base:
+        return
+    ours = {Path(config.path).name, Path(config.model_id).name, config.model_id}
+    if Path(base).name not in ours and base not in ours:
+        logger.warning("LoRA adapter %s was trained on %r; this model is %r (shapes match: serving it)", name, base,
+                       config.model_id)
+
+
+def _read_config(name: str, folder: Path) -> dict:
+    file = folder / CONFIG_FILE
+    if not file.is_file():
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {str(folder)!r}")
+    try:
+        settings = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {CONFIG_FILE} is not readable JSON ({exc})") from None
+    if not isinstance(settings, dict):
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {CONFIG_FILE} must hold a JSON object")
+    if settings.get("peft_type", "LORA") != "LORA":
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: peft_type {settings['peft_type']!r} is not LORA")
+    # PEFT features that change the arithmetic: refused rather than served wrongly.
+    unsupported = {
+        "use_dora": bool(settings.get("use_dora")), "modules_to_save": bool(settings.get("modules_to_save")),
+        "bias": settings.get("bias", "none") != "none", "fan_in_fan_out": bool(settings.get("fan_in_fan_out")),
+        **{key: bool(settings.get(key)) for key in ("rank_pattern", "alpha_pattern", "lora_bias", "target_parameters",
+                                                     "trainable_token_indices", "use_qalora", "use_bdlora")}}
+    if any(unsupported.values()):
+        names = ", ".join(k for k, v in unsupported.items() if v)
+        raise LoRAAdapterError(f"LoRA adapter {name!r} uses {names}, which this server does not support")
+    return settings
+
+
+def _read_weights(name: str, folder: Path) -> tuple[dict[str, torch.Tensor], str]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    file = folder / WEIGHTS_FILE
+    if not file.is_file():
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {str(folder)!r}")
+    data = file.read_bytes()
+    try:
+        tensors = load(data)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} is corrupt ({exc})") from None
+    digest = hashlib.sha256(data + (folder / CONFIG_FILE).read_bytes()).hexdigest()[:32]
+    return tensors, digest
+
+
+def _pair_up(name: str, tensors: dict[str, torch.Tensor], config: ModelConfig, settings: dict, rank: int,
+             scaling: float) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    shapes = module_shapes(config)
+    targets = settings.get("target_modules")
+    listed = set(targets) if isinstance(targets, list) else None
+    sparse = set(config.moe.sparse_layers) if config.moe is not None else set()
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        if match is None:
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of a decoder "
+                                   f"layer's {'/'.join(TARGET_MODULES)}")
+        layer, module, half = int(match[1]), match[2], match[3]
+        if module not in shapes or (listed is not None and module not in listed):
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: module {module!r} is not one it targets among "
+                                   f"{'/'.join(TARGET_MODULES)}")
+        if not 0 <= layer < config.num_layers:
+            raise LoRAAdapterError(f"LoRA adapter {name!r} adapts layer {layer}; the base model has "
+                                   f"{config.num_layers} layers (an adapter for another base model?)")
+        if layer in sparse and module in ("gate_proj", "up_proj", "down_proj"):
+            raise LoRAAdapterError(f"LoRA adapter {name!r} adapts {module} of layer {layer}, a mixture-of-experts "
+                                   f"layer: not supported")
+        halves.setdefault((layer, module), {})[half] = tensor
+    if not halves:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    weights = {}
+    for (layer, module), pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"}:
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: layer {layer} {module} lacks lora_{'AB'[('A' in pair)]}")
+        in_features, out_features = shapes[module]
+        a, b = pair["A"], pair["B"]
+        if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
+            raise LoRAAdapterError(
+                f"LoRA adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; this "
+                f"base model needs A ({rank}, {in_features}) and B ({out_features}, {rank}) (an adapter for "
+                f"another base model?)")
+        weights[layer, module] = (a.float(), b.float() * scaling)
+    return weights

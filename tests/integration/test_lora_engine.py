@@ -1,0 +1,187 @@
+"""LoRA adapters in the engine: greedy float32 output with each adapter equals HF transformers + PEFT token for
+token, in one batch that mixes three adapters and the base model; their KV never meets in the prefix cache;
+and an adapter the base model cannot serve is refused at load with a message saying why."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from epdserve import LLM, LoRARequest, SamplingParams
+
+MAX_NEW_TOKENS = 12
+PROMPTS = ["The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps",
+           "Ships passed far out on the horizon",
+           "In winter the storms arrived without warning. Waves broke over the rocks and threw spray",
+           "His daughter wrote to him from the city"]
+ADAPTERS = ("all", "attn", "mlp-rslora")
+
+
+@pytest.fixture(scope="module")
+def lora_paths(tiny_model_paths, tmp_path_factory):
+    from epdserve.shared.checkpoints.tiny_lora import build_tiny_lora
+
+    root = tmp_path_factory.mktemp("loras")
+    return {v: str(build_tiny_lora(tiny_model_paths["llama"], root / v, v, seed=i + 1)) for i, v in enumerate(ADAPTERS)}
+
+
+@pytest.fixture(scope="module")
+def tokenized(tiny_model_paths):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_paths["llama"])
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_references(tiny_model_paths, lora_paths, tokenized, hf_greedy):
+    """(adapter or None, prompt index) -> HF + PEFT greedy (tokens, logits), float32, each prompt alone."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    refs = {}
+    for name in (None, *ADAPTERS):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_paths["llama"], dtype=torch.float32).eval()
+        if name is not None:
+            model = PeftModel.from_pretrained(model, lora_paths[name]).eval()
+        for i, ids in enumerate(tokenized):
+            refs[name, i] = hf_greedy(model, ids, MAX_NEW_TOKENS)
+    return refs
+
+
+def lora_request(name, lora_paths):
+    return None if name is None else LoRARequest(name, 1 + ADAPTERS.index(name), lora_paths[name])
+
+
+def test_mixed_batch_matches_hf_peft(tiny_model_paths, lora_paths, tokenized, hf_references, near_tie_check):
+    llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=256)
+    # Every prompt with every adapter and the base, interleaved: one step holds all four.
+    cases = [(name, i) for i in range(len(tokenized)) for name in (None, *ADAPTERS)]
+    outputs = llm.generate([{"prompt_token_ids": tokenized[i]} for _, i in cases],
+                           SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS),
+                           lora_request=[lora_request(name, lora_paths) for name, _ in cases])
+    ties = sum(near_tie_check(f"{name} prompt {i}", out.outputs[0].token_ids, *hf_references[name, i])
+               for (name, i), out in zip(cases, outputs))
+    assert ties <= 1
+    # The adapters matter: each changes some prompt's output from the base model's.
+    for name in ADAPTERS:
+        assert any(hf_references[name, i][0] != hf_references[None, i][0] for i in range(len(tokenized))), name
+
+
+def test_adapters_never_share_kv(tiny_model_paths, lora_paths, tokenized, hf_references, near_tie_check):
+    """The same prompt through two adapters and the base, one after the other with the prefix cache on:
+    each computes its own KV (no hit across adapters) and gets its own HF-exact output; the same adapter
+    again hits its own blocks."""
+    llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=256,
+              block_size=8)
+    prompt = {"prompt_token_ids": tokenized[2]}
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    cached = []
+    for name in (None, "all", "attn", None, "all"):
+        out = llm.generate(prompt, params, lora_request=lora_request(name, lora_paths))[0]
+        near_tie_check(f"{name}", out.outputs[0].token_ids, *hf_references[name, 2])
+        cached.append(out.num_cached_tokens)
+    # The first of each computed its whole prompt; a repeat hits its own full blocks.
+    full = (len(tokenized[2]) - 1) // 8 * 8
+    assert cached == [0, 0, 0, full, full] and full > 0
+
+
+def test_more_adapters_than_slots_in_one_call(tiny_model_paths, lora_paths, tokenized):
+    """Refused before anything is added; calls within the limit then swap adapters through the slots."""
+    llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=64)
+    with pytest.raises(ValueError, match="no room for LoRA adapters"):
+        llm.generate([{"prompt_token_ids": tokenized[1]}] * 3, SamplingParams(max_tokens=2),
+                     lora_request=[lora_request(n, lora_paths) for n in ADAPTERS])
+    assert not llm.engine.has_unfinished_requests()
+    for names in (ADAPTERS[:2], ADAPTERS[1:], ADAPTERS[::2]):
+        outs = llm.generate([{"prompt_token_ids": tokenized[1]}] * 2, SamplingParams(max_tokens=2),
+                            lora_request=[lora_request(n, lora_paths) for n in names])
+        assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+
+
+def test_triton_kernels_in_the_model_match_hf_peft(tiny_model_paths, lora_paths, tokenized, hf_references,
+                                                  near_tie_check):
+    """The Triton attention backend applies adapters with the Triton LoRA kernels (the interpreter, on CPU)."""
+    llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=64,
+              attention_backend="triton")
+    from epdserve.kernels import lora_shrink_expand
+
+    assert llm.engine.runner.lora.shrink is lora_shrink_expand.lora_shrink
+    cases = [(None, 1), ("all", 1), ("attn", 3), ("mlp-rslora", 1)]
+    outputs = llm.generate([{"prompt_token_ids": tokenized[i]} for _, i in cases],
+                           SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS),
+                           lora_request=[lora_request(name, lora_paths) for name, _ in cases])
+    for (name, i), out in zip(cases, outputs):
+        near_tie_check(f"{name} prompt {i}", out.outputs[0].token_ids, *hf_references[name, i])
+
+
+@pytest.fixture()
+def bad_adapters(lora_paths, tiny_model_paths, tmp_path):
+    from epdserve.shared.checkpoints.tiny_lora import build_tiny_lora
+
+    bad = {}
+    bad["rank"] = lora_paths["mlp-rslora"]  # rank 16 over a max of 8
+    bad["other-base"] = str(build_tiny_lora(tiny_model_paths["qwen3"], tmp_path / "qwen3-lora", "attn"))
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(lora_paths["attn"], corrupt)
+    data = (corrupt / "adapter_model.safetensors").read_bytes()
+    (corrupt / "adapter_model.safetensors").write_bytes(data[:len(data) // 2])
+    bad["corrupt"] = str(corrupt)
+    dora = tmp_path / "dora"
+    shutil.copytree(lora_paths["attn"], dora)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    bad["dora"] = str(dora)
+    bad["missing"] = str(tmp_path / "nowhere")
+    return bad
+
+
+@pytest.mark.parametrize("case, message", [
+    ("rank", "rank 16, above this server's max_lora_rank 8"),
+    ("other-base", "an adapter for another base model"),
+    ("corrupt", "adapter_model.safetensors is corrupt"),
+    ("dora", "uses use_dora, which this server does not support"),
+    ("missing", "no adapter_config.json"),
+])
+def test_bad_adapters_are_refused_at_load(tiny_model_paths, lora_paths, tokenized, bad_adapters, case, message):
+    from epdserve.shared.engine import LoRAAdapterError
+
+    llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64)
+    with pytest.raises(LoRAAdapterError, match=message):
+        llm.generate({"prompt_token_ids": tokenized[1]}, SamplingParams(max_tokens=2),
+                     lora_request=LoRARequest("bad", 1, bad_adapters[case]))
+    # Nothing else disturbed: a good adapter and the base still run.
+    outs = llm.generate([{"prompt_token_ids": tokenized[1]}] * 2, SamplingParams(max_tokens=2),
+                        lora_request=[None, LoRARequest("attn", 2, lora_paths["attn"])])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+
+
+def test_chat_takes_an_adapter(tiny_model_paths, lora_paths):
+    llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=2, num_kv_blocks=64)
+    conversation = [{"role": "user", "content": "Where do ships pass?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    base = llm.chat(conversation, params)[0].outputs[0].token_ids
+    adapted = llm.chat(conversation, params, lora_request=lora_request("all", lora_paths))[0].outputs[0].token_ids
+    prompt = {"prompt_token_ids": llm.get_tokenizer().encode_chat(conversation, True)}
+    assert adapted == llm.generate(prompt, params, lora_request=lora_request("all", lora_paths))[0].outputs[0].token_ids
+    assert adapted != base
+
+
+def test_lora_needs_enable_lora(tiny_model_paths, lora_paths):
+    llm = LLM(model=tiny_model_paths["llama"], num_kv_blocks=64)
+    with pytest.raises(ValueError, match="serves no adapters"):
+        llm.generate([1, 2, 3], SamplingParams(max_tokens=2), lora_request=LoRARequest("a", 1, lora_paths["all"]))
+
+
+def test_slot_bytes_are_what_the_model_allocates(tiny_model_paths):
+    """The KV cache's budget counts the adapter slots as the model allocates them."""
+    from epdserve.shared.models.lora_adapter import slot_bytes
+
+    llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=3, max_lora_rank=8, num_kv_blocks=16)
+    layers = llm.engine.runner.model.model.layers
+    stacks = [p.lora for layer in layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    allocated = sum(s.a.numel() * s.a.element_size() + s.b.numel() * s.b.element_size() for s in stacks)
+    assert slot_bytes(llm.engine.config.model, llm.engine.config.lora) == allocated
