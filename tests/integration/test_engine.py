@@ -257,4 +257,7 @@ def test_step_time_is_broken_down_by_phase(llm):
     after = llm.engine.stats()
     assert after.num_steps > before.num_steps
     for phase, seconds in after.step_seconds.items():
+        if phase == "draft":  # proposals: this engine does not speculate
+            assert seconds == 0.0
+            continue
         assert seconds > before.step_seconds[phase], f"{phase} was not timed"

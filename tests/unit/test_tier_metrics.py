@@ -9,7 +9,7 @@ def test_tier_series_carry_the_tiers_counts():
     buckets = [0] * (len(RESTORE_SECONDS_BUCKETS) + 1)
     buckets[2], buckets[-1] = 3, 1
     tier = KVTierStats(10, 64, 9, 144, 9000, 20, 20000, 2, 1, 1, tuple(buckets), 0.75)
-    stats = EngineStats(0, 0, 100, 128, 0.2, 0, 0, 0, {}, 0, {}, 0, 0, {"local": tier})
+    stats = EngineStats(0, 0, 100, 128, 0.2, 0, 0, 0, {}, 0, {}, 0, 0, kv_tiers={"local": tier})
     text = generate_latest(ServiceMetrics("decode", "d0", "m", lambda: stats).registry).decode()
     labels = 'engine_id="d0",model_name="m",role="decode",tier="local"'
     assert f"epdserve:kv_tier_hit_blocks_total{{{labels}}} 9.0" in text
