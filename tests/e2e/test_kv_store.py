@@ -9,39 +9,13 @@ import pytest
 
 from epdserve.services.launcher import free_port
 from tests.e2e.conftest import Service
+from tests.e2e.kv_eviction import complete, push_out, total
 
 BLOCK_SIZE = 16
 
 
 def conversation(i: int, num_blocks: int = 18) -> list[int]:
     return [(11 + i * 173 + t * 19) % 1900 + 3 for t in range(num_blocks * BLOCK_SIZE)]
-
-
-def complete(client, prompt_ids: list[int], max_tokens: int = 8) -> list[int]:
-    out = client.completions.create(model="demo", prompt=prompt_ids, max_tokens=max_tokens, temperature=0,
-                                    logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-    return [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
-
-
-def served(service) -> float:
-    return service.metrics().get("epdserve:engine_requests_finished_total", 0.0)
-
-
-def push_out(stack, client, first: int) -> int:
-    """Other conversations, from `first` on, until every engine has served 3 of them: 3 x 18 blocks leave
-    no block of an earlier conversation in a 40-block pool (the prefill serves them all). The next unused."""
-    engines = [s for s in stack.services.values() if s.role in ("prefill", "decode")]
-    before = {s.name: served(s) for s in engines}
-    i = first
-    while any(served(s) - before[s.name] < 3 for s in engines):
-        assert i < first + 16, "the router never spread the conversations over both decodes"
-        complete(client, conversation(i))
-        i += 1
-    return i
-
-
-def total(stack, name: str) -> float:
-    return sum(s.metrics().get(name, 0.0) for s in stack.services.values() if s.role in ("prefill", "decode"))
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +55,7 @@ def client(stack):
 
 def test_an_evicted_conversation_comes_back_from_the_store_token_for_token(stack, client, store):
     first = complete(client, conversation(0))
-    push_out(stack, client, 1)
+    push_out(stack, client, conversation, 1)
     assert store.metrics()["epdserve:kv_store_blocks"] >= 18
     time.sleep(1.5)  # the engines follow the store's events every half second
     computed = total(stack, "epdserve:prompt_tokens_computed_total")
@@ -96,7 +70,7 @@ def test_an_evicted_conversation_comes_back_from_the_store_token_for_token(stack
 
 def test_a_killed_store_costs_recomputation_not_requests(stack, client, store):
     again = complete(client, conversation(1))
-    push_out(stack, client, 20)
+    push_out(stack, client, conversation, 20)
     store.stop(sig=9)
     started = time.monotonic()
     hits = total(stack, "epdserve:kv_tier_hit_tokens_total")
