@@ -494,6 +494,9 @@ class EngineConfig:
     grammar_compile_timeout: float = 10.0
     # Speculative decoding (None: one token per request and step).
     speculative: SpeculativeConfig | None = None
+    # Time a mixture-of-experts model's sparse MLPs by part in the step timer (routing, dispatch, experts,
+    # combine); nothing for a dense model. Off: those layers run with no clock reads at all.
+    profile_moe: bool = False
 
     def __post_init__(self):
         if not self.grammar_compile_timeout > 0:

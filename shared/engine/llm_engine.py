@@ -50,7 +50,7 @@ class LLMEngine:
                     num_blocks * config.cache.block_size, kv_size.num_bytes, kv_size.reason)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.step_timer = StepTimer()
+        self.step_timer = StepTimer(moe=config.profile_moe and config.model.moe is not None)
         self.queue_estimate = QueueEstimate()  # read by services from other threads (admission control)
         self.runner = ModelRunner(config, num_blocks, self.step_timer)
         self.proposer = self._proposer(config, num_blocks)

@@ -18,6 +18,7 @@ from epdserve.kernels.backend import select_attention_backend
 from epdserve.shared.config import EngineConfig
 from epdserve.shared.models.layers.attention import AttentionMetadata
 from epdserve.shared.models.layers.lora import group_by_slot
+from epdserve.shared.models.layers.sparse_moe import SparseMoE
 from epdserve.shared.models import model_class
 from epdserve.shared.models.cpu_kernels import load_cpu_kernels
 from epdserve.shared.engine.prompt_logprobs import PromptScores, prompt_span, score_prompt_spans
@@ -79,6 +80,10 @@ class ModelRunner:
             attn.value_cache = self.kv_cache[i, 1].transpose(1, 2)
             attn.backend = backend
         self.backend = backend
+        if self.timer.times_moe:
+            for module in self.model.modules():
+                if isinstance(module, SparseMoE):
+                    module.seconds = self.timer.seconds
         self.attention_backend = backend.name
         # LoRA by the Triton kernels where attention runs Triton's (a GPU, or the interpreter in tests).
         self.lora = None if config.lora is None else self.model.enable_lora(config.lora, backend.name == "triton")

@@ -9,8 +9,16 @@ The phases of one step, in order (draft around schedule):
     sampler    turning logits into tokens (penalties, filters, noise, logprobs)
     output     counters, stops, detokenization and handing outputs to their streams
 
+With `moe` (an engine built with profile_moe, on a mixture-of-experts model), the sparse MLPs' time too,
+taken out of `forward` (layers/sparse_moe.py):
+    moe_route     the router: gate matmul, softmax, top-k, renormalisation
+    moe_dispatch  grouping the (token, expert) pairs by expert and gathering their inputs
+    moe_experts   each expert's gated MLP over its tokens (its two matmuls and the activation)
+    moe_combine   scaling by the router weights and adding each token's expert outputs
+
 CPU ops are synchronous, so wall time is theirs; on a GPU, kernel time lands in whichever phase first
-waits for it. Timing costs two clock reads per phase and per attention call.
+waits for it (the MoE phases alone synchronise, when timed). Timing costs two clock reads per phase and
+per attention call; the MoE phases cost nothing unless asked for.
 """
 from __future__ import annotations
 
@@ -19,11 +27,13 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 PHASES = ("schedule", "draft", "prepare", "forward", "attention", "sampler", "output")
+MOE_PHASES = ("moe_route", "moe_dispatch", "moe_experts", "moe_combine")
 
 
 class StepTimer:
-    def __init__(self) -> None:
-        self.seconds = dict.fromkeys(PHASES, 0.0)
+    def __init__(self, moe: bool = False) -> None:
+        """`moe`: also time the sparse MLPs by part (MOE_PHASES)."""
+        self.seconds = dict.fromkeys(PHASES + (MOE_PHASES if moe else ()), 0.0)
         self.num_steps = 0
 
     @contextmanager
@@ -47,8 +57,13 @@ class StepTimer:
 
         return run
 
+    @property
+    def times_moe(self) -> bool:
+        return MOE_PHASES[0] in self.seconds
+
     def breakdown(self) -> dict[str, float]:
-        """Seconds per phase; `forward` excludes the attention calls made inside it."""
+        """Seconds per phase; `forward` excludes the attention calls and the MoE phases made inside it."""
         out = dict(self.seconds)
-        out["forward"] = max(out["forward"] - out["attention"], 0.0)
+        inner = out["attention"] + sum(out.get(p, 0.0) for p in MOE_PHASES)
+        out["forward"] = max(out["forward"] - inner, 0.0)
         return out

@@ -11,11 +11,11 @@ from epdserve.shared.models.weight_loader import load_weights, our_name
 HIDDEN, EXPERT_SIZE, NUM_EXPERTS, TOP_K = 64, 32, 6, 2
 
 
-def hf_block(model_type: str, norm_topk_prob: bool, dtype: torch.dtype):
+def hf_block(model_type: str, norm_topk_prob: bool, dtype: torch.dtype, top_k: int = TOP_K):
     """HF's sparse MLP with random weights, and those weights as a checkpoint of per-expert tensors."""
     from transformers import AutoConfig
 
-    common = dict(hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=2, num_experts_per_tok=TOP_K)
+    common = dict(hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=2, num_experts_per_tok=top_k)
     if model_type == "mixtral":
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
 
@@ -44,8 +44,8 @@ def hf_block(model_type: str, norm_topk_prob: bool, dtype: torch.dtype):
     return block, checkpoint
 
 
-def ours(arch: str, renormalize: bool, checkpoint, dtype: torch.dtype) -> SparseMoE:
-    moe = MoEConfig(num_experts=NUM_EXPERTS, top_k=TOP_K, intermediate_size=EXPERT_SIZE, renormalize=renormalize,
+def ours(arch: str, renormalize: bool, checkpoint, dtype: torch.dtype, top_k: int = TOP_K) -> SparseMoE:
+    moe = MoEConfig(num_experts=NUM_EXPERTS, top_k=top_k, intermediate_size=EXPERT_SIZE, renormalize=renormalize,
                     round_weights=arch == "Qwen3MoeForCausalLM", sparse_layers=(0,))
     config = ModelConfig(path="/m", architecture=arch, dtype_name=str(dtype).removeprefix("torch."), vocab_size=8,
                          hidden_size=HIDDEN, intermediate_size=EXPERT_SIZE, num_layers=1, num_heads=2, num_kv_heads=2,
@@ -110,3 +110,51 @@ def test_the_packed_cpu_path_the_reference_and_the_triton_kernel_agree():
     experts._gate_up = experts._down = []  # unpacked: the PyTorch reference
     torch.testing.assert_close(experts(x, ids, weights), packed, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(triton, packed, rtol=1e-5, atol=1e-5)
+
+
+def hf_order_reference(layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """HF's experts loop (one expert at a time, ascending, each adding its weighted outputs with index_add_),
+    over our packed per-expert layers and activation kernel."""
+    from epdserve.kernels import cpu_layer_ops
+
+    ids, weights = layer.route(x)
+    experts, size = layer.experts, EXPERT_SIZE
+    out = torch.zeros_like(x)
+    for e in range(NUM_EXPERTS):
+        token_idx, choice = torch.where(ids == e)
+        if len(token_idx) == 0:
+            continue
+        gate_up = experts._gate_up[e](x[token_idx])
+        hidden = experts._down[e](cpu_layer_ops.silu_mul_(gate_up[:, :size], gate_up[:, size:]))
+        out.index_add_(0, token_idx, (hidden * weights[token_idx, choice, None]).to(out.dtype))
+    return out
+
+
+@pytest.mark.parametrize("arch, renormalize", [("Qwen3MoeForCausalLM", False), ("MixtralForCausalLM", True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [2, 4])
+def test_grouped_dispatch_and_combine_add_as_hf_does(arch, renormalize, dtype, top_k):
+    """One gather for every (token, expert) pair and one combine after all experts give, bit for bit, what
+    HF's loop of index_add_ per expert gives: the same products, added in the same order (which top-4 tells
+    apart: a sum of more than two terms depends on it)."""
+    model_type = "mixtral" if arch == "MixtralForCausalLM" else "qwen3_moe"
+    _, checkpoint = hf_block(model_type, renormalize, dtype, top_k)
+    layer = ours(arch, renormalize, checkpoint, dtype, top_k)
+    x = torch.randn(41, HIDDEN, generator=torch.Generator().manual_seed(4)).to(dtype)
+    assert torch.equal(layer(x), hf_order_reference(layer, x))
+
+
+def test_the_timed_forward_times_every_part_and_changes_nothing():
+    from epdserve.shared.engine.step_timer import MOE_PHASES, StepTimer
+
+    _, checkpoint = hf_block("qwen3_moe", True, torch.float32)
+    layer = ours("Qwen3MoeForCausalLM", True, checkpoint, torch.float32)
+    x = torch.randn(29, HIDDEN, generator=torch.Generator().manual_seed(5))
+    untimed = layer(x)
+    timer = StepTimer(moe=True)
+    layer.seconds = timer.seconds
+    assert torch.equal(layer(x), untimed)
+    assert all(timer.seconds[p] > 0 for p in MOE_PHASES), timer.seconds
+    # The parts are inside the forward pass: the breakdown takes them out of it.
+    timer.seconds["forward"] = 1.0
+    assert timer.breakdown()["forward"] == pytest.approx(1.0 - sum(timer.seconds[p] for p in MOE_PHASES))

@@ -6,12 +6,24 @@ expert order onto zeros, so that float32 output matches `generate` token for tok
 """
 from __future__ import annotations
 
+import time
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from epdserve.kernels import cpu_layer_ops, torch_moe
 from epdserve.shared.config import ModelConfig
 from epdserve.shared.models.layers.linear import Linear
+
+
+class ExpertBatch(NamedTuple):
+    """A step's (token, choice) pairs grouped by expert: rows in ascending expert order, and within an
+    expert in token order."""
+    x: torch.Tensor  # [num_pairs, hidden_size]: each row's token's input
+    weights: torch.Tensor  # [num_pairs]: each row's router weight
+    counts: list[int]  # rows per expert
+    token_rows: torch.Tensor  # [num_tokens, top_k]: each token's rows, in ascending expert order
 
 
 class Experts(nn.Module):
@@ -50,6 +62,11 @@ class Experts(nn.Module):
             self._gate_up = [Linear.over(w) for w in self.gate_up_proj.data]
             self._down = [Linear.over(w) for w in self.down_proj.data]
 
+    @property
+    def groups_on_cpu(self) -> bool:
+        """Whether forward() runs as dispatch(), run() and combine() (packed on CPU)."""
+        return bool(self._gate_up)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, hidden_size]; topk_ids, topk_weights: [num_tokens, top_k]."""
         if x.device.type == "cuda":
@@ -58,20 +75,39 @@ class Experts(nn.Module):
             return fused_moe(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj)
         if not self._gate_up:
             return torch_moe.fused_moe(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj)
-        out = torch.zeros_like(x)
+        batch = self.dispatch(x, topk_ids, topk_weights)
+        return self.combine(self.run(batch), batch, x)
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> ExpertBatch:
+        """Group the step's (token, choice) pairs by expert and gather their inputs, with no loop over tokens."""
         pairs, counts = torch_moe.tokens_by_expert(topk_ids, self.num_experts)
-        tokens, weights = pairs // topk_ids.shape[1], topk_weights.flatten()[pairs]
-        size, start = self.intermediate_size, 0
-        for e, count in enumerate(counts):
+        tokens = pairs // topk_ids.shape[1]
+        # Each token's rows, in the order they come (ascending expert): the order HF adds them in.
+        token_rows = tokens.argsort(stable=True).view(topk_ids.shape)
+        return ExpertBatch(x[tokens], topk_weights.flatten()[pairs], counts, token_rows)
+
+    def run(self, batch: ExpertBatch) -> torch.Tensor:
+        """Each expert that received rows, once, on all of them: [num_pairs, hidden_size] (unweighted)."""
+        size, start, outs = self.intermediate_size, 0, []
+        for e, count in enumerate(batch.counts):
             if count == 0:
                 continue
-            rows = tokens[start:start + count]
-            gate_up = self._gate_up[e](x[rows])  # [count, 2 * intermediate_size]
-            hidden = cpu_layer_ops.silu_mul_(gate_up[:, :size], gate_up[:, size:])
-            # Scaled in the weights' dtype (float32 for Mixtral), then added in the model dtype, as HF does.
-            y = self._down[e](hidden) * weights[start:start + count, None]
-            out.index_add_(0, rows, y.to(out.dtype))
+            gate_up = self._gate_up[e](batch.x[start:start + count])  # [count, 2 * intermediate_size]
+            outs.append(self._down[e](cpu_layer_ops.silu_mul_(gate_up[:, :size], gate_up[:, size:])))
             start += count
+        if len(outs) == 1:
+            return outs[0]
+        return torch.cat(outs) if outs else batch.x.new_empty(0, self.down_proj.shape[1])
+
+    @staticmethod
+    def combine(y: torch.Tensor, batch: ExpertBatch, x: torch.Tensor) -> torch.Tensor:
+        """sum over each token's experts of weight * output: [num_tokens, hidden_size]."""
+        # Scaled in the weights' dtype (float32 for Mixtral), then added in the model dtype onto zeros, one
+        # expert after another in ascending order, as HF's index_add_ per expert does.
+        y = (y * batch.weights[:, None]).to(x.dtype)[batch.token_rows]  # [num_tokens, top_k, hidden_size]
+        out = torch.zeros_like(x)
+        for k in range(y.shape[1]):
+            out += y[:, k]
         return out
 
 
@@ -84,6 +120,8 @@ class SparseMoE(nn.Module):
         self.top_k, self.renormalize, self.round_weights = moe.top_k, moe.renormalize, moe.round_weights
         self.gate = Linear(config.hidden_size, moe.num_experts, bias=False)
         self.experts = Experts(moe.num_experts, config.hidden_size, moe.intermediate_size)
+        # Seconds by part (a StepTimer's MoE phases) that this layer adds its time to; None: not timed.
+        self.seconds: dict[str, float] | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and their weights, [num_tokens, top_k] each."""
@@ -94,4 +132,34 @@ class SparseMoE(nn.Module):
         return ids, weights.to(x.dtype) if self.round_weights else weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.seconds is not None:
+            return self._timed_forward(x)
         return self.experts(x, *self.route(x))
+
+    def _timed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(), its parts' time added to `seconds`. On CUDA each part is waited for, so that its kernels'
+        time is its own; the fused kernel's dispatch and combine count as experts there."""
+        seconds, experts = self.seconds, self.experts
+        sync = torch.cuda.synchronize if x.device.type == "cuda" else None
+
+        def lap(phase: str, start: float) -> float:
+            if sync is not None:
+                sync()
+            now = time.perf_counter()
+            seconds[phase] += now - start
+            return now
+
+        start = time.perf_counter()
+        ids, weights = self.route(x)
+        start = lap("moe_route", start)
+        if not experts.groups_on_cpu:
+            out = experts(x, ids, weights)
+            lap("moe_experts", start)
+            return out
+        batch = experts.dispatch(x, ids, weights)
+        start = lap("moe_dispatch", start)
+        y = experts.run(batch)
+        start = lap("moe_experts", start)
+        out = experts.combine(y, batch, x)
+        lap("moe_combine", start)
+        return out
