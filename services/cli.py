@@ -1,6 +1,6 @@
 """The `epdserve` command.
 
-    epdserve model {llava-demo,smollm2,tiny-*}                   prepare a model folder, print its path
+    epdserve model {llava-demo,smollm2,tiny-*,bench-*}           prepare a model folder, print its path
     epdserve serve {encoder,prefill,decode,unified,proxy} ...   run one service
     epdserve up [--model PATH] [--port 8000] [--encoders N --prefills N --decodes N | --unified]
     epdserve keys DIR                                            make the CURVE certificate services share
@@ -54,8 +54,11 @@ def prepare_model(which: str, cache_dir: str | None = None, out: str | None = No
         from epdserve.shared.checkpoints.tiny_qwen2_5_vl import build_tiny_qwen2_5_vl
 
         return build_tiny_qwen2_5_vl(folder, text_model, seed=seed)
-    from epdserve.shared.checkpoints.tiny_models import build_tiny_model
+    from epdserve.shared.checkpoints.tiny_models import BENCH_CONFIGS, build_tiny_model
 
+    if which.startswith("bench-"):
+        family = which.removeprefix("bench-")
+        return build_tiny_model(family, folder, text_model, seed=seed, **BENCH_CONFIGS[family])
     if which == "tiny-lora":  # on tiny-llama as `epdserve model tiny-llama` builds it
         from epdserve.shared.checkpoints.tiny_lora import build_tiny_lora
 

@@ -9,7 +9,7 @@ from epdserve.services.proxy.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAM
 
 ROLES = ("encoder", "prefill", "decode", "unified", "proxy", "kvstore")
 MODELS = ("llava-demo", "smollm2", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral",
-          "tiny-gemma3", "tiny-qwen2.5-vl", "tiny-lora")
+          "tiny-gemma3", "tiny-qwen2.5-vl", "tiny-lora", "bench-qwen3-moe")
 SERVED_BY_DEFAULT = "llava-demo"  # what `up` and `serve` run without --model
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SERVED_MODEL_NAME_HELP = ("the model's one name: in the API (/v1/models, requests' \"model\"), in the model_name "
@@ -48,9 +48,11 @@ def add_model_options(model: argparse.ArgumentParser) -> None:
                        help=f"{SERVED_BY_DEFAULT}: what `epdserve up` and `make run` serve without --model "
                             "(SmolLM2-135M-Instruct behind an untrained CLIP vision tower, LLaVA layout); "
                             "smollm2: SmolLM2-135M-Instruct alone, converted from its packaged GGUF; "
-                            "tiny-*: random test models (tiny-lora: a LoRA adapter of tiny-llama, a PEFT folder)")
+                            "tiny-*: random test models (tiny-lora: a LoRA adapter of tiny-llama, a PEFT folder); "
+                            "bench-qwen3-moe: a larger random Qwen3-MoE for benchmarks (106M parameters: 8 layers, "
+                            "hidden 512, 16 experts, top-4), which vLLM's CPU build runs too")
     model.add_argument("--cache-dir", help="where prepared models live (default: $EPDSERVE_CACHE_DIR or ~/.cache/epdserve)")
-    model.add_argument("--out", help="output folder (tiny and llava-demo models)")
+    model.add_argument("--out", help="output folder (tiny, bench and llava-demo models)")
     model.add_argument("--seed", type=int, default=0)
 
 

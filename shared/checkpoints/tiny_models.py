@@ -70,6 +70,20 @@ TINY_CONFIGS = {
         random_norms=True,
     ),
 }
+# Larger random checkpoints for benchmarks, never tests: a tiny family's config with these changes, built by
+# `epdserve model bench-<family>`.
+BENCH_CONFIGS = {
+    # Qwen3-30B-A3B's layout scaled down: every layer sparse, 16 experts of 256, top-4 renormalised
+    # (norm_topk_prob), GQA 8:2 of head_dim 64; 8 layers, hidden 512. 106M parameters (424 MB in float32),
+    # 43M of them active per token, 25M of those the lm_head. Each dimension is a multiple of 32 and head_dim
+    # one vLLM's CPU attention takes, so vLLM's CPU build runs it too (its grouped-GEMM experts, float32 or
+    # bfloat16).
+    "qwen3-moe": dict(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+}
 LM_HEAD_SCALE = 8.0
 NORM_WEIGHT_SPREAD = 0.5  # random_norms: RMSNorm scales uniform in 1 +- this
 

