@@ -32,9 +32,11 @@ class Experts(nn.Module):
     down_proj [num_experts, hidden_size, intermediate_size].
 
     A step groups its tokens by expert and runs each expert that received tokens once, on all of them. On
-    CPU each expert's slices run through the packed linear kernel, which is batch-invariant, so a token's
-    result does not depend on which tokens share its experts; on CUDA the Triton kernel (fused_moe.py)
-    runs every expert in one grouped matmul per projection."""
+    CPU that is three parts - dispatch() sorts the (token, expert) pairs by expert and gathers their inputs,
+    run() puts each expert's rows through the packed linear kernel, which is batch-invariant (a token's
+    result does not depend on which tokens share its experts), and combine() adds each token's weighted
+    outputs - with loops over experts and over top-k only, never over tokens; on CUDA the Triton kernel
+    (fused_moe.py) runs every expert in one grouped matmul per projection."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
