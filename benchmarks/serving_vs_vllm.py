@@ -14,7 +14,9 @@ runs, each run with its own prompts (the same for every server). `epdserve bench
 the first cell once per server. With --image, the multimodal demo model also runs an image workload
 (`epdserve bench serve --dataset-name image`) on a unified stack and on 1 encoder + 1 prefill + 1 decode.
 With --profile, each epdserve engine's step time is broken down by phase over the default-sampling run
-at the first rate (from its `epdserve:engine_step_seconds` metric).
+at the first rate (from its `epdserve:engine_step_seconds` metric); the engines run with --profile-moe, so
+a mixture-of-experts model's sparse MLPs are broken down by part too (moe_route, moe_dispatch,
+moe_experts, moe_combine).
 
 Writes benchmarks/results/serving_vs_vllm.{md,json,png}: tables with ratios to vLLM from the same run.
 
@@ -63,10 +65,12 @@ def make_server(name: str, args: argparse.Namespace, log_dir: Path):
     cpus = cpu_list(args.cpus)
     if name == "vllm":
         return VllmServer(args.model, args.served_name, args.cpus, log_dir)
+    # A mixture of experts' sparse MLPs timed by part too (nothing for a dense model).
+    engine_args = ["--profile-moe"] if args.profile else []
     if name == "unified":
         return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", str(len(cpus))],
-                     [], {"unified": args.cpus, "proxy": args.cpus}, log_dir)
-    return Stack(name, args.model, ["--encoders", "0", "--threads", "1"], [],
+                     engine_args, {"unified": args.cpus, "proxy": args.cpus}, log_dir)
+    return Stack(name, args.model, ["--encoders", "0", "--threads", "1"], engine_args,
                  {"prefill": cpus[0], "decode": cpus[-1], "proxy": args.cpus}, log_dir)
 
 
@@ -248,14 +252,16 @@ def markdown(report: dict, args: argparse.Namespace) -> str:
         lines.append("")
     profiles = {s: r["profile"] for s, r in report["servers"].items() if r.get("profile")}
     if profiles:
+        # A mixture of experts' sparse MLPs by part where the engines timed them (forward is then the rest).
+        names = ["schedule", "prepare", "forward", "attention", "sampler", "output"]
+        names += [p for p in ("moe_route", "moe_dispatch", "moe_experts", "moe_combine")
+                  if any(p in phases for roles in profiles.values() for phases in roles.values())]
         lines += ["## Where an engine step's time goes (first workload, default sampling)", "",
-                  "| server / engine | steps | schedule | prepare | forward | attention | sampler | output |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| server / engine | steps | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
         for s, roles in profiles.items():
             for role, phases in roles.items():
                 total = sum(v for k, v in phases.items() if k != "steps") or 1.0
-                cells = [f"{phases.get(p, 0.0):.1f} s ({100 * phases.get(p, 0.0) / total:.0f}%)"
-                         for p in ("schedule", "prepare", "forward", "attention", "sampler", "output")]
+                cells = [f"{phases.get(p, 0.0):.1f} s ({100 * phases.get(p, 0.0) / total:.0f}%)" for p in names]
                 lines.append(f"| {s} / {role} | {phases.get('steps', 0):.0f} | " + " | ".join(cells) + " |")
         lines.append("")
     if report.get("images"):

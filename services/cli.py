@@ -144,7 +144,7 @@ def engine_config(args: argparse.Namespace, model: str):
         kv_offloading_size=args.kv_offloading_size, kv_offloading_path=args.kv_offloading_path,
         kv_offloading_save_finished=args.kv_offloading_save_finished,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        lora_modules=lora_modules(args))
+        lora_modules=lora_modules(args), profile_moe=args.profile_moe)
 
 
 def lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:

@@ -94,6 +94,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         'without it, token for token (default: off)')
     g.add_argument("--threads", type=int, help="compute threads of the engine (or encoder); the service's other "
                                                 "threads use one (default: one per core)")
+    g.add_argument("--profile-moe", action="store_true",
+                   help="time a mixture-of-experts model's sparse MLPs by part (moe_route, moe_dispatch, moe_experts, "
+                        "moe_combine phases of epdserve:engine_step_seconds, taken out of forward); a few clock reads "
+                        "per sparse layer and step (default: off, and nothing for a dense model)")
     add_lora_engine_args(g)
 
 

@@ -71,8 +71,10 @@ class _EngineCollector:
             yield from self._spec_decode(s.spec_decode, counter, names, values)
         yield counter("epdserve:prompt_tokens_computed", "Prompt tokens this engine computed (not those found in "
                       "its prefix cache, pulled from a peer or restored from a KV tier).", s.num_prompt_tokens)
-        steps = CounterMetricFamily("epdserve:engine_step_seconds", "Engine step time by phase (schedule, prepare, "
-                                    "forward, attention, sampler, output).", labels=names + ["phase"])
+        steps = CounterMetricFamily("epdserve:engine_step_seconds", "Engine step time by phase (schedule, draft, "
+                                    "prepare, forward, attention, sampler, output; with --profile-moe a mixture of "
+                                    "experts' moe_route, moe_dispatch, moe_experts, moe_combine too).",
+                                    labels=names + ["phase"])
         for phase, seconds in s.step_seconds.items():
             steps.add_metric(values + [phase], seconds)
         yield steps

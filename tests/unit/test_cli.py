@@ -45,6 +45,13 @@ def test_service_config_from_args():
     assert config.engine_id.startswith("prefill-")
 
 
+def test_profile_moe_reaches_the_engine_config(default_model_path):
+    from epdserve.services.cli import engine_config
+
+    assert engine_config(parse("serve", "unified", "--profile-moe"), str(default_model_path)).profile_moe
+    assert not engine_config(parse("serve", "decode"), str(default_model_path)).profile_moe
+
+
 @pytest.mark.parametrize("target, expected", [
     ("127.0.0.1:7002", ("127.0.0.1", 7002)), ("tcp://prefill:7000", ("prefill", 7000)),
     ("[fd00::5]:7002", ("fd00::5", 7002)), ("fd00::5:7002", ("fd00::5", 7002)), ("p:65535", ("p", 65535)),
