@@ -55,3 +55,19 @@ def test_a_dense_model_has_no_moe_phases(default_model_path, tmp_path):
               profile_moe=True)
     llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
     assert not set(MOE_PHASES) & set(llm.engine.stats().step_seconds)
+
+
+def test_a_service_exports_the_moe_phases(path):
+    """What `--profile-moe` gives a service: the parts as phases of its epdserve:engine_step_seconds."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from epdserve.services.service_metrics import ServiceMetrics
+
+    llm = LLM(model=path, num_kv_blocks=64, profile_moe=True)
+    llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY)
+    metrics = ServiceMetrics("unified", "unified-0", "tiny-moe", llm.engine.stats)
+    text = generate_latest(metrics.registry).decode()
+    seconds = {s.labels["phase"]: s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "epdserve:engine_step_seconds_total"}
+    assert set(MOE_PHASES) <= set(seconds) and all(seconds[p] > 0 for p in MOE_PHASES)
