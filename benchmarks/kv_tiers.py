@@ -186,8 +186,9 @@ def main() -> None:
           flush=True)
     # --max-queue-wait 0: --concurrency long prompts queue on the one prefill on purpose, and a turn refused
     # for the queue (what a production stack would want) would leave its TTFT out of the measurement.
-    engine_args = ["--max-queue-wait", "0", "--num-kv-blocks", str(pool_blocks),
-                   "--block-size", str(args.block_size), "--max-model-len", str(args.doc_len + args.turns * (args.turn_len + args.reply_len) + 16)]
+    max_model_len = args.doc_len + args.turns * (args.turn_len + args.reply_len) + 16
+    engine_args = ["--max-queue-wait", "0", "--num-kv-blocks", str(pool_blocks), "--block-size", str(args.block_size),
+                   "--max-model-len", str(max_model_len)]
     results: dict[str, dict] = {}
     for mode in modes:
         up = ["--prefills", "1", "--decodes", "2", "--threads", "1", "--encoders", "0"]
