@@ -52,6 +52,7 @@ import json
 import math
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,7 +65,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from goodput_report import SERVERS, Outcome, Slo, analyse, markdown, plot, score_run  # noqa: E402
-from stacks import ROOT, Stack, VllmServer, machine  # noqa: E402
+from stacks import ROOT, VLLM_PYTHON, Stack, VllmServer, machine  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 FIRST_TOKEN = 300  # prompt token ids are drawn from [FIRST_TOKEN, vocab): no special tokens
@@ -174,6 +175,13 @@ def make_server(name: str, args: argparse.Namespace, log_dir: Path):
                      {"unified": args.cpus, "proxy": args.cpus}, log_dir)
     return Stack(name, args.model, ["--encoders", "0", "--threads", "1"], engine,
                  {"prefill": cpus[0], "decode": cpus[-1], "proxy": args.cpus}, log_dir)
+
+
+def peer_version() -> str:
+    """The installed vLLM's version, asked of its own venv."""
+    ask = "import sys; sys.path.insert(0, 'benchmarks'); from vllm_cli import vllm_version; print(vllm_version())"
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", ask], capture_output=True, text=True, cwd=ROOT)
+    return proc.stdout.strip() or "unknown"
 
 
 def measure(name: str, args: argparse.Namespace, vocab: int, slo: Slo, log_dir: Path) -> dict:
@@ -317,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                    f"temperature {args.temperature:g}", "kv_cache_gb": args.kv_cache_gb},
         "servers": {},
     }
+    if "vllm" in args.servers:
+        report["vllm_version"] = peer_version()
     window = sum(args.num_requests / float(r) for r in args.rates) * args.repeats
     with tempfile.TemporaryDirectory(prefix="goodput-") as tmp:
         print(f"{slo.describe()}; arrivals span about {window / 60:.1f} minutes per server; logs in {tmp}", flush=True)

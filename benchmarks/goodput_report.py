@@ -156,7 +156,8 @@ def markdown(report: dict, summary: dict) -> str:
     lines = [
         "# Goodput under latency SLOs: a mixed chat and long-prompt workload", "",
         f"`{report['command']}` on {report['date']}: {report['machine']}. Model `{cfg['model']}`, float32, every "
-        f"server on CPUs {cfg['cpus']} (pd: prefill on the first, decode on the last), one at a time.", "",
+        f"server on CPUs {cfg['cpus']} (pd: prefill on the first, decode on the last), one at a time"
+        + (f"; vLLM {report['vllm_version']}." if report.get("vllm_version") else "."), "",
         f"Workload: {cfg['num_requests']} streamed `/v1/completions` requests per run, random token-id prompts, "
         f"EOS ignored, {cfg['sampling']}; exactly {cfg['num_long']} are long prompts of "
         f"{cfg['long_prompt'][0]}-{cfg['long_prompt'][1]} tokens, the rest chats of "
