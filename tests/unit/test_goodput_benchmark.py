@@ -33,7 +33,7 @@ def test_workload_is_seeded_and_mixed_as_asked(bench):
     args = bench.parse_args([])
     first = bench.workload(args, VOCAB, repeat=0, rate_index=0, rate=1.0)
     assert first == bench.workload(args, VOCAB, repeat=0, rate_index=0, rate=1.0)
-    assert len(first) == 32 and sum(item.long for item in first) == 4  # round(0.125 x 32), exactly
+    assert len(first) == 24 and sum(item.long for item in first) == 3  # round(0.125 x 24), exactly
     for item in first:
         lo, hi = (2048, 4096) if item.long else (128, 256)
         assert lo <= len(item.prompt) <= hi and 64 <= item.max_tokens <= 128
@@ -127,7 +127,8 @@ def test_rescore_writes_the_tables_under_new_slos(bench, report_module, tmp_path
     past = tmp_path / "past.json"
     past.write_text(json.dumps(synthetic_report(report_module, tmp_path)))
     out = tmp_path / "out"
-    assert bench.main(["--rescore", str(past), "--tpot-slo-ms", "150", "--out-dir", str(out)]) == 0
+    assert bench.main(["--rescore", str(past), "--tpot-slo-ms", "150", "--ttft-slo-ms-per-token", "2.5",
+                       "--out-dir", str(out)]) == 0
     text = (out / "goodput.md").read_text()
     assert "TTFT <= max(2 s, 2.5 ms x prompt tokens), TPOT <= 150 ms" in text
     assert "| 2 | 2.00 | 1.75 |" in text  # unified | pd goodput at 2 req/s
