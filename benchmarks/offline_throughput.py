@@ -300,7 +300,7 @@ def plot(summary: dict, path: Path) -> None:
         ax.set_title(workload, fontsize=10)
         ax.margins(y=0.2)
     axes[0][0].set_ylabel("output tokens / s (median; ratio to vLLM)")
-    fig.suptitle(f"SmolLM2-135M, {summary['num_requests']} x ({summary['prompt_len']} prompt + "
+    fig.suptitle(f"{Path(summary['model']).name}, {summary['num_requests']} x ({summary['prompt_len']} prompt + "
                  f"{summary['output_len']} output) tokens, EOS ignored, median of {summary['repeats']}", fontsize=10)
     shown = [e for e in ENGINES if any(e in cells for t in threads for cells in summary["runs"][t].values())]
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[e]) for e in shown]

@@ -63,10 +63,12 @@ def make_server(name: str, args: argparse.Namespace, log_dir: Path):
     cpus = cpu_list(args.cpus)
     if name == "vllm":
         return VllmServer(args.model, args.served_name, args.cpus, log_dir)
+    # Every server answers to the one name the clients send.
+    named = ["--served-model-name", args.served_name]
     if name == "unified":
-        return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", str(len(cpus))],
+        return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", str(len(cpus)), *named],
                      [], {"unified": args.cpus, "proxy": args.cpus}, log_dir)
-    return Stack(name, args.model, ["--encoders", "0", "--threads", "1"], [],
+    return Stack(name, args.model, ["--encoders", "0", "--threads", "1", *named], [],
                  {"prefill": cpus[0], "decode": cpus[-1], "proxy": args.cpus}, log_dir)
 
 
@@ -300,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct, prepared offline)")
-    p.add_argument("--served-name", default="SmolLM2-135M-Instruct")
+    p.add_argument("--served-name", help="the model's name in requests (default: the model folder's name)")
     p.add_argument("--servers", default=",".join(SERVERS), help="subset of vllm,unified,pd")
     p.add_argument("--cpus", default="0-1", help="the CPUs every server gets (pd: prefill first, decode last)")
     p.add_argument("--rates", default="inf,4,1")
@@ -317,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
     args.model = args.model or default_model()
+    args.served_name = args.served_name or Path(args.model).name
     servers = args.servers.split(",")
     if unknown := set(servers) - set(SERVERS):
         raise SystemExit(f"--servers: unknown {sorted(unknown)}")

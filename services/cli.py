@@ -1,6 +1,6 @@
 """The `epdserve` command.
 
-    epdserve model {llava-demo,smollm2,tiny-*}                   prepare a model folder, print its path
+    epdserve model {llava-demo,smollm2,gemma3-270m,tiny-*}       prepare a model folder, print its path
     epdserve serve {encoder,prefill,decode,unified,proxy} ...   run one service
     epdserve up [--model PATH] [--port 8000] [--encoders N --prefills N --decodes N | --unified]
     epdserve keys DIR                                            make the CURVE certificate services share
@@ -40,6 +40,10 @@ def prepare_model(which: str, cache_dir: str | None = None, out: str | None = No
     from epdserve.shared.checkpoints.default_model import default_cache_dir, prepare_default_model
 
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    if which == "gemma3-270m":
+        from epdserve.shared.checkpoints.gemma3_270m import prepare_gemma3_270m
+
+        return prepare_gemma3_270m(cache)
     text_model = prepare_default_model(cache)
     if which == "smollm2":
         return text_model

@@ -8,8 +8,8 @@ from epdserve.services.proxy.kv_routing import RoutingPolicy
 from epdserve.services.proxy.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 
 ROLES = ("encoder", "prefill", "decode", "unified", "proxy", "kvstore")
-MODELS = ("llava-demo", "smollm2", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral",
-          "tiny-gemma3", "tiny-qwen2.5-vl", "tiny-lora")
+MODELS = ("llava-demo", "smollm2", "gemma3-270m", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe",
+          "tiny-mixtral", "tiny-gemma3", "tiny-qwen2.5-vl", "tiny-lora")
 SERVED_BY_DEFAULT = "llava-demo"  # what `up` and `serve` run without --model
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SERVED_MODEL_NAME_HELP = ("the model's one name: in the API (/v1/models, requests' \"model\"), in the model_name "
@@ -48,6 +48,8 @@ def add_model_options(model: argparse.ArgumentParser) -> None:
                        help=f"{SERVED_BY_DEFAULT}: what `epdserve up` and `make run` serve without --model "
                             "(SmolLM2-135M-Instruct behind an untrained CLIP vision tower, LLaVA layout); "
                             "smollm2: SmolLM2-135M-Instruct alone, converted from its packaged GGUF; "
+                            "gemma3-270m: Gemma 3 270M (pretrained, Gemma Terms of Use), converted from its "
+                            "packaged GGUF; "
                             "tiny-*: random test models (tiny-lora: a LoRA adapter of tiny-llama, a PEFT folder)")
     model.add_argument("--cache-dir", help="where prepared models live (default: $EPDSERVE_CACHE_DIR or ~/.cache/epdserve)")
     model.add_argument("--out", help="output folder (tiny and llava-demo models)")

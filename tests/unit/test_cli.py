@@ -89,6 +89,7 @@ def test_rpc_timeout_still_reads_its_old_spelling(capsys):
 def test_model_names_one_thing_each():
     assert parse("model", "llava-demo").which == "llava-demo"
     assert parse("model", "smollm2").which == "smollm2"
+    assert parse("model", "gemma3-270m").which == "gemma3-270m"
     with pytest.raises(SystemExit):
         parse("model", "default")  # which one? `up` serves llava-demo; SmolLM2 is smollm2
 
