@@ -8,12 +8,15 @@ deterministic: the step each request gets its first token in, and each step's de
 Times are an estimate on top of that, from a linear model of a step's time on a CPU:
     seconds = overhead + prompt_tokens * prefill_cost + decode_tokens * decode_cost
 whose defaults are fitted to the 2-core AVX2 run in benchmarks/results/avx2/serving_vs_vllm_after.md
-(a 2048-token prefill step ~2.8 s, a step of 64 decodes ~0.25 s, 43 s for the whole unified run); TTFT and
+(a 2048-token prefill step ~2.8 s, a step of 64 decodes ~0.25 s, 43 s for the whole unified run), or,
+with --calibrate, fitted here to the offline engine's own steps on --model (prefill-only steps of 256 to
+2048 tokens, decode-only steps of 16 and 64 sequences, --threads compute threads); TTFT and
 TPOT are computed from it as `vllm bench serve` computes them (TPOT: (end - first token) / (M - 1); p50:
 the median over requests). Wall clock - with the proxy, the HTTP client and the arrivals - is
 serving_vs_vllm.py's to measure.
 
     .venv/bin/python benchmarks/step_schedule.py                          # 64 x 128/128, budgets 512-2048
+    .venv/bin/python benchmarks/step_schedule.py --calibrate --threads 2  # the cost model measured here (~2 min)
     .venv/bin/python benchmarks/step_schedule.py --input-len 200 --budgets 2048 --out-dir /tmp
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,6 +41,69 @@ class CostModel:
 
     def seconds(self, prompt_tokens: int, decode_tokens: int) -> float:
         return self.overhead + prompt_tokens * self.prefill_cost + decode_tokens * self.decode_cost
+
+
+def _median_step_seconds(engine, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares line through (tokens, seconds): (intercept, slope)."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - slope * mx, slope
+
+
+def calibrate(model: str, threads: int, prompt_len: int = 128, repeats: int = 3) -> tuple[CostModel, dict]:
+    """Time the offline engine's prefill-only and decode-only steps on `model` and fit the cost model:
+    the decode steps give the overhead and the decode cost, the prefill steps the prefill cost."""
+    import random
+
+    import torch
+
+    from epdserve import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    llm = LLM(model=model, enable_prefix_caching=False, max_num_batched_tokens=2048, max_num_seqs=128)
+    engine, rng, ids = llm.engine, random.Random(0), iter(range(1 << 30))
+    vocab = engine.model_config.vocab_size
+
+    def queue(n: int, length: int, max_tokens: int) -> None:
+        for _ in range(n):
+            engine.add_request(str(next(ids)), {"prompt_token_ids": [rng.randrange(100, vocab - 100)
+                                                                     for _ in range(length)]},
+                               SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
+
+    def drain() -> None:
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    queue(4, prompt_len, 2)  # warm-up: kernels, buffers
+    drain()
+    prefill = []
+    for tokens in (256, 512, 1024, 2048):
+        times = []
+        for _ in range(repeats):
+            queue(tokens // prompt_len, prompt_len, 1)  # one step computes them all, and they end in it
+            times.append(_median_step_seconds(engine, 1))
+            drain()
+        prefill.append((tokens, statistics.median(times)))
+    decode = []
+    for seqs in (16, 64):
+        queue(seqs, 16, 2 + repeats)
+        engine.step()  # their prompts
+        decode.append((seqs, _median_step_seconds(engine, repeats)))
+        drain()
+    overhead, decode_cost = _fit(decode)
+    _, prefill_cost = _fit(prefill)
+    measured = {"model": model, "threads": threads, "prefill_steps": prefill, "decode_steps": decode}
+    return CostModel(max(overhead, 0.0), prefill_cost, decode_cost), measured
 
 
 def schedule_burst(policy: str, budget: int, num_prompts: int, input_len: int, output_len: int,
@@ -111,8 +178,10 @@ def markdown(rows: list[dict], args: argparse.Namespace, cost: CostModel) -> str
         f"`benchmarks/step_schedule.py`: {args.num_prompts} prompts of {args.input_len} tokens, {args.output_len} "
         f"output tokens, {arrival}; max_num_seqs {args.max_num_seqs}. Steps are the "
         "engine scheduler's own (exact); times are estimates from a linear step cost model "
-        f"(overhead {cost.overhead * 1000:g} ms + {cost.prefill_cost * 1000:g} ms per prompt token + "
-        f"{cost.decode_cost * 1000:g} ms per decode token).",
+        f"(overhead {cost.overhead * 1000:.3g} ms + {cost.prefill_cost * 1000:.3g} ms per prompt token + "
+        f"{cost.decode_cost * 1000:.3g} ms per decode token; "
+        + (f"fitted to the offline engine's steps on {Path(args.model).name} with {args.threads} threads here)."
+           if args.calibrate else "fitted to a 2-core AVX2 serving run, see the script's docstring)."),
         "",
         "| policy | budget | first-token step p50 | mean | steps with prompts (decode+prompt tokens) | "
         "max steps between tokens | est. TTFT p50 ms | est. TTFT mean ms | est. TPOT p50 ms | est. out tok/s |",
@@ -142,15 +211,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overhead-ms", type=float, default=CostModel.overhead * 1000)
     p.add_argument("--prefill-ms-per-token", type=float, default=CostModel.prefill_cost * 1000)
     p.add_argument("--decode-ms-per-token", type=float, default=CostModel.decode_cost * 1000)
+    p.add_argument("--calibrate", action="store_true",
+                   help="fit the cost model to the offline engine's steps on --model here (overrides the three above)")
+    p.add_argument("--model", help="with --calibrate: model folder (default: SmolLM2-135M-Instruct, prepared offline)")
+    p.add_argument("--threads", type=int, default=2, help="with --calibrate: compute threads (default: %(default)s)")
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
     cost = CostModel(args.overhead_ms / 1000, args.prefill_ms_per_token / 1000, args.decode_ms_per_token / 1000)
+    measured = None
+    if args.calibrate:
+        if args.model is None:
+            from epdserve.shared.checkpoints.default_model import prepare_default_model
+
+            args.model = str(prepare_default_model())
+        cost, measured = calibrate(args.model, args.threads)
     rows = [summarize(policy, int(budget), args, cost)
             for budget in args.budgets.split(",") for policy in args.policies.split(",")]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_schedule.json").write_text(json.dumps({"args": vars(args), "cost_model": asdict(cost),
-                                                         "rows": rows}, indent=1))
+                                                         "calibration": measured, "rows": rows}, indent=1))
     text = markdown(rows, args, cost)
     (out / "step_schedule.md").write_text(text)
     sys.stdout.write(text)
