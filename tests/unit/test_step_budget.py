@@ -6,6 +6,8 @@ scheduler needs some token per finished prompt or decode). Token-for-token exact
 either policy is tests/integration/test_hf_exactness.py's.
 """
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from epdserve.shared.config import BUDGET_POLICIES, SchedulerConfig
 from epdserve.shared.engine.block_manager import BlockManager
@@ -166,3 +168,28 @@ def test_preemption_under_the_prompts_policy_recomputes_and_finishes_everyone():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="budget_policy"):
         SchedulerConfig(budget_policy="decode-first")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=25),
+       st.integers(2, 96), st.integers(1, 10), st.integers(12, 60), st.sampled_from(BUDGET_POLICIES))
+def test_no_decode_ever_waits_and_prompts_stay_within_the_budget(arrivals, budget, max_num_seqs, num_blocks, policy):
+    """Random arrivals (prompt length, max tokens, steps before the next): every running request whose next
+    token is all it computes gets it in every step that preempts nobody, and the step's other tokens fit
+    the budget. (Under "shared" too: running requests go first, in arrival order, so a decode is never
+    behind a prompt's chunk; what "prompts" changes is how much of the step the prompts get.)"""
+    sched, bm = make(policy, budget=budget, max_num_seqs=max_num_seqs, num_blocks=num_blocks, block_size=4)
+    pending = list(enumerate(arrivals))
+    while pending or sched.num_unfinished:
+        if pending:
+            i, (length, max_tokens, wait) = pending.pop(0)
+            if bm.num_blocks_for(length + max_tokens) <= num_blocks:
+                sched.add_request(req(f"r{i}", [i] + [7] * (length - 1), max_tokens))
+        for _ in range(wait if pending else 1):
+            decoding = [r for r in sched.running if r.num_tokens - r.num_computed_tokens == 1]
+            out = sched.schedule()
+            if not out.preempted:
+                assert {r.request_id for r in decoding} <= {r.request_id for r, _ in out.scheduled}
+            assert sum(n for r, n in out.scheduled if r.num_tokens - r.num_computed_tokens != 1) <= budget
+            sched.update_from_output(out, {r.request_id: [7] for r, _ in out.scheduled})
+    assert bm.num_free_blocks == bm.num_blocks
