@@ -11,9 +11,9 @@
   for the next step - unless it is longer than the whole budget, or no prompt token is computed in this
   step yet (then it is chunked, as under "shared", so nothing waits forever).
 
-Why "prompts": on a CPU a step's time grows with its tokens (the linear layers run at the matmul peak from
-a few dozen rows on), and a request's first token comes at the end of the step that computes its
-prompt's last token. When many prompts arrive at once, the shared budget gives the prompts less of each
+Why "prompts": on a CPU a step's time grows with its tokens (a prefill step runs the linear layers at the
+matmul peak: twice the tokens, twice the time), and a request's first token comes at the end of the step
+that computes its prompt's last token. When many prompts arrive at once, the shared budget gives the prompts less of each
 step as decodes pile up (the 64 prompts of 128 tokens at a budget of 2048: 16 prompts in the first step,
 15 in the second, the 32nd request's prompt split across the second and third), and the prompt chunked at
 a step's end delays every prompt that ends in that step by its chunk's time while ending nothing itself.
