@@ -161,7 +161,7 @@ def summarize(policy: str, budget: int, args: argparse.Namespace, cost: CostMode
         "first_token_step_p50": statistics.median(first),
         "first_token_step_mean": statistics.mean(first),
         "prefill_steps": steps[:prefill_steps],  # (decode tokens, prompt tokens) until the last first token
-        "max_decode_gap_steps": max(b - a for s in token_steps.values() for a, b in zip(s, s[1:])),
+        "max_decode_gap_steps": max((b - a for s in token_steps.values() for a, b in zip(s, s[1:])), default=0),
         "num_steps": len(steps),
         "est_ttft_p50_ms": 1000 * statistics.median(ttft),
         "est_ttft_mean_ms": 1000 * statistics.mean(ttft),
