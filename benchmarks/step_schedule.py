@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                       if k <= args.num_prompts} for run in runs}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "step_schedule.json").write_text(json.dumps({"args": vars(args), "cost_model": asdict(cost),
+    (out / "step_schedule.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "out_dir"}, "cost_model": asdict(cost),
                                                          "calibration": measured, "rows": rows,
                                                          "est_ttft_p50_ms_by_first_step_prompts":
                                                              {f"{p} {b}": v for (p, b), v in arrivals.items()}},
