@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -67,8 +68,8 @@ def make_server(name: str, args: argparse.Namespace, log_dir: Path):
     named = ["--served-model-name", args.served_name]
     if name == "unified":
         return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", str(len(cpus)), *named],
-                     [], {"unified": args.cpus, "proxy": args.cpus}, log_dir)
-    return Stack(name, args.model, ["--encoders", "0", "--threads", "1", *named], [],
+                     shlex.split(args.engine_args), {"unified": args.cpus, "proxy": args.cpus}, log_dir)
+    return Stack(name, args.model, ["--encoders", "0", "--threads", "1", *named], shlex.split(args.engine_args),
                  {"prefill": cpus[0], "decode": cpus[-1], "proxy": args.cpus}, log_dir)
 
 
@@ -316,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-prompts", type=int, default=16)
     p.add_argument("--profile", action="store_true", help="break each engine's step time down by phase")
     p.add_argument("--startup-timeout", type=float, default=900)
+    p.add_argument("--engine-args", default="", metavar="ARGS",
+                   help="options for every epdserve engine (unified, prefill, decode), e.g. "
+                        "\"--budget-policy shared\" for vLLM's step budget")
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
     args.model = args.model or default_model()

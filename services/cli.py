@@ -137,6 +137,7 @@ def engine_config(args: argparse.Namespace, model: str):
     return build_engine_config(
         model, dtype=args.dtype, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        budget_policy=args.budget_policy,
         kv_cache_memory_bytes=int(args.kv_cache_memory * (1 << 30)) if args.kv_cache_memory else None,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_model_len=args.max_model_len, attention_backend=args.attention_backend, device=args.device,

@@ -6,6 +6,7 @@ import os
 
 from epdserve.services.proxy.kv_routing import RoutingPolicy
 from epdserve.services.proxy.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
+from epdserve.shared.config import BUDGET_POLICIES
 
 ROLES = ("encoder", "prefill", "decode", "unified", "proxy", "kvstore")
 MODELS = ("llava-demo", "smollm2", "gemma3-270m", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe",
@@ -77,7 +78,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offloading-save-finished", action=argparse.BooleanOptionalAction, default=False,
                    help="also save finished requests' full blocks to the offload tier, not only evicted ones")
     g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="a step's token budget; what it counts is --budget-policy's (default: %(default)s)")
+    g.add_argument("--budget-policy", choices=BUDGET_POLICIES, default="prompts",
+                   help="prompts: the budget bounds a step's prompt (and draft) tokens, every running request's "
+                        "next token rides on top, and waiting prompts are packed whole (one that does not fit "
+                        "waits for the next step unless it is longer than the budget); shared: vLLM V1's, decodes "
+                        "and prompt chunks share the budget and the last prompt is chunked to fill it "
+                        "(default: %(default)s)")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"],

@@ -390,3 +390,20 @@ def test_up_gives_every_engine_its_lora_options_and_the_proxy_the_adapters(tmp_p
 def test_up_refuses_bad_lora_options(default_model_path, argv, message):
     with pytest.raises(SystemExit, match=message):
         stack_config(parse("up", *argv), str(default_model_path))
+
+
+def test_up_gives_every_engine_the_budget_policy_after_the_double_dash(default_model_path, capsys):
+    from epdserve.services.cli import engine_config
+
+    for extra, policy in (([], "prompts"), (["--", "--budget-policy", "shared", "--max-num-batched-tokens", "1024"],
+                                            "shared")):
+        commands = dict(LocalStack(stack_config(parse("up", *extra), str(default_model_path))).commands())
+        engines = {name: argv for name, argv in commands.items() if name.startswith(("prefill", "decode"))}
+        assert engines
+        for argv in engines.values():
+            scheduler = engine_config(parse(*argv[argv.index("serve"):]), str(default_model_path)).scheduler
+            assert scheduler.budget_policy == policy
+            assert scheduler.max_num_batched_tokens == (1024 if extra else 2048)
+    with pytest.raises(SystemExit):
+        parse("serve", "unified", "--budget-policy", "decode-first")
+    assert "invalid choice: 'decode-first'" in capsys.readouterr().err
