@@ -387,6 +387,31 @@ def test_prefill_then_decode_equals_hf(qwen2_5_vl_path, prepared, hf_reference, 
         decode.shutdown()
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_verifies_drafts_at_the_positions_after_the_prompt(qwen2_5_vl_path, prepared,
+                                                                               hf_reference, near_tie_check, method):
+    """Drafts are computed at the positions their tokens would have: the prompt's largest M-RoPE position plus
+    one, two, ... So with drafts accepted after image prompts, every prompt still equals HF. The draft model
+    is the checkpoint itself, an M-RoPE model too, rotating the request's tokens and its drafts by the same
+    3-D positions: where it sees what the target sees (a text prompt; it sees an image's placeholders, not
+    its embeddings), every draft is accepted."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3} \
+        if method == "ngram" else {"method": "draft_model", "num_speculative_tokens": 3, "model": qwen2_5_vl_path}
+    llm = LLM(model=qwen2_5_vl_path, num_kv_blocks=128, speculative_config=spec)
+    stats = llm.engine.scheduler.spec_stats
+    with_images = [name for name, (_, images) in PROMPTS.items() if images]
+    ours = run_engine(llm, [prepared[n] for n in with_images])
+    accepted, drafted = stats.num_accepted_tokens, stats.num_draft_tokens
+    ours += run_engine(llm, [prepared["text-only"]])
+    names = with_images + ["text-only"]
+    assert_matches_hf(near_tie_check, ours, [hf_reference[n] for n in names], names)
+    if method == "ngram":  # the tiny model repeats itself after these images: its own output is drafted
+        assert accepted > 0
+    else:
+        assert stats.num_accepted_tokens - accepted == stats.num_draft_tokens - drafted > 0
+    check_engine_is_clean(llm)
+
+
 def test_n_sequences_share_the_prompt_and_its_positions(qwen2_5_vl_path, prepared, hf_reference):
     """n = 2 greedy: one computation of the image prompt, both sequences forked from it at its positions."""
     llm = LLM(model=qwen2_5_vl_path, num_kv_blocks=64)
