@@ -398,6 +398,13 @@ def test_speculative_decoding_verifies_drafts_at_the_positions_after_the_prompt(
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3} \
         if method == "ngram" else {"method": "draft_model", "num_speculative_tokens": 3, "model": qwen2_5_vl_path}
     llm = LLM(model=qwen2_5_vl_path, num_kv_blocks=128, speculative_config=spec)
+    # The positions a step computes for a request's last token and 4 drafts after its first output token.
+    ids, phs, embs, positions = prepared["two-images"]
+    request = llm.engine.make_request("positions", {"prompt_token_ids": ids}, PARAMS, mm_placeholders=phs,
+                                      mm_embeddings=embs, mrope_positions=positions)
+    top = max(max(row) for row in positions)
+    assert top + 1 < len(ids)  # the images' positions are compressed: the largest is far below the length
+    assert request.rope_positions(len(ids), len(ids) + 5).tolist() == [list(range(top + 1, top + 6))] * 3
     stats = llm.engine.scheduler.spec_stats
     with_images = [name for name, (_, images) in PROMPTS.items() if images]
     ours = run_engine(llm, [prepared[n] for n in with_images])
