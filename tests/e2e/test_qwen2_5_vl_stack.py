@@ -222,7 +222,7 @@ def test_speculating_decode_keeps_to_a_json_schema_as_without_speculation(stack,
     assert accepted(stack) > before
 
 
-def test_the_prefill_loaded_no_speculation(stack):
+def test_the_prefill_checks_the_config_and_does_not_speculate(stack):
     assert "prefill does not speculate" in stack.services["prefill-0"].log.read_text()
     assert "epdserve:spec_decode_num_drafts_total" not in stack.services["prefill-0"].metrics()
 
