@@ -328,21 +328,28 @@ def test_a_continued_request_recomputes_at_the_same_positions(qwen2_5_vl_path, p
     check_engine_is_clean(llm)
 
 
-@pytest.mark.parametrize("fail", [False, True], ids=["pulled", "recomputed"])
-def test_prefill_then_decode_equals_hf(qwen2_5_vl_path, prepared, hf_reference, copy_connector, keep, fail):
+@pytest.mark.parametrize("fail, drafting", [(False, False), (True, False), (False, True)],
+                         ids=["pulled", "recomputed", "pulled-decode-drafting"])
+def test_prefill_then_decode_equals_hf(qwen2_5_vl_path, prepared, hf_reference, copy_connector, keep, fail,
+                                       drafting):
     """Prefill computes the image prompts at their positions and keeps the blocks; decode gets the same
     positions with prefill's first token, pulls the blocks (or, when the pull fails, recomputes the prompt
-    at those positions) and continues from the prompt's largest position plus one: HF's tokens throughout."""
+    at those positions) and continues from the prompt's largest position plus one: HF's tokens throughout.
+    A decode with a draft model (the checkpoint itself) computes the draft's KV of the pulled prompt at
+    those positions too, and verifies its drafts after them; after the text prompt, where the draft sees
+    what the target sees, it accepts them."""
     import asyncio
 
     from epdserve import AsyncLLM
     from epdserve.shared.engine.llm import build_engine_config
     from epdserve.shared.engine.llm_engine import LLMEngine
 
-    names = ["small-square", "wide", "two-images"]
+    names = ["small-square", "wide", "two-images"] + (["text-only"] if drafting else [])
     prefill_engine = LLMEngine(build_engine_config(qwen2_5_vl_path, num_kv_blocks=64), detokenize=False)
     prefill_engine.add_connector(copy_connector(None), prefill_engine.finish_load, prefill_engine.release_kv)
-    decode = AsyncLLM.from_config(build_engine_config(qwen2_5_vl_path, num_kv_blocks=64), detokenize=False)
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": qwen2_5_vl_path} if drafting else None
+    decode = AsyncLLM.from_config(build_engine_config(qwen2_5_vl_path, num_kv_blocks=64, speculative_config=spec),
+                                  detokenize=False)
     connector = copy_connector(decode.kv_cache, fail=fail)
     decode.add_connector(connector)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, output_kind=RequestOutputKind.DELTA)
@@ -383,6 +390,8 @@ def test_prefill_then_decode_equals_hf(qwen2_5_vl_path, prepared, hf_reference, 
         assert {load.request_id for load in connector.loads} == set(names)
         for name in names:
             assert prefill_engine.release_kv(name)
+        if drafting:
+            assert decode.stats().spec_decode.num_accepted_tokens > 0
     finally:
         decode.shutdown()
 
