@@ -170,9 +170,14 @@ def one_token_per_step(without_speculation, messages, **params) -> list[list[int
     return [list(c.token_ids) for c in sorted(final.outputs, key=lambda c: c.index)]
 
 
-def served(client, ids_of, messages, **params) -> list[list[int]]:
-    resp = client.chat.completions.create(model="demo", messages=messages, logprobs=True,
-                                          extra_body={"return_tokens_as_token_ids": True}, **params)
+def served(stack, client, ids_of, messages, **params) -> list[list[int]]:
+    """Each sequence's tokens for `messages`, asked with a cache salt of its own: no engine holds the prompt,
+    so it goes encoder -> prefill -> decode, which pulls its KV from the prefill."""
+    decode = stack.services["decode-0"]
+    pulled = decode.metrics().get("epdserve:remote_kv_requests_total", 0.0)
+    resp = client.chat.completions.create(model="demo", messages=messages, logprobs=True, extra_body={
+        "return_tokens_as_token_ids": True, "cache_salt": f"speculating-{next(_ids)}"}, **params)
+    assert decode.metrics().get("epdserve:remote_kv_requests_total", 0.0) > pulled
     choices = sorted(resp.choices, key=lambda c: c.index)
     return [ids_of([c.token for c in choice.logprobs.content]) for choice in choices]
 
@@ -187,7 +192,7 @@ def test_speculating_decode_answers_as_without_speculation_and_hf(stack, client,
     """After these images the tiny model repeats itself, so its own output is drafted and accepted: the drafts'
     positions continue from the prompt's largest, or the tokens after them would not be HF's."""
     before = accepted(stack)
-    ours = served(client, ids_of, CASES[name], temperature=0, max_tokens=MAX_TOKENS)[0]
+    ours = served(stack, client, ids_of, CASES[name], temperature=0, max_tokens=MAX_TOKENS)[0]
     assert accepted(stack) > before
     assert ours == one_token_per_step(without_speculation, CASES[name], temperature=0, max_tokens=MAX_TOKENS)[0]
     ref, logits, _ = hf_reference[name]
@@ -200,7 +205,7 @@ def test_speculating_decode_answers_as_without_speculation_and_hf(stack, client,
 def test_speculating_decode_samples_n_seeded_sequences_as_without_speculation(stack, client, without_speculation,
                                                                              ids_of, name, params):
     before = accepted(stack)
-    assert served(client, ids_of, CASES[name], **params) == \
+    assert served(stack, client, ids_of, CASES[name], **params) == \
         one_token_per_step(without_speculation, CASES[name], **params)
     assert accepted(stack) > before
 
@@ -215,7 +220,7 @@ def test_speculating_decode_keeps_to_a_json_schema_as_without_speculation(stack,
     tokenizer = without_speculation[0].get_tokenizer()
     before = accepted(stack)
     for params in (dict(temperature=0.0, max_tokens=60), dict(temperature=1.0, seed=4, max_tokens=60)):
-        ours = served(client, ids_of, messages, response_format=schema, **params)[0]
+        ours = served(stack, client, ids_of, messages, response_format=schema, **params)[0]
         assert ours == one_token_per_step(without_speculation, messages, **params,
                                           structured_outputs=StructuredOutputsParams.json_schema(SCHEMA))[0]
         jsonschema.validate(json.loads(tokenizer.decode(ours)), SCHEMA)
