@@ -132,9 +132,11 @@ def transport_config(args: argparse.Namespace):
 
 
 def engine_config(args: argparse.Namespace, model: str):
+    from dataclasses import replace
+
     from epdserve.shared.engine import build_engine_config
 
-    return build_engine_config(
+    config = build_engine_config(
         model, dtype=args.dtype, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         budget_policy=args.budget_policy,
@@ -147,6 +149,14 @@ def engine_config(args: argparse.Namespace, model: str):
         kv_offloading_save_finished=args.kv_offloading_save_finished,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         lora_modules=lora_modules(args))
+    if getattr(args, "role", None) == "prefill" and config.speculative is not None:
+        # A prefill's part of a request ends at its first token (handoff.py), so it never has a token to
+        # speculate on: a draft model would be loaded, cache and all, for nothing. The config was still
+        # checked above, so a bad one stops every role alike.
+        logger.info("prefill does not speculate (its part of a request ends at the first token): "
+                    "--speculative-config %s is checked, and no draft is loaded", config.speculative.method)
+        config = replace(config, speculative=None)
+    return config
 
 
 def lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:

@@ -328,6 +328,28 @@ def test_up_gives_the_speculative_config_to_the_engines_that_decode(default_mode
                 ("ngram", 3, 2, 2)
 
 
+def test_a_prefill_given_a_draft_model_checks_it_and_loads_none(default_model_path, tmp_path, caplog):
+    """Prefill samples only a request's first token: it never speculates, so a draft model given to it (as a
+    deployment giving every engine the same options does) is checked but not loaded."""
+    import json
+
+    from epdserve.services.cli import engine_config
+
+    model = str(default_model_path)
+    spec = json.dumps({"method": "draft_model", "num_speculative_tokens": 3, "model": model})
+    with caplog.at_level(logging.INFO, logger="epdserve.services.cli"):
+        assert engine_config(parse("serve", "prefill", "--speculative-config", spec), model).speculative is None
+    assert "prefill does not speculate" in caplog.text
+    for role in ("decode", "unified"):
+        draft = engine_config(parse("serve", role, "--speculative-config", spec), model).speculative.draft
+        assert draft is not None and draft.path == model
+    # Checked all the same: a draft that is no model stops the prefill as it stops the decode.
+    missing = json.dumps({"method": "draft_model", "num_speculative_tokens": 3, "model": str(tmp_path / "none")})
+    for role in ("prefill", "decode"):
+        with pytest.raises(ValueError, match="speculative config"):
+            engine_config(parse("serve", role, "--speculative-config", missing), model)
+
+
 @pytest.mark.parametrize("value, message", [("{bad", "not valid JSON"), ('{"method": "eagle", "num_speculative_tokens": 1}',
                                                                          "speculative method"),
                                             ('{"method": "ngram", "num_speculative_tokens": 2, "x": 1}', "unsupported")])
