@@ -65,7 +65,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from goodput_report import SERVERS, Outcome, Slo, analyse, markdown, plot, score_run  # noqa: E402
-from stacks import ROOT, VLLM_PYTHON, Stack, VllmServer, machine  # noqa: E402
+from stacks import ROOT, VLLM_PYTHON, Stack, VllmServer, cpu_list, machine  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 FIRST_TOKEN = 300  # prompt token ids are drawn from [FIRST_TOKEN, vocab): no special tokens
@@ -157,14 +157,6 @@ async def run_workload(url: str, items: list[Item], temperature: float | None) -
 
 
 # -- the servers --------------------------------------------------------------------------------------------------
-def cpu_list(cpus: str) -> list[str]:
-    out = []
-    for part in cpus.split(","):
-        lo, _, hi = part.partition("-")
-        out += [str(c) for c in range(int(lo), int(hi or lo) + 1)]
-    return out
-
-
 def make_server(name: str, args: argparse.Namespace, log_dir: Path):
     cpus = cpu_list(args.cpus)
     if name == "vllm":

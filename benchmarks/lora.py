@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from stacks import ROOT, Stack, VllmServer, machine
+from stacks import ROOT, Stack, VllmServer, cpu_list, machine
 
 RESULTS = ROOT / "benchmarks" / "results"
 SERVED_NAME = "base"
@@ -48,11 +48,6 @@ def build_adapters(model: str, folder: Path, count: int, rank: int) -> dict[str,
             for i in range(count)}
 
 
-def num_cpus(cpus: str) -> int:
-    """CPUs in a taskset list such as 0-3,6."""
-    return sum(int(hi or lo) - int(lo) + 1 for lo, _, hi in (part.partition("-") for part in cpus.split(",")))
-
-
 def make_server(name: str, args: argparse.Namespace, adapters: dict[str, str], log_dir: Path):
     modules = [f"{n}={p}" for n, p in adapters.items()]
     lora = ["--enable-lora", "--max-loras", str(len(adapters)), "--max-lora-rank", str(args.rank),
@@ -61,7 +56,7 @@ def make_server(name: str, args: argparse.Namespace, adapters: dict[str, str], l
         server = VllmServer(args.model, SERVED_NAME, args.cpus, log_dir)
         server.argv += [*lora, "--max-cpu-loras", str(len(adapters))]
         return server
-    return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", str(num_cpus(args.cpus)),
+    return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", str(len(cpu_list(args.cpus))),
                                     "--served-model-name", SERVED_NAME, *lora], [],
                  {"unified": args.cpus, "proxy": args.cpus}, log_dir)
 

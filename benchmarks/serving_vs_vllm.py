@@ -37,7 +37,7 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-from stacks import ROOT, VLLM_PYTHON, Stack, VllmServer, machine
+from stacks import ROOT, VLLM_PYTHON, Stack, VllmServer, cpu_list, machine
 
 RESULTS = ROOT / "benchmarks" / "results"
 SERVERS = ("vllm", "unified", "pd")
@@ -50,14 +50,6 @@ def default_model() -> str:
     from epdserve.shared.checkpoints.default_model import prepare_default_model
 
     return str(prepare_default_model())
-
-
-def cpu_list(cpus: str) -> list[str]:
-    out = []
-    for part in cpus.split(","):
-        lo, _, hi = part.partition("-")
-        out += [str(c) for c in range(int(lo), int(hi or lo) + 1)]
-    return out
 
 
 def make_server(name: str, args: argparse.Namespace, log_dir: Path):

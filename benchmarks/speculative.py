@@ -40,7 +40,7 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-from stacks import ROOT, Stack, VllmServer, machine
+from stacks import ROOT, Stack, VllmServer, cpu_list, machine
 
 RESULTS = ROOT / "benchmarks" / "results"
 SERVERS = ("ours", "ours-spec", "vllm", "vllm-spec")
@@ -116,14 +116,6 @@ def make_server(name: str, args: argparse.Namespace, log_dir: Path):
     return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", threads,
                                     "--served-model-name", args.served_name, *spec], engine,
                  {"unified": cpus, "proxy": cpus}, log_dir)
-
-
-def cpu_list(cpus: str) -> list[str]:
-    out = []
-    for part in cpus.split(","):
-        lo, _, hi = part.partition("-")
-        out += [str(c) for c in range(int(lo), int(hi or lo) + 1)]
-    return out
 
 
 def spec_counters(server) -> dict[str, float]:
