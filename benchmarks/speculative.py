@@ -20,7 +20,7 @@ servers the draft acceptance rate and mean acceptance length over the run (from 
 metrics). Targets: on `repetitive`, ours-spec's TPOT at least 1.5x lower than ours and below vllm-spec's;
 on `random`, ours-spec at most 5% slower than ours.
 
-Writes benchmarks/results/speculative.{md,json}.
+Writes benchmarks/results/speculative.{md,json,png}.
 
     .venv/bin/python benchmarks/speculative.py                        # every server; ~40 minutes on 2 cores
     .venv/bin/python benchmarks/speculative.py --servers ours,ours-spec
@@ -40,7 +40,7 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-from stacks import ROOT, Stack, VllmServer, machine
+from stacks import ROOT, Stack, VllmServer, cpu_list, machine
 
 RESULTS = ROOT / "benchmarks" / "results"
 SERVERS = ("ours", "ours-spec", "vllm", "vllm-spec")
@@ -116,14 +116,6 @@ def make_server(name: str, args: argparse.Namespace, log_dir: Path):
     return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", threads,
                                     "--served-model-name", args.served_name, *spec], engine,
                  {"unified": cpus, "proxy": cpus}, log_dir)
-
-
-def cpu_list(cpus: str) -> list[str]:
-    out = []
-    for part in cpus.split(","):
-        lo, _, hi = part.partition("-")
-        out += [str(c) for c in range(int(lo), int(hi or lo) + 1)]
-    return out
 
 
 def spec_counters(server) -> dict[str, float]:
@@ -224,6 +216,29 @@ def markdown(report: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(report: dict, args: argparse.Namespace, path: Path) -> None:
+    """TPOT p50 and output throughput per workload and rate, one bar per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = [s for s in SERVERS if report["servers"].get(s, {}).get("median")]
+    labels = [f"{w}@{r}" for w in args.workloads.split(",") for r in args.rates.split(",")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(len(servers), 1)
+    for ax, (key, title) in zip(axes, (("median_tpot_ms", "TPOT p50 ms (lower is better)"),
+                                       ("output_throughput", "output tok/s"))):
+        for i, name in enumerate(servers):
+            values = [report["servers"][name]["median"].get(label, {}).get(key, 0) for label in labels]
+            ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
+        ax.set_xticks([x + width * (len(servers) - 1) / 2 for x in range(len(labels))], labels)
+        ax.set_title(title)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server under test too
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -280,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "speculative.json").write_text(json.dumps(report, indent=2) + "\n")
         (out / "speculative.md").write_text(text)
+        plot(report, args, out / "speculative.png")
         print(f"wrote {out / 'speculative.md'}")
     return 0
 

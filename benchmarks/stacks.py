@@ -118,6 +118,15 @@ def _affinity(pid: int) -> str:
     return ",".join(map(str, cpus))
 
 
+def cpu_list(cpus: str) -> list[str]:
+    """The CPUs of a taskset list such as 0-3,6."""
+    out = []
+    for part in cpus.split(","):
+        lo, _, hi = part.partition("-")
+        out += [str(c) for c in range(int(lo), int(hi or lo) + 1)]
+    return out
+
+
 def machine() -> str:
     """The CPU model and count: numbers from different machines are not comparable."""
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()

@@ -1,6 +1,6 @@
 """The `epdserve` command.
 
-    epdserve model {llava-demo,smollm2,tiny-*,bench-*}           prepare a model folder, print its path
+    epdserve model {llava-demo,smollm2,gemma3-270m,tiny-*,bench-*}  prepare a model folder, print its path
     epdserve serve {encoder,prefill,decode,unified,proxy} ...   run one service
     epdserve up [--model PATH] [--port 8000] [--encoders N --prefills N --decodes N | --unified]
     epdserve keys DIR                                            make the CURVE certificate services share
@@ -40,6 +40,10 @@ def prepare_model(which: str, cache_dir: str | None = None, out: str | None = No
     from epdserve.shared.checkpoints.default_model import default_cache_dir, prepare_default_model
 
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    if which == "gemma3-270m":
+        from epdserve.shared.checkpoints.gemma3_270m import prepare_gemma3_270m
+
+        return prepare_gemma3_270m(cache)
     text_model = prepare_default_model(cache)
     if which == "smollm2":
         return text_model
@@ -131,11 +135,14 @@ def transport_config(args: argparse.Namespace):
 
 
 def engine_config(args: argparse.Namespace, model: str):
+    from dataclasses import replace
+
     from epdserve.shared.engine import build_engine_config
 
-    return build_engine_config(
+    config = build_engine_config(
         model, dtype=args.dtype, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        budget_policy=args.budget_policy,
         kv_cache_memory_bytes=int(args.kv_cache_memory * (1 << 30)) if args.kv_cache_memory else None,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_model_len=args.max_model_len, attention_backend=args.attention_backend, device=args.device,
@@ -145,6 +152,14 @@ def engine_config(args: argparse.Namespace, model: str):
         kv_offloading_save_finished=args.kv_offloading_save_finished,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         lora_modules=lora_modules(args), profile_moe=args.profile_moe)
+    if getattr(args, "role", None) == "prefill" and config.speculative is not None:
+        # A prefill's part of a request ends at its first token (handoff.py), so it never has a token to
+        # speculate on: a draft model would be loaded, cache and all, for nothing. The config was still
+        # checked above, so a bad one stops every role alike.
+        logger.info("prefill does not speculate (its part of a request ends at the first token): "
+                    "--speculative-config %s is checked, and no draft is loaded", config.speculative.method)
+        config = replace(config, speculative=None)
+    return config
 
 
 def lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
@@ -265,7 +280,12 @@ def _serve_command(args: argparse.Namespace) -> int:
 
     if args.role == "kvstore":  # no model: blocks of any layout, by hash
         from epdserve.services.runtime import run_service
+        from epdserve.shared.compute_threads import compute_in_one_thread_by_default
 
+        # It only copies and checksums blocks: a parallel copy gains nothing on memory bandwidth, and on a
+        # host whose engines keep the cores busy each region waits for its slowest thread (a 94 MB get took
+        # 0.1-1 s with two threads on 2 busy cores, 0.06 s with one).
+        compute_in_one_thread_by_default()
         config = service_config(args)
         _starting(config.engine_id, "no model")
         return asyncio.run(run_service(config, None, ""))

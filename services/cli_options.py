@@ -6,10 +6,12 @@ import os
 
 from epdserve.services.proxy.kv_routing import RoutingPolicy
 from epdserve.services.proxy.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
+from epdserve.shared.config import BUDGET_POLICIES
 
 ROLES = ("encoder", "prefill", "decode", "unified", "proxy", "kvstore")
-MODELS = ("llava-demo", "smollm2", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral",
-          "tiny-gemma3", "tiny-qwen2.5-vl", "tiny-lora", "bench-qwen3-moe")
+MODELS = ("llava-demo", "smollm2", "gemma3-270m", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe",
+          "tiny-mixtral", "tiny-gemma3", "tiny-qwen2.5-vl", "tiny-lora",
+          "bench-qwen3-moe")
 SERVED_BY_DEFAULT = "llava-demo"  # what `up` and `serve` run without --model
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SERVED_MODEL_NAME_HELP = ("the model's one name: in the API (/v1/models, requests' \"model\"), in the model_name "
@@ -48,6 +50,8 @@ def add_model_options(model: argparse.ArgumentParser) -> None:
                        help=f"{SERVED_BY_DEFAULT}: what `epdserve up` and `make run` serve without --model "
                             "(SmolLM2-135M-Instruct behind an untrained CLIP vision tower, LLaVA layout); "
                             "smollm2: SmolLM2-135M-Instruct alone, converted from its packaged GGUF; "
+                            "gemma3-270m: Gemma 3 270M (pretrained, Gemma Terms of Use), converted from its "
+                            "packaged GGUF; "
                             "tiny-*: random test models (tiny-lora: a LoRA adapter of tiny-llama, a PEFT folder); "
                             "bench-qwen3-moe: a larger random Qwen3-MoE for benchmarks (106M parameters: 8 layers, "
                             "hidden 512, 16 experts, top-4), which vLLM's CPU build runs too")
@@ -77,7 +81,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offloading-save-finished", action=argparse.BooleanOptionalAction, default=False,
                    help="also save finished requests' full blocks to the offload tier, not only evicted ones")
     g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="a step's token budget; what it counts is --budget-policy's (default: %(default)s)")
+    g.add_argument("--budget-policy", choices=BUDGET_POLICIES, default="prompts",
+                   help="prompts: the budget bounds a step's prompt (and draft) tokens, every running request's "
+                        "next token rides on top, and waiting prompts are packed whole (one that does not fit "
+                        "waits for the next step unless it is longer than the budget); shared: vLLM V1's, decodes "
+                        "and prompt chunks share the budget and the last prompt is chunked to fill it "
+                        "(default: %(default)s)")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"],

@@ -373,17 +373,27 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
 
 
+# How a step's token budget is spent (step_budget.py): "prompts" (the default) bounds the step's prompt and
+# draft tokens and lets every running request's next token ride on top, packing prompts whole; "shared" is
+# vLLM V1's, decodes and prompt chunks sharing the budget, the last prompt chunked to fill it.
+BUDGET_POLICIES = ("prompts", "shared")
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 128
-    # Tokens computed per step, prefill chunks and decodes together.
+    # Tokens computed per step: with budget_policy "shared" prefill chunks and decodes together; with
+    # "prompts" prefill chunks and draft tokens, each running request's next token coming on top.
     max_num_batched_tokens: int = 2048
+    budget_policy: str = "prompts"
 
     def __post_init__(self):
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.budget_policy not in BUDGET_POLICIES:
+            raise ValueError(f"budget_policy must be one of {', '.join(BUDGET_POLICIES)}, got {self.budget_policy!r}")
 
 
 # The keys of vLLM's speculative config that are ours too, by method; any other key is refused, never ignored.

@@ -32,6 +32,14 @@ def default_model_path():
 
 
 @pytest.fixture(scope="session")
+def gemma3_270m_path():
+    """Gemma 3 270M (pretrained) as an HF folder, converted from the packaged GGUF on first use."""
+    from epdserve.shared.checkpoints.gemma3_270m import prepare_gemma3_270m
+
+    return prepare_gemma3_270m()
+
+
+@pytest.fixture(scope="session")
 def tiny_model_paths(tmp_path_factory, default_model_path):
     """Random tiny checkpoints of every supported text family (tiny_models.TINY_CONFIGS: llama, qwen2, qwen3,
     qwen3-moe, mixtral, gemma3), built by the project's own script (fixed seed)."""
@@ -76,9 +84,10 @@ def near_tie_check():
 def _hf_greedy(model, input_ids: list[int], max_new_tokens: int, **inputs):
     """HF `generate`, greedy, on one prompt: (new tokens, per-step logits)."""
     ids = torch.tensor([input_ids])
+    eos = model.generation_config.eos_token_id  # one id, or a list (Gemma 3: <eos> and <end_of_turn>)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          output_logits=True, return_dict_in_generate=True,
-                         pad_token_id=model.generation_config.eos_token_id, **inputs)
+                         pad_token_id=eos[0] if isinstance(eos, list) else eos, **inputs)
     return out.sequences[0, len(input_ids):].tolist(), [step[0] for step in out.logits]
 
 

@@ -115,18 +115,49 @@ class PrefixIndex:
         """Instance name -> how many of the leading `block_hashes` it holds (instances holding none
         are absent)."""
         counts: dict[int, int] = {}
-        matching: set[int] | None = None
+        matching: set[int] | frozenset[int] = frozenset()
         for i, h in enumerate(block_hashes):
             held = self._holders.get(block_key(h))
-            if held is None:
-                break
-            held = {held} if isinstance(held, int) else held
-            matching = set(held) if matching is None else matching & held
+            held = frozenset() if held is None else {held} if isinstance(held, int) else held
+            still = set(held) if i == 0 else matching & held
+            for slot in matching - still:  # a slot's count is set once, when it drops out: hot blocks held
+                counts[slot] = i           # by hundreds of instances cost set operations, not a loop each
+            matching = still
             if not matching:
                 break
+        else:
             for slot in matching:
-                counts[slot] = i + 1
+                counts[slot] = len(block_hashes)
         return {self._names[slot]: n for slot, n in counts.items()}
+
+    def runs_from(self, block_hashes: Sequence[bytes], starts: dict[str, int]) -> dict[str, int]:
+        """Instance name -> how many consecutive `block_hashes` it holds from position `starts[name]` on, in
+        one walk over the hashes (instances holding none there are absent)."""
+        joining: dict[int, list[int]] = {}
+        for name, start in starts.items():
+            holdings = self._instances.get(name)
+            if holdings is not None and start < len(block_hashes):
+                joining.setdefault(start, []).append(holdings.slot)
+        runs: dict[int, int] = {}
+        active: dict[int, int] = {}  # slot -> the position its run started at
+        positions = sorted(joining)
+        i, last = (positions[0], positions[-1]) if positions else (len(block_hashes), 0)
+        while i < len(block_hashes) and (active or i <= last):
+            for slot in joining.get(i, ()):
+                active[slot] = i
+            held = self._holders.get(block_key(block_hashes[i]))
+            held = frozenset() if held is None else {held} if isinstance(held, int) else held
+            for slot in active.keys() - held:
+                if i > active[slot]:
+                    runs[slot] = i - active[slot]
+                del active[slot]
+            if active:
+                i += 1
+            else:  # nothing to follow until the next instance's start
+                i = next((p for p in positions if p > i), len(block_hashes))
+        for slot, start in active.items():
+            runs[slot] = len(block_hashes) - start
+        return {self._names[slot]: n for slot, n in runs.items()}
 
     def match_weighted(self, block_hashes: Sequence[bytes], tier_weight: float,
                        store_weight: float = 0.0) -> tuple[dict[str, float], float]:
@@ -141,12 +172,9 @@ class PrefixIndex:
             for name, n in self.tier.match(block_hashes).items():
                 if name not in pool:
                     held[name], reach[name] = tier_weight * n, n
-            for start, names in _by_start(pool).items():
-                if start < len(block_hashes):
-                    more = self.tier.match(block_hashes[start:])
-                    for name in names:
-                        held[name] += tier_weight * more.get(name, 0)
-                        reach[name] += more.get(name, 0)
+            for name, n in self.tier.runs_from(block_hashes, pool).items():
+                held[name] += tier_weight * n
+                reach[name] += n
         if self.store is None or store_weight <= 0:
             return held, 0.0
         for start, names in _by_start(reach).items():

@@ -11,7 +11,9 @@ then one per further draft token.
 What its cache holds for a request is tracked here: the positions computed, with the blocks they are in.
 Positions the target rejected and blocks the request no longer holds (preemption, a recompute) are computed
 again. The draft only proposes, so its KV - even its rounding in a different batch - cannot change a token
-the request outputs; it changes how many drafts are accepted.
+the request outputs; it changes how many drafts are accepted. For the same reason the draft sees an image's
+placeholder tokens, not its embeddings (those are the target's, made for the target's hidden size); an
+M-RoPE draft still rotates every token by the request's 3-D positions, which follow from the prompt's layout.
 """
 from __future__ import annotations
 
@@ -47,10 +49,16 @@ class _DraftView:
         self.num_prompt_tokens = request.num_prompt_tokens
         self.all_token_ids = list(request.all_token_ids)
         self.num_computed_tokens = num_computed
+        self._request = request
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    def rope_positions(self, start: int, end: int):
+        """An M-RoPE draft's positions are the request's: the prompt's 3-D positions, then its largest plus one
+        on - the drafts past the request's tokens included - as the target computes them."""
+        return self._request.rope_positions(start, end)
 
 
 class DraftModelProposer:

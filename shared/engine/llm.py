@@ -23,6 +23,7 @@ def build_engine_config(
     enable_prefix_caching: bool = True,
     max_num_seqs: int = 128,
     max_num_batched_tokens: int = 2048,
+    budget_policy: str = "prompts",
     kv_cache_memory_bytes: int | None = None,
     num_kv_blocks: int | None = None,
     kv_cache_memory_fraction: float | None = None,
@@ -50,7 +51,7 @@ def build_engine_config(
         cache=CacheConfig(block_size, kv_cache_memory_bytes, num_kv_blocks, enable_prefix_caching,
                           kv_cache_memory_fraction, int(kv_offloading_size * (1 << 30)), kv_offloading_path,
                           kv_offloading_save_finished),
-        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, budget_policy),
         device=device,
         attention_backend=attention_backend,
         seed=seed,
@@ -64,7 +65,7 @@ def build_engine_config(
 class LLM:
     """Offline batched generation. Keyword arguments are those of `build_engine_config`:
     model, dtype ("float32" | "bfloat16"), block_size, enable_prefix_caching, max_num_seqs,
-    max_num_batched_tokens, kv_cache_memory_bytes or num_kv_blocks (default: kv_cache_memory_fraction of the
+    max_num_batched_tokens, budget_policy ("prompts" | "shared", see step_budget.py), kv_cache_memory_bytes or num_kv_blocks (default: kv_cache_memory_fraction of the
     memory available, see kv_cache_budget.py), max_model_len, attention_backend
     ("auto" | "torch" | "triton"), device, seed, speculative_config (vLLM's: a dict or its JSON text, e.g.
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}), kv_offloading_size (GiB of

@@ -1,7 +1,9 @@
 """Continuous batching: which requests compute how many tokens in the next step.
 
-Each step has a token budget (`max_num_batched_tokens`) shared by decodes (one token each) and prefill
-chunks; running requests go first, in arrival order, then waiting ones. When the pool runs out of blocks,
+Each step has a token budget (`max_num_batched_tokens`), spent by its policy (step_budget.py): running
+requests go first, in arrival order, then waiting ones; under "prompts" (the default) the budget bounds
+prompt tokens, each running request's next token coming on top, and prompts are packed whole; under
+"shared" (vLLM V1's) decodes and prefill chunks share it. When the pool runs out of blocks,
 the most recently started running request is preempted: its blocks are freed (its full blocks stay in
 the prefix cache, so the recompute is mostly hits) and it goes back to the front of the queue.
 
@@ -28,6 +30,7 @@ from epdserve.shared.engine.kv_loads import Admission, KVLoads
 from epdserve.shared.engine.parallel_sampling import group_members, ungroup
 from epdserve.shared.engine.request import Request, RequestFailure, RequestStatus
 from epdserve.shared.engine.speculative import SpecDecodeStats
+from epdserve.shared.engine.step_budget import StepBudget
 
 
 class ScheduledRequest(NamedTuple):
@@ -125,20 +128,23 @@ class Scheduler:
         return len(self.running) + len(self.parked)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget = StepBudget(self.config)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         bm = self.block_manager
         self._share_seats()
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.serves_running:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_own = budget.own_tokens(remaining)
+            if not num_own:  # a prefill chunk with no budget left; the decodes after it still run
+                i += 1
+                continue
             # Draft tokens ride along where the budget has room for all the request's own tokens.
-            request.spec_token_ids = request.spec_token_ids[:budget - num_new] \
-                if num_new == request.num_tokens - request.num_computed_tokens else []
-            num_new += len(request.spec_token_ids)
+            request.spec_token_ids = request.spec_token_ids[:budget.draft_room(num_own, remaining)]
+            num_new = num_own + len(request.spec_token_ids)
             while not bm.can_allocate(request, num_new):
                 if request.spec_token_ids:  # drafts give way before anybody is preempted
                     num_new -= len(request.spec_token_ids)
@@ -153,7 +159,7 @@ class Scheduler:
             else:
                 bm.allocate(request, num_new)
                 scheduled.append(ScheduledRequest(request, num_new))
-                budget -= num_new
+                budget.take_running(num_own, remaining, len(request.spec_token_ids))
                 i += 1
                 continue
             break
@@ -162,7 +168,7 @@ class Scheduler:
         # one seat to compute its prompt; its other sequences are seated (or parked) when they fork. A
         # request a KV connector can feed leaves the queue for its load instead, seatless.
         unservable: list[Request] = []
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget.left > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_cached = bm.get_computed_blocks(request)
             admission = self.loads.try_start(request, computed_blocks, num_cached)
@@ -175,8 +181,8 @@ class Scheduler:
                 else:
                     unservable.append(request)
                 continue
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not bm.can_allocate(request, num_new, computed_blocks):
+            num_new = budget.prompt_chunk(request.num_tokens - num_cached)
+            if not num_new or not bm.can_allocate(request, num_new, computed_blocks):
                 break
             bm.allocate(request, num_new, computed_blocks)
             self.waiting.popleft()
@@ -188,9 +194,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+            budget.take_prompt(num_new)
 
-        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted,
+        return SchedulerOutput(scheduled, sum(item.num_new_tokens for item in scheduled), preempted,
                                bm.take_new_block_ids(), bm.take_block_copies(), unservable)
 
     def _share_seats(self) -> None:

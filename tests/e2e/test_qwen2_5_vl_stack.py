@@ -3,21 +3,33 @@ openai client: the encoder runs the windowed vision tower on each image (its tok
 the proxy computes the prompt's M-RoPE positions, prefill and decode rotate by them (decode continuing
 from the largest plus one). Every answer must equal HF Qwen2_5_VLForConditionalGeneration.generate on the
 same tiny checkpoint, token for token (greedy, float32; a mismatch only at a checked near-tie).
+
+The decode speculates (prompt lookup, --speculative-config): the drafts it verifies take the positions
+after the prompt's largest, and what it answers - greedy, seeded with n > 1, under a JSON schema - must be
+token for token what our engine answers without speculation (and greedy, HF's), with drafts accepted.
 """
 import base64
 import io
+import itertools
+import json
 
+import jsonschema
 import openai
 import pytest
 import torch
 from PIL import Image
 
-from tests.integration.test_qwen2_5_vl import IMAGES, hf_generate, hf_processing
+from tests.integration.test_qwen2_5_vl import IMAGES, Pipeline, hf_generate, hf_processing
 
 MAX_TOKENS = 12
 NUM_BLOCKS = 256
 GREEDY = dict(temperature=0, max_tokens=MAX_TOKENS, logprobs=True, extra_body={"return_tokens_as_token_ids": True})
 QUESTION = "What is in this picture?"
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                                    "maxItems": 3}},
+          "required": ["name", "tags"], "additionalProperties": False}
 
 
 def image_part(data: bytes) -> dict:
@@ -77,8 +89,11 @@ def hf_reference(qwen2_5_vl_path):
 
 @pytest.fixture(scope="module")
 def stack(qwen2_5_vl_path, stack_factory):
+    # Every engine is given the speculative config, as a deployment that gives all of them the same options
+    # does: the decode speculates, the prefill checks it and goes on without (it samples first tokens only).
     return stack_factory(qwen2_5_vl_path, encoders=1, prefills=1, decodes=1,
-                         engine_args=["--num-kv-blocks", str(NUM_BLOCKS)], proxy_args=["--rpc-timeout", "30"])
+                         engine_args=["--num-kv-blocks", str(NUM_BLOCKS), "--speculative-config", SPEC],
+                         proxy_args=["--rpc-timeout", "30"])
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +139,97 @@ def test_a_strip_of_an_image_is_a_400_naming_the_field(client):
     with pytest.raises(openai.BadRequestError, match="aspect ratio"):
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": [
             image_part(buf.getvalue()), {"type": "text", "text": "hi"}]}], max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def without_speculation(qwen2_5_vl_path):
+    """Our offline engine, no speculation, and the proxy's side of the image path run in-process."""
+    from epdserve import LLM
+
+    return LLM(qwen2_5_vl_path, num_kv_blocks=128), Pipeline(qwen2_5_vl_path)
+
+
+_ids = itertools.count()
+
+
+def one_token_per_step(without_speculation, messages, **params) -> list[list[int]]:
+    """Each sequence's tokens for `messages` (OpenAI's, with images), from the engine without speculation."""
+    from epdserve import SamplingParams
+    from epdserve.shared.engine.sampling_params import RequestOutputKind
+
+    llm, pipeline = without_speculation
+    ids, placeholders, embeddings, positions = pipeline.prepare(*hf_messages(messages))
+    request = llm.engine.make_request(f"r{next(_ids)}", {"prompt_token_ids": ids},
+                                      SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **params),
+                                      mm_placeholders=placeholders, mm_embeddings=embeddings,
+                                      mrope_positions=positions)
+    llm.engine.add_request(request.request_id, request)
+    final = None
+    while llm.engine.has_unfinished_requests():
+        final = next((out for out in llm.engine.step() if out.finished), final)
+    return [list(c.token_ids) for c in sorted(final.outputs, key=lambda c: c.index)]
+
+
+def served(stack, client, ids_of, messages, **params) -> list[list[int]]:
+    """Each sequence's tokens for `messages`, asked with a cache salt of its own: no engine holds the prompt,
+    so it goes encoder -> prefill -> decode, which pulls its KV from the prefill."""
+    decode = stack.services["decode-0"]
+    pulled = decode.metrics().get("epdserve:remote_kv_requests_total", 0.0)
+    resp = client.chat.completions.create(model="demo", messages=messages, logprobs=True, extra_body={
+        "return_tokens_as_token_ids": True, "cache_salt": f"speculating-{next(_ids)}"}, **params)
+    assert decode.metrics().get("epdserve:remote_kv_requests_total", 0.0) > pulled
+    choices = sorted(resp.choices, key=lambda c: c.index)
+    return [ids_of([c.token for c in choice.logprobs.content]) for choice in choices]
+
+
+def accepted(stack) -> float:
+    return stack.services["decode-0"].metrics().get("epdserve:spec_decode_num_accepted_tokens_total", 0.0)
+
+
+@pytest.mark.parametrize("name", ["photo", "two-images"])
+def test_speculating_decode_answers_as_without_speculation_and_hf(stack, client, hf_reference, without_speculation,
+                                                                  near_tie_check, ids_of, name):
+    """After these images the tiny model repeats itself, so its own output is drafted and accepted: the drafts'
+    positions continue from the prompt's largest, or the tokens after them would not be HF's."""
+    before = accepted(stack)
+    ours = served(stack, client, ids_of, CASES[name], temperature=0, max_tokens=MAX_TOKENS)[0]
+    assert accepted(stack) > before
+    assert ours == one_token_per_step(without_speculation, CASES[name], temperature=0, max_tokens=MAX_TOKENS)[0]
+    ref, logits, _ = hf_reference[name]
+    assert near_tie_check(name, ours, ref, logits) == 0
+
+
+@pytest.mark.parametrize("name, params", [("photo", dict(temperature=1.0, seed=7, n=2, max_tokens=24)),
+                                          ("two-images", dict(temperature=0.8, top_p=0.9, seed=3, n=2,
+                                                              max_tokens=24))])
+def test_speculating_decode_samples_n_seeded_sequences_as_without_speculation(stack, client, without_speculation,
+                                                                             ids_of, name, params):
+    before = accepted(stack)
+    assert served(stack, client, ids_of, CASES[name], **params) == \
+        one_token_per_step(without_speculation, CASES[name], **params)
+    assert accepted(stack) > before
+
+
+def test_speculating_decode_keeps_to_a_json_schema_as_without_speculation(stack, client, without_speculation,
+                                                                          ids_of):
+    from epdserve.shared.engine.sampling_params import StructuredOutputsParams
+
+    messages = [{"role": "user", "content": [image_part(IMAGES["photo"]), {
+        "type": "text", "text": 'Repeat: {"name": "ann", "tags": ["x", "x", "x"]} and again: '}]}]
+    schema = {"type": "json_schema", "json_schema": {"name": "tagged", "schema": SCHEMA}}
+    tokenizer = without_speculation[0].get_tokenizer()
+    before = accepted(stack)
+    for params in (dict(temperature=0.0, max_tokens=60), dict(temperature=1.0, seed=4, max_tokens=60)):
+        ours = served(stack, client, ids_of, messages, response_format=schema, **params)[0]
+        assert ours == one_token_per_step(without_speculation, messages, **params,
+                                          structured_outputs=StructuredOutputsParams.json_schema(SCHEMA))[0]
+        jsonschema.validate(json.loads(tokenizer.decode(ours)), SCHEMA)
+    assert accepted(stack) > before
+
+
+def test_the_prefill_checks_the_config_and_does_not_speculate(stack):
+    assert "prefill does not speculate" in stack.services["prefill-0"].log.read_text()
+    assert "epdserve:spec_decode_num_drafts_total" not in stack.services["prefill-0"].metrics()
 
 
 def test_unified_stack_equals_hf(qwen2_5_vl_path, start_stack, hf_reference, near_tie_check, ids_of):

@@ -121,3 +121,18 @@ def test_stop_string_cuts_inside_an_accepted_run(client, prompt_ids):
     stop = whole[len(whole) // 2:len(whole) // 2 + 3]
     cut = client.completions.create(model="demo", prompt=prompt_ids, max_tokens=40, temperature=0, stop=[stop])
     assert cut.choices[0].text == whole[:whole.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_every_engine_is_given_the_config_and_only_the_decoding_one_speculates(stack):
+    """The stacks give every engine --speculative-config: the prefill checks it and loads no draft (its part of
+    a request ends at the first token); the decoding engine loads the draft model, given one."""
+    engines = [s for s in stack.services.values() if s.role in ("prefill", "decode", "unified")]
+    drafting = speculating(stack)
+    for engine in engines:
+        log = engine.log.read_text()
+        assert "--speculative-config" in engine.argv
+        assert ("epdserve:spec_decode_num_drafts_total" in engine.metrics()) == (engine is drafting), engine.name
+        if engine is not drafting:
+            assert "prefill does not speculate" in log and "loading it for speculative decoding" not in log
+    loads_draft = "loading it for speculative decoding" in drafting.log.read_text()
+    assert loads_draft == ("draft_model" in drafting.argv[drafting.argv.index("--speculative-config") + 1])

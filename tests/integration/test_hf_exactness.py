@@ -86,6 +86,9 @@ PATHS = {
     "batched": dict(enable_prefix_caching=False),
     "prefix-cache": dict(enable_prefix_caching=True),
     "chunked-prefill": dict(enable_prefix_caching=False, max_num_batched_tokens=48),
+    # vLLM's step budget: decodes and chunks share it (the default packs prompts, decodes on top).
+    "chunked-prefill-shared-budget": dict(enable_prefix_caching=False, max_num_batched_tokens=48,
+                                          budget_policy="shared"),
     "preemption": dict(enable_prefix_caching=True, num_kv_blocks=48, max_num_batched_tokens=512),
     # Prompt lookup drafts, verified in the step (drafts cut by the budget, and preempted, too).
     "speculative": dict(enable_prefix_caching=True, num_kv_blocks=64, max_num_batched_tokens=96,

@@ -328,21 +328,28 @@ def test_a_continued_request_recomputes_at_the_same_positions(qwen2_5_vl_path, p
     check_engine_is_clean(llm)
 
 
-@pytest.mark.parametrize("fail", [False, True], ids=["pulled", "recomputed"])
-def test_prefill_then_decode_equals_hf(qwen2_5_vl_path, prepared, hf_reference, copy_connector, keep, fail):
+@pytest.mark.parametrize("fail, drafting", [(False, False), (True, False), (False, True)],
+                         ids=["pulled", "recomputed", "pulled-decode-drafting"])
+def test_prefill_then_decode_equals_hf(qwen2_5_vl_path, prepared, hf_reference, copy_connector, keep, fail,
+                                       drafting):
     """Prefill computes the image prompts at their positions and keeps the blocks; decode gets the same
     positions with prefill's first token, pulls the blocks (or, when the pull fails, recomputes the prompt
-    at those positions) and continues from the prompt's largest position plus one: HF's tokens throughout."""
+    at those positions) and continues from the prompt's largest position plus one: HF's tokens throughout.
+    A decode with a draft model (the checkpoint itself) computes the draft's KV of the pulled prompt at
+    those positions too, and verifies its drafts after them; after the text prompt, where the draft sees
+    what the target sees, it accepts them."""
     import asyncio
 
     from epdserve import AsyncLLM
     from epdserve.shared.engine.llm import build_engine_config
     from epdserve.shared.engine.llm_engine import LLMEngine
 
-    names = ["small-square", "wide", "two-images"]
+    names = ["small-square", "wide", "two-images"] + (["text-only"] if drafting else [])
     prefill_engine = LLMEngine(build_engine_config(qwen2_5_vl_path, num_kv_blocks=64), detokenize=False)
     prefill_engine.add_connector(copy_connector(None), prefill_engine.finish_load, prefill_engine.release_kv)
-    decode = AsyncLLM.from_config(build_engine_config(qwen2_5_vl_path, num_kv_blocks=64), detokenize=False)
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": qwen2_5_vl_path} if drafting else None
+    decode = AsyncLLM.from_config(build_engine_config(qwen2_5_vl_path, num_kv_blocks=64, speculative_config=spec),
+                                  detokenize=False)
     connector = copy_connector(decode.kv_cache, fail=fail)
     decode.add_connector(connector)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, output_kind=RequestOutputKind.DELTA)
@@ -383,8 +390,42 @@ def test_prefill_then_decode_equals_hf(qwen2_5_vl_path, prepared, hf_reference, 
         assert {load.request_id for load in connector.loads} == set(names)
         for name in names:
             assert prefill_engine.release_kv(name)
+        if drafting:
+            assert decode.stats().spec_decode.num_accepted_tokens > 0
     finally:
         decode.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_verifies_drafts_at_the_positions_after_the_prompt(qwen2_5_vl_path, prepared,
+                                                                               hf_reference, near_tie_check, method):
+    """Drafts are computed at the positions their tokens would have: the prompt's largest M-RoPE position plus
+    one, two, ... So with drafts accepted after image prompts, every prompt still equals HF. The draft model
+    is the checkpoint itself, an M-RoPE model too, rotating the request's tokens and its drafts by the same
+    3-D positions: where it sees what the target sees (a text prompt; it sees an image's placeholders, not
+    its embeddings), every draft is accepted."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3} \
+        if method == "ngram" else {"method": "draft_model", "num_speculative_tokens": 3, "model": qwen2_5_vl_path}
+    llm = LLM(model=qwen2_5_vl_path, num_kv_blocks=128, speculative_config=spec)
+    # The positions a step computes for a request's last token and 4 drafts after its first output token.
+    ids, phs, embs, positions = prepared["two-images"]
+    request = llm.engine.make_request("positions", {"prompt_token_ids": ids}, PARAMS, mm_placeholders=phs,
+                                      mm_embeddings=embs, mrope_positions=positions)
+    top = max(max(row) for row in positions)
+    assert top + 1 < len(ids)  # the images' positions are compressed: the largest is far below the length
+    assert request.rope_positions(len(ids), len(ids) + 5).tolist() == [list(range(top + 1, top + 6))] * 3
+    stats = llm.engine.scheduler.spec_stats
+    with_images = [name for name, (_, images) in PROMPTS.items() if images]
+    ours = run_engine(llm, [prepared[n] for n in with_images])
+    accepted, drafted = stats.num_accepted_tokens, stats.num_draft_tokens
+    ours += run_engine(llm, [prepared["text-only"]])
+    names = with_images + ["text-only"]
+    assert_matches_hf(near_tie_check, ours, [hf_reference[n] for n in names], names)
+    if method == "ngram":  # the tiny model repeats itself after these images: its own output is drafted
+        assert accepted > 0
+    else:
+        assert stats.num_accepted_tokens - accepted == stats.num_draft_tokens - drafted > 0
+    check_engine_is_clean(llm)
 
 
 def test_n_sequences_share_the_prompt_and_its_positions(qwen2_5_vl_path, prepared, hf_reference):

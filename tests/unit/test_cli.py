@@ -96,6 +96,7 @@ def test_rpc_timeout_still_reads_its_old_spelling(capsys):
 def test_model_names_one_thing_each():
     assert parse("model", "llava-demo").which == "llava-demo"
     assert parse("model", "smollm2").which == "smollm2"
+    assert parse("model", "gemma3-270m").which == "gemma3-270m"
     with pytest.raises(SystemExit):
         parse("model", "default")  # which one? `up` serves llava-demo; SmolLM2 is smollm2
 
@@ -334,6 +335,28 @@ def test_up_gives_the_speculative_config_to_the_engines_that_decode(default_mode
                 ("ngram", 3, 2, 2)
 
 
+def test_a_prefill_given_a_draft_model_checks_it_and_loads_none(default_model_path, tmp_path, caplog):
+    """Prefill samples only a request's first token: it never speculates, so a draft model given to it (as a
+    deployment giving every engine the same options does) is checked but not loaded."""
+    import json
+
+    from epdserve.services.cli import engine_config
+
+    model = str(default_model_path)
+    spec = json.dumps({"method": "draft_model", "num_speculative_tokens": 3, "model": model})
+    with caplog.at_level(logging.INFO, logger="epdserve.services.cli"):
+        assert engine_config(parse("serve", "prefill", "--speculative-config", spec), model).speculative is None
+    assert "prefill does not speculate" in caplog.text
+    for role in ("decode", "unified"):
+        draft = engine_config(parse("serve", role, "--speculative-config", spec), model).speculative.draft
+        assert draft is not None and draft.path == model
+    # Checked all the same: a draft that is no model stops the prefill as it stops the decode.
+    missing = json.dumps({"method": "draft_model", "num_speculative_tokens": 3, "model": str(tmp_path / "none")})
+    for role in ("prefill", "decode"):
+        with pytest.raises(ValueError, match="speculative config"):
+            engine_config(parse("serve", role, "--speculative-config", missing), model)
+
+
 @pytest.mark.parametrize("value, message", [("{bad", "not valid JSON"), ('{"method": "eagle", "num_speculative_tokens": 1}',
                                                                          "speculative method"),
                                             ('{"method": "ngram", "num_speculative_tokens": 2, "x": 1}', "unsupported")])
@@ -396,3 +419,20 @@ def test_up_gives_every_engine_its_lora_options_and_the_proxy_the_adapters(tmp_p
 def test_up_refuses_bad_lora_options(default_model_path, argv, message):
     with pytest.raises(SystemExit, match=message):
         stack_config(parse("up", *argv), str(default_model_path))
+
+
+def test_up_gives_every_engine_the_budget_policy_after_the_double_dash(default_model_path, capsys):
+    from epdserve.services.cli import engine_config
+
+    for extra, policy in (([], "prompts"), (["--", "--budget-policy", "shared", "--max-num-batched-tokens", "1024"],
+                                            "shared")):
+        commands = dict(LocalStack(stack_config(parse("up", *extra), str(default_model_path))).commands())
+        engines = {name: argv for name, argv in commands.items() if name.startswith(("prefill", "decode"))}
+        assert engines
+        for argv in engines.values():
+            scheduler = engine_config(parse(*argv[argv.index("serve"):]), str(default_model_path)).scheduler
+            assert scheduler.budget_policy == policy
+            assert scheduler.max_num_batched_tokens == (1024 if extra else 2048)
+    with pytest.raises(SystemExit):
+        parse("serve", "unified", "--budget-policy", "decode-first")
+    assert "invalid choice: 'decode-first'" in capsys.readouterr().err

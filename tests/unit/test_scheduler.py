@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from epdserve.shared.engine.block_manager import BlockManager
 from epdserve.shared.engine.kv_connector import KVConnector
-from epdserve.shared.config import SchedulerConfig
+from epdserve.shared.config import BUDGET_POLICIES, SchedulerConfig
 from epdserve.shared.engine.request import Request, RequestStatus
 from epdserve.shared.engine.sampling_params import SamplingParams
 from epdserve.shared.engine.scheduler import Scheduler
@@ -18,9 +18,9 @@ from epdserve.shared.engine.scheduler import Scheduler
 BS = 4
 
 
-def make_scheduler(num_blocks=16, max_num_seqs=8, budget=32, caching=True):
+def make_scheduler(num_blocks=16, max_num_seqs=8, budget=32, caching=True, policy="prompts"):
     bm = BlockManager(num_blocks, BS, caching)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget), bm), bm
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, policy), bm), bm
 
 
 def req(rid, n, max_tokens=4, vocab=3, seed=0):
@@ -54,7 +54,7 @@ def check_invariants(sched, bm):
 
 
 def test_token_budget_chunks_prefill_and_mixes_decodes():
-    sched, bm = make_scheduler(num_blocks=64, budget=10)
+    sched, bm = make_scheduler(num_blocks=64, budget=10, policy="shared")  # decodes count (test_step_budget.py)
     a = req("a", 3, max_tokens=5)
     sched.add_request(a)
     out = step(sched)
@@ -116,9 +116,9 @@ OPS = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(OPS, st.integers(10, 24), st.integers(4, 40), st.booleans())
-def test_random_traffic_never_leaks(ops, num_blocks, budget, caching):
-    sched, bm = make_scheduler(num_blocks=num_blocks, max_num_seqs=4, budget=budget, caching=caching)
+@given(OPS, st.integers(10, 24), st.integers(4, 40), st.booleans(), st.sampled_from(BUDGET_POLICIES))
+def test_random_traffic_never_leaks(ops, num_blocks, budget, caching, policy):
+    sched, bm = make_scheduler(num_blocks=num_blocks, max_num_seqs=4, budget=budget, caching=caching, policy=policy)
     ids = []
     for i, (op, a, b) in enumerate(ops):
         if op == "add":
@@ -217,10 +217,12 @@ def spec_step(sched, rng, k=3):
 
 
 @settings(max_examples=150, deadline=None)
-@given(OPS, st.integers(10, 24), st.integers(4, 40), st.booleans(), st.integers(0, 10_000))
-def test_random_traffic_with_drafts_never_leaks_and_gives_back_rejected_blocks(ops, num_blocks, budget, caching, seed):
+@given(OPS, st.integers(10, 24), st.integers(4, 40), st.booleans(), st.integers(0, 10_000),
+       st.sampled_from(BUDGET_POLICIES))
+def test_random_traffic_with_drafts_never_leaks_and_gives_back_rejected_blocks(ops, num_blocks, budget, caching, seed,
+                                                                              policy):
     rng = random.Random(seed)
-    sched, bm = make_scheduler(num_blocks=num_blocks, max_num_seqs=4, budget=budget, caching=caching)
+    sched, bm = make_scheduler(num_blocks=num_blocks, max_num_seqs=4, budget=budget, caching=caching, policy=policy)
     ids = []
     for i, (op, a, b) in enumerate(ops):
         if op == "add":
@@ -246,7 +248,7 @@ def test_random_traffic_with_drafts_never_leaks_and_gives_back_rejected_blocks(o
 
 
 def test_drafts_fill_the_budget_left():
-    sched, bm = make_scheduler(num_blocks=64, budget=6)
+    sched, bm = make_scheduler(num_blocks=64, budget=6, policy="shared")
     a, b = req("a", 3, max_tokens=20), req("b", 3, max_tokens=20)
     sched.add_request(a)
     sched.add_request(b)
@@ -260,6 +262,19 @@ def test_drafts_fill_the_budget_left():
     assert a.output_token_ids == [7, 1, 1, 9] and a.num_computed_tokens == a.num_tokens - 1
     assert len(a.block_ids) == bm.num_blocks_for(a.num_computed_tokens)
     assert sched.spec_stats.num_drafts == 1 and sched.spec_stats.num_accepted_tokens_per_pos == [1, 1]
+
+
+def test_drafts_fill_the_budget_left_by_prompts_and_drafts_when_decodes_ride_on_top():
+    sched, bm = make_scheduler(num_blocks=64, budget=6)
+    a, b = req("a", 3, max_tokens=20), req("b", 3, max_tokens=20)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    a.spec_token_ids, b.spec_token_ids = [1, 1, 1, 1], [2, 2, 2, 2]
+    out = sched.schedule()
+    # Their own tokens count for nothing: a's 4 drafts take 4 of the 6, b's 2 the rest.
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 5), ("b", 3)]
+    assert b.spec_token_ids == [2, 2] and out.num_batched_tokens == 8
 
 
 def test_drafts_give_way_before_anybody_is_preempted():

