@@ -23,7 +23,7 @@ def build_engine_config(
     enable_prefix_caching: bool = True,
     max_num_seqs: int = 128,
     max_num_batched_tokens: int = 2048,
-    budget_policy: str = "prompts",
+    budget_policy: str = "shared",
     kv_cache_memory_bytes: int | None = None,
     num_kv_blocks: int | None = None,
     kv_cache_memory_fraction: float | None = None,

@@ -1,9 +1,9 @@
 """Continuous batching: which requests compute how many tokens in the next step.
 
 Each step has a token budget (`max_num_batched_tokens`), spent by its policy (step_budget.py): running
-requests go first, in arrival order, then waiting ones; under "prompts" (the default) the budget bounds
-prompt tokens, each running request's next token coming on top, and prompts are packed whole; under
-"shared" (vLLM V1's) decodes and prefill chunks share it. When the pool runs out of blocks,
+requests go first, in arrival order, then waiting ones; under "shared" (the default, vLLM V1's) decodes and
+prefill chunks share it; under "prompts" the budget bounds prompt tokens, each running request's next token
+coming on top, and prompts are packed whole. When the pool runs out of blocks,
 the most recently started running request is preempted: its blocks are freed (its full blocks stay in
 the prefix cache, so the recompute is mostly hits) and it goes back to the front of the queue.
 

@@ -2,10 +2,10 @@
 
 `max_num_batched_tokens` is the budget; `budget_policy` says what it bounds (SchedulerConfig):
 
-- "shared" is vLLM V1's: running requests' tokens (a decode's one, a prefill's next chunk) and waiting
+- "shared" (the default) is vLLM V1's: running requests' tokens (a decode's one, a prefill's next chunk) and waiting
   prompts share the budget, running requests first; the waiting prompt that does not fit in what is left
   is chunked to fill the step.
-- "prompts" (the default) bounds a step's prompt tokens and draft tokens. A decode's one token does not
+- "prompts" bounds a step's prompt tokens and draft tokens. A decode's one token does not
   count: every running request's next token rides on top, so a step computes at most the budget plus
   `max_num_seqs` tokens. Waiting prompts are packed whole: one that does not fit in what is left waits
   for the next step - unless it is longer than the whole budget, or no prompt token is computed in this

@@ -424,8 +424,8 @@ def test_up_refuses_bad_lora_options(default_model_path, argv, message):
 def test_up_gives_every_engine_the_budget_policy_after_the_double_dash(default_model_path, capsys):
     from epdserve.services.cli import engine_config
 
-    for extra, policy in (([], "prompts"), (["--", "--budget-policy", "shared", "--max-num-batched-tokens", "1024"],
-                                            "shared")):
+    for extra, policy in (([], "shared"), (["--", "--budget-policy", "prompts", "--max-num-batched-tokens", "1024"],
+                                           "prompts")):
         commands = dict(LocalStack(stack_config(parse("up", *extra), str(default_model_path))).commands())
         engines = {name: argv for name, argv in commands.items() if name.startswith(("prefill", "decode"))}
         assert engines
