@@ -149,6 +149,15 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
 
+def _sweep_table(sweep: dict, rates, servers, values, header: str) -> list[str]:
+    """Goodput per (rate, server) under each of `values` of one SLO (a column each)."""
+    lines = ["| rate | server | " + " | ".join(header.format(v) for v in values) + " |", "|---|---|" + "---|" * len(values)]
+    for r in rates:
+        for s in servers:
+            lines.append(f"| {r} | {s} | " + " | ".join(f"{sweep[s][r][f'{v:g}']:.2f}" for v in values) + " |")
+    return lines
+
+
 def markdown(report: dict, summary: dict) -> str:
     cfg, slo = report["config"], Slo(**summary["slo"])
     rates, cells = cfg["rates"], summary["cells"]
@@ -195,20 +204,10 @@ def markdown(report: dict, summary: dict) -> str:
                 f"{_ms(lat[k][m + '_p50_ms'])} / {_ms(lat[k][m + '_p99_ms'])}" for k in KINDS for m in ("ttft", "tpot"))
                 + " |")
     lines += ["", "## Goodput under other SLOs (the same requests, req/s)", "",
-              "TPOT SLO varied, TTFT SLO as above:", "",
-              "| rate | server | " + " | ".join(f"TPOT <= {ms:g} ms" for ms in TPOT_SWEEP_MS) + " |",
-              "|---|---|" + "---|" * len(TPOT_SWEEP_MS)]
-    for r in rates:
-        for s in servers:
-            lines.append(f"| {r} | {s} | " + " | ".join(f"{summary['tpot_sweep'][s][r][f'{ms:g}']:.2f}"
-                                                       for ms in TPOT_SWEEP_MS) + " |")
-    lines += ["", "TTFT SLO scaled (both its terms), TPOT SLO as above:", "",
-              "| rate | server | " + " | ".join(f"TTFT x{x:g}" for x in TTFT_SCALES) + " |",
-              "|---|---|" + "---|" * len(TTFT_SCALES)]
-    for r in rates:
-        for s in servers:
-            lines.append(f"| {r} | {s} | " + " | ".join(f"{summary['ttft_sweep'][s][r][f'{x:g}']:.2f}"
-                                                       for x in TTFT_SCALES) + " |")
+              "TPOT SLO varied, TTFT SLO as above:", ""]
+    lines += _sweep_table(summary["tpot_sweep"], rates, servers, TPOT_SWEEP_MS, "TPOT <= {:g} ms")
+    lines += ["", "TTFT SLO scaled (both its terms), TPOT SLO as above:", ""]
+    lines += _sweep_table(summary["ttft_sweep"], rates, servers, TTFT_SCALES, "TTFT x{:g}")
     lines += ["", "CPU pinning:", ""] + [f"- {s}: {report['servers'][s]['pinning']}" for s in servers]
     return "\n".join(lines) + "\n"
 
