@@ -151,7 +151,8 @@ def _ms(v: float | None) -> str:
 
 def _sweep_table(sweep: dict, rates, servers, values, header: str) -> list[str]:
     """Goodput per (rate, server) under each of `values` of one SLO (a column each)."""
-    lines = ["| rate | server | " + " | ".join(header.format(v) for v in values) + " |", "|---|---|" + "---|" * len(values)]
+    lines = ["| rate | server | " + " | ".join(header.format(v) for v in values) + " |",
+             "|---|---|" + "---|" * len(values)]
     for r in rates:
         for s in servers:
             lines.append(f"| {r} | {s} | " + " | ".join(f"{sweep[s][r][f'{v:g}']:.2f}" for v in values) + " |")
