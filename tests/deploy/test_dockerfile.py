@@ -92,7 +92,8 @@ def global_args(stages):
 
 
 TORCH = '--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"'
-PROJECT = r'pip install "\$\{wheel\}\[([^]]*)\]"'
+# Under constraints.txt: the dependencies' tested versions, not the day's newest releases.
+PROJECT = r'pip install -c /tmp/constraints.txt "\$\{wheel\}\[([^]]*)\]"'
 
 
 def test_cpu_torch_is_pinned_before_a_non_editable_install(stages, runs):

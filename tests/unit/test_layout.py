@@ -72,3 +72,27 @@ def test_the_layer_contracts_hold(tmp_path):
                             env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_constraints_pin_versions_the_project_accepts():
+    """constraints.txt pins what `make install` and the image install; a pin outside pyproject.toml's ranges
+    would make pip refuse to install, and a pinned torch would fight the build the Makefile picks."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[name.lower().replace("_", "-")] = version
+    assert "torch" not in pins
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(r) for r in declared["dependencies"]]
+    requirements += [Requirement(r) for extra in declared["optional-dependencies"].values() for r in extra]
+    for requirement in requirements:
+        name = requirement.name.lower().replace("_", "-")
+        if name in pins:
+            assert requirement.specifier.contains(pins[name], prereleases=True), (requirement, pins[name])
+        elif name != "torch":
+            raise AssertionError(f"{name} is not pinned in constraints.txt")
