@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence, TypeVar
 
@@ -66,23 +67,28 @@ C = TypeVar("C", bound=Candidate)
 def pick(candidates: Sequence[C], cached_blocks: dict[str, float], prompt_blocks: int, load_weight: float,
          key: bytes = b"", elsewhere: float = 0.0) -> tuple[C, float]:
     """The cheapest candidate and how many leading blocks it holds. `cached_blocks`: address -> blocks
-    held (from the prefix index, tier and store blocks weighted; absent: `elsewhere`, the store's). Equal costs - above all a prompt nobody caches yet - go
-    by rendezvous hashing of `key` (the prompt's head): distinct prompts spread, and requests that share
-    a new prefix meet where its blocks will be, before any engine has reported them."""
+    held (from the prefix index, tier and store blocks weighted; absent: `elsewhere`, the store's). Equal
+    costs - above all a prompt nobody caches yet - go by rendezvous hashing of `key` (the prompt's head):
+    distinct prompts spread, and requests that share a new prefix meet where its blocks will be, before any
+    engine has reported them."""
     scale = load_weight * max(prompt_blocks, 1)
     lacking = prompt_blocks - elsewhere  # what a candidate absent from `cached_blocks` lacks
     held_by = cached_blocks.get
-    # One pass, no call per candidate: a fleet of a thousand is scored well under a millisecond.
-    lowest: tuple[bool, float] | None = None
+    # One pass that allocates no tuple per candidate (no call, nothing for the garbage collector): a fleet of
+    # a thousand is scored in a fraction of a millisecond. The cost is compared as (no room, work).
+    least_no_room, least_work = True, math.inf
     tied: list[C] = []
     for candidate in candidates:
         held = held_by(candidate.address)
         missing = lacking if held is None else prompt_blocks - held
         status = candidate.status
-        cost = ((status.num_free_blocks if status is not None else 0) < missing, missing + scale * candidate.load)
-        if lowest is None or cost < lowest:
-            lowest, tied = cost, [candidate]
-        elif cost == lowest:
+        no_room = (status.num_free_blocks if status is not None else 0) < missing
+        work = missing + scale * candidate.load
+        if no_room > least_no_room or (no_room == least_no_room and work > least_work):
+            continue
+        if no_room < least_no_room or work < least_work or not tied:
+            least_no_room, least_work, tied = no_room, work, [candidate]
+        else:
             tied.append(candidate)
     best = tied[0] if len(tied) == 1 else max(tied, key=lambda c: rendezvous(key, c.address))
     return best, cached_blocks.get(best.address, elsewhere)

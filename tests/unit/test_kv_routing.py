@@ -2,8 +2,9 @@
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, strategies as st
 
-from epdserve.services.proxy.kv_routing import KVRoutingConfig, pick
+from epdserve.services.proxy.kv_routing import KVRoutingConfig, pick, rendezvous
 
 
 def instance(name: str, load: int = 0, free: int = 1000):
@@ -30,6 +31,26 @@ def test_ties_go_by_the_prompt_head_so_distinct_prompts_spread_and_equal_ones_me
     assert len(chosen) == 4
     again = [pick(fleet, {}, 0, 0.25, key=b"same head")[0] for _ in range(5)]
     assert all(c is again[0] for c in again)
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12), st.sampled_from([None, 0, 2, 5, 8]),
+                          st.booleans()), min_size=1, max_size=12),
+       st.integers(0, 8), st.sampled_from([0.0, 0.25, 1.0]), st.sampled_from([0.0, 1.5]), st.binary(max_size=4))
+def test_the_one_pass_picks_what_the_cost_order_says(fleet, prompt_blocks, load_weight, elsewhere, key):
+    """Whatever loads, room and holdings: the lowest (no room, work) wins, and equal ones go by rendezvous."""
+    candidates = [SimpleNamespace(address=f"i{n}", load=load, status=None if no_status else
+                                  SimpleNamespace(num_free_blocks=free)) for n, (load, free, _, no_status) in enumerate(fleet)]
+    cached = {f"i{n}": held for n, (_, _, held, _) in enumerate(fleet) if held is not None}
+
+    def order(c):
+        missing = prompt_blocks - cached.get(c.address, elsewhere)
+        free = c.status.num_free_blocks if c.status else 0
+        return free < missing, missing + load_weight * max(prompt_blocks, 1) * c.load
+
+    lowest = min(map(order, candidates))
+    expected = max((c for c in candidates if order(c) == lowest), key=lambda c: rendezvous(key, c.address))
+    assert pick(candidates, cached, prompt_blocks, load_weight, key, elsewhere) == \
+        (expected, cached.get(expected.address, elsewhere))
 
 
 def test_config_refuses_negative_values():
