@@ -115,18 +115,27 @@ class PrefixIndex:
         """Instance name -> how many of the leading `block_hashes` it holds (instances holding none
         are absent)."""
         counts: dict[int, int] = {}
-        matching: set[int] | frozenset[int] = frozenset()
+        holders = self._holders
+        # The slots holding every block so far: one as an int (a prompt past its shared head is mostly held
+        # by one instance: a membership test per block, no set built), several as a set, none as None.
+        matching: int | set[int] | None = None
         for i, h in enumerate(block_hashes):
-            held = self._holders.get(block_key(h))
-            held = frozenset() if held is None else {held} if isinstance(held, int) else held
-            still = set(held) if i == 0 else matching & held
-            for slot in matching - still:  # a slot's count is set once, when it drops out: hot blocks held
-                counts[slot] = i           # by hundreds of instances cost set operations, not a loop each
-            matching = still
-            if not matching:
+            held = holders.get(block_key(h))
+            if i == 0:
+                matching = held if held is None or isinstance(held, int) else set(held)
+            elif isinstance(matching, int):
+                if held != matching and not (isinstance(held, set) and matching in held):
+                    counts[matching] = i
+                    matching = None
+            else:
+                still = matching & held if isinstance(held, set) else {held} & matching if held is not None else set()
+                for slot in matching - still:  # a slot's count is set once, when it drops out: hot blocks held
+                    counts[slot] = i           # by hundreds of instances cost set operations, not a loop each
+                matching = None if not still else next(iter(still)) if len(still) == 1 else still
+            if matching is None:
                 break
         else:
-            for slot in matching:
+            for slot in (matching,) if isinstance(matching, int) else matching or ():
                 counts[slot] = len(block_hashes)
         return {self._names[slot]: n for slot, n in counts.items()}
 
