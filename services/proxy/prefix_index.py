@@ -155,8 +155,9 @@ class PrefixIndex:
             for slot in joining.get(i, ()):
                 active[slot] = i
             held = self._holders.get(block_key(block_hashes[i]))
-            held = frozenset() if held is None else {held} if isinstance(held, int) else held
-            for slot in active.keys() - held:
+            # Few instances run at once: a test each, no set built per block.
+            gone = [s for s in active if s not in held] if isinstance(held, set) else [s for s in active if s != held]
+            for slot in gone:
                 if i > active[slot]:
                     runs[slot] = i - active[slot]
                 del active[slot]
