@@ -60,7 +60,8 @@ class IncrementalDetokenizer:
         logger.warning("token %d changed how earlier tokens decode; the stream's text goes on after it", token_id)
         before = self.tokenizer.decode(self.token_ids[:-1], skip_special_tokens=self.skip_special_tokens)
         after = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
-        self.stream = DecodeStream(ids=[token_id], skip_special_tokens=self.skip_special_tokens)
+        self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        self.stream.step(self.tokenizer, token_id)  # context only: its text is the one returned below
         return after[len(os.path.commonprefix([before, after])):]
 
     def visible_text(self, finished: bool) -> str:

@@ -38,8 +38,9 @@ def test_ties_go_by_the_prompt_head_so_distinct_prompts_spread_and_equal_ones_me
        st.integers(0, 8), st.sampled_from([0.0, 0.25, 1.0]), st.sampled_from([0.0, 1.5]), st.binary(max_size=4))
 def test_the_one_pass_picks_what_the_cost_order_says(fleet, prompt_blocks, load_weight, elsewhere, key):
     """Whatever loads, room and holdings: the lowest (no room, work) wins, and equal ones go by rendezvous."""
-    candidates = [SimpleNamespace(address=f"i{n}", load=load, status=None if no_status else
-                                  SimpleNamespace(num_free_blocks=free)) for n, (load, free, _, no_status) in enumerate(fleet)]
+    candidates = [SimpleNamespace(address=f"i{n}", load=load,
+                                  status=None if no_status else SimpleNamespace(num_free_blocks=free))
+                  for n, (load, free, _, no_status) in enumerate(fleet)]
     cached = {f"i{n}": held for n, (_, _, held, _) in enumerate(fleet) if held is not None}
 
     def order(c):
