@@ -128,7 +128,7 @@ class PrefixIndex:
                     counts[matching] = i
                     matching = None
             else:
-                still = matching & held if isinstance(held, set) else {held} & matching if held is not None else set()
+                still = matching & held if isinstance(held, set) else matching & {held}  # {None}: nobody
                 for slot in matching - still:  # a slot's count is set once, when it drops out: hot blocks held
                     counts[slot] = i           # by hundreds of instances cost set operations, not a loop each
                 matching = None if not still else next(iter(still)) if len(still) == 1 else still
