@@ -17,11 +17,17 @@ Memory is bounded: a block is keyed by the first 8 bytes of its hash (an int; a 
 make the router over-estimate a cached prefix, never corrupt a cache - the engine checks its own
 hashes and token ids), and each instance may hold at most `max_blocks_per_instance` keys; past that its
 oldest are forgotten, as the engine itself would evict them first.
+
+A block's holders are one int: its one holder's slot (>= 0, most blocks past a shared head), or the
+complement of a bit mask of slots (< 0, a block several hold). Two reasons: a prompt's leading blocks held
+by hundreds of instances are intersected as machine words, not as sets of hundreds; and maps that hold
+only ints are never walked by the garbage collector, whose full collections over millions of entries
+would otherwise land inside routing decisions.
 """
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from typing import Iterator, Sequence
 
 
 STORE = "kvstore"  # the shared KV store's name in `PrefixIndex.store`
@@ -37,6 +43,18 @@ def _by_start(counts: dict[str, int]) -> dict[int, list[str]]:
 
 def block_key(block_hash: bytes) -> int:
     return int.from_bytes(block_hash[:8], "little")
+
+
+def _mask(held: int | None) -> int:
+    """The bit mask of the slots a block's holders entry names (0: nobody)."""
+    return 0 if held is None else 1 << held if held >= 0 else ~held
+
+
+def _slots(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
 
 
 class _Holdings:
@@ -58,8 +76,8 @@ class PrefixIndex:
         self.tier: PrefixIndex | None = PrefixIndex(max_blocks_per_instance, tiers=False) if tiers else None
         # What the shared KV store holds, as its one holder STORE.
         self.store: PrefixIndex | None = PrefixIndex(max_blocks_per_instance, tiers=False) if tiers else None
-        # Most blocks live on one instance: its slot is stored as an int, a set only once shared.
-        self._holders: dict[int, int | set[int]] = {}
+        # Block key -> its one holder's slot, or ~(mask of its holders' slots) (module docstring).
+        self._holders: dict[int, int] = {}
         self._instances: dict[str, _Holdings] = {}
         self._names: dict[int, str] = {}
         self._free_slots: list[int] = []
@@ -114,60 +132,44 @@ class PrefixIndex:
     def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """Instance name -> how many of the leading `block_hashes` it holds (instances holding none
         are absent)."""
-        counts: dict[int, int] = {}
-        holders = self._holders
-        # The slots holding every block so far: one as an int (a prompt past its shared head is mostly held
-        # by one instance: a membership test per block, no set built), several as a set, none as None.
-        matching: int | set[int] | None = None
-        for i, h in enumerate(block_hashes):
-            held = holders.get(block_key(h))
-            if i == 0:
-                matching = held if held is None or isinstance(held, int) else set(held)
-            elif isinstance(matching, int):
-                if held != matching and not (isinstance(held, set) and matching in held):
-                    counts[matching] = i
-                    matching = None
-            else:
-                still = matching & held if isinstance(held, set) else matching & {held}  # {None}: nobody
-                for slot in matching - still:  # a slot's count is set once, when it drops out: hot blocks held
-                    counts[slot] = i           # by hundreds of instances cost set operations, not a loop each
-                matching = None if not still else next(iter(still)) if len(still) == 1 else still
-            if matching is None:
-                break
-        else:
-            for slot in (matching,) if isinstance(matching, int) else matching or ():
-                counts[slot] = len(block_hashes)
-        return {self._names[slot]: n for slot, n in counts.items()}
+        return self.runs([block_key(h) for h in block_hashes], {})
 
-    def runs_from(self, block_hashes: Sequence[bytes], starts: dict[str, int]) -> dict[str, int]:
-        """Instance name -> how many consecutive `block_hashes` it holds from position `starts[name]` on, in
-        one walk over the hashes (instances holding none there are absent)."""
-        joining: dict[int, list[int]] = {}
+    def runs(self, keys: Sequence[int], starts: dict[str, int]) -> dict[str, int]:
+        """Instance name -> how many consecutive blocks of `keys` (block_key) it holds from position
+        `starts[name]` on, from the first block for an instance `starts` does not name - in one walk over
+        the keys (instances holding none there are absent)."""
+        n = len(keys)
+        joining: dict[int, int] = {0: 0}  # position -> the mask of the slots whose run starts there
+        start_of: dict[int, int] = {}  # slot -> its start, where not 0
+        named = 0
         for name, start in starts.items():
             holdings = self._instances.get(name)
-            if holdings is not None and start < len(block_hashes):
-                joining.setdefault(start, []).append(holdings.slot)
-        runs: dict[int, int] = {}
-        active: dict[int, int] = {}  # slot -> the position its run started at
-        positions = sorted(joining)
-        i, last = (positions[0], positions[-1]) if positions else (len(block_hashes), 0)
-        while i < len(block_hashes) and (active or i <= last):
-            for slot in joining.get(i, ()):
-                active[slot] = i
-            held = self._holders.get(block_key(block_hashes[i]))
-            # Few instances run at once: a test each, no set built per block.
-            gone = [s for s in active if s not in held] if isinstance(held, set) else [s for s in active if s != held]
-            for slot in gone:
-                if i > active[slot]:
-                    runs[slot] = i - active[slot]
-                del active[slot]
-            if active:
-                i += 1
-            else:  # nothing to follow until the next instance's start
-                i = next((p for p in positions if p > i), len(block_hashes))
-        for slot, start in active.items():
-            runs[slot] = len(block_hashes) - start
-        return {self._names[slot]: n for slot, n in runs.items()}
+            if holdings is not None:
+                named |= 1 << holdings.slot
+                if start < n:
+                    joining[start] = joining.get(start, 0) | 1 << holdings.slot
+                    start_of[holdings.slot] = start
+        joining[0] |= ~named  # everyone else (a mask without end: the first block's holders bound it)
+        positions = sorted(joining, reverse=True)
+        holders, runs, active, i = self._holders, {}, 0, 0  # active: the slots whose run goes on
+        while i < n:
+            if not active:  # nothing to follow until the next start
+                while positions and positions[-1] < i:
+                    positions.pop()
+                if not positions:
+                    break
+                i = positions[-1]
+            held = holders.get(keys[i])
+            held = 0 if held is None else 1 << held if held >= 0 else ~held
+            still = active & held
+            if still != active:
+                for slot in _slots(active ^ still):  # a slot's run is set once, when it ends
+                    runs[slot] = i - start_of.get(slot, 0)
+            active = still | joining.get(i, 0) & held
+            i += 1
+        for slot in _slots(active):
+            runs[slot] = n - start_of.get(slot, 0)
+        return {self._names[slot]: run for slot, run in runs.items()}
 
     def match_weighted(self, block_hashes: Sequence[bytes], tier_weight: float,
                        store_weight: float = 0.0) -> tuple[dict[str, float], float]:
@@ -175,23 +177,23 @@ class PrefixIndex:
         its local tier holds right after them, plus `store_weight` times those the shared store holds after
         both - the engine restores exactly those: kv_connector.py; what an instance absent from the dict
         holds: the store's leading blocks at `store_weight`)."""
-        pool = self.match(block_hashes)
+        keys = [block_key(h) for h in block_hashes]
+        pool = self.runs(keys, {})
         reach: dict[str, int] = dict(pool)  # leading blocks in pool or tier
         held: dict[str, float] = {name: float(n) for name, n in pool.items()}
         if self.tier is not None and tier_weight > 0:
-            for name, n in self.tier.match(block_hashes).items():
-                if name not in pool:
-                    held[name], reach[name] = tier_weight * n, n
-            for name, n in self.tier.runs_from(block_hashes, pool).items():
-                held[name] += tier_weight * n
-                reach[name] += n
+            # One walk: the tier's run after the pool's for an instance the pool holds some of, from the
+            # first block for the others.
+            for name, n in self.tier.runs(keys, pool).items():
+                held[name] = held.get(name, 0.0) + tier_weight * n
+                reach[name] = reach.get(name, 0) + n
         if self.store is None or store_weight <= 0:
             return held, 0.0
         for start, names in _by_start(reach).items():
-            more = self.store.match(block_hashes[start:]).get(STORE, 0) if start < len(block_hashes) else 0
+            more = self.store.runs(keys, {STORE: start}).get(STORE, 0)
             for name in names:
                 held[name] += store_weight * more
-        return held, store_weight * self.store.match(block_hashes).get(STORE, 0)
+        return held, store_weight * self.store.runs(keys, {}).get(STORE, 0)
 
     def blocks_per_instance(self) -> dict[str, int]:
         return {name: len(holdings.keys) for name, holdings in self._instances.items()}
@@ -201,10 +203,10 @@ class PrefixIndex:
         return len(holdings.keys) if holdings else 0
 
     def memory_bytes(self) -> int:
-        """An estimate of what the index takes (keys, maps and shared-holder sets)."""
+        """An estimate of what the index takes (keys, maps and the masks of shared blocks)."""
         total = sys.getsizeof(self._holders)
         for key, held in self._holders.items():
-            total += sys.getsizeof(key) + (sys.getsizeof(held) if isinstance(held, set) else 0)
+            total += sys.getsizeof(key) + (sys.getsizeof(held) if held < 0 else 0)
         for holdings in self._instances.values():
             total += sys.getsizeof(holdings.keys)  # its int keys are the ones counted above
         return total + sum(part.memory_bytes() for part in (self.tier, self.store) if part is not None)
@@ -223,12 +225,7 @@ class PrefixIndex:
             return
         holdings.keys[key] = None
         held = self._holders.get(key)
-        if held is None:
-            self._holders[key] = holdings.slot
-        elif isinstance(held, int):
-            self._holders[key] = {held, holdings.slot}
-        else:
-            held.add(holdings.slot)
+        self._holders[key] = holdings.slot if held is None else ~(_mask(held) | 1 << holdings.slot)
         if len(holdings.keys) > self.max_blocks_per_instance:
             self._remove(holdings, next(iter(holdings.keys)))
 
@@ -237,12 +234,11 @@ class PrefixIndex:
             return  # not held (its store event was lost, or it was forgotten for the bound)
         del holdings.keys[key]
         held = self._holders[key]
-        if isinstance(held, int):
+        if held >= 0:
             del self._holders[key]
             return
-        held.discard(holdings.slot)
-        if len(held) == 1:
-            self._holders[key] = next(iter(held))
+        rest = ~held & ~(1 << holdings.slot)
+        self._holders[key] = rest.bit_length() - 1 if rest & (rest - 1) == 0 else ~rest  # one left: its slot
 
     def _clear(self, holdings: _Holdings) -> None:
         for key in list(holdings.keys):
