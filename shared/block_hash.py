@@ -52,15 +52,19 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
     start, end = len(hashes), len(token_ids) // block_size
     if start >= end:
         return hashes
-    # One conversion for every new block (what hash_block does per block, without a copy per block).
-    raw = memoryview(array("q", token_ids[start * block_size:end * block_size]).tobytes())
+    # One conversion for every new block (what hash_block does per block, without one per block).
+    raw = array("q", token_ids[start * block_size:end * block_size]).tobytes()
     step = block_size * 8
     parent = hashes[-1] if hashes else b"\0" * 16
+    blake2b = hashlib.blake2b
+    if not (images or cache_salt or lora_key):  # the common case in one call per block: the router's hot path
+        for offset in range(0, len(raw), step):
+            parent = blake2b(parent + raw[offset:offset + step], digest_size=16).digest()
+            hashes.append(parent)
+        return hashes
     for i in range(start, end):
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(raw[(i - start) * step:(i - start + 1) * step])
-        for key in block_extra_keys(i, block_size, images, cache_salt, lora_key) \
-                if images or cache_salt or lora_key else ():
+        h = blake2b(parent + raw[(i - start) * step:(i - start + 1) * step], digest_size=16)
+        for key in block_extra_keys(i, block_size, images, cache_salt, lora_key):
             h.update(b"\x1f" + key.encode())
         parent = h.digest()
         hashes.append(parent)

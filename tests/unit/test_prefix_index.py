@@ -94,3 +94,8 @@ def test_extending_hashes_chains_block_by_block_however_it_is_split():
     part = extend_block_hashes([], tokens[:21], 8, images, "salt")
     assert extend_block_hashes(part, tokens, 8, images, "salt") == expected
     assert expected != extend_block_hashes([], tokens, 8)  # the image and the salt are in the hashes
+    plain = []
+    for i in range(len(tokens) // 8):
+        plain.append(hash_block(plain[-1] if plain else None, tokens[i * 8:(i + 1) * 8]))
+    assert extend_block_hashes([], tokens, 8) == plain
+    assert extend_block_hashes(extend_block_hashes([], tokens[:21], 8), tokens, 8) == plain
