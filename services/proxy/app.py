@@ -378,6 +378,11 @@ async def _with_first(first: str | None, chunks: AsyncIterator[str], metrics: Pr
     except GenerationError as exc:
         yield f"data: {json.dumps(error_body(str(exc), exc.error_type, exc.status))}\n\n"
         yield "data: [DONE]\n\n"
+    except Exception as exc:  # a fault of ours: the stream still ends as the API says, not cut mid-response
+        logger.exception("a stream failed")
+        metrics.failed(500)
+        yield f"data: {json.dumps(error_body(f'internal error: {type(exc).__name__}', 'InternalServerError', 500))}\n\n"
+        yield "data: [DONE]\n\n"
     finally:
         await chunks.aclose()  # a client that went away aborts the request everywhere
 

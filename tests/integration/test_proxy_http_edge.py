@@ -1,6 +1,7 @@
 """The proxy's HTTP edge served over real HTTP: the OpenAPI schema it publishes, and what a client that
 hangs up does at each stage of its request (the backend stalls on purpose, so each stage can be reached)."""
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -20,15 +21,17 @@ AUTH = {"Authorization": "Bearer secret"}
 
 
 class StallingBackend:
-    """Streams `chunks_before_stall` one-token chunks, then nothing until the request is aborted."""
+    """Streams `chunks_before_stall` one-token chunks, then nothing until the request is aborted (or, with
+    `fail`, raises an unexpected error: a fault of the proxy's own)."""
 
     def __init__(self) -> None:
         self.chunks_before_stall = 0
+        self.fail = False
         self.started = threading.Event()
         self.aborted = threading.Event()
 
-    def reset(self, chunks_before_stall: int) -> None:
-        self.chunks_before_stall = chunks_before_stall
+    def reset(self, chunks_before_stall: int, fail: bool = False) -> None:
+        self.chunks_before_stall, self.fail = chunks_before_stall, fail
         self.started.clear()
         self.aborted.clear()
 
@@ -37,6 +40,8 @@ class StallingBackend:
         try:
             for _ in range(self.chunks_before_stall):
                 yield Chunk([42], [], num_cached_tokens=0)
+            if self.fail:
+                raise RuntimeError("a bug")
             await asyncio.sleep(3600)
         finally:
             self.aborted.set()
@@ -98,6 +103,19 @@ def test_a_client_that_hangs_up_aborts_its_request_and_is_counted(server, stream
     while client_disconnect_aborts(url) != before + 1:
         assert time.monotonic() < deadline, "the abort was not counted"
         time.sleep(0.05)
+
+
+def test_an_unexpected_error_mid_stream_ends_it_with_an_error_event(server):
+    url, backend = server
+    backend.reset(chunks_before_stall=2, fail=True)
+    with httpx.stream("POST", url + "/v1/completions", headers=AUTH, timeout=30,
+                      json={"model": "tiny", "prompt": "hi", "max_tokens": 8, "stream": True}) as response:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 500 and error["type"] == "InternalServerError" and "RuntimeError" in error["message"]
+    assert all("choices" in json.loads(e) for e in events[:-2])
 
 
 def test_openapi_schema_documents_400_and_needs_the_key(server):
