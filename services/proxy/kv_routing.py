@@ -18,6 +18,7 @@ prefill and the transfer (`local_prefill_tokens`).
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -94,6 +95,19 @@ def pick(candidates: Sequence[C], cached_blocks: dict[str, float], prompt_blocks
     return best, cached_blocks.get(best.address, elsewhere)
 
 
-def rendezvous(key: bytes, address: str) -> bytes:
-    """The instance's score for `key` in rendezvous (highest random weight) hashing."""
-    return hashlib.blake2b(key + address.encode(), digest_size=8).digest()
+def rendezvous(key: bytes, address: str) -> int:
+    """The instance's score for `key` in rendezvous (highest random weight) hashing: the key's and the
+    address's digests, each taken once (a decision may break a tie among hundreds of instances), mixed by
+    splitmix64's finalizer so that each key orders the instances its own way. The same in every proxy."""
+    z = _digest(key) ^ _digest(address.encode())
+    z = (z ^ z >> 30) * 0xBF58476D1CE4E5B9 & _WORD
+    z = (z ^ z >> 27) * 0x94D049BB133111EB & _WORD
+    return z ^ z >> 31
+
+
+_WORD = (1 << 64) - 1
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _digest(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")

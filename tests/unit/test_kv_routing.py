@@ -33,6 +33,19 @@ def test_ties_go_by_the_prompt_head_so_distinct_prompts_spread_and_equal_ones_me
     assert all(c is again[0] for c in again)
 
 
+def test_rendezvous_spreads_keys_evenly_over_a_large_fleet():
+    fleet = [f"tcp://10.0.{i // 250}.{i % 250}:7000" for i in range(50)]
+    wins = {a: 0 for a in fleet}
+    for i in range(5000):
+        wins[max(fleet, key=lambda a: rendezvous(f"prompt {i}".encode(), a))] += 1
+    assert 50 <= min(wins.values()) and max(wins.values()) <= 150  # 100 each on average
+    # Removing an instance moves only the keys it won.
+    rest = fleet[1:]
+    assert all(max(rest, key=lambda a: rendezvous(f"prompt {i}".encode(), a))
+               == max(fleet, key=lambda a: rendezvous(f"prompt {i}".encode(), a))
+               for i in range(500) if max(fleet, key=lambda a: rendezvous(f"prompt {i}".encode(), a)) != fleet[0])
+
+
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12), st.sampled_from([None, 0, 2, 5, 8]),
                           st.booleans()), min_size=1, max_size=12),
        st.integers(0, 8), st.sampled_from([0.0, 0.25, 1.0]), st.sampled_from([0.0, 1.5]), st.binary(max_size=4))
