@@ -76,19 +76,27 @@ class Stack:
         except RuntimeError:
             self.stop()
             raise
-        self.services = {pid: role for pid in children(self.proc.pid) if (role := role_of(pid))}
+        self.find_services()
         for pid, role in sorted(self.services.items(), key=lambda kv: ROLES.index(kv[1])):
             cpus = self.cpus.get(role)
             if cpus:  # -a: every thread the service already has; later threads inherit it
                 subprocess.run(["taskset", "-a", "-p", "-c", cpus, str(pid)], check=True, capture_output=True)
             self.pinning[f"{role} (pid {pid})"] = _affinity(pid)
 
+    def find_services(self) -> dict[int, str]:
+        """The launcher's services as they are now (it restarts one that died, under a new pid)."""
+        self.services = {pid: role for pid in children(self.proc.pid) if (role := role_of(pid))}
+        return self.services
+
     def http_ports(self) -> dict[str, int]:
         """role-index -> management port of each engine service (prefill-0, decode-0, ...)."""
         out = {}
-        for pid, role in sorted(self.services.items()):
+        for pid, role in sorted(self.find_services().items()):
             if role in ("prefill", "decode", "unified"):
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+                except OSError:  # it died since
+                    continue
                 name = argv[argv.index("--engine-id") + 1] if "--engine-id" in argv else role
                 out[name] = int(argv[argv.index("--http-port") + 1])
         return out
