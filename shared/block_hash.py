@@ -52,19 +52,14 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
     start, end = len(hashes), len(token_ids) // block_size
     if start >= end:
         return hashes
-    # One conversion for every new block (what hash_block does per block, without one per block).
+    # One conversion for every new block (what hash_block does per block), then one hash call per block.
     raw = array("q", token_ids[start * block_size:end * block_size]).tobytes()
     step = block_size * 8
     parent = hashes[-1] if hashes else b"\0" * 16
-    blake2b = hashlib.blake2b
-    if not (images or cache_salt or lora_key):  # the common case in one call per block: the router's hot path
-        for offset in range(0, len(raw), step):
-            parent = blake2b(parent + raw[offset:offset + step], digest_size=16).digest()
-            hashes.append(parent)
-        return hashes
-    for i in range(start, end):
-        h = blake2b(parent + raw[(i - start) * step:(i - start + 1) * step], digest_size=16)
-        for key in block_extra_keys(i, block_size, images, cache_salt, lora_key):
+    extra = bool(images or cache_salt or lora_key)
+    for i, offset in enumerate(range(0, len(raw), step), start):
+        h = hashlib.blake2b(parent + raw[offset:offset + step], digest_size=16)
+        for key in block_extra_keys(i, block_size, images, cache_salt, lora_key) if extra else ():
             h.update(b"\x1f" + key.encode())
         parent = h.digest()
         hashes.append(parent)
