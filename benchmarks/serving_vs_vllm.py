@@ -60,7 +60,7 @@ def make_server(name: str, args: argparse.Namespace, log_dir: Path):
         return VllmServer(args.model, args.served_name, args.cpus, log_dir)
     # Every server answers to the one name the clients send; with --profile a mixture of experts' sparse MLPs
     # are timed by part too (nothing for a dense model).
-    named = ["--served-model-name", args.served_name]
+    named = ["--served-model-name", args.served_name, *shlex.split(args.up_args)]
     engine_args = shlex.split(args.engine_args) + (["--profile-moe"] if args.profile else [])
     if name == "unified":
         return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", str(len(cpus)), *named],
@@ -318,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-args", default="", metavar="ARGS",
                    help="options for every epdserve engine (unified, prefill, decode), e.g. "
                         "\"--budget-policy shared\" for vLLM's step budget")
+    p.add_argument("--up-args", default="", metavar="ARGS",
+                   help="options for every `epdserve up`, e.g. \"--max-prefill-queue-tokens 0\" to keep every "
+                        "prompt on prefill")
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
     args.model = args.model or default_model()

@@ -206,8 +206,9 @@ def proxy_config(args: argparse.Namespace, model: str):
     from epdserve.services.proxy.output_constraints import ConstraintLimits
     from epdserve.services.proxy.server import ProxyConfig
 
-    if args.migration_limit < 0:
-        raise SystemExit(f"epdserve: error: --migration-limit must be at least 0, got {args.migration_limit}")
+    for flag in ("migration_limit", "max_prefill_queue_tokens"):
+        if getattr(args, flag) < 0:
+            raise SystemExit(f"epdserve: error: --{flag.replace('_', '-')} must be at least 0, got {getattr(args, flag)}")
     transport = transport_config(args)
     return ProxyConfig(
         model=model, served_model_name=args.served_model_name, host=args.host, port=args.port,
@@ -215,6 +216,7 @@ def proxy_config(args: argparse.Namespace, model: str):
         encoders=_peer_targets(args, "encoder"), prefills=_peer_targets(args, "prefill"),
         decodes=_peer_targets(args, "decode"), unified=_peer_targets(args, "unified"), poll_interval=args.poll_interval,
         lifecycle=LifecycleConfig(local_prefill_threshold=args.local_prefill_threshold,
+                                  max_prefill_queue_tokens=args.max_prefill_queue_tokens,
                                   rpc_timeout=transport.rpc_timeout, prefill_timeout=args.prefill_timeout,
                                   token_timeout=args.token_timeout, migration_limit=args.migration_limit,
                                   kv_routing=KVRoutingConfig(RoutingPolicy(args.routing_policy), args.kv_load_weight,
@@ -334,7 +336,8 @@ def stack_config(args: argparse.Namespace, model: str):
     for flag, value, least in (("--port", args.port, 1), ("--prefills", args.prefills, 0),
                                ("--decodes", args.decodes, 0), ("--encoders", args.encoders, 0),
                                ("--threads", args.threads, 1), ("--drain-timeout", args.drain_timeout, 0),
-                               ("--migration-limit", args.migration_limit, 0)):
+                               ("--migration-limit", args.migration_limit, 0),
+                               ("--max-prefill-queue-tokens", args.max_prefill_queue_tokens, 0)):
         if value is not None and value < least:
             raise SystemExit(f"epdserve: error: {flag} must be at least {least}, got {value}")
     if args.port > 65535:
@@ -375,7 +378,7 @@ def stack_config(args: argparse.Namespace, model: str):
                        args.routing_policy, args.kv_transport, args.ucx_net_devices, args.otlp_traces_endpoint,
                        args.request_trace, args.served_model_name, args.internal_ports, args.migration_limit,
                        args.speculative_config, args.kv_store, lora_args(args),
-                       args.enable_lora_runtime_updates)
+                       args.enable_lora_runtime_updates, args.max_prefill_queue_tokens)
 
 
 def lora_args(args: argparse.Namespace) -> tuple[str, ...]:

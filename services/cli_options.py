@@ -248,6 +248,10 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                        help=f"{name} control address(es); repeat or comma-separate; DNS names are re-resolved")
     p.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts shorter than this many tokens are prefilled by decode itself")
+    p.add_argument("--max-prefill-queue-tokens", type=int, default=1024,
+                   help="a prompt of at most this many tokens is prefilled by a decode while every prefill "
+                        "instance has at least this many prompt tokens queued and the decode fewer (a burst "
+                        "shared by both roles; 0: never; default: %(default)s)")
     p.add_argument("--routing-policy", choices=[policy.value for policy in RoutingPolicy], default="kv",
                    help="kv: prefill and decode chosen by the prompt blocks each caches (the engines' KV "
                         "events) weighed against load; load: prefill by a hash of the prompt's head, "
@@ -344,6 +348,9 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
     up.add_argument("--migration-limit", type=int, default=3, metavar="N",
                     help="times the proxy may continue one request's stream on another decode after its own was "
                          "lost; 0: never (default: %(default)s)")
+    up.add_argument("--max-prefill-queue-tokens", type=int, default=1024, metavar="TOKENS",
+                    help="prompts of at most this many tokens are prefilled by a decode while every prefill has "
+                         "as many queued and the decode fewer; 0: never (default: %(default)s)")
     up.add_argument("--kv-store", type=float, nargs="?", const=1.0, metavar="GiB",
                     help="start a shared KV store (epdserve serve kvstore) of this many GiB (1 if none given) that "
                          "every engine puts the blocks it evicts or finishes to and gets missing ones from")

@@ -153,6 +153,7 @@ class StackConfig:
     # LoRA options of every engine (--enable-lora, --max-loras, ...); --lora-modules of them go to the proxy too.
     lora_args: tuple[str, ...] = ()
     enable_lora_runtime_updates: bool = False  # the proxy's
+    max_prefill_queue_tokens: int = 1024  # the proxy's --max-prefill-queue-tokens
 
     @property
     def model_name(self) -> str:
@@ -218,6 +219,7 @@ class LocalStack:
             targets[role].append(f"127.0.0.1:{listen[listen.index('--port') + 1]}")
         proxy = [*base, "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port), *ports("proxy"), *name,
                  *drain, "--routing-policy", c.routing_policy, "--migration-limit", str(c.migration_limit),
+                 "--max-prefill-queue-tokens", str(c.max_prefill_queue_tokens),
                  *engine_args[len(c.engine_args):]]  # the store, if up started one
         if c.otlp_traces_endpoint:
             proxy += ["--otlp-traces-endpoint", c.otlp_traces_endpoint]

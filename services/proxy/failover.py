@@ -126,14 +126,15 @@ class Failover:
         self.liveness_check = liveness_check  # seconds between two liveness checks of a waiting call
 
     async def call(self, role: Role, route: Route, message: Message, timeout: float,
-                   expect: type) -> tuple[Instance, Any]:
+                   expect: type, prompt_tokens: int = 0) -> tuple[Instance, Any]:
         """(the instance that answered `message` with an `expect`, its answer), instances chosen by
-        `route`. The instance counts the call in its load while working on it."""
+        `route`. The instance counts the call in its load while working on it, and `prompt_tokens` (what
+        the call asks it to prefill) in its prompt queue."""
         last: Exception | None = None
         retry_after: float | None = None  # the soonest any instance that refused for load may take it
         for attempt, instance in self._candidates(role, route):
             try:
-                return instance, await self._attempt(instance, message, timeout, expect)
+                return instance, await self._attempt(instance, message, timeout, expect, prompt_tokens)
             except LimitExceeded as exc:  # the request itself: no instance would take it
                 raise GenerationError(f"the request is too large to forward: {exc}", 400, "BadRequestError") from None
             except (ChannelError, TimeoutError) as exc:
@@ -164,8 +165,9 @@ class Failover:
             tried.append(instance)
             yield attempt, instance
 
-    async def _attempt(self, instance: Instance, message: Message, timeout: float, expect: type) -> Any:
-        instance.start()
+    async def _attempt(self, instance: Instance, message: Message, timeout: float, expect: type,
+                       prompt_tokens: int) -> Any:
+        instance.start(prompt_tokens)
         try:
             call = instance.client.request(message, timeout=timeout, expect=expect)
             return await watched(call, Liveness(instance, self.cut), self.liveness_check)
@@ -173,7 +175,7 @@ class Failover:
             self._abort_accepted(instance, message)
             raise
         finally:
-            instance.end()
+            instance.end(prompt_tokens)
 
     def _abort_accepted(self, instance: Instance, message: Message) -> None:
         # Encoders keep nothing per request: an encode that was accepted just fills their cache.

@@ -54,6 +54,7 @@ from epdserve.services.proxy import kv_routing
 from epdserve.services.proxy.generation import Chunk, GenerateInput, GenerationError
 from epdserve.services.proxy.kv_routing import KVRoutingConfig, RoutingPolicy
 from epdserve.services.proxy.migration import Progress, StreamLost
+from epdserve.services.proxy.prefill_queue import prefill_on_decode
 from epdserve.services.proxy.router import Instance, Route, Router, prefix_key
 from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error, ErrorCode,
                                       GenerateRequest, Message, MMItem, MMPlaceholder, PrefillDone, PrefillRequest,
@@ -71,6 +72,9 @@ logger = logging.getLogger(__name__)
 class LifecycleConfig:
     # Prompts with fewer tokens than this are prefilled by decode itself (0: always disaggregate).
     local_prefill_threshold: int = 0
+    # Prompts of at most this many tokens are prefilled by a decode while every prefill has as many queued and
+    # the decode fewer (prefill_queue.py; 0: never).
+    max_prefill_queue_tokens: int = 1024
     max_attempts: int = 3  # instances tried for one step before giving up
     rpc_timeout: float = 30.0  # a control request (encode, accept a decode...)
     prefill_timeout: float = 600.0  # a whole prefill (long prompts on CPU take a while)
@@ -233,7 +237,8 @@ class ServiceBackend:
                          lost_at: float) -> AsyncIterator[Chunk]:
         """Sequence `index` of a request, continued by `request`: its chunks as the original stream's."""
         first = True
-        async for chunk in self._stream_from(role, request, route):
+        async for chunk in self._stream_from(role, request, route, len(request.prompt_token_ids)
+                                             + len(request.output_token_ids)):
             trace = (TraceSpan(span, self.engine_id, lost_at, time.time()), *chunk.trace) if first else chunk.trace
             first = False
             yield chunk._replace(index=index, num_cached_tokens=None, prompt_logprobs=None, trace=trace)
@@ -259,14 +264,18 @@ class ServiceBackend:
             return _Plan("unified", reason if route.cached is not None else "prefix_affinity", affinity, affinity)
         if len(prompt) < self.config.local_prefill_threshold:
             return _Plan("decode_only", "short_prompt", route, affinity)
-        if not self.router.pool(Role.PREFILL).healthy():
+        prefills = self.router.pool(Role.PREFILL).healthy()
+        if not prefills:
             return _Plan("decode_only", "no_prefill", route, affinity)
+        decodes = self.router.pool(Role.DECODE).healthy()
         if route.cached:
-            decodes = self.router.pool(Role.DECODE).healthy()
             _, held = kv_routing.pick(decodes, route.cached, route.prompt_blocks, route.load_weight, route.key,
                                       route.elsewhere)
             if held and len(prompt) - held * index.block_size <= kv.local_prefill_tokens:
                 return _Plan("decode_only", "decode_holds_prefix", route, affinity)
+        if prefill_on_decode(len(prompt), (p.queued_prompt_tokens for p in prefills),
+                             (d.queued_prompt_tokens for d in decodes), self.config.max_prefill_queue_tokens):
+            return _Plan("decode_only", "prefill_queue", route, affinity)
         return _Plan("prefill_decode", reason, route, affinity)
 
     async def _encode(self, gen: GenerateInput, spans: list[TraceSpan]) -> tuple[MMPlaceholder, ...]:
@@ -293,7 +302,7 @@ class ServiceBackend:
             Role.PREFILL, plan.prefill_route,
             PrefillRequest(gen.request_id, tuple(gen.prompt_token_ids), wire, placeholders, gen.cache_salt,
                            mrope_positions_to_wire(gen.mrope_positions), gen.lora),
-            self.config.prefill_timeout, PrefillDone)
+            self.config.prefill_timeout, PrefillDone, len(gen.prompt_token_ids))
         first = Chunk([done.first_token], [done.first_logprobs] if done.first_logprobs else [],
                       done.finish_reason.value if done.finish_reason else None, None, done.num_cached_tokens,
                       list(done.prompt_logprobs) if done.prompt_logprobs else None,
@@ -329,7 +338,7 @@ class ServiceBackend:
         request = GenerateRequest(gen.request_id, tuple(gen.prompt_token_ids), sampling_params_to_wire(gen.params),
                                   self.reply_to, placeholders, gen.cache_salt,
                                   mrope_positions=mrope_positions_to_wire(gen.mrope_positions), lora=gen.lora)
-        async for chunk in self._stream_from(role, request, route):
+        async for chunk in self._stream_from(role, request, route, len(request.prompt_token_ids)):
             yield chunk
 
     async def broadcast(self, message: Message) -> list[tuple[str, str | None]]:
@@ -350,9 +359,10 @@ class ServiceBackend:
 
         return list(await asyncio.gather(*(one(i) for i in instances)))
 
-    async def _stream_from(self, role: Role, request, route: Route) -> AsyncIterator[Chunk]:
+    async def _stream_from(self, role: Role, request, route: Route, prompt_tokens: int = 0) -> AsyncIterator[Chunk]:
         """Send `request` to an instance of `role` that accepts it, then yield what it pushes back, until
-        every one of its sequences (n) has finished."""
+        every one of its sequences (n) has finished. `prompt_tokens`: what the instance prefills for it, in
+        its prompt queue until the first message back."""
         rid = request.request_id
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
@@ -360,9 +370,9 @@ class ServiceBackend:
         finished = False
         unfinished = set(range(request.sampling_params.n))
         try:
-            instance, _ = await self._failover.call(role, route, request, self.config.rpc_timeout, Ack)
+            instance, _ = await self._failover.call(role, route, request, self.config.rpc_timeout, Ack, prompt_tokens)
             # Counted again at once: no other routing decision happens in between.
-            instance.start()
+            instance.start(prompt_tokens)
             liveness = Liveness(instance, self._check_cut)
             owner = instance.status.engine_id if instance.status is not None else None
             stale: set[str] = set()
@@ -378,6 +388,9 @@ class ServiceBackend:
                         stale.add(sender)
                         self._abort_soon(self.router.find(sender), rid)
                     continue
+                if prompt_tokens:
+                    instance.prefilled(prompt_tokens)
+                    prompt_tokens = 0
                 if isinstance(message, Error):
                     if message.code == ErrorCode.ABORTED:  # stopped by its instance, which is going away
                         raise StreamLost(f"{role.value} {instance.address}: {message.message}", "drained", 503,
@@ -394,7 +407,7 @@ class ServiceBackend:
         finally:
             self._streams.pop(rid, None)
             if instance is not None:
-                instance.end()
+                instance.end(prompt_tokens)
                 if not finished:
                     self._abort_soon(instance, rid)
 

@@ -55,14 +55,24 @@ class Instance:
     # Requests this proxy has sent and not seen finish: load the status poll has not reported yet. Changed
     # only by `start` and `end`, by whoever sends the instance work.
     inflight: int = 0
+    # Prompt tokens this proxy has sent the instance to compute and has no first token for yet: its prefill
+    # queue as this proxy sees it (prefill_queue.py). Changed only by `start`, `prefilled` and `end`.
+    queued_prompt_tokens: int = 0
     disconnects_seen: int = 0  # the client's disconnect count at the last answered poll
 
-    def start(self) -> None:
-        """A call or stream of this proxy's is now with the instance."""
+    def start(self, prompt_tokens: int = 0) -> None:
+        """A call or stream of this proxy's is now with the instance (with `prompt_tokens` to prefill)."""
         self.inflight += 1
+        self.queued_prompt_tokens += prompt_tokens
 
-    def end(self) -> None:
+    def prefilled(self, prompt_tokens: int) -> None:
+        """The first token of a stream's prompt of `prompt_tokens` arrived: no longer queued here."""
+        self.queued_prompt_tokens -= prompt_tokens
+
+    def end(self, prompt_tokens: int = 0) -> None:
+        """The call or stream ended, with `prompt_tokens` of its prompt still queued here."""
         self.inflight -= 1
+        self.queued_prompt_tokens -= prompt_tokens
 
     @property
     def load(self) -> int:

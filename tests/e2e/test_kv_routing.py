@@ -3,15 +3,19 @@
 The engines report what their prefix caches hold (KV events); the proxy's router indexes it. A follow-up
 turn then goes to the decode that served the turn before, which pulls only the blocks it lacks; a
 follow-up it holds all but a few tokens of is prefilled there, with no prefill and no transfer; a
-decode that dies leaves the index.
+burst that backs up the prefill is shared with the decodes; a decode that dies leaves the index.
 """
+import concurrent.futures
 import time
 
 import httpx
 import openai
 import pytest
+import torch
+import transformers
 
 BLOCK_SIZE = 16
+PREFILL_QUEUE_TOKENS = 64
 ENGINE_ARGS = ["--num-kv-blocks", "512", "--block-size", str(BLOCK_SIZE)]
 
 
@@ -63,8 +67,10 @@ def wait_for_index(stack, predicate, timeout=15.0):
 def stack(stack_factory, tiny_model_paths):
     # Local prefill only for follow-ups missing at most 2 blocks, so the second turn below still
     # goes through prefill and shows what decode pulls.
+    # A prefill queue of 64 prompt tokens sends prompts of at most 64 to decodes, which the burst below fills.
     return stack_factory(tiny_model_paths["llama"], prefills=1, decodes=2, engine_args=ENGINE_ARGS,
-                         proxy_args=["--kv-local-prefill-tokens", str(2 * BLOCK_SIZE)])
+                         proxy_args=["--kv-local-prefill-tokens", str(2 * BLOCK_SIZE),
+                                     "--max-prefill-queue-tokens", str(PREFILL_QUEUE_TOKENS)])
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +121,29 @@ def test_a_follow_up_held_but_for_a_few_tokens_is_prefilled_by_that_decode(stack
     complete(client, turn1 + reply + [9, 8, 7, 6, 5], 4)
     assert routed(stack, "decode_only", "decode_holds_prefix") == local + 1
     assert served(prefill) == prefilled  # no prefill, no transfer
+
+
+def test_a_burst_the_prefill_cannot_keep_up_with_is_shared_with_the_decodes_token_exact(
+        stack, client, tiny_model_paths, hf_greedy, near_tie_check):
+    prompts = [[(17 * i + 3 * j) % 300 + 5 for j in range(40)] for i in range(32)]
+    local = routed(stack, "decode_only", "prefill_queue")
+    disaggregated = routed(stack, "prefill_decode", "no_cached_prefix")
+
+    def greedy(prompt):
+        out = client.completions.create(model="demo", prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                        extra_body={"return_tokens_as_token_ids": True})
+        return [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        replies = list(pool.map(greedy, prompts))
+    # Both paths served the burst: the first prompts queued at the prefill, later ones went to decodes once
+    # it held PREFILL_QUEUE_TOKENS (the proxy decides as each arrives, from what it has sent).
+    on_decodes = routed(stack, "decode_only", "prefill_queue") - local
+    assert on_decodes >= 1 and routed(stack, "prefill_decode", "no_cached_prefix") - disaggregated >= 2
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_paths["llama"], torch_dtype=torch.float32)
+    for i, (prompt, reply) in enumerate(zip(prompts, replies)):
+        reference, logits = hf_greedy(model, prompt, 8)
+        near_tie_check(f"burst prompt {i}", reply, reference, logits)
 
 
 def test_a_dead_decode_leaves_the_index_and_a_restarted_one_is_indexed_afresh(stack, client):
