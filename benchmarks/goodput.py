@@ -51,6 +51,7 @@ import asyncio
 import json
 import math
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -159,13 +160,14 @@ async def run_workload(url: str, items: list[Item], temperature: float | None) -
 # -- the servers --------------------------------------------------------------------------------------------------
 def make_server(name: str, args: argparse.Namespace, log_dir: Path):
     cpus = cpu_list(args.cpus)
+    up_args = shlex.split(args.up_args)
     if name == "vllm":
         return VllmServer(args.model, Path(args.model).name, args.cpus, log_dir, kv_cache_gb=args.kv_cache_gb)
     engine = ["--kv-cache-memory", str(args.kv_cache_gb)]
     if name == "unified":
-        return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", str(len(cpus))], engine,
-                     {"unified": args.cpus, "proxy": args.cpus}, log_dir)
-    return Stack(name, args.model, ["--encoders", "0", "--threads", "1"], engine,
+        return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", str(len(cpus)), *up_args],
+                     engine, {"unified": args.cpus, "proxy": args.cpus}, log_dir)
+    return Stack(name, args.model, ["--encoders", "0", "--threads", "1", *up_args], engine,
                  {"prefill": cpus[0], "decode": cpus[-1], "proxy": args.cpus}, log_dir)
 
 
@@ -260,6 +262,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rescore", type=Path, metavar="JSON",
                    help="score the requests of a past run under the SLOs given here; serves nothing, prints the "
                         "tables, writes them only to --out-dir")
+    p.add_argument("--up-args", default="", metavar="ARGS",
+                   help="options for every `epdserve up`, e.g. \"--max-prefill-queue-tokens 0\"")
     p.add_argument("--out-dir", type=Path)
     args = p.parse_args(argv)
     if args.quick:
@@ -309,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.long_prompt[1]} and {args.output_len[1]} output tokens is {longest}")
     report = {
         "benchmark": "goodput",
-        "command": "benchmarks/goodput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "benchmarks/goodput.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.now().isoformat(timespec="seconds"), "machine": machine(),
         "config": {"model": Path(args.model).name, "cpus": args.cpus, "rates": args.rates, "repeats": args.repeats,
                    "num_requests": args.num_requests, "num_long": num_long(args), "short_prompt": args.short_prompt,

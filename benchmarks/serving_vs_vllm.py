@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     servers = args.servers.split(",")
     if unknown := set(servers) - set(SERVERS):
         raise SystemExit(f"--servers: unknown {sorted(unknown)}")
-    report = {"command": "benchmarks/serving_vs_vllm.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    report = {"command": "benchmarks/serving_vs_vllm.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
               "date": datetime.now().isoformat(timespec="seconds"),
               "machine": machine(),
               "servers": {}}

@@ -12,7 +12,7 @@ tracing.py). See services/service_metrics.py for the engines' series.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
@@ -139,6 +139,10 @@ class ProxyMetrics:
         """Export what the KV-aware router knows: blocks indexed per instance, resyncs, memory."""
         self.registry.register(_PrefixIndexCollector(self.model_name, index))
 
+    def watch_prompt_queues(self, instances: Callable[[], Iterable]) -> None:
+        """Export each instance's prompt queue as this proxy sees it (router.Instance.queued_prompt_tokens)."""
+        self.registry.register(_PromptQueueCollector(self.model_name, instances))
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
@@ -158,6 +162,19 @@ class _PrefixIndexCollector:
                                       labels=["model_name"])
         resyncs.add_metric([self.model_name], self.index.num_resyncs)
         yield resyncs
+
+
+class _PromptQueueCollector:
+    def __init__(self, model_name: str, instances: Callable[[], Iterable]) -> None:
+        self.model_name, self.instances = model_name, instances
+
+    def collect(self):
+        queued = GaugeMetricFamily("epdserve:queued_prompt_tokens", "Prompt tokens this proxy has sent each "
+                                   "instance to prefill and has no first token for.",
+                                   labels=["model_name", "role", "instance"])
+        for instance in self.instances():
+            queued.add_metric([self.model_name, instance.role.value, instance.address], instance.queued_prompt_tokens)
+        yield queued
 
 
 class _ReadAtScrape:

@@ -130,6 +130,8 @@ async def build_proxy(config: ProxyConfig):
     metrics = ProxyMetrics(config.model_name, rejected_frames=lambda: inbox.num_rejected)
     if index is not None:
         metrics.watch_prefix_index(index)
+    metrics.watch_prompt_queues(lambda: [i for role in (Role.PREFILL, Role.DECODE, Role.UNIFIED)
+                                         for i in tuple(pools[role].instances.values())])
     backend = ServiceBackend(router, inbox, config.lifecycle, config.host, config.advertise_host, metrics.routed,
                              engine_id, metrics.migrated, metrics.reencoded)
     export = OTelExport.otlp(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None

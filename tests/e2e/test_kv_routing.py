@@ -140,6 +140,9 @@ def test_a_burst_the_prefill_cannot_keep_up_with_is_shared_with_the_decodes_toke
     # it held PREFILL_QUEUE_TOKENS (the proxy decides as each arrives, from what it has sent).
     on_decodes = routed(stack, "decode_only", "prefill_queue") - local
     assert on_decodes >= 1 and routed(stack, "prefill_decode", "no_cached_prefix") - disaggregated >= 2
+    # Every prompt's tokens left its instance's queue with its first token.
+    queued = {k: v for k, v in proxy_metrics(stack).items() if k.startswith("epdserve:queued_prompt_tokens")}
+    assert len(queued) == 3 and not any(queued.values()), queued
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_paths["llama"], torch_dtype=torch.float32)
     for i, (prompt, reply) in enumerate(zip(prompts, replies)):
         reference, logits = hf_greedy(model, prompt, 8)
