@@ -237,9 +237,11 @@ def test_reply_addresses_from_the_wire_keep_fds_bounded(tiny_model_paths, start_
 
 def test_a_killed_prefill_fails_its_waiting_streams_within_seconds(default_model_path, start_stack):
     """With the only prefill killed mid-prefill, every stream waiting on it ends (an error before any byte,
-    since nothing reached it yet) within 10 s instead of hanging."""
+    since nothing reached it yet) within 10 s instead of hanging. (Every prompt waits on the prefill: none is
+    shared with the decode, which would serve it - slowly - after the kill.)"""
     stack = start_stack(default_model_path, prefills=1, decodes=1,
-                          engine_args=["--num-kv-blocks", "1024", "--max-num-batched-tokens", "128"])
+                        engine_args=["--num-kv-blocks", "1024", "--max-num-batched-tokens", "128"],
+                        proxy_args=["--max-prefill-queue-tokens", "0"])
     prompt = "Describe the sea. " * 120  # ~600 tokens, prefilled 128 at a time, 16 of them queued
     ended: list[float] = []
 
