@@ -206,9 +206,10 @@ def proxy_config(args: argparse.Namespace, model: str):
     from epdserve.services.proxy.output_constraints import ConstraintLimits
     from epdserve.services.proxy.server import ProxyConfig
 
-    for flag in ("migration_limit", "max_prefill_queue_tokens"):
-        if getattr(args, flag) < 0:
-            raise SystemExit(f"epdserve: error: --{flag.replace('_', '-')} must be at least 0, got {getattr(args, flag)}")
+    for flag, value in (("--migration-limit", args.migration_limit),
+                        ("--max-prefill-queue-tokens", args.max_prefill_queue_tokens)):
+        if value < 0:
+            raise SystemExit(f"epdserve: error: {flag} must be at least 0, got {value}")
     transport = transport_config(args)
     return ProxyConfig(
         model=model, served_model_name=args.served_model_name, host=args.host, port=args.port,
