@@ -81,9 +81,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offloading-save-finished", action=argparse.BooleanOptionalAction, default=False,
                    help="also save finished requests' full blocks to the offload tier, not only evicted ones")
     g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024,
                    help="a step's token budget; what it counts is --budget-policy's (default: %(default)s)")
-    g.add_argument("--budget-policy", choices=BUDGET_POLICIES, default="shared",
+    g.add_argument("--budget-policy", choices=BUDGET_POLICIES, default="prompts",
                    help="prompts: the budget bounds a step's prompt (and draft) tokens, every running request's "
                         "next token rides on top, and waiting prompts are packed whole (one that does not fit "
                         "waits for the next step unless it is longer than the budget); shared: vLLM V1's, decodes "

@@ -2,14 +2,14 @@
 
 `max_num_batched_tokens` is the budget; `budget_policy` says what it bounds (SchedulerConfig):
 
-- "shared" (the default) is vLLM V1's: running requests' tokens (a decode's one, a prefill's next chunk) and waiting
-  prompts share the budget, running requests first; the waiting prompt that does not fit in what is left
-  is chunked to fill the step.
-- "prompts" bounds a step's prompt tokens and draft tokens. A decode's one token does not
+- "prompts" (the default) bounds a step's prompt tokens and draft tokens. A decode's one token does not
   count: every running request's next token rides on top, so a step computes at most the budget plus
   `max_num_seqs` tokens. Waiting prompts are packed whole: one that does not fit in what is left waits
   for the next step - unless it is longer than the whole budget, or no prompt token is computed in this
   step yet (then it is chunked, as under "shared", so nothing waits forever).
+- "shared" is vLLM V1's: running requests' tokens (a decode's one, a prefill's next chunk) and waiting
+  prompts share the budget, running requests first; the waiting prompt that does not fit in what is left
+  is chunked to fill the step.
 
 Why "prompts": on a CPU a step's time grows with its tokens (a prefill step runs the linear layers at the
 matmul peak: twice the tokens, twice the time), and a request's first token comes at the end of the step
@@ -17,9 +17,16 @@ that computes its prompt's last token. When many prompts arrive at once, the sha
 step as decodes pile up (the 64 prompts of 128 tokens at a budget of 2048: 16 prompts in the first step,
 15 in the second, the 32nd request's prompt split across the second and third), and the prompt chunked at
 a step's end delays every prompt that ends in that step by its chunk's time while ending nothing itself.
-Counting decodes apart keeps 16 prompts a step (the 32nd request's first token a step sooner); packing
-ends a step where its prompts end. Running requests still get a token every step, so no decode waits on
-the burst; the step is longer by at most one token per running request.
+Counting decodes apart keeps whole prompts in every step; packing ends a step where its prompts end; and
+the smaller default budget (1024 against vLLM's 2048) ends a step, and with it 8 first tokens, twice as
+often. Running requests still get a token every step, so no decode waits on the burst; the step is longer
+by at most one token per running request.
+
+What it trades: in a burst, a request's TTFT plus its time for the rest of its tokens is the whole burst's
+prompt work plus its own decode steps, whichever the policy. A policy only chooses whether a prompt's work
+comes before a request's first token or between its later ones: "prompts" brings the median request's
+first token sooner and puts more of the burst's prompts inside its decode (TPOT p50 up as TTFT p50 goes
+down); "shared" the other way.
 """
 from __future__ import annotations
 

@@ -424,15 +424,15 @@ def test_up_refuses_bad_lora_options(default_model_path, argv, message):
 def test_up_gives_every_engine_the_budget_policy_after_the_double_dash(default_model_path, capsys):
     from epdserve.services.cli import engine_config
 
-    for extra, policy in (([], "shared"), (["--", "--budget-policy", "prompts", "--max-num-batched-tokens", "1024"],
-                                           "prompts")):
+    for extra, policy in (([], "prompts"), (["--", "--budget-policy", "shared", "--max-num-batched-tokens", "2048"],
+                                           "shared")):
         commands = dict(LocalStack(stack_config(parse("up", *extra), str(default_model_path))).commands())
         engines = {name: argv for name, argv in commands.items() if name.startswith(("prefill", "decode"))}
         assert engines
         for argv in engines.values():
             scheduler = engine_config(parse(*argv[argv.index("serve"):]), str(default_model_path)).scheduler
             assert scheduler.budget_policy == policy
-            assert scheduler.max_num_batched_tokens == (1024 if extra else 2048)
+            assert scheduler.max_num_batched_tokens == (2048 if extra else 1024)
     with pytest.raises(SystemExit):
         parse("serve", "unified", "--budget-policy", "decode-first")
     assert "invalid choice: 'decode-first'" in capsys.readouterr().err
