@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=900)
     p.add_argument("--engine-args", default="", metavar="ARGS",
                    help="options for every epdserve engine (unified, prefill, decode), e.g. "
-                        "\"--budget-policy shared\" for vLLM's step budget")
+                        "\"--budget-policy shared --max-num-batched-tokens 2048\" for vLLM's step budget")
     p.add_argument("--up-args", default="", metavar="ARGS",
                    help="options for every `epdserve up`, e.g. \"--max-prefill-queue-tokens 0\" to keep every "
                         "prompt on prefill")
