@@ -5,7 +5,11 @@
 // heads; it attends to the first `len` tokens of its sequence (a decode: the whole context; a prefill
 // token: the causal prefix up to itself) and computes in float32: the scores, an exact two-pass softmax,
 // and the probability-weighted sum of V (normalised once, at the end). A decode's item reads its K and V
-// blocks from memory once; the items of a prefill chunk's tokens read the same blocks, from cache.
+// blocks from memory once. The consecutive tokens of a prefill chunk are taken TILE_TOKENS at a time in
+// one item, which reads each K and V block once for all of them while it is in L1: one item per token
+// streamed the whole prefix from L3 per token (a 4k-token prompt's K and V of one head are 2 MB, more than
+// L2), and ran at half the machine's speed. Each token's sums are added in the same order either way, so a
+// token's result does not depend on its tile, its batch or its chunk.
 //
 // With AVX-512 and a head size that is a multiple of 16 (float32 and bfloat16 caches), the scores of 16
 // tokens come out of one transposing reduction instead of 16 horizontal sums, the softmax runs 16 lanes
@@ -35,6 +39,10 @@ using namespace epdserve;
 // cannot guess the next one, and a decode is bound by reading K and V from memory. Into L2, not L1: a
 // block is 64 lines, more than L1 can have in flight, and asking for L1 stalled the loads (measured).
 constexpr int64_t PREFETCH_BLOCKS = 4;
+
+// A prefill chunk's consecutive tokens per work item (see the top): enough to read each K and V block once
+// for 16 x the GQA group of query rows (measured: 8 reads 4k-token prompts 4% slower, 32 gains nothing).
+constexpr int64_t TILE_TOKENS = 16;
 
 inline void prefetch(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
@@ -119,6 +127,69 @@ void attend_plain(const HeadRows<T>& keys, const HeadRows<T>& values, const floa
   }
 }
 
+// The consecutive query tokens of one work item: token j of `tokens` attends to [first, len0 + j) (one
+// token, or a run of a prefill chunk's tokens, which share a sequence and, with no sliding window, `first`).
+struct Tile {
+  const float* q;  // [tokens][group][head_size], scaled
+  float* scores;   // token j's `group` rows of ctx(j) scores, one after another, from scores_of(j)
+  int64_t tokens, group, first, len0;
+
+  int64_t len(int64_t j) const { return len0 + j; }
+  int64_t ctx(int64_t j) const { return len0 + j - first; }
+  float* scores_of(int64_t j) const { return scores + group * (j * (len0 - first) + j * (j - 1) / 2); }
+  int64_t score_count() const { return group * (tokens * (len0 - first) + tokens * (tokens - 1) / 2); }
+};
+
+// Walks the tile's K rows `lanes` tokens of a block at a time, each chunk read from memory for the first of
+// the tile's query rows and from L1 for the rest; score(rows, q of one head, head_size, n, skip, dst) writes
+// scores of the chunk's tokens [skip, n) at dst[skip..n) (dst: that head's row at the chunk's first token).
+template <typename T, typename Score>
+void tile_scores(const HeadRows<T>& keys, const Tile& tile, int64_t lanes, Score score) {
+  const int64_t d_n = keys.head_size, bs = keys.block_size, len_max = tile.len(tile.tokens - 1);
+  const int64_t first_block = tile.first / bs, last_block = (len_max - 1) / bs;
+  for (int64_t b = first_block; b < std::min(last_block + 1, first_block + PREFETCH_BLOCKS); ++b) keys.prefetch_block(b);
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    if (b + PREFETCH_BLOCKS <= last_block) keys.prefetch_block(b + PREFETCH_BLOCKS);
+    const T* block = keys.block(b);
+    for (int64_t start = b * bs; start < (b + 1) * bs && start < len_max; start += lanes) {
+      const int64_t in_block = std::min(lanes, (b + 1) * bs - start);
+      const int64_t skip = std::max<int64_t>(0, tile.first - start);  // leading rows before the window
+      const T* rows = block + (start - b * bs) * d_n;
+      for (int64_t j = 0; j < tile.tokens; ++j) {
+        const int64_t n = std::min(in_block, tile.len(j) - start);
+        if (skip >= n) continue;
+        float* s = tile.scores_of(j) + (start - tile.first);
+        for (int64_t g = 0; g < tile.group; ++g) score(rows, tile.q + (j * tile.group + g) * d_n, d_n, n, skip, s + g * tile.ctx(j));
+      }
+    }
+  }
+}
+
+// acc[j] += the probability-weighted V rows of each of the tile's tokens, VALUE_CHUNK_BLOCKS blocks of V
+// at a time (read from memory for the first token, from L1 for the rest); weigh(p, ctx, lo, hi, acc)
+// adds rows [lo, hi) of one token to its [group][head_size] accumulators, always in the order of t.
+constexpr int64_t VALUE_CHUNK_BLOCKS = 4;
+
+template <typename T, typename Weigh>
+void tile_values(const HeadRows<T>& values, const Tile& tile, float* acc, Weigh weigh) {
+  const int64_t bs = values.block_size, len_max = tile.len(tile.tokens - 1);
+  const int64_t first_block = tile.first / bs, last_block = (len_max - 1) / bs;
+  std::fill(acc, acc + tile.tokens * tile.group * values.head_size, 0.0f);
+  if (tile.tokens == 1) {  // a decode: nothing to share, one pass (weigh prefetches ahead of its rows)
+    weigh(tile.scores, tile.ctx(0), tile.first, tile.len(0), acc);
+    return;
+  }
+  for (int64_t b0 = first_block; b0 <= last_block; b0 += VALUE_CHUNK_BLOCKS) {
+    const int64_t b1 = std::min(last_block + 1, b0 + VALUE_CHUNK_BLOCKS);
+    for (int64_t b = b1; b < std::min(last_block + 1, b1 + PREFETCH_BLOCKS); ++b) values.prefetch_block(b);
+    const int64_t lo = std::max(tile.first, b0 * bs);
+    for (int64_t j = 0; j < tile.tokens; ++j) {
+      const int64_t hi = std::min(tile.len(j), b1 * bs);
+      if (lo < hi) weigh(tile.scores_of(j), tile.ctx(j), lo, hi, acc + j * tile.group * values.head_size);
+    }
+  }
+}
+
 #ifdef __AVX512F__
 // r[i] = the sum of v[i]'s 16 lanes: a transposing tree of 15 shuffle-and-add steps.
 inline __m512 sum_lanes16(__m512 v[16]) {
@@ -152,57 +223,38 @@ inline void softmax_rows16(float* scores, int64_t rows, int64_t ctx, float* inv_
   }
 }
 
-// scores[g][t - first] = q[g] . K[t] for the group's query heads and tokens [first, len), 16 tokens of a
-// block at a time; a block's rows are read from memory for the first head of the group, from L1 after.
+// dst[i] = q . K[start + i] for the chunk's tokens i in [skip, n) (n <= 16): the 16 dot products in
+// lanes, then one transposing reduction instead of 16 horizontal sums.
 // DV: the head size in vectors of 16 when known at compile time (0: dv at run time).
 template <typename T, int DV>
-void scores16(const HeadRows<T>& keys, const float* q, int64_t group, int64_t first, int64_t len, float* scores) {
-  const int64_t ctx = len - first, d_n = keys.head_size, bs = keys.block_size;
+inline void score16(const T* rows, const float* qg, int64_t d_n, int64_t n, int64_t skip, float* dst) {
   const int64_t dv = DV ? DV : d_n / 16;
-  const int64_t first_block = first / bs, last_block = (len - 1) / bs;
-  for (int64_t b = first_block; b < std::min(last_block + 1, first_block + PREFETCH_BLOCKS); ++b) keys.prefetch_block(b);
-  for (int64_t b = first_block; b <= last_block; ++b) {
-    if (b + PREFETCH_BLOCKS <= last_block) keys.prefetch_block(b + PREFETCH_BLOCKS);
-    const T* block = keys.block(b);
-    for (int64_t start = b * bs; start < (b + 1) * bs && start < len; start += 16) {
-      const int64_t n = std::min<int64_t>({16, (b + 1) * bs - start, len - start});
-      const int64_t skip = std::max<int64_t>(0, first - start);  // leading rows before the window
-      if (skip >= n) continue;
-      const T* rows = block + (start - b * bs) * d_n;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * d_n;
-        __m512 v[16];
+  __m512 v[16];
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) {
-          __m512 a = _mm512_setzero_ps();
-          if (i < n) {
+  for (int i = 0; i < 16; ++i) {
+    __m512 a = _mm512_setzero_ps();
+    if (i < n) {
 #pragma GCC unroll 8
-            for (int64_t c = 0; c < dv; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), load16(rows + i * d_n + 16 * c), a);
-          }
-          v[i] = a;
-        }
-        // Lanes [skip, n) are this window's tokens start + i, at scores index start + i - first.
-        float* dst = scores + g * ctx + (start - first);
-        _mm512_mask_storeu_ps(dst, first_lanes(n) & ~first_lanes(skip), sum_lanes16(v));
-      }
+      for (int64_t c = 0; c < dv; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), load16(rows + i * d_n + 16 * c), a);
     }
+    v[i] = a;
   }
+  _mm512_mask_storeu_ps(dst, first_lanes(n) & ~first_lanes(skip), sum_lanes16(v));
 }
 
-// acc[g][d] = sum over t of p[g][t] V[t][d] for GT query heads and VC vectors of 16 values from d0, the
-// accumulators kept in registers for the whole context.
+// acc[g][d] += sum over t in [lo, hi) of p[g][t] V[t][d] for GT query heads and VC vectors of 16 values
+// from d0, the accumulators in registers across the rows.
 template <typename T, int GT, int VC>
-void weighted_values16(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t len,
+void weighted_values16(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t lo, int64_t hi,
                        int64_t d0, float* acc, int64_t acc_stride) {
   __m512 a[GT][VC];
   for (int g = 0; g < GT; ++g)
-    for (int c = 0; c < VC; ++c) a[g][c] = _mm512_setzero_ps();
-  const int64_t bs = values.block_size, first_block = first / bs, last_block = (len - 1) / bs;
-  for (int64_t b = first_block; b <= last_block; ++b) {
+    for (int c = 0; c < VC; ++c) a[g][c] = _mm512_loadu_ps(acc + g * acc_stride + d0 + 16 * c);
+  const int64_t bs = values.block_size, last_block = (hi - 1) / bs;
+  for (int64_t b = lo / bs; b <= last_block; ++b) {
     if (b + PREFETCH_BLOCKS <= last_block) values.prefetch_block(b + PREFETCH_BLOCKS);
     const T* block = values.block(b);
-    const int64_t lo = std::max(first, b * bs), hi = std::min(len, (b + 1) * bs);
-    for (int64_t t = lo; t < hi; ++t) {
+    for (int64_t t = std::max(lo, b * bs); t < std::min(hi, (b + 1) * bs); ++t) {
       const T* row = block + (t - b * bs) * values.head_size + d0;
       __m512 x[VC];
       for (int c = 0; c < VC; ++c) x[c] = load16(row + 16 * c);
@@ -217,43 +269,44 @@ void weighted_values16(const HeadRows<T>& values, const float* p, int64_t ctx, i
 }
 
 template <typename T, int GT>
-void weighted_values16_chunks(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t len,
-                              float* acc) {
+void weighted_values16_chunks(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t lo,
+                              int64_t hi, float* acc) {
   const int64_t d_n = values.head_size;
   for (int64_t d0 = 0; d0 < d_n; d0 += 64) {
     switch (std::min<int64_t>(4, (d_n - d0) / 16)) {
-      case 4: weighted_values16<T, GT, 4>(values, p, ctx, first, len, d0, acc, d_n); break;
-      case 3: weighted_values16<T, GT, 3>(values, p, ctx, first, len, d0, acc, d_n); break;
-      case 2: weighted_values16<T, GT, 2>(values, p, ctx, first, len, d0, acc, d_n); break;
-      default: weighted_values16<T, GT, 1>(values, p, ctx, first, len, d0, acc, d_n); break;
+      case 4: weighted_values16<T, GT, 4>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
+      case 3: weighted_values16<T, GT, 3>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
+      case 2: weighted_values16<T, GT, 2>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
+      default: weighted_values16<T, GT, 1>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
     }
   }
 }
 
 template <typename T>
-void attend16(const HeadRows<T>& keys, const HeadRows<T>& values, const float* q, int64_t group, int64_t first,
-              int64_t len, float* scores, float* inv_sum, float* acc) {
-  const int64_t ctx = len - first, d_n = keys.head_size;
+void attend16(const HeadRows<T>& keys, const HeadRows<T>& values, const Tile& tile, float* inv_sum, float* acc) {
+  const int64_t d_n = keys.head_size, group = tile.group;
+  // (Lambdas, not function pointers: each is its own type, so the chunk's loop is inlined and unrolled.)
   switch (d_n) {  // the common head sizes with their loops unrolled
-    case 64: scores16<T, 4>(keys, q, group, first, len, scores); break;
-    case 128: scores16<T, 8>(keys, q, group, first, len, scores); break;
-    default: scores16<T, 0>(keys, q, group, first, len, scores); break;
+    case 64: tile_scores(keys, tile, 16, [](auto... a) { score16<T, 4>(a...); }); break;
+    case 128: tile_scores(keys, tile, 16, [](auto... a) { score16<T, 8>(a...); }); break;
+    default: tile_scores(keys, tile, 16, [](auto... a) { score16<T, 0>(a...); }); break;
   }
   // The V blocks are read next; ask for the first ones while the softmax runs.
-  const int64_t first_block = first / keys.block_size, last_block = (len - 1) / keys.block_size;
-  for (int64_t b = first_block; b < std::min(last_block + 1, first_block + PREFETCH_BLOCKS); ++b) values.prefetch_block(b);
-  softmax_rows16(scores, group, ctx, inv_sum);
-  // Query heads in tiles of up to 4 (16 accumulators of 16 values each at most).
-  for (int64_t g0 = 0; g0 < group; g0 += 4) {
-    const float* p = scores + g0 * ctx;
-    float* out = acc + g0 * d_n;
-    switch (std::min<int64_t>(4, group - g0)) {
-      case 4: weighted_values16_chunks<T, 4>(values, p, ctx, first, len, out); break;
-      case 3: weighted_values16_chunks<T, 3>(values, p, ctx, first, len, out); break;
-      case 2: weighted_values16_chunks<T, 2>(values, p, ctx, first, len, out); break;
-      default: weighted_values16_chunks<T, 1>(values, p, ctx, first, len, out); break;
+  const int64_t first_block = tile.first / keys.block_size;
+  for (int64_t b = first_block; b < std::min((tile.len(tile.tokens - 1) - 1) / keys.block_size + 1,
+                                             first_block + PREFETCH_BLOCKS); ++b) values.prefetch_block(b);
+  for (int64_t j = 0; j < tile.tokens; ++j) softmax_rows16(tile.scores_of(j), group, tile.ctx(j), inv_sum + j * group);
+  tile_values(values, tile, acc, [&](const float* p, int64_t ctx, int64_t lo, int64_t hi, float* out) {
+    // Query heads in tiles of up to 4 (16 accumulators of 16 values each at most).
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+      switch (std::min<int64_t>(4, group - g0)) {
+        case 4: weighted_values16_chunks<T, 4>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
+        case 3: weighted_values16_chunks<T, 3>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
+        case 2: weighted_values16_chunks<T, 2>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
+        default: weighted_values16_chunks<T, 1>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
+      }
     }
-  }
+  });
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // The AVX-512 path's steps on 8 lanes, for head sizes that are a multiple of 8.
@@ -303,62 +356,43 @@ inline void softmax_rows8(float* scores, int64_t rows, int64_t ctx, float* inv_s
   }
 }
 
-// scores16 on 8 tokens at a time. DV: the head size in vectors of 8 when known at compile time (0: at run time).
+// score16 on 8 tokens at a time. DV: the head size in vectors of 8 when known at compile time (0: at run time).
 template <typename T, int DV>
-void scores8(const HeadRows<T>& keys, const float* q, int64_t group, int64_t first, int64_t len, float* scores) {
-  const int64_t ctx = len - first, d_n = keys.head_size, bs = keys.block_size;
+inline void score8(const T* rows, const float* qg, int64_t d_n, int64_t n, int64_t skip, float* dst) {
   const int64_t dv = DV ? DV : d_n / 8;
-  const int64_t first_block = first / bs, last_block = (len - 1) / bs;
-  for (int64_t b = first_block; b < std::min(last_block + 1, first_block + PREFETCH_BLOCKS); ++b) keys.prefetch_block(b);
-  for (int64_t b = first_block; b <= last_block; ++b) {
-    if (b + PREFETCH_BLOCKS <= last_block) keys.prefetch_block(b + PREFETCH_BLOCKS);
-    const T* block = keys.block(b);
-    for (int64_t start = b * bs; start < (b + 1) * bs && start < len; start += 8) {
-      const int64_t n = std::min<int64_t>({8, (b + 1) * bs - start, len - start});
-      const int64_t skip = std::max<int64_t>(0, first - start);  // leading rows before the window
-      if (skip >= n) continue;
-      const T* rows = block + (start - b * bs) * d_n;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * d_n;
-        __m256 v[8];
+  __m256 v[8];
 #pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) {
-          __m256 a = _mm256_setzero_ps();
-          if (i < n) {
+  for (int i = 0; i < 8; ++i) {
+    __m256 a = _mm256_setzero_ps();
+    if (i < n) {
 #pragma GCC unroll 16
-            for (int64_t c = 0; c < dv; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), load8(rows + i * d_n + 8 * c), a);
-          }
-          v[i] = a;
-        }
-        // Lanes [skip, n) are this window's tokens start + i, at scores index start + i - first.
-        const __m256 sums = sum_lanes8(v);
-        float* dst = scores + g * ctx + (start - first);
-        if (skip == 0 && n == 8) {
-          _mm256_storeu_ps(dst, sums);
-        } else {
-          alignas(32) float lanes[8];
-          _mm256_store_ps(lanes, sums);
-          for (int64_t i = skip; i < n; ++i) dst[i] = lanes[i];
-        }
-      }
+      for (int64_t c = 0; c < dv; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), load8(rows + i * d_n + 8 * c), a);
     }
+    v[i] = a;
+  }
+  const __m256 sums = sum_lanes8(v);
+  if (skip == 0 && n == 8) {
+    _mm256_storeu_ps(dst, sums);
+  } else {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, sums);
+    for (int64_t i = skip; i < n; ++i) dst[i] = lanes[i];
   }
 }
 
 // weighted_values16 on 8 lanes: GT query heads, VC vectors of 8 values from d0, accumulators in registers
 // (GT * VC of them, GT broadcast weights and one row vector: 16 registers for GT = 3, VC = 4).
 template <typename T, int GT, int VC>
-void weighted_values8(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t len,
+void weighted_values8(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t lo, int64_t hi,
                       int64_t d0, float* acc, int64_t acc_stride) {
   __m256 a[GT][VC];
   for (int g = 0; g < GT; ++g)
-    for (int c = 0; c < VC; ++c) a[g][c] = _mm256_setzero_ps();
-  const int64_t bs = values.block_size, first_block = first / bs, last_block = (len - 1) / bs;
-  for (int64_t b = first_block; b <= last_block; ++b) {
+    for (int c = 0; c < VC; ++c) a[g][c] = _mm256_loadu_ps(acc + g * acc_stride + d0 + 8 * c);
+  const int64_t bs = values.block_size, last_block = (hi - 1) / bs;
+  for (int64_t b = lo / bs; b <= last_block; ++b) {
     if (b + PREFETCH_BLOCKS <= last_block) values.prefetch_block(b + PREFETCH_BLOCKS);
     const T* block = values.block(b);
-    const int64_t lo = std::max(first, b * bs), hi = std::min(len, (b + 1) * bs);
-    for (int64_t t = lo; t < hi; ++t) {
+    for (int64_t t = std::max(lo, b * bs); t < std::min(hi, (b + 1) * bs); ++t) {
       const T* row = block + (t - b * bs) * values.head_size + d0;
       __m256 w[GT];
       for (int g = 0; g < GT; ++g) w[g] = _mm256_set1_ps(p[g * ctx + (t - first)]);
@@ -373,41 +407,41 @@ void weighted_values8(const HeadRows<T>& values, const float* p, int64_t ctx, in
 }
 
 template <typename T, int GT>
-void weighted_values8_chunks(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t len,
-                             float* acc) {
+void weighted_values8_chunks(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t lo,
+                             int64_t hi, float* acc) {
   const int64_t d_n = values.head_size;
   for (int64_t d0 = 0; d0 < d_n; d0 += 32) {
     switch (std::min<int64_t>(4, (d_n - d0) / 8)) {
-      case 4: weighted_values8<T, GT, 4>(values, p, ctx, first, len, d0, acc, d_n); break;
-      case 3: weighted_values8<T, GT, 3>(values, p, ctx, first, len, d0, acc, d_n); break;
-      case 2: weighted_values8<T, GT, 2>(values, p, ctx, first, len, d0, acc, d_n); break;
-      default: weighted_values8<T, GT, 1>(values, p, ctx, first, len, d0, acc, d_n); break;
+      case 4: weighted_values8<T, GT, 4>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
+      case 3: weighted_values8<T, GT, 3>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
+      case 2: weighted_values8<T, GT, 2>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
+      default: weighted_values8<T, GT, 1>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
     }
   }
 }
 
 template <typename T>
-void attend8(const HeadRows<T>& keys, const HeadRows<T>& values, const float* q, int64_t group, int64_t first,
-             int64_t len, float* scores, float* inv_sum, float* acc) {
-  const int64_t ctx = len - first, d_n = keys.head_size;
+void attend8(const HeadRows<T>& keys, const HeadRows<T>& values, const Tile& tile, float* inv_sum, float* acc) {
+  const int64_t d_n = keys.head_size, group = tile.group;
   switch (d_n) {  // the common head sizes with their loops unrolled
-    case 64: scores8<T, 8>(keys, q, group, first, len, scores); break;
-    case 128: scores8<T, 16>(keys, q, group, first, len, scores); break;
-    default: scores8<T, 0>(keys, q, group, first, len, scores); break;
+    case 64: tile_scores(keys, tile, 8, [](auto... a) { score8<T, 8>(a...); }); break;
+    case 128: tile_scores(keys, tile, 8, [](auto... a) { score8<T, 16>(a...); }); break;
+    default: tile_scores(keys, tile, 8, [](auto... a) { score8<T, 0>(a...); }); break;
   }
-  const int64_t first_block = first / keys.block_size, last_block = (len - 1) / keys.block_size;
-  for (int64_t b = first_block; b < std::min(last_block + 1, first_block + PREFETCH_BLOCKS); ++b) values.prefetch_block(b);
-  softmax_rows8(scores, group, ctx, inv_sum);
-  // Query heads in tiles of up to 3 (12 accumulators of 8 values each at most).
-  for (int64_t g0 = 0; g0 < group; g0 += 3) {
-    const float* p = scores + g0 * ctx;
-    float* out = acc + g0 * d_n;
-    switch (std::min<int64_t>(3, group - g0)) {
-      case 3: weighted_values8_chunks<T, 3>(values, p, ctx, first, len, out); break;
-      case 2: weighted_values8_chunks<T, 2>(values, p, ctx, first, len, out); break;
-      default: weighted_values8_chunks<T, 1>(values, p, ctx, first, len, out); break;
+  const int64_t first_block = tile.first / keys.block_size;
+  for (int64_t b = first_block; b < std::min((tile.len(tile.tokens - 1) - 1) / keys.block_size + 1,
+                                             first_block + PREFETCH_BLOCKS); ++b) values.prefetch_block(b);
+  for (int64_t j = 0; j < tile.tokens; ++j) softmax_rows8(tile.scores_of(j), group, tile.ctx(j), inv_sum + j * group);
+  tile_values(values, tile, acc, [&](const float* p, int64_t ctx, int64_t lo, int64_t hi, float* out) {
+    // Query heads in tiles of up to 3 (12 accumulators of 8 values each at most).
+    for (int64_t g0 = 0; g0 < group; g0 += 3) {
+      switch (std::min<int64_t>(3, group - g0)) {
+        case 3: weighted_values8_chunks<T, 3>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
+        case 2: weighted_values8_chunks<T, 2>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
+        default: weighted_values8_chunks<T, 1>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
+      }
     }
-  }
+  });
 }
 #endif
 
@@ -426,35 +460,56 @@ void attention_impl(T* out, const T* query, const T* key_cache, const T* value_c
 #endif
   constexpr bool vector_type = lanes > 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
   const bool vectorized = vector_type && head_size % lanes == 0;
+  // Work items: runs of up to TILE_TOKENS consecutive tokens of one sequence (a prefill chunk's; a decode
+  // is a run of one) - with a sliding window each token has its own start, and is its own run.
+  std::vector<int64_t> runs{0};
+  for (int64_t i = 1; i <= num_tokens; ++i) {
+    const bool continues = i < num_tokens && sliding_window <= 0 && i - runs.back() < TILE_TOKENS &&
+                           table_rows[i] == table_rows[i - 1] && seq_lens[i] == seq_lens[i - 1] + 1;
+    if (!continues) runs.push_back(i);
+  }
+  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
   // OpenMP directly, with the calling thread's thread count: at::parallel_for, inlined here, would first
   // reset that count from ATen's process-wide setting, which an engine thread deliberately overrides.
 #pragma omp parallel
   {
-    std::vector<float> q(group * head_size), acc(group * head_size), inv_sum(group), scores;
-    // One item per query token and KV head; dynamic, as the tokens' contexts differ in length.
+    const int64_t rows_max = TILE_TOKENS * group;
+    std::vector<float> q(rows_max * head_size), acc(rows_max * head_size), inv_sum(rows_max), scores;
+    // One item per run and KV head; dynamic, as the tokens' contexts differ in length.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_tokens * num_kv_heads; ++item) {
-      const int64_t i = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t len = seq_lens[i];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-      const int64_t* table = block_tables + table_rows[i] * table_stride;
+    for (int64_t item = 0; item < num_runs * num_kv_heads; ++item) {
+      const int64_t r = item / num_kv_heads, h = item % num_kv_heads, i0 = runs[r];
+      const int64_t len0 = seq_lens[i0];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len0 - sliding_window) : 0;
+      const int64_t* table = block_tables + table_rows[i0] * table_stride;
       const HeadRows<T> keys{key_cache, table, block_elems, h * block_size * head_size, block_size, head_size};
       const HeadRows<T> values{value_cache, table, block_elems, h * block_size * head_size, block_size, head_size};
-      // The group's query heads h * group .. (h + 1) * group - 1 of this token.
-      const int64_t row = (i * num_heads + h * group) * head_size;
-      for (int64_t j = 0; j < group * head_size; ++j) q[j] = static_cast<float>(query[row + j]) * static_cast<float>(scale);
-      scores.resize(group * (len - first));
+      Tile tile{q.data(), nullptr, runs[r + 1] - i0, group, first, len0};
+      // Each token's group of query heads h * group .. (h + 1) * group - 1.
+      for (int64_t j = 0; j < tile.tokens; ++j) {
+        const int64_t row = ((i0 + j) * num_heads + h * group) * head_size;
+        for (int64_t e = 0; e < group * head_size; ++e)
+          q[j * group * head_size + e] = static_cast<float>(query[row + e]) * static_cast<float>(scale);
+      }
+      scores.resize(tile.score_count());
+      tile.scores = scores.data();
       if constexpr (vector_type) {
 #if defined(__AVX512F__)
-        if (vectorized) attend16(keys, values, q.data(), group, first, len, scores.data(), inv_sum.data(), acc.data());
+        if (vectorized) attend16(keys, values, tile, inv_sum.data(), acc.data());
 #elif defined(__AVX2__) && defined(__FMA__)
-        if (vectorized) attend8(keys, values, q.data(), group, first, len, scores.data(), inv_sum.data(), acc.data());
+        if (vectorized) attend8(keys, values, tile, inv_sum.data(), acc.data());
 #endif
       }
-      if (!vectorized) attend_plain(keys, values, q.data(), group, first, len, scores.data(), inv_sum.data(), acc.data());
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_size; ++d)
-          out[row + g * head_size + d] = static_cast<T>(acc[g * head_size + d] * inv_sum[g]);
+      if (!vectorized)
+        for (int64_t j = 0; j < tile.tokens; ++j)
+          attend_plain(keys, values, q.data() + j * group * head_size, group, first, tile.len(j), tile.scores_of(j),
+                       inv_sum.data() + j * group, acc.data() + j * group * head_size);
+      for (int64_t j = 0; j < tile.tokens; ++j)
+        for (int64_t g = 0; g < group; ++g) {
+          const float* a = acc.data() + (j * group + g) * head_size;
+          T* o = out + ((i0 + j) * num_heads + h * group + g) * head_size;
+          for (int64_t d = 0; d < head_size; ++d) o[d] = static_cast<T>(a[d] * inv_sum[j * group + g]);
+        }
     }
   }
 }
