@@ -163,7 +163,7 @@ def make_server(name: str, args: argparse.Namespace, log_dir: Path):
     up_args = shlex.split(args.up_args)
     if name == "vllm":
         return VllmServer(args.model, Path(args.model).name, args.cpus, log_dir, kv_cache_gb=args.kv_cache_gb)
-    engine = ["--kv-cache-memory", str(args.kv_cache_gb)]
+    engine = ["--kv-cache-memory", str(args.kv_cache_gb), *shlex.split(args.engine_args)]
     if name == "unified":
         return Stack(name, args.model, ["--unified", "--encoders", "0", "--threads", str(len(cpus)), *up_args],
                      engine, {"unified": args.cpus, "proxy": args.cpus}, log_dir)
@@ -264,6 +264,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "tables, writes them only to --out-dir")
     p.add_argument("--up-args", default="", metavar="ARGS",
                    help="options for every `epdserve up`, e.g. \"--max-prefill-queue-tokens 0\"")
+    p.add_argument("--engine-args", default="", metavar="ARGS",
+                   help="options for every epdserve engine, e.g. \"--budget-policy shared --max-num-batched-tokens "
+                        "2048\"")
     p.add_argument("--out-dir", type=Path)
     args = p.parse_args(argv)
     if args.quick:
