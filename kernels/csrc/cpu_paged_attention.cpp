@@ -62,6 +62,10 @@ struct HeadRows {
   void prefetch_block(int64_t b) const {
     prefetch(block(b), block_size * head_size * static_cast<int64_t>(sizeof(T)));
   }
+  // The first PREFETCH_BLOCKS of blocks [b, last].
+  void prefetch_ahead(int64_t b, int64_t last) const {
+    for (const int64_t end = std::min(last + 1, b + PREFETCH_BLOCKS); b < end; ++b) prefetch_block(b);
+  }
 };
 
 // The sum of n floats in DOT_LANES partial sums added up in a fixed tree (see dot_plain).
@@ -147,7 +151,7 @@ template <typename T, typename Score>
 void tile_scores(const HeadRows<T>& keys, const Tile& tile, int64_t lanes, Score score) {
   const int64_t d_n = keys.head_size, bs = keys.block_size, len_max = tile.len(tile.tokens - 1);
   const int64_t first_block = tile.first / bs, last_block = (len_max - 1) / bs;
-  for (int64_t b = first_block; b < std::min(last_block + 1, first_block + PREFETCH_BLOCKS); ++b) keys.prefetch_block(b);
+  keys.prefetch_ahead(first_block, last_block);
   for (int64_t b = first_block; b <= last_block; ++b) {
     if (b + PREFETCH_BLOCKS <= last_block) keys.prefetch_block(b + PREFETCH_BLOCKS);
     const T* block = keys.block(b);
@@ -181,7 +185,7 @@ void tile_values(const HeadRows<T>& values, const Tile& tile, float* acc, Weigh 
   }
   for (int64_t b0 = first_block; b0 <= last_block; b0 += VALUE_CHUNK_BLOCKS) {
     const int64_t b1 = std::min(last_block + 1, b0 + VALUE_CHUNK_BLOCKS);
-    for (int64_t b = b1; b < std::min(last_block + 1, b1 + PREFETCH_BLOCKS); ++b) values.prefetch_block(b);
+    values.prefetch_ahead(b1, last_block);
     const int64_t lo = std::max(tile.first, b0 * bs);
     for (int64_t j = 0; j < tile.tokens; ++j) {
       const int64_t hi = std::min(tile.len(j), b1 * bs);
@@ -292,9 +296,7 @@ void attend16(const HeadRows<T>& keys, const HeadRows<T>& values, const Tile& ti
     default: tile_scores(keys, tile, 16, [](auto... a) { score16<T, 0>(a...); }); break;
   }
   // The V blocks are read next; ask for the first ones while the softmax runs.
-  const int64_t first_block = tile.first / keys.block_size;
-  for (int64_t b = first_block; b < std::min((tile.len(tile.tokens - 1) - 1) / keys.block_size + 1,
-                                             first_block + PREFETCH_BLOCKS); ++b) values.prefetch_block(b);
+  values.prefetch_ahead(tile.first / keys.block_size, (tile.len(tile.tokens - 1) - 1) / keys.block_size);
   for (int64_t j = 0; j < tile.tokens; ++j) softmax_rows16(tile.scores_of(j), group, tile.ctx(j), inv_sum + j * group);
   tile_values(values, tile, acc, [&](const float* p, int64_t ctx, int64_t lo, int64_t hi, float* out) {
     // Query heads in tiles of up to 4 (16 accumulators of 16 values each at most).
@@ -428,9 +430,7 @@ void attend8(const HeadRows<T>& keys, const HeadRows<T>& values, const Tile& til
     case 128: tile_scores(keys, tile, 8, [](auto... a) { score8<T, 16>(a...); }); break;
     default: tile_scores(keys, tile, 8, [](auto... a) { score8<T, 0>(a...); }); break;
   }
-  const int64_t first_block = tile.first / keys.block_size;
-  for (int64_t b = first_block; b < std::min((tile.len(tile.tokens - 1) - 1) / keys.block_size + 1,
-                                             first_block + PREFETCH_BLOCKS); ++b) values.prefetch_block(b);
+  values.prefetch_ahead(tile.first / keys.block_size, (tile.len(tile.tokens - 1) - 1) / keys.block_size);
   for (int64_t j = 0; j < tile.tokens; ++j) softmax_rows8(tile.scores_of(j), group, tile.ctx(j), inv_sum + j * group);
   tile_values(values, tile, acc, [&](const float* p, int64_t ctx, int64_t lo, int64_t hi, float* out) {
     // Query heads in tiles of up to 3 (12 accumulators of 8 values each at most).
