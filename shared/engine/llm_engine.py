@@ -74,9 +74,10 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._due: list[RequestOutput] = []  # outputs for the next step to return (sequences a peer's token ended)
-        logger.info("engine ready: %s (%s), %d KV blocks of %d tokens, attention backend %s",
+        logger.info("engine ready: %s (%s), %d KV blocks of %d tokens, attention backend %s, step budget %d (%s)",
                     config.model.model_id, config.model.dtype, num_blocks, config.cache.block_size,
-                    self.runner.attention_backend)
+                    self.runner.attention_backend, config.scheduler.max_num_batched_tokens,
+                    config.scheduler.budget_policy)
 
     # -- requests -----------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
