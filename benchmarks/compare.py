@@ -35,7 +35,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from stacks import ROLES, ROOT, Stack
+from stacks import ROLES, ROOT, Stack, shown_path
 
 RESULTS = ROOT / "benchmarks" / "results"
 BASELINE = "unified"
@@ -372,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
 
     report = markdown(runs, args, meta)
     (out_dir / "compare.md").write_text(report)
-    config = {k: v for k, v in vars(args).items() if k not in ("cpus", "out_dir")} | {"cpu_pinning": args.cpus}
+    config = ({k: v for k, v in vars(args).items() if k not in ("cpus", "out_dir")}
+              | {"model": shown_path(args.model), "cpu_pinning": args.cpus})
     (out_dir / "compare.json").write_text(json.dumps({"meta": meta, "config": config, "runs": runs}, indent=1))
     try:
         plot(runs, out_dir / "compare.png", args)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from stacks import ROOT, Stack, VllmServer, cpu_list, machine
+from stacks import ROOT, Stack, VllmServer, cpu_list, machine, shown_path
 
 RESULTS = ROOT / "benchmarks" / "results"
 SERVED_NAME = "base"
@@ -213,12 +213,12 @@ def main() -> None:
     for name in args.servers:
         rows += measure(name, args, adapters, work, vocab)
     out_name = str(args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out)
-    report = {"date": datetime.now().isoformat(timespec="seconds"), "machine": machine(), "model": args.model,
+    report = {"date": datetime.now().isoformat(timespec="seconds"), "machine": machine(), "model": shown_path(args.model),
               "settings": {k: v for k, v in vars(args).items() if k not in ("out", "model")} | {"out": out_name},
               "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
-    args.out.with_suffix(".md").write_text(f"# Multi-LoRA serving\n\n{report['machine']}, {args.model}, "
+    args.out.with_suffix(".md").write_text(f"# Multi-LoRA serving\n\n{report['machine']}, {report['model']}, "
                                            f"{report['date']}, median of {args.repeats} runs\n\n{table(rows)}\n")
     plot(rows, args.out.with_suffix(".png"))
     print(table(rows))

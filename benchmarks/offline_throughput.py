@@ -55,6 +55,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from stacks import shown_path
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -373,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                                                args.profile)
                 results.setdefault(str(threads), {})[workload] = cells
 
-    summary = {"model": args.model, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
+    summary = {"model": shown_path(args.model), "num_requests": args.num_requests, "prompt_len": args.prompt_len,
                "output_len": args.output_len, "hf_single": args.hf_single, "repeats": args.repeats,
                "workloads": {w: parse_workload(w) for w in workloads}, "cpu_count": os.cpu_count(), "runs": {}}
     for threads, by_workload in results.items():

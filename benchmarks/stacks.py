@@ -135,6 +135,14 @@ def cpu_list(cpus: str) -> list[str]:
     return out
 
 
+def shown_path(path: str | None) -> str | None:
+    """A path as a results file keeps it: under the home folder as ~/..., so files read alike on every machine."""
+    if path is None:
+        return None
+    home = str(Path.home())
+    return "~" + path[len(home):] if path == home or path.startswith(home + "/") else path
+
+
 def machine() -> str:
     """The CPU model and count: numbers from different machines are not comparable."""
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
