@@ -10,10 +10,12 @@ One server at a time, each on the same CPUs:
 Each is driven by `vllm bench serve` (the peer's client, `/v1/completions`, random 128-token prompts,
 128 output tokens, EOS ignored) at every rate of --rates with the API's default sampling (temperature
 1.0: what users get), and at the first rate with temperature 0; every cell is the median of --repeats
-runs, each run with its own prompts (the same for every server). `epdserve bench serve` cross-checks
-the first cell once per server. With --image, the multimodal demo model also runs an image workload
+runs, each run with its own prompts (the same for every server). The servers take turns: in each of
+--repeats rounds every server is started afresh and runs each workload once, so a stretch in which the
+machine runs slow lands on all of them rather than on one server's cells. `epdserve bench serve`
+cross-checks the first cell once per server, in the last round. With --image, the multimodal demo model also runs an image workload
 (`epdserve bench serve --dataset-name image`) on a unified stack and on 1 encoder + 1 prefill + 1 decode.
-With --profile, each epdserve engine's step time is broken down by phase over the default-sampling run
+With --profile, each epdserve engine's step time is broken down by phase over the default-sampling runs
 at the first rate (from its `epdserve:engine_step_seconds` metric); the engines run with --profile-moe, so
 a mixture-of-experts model's sparse MLPs are broken down by part too (moe_route, moe_dispatch,
 moe_experts, moe_combine).
@@ -21,7 +23,7 @@ moe_experts, moe_combine).
 Writes benchmarks/results/serving_vs_vllm.{md,json,png}: tables with ratios to vLLM from the same run.
 
     benchmarks/setup_vllm_cpu.sh                                  # the peer's venv, once
-    .venv/bin/python benchmarks/serving_vs_vllm.py                # ~30 minutes on 2 cores
+    .venv/bin/python benchmarks/serving_vs_vllm.py                # ~45 minutes on 2 cores
     .venv/bin/python benchmarks/serving_vs_vllm.py --servers unified --rates inf --repeats 1 --profile
 """
 from __future__ import annotations
@@ -131,30 +133,30 @@ def workloads(args: argparse.Namespace) -> list[tuple[str, str, float | None]]:
     return [(f"rate-{r}", r, None) for r in rates] + [(f"rate-{rates[0]}-greedy", rates[0], 0.0)]
 
 
-def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict:
+def measure_round(name: str, args: argparse.Namespace, tmp: Path, r: int, record: dict) -> None:
+    """Start `name`, run every workload once (run r of each cell) into `record`, stop it."""
     server = make_server(name, args, tmp)
-    print(f"{name}: starting", flush=True)
+    print(f"{name}: starting (round {r + 1} of {args.repeats})", flush=True)
     server.start(args.startup_timeout)
-    record: dict = {"pinning": server.pinning, "runs": {}, "median": {}}
+    record["pinning"] = server.pinning
     try:
         # Warm-up (untimed): first requests compile or allocate what later ones reuse.
         warm = argparse.Namespace(**{**vars(args), "num_prompts": 8, "output_len": 16})
         vllm_bench(server.url, warm, "inf", None, 999, tmp / f"{name}-warmup.json")
         for w, (label, rate, temperature) in enumerate(workloads(args)):
             profile_before = engine_step_seconds(server) if args.profile and w == 0 else None
-            runs = []
-            for r in range(args.repeats):
-                out = tmp / f"{name}-{label}-{r}.json"
-                runs.append(vllm_bench(server.url, args, rate, temperature, seed=1000 * w + r, out=out))
-                cell = runs[-1]
-                print(f"  {name:<8} {label:<18} run {r + 1}: {cell['output_throughput']:7.1f} out tok/s  "
-                      f"TTFT p50 {cell['median_ttft_ms']:7.0f} ms  TPOT p50 {cell['median_tpot_ms']:6.1f} ms",
-                      flush=True)
+            out = tmp / f"{name}-{label}-{r}.json"
+            cell = vllm_bench(server.url, args, rate, temperature, seed=1000 * w + r, out=out)
+            print(f"  {name:<8} {label:<18} run {r + 1}: {cell['output_throughput']:7.1f} out tok/s  "
+                  f"TTFT p50 {cell['median_ttft_ms']:7.0f} ms  TPOT p50 {cell['median_tpot_ms']:6.1f} ms", flush=True)
             if profile_before is not None:
-                record["profile"] = step_delta(profile_before, engine_step_seconds(server))
-            record["runs"][label] = [_summary(run) for run in runs]
-            record["median"][label] = {k: statistics.median(run[k] for run in runs) for k, _, _ in METRICS}
-        if args.cross_check:
+                delta = step_delta(profile_before, engine_step_seconds(server))
+                profile = record.setdefault("profile", {})
+                for role, phases in delta.items():
+                    for k, v in phases.items():
+                        profile.setdefault(role, {})[k] = profile.get(role, {}).get(k, 0.0) + v
+            record["runs"].setdefault(label, []).append(_summary(cell))
+        if args.cross_check and r == args.repeats - 1:
             label, rate, _ = workloads(args)[0]
             record["cross_check"] = {"workload": label, "client": "epdserve bench serve"}
             try:
@@ -169,7 +171,20 @@ def measure(name: str, args: argparse.Namespace, tmp: Path) -> dict:
                 record["cross_check"]["failed"] = str(e)
     finally:
         server.stop()
-    return record
+
+
+def measure(servers: list[str], args: argparse.Namespace, tmp: Path) -> dict[str, dict]:
+    """Every server's cells, the servers taking turns: round r starts each in turn (the order rotated each
+    round) and runs each workload once. This machine's speed drifts by 10-15% over minutes; one server's
+    runs back to back can all land in a slow stretch, while turns spread a stretch over every server."""
+    records = {name: {"pinning": {}, "runs": {}, "median": {}} for name in servers}
+    for r in range(args.repeats):
+        for name in servers[r % len(servers):] + servers[:r % len(servers)]:
+            measure_round(name, args, tmp, r, records[name])
+    for record in records.values():
+        record["median"] = {label: {k: statistics.median(run[k] for run in runs) for k, _, _ in METRICS}
+                            for label, runs in record["runs"].items()}
+    return {name: records[name] for name in servers}
 
 
 def measure_images(args: argparse.Namespace, tmp: Path) -> dict:
@@ -308,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs per cell, each in its own round of turns (every server started afresh)")
     p.add_argument("--cross-check", action=argparse.BooleanOptionalAction, default=True,
                    help="also drive the first workload once with epdserve bench serve")
     p.add_argument("--image", action="store_true", help="also the image workload on the multimodal demo model")
@@ -333,8 +349,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": machine(),
               "servers": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in servers:
-            report["servers"][name] = measure(name, args, Path(tmp))
+        report["servers"] = measure(servers, args, Path(tmp))
         if args.image:
             report["images"] = measure_images(args, Path(tmp))
     out_dir = Path(args.out_dir)
