@@ -213,7 +213,8 @@ def main() -> None:
     for name in args.servers:
         rows += measure(name, args, adapters, work, vocab)
     out_name = str(args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out)
-    report = {"date": datetime.now().isoformat(timespec="seconds"), "machine": machine(), "model": shown_path(args.model),
+    report = {"date": datetime.now().isoformat(timespec="seconds"), "machine": machine(),
+              "model": shown_path(args.model),
               "settings": {k: v for k, v in vars(args).items() if k not in ("out", "model")} | {"out": out_name},
               "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

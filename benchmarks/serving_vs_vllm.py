@@ -13,8 +13,9 @@ Each is driven by `vllm bench serve` (the peer's client, `/v1/completions`, rand
 runs, each run with its own prompts (the same for every server). The servers take turns: in each of
 --repeats rounds every server is started afresh and runs each workload once, so a stretch in which the
 machine runs slow lands on all of them rather than on one server's cells. `epdserve bench serve`
-cross-checks the first cell once per server, in the last round. With --image, the multimodal demo model also runs an image workload
-(`epdserve bench serve --dataset-name image`) on a unified stack and on 1 encoder + 1 prefill + 1 decode.
+cross-checks the first cell once per server, in the last round. With --image, the multimodal demo model
+also runs an image workload (`epdserve bench serve --dataset-name image`) on a unified stack and on
+1 encoder + 1 prefill + 1 decode.
 With --profile, each epdserve engine's step time is broken down by phase over the default-sampling runs
 at the first rate (from its `epdserve:engine_step_seconds` metric); the engines run with --profile-moe, so
 a mixture-of-experts model's sparse MLPs are broken down by part too (moe_route, moe_dispatch,
@@ -151,10 +152,10 @@ def measure_round(name: str, args: argparse.Namespace, tmp: Path, r: int, record
                   f"TTFT p50 {cell['median_ttft_ms']:7.0f} ms  TPOT p50 {cell['median_tpot_ms']:6.1f} ms", flush=True)
             if profile_before is not None:
                 delta = step_delta(profile_before, engine_step_seconds(server))
-                profile = record.setdefault("profile", {})
-                for role, phases in delta.items():
+                for role, phases in delta.items():  # summed over the rounds
+                    total = record.setdefault("profile", {}).setdefault(role, {})
                     for k, v in phases.items():
-                        profile.setdefault(role, {})[k] = profile.get(role, {}).get(k, 0.0) + v
+                        total[k] = total.get(k, 0.0) + v
             record["runs"].setdefault(label, []).append(_summary(cell))
         if args.cross_check and r == args.repeats - 1:
             label, rate, _ = workloads(args)[0]
