@@ -1,5 +1,5 @@
 """Goodput under latency SLOs: short chats mixed with long prompts, swept over request rates, on `vllm serve`, an
-epdserve unified stack and a 1 prefill + 1 decode stack, one at a time on the same CPUs.
+epdserve unified stack and a 1 prefill + 1 decode stack, one at a time (taking turns) on the same CPUs.
 
 Servers (each computing on every CPU of --cpus, as in serving_vs_vllm.py; every engine's KV pool is
 --kv-cache-gb GiB, vLLM's too):
@@ -27,6 +27,9 @@ SLOs (flags; the report states them):
     TPOT <= --tpot-slo-ms: 100 ms, 10 tokens/s, faster than people read (DistServe's chatbot TPOT SLO), and
          3-5x this model's TPOT on an idle 2-core server (22-30 ms at 1 req/s): only stalls and overload
          break it
+
+The servers take turns: in each of --repeats rounds every server is started afresh and runs each rate once,
+so a stretch in which the machine runs slow lands on all of them rather than on one server's runs.
 
 Per (server, rate): goodput = rate x the share of requests meeting both SLOs (requests/s served within them;
 a failed request meets neither), that share, the shares meeting TTFT alone and TPOT alone (which SLO binds),
@@ -66,7 +69,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from goodput_report import SERVERS, Outcome, Slo, analyse, markdown, plot, score_run  # noqa: E402
-from stacks import ROOT, VLLM_PYTHON, Stack, VllmServer, cpu_list, machine  # noqa: E402
+from stacks import ROOT, VLLM_PYTHON, Stack, VllmServer, cpu_list, in_turns, machine  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 FIRST_TOKEN = 300  # prompt token ids are drawn from [FIRST_TOKEN, vocab): no special tokens
@@ -178,30 +181,37 @@ def peer_version() -> str:
     return proc.stdout.strip() or "unknown"
 
 
-def measure(name: str, args: argparse.Namespace, vocab: int, slo: Slo, log_dir: Path) -> dict:
+def measure_round(name: str, args: argparse.Namespace, vocab: int, slo: Slo, log_dir: Path, rep: int,
+                  record: dict) -> None:
+    """Start `name`, run each rate once (run rep of each cell) into `record`, stop it."""
     server = make_server(name, args, log_dir)
-    print(f"{name}: starting", flush=True)
+    print(f"{name}: starting (round {rep + 1} of {args.repeats})", flush=True)
     server.start(args.startup_timeout)
-    record: dict = {"pinning": server.pinning, "rates": {}}
+    record["pinning"] = server.pinning
     try:
         warm = asyncio.run(run_workload(server.url, warmup_items(args, vocab), args.temperature))
         if errors := [o["error"] for o in warm["outcomes"] if o["error"]]:
             raise RuntimeError(f"{name}: the warm-up failed: {errors[0]}")
         for r_i, rate in enumerate(args.rates):
-            runs = record["rates"][rate] = []
-            for rep in range(args.repeats):
-                run = asyncio.run(run_workload(server.url, workload(args, vocab, rep, r_i, float(rate)),
-                                               args.temperature))
-                runs.append(run)
-                s = score_run(run, float(rate), slo)
-                print(f"  {name:<8} {rate:>5} req/s run {rep + 1}: goodput {s['goodput']:5.2f} req/s, "
-                      f"{s['attainment']:4.0%} met both (TTFT {s['ttft_attainment']:4.0%}, TPOT "
-                      f"{s['tpot_attainment']:4.0%}), {s['failed']} failed, {run['duration_s']:.0f} s", flush=True)
-                if first_error := next((o["error"] for o in run["outcomes"] if o["error"]), None):
-                    print(f"    first failure: {first_error}", flush=True)
+            run = asyncio.run(run_workload(server.url, workload(args, vocab, rep, r_i, float(rate)),
+                                           args.temperature))
+            record["rates"].setdefault(rate, []).append(run)
+            s = score_run(run, float(rate), slo)
+            print(f"  {name:<8} {rate:>5} req/s run {rep + 1}: goodput {s['goodput']:5.2f} req/s, "
+                  f"{s['attainment']:4.0%} met both (TTFT {s['ttft_attainment']:4.0%}, TPOT "
+                  f"{s['tpot_attainment']:4.0%}), {s['failed']} failed, {run['duration_s']:.0f} s", flush=True)
+            if first_error := next((o["error"] for o in run["outcomes"] if o["error"]), None):
+                print(f"    first failure: {first_error}", flush=True)
     finally:
         server.stop()
-    return record
+
+
+def measure(args: argparse.Namespace, vocab: int, slo: Slo, log_dir: Path) -> dict[str, dict]:
+    """Every server's runs, the servers taking turns (stacks.in_turns), each rate once a round."""
+    records = {name: {"pinning": {}, "rates": {}} for name in args.servers}
+    for rep, name in in_turns(args.servers, args.repeats):
+        measure_round(name, args, vocab, slo, log_dir, rep, records[name])
+    return records
 
 
 # -- arguments ----------------------------------------------------------------------------------------------------
@@ -330,8 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     window = sum(args.num_requests / float(r) for r in args.rates) * args.repeats
     with tempfile.TemporaryDirectory(prefix="goodput-") as tmp:
         print(f"{slo.describe()}; arrivals span about {window / 60:.1f} minutes per server; logs in {tmp}", flush=True)
-        for name in args.servers:
-            report["servers"][name] = measure(name, args, config["vocab_size"], slo, Path(tmp))
+        report["servers"] = measure(args, config["vocab_size"], slo, Path(tmp))
     write(report, analyse(report, slo), args.out_dir or (None if args.quick else RESULTS))
     return 0
 

@@ -42,7 +42,7 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-from stacks import ROOT, VLLM_PYTHON, Stack, VllmServer, cpu_list, machine
+from stacks import ROOT, VLLM_PYTHON, Stack, VllmServer, cpu_list, in_turns, machine
 
 RESULTS = ROOT / "benchmarks" / "results"
 SERVERS = ("vllm", "unified", "pd")
@@ -175,13 +175,10 @@ def measure_round(name: str, args: argparse.Namespace, tmp: Path, r: int, record
 
 
 def measure(servers: list[str], args: argparse.Namespace, tmp: Path) -> dict[str, dict]:
-    """Every server's cells, the servers taking turns: round r starts each in turn (the order rotated each
-    round) and runs each workload once. This machine's speed drifts by 10-15% over minutes; one server's
-    runs back to back can all land in a slow stretch, while turns spread a stretch over every server."""
+    """Every server's cells, the servers taking turns (stacks.in_turns), each workload once a round."""
     records = {name: {"pinning": {}, "runs": {}, "median": {}} for name in servers}
-    for r in range(args.repeats):
-        for name in servers[r % len(servers):] + servers[:r % len(servers)]:
-            measure_round(name, args, tmp, r, records[name])
+    for r, name in in_turns(servers, args.repeats):
+        measure_round(name, args, tmp, r, records[name])
     for record in records.values():
         record["median"] = {label: {k: statistics.median(run[k] for run in runs) for k, _, _ in METRICS}
                             for label, runs in record["runs"].items()}

@@ -135,6 +135,15 @@ def cpu_list(cpus: str) -> list[str]:
     return out
 
 
+def in_turns(names: list[str], rounds: int):
+    """(round, name) for servers taking turns: each name once a round, the order rotated every round. This
+    machine's speed drifts by 10-15% over minutes; one server's runs back to back can all land in a slow
+    stretch, while turns spread a stretch over every server."""
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            yield r, name
+
+
 def shown_path(path: str | None) -> str | None:
     """A path as a results file keeps it: under the home folder as ~/..., so files read alike on every machine."""
     if path is None:
