@@ -136,8 +136,8 @@ def cpu_list(cpus: str) -> list[str]:
 
 
 def in_turns(names: list[str], rounds: int):
-    """(round, name) for servers taking turns: each name once a round, the order rotated every round. This
-    machine's speed drifts by 10-15% over minutes; one server's runs back to back can all land in a slow
+    """(round, name) for servers taking turns: each name once a round, the order rotated every round. A
+    machine's speed can drift by 10-15% over minutes; one server's runs back to back can all land in a slow
     stretch, while turns spread a stretch over every server."""
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
