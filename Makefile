@@ -1,4 +1,5 @@
-# Two commands: `make run` (serve llava-demo, the demo model) and `make test` (every test).
+# Two commands: `make run` (serve llava-demo, the demo model) and `make test` (every test); `make test-fast`
+# is the inner loop's subset.
 # `make test-compose` runs the image under a real Docker engine (tests/compose/run.sh); `make test-chaos`
 # puts a compose stack of it through faults under load (tests/chaos/run.sh).
 # Both create .venv at the repo root and install everything on first use.
@@ -11,7 +12,7 @@ STAMP := $(VENV)/.installed
 TOOLS := $(VENV)/tools
 TOOLS_STAMP := $(TOOLS)/.installed
 
-.PHONY: run test test-compose test-chaos install model bench clean
+.PHONY: run test test-fast test-compose test-chaos install model bench clean
 
 # Also rebuilt when a C++ kernel changes: the install compiles them (setup.py).
 $(STAMP): pyproject.toml constraints.txt setup.py kernels/cpu_levels.py $(wildcard kernels/csrc/*)
@@ -51,8 +52,19 @@ PORT ?= 8000
 run: $(STAMP)
 	$(VENV)/bin/epdserve up --port $(PORT)
 
+# Two pytest-xdist workers, one per core (the tests run torch on one thread), each test file whole on one
+# worker so that a module's stack or engine starts once; tests/conftest.py puts the long files (whole stacks)
+# first. Ends with the 15 slowest tests. `make test PYTEST_ARGS="--suite-profile=prof.json"` also writes where
+# the time went (tests/suite_profile.py; tests/TIMINGS.md).
+WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 test: $(STAMP) $(TOOLS_STAMP)
-	$(PY) -m pytest -q
+	$(PYTEST) $(PYTEST_ARGS)
+
+# The inner loop, a few minutes: unit, kernel and deploy tests and the integration tests not marked slow
+# (no whole stacks, no module that takes more than about ten seconds).
+test-fast: $(STAMP) $(TOOLS_STAMP)
+	$(PYTEST) -m "not slow and not gpu" $(PYTEST_ARGS) tests/unit tests/kernels tests/integration tests/deploy
 
 # Builds the image and runs `docker compose up` under a real Docker engine, started here when none runs
 # (root on Debian); says it skipped, and passes, only where no container can run.

@@ -1,4 +1,6 @@
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +11,36 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--suite-profile", metavar="FILE",
+                     help="write each test's seconds and what each folder starts to FILE (tests/suite_profile.py)")
+
+
+def pytest_configure(config):
+    if config.getoption("--suite-profile"):
+        # Loaded by path: no folder of the tests goes onto sys.path.
+        spec = importlib.util.spec_from_file_location("epdserve_suite_profile",
+                                                      Path(__file__).with_name("suite_profile.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        worker = getattr(config, "workerinput", {}).get("workerid")
+        config.pluginmanager.register(module.SuiteProfile(config.getoption("--suite-profile"), worker),
+                                      "suite-profile")
+
+
+# The folders in the order their tests run: whole stacks first, then in-process engines, then the quick
+# ones. With pytest-xdist (`make test`: two workers, a file whole on one worker) the long files start first and
+# the many short ones fill the end, so neither worker sits idle while the other finishes a long file.
+FOLDER_ORDER = ("e2e", "integration", "deploy", "kernels", "unit")
+
+
+def _folder_rank(item) -> int:
+    parts = item.nodeid.split("/")
+    return FOLDER_ORDER.index(parts[1]) if len(parts) > 2 and parts[1] in FOLDER_ORDER else len(FOLDER_ORDER)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_folder_rank)  # stable: the order within a folder is kept
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -21,6 +52,25 @@ def pytest_collection_modifyitems(config, items):
 # Tests share two cores with other processes; more intra-op threads than free cores makes torch's OpenMP
 # workers spin against each other. One thread is also what makes runs reproducible.
 torch.set_num_threads(1)
+
+
+_hf_models: dict = {}
+
+
+@pytest.fixture(scope="session")
+def hf_causal_lm():
+    """load(path) -> HF transformers' float32 causal LM of that folder, in eval mode, loaded once per test
+    process: the references of many modules are the same model. Callers only read it (generate, forward);
+    a test that changes a model (PEFT) loads its own."""
+    from transformers import AutoModelForCausalLM
+
+    def load(path):
+        key = str(path)
+        if key not in _hf_models:
+            _hf_models[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+        return _hf_models[key]
+
+    return load
 
 
 @pytest.fixture(scope="session")

@@ -6,9 +6,12 @@ processor's settings. epdserve downloads nothing: a hub id such as `org/name` is
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import re
 from pathlib import Path
+from typing import Iterator
 
 # `org/name` as the Hugging Face hub spells repositories; a path a user means as local rarely looks so.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -47,3 +50,13 @@ def check_model_folder(path: str | Path) -> Path:
     if "vision_config" in raw:
         load_image_processor(folder)  # raises when the image processor's settings are missing
     return folder
+
+
+@contextlib.contextmanager
+def building(folder: Path) -> Iterator[None]:
+    """Holds a lock beside `folder` while it is built into the cache: processes that start together (a stack's
+    services, parallel test workers) build it once, and never replace the folder another one already serves."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with (folder.parent / f".{folder.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

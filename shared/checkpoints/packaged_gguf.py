@@ -18,6 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from epdserve.shared.checkpoints.model_folder import building
+
 logger = logging.getLogger(__name__)
 
 
@@ -61,9 +63,15 @@ def prepare_packaged_gguf(checkpoint: PackagedGGUF, cache_dir: Path | None = Non
     folder = (cache_dir or default_cache_dir()) / "models" / checkpoint.name
     if is_prepared(folder):
         return folder
+    with building(folder):
+        if not is_prepared(folder):
+            _prepare(checkpoint, folder)
+    return folder
+
+
+def _prepare(checkpoint: PackagedGGUF, folder: Path) -> None:
     logger.info("converting %s from its packaged GGUF file into %s (once: a minute or a few)", checkpoint.name,
                 folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
     # Build in a sibling temp folder and rename, so a killed conversion never leaves a half folder; a joined
     # GGUF file goes to a scratch folder beside it, deleted with it.
     tmp = Path(tempfile.mkdtemp(prefix=f".{checkpoint.name}-", dir=folder.parent))
@@ -76,7 +84,6 @@ def prepare_packaged_gguf(checkpoint: PackagedGGUF, cache_dir: Path | None = Non
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
-    return folder
 
 
 def gguf_file(checkpoint: PackagedGGUF, scratch: Path) -> Path:

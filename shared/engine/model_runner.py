@@ -27,6 +27,7 @@ from epdserve.shared.engine.sampler import SampledLogprobs, Sampler
 from epdserve.shared.engine.scheduler import ScheduledRequest
 from epdserve.shared.engine.speculative import Sampled, verify_drafts
 from epdserve.shared.engine.step_timer import StepTimer
+from epdserve.shared.models.unfilled import build_unfilled
 from epdserve.shared.models.weights import iterate_weights, language_model_weights
 
 logger = logging.getLogger(__name__)
@@ -47,13 +48,8 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
     model_config = config.model
     logger.info("loading the weights of %s: %.2f GB in %s (a few seconds per GB)", model_config.model_id,
                 model_config.num_weight_bytes / 1e9, str(model_config.dtype).removeprefix("torch."))
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(model_config.dtype)
-    try:
-        with torch.device(config.device):
-            model = model_class(model_config.architecture)(model_config)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    model = build_unfilled(lambda: model_class(model_config.architecture)(model_config), model_config.dtype,
+                           config.device)
     model.load_weights(language_model_weights(iterate_weights(model_config.path)))
     return model.eval().requires_grad_(False)
 

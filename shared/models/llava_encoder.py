@@ -18,6 +18,7 @@ from epdserve.shared.models.layers.linear import Linear
 from epdserve.shared.models.clip import CLIPVisionTransformer, get_activation
 from epdserve.shared.models.vision_config import LlavaEncoderConfig
 from epdserve.shared.models.weights import iterate_weights
+from epdserve.shared.models.unfilled import build_unfilled
 
 # Where the tower and the projector live in checkpoints of older and newer transformers versions.
 _TOWER_PREFIXES = ("vision_tower.", "model.vision_tower.")
@@ -51,13 +52,7 @@ class LlavaEncoder(nn.Module):
                         device: str | torch.device = "cpu") -> LlavaEncoder:
         """Build the encoder of the LLaVA checkpoint at `path` and load its weights."""
         config = LlavaEncoderConfig.from_pretrained(path, dtype)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(config.dtype)
-        try:
-            with torch.device(device):
-                encoder = LlavaEncoder(config)
-        finally:
-            torch.set_default_dtype(default_dtype)
+        encoder = build_unfilled(lambda: LlavaEncoder(config), config.dtype, device)
         encoder.load_weights(iterate_weights(path, _TOWER_PREFIXES + _PROJECTOR_PREFIXES))
         return encoder.eval().requires_grad_(False)
 

@@ -14,6 +14,7 @@ from torch import nn
 from epdserve.shared.models.qwen_vision import QwenVisionTransformer
 from epdserve.shared.models.qwen_vision_config import QwenVLEncoderConfig
 from epdserve.shared.models.weights import iterate_weights
+from epdserve.shared.models.unfilled import build_unfilled
 
 # Where the tower lives in checkpoints saved by transformers 4 and 5.
 _TOWER_PREFIXES = ("visual.", "model.visual.")
@@ -32,13 +33,7 @@ class QwenVLEncoder(nn.Module):
                         device: str | torch.device = "cpu") -> QwenVLEncoder:
         """Build the encoder of the Qwen2.5-VL checkpoint at `path` and load its weights."""
         config = QwenVLEncoderConfig.from_pretrained(path, dtype)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(config.dtype)
-        try:
-            with torch.device(device):
-                encoder = QwenVLEncoder(config)
-        finally:
-            torch.set_default_dtype(default_dtype)
+        encoder = build_unfilled(lambda: QwenVLEncoder(config), config.dtype, device)
         encoder.load_weights(iterate_weights(path, _TOWER_PREFIXES))
         return encoder.eval().requires_grad_(False)
 

@@ -17,6 +17,8 @@ import pytest
 
 from epdserve.services.launcher import free_port
 
+pytestmark = pytest.mark.slow  # more than ten seconds: left out of `make test-fast`
+
 
 REPO = Path(__file__).resolve().parents[2]
 HEALTHCHECK = REPO / "deploy" / "healthcheck.py"

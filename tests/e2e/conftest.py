@@ -165,13 +165,12 @@ def start_stack(tmp_path_factory):
     stacks.stop_all()
 
 
-@pytest.fixture(scope="module")
-def smollm2(default_model_path):
+@pytest.fixture(scope="session")
+def smollm2(default_model_path, hf_causal_lm):
     """HF transformers' SmolLM2 and its tokenizer: the reference the text answers must equal."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    return (AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(default_model_path))
+    return hf_causal_lm(default_model_path), AutoTokenizer.from_pretrained(default_model_path)
 
 
 def picture_png(seed: int, size=(240, 320)) -> bytes:

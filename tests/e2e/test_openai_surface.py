@@ -40,11 +40,9 @@ def prompt_ids(default_model_path):
 
 
 @pytest.fixture(scope="module")
-def hf_logprobs(default_model_path, prompt_ids):
+def hf_logprobs(default_model_path, hf_causal_lm, prompt_ids):
     """[len(prompt), vocab]: row p is HF's log_softmax predicting prompt token p + 1."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+    model = hf_causal_lm(default_model_path)
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids])).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)

@@ -71,15 +71,15 @@ def test_n3_streaming_reassembles_to_the_same_choices(client):
     assert usage.completion_tokens == whole.usage.completion_tokens
 
 
-def test_greedy_n2_gives_twice_hf_greedy(client, default_model_path, ids_of):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_greedy_n2_gives_twice_hf_greedy(client, default_model_path, hf_causal_lm, ids_of):
+    from transformers import AutoTokenizer
 
     prompt = "The capital of France is"
     out = client.completions.create(model="demo", prompt=prompt, n=2, max_tokens=8, temperature=0, logprobs=0,
                                     extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
     tokens = [ids_of(c.logprobs.tokens) for c in out.choices]
     assert tokens[0] == tokens[1]
-    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+    model = hf_causal_lm(default_model_path)
     ids = AutoTokenizer.from_pretrained(default_model_path)(prompt, return_tensors="pt").input_ids
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                          pad_token_id=model.generation_config.eos_token_id)[0, ids.shape[1]:].tolist()

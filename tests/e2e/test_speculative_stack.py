@@ -71,14 +71,13 @@ def served(client, prompt_ids, ids_of, **params):
 
 
 def test_greedy_is_one_token_per_step_and_hf(stack, client, reference, prompt_ids, ids_of, default_model_path,
-                                             hf_greedy, near_tie_check):
+                                             hf_causal_lm, hf_greedy, near_tie_check):
     import torch
-    from transformers import AutoModelForCausalLM
 
     before = accepted(stack)
     got = served(client, prompt_ids, ids_of, max_tokens=32, temperature=0, extra={"ignore_eos": True})[0]
     assert accepted(stack) > before
-    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+    model = hf_causal_lm(default_model_path)
     assert near_tie_check("served", got, *hf_greedy(model, prompt_ids, 32)) == 0
     assert got == offline(reference, prompt_ids, temperature=0, max_tokens=32, ignore_eos=True)[0]
 

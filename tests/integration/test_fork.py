@@ -10,6 +10,8 @@ from epdserve.shared.engine.llm_engine import LLMEngine
 from epdserve.shared.engine.parallel_sampling import sequence_id
 from epdserve.shared.engine.request import RequestStatus
 
+pytestmark = pytest.mark.slow  # more than ten seconds: left out of `make test-fast`
+
 PROMPT = "The old lighthouse keeper climbed the narrow stairs and then"  # 10 tokens: 2 full blocks of 4 and a partial one
 BS = 4
 SAMPLED = dict(temperature=1.0, max_tokens=8, ignore_eos=True)

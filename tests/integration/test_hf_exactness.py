@@ -11,6 +11,8 @@ import torch
 
 from epdserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # more than ten seconds: left out of `make test-fast`
+
 MAX_NEW_TOKENS = 24
 
 TEXT = (

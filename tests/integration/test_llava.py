@@ -24,6 +24,8 @@ from epdserve.shared.processing.multimodal import ImagePromptSpec, expand_image_
 from epdserve.shared.engine.sampling_params import RequestOutputKind
 from epdserve.shared.models.weights import iterate_weights, language_model_weights
 
+pytestmark = pytest.mark.slow  # more than ten seconds: left out of `make test-fast`
+
 MAX_NEW_TOKENS = 16
 BLOCK_SIZE = 16
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -207,16 +209,14 @@ def test_chat_template_renders_text_like_smollm2(llava_demo_path, default_model_
         f"user\nA{IMAGE_TOKEN}B<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_text_only_output_is_smollm2s(llava_demo_path, default_model_path, near_tie_check):
-    from transformers import AutoModelForCausalLM
-
+def test_text_only_output_is_smollm2s(llava_demo_path, default_model_path, hf_causal_lm, near_tie_check):
     from epdserve.shared.processing.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path)
     prompts = [tokenizer.encode_chat([{"role": "user", "content": q}])
                for q in ("What is the capital of France?", "Write a haiku about rain.", "List three prime numbers.")]
     prompts.append(tokenizer.encode("The lighthouse keeper climbed the stairs"))
-    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+    model = hf_causal_lm(default_model_path)
     with torch.no_grad():
         reference = [hf_generate(model, {"input_ids": torch.tensor([p]), "attention_mask": torch.ones(1, len(p),
                                                                                                      dtype=torch.long)})

@@ -11,6 +11,8 @@ import torch
 
 from epdserve import LLM, LoRARequest, SamplingParams
 
+pytestmark = pytest.mark.slow  # more than ten seconds: left out of `make test-fast`
+
 MAX_NEW_TOKENS = 12
 PROMPTS = ["The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps",
            "Ships passed far out on the horizon",

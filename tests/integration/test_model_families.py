@@ -26,19 +26,11 @@ def path(request, tiny_model_paths):
     return tiny_model_paths[request.param]
 
 
-@pytest.fixture(scope="module")
-def hf_models():
-    from transformers import AutoModelForCausalLM
-
-    cache = {}
-    return lambda path: cache.setdefault(path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
-
-
-def test_n_greedy_sequences_each_equal_hf(path, hf_models, hf_greedy, near_tie_check):
+def test_n_greedy_sequences_each_equal_hf(path, hf_causal_lm, hf_greedy, near_tie_check):
     llm = LLM(model=path, num_kv_blocks=64, block_size=16)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], replace(GREEDY, n=2))
     for i, (prompt, out) in enumerate(zip(PROMPTS, outputs)):
-        tokens, logits = hf_greedy(hf_models(path), prompt, MAX_TOKENS)
+        tokens, logits = hf_greedy(hf_causal_lm(path), prompt, MAX_TOKENS)
         assert [c.index for c in out.outputs] == [0, 1]
         for completion in out.outputs:
             assert near_tie_check(f"prompt {i}, sequence {completion.index}", completion.token_ids, tokens, logits) == 0
@@ -95,7 +87,7 @@ def test_triton_kernels_equal_the_cpu_kernels(path):
     assert [o.outputs[0].token_ids for o in triton] == [o.outputs[0].token_ids for o in cpu]
 
 
-def test_gemma3_on_the_torch_backend_equals_hf(tiny_model_paths, hf_models, hf_greedy, near_tie_check):
+def test_gemma3_on_the_torch_backend_equals_hf(tiny_model_paths, hf_causal_lm, hf_greedy, near_tie_check):
     """The PyTorch backend plans each step once per window (sliding layers, global ones) and keeps the decode
     batch's K/V across steps for all of them."""
     path = tiny_model_paths["gemma3"]
@@ -103,16 +95,16 @@ def test_gemma3_on_the_torch_backend_equals_hf(tiny_model_paths, hf_models, hf_g
     assert llm.engine.runner.attention_windows == (12, None)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], replace(GREEDY, max_tokens=16))
     for i, (prompt, out) in enumerate(zip(PROMPTS, outputs)):
-        tokens, logits = hf_greedy(hf_models(path), prompt, 16)
+        tokens, logits = hf_greedy(hf_causal_lm(path), prompt, 16)
         assert near_tie_check(f"prompt {i}", out.outputs[0].token_ids, tokens, logits) == 0
     assert llm.engine.runner.decode_mirror.num_rebuilds < 16  # appended to, step after step
 
 
-def test_gemma3_prompt_logprobs_are_hf_soft_capped_ones(tiny_model_paths, hf_models):
+def test_gemma3_prompt_logprobs_are_hf_soft_capped_ones(tiny_model_paths, hf_causal_lm):
     path = tiny_model_paths["gemma3"]
     prompt = PROMPTS[2]
     with torch.no_grad():
-        hf = torch.log_softmax(hf_models(path)(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        hf = torch.log_softmax(hf_causal_lm(path)(torch.tensor([prompt])).logits[0].float(), dim=-1)
     out = LLM(model=path, num_kv_blocks=64).generate(
         {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
     scores = out[0].prompt_logprobs

@@ -25,10 +25,8 @@ def prompt(model_path):
 
 
 @pytest.fixture(scope="module")
-def hf_logprobs(model_path, prompt):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+def hf_logprobs(model_path, hf_causal_lm, prompt):
+    model = hf_causal_lm(model_path)
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)  # row p predicts token p + 1

@@ -15,6 +15,8 @@ import pytest
 from epdserve import LLM, SamplingParams
 from epdserve.shared.engine.sampling_params import StructuredOutputsParams
 
+pytestmark = pytest.mark.slow  # more than ten seconds: left out of `make test-fast`
+
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
         "Rewrite the code above with mul instead of sub:\n\ndef add(a, b):\n    return a + b\n\n\ndef")
@@ -114,16 +116,15 @@ def test_structured_output_is_that_of_one_token_per_step(default_model_path):
     assert_clean(spec)
 
 
-def test_greedy_equals_hf(default_model_path, hf_greedy, near_tie_check):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    import torch
+def test_greedy_equals_hf(default_model_path, hf_causal_lm, hf_greedy, near_tie_check):
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path)
     prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]
     llm = LLM(default_model_path, num_kv_blocks=64, speculative_config=SPEC)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=24,
                                                                                   ignore_eos=True))
-    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+    model = hf_causal_lm(default_model_path)
     ties = sum(near_tie_check(f"prompt {i}", out.outputs[0].token_ids, *hf_greedy(model, p, 24))
                for i, (p, out) in enumerate(zip(prompts, outs)))
     assert ties <= 1

@@ -17,6 +17,8 @@ from epdserve.services.batch.engine_backend import EngineBackend
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.serving import OpenAIServing
 
+pytestmark = pytest.mark.slow  # more than ten seconds: left out of `make test-fast`
+
 MODEL = "smollm2"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                            "population": {"type": "integer", "minimum": 0}},

@@ -13,6 +13,8 @@ from epdserve.shared.engine.llm import LLM, build_engine_config
 from epdserve.shared.engine.llm_engine import LLMEngine
 from epdserve.shared.engine.sampling_params import StructuredOutputsParams
 
+pytestmark = pytest.mark.slow  # more than ten seconds: left out of `make test-fast`
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}

@@ -1,0 +1,145 @@
+"""Where the suite's time goes: each test's seconds (setup + call + teardown), and per folder of tests/ how many
+stacks, service processes, in-process engines and model loads it started.
+
+Turned on by `pytest --suite-profile=FILE` (tests/conftest.py registers it), which writes FILE as JSON when the
+session ends (and FILE.gw0, ... from pytest-xdist's workers); `python tests/suite_profile.py FILE...` renders one
+or more runs (`make test`, the compose and chaos suites) as the tables of tests/TIMINGS.md. What a fixture
+starts counts for the test whose setup started it, so a module-scoped stack counts once, in its folder.
+"""
+import collections
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROLES = ("encoder", "prefill", "decode", "unified", "proxy", "kvstore", "planner")
+
+
+class SuiteProfile:
+    def __init__(self, path: str, worker: str | None = None) -> None:
+        # Under pytest-xdist each worker writes FILE.<worker id> (what it started); the controller, which sees
+        # every test's report, writes FILE.
+        self.path = Path(f"{path}.{worker}" if worker else path)
+        self.worker = worker
+        self.folder = "(collection)"
+        self.seconds: dict[str, float] = collections.defaultdict(float)  # test node id -> seconds
+        self.outcomes: dict[str, str] = {}
+        self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.started = time.monotonic()
+        self._patch()
+
+    def count(self, what: str) -> None:
+        self.counts[self.folder][what] += 1
+
+    def _patch(self) -> None:
+        """Counts what the suite starts by wrapping the places that start it (in this process; a service
+        process counts once, as the role it was started as)."""
+        profile = self
+        popen_init = subprocess.Popen.__init__
+
+        def init(self, args, *rest, **kwargs):
+            argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+            profile._count_process(argv)
+            popen_init(self, args, *rest, **kwargs)
+
+        subprocess.Popen.__init__ = init
+
+        from epdserve.shared.engine import llm_engine, model_runner
+
+        engine_init = llm_engine.LLMEngine.__init__
+
+        def new_engine(self, *args, **kwargs):
+            profile.count("engines in-process")
+            engine_init(self, *args, **kwargs)
+
+        llm_engine.LLMEngine.__init__ = new_engine
+        load_model = model_runner.load_model
+
+        def load(config):
+            profile.count("model loads (engine)")
+            return load_model(config)
+
+        model_runner.load_model = load
+        from transformers import PreTrainedModel
+
+        from_pretrained = PreTrainedModel.from_pretrained.__func__
+
+        def hf_load(cls, *args, **kwargs):
+            profile.count("model loads (HF)")
+            return from_pretrained(cls, *args, **kwargs)
+
+        PreTrainedModel.from_pretrained = classmethod(hf_load)
+
+    def _count_process(self, argv: list[str]) -> None:
+        joined = " ".join(argv)
+        if "epdserve" in joined and "serve" in argv:
+            role = argv[argv.index("serve") + 1] if argv.index("serve") + 1 < len(argv) else "?"
+            self.count(f"service processes ({role})" if role in ROLES else "service processes (other)")
+            if role == "proxy":
+                self.count("stacks")
+        elif "epdserve" in joined and " up" in f" {joined}":
+            self.count("stacks")
+            self.count("`epdserve up` processes")
+        elif argv and Path(argv[0]).name in ("docker", "docker-compose") and "up" in argv:
+            self.count("stacks")
+            self.count("compose ups")
+        elif argv and Path(argv[0]).name in ("docker", "docker-compose") and "build" in argv:
+            self.count("image builds")
+
+    # pytest hooks -------------------------------------------------------------------------------------
+
+    def pytest_runtest_protocol(self, item, nextitem):
+        self.folder = folder_of(item.nodeid)
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[report.nodeid] += report.duration
+        if report.when == "call" or report.outcome != "passed":
+            self.outcomes[report.nodeid] = report.outcome if report.when == "call" or report.outcome != "skipped" \
+                else "skipped"
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({
+            "argv": sys.argv, "worker": self.worker, "wall_seconds": round(time.monotonic() - self.started, 1),
+            "tests": {k: [round(v, 3), self.outcomes.get(k, "?")] for k, v in self.seconds.items()},
+            "counts": {k: dict(v) for k, v in self.counts.items()},
+        }, indent=1))
+
+
+def folder_of(nodeid: str) -> str:
+    parts = nodeid.split("::")[0].split("/")
+    return "/".join(parts[:2]) if parts[0] == "tests" and len(parts) > 2 else parts[0]
+
+
+def render(runs: list[dict], slowest: int = 30) -> str:
+    """The tables of tests/TIMINGS.md from one or more runs' JSON (with their workers')."""
+    runs, workers = [r for r in runs if not r.get("worker")], runs
+    tests = {k: v for run in runs for k, v in run["tests"].items()}
+    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for run in workers:
+        for folder, c in run["counts"].items():
+            counts[folder].update(c)
+    per_folder: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for nodeid, (seconds, _) in tests.items():
+        per_folder[folder_of(nodeid)][0] += seconds
+        per_folder[folder_of(nodeid)][1] += 1
+    columns = sorted({what for c in counts.values() for what in c})
+    out = [f"Runs: {', '.join(' '.join(Path(a).name if i == 0 else a for i, a in enumerate(r['argv'])) for r in runs)}; "
+           f"wall {' + '.join(str(r['wall_seconds']) for r in runs)} s.", "",
+           f"### The {slowest} slowest tests", "", "| seconds | test |", "|---:|---|"]
+    for nodeid, (seconds, outcome) in sorted(tests.items(), key=lambda kv: -kv[1][0])[:slowest]:
+        out.append(f"| {seconds:.1f} | `{nodeid}`{'' if outcome == 'passed' else f' ({outcome})'} |")
+    out += ["", "### Seconds per folder, and what each folder starts", "",
+            "| folder | tests | seconds | " + " | ".join(columns) + " |",
+            "|---|---:|---:|" + "---:|" * len(columns)]
+    for folder in sorted(set(per_folder) | set(counts), key=lambda f: -per_folder[f][0]):
+        seconds, n = per_folder[folder]
+        out.append(f"| {folder} | {n} | {seconds:.0f} | "
+                   + " | ".join(str(counts[folder].get(c, "")) for c in columns) + " |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    files = [f for p in sys.argv[1:] for f in sorted(Path(p).parent.glob(Path(p).name + "*"))]
+    print(render([json.loads(f.read_text()) for f in files]), end="")
