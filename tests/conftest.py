@@ -90,21 +90,41 @@ def gemma3_270m_path():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_paths(tmp_path_factory, default_model_path):
+def build_once(tmp_path_factory, worker_id):
+    """build(name, builder) -> a test checkpoint folder, built by builder(folder) the first time any worker of this
+    run asks for it: pytest-xdist gives each worker a temp folder of its own, and these checkpoints (fixed seeds)
+    are the same for all of them, so they are built once, under a lock, in the folder the workers share."""
+    from epdserve.shared.checkpoints.model_folder import building
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if worker_id != "master" else base) / "checkpoints"
+
+    def build(name: str, builder) -> str:
+        folder = root / name
+        with building(folder):
+            if not (folder / "config.json").is_file():
+                builder(folder)
+        return str(folder)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_model_paths(build_once, default_model_path):
     """Random tiny checkpoints of every supported text family (tiny_models.TINY_CONFIGS: llama, qwen2, qwen3,
     qwen3-moe, mixtral, gemma3), built by the project's own script (fixed seed)."""
     from epdserve.shared.checkpoints.tiny_models import TINY_CONFIGS, build_tiny_model
 
-    root = tmp_path_factory.mktemp("tiny-models")
-    return {arch: str(build_tiny_model(arch, root / arch, default_model_path)) for arch in TINY_CONFIGS}
+    return {arch: build_once(f"tiny-{arch}", lambda out, arch=arch: build_tiny_model(arch, out, default_model_path))
+            for arch in TINY_CONFIGS}
 
 
 @pytest.fixture(scope="session")
-def llava_demo_path(tmp_path_factory, default_model_path):
+def llava_demo_path(build_once, default_model_path):
     """The demo LLaVA checkpoint (SmolLM2 + a small untrained CLIP tower), built by the project's own builder."""
     from epdserve.shared.checkpoints.llava_demo import build_llava_demo
 
-    return str(build_llava_demo(tmp_path_factory.mktemp("llava") / "llava-demo", default_model_path))
+    return build_once("llava-demo", lambda out: build_llava_demo(out, default_model_path))
 
 
 TIE_GAP = 1e-4  # absolute float32 logit difference under which a greedy choice counts as a near-tie
@@ -147,9 +167,9 @@ def hf_greedy():
 
 
 @pytest.fixture(scope="session")
-def qwen2_5_vl_path(tmp_path_factory, default_model_path):
+def qwen2_5_vl_path(build_once, default_model_path):
     """The tiny Qwen2.5-VL checkpoint (random vision tower and Qwen2 decoder with M-RoPE, fixed seed), built
     by the project's own builder."""
     from epdserve.shared.checkpoints.tiny_qwen2_5_vl import build_tiny_qwen2_5_vl
 
-    return str(build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "tiny-qwen2.5-vl", default_model_path))
+    return build_once("tiny-qwen2.5-vl", lambda out: build_tiny_qwen2_5_vl(out, default_model_path))
