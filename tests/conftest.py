@@ -91,9 +91,9 @@ def gemma3_270m_path():
 
 @pytest.fixture(scope="session")
 def build_once(tmp_path_factory, worker_id):
-    """build(name, builder) -> a test checkpoint folder, built by builder(folder) the first time any worker of this
-    run asks for it: pytest-xdist gives each worker a temp folder of its own, and these checkpoints (fixed seeds)
-    are the same for all of them, so they are built once, under a lock, in the folder the workers share."""
+    """build(relative path, builder) -> a test checkpoint folder, built by builder(folder) the first time any worker
+    of this run asks for it: pytest-xdist gives each worker a temp folder of its own, and these checkpoints (fixed
+    seeds) are the same for all of them, so they are built once, under a lock, in the folder the workers share."""
     from epdserve.shared.checkpoints.model_folder import building
 
     base = tmp_path_factory.getbasetemp()
@@ -115,7 +115,9 @@ def tiny_model_paths(build_once, default_model_path):
     qwen3-moe, mixtral, gemma3), built by the project's own script (fixed seed)."""
     from epdserve.shared.checkpoints.tiny_models import TINY_CONFIGS, build_tiny_model
 
-    return {arch: build_once(f"tiny-{arch}", lambda out, arch=arch: build_tiny_model(arch, out, default_model_path))
+    # Each folder is named after its family: the name a stack serves it under by default.
+    return {arch: build_once(f"tiny-models/{arch}",
+                             lambda out, arch=arch: build_tiny_model(arch, out, default_model_path))
             for arch in TINY_CONFIGS}
 
 
