@@ -94,9 +94,8 @@ class SuiteProfile:
 
     def pytest_runtest_logreport(self, report):
         self.seconds[report.nodeid] += report.duration
-        if report.when == "call" or report.outcome != "passed":
-            self.outcomes[report.nodeid] = report.outcome if report.when == "call" or report.outcome != "skipped" \
-                else "skipped"
+        if report.when == "call" or report.outcome != "passed":  # a setup's skip or error, a teardown's error
+            self.outcomes[report.nodeid] = report.outcome
 
     def pytest_sessionfinish(self, session, exitstatus):
         self.path.parent.mkdir(parents=True, exist_ok=True)
