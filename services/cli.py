@@ -50,14 +50,11 @@ def prepare_model(which: str, cache_dir: str | None = None, out: str | None = No
     folder = Path(out) if out else cache / "models" / which
     if which == "llava-demo":
         from epdserve.shared.checkpoints.llava_demo import build_llava_demo
-        from epdserve.shared.checkpoints.model_folder import building
+        from epdserve.shared.checkpoints.model_folder import build_once
 
         if out is not None:
             return build_llava_demo(folder, text_model, seed=seed)
-        with building(folder):
-            if (folder / "config.json").is_file():
-                return folder  # built before: same seed, same checkpoint
-            return build_llava_demo(folder, text_model, seed=seed)
+        return build_once(folder, lambda path: build_llava_demo(path, text_model, seed=seed))
     if which == "tiny-qwen2.5-vl":
         from epdserve.shared.checkpoints.tiny_qwen2_5_vl import build_tiny_qwen2_5_vl
 

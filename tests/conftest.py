@@ -54,9 +54,6 @@ def pytest_collection_modifyitems(config, items):
 torch.set_num_threads(1)
 
 
-_hf_models: dict = {}
-
-
 @pytest.fixture(scope="session")
 def hf_causal_lm():
     """load(path) -> HF transformers' float32 causal LM of that folder, in eval mode, loaded once per test
@@ -64,11 +61,12 @@ def hf_causal_lm():
     a test that changes a model (PEFT) loads its own."""
     from transformers import AutoModelForCausalLM
 
+    models = {}
+
     def load(path):
-        key = str(path)
-        if key not in _hf_models:
-            _hf_models[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
-        return _hf_models[key]
+        if str(path) not in models:
+            models[str(path)] = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        return models[str(path)]
 
     return load
 
@@ -94,19 +92,11 @@ def build_once(tmp_path_factory, worker_id):
     """build(relative path, builder) -> a test checkpoint folder, built by builder(folder) the first time any worker
     of this run asks for it: pytest-xdist gives each worker a temp folder of its own, and these checkpoints (fixed
     seeds) are the same for all of them, so they are built once, under a lock, in the folder the workers share."""
-    from epdserve.shared.checkpoints.model_folder import building
+    from epdserve.shared.checkpoints import model_folder
 
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if worker_id != "master" else base) / "checkpoints"
-
-    def build(name: str, builder) -> str:
-        folder = root / name
-        with building(folder):
-            if not (folder / "config.json").is_file():
-                builder(folder)
-        return str(folder)
-
-    return build
+    return lambda name, builder: str(model_folder.build_once(root / name, builder))
 
 
 @pytest.fixture(scope="session")

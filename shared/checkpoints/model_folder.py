@@ -11,7 +11,7 @@ import fcntl
 import json
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 # `org/name` as the Hugging Face hub spells repositories; a path a user means as local rarely looks so.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -60,3 +60,12 @@ def building(folder: Path) -> Iterator[None]:
     with (folder.parent / f".{folder.name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def build_once(folder: Path, build: Callable[[Path], object]) -> Path:
+    """`folder`, written by build(folder) unless a checkpoint (config.json) is already there: builders with a
+    fixed seed write the same checkpoint every time, so one built before is reused."""
+    with building(folder):
+        if not (folder / "config.json").is_file():
+            build(folder)
+    return folder

@@ -72,8 +72,6 @@ def served(client, prompt_ids, ids_of, **params):
 
 def test_greedy_is_one_token_per_step_and_hf(stack, client, reference, prompt_ids, ids_of, default_model_path,
                                              hf_causal_lm, hf_greedy, near_tie_check):
-    import torch
-
     before = accepted(stack)
     got = served(client, prompt_ids, ids_of, max_tokens=32, temperature=0, extra={"ignore_eos": True})[0]
     assert accepted(stack) > before
