@@ -77,6 +77,8 @@ class RequestClient:
         self._refused: asyncio.Future | None = None  # set by the watcher while a handshake runs
         # Set by the watcher when a connect is refused while a handshake that fails on it runs.
         self._connect_refused: asyncio.Future | None = None
+        # Set by the watcher when a connection is made while a hello sent during an outage waits for its answer.
+        self._reconnected: asyncio.Future | None = None
         self.num_disconnects = 0
         # Loop time the connection dropped, until the next one is made (None: up, or never tried yet). A
         # dead peer's connection drops at once (its kernel closes it) or within a heartbeat timeout (a
@@ -133,6 +135,8 @@ class RequestClient:
                         self._connect_refused.set_result(event)
                 elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.down_since = None
+                    if self._reconnected is not None and not self._reconnected.done():
+                        self._reconnected.set_result(event)
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
                     self.num_disconnects += 1
                     self.down_since = asyncio.get_running_loop().time()
@@ -205,9 +209,19 @@ class RequestClient:
         unreachable = loop.create_future()
         if fail_if_refused:
             self._connect_refused = unreachable
-        roundtrip = asyncio.ensure_future(self._roundtrip(self._hello, deadline))
+        roundtrip = reconnected = None
         try:
-            await asyncio.wait({refused, roundtrip, unreachable}, return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                # A hello sent just after the connection dropped can go into the dying connection (the
+                # socket learns of the drop a moment after the monitor does) and be lost without a trace:
+                # once the next connection is made, it is sent again (a repeated hello is answered alike).
+                reconnected = self._reconnected = loop.create_future() if self.down_since is not None else None
+                roundtrip = asyncio.ensure_future(self._roundtrip(self._hello, deadline))
+                await asyncio.wait({refused, roundtrip, unreachable, reconnected} - {None},
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if roundtrip.done() or reconnected is None or not reconnected.done():
+                    break
+                roundtrip.cancel()
             if unreachable.done() and not roundtrip.done():
                 raise PeerUnreachable(f"{self.address} refused the connection: nothing listens there")
             if refused.done():  # checked first: the dropped connection that follows fails the roundtrip too
@@ -225,9 +239,10 @@ class RequestClient:
             raise ChannelTimeout(f"no handshake answer from {self.address}: peer down, unreachable, "
                                  "or not completing the CURVE handshake") from None
         finally:
-            for fut in (refused, roundtrip, unreachable):
-                fut.cancel()
-            self._refused = self._connect_refused = None
+            for fut in (refused, roundtrip, unreachable, reconnected):
+                if fut is not None:
+                    fut.cancel()
+            self._refused = self._connect_refused = self._reconnected = None
         if isinstance(reply, Error):
             raise HandshakeError(f"{self.address} refused the handshake: {reply.code.value}: {reply.message}")
         if not isinstance(reply, HandshakeAck) or reply.protocol_version != PROTOCOL_VERSION:
