@@ -10,6 +10,8 @@ A block of every layer is `kv_cache[:, :, block_id]`, the unit the transport mov
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from typing import NamedTuple
 
 import torch
@@ -31,6 +33,16 @@ from epdserve.shared.models.unfilled import build_unfilled
 from epdserve.shared.models.weights import iterate_weights, language_model_weights
 
 logger = logging.getLogger(__name__)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on the host, of anonymous pages, which read as zero and take memory as they are first
+    written: an engine with a pool of gigabytes is ready without writing them all first (and holds only what its
+    requests have used)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * dtype.itemsize
+    return torch.frombuffer(mmap.mmap(-1, max(num_bytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class ModelRunnerOutput(NamedTuple):
@@ -66,8 +78,8 @@ class ModelRunner:
             # which would otherwise wait while a ready engine compiles.
             load_cpu_kernels(m.dtype, layer_ops=True, attention=config.attention_backend in ("auto", "cpu"))
         self.model = load_model(config)
-        self.kv_cache = torch.zeros(m.num_layers, 2, num_blocks, m.num_kv_heads, self.block_size, m.head_size,
-                                    dtype=m.dtype, device=self.device)
+        self.kv_cache = zeroed((m.num_layers, 2, num_blocks, m.num_kv_heads, self.block_size, m.head_size),
+                               m.dtype, self.device)
         backend = select_attention_backend(config.attention_backend, self.device)
         backend = backend._replace(write_kv=self.timer.timed("attention", backend.write_kv),
                                    attend=self.timer.timed("attention", backend.attend))
