@@ -49,8 +49,9 @@ model: $(STAMP)
 
 # `make run PORT=8001` serves the API on another port.
 PORT ?= 8000
+# `make run ARGS="MODEL --max-model-len 2048 ..."`: anything `epdserve up` takes.
 run: $(STAMP)
-	$(VENV)/bin/epdserve up --port $(PORT)
+	$(VENV)/bin/epdserve up --port $(PORT) $(ARGS)
 
 # Two pytest-xdist workers, one per core (the tests run torch on one thread), each test file whole on one
 # worker so that a module's stack or engine starts once; tests/conftest.py puts the long files (whole stacks)

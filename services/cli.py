@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from epdserve.services import vllm_flags
 from epdserve.services.batch.cli import add_run_batch_parser
 from epdserve.services.bench.cli import add_bench_parser
 from epdserve.services.cli_options import (
@@ -77,9 +78,13 @@ def default_serving_model() -> str:
 
 
 def model_folder(args: argparse.Namespace) -> str:
-    """--model, checked, or the demo model (built on first use)."""
+    """MODEL or --model, checked, or the demo model (built on first use)."""
     from epdserve.shared.checkpoints.model_folder import check_model_folder
 
+    given = getattr(args, "model_argument", None)
+    if given is not None and args.model is not None and given != args.model:
+        raise SystemExit(f"epdserve: error: two models given: {given} and --model {args.model}; give one")
+    args.model = given or args.model
     if args.model is None:
         return default_serving_model()
     try:
@@ -94,7 +99,7 @@ def _split_targets(values: list[str] | None) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="epdserve", description="Disaggregated LLM serving.")
+    parser = _Parser(prog="epdserve", description="Disaggregated LLM serving.")
     parser.add_argument("--log-level", type=log_level, default=os.environ.get("EPDSERVE_LOG_LEVEL", "info"),
                         metavar="LEVEL",
                         help="debug, info, warning, error or critical (default: $EPDSERVE_LOG_LEVEL or info)")
@@ -136,16 +141,20 @@ def transport_config(args: argparse.Namespace):
 
 
 def engine_config(args: argparse.Namespace, model: str):
+    """Raises ValueError for an option out of range, one that contradicts the model or another option, or a vLLM
+    flag that cannot apply here."""
     from dataclasses import replace
 
     from epdserve.shared.engine import build_engine_config
 
+    vllm_flags.check_engine_flags(args, model)
     config = build_engine_config(
         model, dtype=args.dtype, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        budget_policy=args.budget_policy,
+        budget_policy=vllm_flags.budget_policy(args),
         kv_cache_memory_bytes=int(args.kv_cache_memory * (1 << 30)) if args.kv_cache_memory else None,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction or args.gpu_memory_utilization,
         max_model_len=args.max_model_len, attention_backend=args.attention_backend, device=args.device,
         seed=args.seed, grammar_compile_timeout=args.grammar_compile_timeout,
         speculative_config=args.speculative_config,
@@ -212,8 +221,9 @@ def proxy_config(args: argparse.Namespace, model: str):
         if value < 0:
             raise SystemExit(f"epdserve: error: {flag} must be at least 0, got {value}")
     transport = transport_config(args)
+    vllm_flags.check_shared_flags(args, model)
     return ProxyConfig(
-        model=model, served_model_name=args.served_model_name, host=args.host, port=args.port,
+        model=model, served_model_name=tuple(args.served_model_name or ()), host=args.host, port=args.port,
         inbox_port=args.inbox_port, advertise_host=args.advertise_host, api_key=api_key(args),
         encoders=_peer_targets(args, "encoder"), prefills=_peer_targets(args, "prefill"),
         decodes=_peer_targets(args, "decode"), unified=_peer_targets(args, "unified"), poll_interval=args.poll_interval,
@@ -231,7 +241,21 @@ def proxy_config(args: argparse.Namespace, model: str):
         drain_timeout=args.drain_timeout, max_request_body_bytes=args.max_request_body_bytes,
         otlp_traces_endpoint=args.otlp_traces_endpoint, request_trace=args.request_trace,
         constraint_limits=ConstraintLimits(args.max_structured_output_bytes, args.max_logit_bias),
-        lora_modules=lora_modules(args), enable_lora_runtime_updates=args.enable_lora_runtime_updates)
+        lora_modules=lora_modules(args), enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+        chat_template=chat_template(args.chat_template),
+        max_images_per_prompt=(args.limit_mm_per_prompt or {}).get("image"))
+
+
+def chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself (as vLLM: text with Jinja's braces or a newline)."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise SystemExit(f"epdserve: error: --chat-template {value}: no such file, and not a template either")
 
 
 def _kv_store_address(args: argparse.Namespace) -> str | None:
@@ -272,7 +296,7 @@ def service_config(args: argparse.Namespace, threads: int = 1):
     try:
         return ServiceConfig(args.role, engine_id, args.host, args.port, args.data_port, args.http_port,
                              args.advertise_host, args.lease_seconds, args.encoder_cache_items, transport_config(args),
-                             args.drain_timeout, threads, args.served_model_name, args.block_port,
+                             args.drain_timeout, threads, (args.served_model_name or [None])[0], args.block_port,
                              args.max_queue_wait, stats_interval, kv_store=kv_store,
                              kv_store_timeout=getattr(args, "kv_store_timeout", 2.0))
     except ValueError as exc:
@@ -348,10 +372,7 @@ def stack_config(args: argparse.Namespace, model: str):
         raise SystemExit(f"epdserve: error: --kv-store must be a positive size in GiB, got {args.kv_store:g}")
     if not args.unified and args.decodes < 1:
         raise SystemExit("epdserve: error: a stack needs at least one decode (--decodes), or --unified")
-    if args.extra[:1] not in ([], ["--"]):
-        raise SystemExit(f"epdserve: error: unexpected {args.extra[0]!r}: engine options go after --, as in "
-                         "`epdserve up -- --max-num-seqs 64`")
-    extra = args.extra[1:]
+    extra = args.extra
     for flag, missed in UP_OWN_OPTIONS.items():
         if any(arg == flag or arg.startswith(flag + "=") for arg in extra):
             raise SystemExit(f"epdserve: error: give {flag} before --: `epdserve up {flag} ...` passes it to "
@@ -360,7 +381,12 @@ def stack_config(args: argparse.Namespace, model: str):
         raise SystemExit(f"epdserve: error: --port {args.port} is inside --internal-ports "
                          f"{args.internal_ports[0]}-{args.internal_ports[1]}: keep the API's port out of it")
     _check_kv_transport(args)
-    if args.speculative_config is not None:  # checked once here, not by every engine it is given to
+    try:  # checked once here, not by every service they are given to
+        vllm_flags.check_engine_flags(args, model)
+        vllm_flags.budget_policy(args)
+    except ValueError as exc:
+        raise SystemExit(f"epdserve: error: {exc}") from None
+    if args.speculative_config is not None:
         from epdserve.shared.config import SpeculativeConfig
 
         try:
@@ -375,12 +401,17 @@ def stack_config(args: argparse.Namespace, model: str):
         except ValueError as exc:
             raise SystemExit(f"epdserve: error: {exc}") from None
     encoders = args.encoders if args.encoders is not None else int(is_multimodal(model))
+    forwarding = args.forwarding
+    if args.chat_template is not None:
+        chat_template(args.chat_template)  # a template that is no file and no template is refused now
     return StackConfig(model, args.host, args.port, encoders, args.prefills, args.decodes, args.unified,
-                       api_key(args), args.threads, args.log_level, tuple(extra), args.drain_timeout,
+                       api_key(args), args.threads, args.log_level, (*forwarding.engines.argv(args), *extra),
+                       args.drain_timeout,
                        args.routing_policy, args.kv_transport, args.ucx_net_devices, args.otlp_traces_endpoint,
-                       args.request_trace, args.served_model_name, args.internal_ports, args.migration_limit,
-                       args.speculative_config, args.kv_store, lora_args(args),
-                       args.enable_lora_runtime_updates, args.max_prefill_queue_tokens)
+                       args.request_trace, tuple(args.served_model_name or ()), args.internal_ports,
+                       args.migration_limit, args.speculative_config, args.kv_store, lora_args(args),
+                       args.enable_lora_runtime_updates, args.max_prefill_queue_tokens,
+                       tuple(forwarding.encoders.argv(args)), tuple(forwarding.proxy.argv(args)))
 
 
 def lora_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -427,32 +458,53 @@ def _keys_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def engine_option_hint(argv: list[str], unknown: list[str]) -> str | None:
-    """Where `epdserve up` was given an engine's option before --: the line saying where it goes."""
-    engine = argparse.ArgumentParser()
-    add_service_options(engine, "decode")  # every engine role takes the same options
-    for option in unknown:
-        flag = option.partition("=")[0]
-        if flag not in engine._option_string_actions:
-            continue
-        given = [option]
-        at = argv.index(option)
-        if "=" not in option and engine._option_string_actions[flag].nargs != 0 and at + 1 < len(argv):
-            given.append(argv[at + 1])
-        return (f"epdserve: error: {flag} is an engine option: pass it after --, as in "
-                f"`epdserve up -- {' '.join(given)}`")
-    return None
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line - which option, what is wrong, a near name for an unknown one - not a usage dump."""
+
+    def error(self, message: str):
+        raise SystemExit(f"{self.prog}: error: {message} (see `{self.prog} --help`)")
+
+
+def _active_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)command's parser that parsed `args`, e.g. `epdserve serve decode`'s."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or getattr(args, sub.dest, None) is None:
+            return parser
+        parser = sub.choices[getattr(args, sub.dest)]
+
+
+def unknown_argument_error(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """One line on the first unknown argument: the near option names, if any."""
+    import difflib
+
+    given = unknown[0]
+    if not given.startswith("-"):
+        return f"{parser.prog}: error: unexpected argument {given!r} (see `{parser.prog} --help`)"
+    flag = given.partition("=")[0]
+    near = difflib.get_close_matches(flag, [o for o in parser._option_string_actions if o.startswith("--")], n=3)
+    hint = f"; did you mean {' or '.join(near)}?" if near else f" (see `{parser.prog} --help`)"
+    return f"{parser.prog}: error: unknown option {flag}{hint}"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, parsed; what follows `up`'s -- is `extra`, for the engines as given. Exits with one
+    line on a mistake."""
+    parser = build_parser()
+    extra: list[str] = []
+    if "up" in argv and "--" in argv[argv.index("up"):]:
+        cut = argv.index("--", argv.index("up"))
+        argv, extra = argv[:cut], argv[cut + 1:]
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise SystemExit(unknown_argument_error(_active_parser(parser, args), unknown))
+    if extra:
+        args.extra = extra
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        hint = engine_option_hint(argv, unknown) if args.command == "up" else None
-        if hint is not None:
-            raise SystemExit(hint)
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level != "debug":

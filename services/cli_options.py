@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import NamedTuple
 
+from epdserve.services import vllm_flags
+from epdserve.services.forwarded_options import ForwardedOptions
 from epdserve.services.proxy.kv_routing import RoutingPolicy
 from epdserve.services.proxy.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 from epdserve.shared.config import BUDGET_POLICIES
@@ -14,9 +17,9 @@ MODELS = ("llava-demo", "smollm2", "gemma3-270m", "tiny-llama", "tiny-qwen2", "t
           "bench-qwen3-moe")
 SERVED_BY_DEFAULT = "llava-demo"  # what `up` and `serve` run without --model
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-SERVED_MODEL_NAME_HELP = ("the model's one name: in the API (/v1/models, requests' \"model\"), in the model_name "
-                          "label of every metric and in request traces (default: the model folder's name); give "
-                          "every service of a deployment the same")
+SERVED_MODEL_NAME_HELP = ("the model's names in the API: the first in responses, /v1/models, the model_name label "
+                          "of every metric and request traces; every one accepted as a request's \"model\" (default: "
+                          "the model folder's name); give every service of a deployment the same")
 
 # Unlike vLLM, which leaves /metrics open.
 _API_KEY_SCOPE = ("It covers every route but /health, /metrics included: its labels and counters describe the "
@@ -62,7 +65,9 @@ def add_model_options(model: argparse.ArgumentParser) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", type=vllm_flags.dtype, default="float32", metavar="DTYPE",
+                   help="float32 (or float, or auto: exact against HF transformers in float32), bfloat16, float16 "
+                        "(or half) (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (overrides --kv-cache-memory)")
     g.add_argument("--kv-cache-memory", type=float,
@@ -83,12 +88,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024,
                    help="a step's token budget; what it counts is --budget-policy's (default: %(default)s)")
-    g.add_argument("--budget-policy", choices=BUDGET_POLICIES, default="prompts",
+    g.add_argument("--budget-policy", choices=BUDGET_POLICIES,
                    help="prompts: the budget bounds a step's prompt (and draft) tokens, every running request's "
                         "next token rides on top, and waiting prompts are packed whole (one that does not fit "
                         "waits for the next step unless it is longer than the budget); shared: vLLM V1's, decodes "
                         "and prompt chunks share the budget and the last prompt is chunked to fill it "
-                        "(default: %(default)s)")
+                        f"(default: {vllm_flags.DEFAULT_BUDGET_POLICY})")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
@@ -110,6 +115,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "moe_combine phases of epdserve:engine_step_seconds, taken out of forward); a few clock reads "
                         "per sparse layer and step (default: off, and nothing for a dense model)")
     add_lora_engine_args(g)
+    vllm_flags.add_engine_flags(p.add_argument_group("vLLM's flags (for vLLM command lines)"))
 
 
 def add_lora_engine_args(g: argparse._ActionsContainer) -> None:
@@ -168,6 +174,7 @@ def add_transport_args(p: argparse.ArgumentParser) -> None:
 def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
     """`epdserve serve <role>`'s options (every role but the KV store has a `--model`; all the log level)."""
     if role != "kvstore":  # the store holds blocks of any model
+        add_model_argument(p)
         p.add_argument("--model", metavar="FOLDER",
                        help=f"local HF model folder (default: the {SERVED_BY_DEFAULT} model, built on first use)")
     add_log_level(p)
@@ -185,7 +192,7 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
                             "without CURVE; default: any free port, which decodes learn when they connect)")
         p.add_argument("--http-port", type=int, default=0, help="/health, /ready, /metrics")
         p.add_argument("--engine-id", help="default: <role>-<hostname>-<port>")
-        p.add_argument("--served-model-name", metavar="NAME", help=SERVED_MODEL_NAME_HELP)
+        p.add_argument("--served-model-name", nargs="+", metavar="NAME", help=SERVED_MODEL_NAME_HELP)
         p.add_argument("--lease-seconds", type=float, default=10.0)
         p.add_argument("--encoder-cache-items", type=int, default=256)
         p.add_argument("--max-queue-wait", type=float, default=60.0, metavar="SECONDS",
@@ -237,7 +244,7 @@ def _add_stats_options(p: argparse.ArgumentParser) -> None:
 def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--inbox-port", type=int, default=0, help="where services push tokens back (0: any)")
-    p.add_argument("--served-model-name", metavar="NAME", help=SERVED_MODEL_NAME_HELP)
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", help=SERVED_MODEL_NAME_HELP)
     p.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"),
                    help="required Bearer token (default $EPDSERVE_API_KEY; unset = open). " + _API_KEY_SCOPE)
     p.add_argument("--api-key-file", default=os.environ.get("EPDSERVE_API_KEY_FILE"),
@@ -305,6 +312,7 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     add_lora_modules_arg(p)
     add_lora_runtime_updates_arg(p)
     _add_trace_options(p)
+    vllm_flags.add_proxy_flags(p.add_argument_group("vLLM's flags (for vLLM command lines)"))
 
 
 def _add_trace_options(p: argparse.ArgumentParser) -> None:
@@ -318,7 +326,28 @@ def _add_trace_options(p: argparse.ArgumentParser) -> None:
                         "(streamed: in the last chunk)")
 
 
+# Options `up` sets itself on the services it starts (or takes under the same name for them all): the rest of each
+# service's options `up` takes too and hands to the services that take them.
+UP_SETS_FOR_ENGINES = {"--model", "--log-level", "--host", "--advertise-host", "--port", "--data-port", "--block-port",
+                       "--http-port", "--engine-id", "--served-model-name", "--drain-timeout", "--threads",
+                       "--speculative-config", "--kv-transport", "--ucx-net-devices", "--kv-store", "--enable-lora",
+                       "--lora-modules", "--max-loras", "--max-lora-rank"}
+UP_SETS_FOR_PROXY = {"--model", "--log-level", "--host", "--advertise-host", "--port", "--inbox-port",
+                     "--served-model-name", "--api-key", "--api-key-file", "--encoder", "--prefill", "--decode",
+                     "--unified", "--kv-store", "--routing-policy", "--migration-limit", "--max-prefill-queue-tokens",
+                     "--drain-timeout", "--otlp-traces-endpoint", "--request-trace", "--lora-modules",
+                     "--enable-lora-runtime-updates", "--kv-transport", "--ucx-net-devices"}
+
+
+class UpForwarding(NamedTuple):
+    """What `up` hands on: to the prefill, decode and unified engines, to the encoders, to the proxy."""
+    engines: ForwardedOptions
+    encoders: ForwardedOptions
+    proxy: ForwardedOptions
+
+
 def add_up_options(up: argparse.ArgumentParser) -> None:
+    add_model_argument(up)
     up.add_argument("--model", metavar="FOLDER",
                     help=f"local HF model folder (default: the {SERVED_BY_DEFAULT} model, built on first use)")
     up.add_argument("--port", type=int, default=8000, help="port of the OpenAI API (default: %(default)s)")
@@ -329,9 +358,10 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
                     help="the ports the stack's other services listen on (control, data, block and metrics ports "
                          "of every engine, the proxy's inbox): free ports of this range, in order, e.g. 9100-9199 "
                          "(default: any free ports)")
-    up.add_argument("--served-model-name", metavar="NAME",
-                    help="the model's one name in the API, every service's metrics and request traces; up gives "
-                         "it to every service (default: the model folder's name)")
+    up.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                    help="the model's names in the API (the first in responses, every service's metrics and request "
+                         "traces; each one accepted in requests); up gives them to every service (default: the model "
+                         "folder's name)")
     up.add_argument("--encoders", type=int, metavar="N",
                     help="encoder processes (default: 1 for a multimodal model, else 0)")
     up.add_argument("--prefills", type=int, default=1, metavar="N",
@@ -371,5 +401,22 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
     up.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS",
                     help="seconds to wait for every service to be ready (default: %(default)s)")
     add_log_level(up)
-    up.add_argument("extra", nargs=argparse.REMAINDER, metavar="-- ENGINE_OPTION",
-                    help="after --: options passed to every engine service (see `epdserve serve decode --help`)")
+    services = {}
+    for role in ("decode", "encoder", "proxy"):
+        services[role] = argparse.ArgumentParser(add_help=False)
+        add_service_options(services[role], role)
+    engines = ForwardedOptions(up.add_argument_group("engine options (given to every engine that takes them; "
+                                                     "see `epdserve serve decode --help`)"),
+                               services["decode"], UP_SETS_FOR_ENGINES)
+    encoders = ForwardedOptions(up, services["encoder"], UP_SETS_FOR_ENGINES)  # a subset of the engines'
+    proxy = ForwardedOptions(up.add_argument_group("proxy options (see `epdserve serve proxy --help`)"),
+                             services["proxy"], UP_SETS_FOR_PROXY)
+    up.set_defaults(forwarding=UpForwarding(engines, encoders, proxy), extra=[])
+    up.epilog = ("Options after -- go to the prefill, decode and unified engines as given, "
+                 "as in `epdserve up -- --max-num-seqs 64`.")
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    """The model folder as vLLM takes it, first and without a flag (`epdserve up MODEL`); --model is the same."""
+    p.add_argument("model_argument", nargs="?", metavar="MODEL",
+                   help="the model folder (or give --model)")

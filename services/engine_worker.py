@@ -121,7 +121,8 @@ class EngineWorker:
         lora = self.engine_config.lora
         return Status(self.service.engine_id, self.role, health, stats.num_free_blocks, stats.num_total_blocks,
                       stats.num_running, stats.num_waiting, data_addr=self.data_addr,
-                      lora_adapters=tuple(self.llm.lora_adapters()), max_loras=lora.max_loras if lora else 0)
+                      lora_adapters=tuple(self.llm.lora_adapters()), max_loras=lora.max_loras if lora else 0,
+                      max_model_len=self.engine_config.model.max_model_len)
 
     @property
     def busy(self) -> bool:

@@ -145,7 +145,8 @@ class StackConfig:
     ucx_net_devices: str = "all"
     otlp_traces_endpoint: str | None = None  # the proxy's --otlp-traces-endpoint
     request_trace: bool = False  # the proxy's --request-trace
-    served_model_name: str | None = None  # given to every service: one name in the API, metrics and traces
+    # Given to every service: the model's names in the API (the first in responses, metrics and traces).
+    served_model_name: tuple[str, ...] = ()
     internal_ports: tuple[int, int] | None = None  # (LOW, HIGH): where the services but the API listen
     migration_limit: int = 3  # the proxy's --migration-limit
     speculative_config: str | None = None  # the decode and unified engines' --speculative-config (JSON)
@@ -154,10 +155,12 @@ class StackConfig:
     lora_args: tuple[str, ...] = ()
     enable_lora_runtime_updates: bool = False  # the proxy's
     max_prefill_queue_tokens: int = 1024  # the proxy's --max-prefill-queue-tokens
+    encoder_args: tuple[str, ...] = ()  # passed to every encoder (the engine options it takes)
+    proxy_args: tuple[str, ...] = ()  # passed to the proxy
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).name
+        return self.served_model_name[0] if self.served_model_name else Path(self.model).name
 
 
 # A child that dies is started again (as a compose restart policy would), unless it died this many times
@@ -189,7 +192,7 @@ class LocalStack:
         transport = ["--kv-transport", c.kv_transport]
         if c.kv_transport == "ucx":
             transport += ["--ucx-net-devices", c.ucx_net_devices]
-        name = ["--served-model-name", c.served_model_name] if c.served_model_name else []
+        name = ["--served-model-name", *c.served_model_name] if c.served_model_name else []
         procs, targets = [], {"encoder": [], "prefill": [], "decode": [], "unified": []}
         roles = [("encoder", c.encoders)]
         roles += [("unified", 1)] if c.unified else [("prefill", c.prefills), ("decode", c.decodes)]
@@ -211,7 +214,9 @@ class LocalStack:
             listen = ports(role)
             argv = [*base, role, "--model", c.model, "--host", "127.0.0.1", *listen, "--engine-id", f"{role}-{i}",
                     *name, *drain, *transport]
-            if role != "encoder":
+            if role == "encoder":
+                argv += c.encoder_args
+            else:
                 argv += ["--threads", str(c.threads), *c.lora_args, *engine_args]
             if role in ("decode", "unified") and c.speculative_config is not None:
                 argv += ["--speculative-config", c.speculative_config]
@@ -229,6 +234,7 @@ class LocalStack:
             proxy += c.lora_args[c.lora_args.index("--lora-modules"):]
         if c.enable_lora_runtime_updates:
             proxy.append("--enable-lora-runtime-updates")
+        proxy += c.proxy_args
         for role, addrs in targets.items():
             if addrs:
                 proxy += [f"--{role}", ",".join(addrs)]
@@ -237,6 +243,9 @@ class LocalStack:
 
     def environment(self, name: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("EPDSERVE_API_KEY", "EPDSERVE_API_KEY_FILE")}
+        # `python -m` would put the working folder first on the module path (Python >= 3.11 leaves it off
+        # with this): a folder named epdserve there must not be run instead of the installed package.
+        env["PYTHONSAFEPATH"] = "1"
         if name == "proxy" and self.config.api_key:
             env["EPDSERVE_API_KEY"] = self.config.api_key
         return env
@@ -264,7 +273,10 @@ class LocalStack:
                 time.sleep(0.2)
             return 0
         finally:
+            started = time.monotonic()
             self.stop()
+            print(f"epdserve up: stopped {len(self.children)} services in {time.monotonic() - started:.1f}s",
+                  flush=True)
 
     def _spawn(self, name: str) -> subprocess.Popen:
         # Its own process group: a terminal's Ctrl-C is this process's to forward, once, in order.

@@ -74,8 +74,8 @@ class Service:
         worker = self.worker = await self._build_worker(lambda: control.num_rejected)
         if self.health == Health.STARTING:
             self.health = Health.READY
-        logger.info("%s %s ready: control %s, data %s, http port %d", role.value, config.engine_id,
-                    self.control_addr, worker.data_addr or "-", self.http_port)
+        logger.info("%s %s ready: control %s, data %s, http port %d, KV transport %s", role.value, config.engine_id,
+                    self.control_addr, worker.data_addr or "-", self.http_port, config.transport.kv_transport)
 
         stopping = asyncio.create_task(self.stop.wait())
         done, _ = await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -438,6 +438,7 @@ class Status:
     # and how many it can hold in its model at once (0: it serves none).
     lora_adapters: tuple[str, ...] = ()
     max_loras: int = 0
+    max_model_len: int = 0  # the context length in force on an engine (its --max-model-len); 0: not an engine
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ HTTP_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "No
 MAX_BODY_BYTES = 64 << 20
 # Probes and scrapers' routes, not the API: they answer whatever the proxy's state, and their traffic is
 # not counted among the API's responses (a launcher polls /ready twice a second while engines load).
-MANAGEMENT_PATHS = ("/health", "/ready", "/metrics")
+MANAGEMENT_PATHS = ("/health", "/ready", "/metrics", "/version")
 
 
 def error_body(message: str, error_type: str, status: int, param: str | None = None) -> dict:
@@ -251,6 +251,12 @@ def _add_management_routes(app: FastAPI, metrics: ProxyMetrics,
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        from epdserve import __version__
+
+        return {"version": __version__}
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

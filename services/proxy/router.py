@@ -354,6 +354,13 @@ class Router:
                     return instance
         return None
 
+    def max_model_len(self) -> int | None:
+        """The context length in force: the smallest the engines that answered their polls report (None: none
+        has yet)."""
+        lengths = [i.status.max_model_len for role in (Role.PREFILL, Role.DECODE, Role.UNIFIED)
+                   for i in self.pools[role].instances.values() if i.status is not None and i.status.max_model_len]
+        return min(lengths, default=None)
+
     def readiness(self) -> tuple[bool, dict]:
         """Ready when every configured role has a healthy instance: each serves some requests (encoders
         image prompts) that fail without it."""

@@ -42,7 +42,9 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
     model: str  # the model folder: tokenizer, chat template, image processor, context length
-    served_model_name: str | None = None
+    # The model's names in the API: the first in responses, /v1/models and metrics; each one accepted in
+    # requests (none: the folder's name).
+    served_model_name: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
     # Where the proxy's inbox binds (services push tokens to it) and the host they reach it by.
@@ -80,6 +82,8 @@ class ProxyConfig:
     # /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time.
     lora_modules: tuple[tuple[str, str], ...] = ()
     enable_lora_runtime_updates: bool = False
+    chat_template: str | None = None  # a Jinja template instead of the tokenizer's (the text, not a path)
+    max_images_per_prompt: int | None = None  # more in one request is a 400 (None: no limit)
 
     def __post_init__(self):
         if self.drain_timeout < 0:
@@ -95,7 +99,7 @@ class ProxyConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).name
+        return self.served_model_name[0] if self.served_model_name else Path(self.model).name
 
 
 def is_multimodal(model_path: str) -> bool:
@@ -111,6 +115,8 @@ async def build_proxy(config: ProxyConfig):
     tokenizer = load_tokenizer(config.model)
     if tokenizer is None:
         raise FileNotFoundError(f"{config.model} has no tokenizer: the proxy needs one")
+    if config.chat_template is not None:
+        tokenizer.hf.chat_template = config.chat_template
     engine_id = f"proxy-{config.port}"
 
     def make_client(address: str, role: Role) -> RequestClient:
@@ -147,7 +153,10 @@ async def build_proxy(config: ProxyConfig):
                             model_config.vocab_size, metrics, chat_encoder,
                             response_timeout=config.lifecycle.token_timeout, tool_call_parser=config.tool_call_parser,
                             tracer=tracer, request_trace=config.request_trace,
-                            constraint_limits=config.constraint_limits, loras=loras)
+                            constraint_limits=config.constraint_limits, loras=loras,
+                            model_aliases=config.served_model_name[1:],
+                            max_images_per_prompt=config.max_images_per_prompt,
+                            max_model_len_in_force=router.max_model_len)
 
     drain = Drain(config.drain_timeout)
     drain.on_cut(backend.cut)

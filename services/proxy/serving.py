@@ -52,16 +52,24 @@ class OpenAIServing:
                  metrics: ProxyMetrics, chat_encoder: ChatEncoder | None = None,
                  response_timeout: float = 600.0, tool_call_parser: str = "hermes", tracer: Tracer | None = None,
                  request_trace: bool = False, constraint_limits: ConstraintLimits = ConstraintLimits(),
-                 loras: LoRAModules | None = None) -> None:
+                 loras: LoRAModules | None = None, model_aliases: tuple[str, ...] = (),
+                 max_images_per_prompt: int | None = None,
+                 max_model_len_in_force: Callable[[], int | None] | None = None) -> None:
         """`response_timeout`: seconds an HTTP request may wait for its answer (a stream's first event, or a
         whole non-streamed body) before it fails with 504. `tracer`: where each request's trace goes (default:
-        the DEBUG log and the stage histogram); `request_trace`: also return it in the response."""
+        the DEBUG log and the stage histogram); `request_trace`: also return it in the response.
+        `model_aliases`: other names requests may give the model (responses name it `model_name`).
+        `max_model_len_in_force`: the engines' context length (their --max-model-len), once they report it;
+        until then, and without it, the model's `max_model_len`."""
         self.model_name = model_name
+        self.model_names = (model_name, *model_aliases)
+        self.max_images_per_prompt = max_images_per_prompt
         self.vocab_size = vocab_size  # the model's, which may exceed the tokenizer's (padded embeddings)
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.backend = backend
-        self.max_model_len = max_model_len
+        self._model_max_len = max_model_len
+        self._max_model_len_in_force = max_model_len_in_force
         self.chat_encoder = chat_encoder
         self.response_timeout = response_timeout
         self.tool_call_parser = tool_call_parser  # reads calls out of the text when tool_choice is auto
@@ -70,10 +78,15 @@ class OpenAIServing:
         self.constraint_limits = constraint_limits  # how large a structured output or logit_bias may be
         self.loras = loras if loras is not None else LoRAModules(model_name)  # adapters offered as models
 
+    @property
+    def max_model_len(self) -> int:
+        in_force = self._max_model_len_in_force() if self._max_model_len_in_force is not None else None
+        return in_force or self._model_max_len
+
     # -- input --------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> WireLoRA | None:
         """The LoRA adapter `model` names (None: the base model, or no model given); 404 for any other name."""
-        if model is None or model == self.model_name:
+        if model is None or model in self.model_names:
             return None
         lora = self.loras.get(model)
         if lora is None:
@@ -89,6 +102,13 @@ class OpenAIServing:
         kwargs = dict(request.chat_template_kwargs or {})
         if request.tools:
             kwargs["tools"] = request.tools_for_template()
+        limit = self.max_images_per_prompt
+        if limit is not None:
+            images = sum(part.get("type") == "image_url" for m in messages if isinstance(m.get("content"), list)
+                         for part in m["content"])
+            if images > limit:
+                raise BadRequest(f"At most {limit} image(s) may be provided in one request; this one has {images} "
+                                 "(the server's --limit-mm-per-prompt)", param="messages")
         if self.chat_encoder is not None:
             return await self.chat_encoder(messages, request.add_generation_prompt, kwargs)
         for m in messages:

@@ -74,10 +74,12 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._due: list[RequestOutput] = []  # outputs for the next step to return (sequences a peer's token ended)
-        logger.info("engine ready: %s (%s), %d KV blocks of %d tokens, attention backend %s, step budget %d (%s)",
+        logger.info("engine ready: %s (%s), %d KV blocks of %d tokens, attention backend %s, step budget %d (%s), "
+                    "at most %d sequences of %d tokens, prefix caching %s, seed %d",
                     config.model.model_id, config.model.dtype, num_blocks, config.cache.block_size,
                     self.runner.attention_backend, config.scheduler.max_num_batched_tokens,
-                    config.scheduler.budget_policy)
+                    config.scheduler.budget_policy, config.scheduler.max_num_seqs, config.model.max_model_len,
+                    "on" if config.cache.enable_prefix_caching else "off", config.seed)
 
     # -- requests -----------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,

@@ -1,9 +1,10 @@
 """What a user sees from `epdserve up`, and what the stack it starts says about itself.
 
-The installed `epdserve` command starts 1 prefill + 1 decode + the proxy on a tiny model, with
---served-model-name, --internal-ports and --request-trace, its output read line by line as it comes:
-every step that may take long is announced (with its rough duration) before it runs, no URL shows before
-the stack serves, and the API, every service's metrics and the traces all give the model one name.
+The installed `epdserve` command starts 1 prefill + 1 decode + the proxy on a tiny model from a saved
+`vllm serve` command line (the model first, vLLM's flags, two served names), plus --internal-ports and
+--request-trace, its output read line by line as it comes: every step that may take long is announced (with
+its rough duration) before it runs, no URL shows before the stack serves, every vLLM flag took effect, and
+the API, every service's metrics and the traces all give the model one name.
 """
 import os
 import re
@@ -22,6 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from epdserve.services.launcher import free_port
 
 NAME = "smol"
+ALIAS = "smol-2"
+# A chat template given with --chat-template, instead of the model folder's.
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
 READY = "epdserve is ready: "
 ENGINES = {"prefill-0": "prefill", "decode-0": "decode"}
 STATS_LINE = re.compile(r"decode decode-0: Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: "
@@ -73,21 +77,32 @@ class Up:
 
 
 @pytest.fixture(scope="module")
-def up(tiny_model_paths):
+def up(tiny_model_paths, tmp_path_factory):
     low = free_port()
     port = free_port()
     while low <= port <= low + 19:
         port = free_port()
-    stack = Up([str(Path(sys.executable).with_name("epdserve")), "up", "--model", tiny_model_paths["llama"],
-                "--port", str(port), "--internal-ports", f"{low}-{low + 19}", "--served-model-name", NAME,
-                "--request-trace", "--", "--num-kv-blocks", "256", "--max-model-len", "1024",
-                "--log-stats-interval", "1"])
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    # As a saved `vllm serve` command line: the model first, then vLLM's flags, up's own, and -- still passes
+    # options on to the engines as given.
+    stack = Up([str(Path(sys.executable).with_name("epdserve")), "up", tiny_model_paths["llama"],
+                "--port", str(port), "--host", "127.0.0.1", "--served-model-name", NAME, ALIAS,
+                "--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+                "--block-size", "32", "--dtype", "auto", "--seed", "7", "--enable-prefix-caching",
+                "--enable-chunked-prefill", "--gpu-memory-utilization", "0.02", "--tensor-parallel-size", "1",
+                "--kv-cache-dtype", "auto", "--trust-remote-code", "--enforce-eager", "--disable-log-requests",
+                "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--limit-mm-per-prompt",
+                '{"image": 0}', "--chat-template", str(template),
+                "--internal-ports", f"{low}-{low + 19}", "--request-trace", "--", "--log-stats-interval", "1"])
     stack.port, stack.internal_ports = port, range(low, low + 20)
     try:
         stack.wait_for(READY, 300)
         yield stack
     finally:
         stack.stop()
+    # Ctrl-C: every service stopped, said in a last line.
+    assert re.fullmatch(r"epdserve up: stopped 3 services in [\d.]+s", stack.text()[-1]), stack.report()
 
 
 def until_ready(up: Up) -> list[str]:
@@ -141,6 +156,41 @@ def test_the_api_every_services_metrics_and_the_traces_give_the_model_one_name(u
         names = {sample.labels["model_name"] for family in text_string_to_metric_families(metrics(port))
                  for sample in family.samples if "model_name" in sample.labels}
         assert names == {NAME}, name
+
+
+def test_every_vllm_flag_took_effect(up):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key="unused", max_retries=0)
+    # The engines' settings, as each says when ready: --dtype auto is float32 here, --block-size,
+    # --max-num-batched-tokens and --enable-chunked-prefill (the shared budget), --max-num-seqs,
+    # --max-model-len, --enable-prefix-caching and --seed.
+    ready = [line for line in up.text() if "engine ready: " in line]
+    assert len(ready) == len(ENGINES) and all(
+        "(torch.float32), " in line and " KV blocks of 32 tokens, " in line and "step budget 512 (shared), at most 8 sequences of 1024 tokens, "
+        "prefix caching on, seed 7" in line for line in ready), up.report()
+    # --gpu-memory-utilization: the KV pool's share of the memory available after the weights.
+    sized = [line for line in up.text() if "KV cache: " in line]
+    assert len(sized) == len(ENGINES) and all("auto: 0.02 x (" in line for line in sized), up.report()
+    # --max-model-len: reported by the API, and enforced.
+    (card,) = client.models.list().data
+    assert card.model_extra["max_model_len"] == 1024
+    tokenized = httpx.post(f"http://127.0.0.1:{up.port}/tokenize", json={"prompt": "Hello"}, timeout=10).json()
+    assert tokenized["max_model_len"] == 1024
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 1024 tokens"):
+        client.completions.create(model=NAME, prompt="Hello", max_tokens=1100)
+    # --served-model-name NAME ALIAS: both accepted, the first answers.
+    assert client.completions.create(model=ALIAS, prompt="Hello", max_tokens=2).model == NAME
+    # --chat-template: the prompt is the given template's.
+    ids = httpx.post(f"http://127.0.0.1:{up.port}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]},
+                     timeout=10).json()["tokens"]
+    text = httpx.post(f"http://127.0.0.1:{up.port}/detokenize", json={"tokens": ids}, timeout=10).json()["prompt"]
+    assert text.endswith("[user] Hi\n[assistant] ")
+    # --limit-mm-per-prompt '{"image": 0}'.
+    with pytest.raises(openai.BadRequestError, match="At most 0 image"):
+        client.chat.completions.create(model=NAME, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    # /version, as vLLM's.
+    from epdserve import __version__
+    assert httpx.get(f"http://127.0.0.1:{up.port}/version", timeout=10).json() == {"version": __version__}
 
 
 def test_every_service_listens_within_the_internal_ports(up):
