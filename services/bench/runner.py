@@ -3,8 +3,8 @@
 Arrivals follow `vllm bench serve`: at rate r, inter-arrival gaps are gamma(shape=burstiness,
 scale=1/(r * burstiness)) (burstiness 1 = a Poisson process), or exactly 1/r with `arrival="fixed"`;
 rate inf sends everything at once. `max_concurrency` caps requests in flight; a request's clock starts
-when it is actually sent. Turns of a multi-turn conversation wait for the previous turn's reply, which
-becomes part of their prompt.
+when it is actually sent, and the wait for a slot before that is its client queue time. Turns of a
+multi-turn conversation wait for the previous turn's reply, which becomes part of their prompt.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ class Endpoint:
     extra_body: dict = field(default_factory=dict)
     timeout_s: float = 600.0
     request_id_prefix: str = "bench-"
+    verify_tls: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +211,7 @@ async def run_load(endpoint: Endpoint, samples: list[SampleRequest], shape: Load
     """Send every sample on schedule; (outputs in dataset order, benchmark duration in seconds)."""
     limit = shape.max_concurrency or None
     client = httpx.AsyncClient(limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
-                               timeout=endpoint.timeout_s)
+                               timeout=endpoint.timeout_s, verify=endpoint.verify_tls)
     async with client:
         for i, sample in enumerate(warmups):
             out = await send_request(client, endpoint, request_body(endpoint, sample, sample.messages),
@@ -233,6 +234,7 @@ async def run_load(endpoint: Endpoint, samples: list[SampleRequest], shape: Load
                     return out
             messages = conversations.messages(sample) if sample.conversation_id is not None else sample.messages
             body = request_body(endpoint, sample, messages)
+            ready = time.perf_counter() - t0  # due, and its conversation's earlier turn answered
             if slots is not None:
                 await slots.acquire()
             try:
@@ -242,6 +244,7 @@ async def run_load(endpoint: Endpoint, samples: list[SampleRequest], shape: Load
                 if slots is not None:
                     slots.release()
             out.turn = sample.turn
+            out.queue_time = max(out.start_time - ready, 0.0)
             if sample.conversation_id is not None:
                 conversations.finish(sample, out)
             bar.update()
