@@ -44,6 +44,8 @@ class ResultOptions(NamedTuple):
 
 @dataclass(frozen=True)
 class BenchOptions:
+    """Everything one command runs; two command lines that mean the same workload give equal options."""
+
     backend: str  # openai, vllm or openai-chat, as the results record it
     base_url: str
     endpoint_path: str
