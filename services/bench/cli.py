@@ -1,10 +1,12 @@
-"""`epdserve bench serve`: load-test an OpenAI-compatible server and write `vllm bench serve`-shaped JSON.
+"""`epdserve bench serve`: load-test an OpenAI-compatible server and write `vllm bench serve`'s result JSON.
 
     epdserve bench serve --base-url http://127.0.0.1:8000 --dataset-name random --input-len 128 \\
         --output-len 32 --num-prompts 50 --request-rate 1 2 inf --tokenizer "$(epdserve model llava-demo)"
 
-Each request rate is one run: a JSON file `bench_<label>_<rate>qps[_c<N>].json` in --result-dir, and
-PNG plots beside it (latency CDFs of every rate; throughput and latency against rate when several).
+It takes `vllm bench serve`'s flags with their meaning (--backend, --random-input-len, --save-result, ...)
+beside its own names; a vLLM flag it cannot honour stops it with the reason. Each request rate is one run:
+a JSON file in --result-dir (named as result.py says), and PNG plots beside it (latency CDFs of every rate;
+throughput and latency against rate when several).
 """
 from __future__ import annotations
 
@@ -12,15 +14,11 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
-from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
-from typing import NamedTuple
 
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
+from epdserve.services.bench.options import CHAT_PATH, COMPLETIONS_PATH, TOKENIZER_MODES, BenchOptions
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -36,28 +34,48 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def add_bench_parser(subparsers) -> None:
     """Adds `bench serve` to the `epdserve` command's subparsers."""
+    from epdserve.services.bench.vllm_flags import add_refused_flags
+
     bench = subparsers.add_parser("bench", help="benchmark a running OpenAI-compatible server")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     p = kinds.add_parser("serve", help="send a synthetic workload, report TTFT/TPOT/ITL/E2EL, throughput, goodput",
-                         formatter_class=_HelpFormatter)
+                         formatter_class=_HelpFormatter,
+                         epilog="`vllm bench serve` flags are taken with vLLM's meaning; the ones this command "
+                                "cannot honour (--profile, --ramp-up-strategy, other datasets' flags, ...) are "
+                                "refused with the reason.")
     _add_target_options(p.add_argument_group("target"))
     _add_dataset_options(p.add_argument_group("dataset"))
     _add_load_options(p.add_argument_group("load"))
     _add_result_options(p.add_argument_group("results"))
+    add_refused_flags(p)
     p.set_defaults(func=_serve_command)
 
 
 def _add_target_options(target) -> None:
+    target.add_argument("--backend", metavar="{openai,vllm,openai-chat}",
+                        help=f"openai and vllm (its alias) send completion requests, to {COMPLETIONS_PATH} unless "
+                             f"--endpoint says otherwise; openai-chat sends chat requests, to {CHAT_PATH} (default: "
+                             f"what --endpoint is, else openai; openai-chat for multi-turn and image)")
     target.add_argument("--base-url", help="server root, e.g. http://127.0.0.1:8000 (default: --host/--port)")
     target.add_argument("--host", default="127.0.0.1", help="server host, without --base-url")
     target.add_argument("--port", type=int, default=8000, help="server port, without --base-url")
-    target.add_argument("--endpoint", help=f"default {COMPLETIONS_PATH}; {CHAT_PATH} for multi-turn and image")
-    target.add_argument("--model", help="model name sent in requests (default: the server's first model); a local "
-                                        "folder is used as --tokenizer and the name is asked from the server")
-    target.add_argument("--tokenizer", help="HF tokenizer folder to build exact-length prompts (default: --model "
-                                            "when that is a folder; without one prompts are plain random words)")
+    target.add_argument("--endpoint", help="API path (default: the backend's)")
+    target.add_argument("--model", help="the model: results' model_id, named in requests (default: the server's "
+                                        "first model); a local folder is also the tokenizer, and the name "
+                                        "requests use is then asked from the server")
+    target.add_argument("--served-model-name", help="the name requests use, when it is not --model")
+    target.add_argument("--tokenizer", help="HF tokenizer (a folder, or a hub name in the local HF cache) that "
+                                            "builds exact-length prompts (default: the model's when there is one "
+                                            "here; without one prompts are plain random words)")
+    target.add_argument("--tokenizer-mode", default="auto", metavar="{" + ",".join(TOKENIZER_MODES) + "}",
+                        help="auto and hf: the HF tokenizer, fast when it has one; slow: its Python version")
+    target.add_argument("--trust-remote-code", action="store_true", help="let the tokenizer run its own code")
+    target.add_argument("--skip-tokenizer-init", action="store_true",
+                        help="load no tokenizer: prompts are plain random words")
     target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token ($OPENAI_API_KEY)")
     target.add_argument("--header", nargs="*", default=[], metavar="KEY=VALUE", help="extra HTTP headers")
+    target.add_argument("--insecure", action="store_true", help="do not verify the server's TLS certificate")
+    target.add_argument("--request-id-prefix", help="X-Request-Id of request i is PREFIX<i> (default: bench-<time>-)")
     target.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     target.add_argument("--ready-check-timeout-sec", type=float, default=0.0,
                         help="wait this long for GET /v1/models to answer before starting (0: no wait)")
@@ -66,22 +84,32 @@ def _add_target_options(target) -> None:
 def _add_dataset_options(data) -> None:
     from epdserve.services.bench.datasets import DATASETS
 
-    data.add_argument("--dataset-name", default="random", choices=DATASETS,
+    data.add_argument("--dataset-name", default="random", metavar="{" + ",".join(DATASETS) + "}",
                       help="random: exact-length random prompts; lognormal: random prompts with log-normal "
                            "lengths; sharegpt: real conversations from --dataset-path; multi-turn: conversations "
                            "that resend their history; image: prompts with generated images")
     data.add_argument("--dataset-path", metavar="FILE",
                       help="the ShareGPT JSON file (sharegpt), e.g. ShareGPT_V3_unfiltered_cleaned_split.json")
-    data.add_argument("--num-prompts", type=int, default=100, help="requests per run (multi-turn: all turns)")
-    data.add_argument("--input-len", type=int, default=1024,
+    data.add_argument("--num-prompts", type=int, default=1000, help="requests per run (multi-turn: all turns)")
+    data.add_argument("--random-input-len", type=int, default=1024,
                       help="prompt tokens (lognormal: the median; multi-turn: each user turn)")
-    data.add_argument("--output-len", type=int, default=128, help="max tokens per reply (lognormal: the median)")
-    data.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 -+ r)")
-    data.add_argument("--random-prefix-len", type=int, default=0, help="a prefix shared by every random prompt")
+    data.add_argument("--random-output-len", type=int, default=128,
+                      help="max tokens per reply (lognormal: the median)")
+    data.add_argument("--input-len", type=int, help="overrides --random-input-len, as vLLM's general length")
+    data.add_argument("--output-len", type=int,
+                      help="overrides --random-output-len and --sharegpt-output-len, as vLLM's general length")
+    data.add_argument("--random-range-ratio", type=float, default=0.0,
+                      help="lengths uniform in len*(1 -+ r), r in [0, 1)")
+    data.add_argument("--random-prefix-len", type=int, default=0,
+                      help="a prefix shared by every random prompt, before its --random-input-len tokens")
     data.add_argument("--lognormal-sigma", type=float, default=0.8, help="log-normal spread of the lengths")
     data.add_argument("--lognormal-max-len", type=int, default=2048, help="longest prompt or reply")
     data.add_argument("--sharegpt-output-len", type=int,
                       help="output tokens of every sharegpt request (unset: the conversation's reply length)")
+    data.add_argument("--disable-shuffle", action="store_true", help="sharegpt: conversations in file order")
+    data.add_argument("--no-oversample", action="store_true",
+                      help="sharegpt: fewer requests when the file has too few usable conversations, rather "
+                           "than drawing some again")
     data.add_argument("--multi-turn-turns", type=int, default=4, help="requests per conversation")
     data.add_argument("--multi-turn-prefix-len", type=int, default=1024, help="opening document of a conversation")
     data.add_argument("--image-width", type=int, default=224, help="pixels of each generated image (image)")
@@ -100,22 +128,32 @@ def _add_load_options(load) -> None:
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, <1 burstier")
     load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
     load.add_argument("--num-warmups", type=int, default=1, help="untimed requests before each run")
-    load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                      help="generate exactly --output-len tokens (synthetic prompts would stop at random)")
-    load.add_argument("--temperature", type=float, help="sent with every request (unset: the server's default)")
-    load.add_argument("--top-p", type=float, help="sent with every request (unset: the server's default)")
-    load.add_argument("--top-k", type=int, help="sent with every request (unset: the server's default)")
+    load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction,
+                      help="generate every reply to its full length (default: on, except for sharegpt, whose "
+                           "replies end where the model ends them, as vLLM)")
+    for name, kind in (("temperature", float), ("top-p", float), ("top-k", int), ("min-p", float),
+                       ("frequency-penalty", float), ("presence-penalty", float), ("repetition-penalty", float)):
+        load.add_argument(f"--{name}", type=kind, help="sent with every request (unset: the server's default)")
+    load.add_argument("--logprobs", type=int, help="log probabilities per token asked of completion requests")
     load.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
 
 
 def _add_result_options(out) -> None:
+    from epdserve.services.bench.metrics import PERCENTILE_METRICS
+
     out.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
-                     help="comma-separated metrics whose percentiles are reported")
+                     help=f"comma-separated metrics whose percentiles are reported, of {','.join(PERCENTILE_METRICS)} "
+                          "(the client queue's under --max-concurrency only)")
     out.add_argument("--metric-percentiles", default="50,90,99", help="comma-separated percentiles")
     out.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput: ttft, tpot, e2el in ms")
-    out.add_argument("--label", help="name of the run in files and plots (default: openai or openai-chat)")
+    out.add_argument("--label", help="name of the run in files and plots (default: the backend)")
     out.add_argument("--result-dir", default=".", help="folder of the JSON results and PNG plots")
     out.add_argument("--result-filename", help="JSON file name (several rates: _<rate>qps is inserted)")
+    out.add_argument("--save-result", action="store_true",
+                     help="name the JSON as vLLM does: <label>-<rate>qps[-concurrency<N>]-<model>-<date>.json "
+                          "(without it: bench_<label>_<rate>qps[_c<N>].json; either way it is written)")
+    out.add_argument("--append-result", action="store_true",
+                     help="append the JSON to the file as one line, after what it holds")
     out.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="recorded in the JSON")
     out.add_argument("--save-detailed", action="store_true", help="also keep every generated text")
     out.add_argument("--trace", action="store_true",
@@ -126,57 +164,44 @@ def _add_result_options(out) -> None:
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
-def _pairs(items: list[str], what: str) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"{what} {item!r}: expected KEY=VALUE")
-        out[key.strip()] = value.strip()
-    return out
-
-
-def rate_name(rate: float) -> str:
-    return "inf" if math.isinf(rate) else f"{rate:g}"
-
-
-def result_path(args: argparse.Namespace, label: str, rate: float) -> Path:
-    suffix = f"_c{args.max_concurrency}" if args.max_concurrency else ""
-    if args.result_filename:
-        name = Path(args.result_filename)
-        if len(args.request_rate) > 1:
-            name = name.with_name(f"{name.stem}_{rate_name(rate)}qps{name.suffix}")
-        return Path(args.result_dir) / name
-    return Path(args.result_dir) / f"bench_{label}_{rate_name(rate)}qps{suffix}.json"
-
-
-def _load_tokenizer(args: argparse.Namespace):
-    source = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
+def _load_tokenizer(options: BenchOptions, source: str | None):
+    """(tokenizer, where it came from), or (None, None) without one. One given as --tokenizer or as --model's
+    folder must load; the model's otherwise is taken only from here (its folder or the local HF cache)."""
     if source is None:
         return None, None
     from transformers import AutoTokenizer
 
+    kwargs = {"trust_remote_code": options.trust_remote_code, "use_fast": options.tokenizer_mode != "slow"}
     try:
-        return AutoTokenizer.from_pretrained(source), source
+        if options.tokenizer_required or Path(source).is_dir():
+            return AutoTokenizer.from_pretrained(source, **kwargs), source
+        return AutoTokenizer.from_pretrained(source, local_files_only=True, **kwargs), source
     except (OSError, ValueError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise SystemExit(f"epdserve bench serve: cannot load the tokenizer {source!r}: {first_line}") from None
+        if options.tokenizer_required or Path(source).is_dir():
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise SystemExit(f"epdserve bench serve: cannot load the tokenizer {source!r}: {first_line}") from None
+        print(f"no tokenizer of {source!r} here: prompts are plain random words (give --tokenizer for "
+              f"exact lengths)", file=sys.stderr)
+        return None, None
 
 
-def _server_model(base_url: str, headers: dict, timeout: float) -> str:
+def _server_model(options: BenchOptions) -> tuple[str, str]:
+    """(name, root) of the server's first model, as /v1/models lists it."""
     import time
 
     import httpx
 
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + options.ready_check_timeout
     while True:
         try:
-            r = httpx.get(base_url + "/v1/models", headers=headers, timeout=10)
+            r = httpx.get(options.base_url + "/v1/models", headers=options.headers, timeout=10,
+                          verify=options.verify_tls)
             r.raise_for_status()
-            return r.json()["data"][0]["id"]
+            first = r.json()["data"][0]
+            return first["id"], first.get("root") or first["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
             if time.monotonic() >= deadline:
-                raise SystemExit(f"cannot list the models of {base_url}: {exc}") from None
+                raise SystemExit(f"cannot list the models of {options.base_url}: {exc}") from None
             time.sleep(1.0)
 
 
@@ -203,6 +228,8 @@ def print_summary(result: dict, percentiles: list[float], metrics: list[str]) ->
     row("Total token throughput (tok/s):", result["total_token_throughput"], "{:<10.2f}")
     titles = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
               "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency"),
+              "client_queue_time": ("client queue", "Waiting for a slot under the concurrency cap"),
+              "e2el_including_client_queue": ("E2EL + queue", "End-to-end Latency including that wait"),
               "later_turns_ttft": ("TTFT", "TTFT of turns after the first")}
     for metric in [*metrics, "later_turns_ttft"]:
         if f"mean_{metric}_ms" not in result:
@@ -229,147 +256,91 @@ def _serve_command(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from epdserve.services.bench import datasets, runner
+    from epdserve.services.bench import datasets, result, runner
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the report
 
-    report = _ReportOptions.from_args(args)
-    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    endpoint_path = args.endpoint or (CHAT_PATH if args.dataset_name in datasets.CHAT_ONLY else COMPLETIONS_PATH)
-    chat = endpoint_path.rstrip("/").endswith("chat/completions")
-    if args.dataset_name in datasets.CHAT_ONLY and not chat:
-        raise SystemExit(f"the {args.dataset_name} dataset needs a chat endpoint ({CHAT_PATH})")
-    headers = _pairs(args.header, "--header")
-    if args.api_key:
-        headers.setdefault("Authorization", f"Bearer {args.api_key}")
-    tokenizer, tokenizer_id = _load_tokenizer(args)
+    options = BenchOptions.from_args(args)
+    model, root = options.model, options.model_id
+    if model is None or root is None:
+        served, served_root = _server_model(options)
+        model, root = model or served, root or served_root
+    tokenizer, tokenizer_id = _load_tokenizer(options, (options.tokenizer or root) if options.load_tokenizer else None)
     text = datasets.TextSource(tokenizer)
-    config, runs = _sample_runs(args, text)
-    model = args.model if args.model and not Path(args.model).is_dir() else None
-    model = model or _server_model(base_url, headers, args.ready_check_timeout_sec)
-    warmups = datasets.warmup_requests(config, text, args.num_warmups)
-    sampling = {k: v for k, v in {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}.items()
-                if v is not None}
-    endpoint = runner.Endpoint(base_url + endpoint_path, model, chat, args.ignore_eos, headers,
-                               sampling | args.extra_body, args.request_timeout,
-                               f"bench-{datetime.now().strftime('%H%M%S')}-")
-    label = args.label or ("openai-chat" if chat else "openai")
+    runs = _sample_runs(options, text)
+    warmups = datasets.warmup_requests(options.dataset, text, options.num_warmups)
+    endpoint = runner.Endpoint(options.base_url + options.endpoint_path, model, options.chat, options.ignore_eos,
+                               options.headers, options.body, options.request_timeout,
+                               options.request_id_prefix or f"bench-{datetime.now().strftime('%H%M%S')}-",
+                               options.verify_tls)
     count_tokens = (lambda s: len(tokenizer.encode(s, add_special_tokens=False))) if tokenizer is not None else None
-    print(f"{label}: {args.num_prompts} {args.dataset_name} requests to {endpoint.api_url} (model {model}), "
-          f"rates {[rate_name(r) for r in args.request_rate]}, max concurrency {args.max_concurrency}", flush=True)
+    print(f"{options.results.label}: {options.dataset.num_prompts} {options.dataset.name} requests to "
+          f"{endpoint.api_url} (model {model}), rates {[result.rate_name(r) for r in options.rates]}, "
+          f"max concurrency {options.max_concurrency}", flush=True)
 
     results: list[dict] = []
-    Path(args.result_dir).mkdir(parents=True, exist_ok=True)
-    for i, (rate, samples) in enumerate(zip(args.request_rate, runs)):
-        shape = runner.LoadShape(rate, args.burstiness, args.arrival, args.max_concurrency, args.seed + i)
-        outputs, duration = asyncio.run(runner.run_load(endpoint, samples, shape, warmups, not args.disable_tqdm,
+    for i, (rate, samples) in enumerate(zip(options.rates, runs)):
+        shape = runner.LoadShape(rate, options.burstiness, options.arrival, options.max_concurrency,
+                                 options.dataset.seed + i)
+        outputs, duration = asyncio.run(runner.run_load(endpoint, samples, shape, warmups, options.progress,
                                                         count_tokens))
-        kind = "openai-chat" if chat else "openai"
-        header = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": kind, "backend": kind,
-                  "label": label, "model_id": model,
-                  "tokenizer_id": tokenizer_id, "base_url": base_url, "endpoint": endpoint_path,
-                  "dataset_name": args.dataset_name, "seed": args.seed + i, "num_prompts": len(samples)}
-        results.append(_record_run(args, report, header, rate, outputs, duration))
-    if not args.no_plot:
-        _plot(args, label, results)
+        date = datetime.now().strftime("%Y%m%d-%H%M%S")
+        header = {"date": date, "endpoint_type": options.backend, "backend": options.backend,
+                  "label": options.results.label, "model_id": root, "tokenizer_id": tokenizer_id,
+                  "base_url": options.base_url, "endpoint": options.endpoint_path,
+                  "dataset_name": options.dataset.name, "seed": options.dataset.seed + i, "num_prompts": len(samples)}
+        run = result.record(options, header, rate, outputs, duration)
+        _report_run(options, run)
+        path = result.result_path(options, root, date, rate)
+        result.write(options, run, path)
+        print(f"wrote {path}")
+        results.append(run)
+    if options.results.plot:
+        _plot(options, results, result.result_path(options, root, results[0]["date"],
+                                                   options.rates[0] if len(results) == 1 else None))
     return 0 if all(r["completed"] for r in results) else 1
 
 
-class _ReportOptions(NamedTuple):
-    """What the report measures: goodput SLOs (ms by metric), percentiles and the metrics given them."""
-    goodput: dict[str, float]
-    percentiles: list[float]
-    metrics: list[str]
+def _sample_runs(options: BenchOptions, text) -> list:
+    """Every run's prompts, sampled before the first request: a bad dataset fails here, not after a run.
+    Each rate gets its own prompts (seed + n): a prefix cache must not serve one run from an earlier one's."""
+    from dataclasses import replace
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> _ReportOptions:
-        from epdserve.services.bench import metrics
-
-        try:
-            goodput = metrics.parse_goodput(args.goodput)
-        except ValueError as exc:
-            raise SystemExit(str(exc)) from None
-        chosen = [m for m in args.percentile_metrics.split(",") if m]
-        unknown = set(chosen) - set(metrics.PERCENTILE_METRICS)
-        if unknown:
-            raise SystemExit(f"--percentile-metrics: unknown {sorted(unknown)}; "
-                             f"choose from {metrics.PERCENTILE_METRICS}")
-        return cls(goodput, [float(p) for p in args.metric_percentiles.split(",") if p], chosen)
-
-
-def _sample_runs(args: argparse.Namespace, text) -> tuple:
-    """The dataset config and every run's prompts, sampled before the first request: a bad dataset fails
-    here, not after a run. Each rate gets its own prompts (seed + n): a prefix cache must not serve one
-    run from an earlier one's."""
     from epdserve.services.bench import datasets
 
-    if args.dataset_path and args.dataset_name != "sharegpt":
-        raise SystemExit(f"--dataset-path is read by --dataset-name sharegpt, not {args.dataset_name}")
-    config = datasets.DatasetConfig(
-        args.dataset_name, args.num_prompts, args.seed, args.input_len, args.output_len,
-        range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len,
-        lognormal_sigma=args.lognormal_sigma, lognormal_max_len=args.lognormal_max_len,
-        dataset_path=args.dataset_path, sharegpt_output_len=args.sharegpt_output_len, turns=args.multi_turn_turns,
-        conversation_prefix_len=args.multi_turn_prefix_len, image_width=args.image_width,
-        image_height=args.image_height, images_per_request=args.images_per_request)
     try:
-        runs = [datasets.sample_requests(replace(config, seed=args.seed + i), text)
-                for i in range(len(args.request_rate))]
+        return [datasets.sample_requests(replace(options.dataset, seed=options.dataset.seed + i), text)
+                for i in range(len(options.rates))]
     except ValueError as exc:
         raise SystemExit(f"epdserve bench serve: {exc}") from None
-    return config, runs
 
 
-def _record_run(args: argparse.Namespace, report: _ReportOptions, header: dict, rate: float, outputs,
-                duration: float) -> dict:
-    """One rate's result: summarized, printed, and written as `vllm bench serve`-shaped JSON."""
-    from epdserve.services.bench import metrics
-
-    result = {
-        **header,
-        **_pairs(args.metadata, "--metadata"),
-        "request_rate": rate_name(rate) if math.isinf(rate) else rate,
-        "burstiness": args.burstiness,
-        "arrival": args.arrival,
-        "max_concurrency": args.max_concurrency,
-        "goodput_slo_ms": report.goodput or None,
-        **metrics.summarize(outputs, duration, report.percentiles, report.metrics, report.goodput),
-        **metrics.per_request(outputs, args.save_detailed),
-    }
-    if args.trace:
-        result |= metrics.trace_summary(outputs)
-        result.setdefault("traces", [None] * len(outputs))
-        if not result["traced_requests"]:
-            print("--trace: no response carried epdserve_trace (start the proxy, or `epdserve up`, with "
-                  "--request-trace)", file=sys.stderr)
-    else:
-        result.pop("traces", None)
-    print_summary(result, report.percentiles, report.metrics)
-    for e in [e for e in result["errors"] if e][:5]:
+def _report_run(options: BenchOptions, run: dict) -> None:
+    print_summary(run, list(options.report.percentiles), list(options.report.metrics))
+    if options.results.trace and not run["traced_requests"]:
+        print("--trace: no response carried epdserve_trace (start the proxy, or `epdserve up`, with "
+              "--request-trace)", file=sys.stderr)
+    for e in [e for e in run["errors"] if e][:5]:
         print(f"error: {e}", file=sys.stderr)
-    path = result_path(args, header["label"], rate)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
-    return result
 
 
-def _plot(args: argparse.Namespace, label: str, results: list[dict]) -> None:
+def _plot(options: BenchOptions, results: list[dict], json_path: Path) -> None:
+    """Latency CDFs of every run, and the rate sweep when there are several, named after the JSON."""
     try:
         from epdserve.services.bench import plots
     except ImportError as exc:
         print(f"no plots ({exc}); install matplotlib", file=sys.stderr)
         return
-    stem = result_path(args, label, args.request_rate[0]).stem
-    if len(results) > 1:
-        stem = re.sub(r"_[^_]*qps", "", stem, count=1)
+    label = options.results.label
     by_rate = {("all at once" if r["request_rate"] == "inf" else f"{r['request_rate']:g} req/s"): r for r in results}
     title = plots.describe(results)
-    if args.label:
-        title = f"{args.label}: {title}"
+    if label != options.backend:  # a name of the user's own
+        title = f"{label}: {title}"
+    stem = json_path.parent / json_path.stem
     try:
-        paths = [plots.plot_latency_cdfs(by_rate, Path(args.result_dir) / f"{stem}_cdf.png", title)]
+        paths = [plots.plot_latency_cdfs(by_rate, Path(f"{stem}_cdf.png"), title)]
         if len(results) > 1:
-            paths.append(plots.plot_rate_sweep({label: results}, Path(args.result_dir) / f"{stem}_rates.png", title))
+            paths.append(plots.plot_rate_sweep({label: results}, Path(f"{stem}_rates.png"), title))
     except ImportError as exc:
         print(f"no plots ({exc}); install matplotlib", file=sys.stderr)
         return

@@ -7,7 +7,7 @@
   `vllm bench serve` does: conversations with at least two turns, shuffled with the seed; the first
   turn is the prompt and the second's token count the output length (or `sharegpt_output_len`); pairs
   with fewer than 4 tokens on a side, a prompt over 1024 tokens or over 2048 together are skipped;
-  drawn again at random when the file has too few.
+  drawn again at random when the file has too few (unless `oversample` is off: fewer requests then).
 - multi-turn: conversations whose every turn resends the whole history (a long opening document,
   then short user turns with the server's real replies in between): growing shared prefixes.
 - image: a text prompt with generated PNG images as `data:` URLs (chat endpoint).
@@ -106,6 +106,8 @@ class DatasetConfig:
     lognormal_max_len: int = 2048
     dataset_path: str | None = None  # sharegpt: the JSON file
     sharegpt_output_len: int | None = None  # sharegpt: every request's output length (None: the reply's)
+    shuffle: bool = True  # sharegpt: conversations in seeded random order (False: file order)
+    oversample: bool = True  # sharegpt: too few usable conversations are drawn again up to num_prompts
     turns: int = 4  # multi-turn: requests per conversation; input_len is each user turn's length
     conversation_prefix_len: int = 1024  # multi-turn: the opening document of each conversation
     image_width: int = 224
@@ -113,10 +115,22 @@ class DatasetConfig:
     images_per_request: int = 1
 
 
-def sample_requests(config: DatasetConfig, text: TextSource) -> list[SampleRequest]:
-    """The dataset's requests in the order they are sent."""
+def check(config: DatasetConfig) -> None:
+    """ValueError for a config no tokenizer or file can make right, before anything is loaded or asked."""
     if config.name not in DATASETS:
         raise ValueError(f"unknown dataset {config.name!r}; choose one of {DATASETS}")
+    if not 0 <= config.range_ratio < 1:
+        raise ValueError(f"--random-range-ratio {config.range_ratio} must be in [0, 1) (as vLLM's): lengths are "
+                         "drawn from len * (1 - r) to len * (1 + r)")
+    if config.name == "sharegpt" and not config.dataset_path:
+        raise ValueError("the sharegpt dataset reads a ShareGPT JSON file: give --dataset-path (for example "
+                         "ShareGPT_V3_unfiltered_cleaned_split.json); --dataset-name lognormal is a synthetic "
+                         "length mix")
+
+
+def sample_requests(config: DatasetConfig, text: TextSource) -> list[SampleRequest]:
+    """The dataset's requests in the order they are sent."""
+    check(config)
     rng = np.random.default_rng(config.seed)
     sample = {"random": _random, "lognormal": _lognormal, "sharegpt": _sharegpt, "multi-turn": _multi_turn,
               "image": _image}[config.name]
@@ -187,15 +201,11 @@ def _is_valid_pair(prompt_len: int, output_len: int, check_output: bool) -> bool
 
 
 def _sharegpt(config: DatasetConfig, text: TextSource, rng: np.random.Generator) -> list[SampleRequest]:
-    if not config.dataset_path:
-        raise ValueError("the sharegpt dataset reads a ShareGPT JSON file: give --dataset-path (for example "
-                         "ShareGPT_V3_unfiltered_cleaned_split.json); --dataset-name lognormal is a synthetic "
-                         "length mix")
     if text.tokenizer is None:
         raise ValueError("the sharegpt dataset counts tokens: give --tokenizer (or --model as a local folder)")
     entries = list(load_sharegpt(config.dataset_path))
-    shuffler = random.Random(config.seed)  # as vLLM's random.seed(seed) then random.shuffle
-    shuffler.shuffle(entries)
+    if config.shuffle:
+        random.Random(config.seed).shuffle(entries)  # as vLLM's random.seed(seed) then random.shuffle
     tokenize = lambda s: len(text.tokenizer(s).input_ids)  # noqa: E731 - with special tokens, as vLLM counts
     samples = []
     for entry in entries:
@@ -208,8 +218,9 @@ def _sharegpt(config: DatasetConfig, text: TextSource, rng: np.random.Generator)
             samples.append(SampleRequest(prompt, prompt_len, output_len))
     if not samples:
         raise ValueError(f"--dataset-path {config.dataset_path}: no conversation has a usable first exchange")
-    drawer = random.Random(config.seed)  # too few: draw again, as vLLM oversamples
-    samples += [replace(drawer.choice(samples)) for _ in range(config.num_prompts - len(samples))]
+    if config.oversample:
+        drawer = random.Random(config.seed)  # too few: draw again, as vLLM oversamples
+        samples += [replace(drawer.choice(samples)) for _ in range(config.num_prompts - len(samples))]
     return samples
 
 

@@ -6,6 +6,9 @@ Definitions follow `vllm bench serve` so numbers and JSON fields compare one to 
 - ITL: gaps between consecutive token chunks of one request (a chunk may carry several tokens).
 - TPOT: (latency - TTFT) / (output tokens - 1), per request with more than one output token.
 - E2EL ("latency"): request sent -> last chunk received.
+- Client queue time: request due -> sent, the wait for a slot under a concurrency cap; with a cap its
+  percentiles can be reported (`client_queue_time`), and at a finite rate those of E2EL plus that wait
+  (`e2el_including_client_queue`), as vLLM reports them.
 - Goodput: completed requests per second whose TTFT, TPOT and E2EL are all within the given SLOs
   (a request with at most one output token counts TPOT as 0).
 
@@ -25,7 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
-PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el", "client_queue_time", "e2el_including_client_queue")
+DEFAULT_PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 @dataclass(slots=True)
@@ -39,6 +43,7 @@ class RequestOutput:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     start_time: float = 0.0
+    queue_time: float = 0.0  # due -> sent: waiting for a slot under the concurrency cap
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server sends it
     turn: int | None = None  # multi-turn conversations: 0 for a conversation's first request
     generated_text: str = ""
@@ -123,7 +128,7 @@ def peak_output_rate(outputs: list[RequestOutput]) -> tuple[float, int]:
 
 
 def summarize(outputs: list[RequestOutput], duration_s: float, percentiles: list[float],
-              percentile_metrics: tuple[str, ...] | list[str] = PERCENTILE_METRICS,
+              percentile_metrics: tuple[str, ...] | list[str] = DEFAULT_PERCENTILE_METRICS,
               goodput_slo_ms: dict[str, float] | None = None) -> dict:
     """The aggregate fields of a `vllm bench serve` result, plus cached-token and later-turn extras."""
     done = [o for o in outputs if o.success]
@@ -149,6 +154,8 @@ def summarize(outputs: list[RequestOutput], duration_s: float, percentiles: list
         "tpot": [o.tpot for o in done if o.output_len > 1],
         "itl": [gap for o in done for gap in o.itl],
         "e2el": [o.latency for o in done],
+        "client_queue_time": [o.queue_time for o in done],
+        "e2el_including_client_queue": [o.latency + o.queue_time for o in done],
     }
     for name in percentile_metrics:
         result |= distribution(name, samples[name], percentiles)
@@ -168,6 +175,7 @@ def per_request(outputs: list[RequestOutput], with_texts: bool = False) -> dict[
         "itls": [o.itl for o in outputs],
         "latencies": [o.latency for o in outputs],
         "start_times": [o.start_time for o in outputs],
+        "queue_times": [o.queue_time for o in outputs],
         "cached_tokens": [o.cached_tokens for o in outputs],
         "errors": [o.error for o in outputs],
     }

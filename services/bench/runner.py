@@ -1,10 +1,10 @@
 """Sends a dataset to an OpenAI-compatible endpoint and records what each streamed response looked like.
 
 Arrivals follow `vllm bench serve`: at rate r, inter-arrival gaps are gamma(shape=burstiness,
-scale=1/(r * burstiness)) (burstiness 1 = a Poisson process), or exactly 1/r with `arrival="fixed"`;
-rate inf sends everything at once. `max_concurrency` caps requests in flight; a request's clock starts
-when it is actually sent. Turns of a multi-turn conversation wait for the previous turn's reply, which
-becomes part of their prompt.
+scale=1/(r * burstiness)) (burstiness 1 = a Poisson process), or exactly 1/r with `arrival="fixed"` (or
+burstiness inf), scaled so that n requests take n/r seconds; rate inf sends everything at once. `max_concurrency` caps requests in flight; a request's clock starts
+when it is actually sent, and the wait for a slot before that is its client queue time. Turns of a
+multi-turn conversation wait for the previous turn's reply, which becomes part of their prompt.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ class Endpoint:
     extra_body: dict = field(default_factory=dict)
     timeout_s: float = 600.0
     request_id_prefix: str = "bench-"
+    verify_tls: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,20 +47,25 @@ class LoadShape:
 
 
 def arrival_times(num_requests: int, shape: LoadShape) -> list[float]:
-    """Seconds after the start at which each request is due (seeded, so runs send the same schedule)."""
+    """Seconds after the start at which each request is due, as `vllm bench serve` schedules them: each
+    request waits its gap after the one before (the first, after the start), the gaps drawn from numpy's
+    legacy generator seeded with the run's seed (the draws vLLM makes after its np.random.seed), then scaled
+    to add up to exactly num_requests / rate, so that a run's length does not depend on the seed."""
     if math.isinf(shape.request_rate):
         return [0.0] * num_requests
     if shape.request_rate <= 0:
         raise ValueError("request rate must be positive (or inf)")
-    if shape.arrival == "fixed":
+    if num_requests == 0:
+        return []
+    if shape.arrival == "fixed" or math.isinf(shape.burstiness):
         gaps = np.full(num_requests, 1.0 / shape.request_rate)
     else:
         if shape.burstiness <= 0:
             raise ValueError("burstiness must be positive")
         theta = 1.0 / (shape.request_rate * shape.burstiness)
-        gaps = np.random.default_rng(shape.seed).gamma(shape.burstiness, theta, num_requests)
-    gaps[0] = 0.0  # the first request goes at once
-    return np.cumsum(gaps).tolist()
+        gaps = np.random.RandomState(shape.seed).gamma(shape.burstiness, theta, num_requests)
+    due = np.cumsum(gaps)
+    return (due * (num_requests / shape.request_rate / due[-1])).tolist()
 
 
 class Conversations:
@@ -210,7 +216,7 @@ async def run_load(endpoint: Endpoint, samples: list[SampleRequest], shape: Load
     """Send every sample on schedule; (outputs in dataset order, benchmark duration in seconds)."""
     limit = shape.max_concurrency or None
     client = httpx.AsyncClient(limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
-                               timeout=endpoint.timeout_s)
+                               timeout=endpoint.timeout_s, verify=endpoint.verify_tls)
     async with client:
         for i, sample in enumerate(warmups):
             out = await send_request(client, endpoint, request_body(endpoint, sample, sample.messages),
@@ -233,6 +239,7 @@ async def run_load(endpoint: Endpoint, samples: list[SampleRequest], shape: Load
                     return out
             messages = conversations.messages(sample) if sample.conversation_id is not None else sample.messages
             body = request_body(endpoint, sample, messages)
+            ready = time.perf_counter() - t0  # due, and its conversation's earlier turn answered
             if slots is not None:
                 await slots.acquire()
             try:
@@ -242,6 +249,7 @@ async def run_load(endpoint: Endpoint, samples: list[SampleRequest], shape: Load
                 if slots is not None:
                     slots.release()
             out.turn = sample.turn
+            out.queue_time = max(out.start_time - ready, 0.0)
             if sample.conversation_id is not None:
                 conversations.finish(sample, out)
             bar.update()

@@ -1,10 +1,14 @@
 """`epdserve bench serve` against a running encoder + prefill + decode + proxy stack: a few requests of each
-kind, and the JSON it writes has every `vllm bench serve` field with consistent values (no timing limits)."""
+kind, and the JSON it writes has every `vllm bench serve` field with consistent values (no timing limits); a
+saved `vllm bench serve` command line runs as it is, and its JSON reads as a vLLM script reads it."""
 import json
 import math
+import re
+import shlex
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 OUTPUT_LEN = 6
@@ -98,3 +102,44 @@ def test_image_prompts(stack, demo_model, tmp_path):
     assert min(result["input_lens"]) > 8 + 100  # the image's placeholder tokens count as prompt tokens
     assert "Serving Benchmark Result" in proc.stdout
     assert not list(tmp_path.glob("*.png"))
+
+
+# A `vllm bench serve` command line as a script saves it, word for word but the port and folders.
+SAVED_VLLM_COMMAND = (
+    "vllm bench serve --backend vllm --host 127.0.0.1 --port {port} --endpoint /v1/completions --model demo "
+    "--tokenizer {tokenizer} --dataset-name random --random-input-len 24 --random-output-len 6 --num-prompts 4 "
+    "--request-rate 8 --max-concurrency 2 --seed 1 --ignore-eos --temperature 0 "
+    "--percentile-metrics ttft,tpot,itl,e2el,client_queue_time,e2el_including_client_queue "
+    "--metric-percentiles 50,90,99 --goodput ttft:600000 e2el:600000 --save-result --save-detailed "
+    "--result-dir {result_dir} --metadata tag=saved --disable-tqdm")
+
+
+def test_a_saved_vllm_bench_serve_command_line(stack, demo_model, tmp_path):
+    argv = shlex.split(SAVED_VLLM_COMMAND.format(port=stack.port, tokenizer=demo_model, result_dir=tmp_path))
+    assert argv[:3] == ["vllm", "bench", "serve"]
+    proc = subprocess.run([sys.executable, "-m", "epdserve.services.cli", *argv[1:]], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + stack.logs()
+    # Found and read as a vLLM script does: vLLM's file name in --result-dir, one JSON object.
+    [path] = tmp_path.glob("*.json")
+    assert re.fullmatch(r"vllm-8\.0qps-concurrency2-demo-\d{8}-\d{6}\.json", path.name), path.name
+    with open(path, encoding="utf-8") as f:
+        result = json.load(f)
+    check_result(result, 4)
+    assert path.name == f"vllm-8.0qps-concurrency2-demo-{result['date']}.json"
+    assert (result["backend"], result["endpoint_type"], result["model_id"], result["tokenizer_id"]) == (
+        "vllm", "vllm", "demo", demo_model)
+    assert (result["num_prompts"], result["request_rate"], result["burstiness"], result["max_concurrency"]) == (
+        4, 8.0, 1.0, 2)
+    assert result["tag"] == "saved" and result["input_lens"] == [24] * 4
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])  # SLOs of 10 minutes
+    assert len(result["generated_texts"]) == 4 and all(isinstance(t, str) for t in result["generated_texts"])
+    # vLLM's units: per-request seconds, statistics in milliseconds over them.
+    assert result["p99_ttft_ms"] == pytest.approx(np.percentile(result["ttfts"], 99) * 1000)
+    assert result["mean_itl_ms"] == pytest.approx(np.mean(sum(result["itls"], [])) * 1000)
+    queue = np.asarray(result["queue_times"])
+    assert len(queue) == 4 and (queue >= 0).all()
+    assert result["mean_client_queue_time_ms"] == pytest.approx(queue.mean() * 1000)
+    assert result["median_e2el_including_client_queue_ms"] == pytest.approx(
+        np.median(np.asarray(result["latencies"]) + queue) * 1000)
+    assert "Serving Benchmark Result" in proc.stdout

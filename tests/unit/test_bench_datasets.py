@@ -71,6 +71,21 @@ def test_sharegpt_output_len_overrides_the_reply_and_too_few_are_drawn_again(sha
     assert len({id(s) for s in samples}) == 12  # drawn again as copies, not the same object twice
 
 
+def test_sharegpt_in_file_order_and_without_drawing_again(sharegpt_file):
+    path, _ = sharegpt_file
+    datasets.load_sharegpt.cache_clear()
+    samples = sample(path, num_prompts=12, shuffle=False, oversample=False)  # --disable-shuffle --no-oversample
+    assert [s.prompt.split()[0] for s in samples] == [f"c{i}" for i in range(8)]  # the 8 usable ones, in order
+
+
+def test_random_range_ratio_is_below_one_as_in_vllm():
+    with pytest.raises(ValueError, match=re.escape("must be in [0, 1)")):
+        datasets.sample_requests(datasets.DatasetConfig(range_ratio=1.0), datasets.TextSource())
+    samples = datasets.sample_requests(datasets.DatasetConfig(num_prompts=50, input_len=20, output_len=10,
+                                                              range_ratio=0.5), datasets.TextSource())
+    assert {s.prompt_len for s in samples} <= set(range(10, 31)) and len({s.prompt_len for s in samples}) > 1
+
+
 @pytest.mark.parametrize("kwargs, content, message", [
     ({"dataset_path": None}, None, "give --dataset-path"),
     ({}, "{not json", "is not JSON"),
@@ -114,7 +129,7 @@ def test_bench_help_states_each_default_once():
     for option in options:
         assert len(re.findall(r"default", option)) <= 1, option
     assert "(default: None)" not in text
-    for option, default in [("--num-prompts", "(default: 100)"), ("--seed", "(default: 0)"),
+    for option, default in [("--num-prompts", "(default: 1000)"), ("--seed", "(default: 0)"),
                             ("--request-rate", "(default: inf)"), ("--dataset-name", "(default: random)"),
                             ("--random-range-ratio", "(default: 0.0)")]:
         block = next(o for o in options if o.startswith(option))

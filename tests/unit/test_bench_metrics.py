@@ -126,9 +126,11 @@ def test_later_turn_ttft_and_per_request_arrays():
 
 def test_arrival_schedules():
     assert arrival_times(3, LoadShape(math.inf)) == [0.0, 0.0, 0.0]
-    assert arrival_times(4, LoadShape(2.0, arrival="fixed")) == pytest.approx([0.0, 0.5, 1.0, 1.5])
+    assert arrival_times(4, LoadShape(2.0, arrival="fixed")) == pytest.approx([0.5, 1.0, 1.5, 2.0])
+    assert arrival_times(4, LoadShape(2.0, burstiness=math.inf)) == pytest.approx([0.5, 1.0, 1.5, 2.0])
     poisson = arrival_times(4000, LoadShape(4.0, seed=7))
-    assert poisson[0] == 0.0 and all(b >= a for a, b in zip(poisson, poisson[1:]))
+    assert poisson[0] > 0.0 and all(b >= a for a, b in zip(poisson, poisson[1:]))
+    assert poisson[-1] == pytest.approx(1000.0)  # n requests take n / rate seconds, whatever the seed
     assert poisson == arrival_times(4000, LoadShape(4.0, seed=7))  # seeded: every run sends the same schedule
     gaps = np.diff(poisson)
     assert np.mean(gaps) == pytest.approx(0.25, rel=0.05)
@@ -137,6 +139,17 @@ def test_arrival_schedules():
     assert np.std(regular) / np.mean(regular) == pytest.approx(0.25, rel=0.1)  # gamma(k): CV 1/sqrt(k)
     with pytest.raises(ValueError):
         arrival_times(2, LoadShape(0.0))
+
+
+def test_arrivals_are_the_schedule_vllm_sends_for_the_same_seed():
+    # vllm-project/vllm vllm/benchmarks/serve.py (commit 009e6d4a1cd6ba3fb2a9fc00f4ec06f5297232a1): main_async
+    # seeds numpy's global generator, then get_request draws one gamma gap per request and scales their
+    # running sum to end at num_requests / request_rate.
+    for rate, burstiness, seed in ((4.0, 1.0, 0), (0.5, 0.25, 11)):
+        np.random.seed(seed)
+        due = np.cumsum([np.random.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)) for _ in range(50)])
+        vllm = due * (50 / rate) / due[-1]
+        assert arrival_times(50, LoadShape(rate, burstiness, seed=seed)) == pytest.approx(vllm.tolist())
 
 
 def _sse(*events) -> bytes:

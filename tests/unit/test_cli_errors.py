@@ -128,6 +128,16 @@ def test_bench_dataset_path_with_another_dataset(tmp_path):
     assert_one_line_error(done, "--dataset-path is read by --dataset-name sharegpt")
 
 
+@pytest.mark.parametrize("given, message", [
+    (("--profile",), "--profile is not supported: it starts vLLM's torch profiler"),
+    (("--dataset-name", "sonnet", "--sonnet-input-len", "550"), "--sonnet-input-len is not supported"),
+    (("--backend", "openai-embeddings"), "--backend openai-embeddings is not supported"),
+])
+def test_bench_a_vllm_flag_it_cannot_honour(tmp_path, given, message):
+    done = epdserve("bench", "serve", "--port", "9", *given, cwd=tmp_path)
+    assert_one_line_error(done, message)
+
+
 @pytest.mark.parametrize("option, message", [(("--max-model-len", "0"), "max_model_len must be positive"),
                                              (("--block-size", "0"), "block_size must be a positive power of two")])
 def test_an_engine_option_out_of_range(tmp_path, servable, option, message):
