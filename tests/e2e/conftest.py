@@ -60,29 +60,39 @@ class Stack:
     """encoders/prefills/decodes/unified counts -> processes + a proxy; `url` is the OpenAI base URL."""
 
     def __init__(self, model: str, log_dir: Path, encoders=0, prefills=0, decodes=0, unified=0,
-                 engine_args=(), proxy_args=(), host="127.0.0.1", transport_args=()) -> None:
+                 engine_args=(), proxy_args=(), host="127.0.0.1", transport_args=(),
+                 hosts: dict[str, str] | None = None) -> None:
         """`engine_args` go to prefill, decode and unified engines; `transport_args` to those and the
-        encoders (e.g. --kv-transport ucx: every peer of a transfer must use the same)."""
+        encoders (e.g. --kv-transport ucx: every peer of a transfer must use the same). `hosts`: an address of
+        its own for each role named (the proxy's too), as on separate hosts: then every port is fixed, the
+        prefills' block ports and the proxy's inbox port included."""
+        hosts = hosts or {}
+        fixed = bool(hosts)
         self.model = model
         self.services: dict[str, Service] = {}
         base = [sys.executable, "-m", "epdserve.services.cli", "--log-level", "INFO", "serve"]
         targets: dict[str, list[str]] = {}
         for role, count in (("encoder", encoders), ("prefill", prefills), ("decode", decodes), ("unified", unified)):
             for i in range(count):
-                name = f"{role}-{i}"
-                port, data_port, http_port = free_port(host), free_port(host), free_port(host)
-                argv = [*base, role, "--model", model, "--host", host, "--port", str(port),
+                name, at = f"{role}-{i}", hosts.get(role, host)
+                port, data_port, http_port = free_port(at), free_port(at), free_port(at)
+                argv = [*base, role, "--model", model, "--host", at, "--port", str(port),
                         "--data-port", str(data_port), "--http-port", str(http_port), "--engine-id", name,
                         *transport_args]
                 if role != "encoder":
                     argv += ["--threads", "1", *engine_args]
+                if fixed and role == "prefill":
+                    argv += ["--block-port", str(free_port(at))]
                 self.services[name] = Service(name, role, argv, port, data_port, http_port, log_dir / f"{name}.log",
-                                              host)
-                targets.setdefault(role, []).append(f"{http_host(host)}:{port}")
+                                              at)
+                targets.setdefault(role, []).append(f"{http_host(at)}:{port}")
+        host = hosts.get("proxy", host)
         self.port = free_port(host)
         proxy = [*base, "proxy", "--model", model, "--host", host, "--port", str(self.port),
                  "--served-model-name", "demo",
                  "--poll-interval", "0.5", *proxy_args]
+        if fixed:
+            proxy += ["--inbox-port", str(free_port(host))]
         for role, addrs in targets.items():
             proxy += [f"--{role}", ",".join(addrs)]
         self.services["proxy"] = Service("proxy", "proxy", proxy, self.port, None, self.port, log_dir / "proxy.log",
