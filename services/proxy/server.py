@@ -71,6 +71,7 @@ class ProxyConfig:
     # `data: [DONE]` for a stream). A pod's terminationGracePeriodSeconds must exceed it.
     drain_timeout: float = 10.0
     tool_call_parser: str = "hermes"  # see tool_parsers.TOOL_PARSERS
+    reasoning_parser: str | None = None  # see reasoning_parsers.REASONING_PARSERS; None: no reasoning parsed
     # Each request's trace (tracing.py): exported over OTLP/HTTP to this URL (None: not exported), and
     # returned in its response (`epdserve_trace`) when `request_trace`.
     otlp_traces_endpoint: str | None = None
@@ -147,7 +148,8 @@ async def build_proxy(config: ProxyConfig):
                             model_config.vocab_size, metrics, chat_encoder,
                             response_timeout=config.lifecycle.token_timeout, tool_call_parser=config.tool_call_parser,
                             tracer=tracer, request_trace=config.request_trace,
-                            constraint_limits=config.constraint_limits, loras=loras)
+                            constraint_limits=config.constraint_limits, loras=loras,
+                            reasoning_parser=config.reasoning_parser)
 
     drain = Drain(config.drain_timeout)
     drain.on_cut(backend.cut)
