@@ -1,4 +1,4 @@
-"""A reasoning model's thinking read back from its text (`--reasoning-parser`), as vLLM's parsers of the same names.
+"""A reasoning model's thinking read back from its text (`--reasoning-parser`, with vLLM's parser names).
 
 DeepSeek-R1 and Qwen3 write their reasoning as `<think>...</think>` before the answer. Their chat templates
 may open the block in the prompt already (R1's, Qwen3.5's), so the output can start inside the reasoning
@@ -13,7 +13,8 @@ next, is found all the same.
   false}`: Qwen3's template then closes an empty block in the prompt), when the whole output is the answer.
 
 A constrained output (structured outputs, response_format, a forced tool call) follows its constraint from
-its first token, so it is the answer unless it opens with `<think>` itself.
+its first token (vLLM's starts constraining after the reasoning), so it is the answer unless it opens with
+`<think>` itself: a JSON schema's output is the content, a regex may write a `<think>` block first.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ class ReasoningParser:
                 continue
             end = rest.find(self.END)
             start = -1 if self._opened else rest.find(self.START)
-            if start >= 0 and (end < 0 or start < end):  # the model opened the block itself: the tag goes
+            if start >= 0 and (end < 0 or start < end):  # the model opened the block itself: the tag is dropped
                 reasoning.append(rest[:start])
                 self._sent += start + len(self.START)
                 self._opened = True
