@@ -237,7 +237,7 @@ def proxy_config(args: argparse.Namespace, model: str):
         kv_store=_kv_store_address(args),
         transport=transport, allowed_image_domains=_split_targets(args.allowed_image_domains),
         allow_private_image_urls=args.allow_private_image_urls, access_log=args.log_level == "debug",
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         drain_timeout=args.drain_timeout, max_request_body_bytes=args.max_request_body_bytes,
         otlp_traces_endpoint=args.otlp_traces_endpoint, request_trace=args.request_trace,
         constraint_limits=ConstraintLimits(args.max_structured_output_bytes, args.max_logit_bias),

@@ -8,6 +8,7 @@ from typing import NamedTuple
 from epdserve.services import vllm_flags
 from epdserve.services.forwarded_options import ForwardedOptions
 from epdserve.services.proxy.kv_routing import RoutingPolicy
+from epdserve.services.proxy.reasoning_parsers import REASONING_PARSERS as REASONING_PARSER_NAMES
 from epdserve.services.proxy.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 from epdserve.shared.config import BUDGET_POLICIES
 
@@ -303,6 +304,10 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies get HTTP 413 (default: %(default)s)")
     p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSER_NAMES),
                    help="how tool calls are read from the text when tool_choice is auto (default: %(default)s)")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSER_NAMES),
+                   help="return a reasoning model's <think> block as reasoning_content apart from the answer in "
+                        "chat responses: deepseek_r1, or qwen3 (which also honours enable_thinking: false in "
+                        "chat_template_kwargs) (default: none, the text is the answer)")
     p.add_argument("--max-structured-output-bytes", type=int, default=256 << 10, metavar="BYTES",
                    help="largest output constraint a request may send - a JSON schema, regex, grammar or choice "
                         "list, or the schema of its forced tool calls - as text (a 400 beyond; at most 1 MiB, "

@@ -165,3 +165,11 @@ def qwen2_5_vl_path(build_once, default_model_path):
     from epdserve.shared.checkpoints.tiny_qwen2_5_vl import build_tiny_qwen2_5_vl
 
     return build_once("tiny-qwen2.5-vl", lambda out: build_tiny_qwen2_5_vl(out, default_model_path))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_thinking_path(build_once, default_model_path):
+    """The tiny Qwen3 with Qwen3's <think> tokens and thinking chat template (random weights, fixed seed)."""
+    from epdserve.shared.checkpoints.tiny_qwen3_thinking import build_tiny_qwen3_thinking
+
+    return build_once("tiny-qwen3-thinking", lambda out: build_tiny_qwen3_thinking(out, default_model_path))

@@ -1,4 +1,7 @@
-"""One chat choice's text as the assistant's answer: plain content, or tool calls.
+"""One chat choice's text as the assistant's answer: its reasoning, plain content, or tool calls.
+
+With a reasoning parser (`reasoning_parsers`), the reasoning is taken out of the text first and returned as
+`reasoning_content` (and as `reasoning`, vLLM's later name for it); everything below reads only what is left.
 
 How the calls are found depends on `tool_choice` (see `output_constraints.ToolFields.tool_mode`):
 - none (or no tools): the text is the content.
@@ -13,15 +16,24 @@ from __future__ import annotations
 
 import json
 
+from epdserve.services.proxy.reasoning_parsers import ReasoningParser
 from epdserve.services.proxy.tool_parsers import ToolCall, call_deltas, get_tool_parser, new_call_id
+
+REASONING_FIELDS = ("reasoning_content", "reasoning")
 
 
 class ChatAnswer:
     """Builds the message (whole) or the deltas (streamed) of one choice; one instance per choice."""
 
     def __init__(self, mode: str | None, parser_name: str = "hermes", function_name: str | None = None,
-                 parallel: bool = True) -> None:
+                 parallel: bool = True, reasoning: ReasoningParser | None = None,
+                 include_reasoning: bool = True) -> None:
+        """`reasoning`: this choice's reasoning parser (None: no reasoning fields); `include_reasoning`
+        false leaves the reasoning out of the answer (vLLM's request field)."""
         self.mode = mode if mode in ("auto", "named", "required") else None
+        self.reasoning = reasoning
+        self.include_reasoning = include_reasoning
+        self._content = ""  # the text after the reasoning, so far (streaming)
         self.parallel = parallel
         self.parser = get_tool_parser(parser_name) if self.mode == "auto" else None
         self.function_name = function_name  # for "named"
@@ -31,14 +43,31 @@ class ChatAnswer:
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The assistant message for the whole text, and the finish reason to report."""
-        content, calls = self._parse(text)
-        message = {"role": "assistant", "content": content}
+        if self.reasoning is None:
+            content, calls = self._parse(text)
+            message = {"role": "assistant", "content": content}
+        else:
+            reasoning, answer = self.reasoning.parse(text)
+            content, calls = self._parse(answer or "")
+            message = {"role": "assistant", "content": content or None}  # as vLLM: null when nothing follows
+            message |= dict.fromkeys(REASONING_FIELDS, reasoning if self.include_reasoning else None)
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
         return message, self.finish_reason(finish_reason, bool(calls))
 
     def delta(self, text: str, finished: bool) -> dict:
         """The delta for a stream given the whole text so far ({} when there is nothing new to send)."""
+        if self.reasoning is None:
+            return self._content_delta(text, finished)
+        reasoning, content = self.reasoning.parse_delta(text, finished)
+        self._content += content
+        delta = self._content_delta(self._content, finished)
+        if reasoning and self.include_reasoning:
+            delta = dict.fromkeys(REASONING_FIELDS, reasoning) | delta
+        return delta
+
+    def _content_delta(self, text: str, finished: bool) -> dict:
+        """The content and tool-call delta given the whole text after the reasoning so far."""
         if self.mode is None:
             new, self._sent = text[self._sent:], len(text)
             return {"content": new} if new else {}

@@ -2,11 +2,11 @@
 
 Fields follow the OpenAI API plus the extensions vLLM users rely on (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, cache_salt,
-prompt_logprobs). A field of the OpenAI API reference that is not implemented is refused with a 400 naming it
-(`REFUSED_FIELDS`), never dropped; a field outside the reference is kept aside (`model_extra`) for the
-serving layer to log once per request, as vLLM does, and otherwise ignored. The fields that constrain or
-steer the output (response_format, structured_outputs, guided_*, logit_bias, tools, tool_choice,
-parallel_tool_calls) are declared in `output_constraints`, mixed in here.
+prompt_logprobs, chat_template_kwargs, include_reasoning). A field of the OpenAI API reference that is not
+implemented is refused with a 400 naming it (`REFUSED_FIELDS`), never dropped; a field outside the reference
+is kept aside (`model_extra`) for the serving layer to log once per request, as vLLM does, and otherwise
+ignored. The fields that constrain or steer the output (response_format, structured_outputs, guided_*,
+logit_bias, tools, tool_choice, parallel_tool_calls) are declared in `output_constraints`, mixed in here.
 """
 from __future__ import annotations
 
@@ -83,7 +83,8 @@ REFUSED_FIELDS = {
         "functions": "deprecated and not supported: use tools",
         "function_call": "deprecated and not supported: use tool_choice",
         "prediction": "predicted outputs are not supported",
-        "reasoning_effort": "not supported: this model does not reason",
+        "reasoning_effort": "not supported: how long a model reasons cannot be set (Qwen3's thinking is switched "
+                            "with chat_template_kwargs: {\"enable_thinking\": false})",
         "verbosity": "not supported",
         "web_search_options": "web search is not supported",
         "store": "stored completions are not supported",
@@ -265,6 +266,10 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None  # an assistant's calls, in the history
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # An assistant's reasoning, in the history, as a reasoning parser returned it: under either name, both
+    # reach the chat template (Qwen3's renders `reasoning_content` in the turns after the last user message).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -278,6 +283,12 @@ class ChatMessage(BaseModel):
                                           {"index": i, "kind": kind})
         return content
 
+    @model_validator(mode="after")
+    def _reasoning_under_both_names(self):
+        self.reasoning_content = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        self.reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        return self
+
 
 class ChatCompletionRequest(ToolFields, _SamplingFields):
     _refused: ClassVar[dict[str, str]] = REFUSED_FIELDS["chat"]
@@ -289,6 +300,8 @@ class ChatCompletionRequest(ToolFields, _SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: false leaves a reasoning parser's reasoning out of the answer (it is still generated).
+    include_reasoning: bool = True
 
     @property
     def effective_max_tokens(self) -> int | None:

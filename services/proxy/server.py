@@ -73,6 +73,7 @@ class ProxyConfig:
     # `data: [DONE]` for a stream). A pod's terminationGracePeriodSeconds must exceed it.
     drain_timeout: float = 10.0
     tool_call_parser: str = "hermes"  # see tool_parsers.TOOL_PARSERS
+    reasoning_parser: str | None = None  # see reasoning_parsers.REASONING_PARSERS; None: no reasoning parsed
     # Each request's trace (tracing.py): exported over OTLP/HTTP to this URL (None: not exported), and
     # returned in its response (`epdserve_trace`) when `request_trace`.
     otlp_traces_endpoint: str | None = None
@@ -156,7 +157,7 @@ async def build_proxy(config: ProxyConfig):
                             constraint_limits=config.constraint_limits, loras=loras,
                             model_aliases=config.served_model_name[1:],
                             max_images_per_prompt=config.max_images_per_prompt,
-                            max_model_len_in_force=router.max_model_len)
+                            max_model_len_in_force=router.max_model_len, reasoning_parser=config.reasoning_parser)
 
     drain = Drain(config.drain_timeout)
     drain.on_cut(backend.cut)

@@ -23,6 +23,7 @@ from epdserve.services.proxy.chat_tools import ChatAnswer
 from epdserve.services.proxy.openai_protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from epdserve.services.proxy.output_constraints import ConstraintError, ConstraintLimits
 from epdserve.services.proxy.prompt_logprobs import Echo, echo_logprobs, vllm_prompt_logprobs
+from epdserve.services.proxy.reasoning_parsers import get_reasoning_parser
 from epdserve.services.proxy.tracing import RequestTrace, Tracer
 from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
 from epdserve.transport.protocol import TokenLogprobs, WireLoRA
@@ -54,13 +55,15 @@ class OpenAIServing:
                  request_trace: bool = False, constraint_limits: ConstraintLimits = ConstraintLimits(),
                  loras: LoRAModules | None = None, model_aliases: tuple[str, ...] = (),
                  max_images_per_prompt: int | None = None,
-                 max_model_len_in_force: Callable[[], int | None] | None = None) -> None:
+                 max_model_len_in_force: Callable[[], int | None] | None = None,
+                 reasoning_parser: str | None = None) -> None:
         """`response_timeout`: seconds an HTTP request may wait for its answer (a stream's first event, or a
         whole non-streamed body) before it fails with 504. `tracer`: where each request's trace goes (default:
         the DEBUG log and the stage histogram); `request_trace`: also return it in the response.
         `model_aliases`: other names requests may give the model (responses name it `model_name`).
         `max_model_len_in_force`: the engines' context length (their --max-model-len), once they report it;
-        until then, and without it, the model's `max_model_len`."""
+        until then, and without it, the model's `max_model_len`.
+        `reasoning_parser`: how chat answers' reasoning is told from their content (None: it is not)."""
         self.model_name = model_name
         self.model_names = (model_name, *model_aliases)
         self.max_images_per_prompt = max_images_per_prompt
@@ -77,6 +80,9 @@ class OpenAIServing:
         self.request_trace = request_trace
         self.constraint_limits = constraint_limits  # how large a structured output or logit_bias may be
         self.loras = loras if loras is not None else LoRAModules(model_name)  # adapters offered as models
+        if reasoning_parser is not None:
+            get_reasoning_parser(reasoning_parser)  # an unknown name fails here, not on the first request
+        self.reasoning_parser = reasoning_parser
 
     @property
     def max_model_len(self) -> int:
@@ -164,10 +170,17 @@ class OpenAIServing:
             constraint = forced_call
         return replace(params, logit_bias=biases, structured_outputs=constraint)
 
-    def _chat_answer(self, req: ChatCompletionRequest) -> ChatAnswer:
+    def _chat_answer(self, req: ChatCompletionRequest, constrained: bool) -> ChatAnswer:
+        """One choice's answer builder; `constrained`: the output follows a structured-output constraint (a
+        forced tool call's included) from its first token."""
         mode = req.tool_mode()
+        reasoning = None
+        if self.reasoning_parser is not None:
+            thinking = (req.chat_template_kwargs or {}).get("enable_thinking")
+            reasoning = get_reasoning_parser(self.reasoning_parser, thinking if isinstance(thinking, bool) else None,
+                                             constrained)
         return ChatAnswer(mode, self.tool_call_parser, req.tool_choice.function.name if mode == "named" else None,
-                          req.parallel_tool_calls)
+                          req.parallel_tool_calls, reasoning, req.include_reasoning)
 
     @staticmethod
     def log_unknown_fields(req: _SamplingFields, request_id: str) -> None:
@@ -406,14 +419,16 @@ class OpenAIServing:
         head = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self._answering(lora)}
         trace = self.tracer.new(gen.request_id, arrived)
+        constrained = sampling.structured_outputs is not None
         if req.stream:
             return self._stream_chat(gen, sampling, head | {"object": "chat.completion.chunk"}, req.include_usage,
-                                     req.return_tokens_as_token_ids, lambda: self._chat_answer(req), trace)
+                                     req.return_tokens_as_token_ids, lambda: self._chat_answer(req, constrained),
+                                     trace)
         results = await self._finals(self._run(gen, sampling, trace))
         choices = []
         for result in results:
             text, tokens, logprobs = result.take_delta()
-            message, finish_reason = self._chat_answer(req).message(text, result.finish_reason)
+            message, finish_reason = self._chat_answer(req, constrained).message(text, result.finish_reason)
             choices.append({"index": result.index, "message": message,
                             "logprobs": {"content": self._chat_logprobs(tokens, logprobs,
                                                                         req.return_tokens_as_token_ids)}

@@ -80,7 +80,7 @@ class HermesToolParser(ToolParser):
             start = rest.find(self.START)
             if start < 0:
                 # Hold back a tail that may be the beginning of "<tool_call>".
-                keep = 0 if final else _partial_suffix(rest, self.START)
+                keep = 0 if final else partial_suffix(rest, self.START)
                 content.append(rest[:len(rest) - keep])
                 self._content_sent += len(rest) - keep
                 break
@@ -128,7 +128,7 @@ def _hermes_call(body: str) -> ToolCall | None:
     return ToolCall(data["name"], json.dumps(arguments, ensure_ascii=False), new_call_id())
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper beginning of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

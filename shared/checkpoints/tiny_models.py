@@ -90,7 +90,8 @@ NORM_WEIGHT_SPREAD = 0.5  # random_norms: RMSNorm scales uniform in 1 +- this
 
 def build_tiny_model(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0, **config_overrides) -> Path:
     """Write a random `arch` checkpoint (config.json, model.safetensors, tokenizer) to `out`;
-    `config_overrides` change its HF config (a test's variant of a family)."""
+    `config_overrides` change its HF config (a test's variant of a family; `vocab_size` for a tokenizer with
+    tokens added)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -102,7 +103,8 @@ def build_tiny_model(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0, *
     random_norms = params.pop("random_norms", False)
     tokenizer_config = AutoConfig.from_pretrained(tokenizer_dir)
     config = AutoConfig.for_model(
-        params.pop("model_type"), vocab_size=tokenizer_config.vocab_size, bos_token_id=tokenizer_config.bos_token_id,
+        params.pop("model_type"), vocab_size=params.pop("vocab_size", tokenizer_config.vocab_size),
+        bos_token_id=tokenizer_config.bos_token_id,
         eos_token_id=tokenizer_config.eos_token_id, pad_token_id=tokenizer_config.eos_token_id,
         initializer_range=0.05, dtype="float32", **params)
     torch.manual_seed(seed)

@@ -36,6 +36,18 @@ def test_proxy_needs_a_way_to_decode(default_model_path):
         proxy_config(parse("serve", "proxy", "--prefill", "p:1"), str(default_model_path))
 
 
+def test_the_reasoning_parser_reaches_the_proxy_config(default_model_path, capsys):
+    serve = ["serve", "proxy", "--decode", "d:1", "--prefill", "p:1"]
+    assert proxy_config(parse(*serve), str(default_model_path)).reasoning_parser is None  # off by default
+    for name in ("deepseek_r1", "qwen3"):
+        config = proxy_config(parse(*serve, "--reasoning-parser", name), str(default_model_path))
+        assert config.reasoning_parser == name
+    with pytest.raises(SystemExit):
+        parse(*serve, "--reasoning-parser", "granite")
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert all(word in error for word in ("--reasoning-parser", "granite", "deepseek_r1", "qwen3")), error
+
+
 def test_service_config_from_args():
     args = parse("serve", "prefill", "--host", "0.0.0.0", "--port", "7000", "--data-port", "7100",
                  "--lease-seconds", "3", "--kv-transport", "zmq")
