@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 
 class Role(str, enum.Enum):

@@ -92,7 +92,8 @@ def up(tiny_model_paths, tmp_path_factory):
                 "--block-size", "32", "--dtype", "auto", "--seed", "7", "--enable-prefix-caching",
                 "--enable-chunked-prefill", "--gpu-memory-utilization", "0.02", "--tensor-parallel-size", "1",
                 "--kv-cache-dtype", "auto", "--trust-remote-code", "--enforce-eager", "--disable-log-requests",
-                "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--limit-mm-per-prompt",
+                "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                "--limit-mm-per-prompt",
                 '{"image": 0}', "--chat-template", str(template),
                 "--internal-ports", f"{low}-{low + 19}", "--request-trace", "--", "--log-stats-interval", "1"])
     stack.port, stack.internal_ports = port, range(low, low + 20)
@@ -188,6 +189,10 @@ def test_every_vllm_flag_took_effect(up):
     with pytest.raises(openai.BadRequestError, match="At most 0 image"):
         client.chat.completions.create(model=NAME, max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    # --reasoning-parser qwen3: an answer with no </think> yet is all reasoning.
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content is None and chat.choices[0].message.model_extra["reasoning_content"]
     # /version, as vLLM's.
     from epdserve import __version__
     assert httpx.get(f"http://127.0.0.1:{up.port}/version", timeout=10).json() == {"version": __version__}
