@@ -447,3 +447,20 @@ def test_up_gives_every_engine_the_budget_policy_after_the_double_dash(default_m
             assert scheduler.max_num_batched_tokens == (2048 if extra else 1024)
     with pytest.raises(SystemExit, match="invalid choice: 'decode-first'"):
         parse("serve", "unified", "--budget-policy", "decode-first")
+
+
+def test_services_started_from_a_folder_holding_an_epdserve_folder_run_the_installed_code(tmp_path,
+                                                                                        default_model_path):
+    """`python -m epdserve...` puts the working folder first on the module path: a checkout's or a user's folder
+    named epdserve there must not be what `up`'s services run."""
+    fake = tmp_path / "epdserve" / "services"
+    fake.mkdir(parents=True)
+    for folder in (fake.parent, fake):
+        (folder / "__init__.py").write_text("")
+    (fake / "cli.py").write_text("print('the folder epdserve ran')\n")
+    stack = LocalStack(stack_config(parse("up"), str(default_model_path)))
+    name, argv = stack.commands()[-1]
+    done = subprocess.run([*argv[:argv.index("serve")], "serve", "proxy", "--help"], env=stack.environment(name),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "the folder epdserve ran" not in done.stdout, done.stdout + done.stderr
+    assert "--reasoning-parser" in done.stdout  # the installed proxy's own help
