@@ -13,9 +13,9 @@ below SmolLM2's top logit in practice, so text-only prompts get SmolLM2's own gr
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 from pathlib import Path
+
+from epdserve.shared.checkpoints.model_folder import write_whole
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +60,7 @@ def build_llava_demo(out: Path, text_model_dir: Path, seed: int = 0) -> Path:
     out = Path(out)
     logger.info("building the demo model in %s: SmolLM2's weights behind a random CLIP vision tower (about ten "
                 "seconds)", out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        _build(tmp, Path(text_model_dir), seed)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return write_whole(out, lambda tmp: _build(tmp, Path(text_model_dir), seed))
 
 
 def _build(out: Path, text_model_dir: Path, seed: int) -> None:

@@ -10,6 +10,8 @@ import contextlib
 import fcntl
 import json
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -69,3 +71,19 @@ def build_once(folder: Path, build: Callable[[Path], object]) -> Path:
         if not (folder / "config.json").is_file():
             build(folder)
     return folder
+
+
+def write_whole(out: Path, build: Callable[[Path], object]) -> Path:
+    """`out`, written by build(a new folder beside it) and then put in its place, replacing a folder already
+    there: never left half-written, whatever stops the build."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        build(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

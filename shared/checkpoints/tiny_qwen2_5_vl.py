@@ -11,9 +11,9 @@ against. The lm_head is scaled up as in tiny_models.py, so greedy choices are fa
 """
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
+
+from epdserve.shared.checkpoints.model_folder import write_whole
 
 VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"
 VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
@@ -59,16 +59,7 @@ def build_tiny_qwen2_5_vl(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path
     """Write the tiny Qwen2.5-VL checkpoint (float32, processor and tokenizer included) to `out`; the same
     seed gives the same checkpoint. `out` is replaced as a whole, never left half-written."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        _build(tmp, Path(tokenizer_dir), seed)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return write_whole(out, lambda tmp: _build(tmp, Path(tokenizer_dir), seed))
 
 
 def _build(out: Path, tokenizer_dir: Path, seed: int) -> None:

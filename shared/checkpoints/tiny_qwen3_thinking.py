@@ -9,10 +9,9 @@ structured output.
 """
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
+from epdserve.shared.checkpoints.model_folder import write_whole
 from epdserve.shared.checkpoints.tiny_models import TOKENIZER_FILES, build_tiny_model
 
 THINK_TOKENS = ("<think>", "</think>")
@@ -46,16 +45,11 @@ def build_tiny_qwen3_thinking(out: Path, tokenizer_dir: Path, seed: int = 0) -> 
     if sorted(tokenizer.convert_tokens_to_ids(list(THINK_TOKENS))) != [vocab, vocab + 1]:
         raise ValueError("<think> and </think> did not become new tokens at the end of the vocabulary")
     tokenizer.chat_template = CHAT_TEMPLATE
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         build_tiny_model("qwen3", tmp, tokenizer_dir, seed, vocab_size=len(tokenizer))
         for name in TOKENIZER_FILES:  # the default model's, copied with the weights: replaced as a whole
             (tmp / name).unlink(missing_ok=True)
         tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return write_whole(out, build)
