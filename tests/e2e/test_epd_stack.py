@@ -306,39 +306,28 @@ def test_a_request_past_its_time_is_a_504_and_is_aborted(demo_model, start_stack
         stack.stop()
 
 
-def test_ipv6_stack(default_model_path, start_stack, smollm2, hf_greedy, near_tie_check, ids_of):
-    """Prefill, decode and proxy on ::1: control, KV transfer, token streams and HTTP all over IPv6."""
-    stack = start_stack(default_model_path, prefills=1, decodes=1, host="::1",
-                          engine_args=["--num-kv-blocks", str(NUM_BLOCKS)])
-    try:
-        model, tokenizer = smollm2
-        v6 = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        prompt = TEXT_PROMPTS[0]
-        resp = v6.completions.create(model="demo", prompt=prompt, logprobs=0, **GREEDY, **IDS)
-        ref, logits = hf_greedy(model, tokenizer.encode(prompt), MAX_TOKENS)
-        near_tie_check(prompt, ids_of(resp.choices[0].logprobs.tokens), ref, logits)
-        assert stack.services["decode-0"].metrics()["epdserve:remote_kv_requests_total"] == 1
-    finally:
-        stack.stop()
-
-
-def test_roles_on_separate_hosts(default_model_path, start_stack, smollm2, hf_greedy, near_tie_check, ids_of):
-    """The README's separate-hosts recipe: prefill, decode and proxy each on an address of its own (127.0.0.2-4
-    stand for three hosts), every port fixed (block and inbox ports too): the KV moves from host to host and
-    the tokens come back to the proxy's inbox, exactly."""
-    hosts = {"prefill": "127.0.0.2", "decode": "127.0.0.3", "proxy": "127.0.0.4"}
-    stack = start_stack(default_model_path, prefills=1, decodes=1, hosts=hosts,
-                        engine_args=["--num-kv-blocks", str(NUM_BLOCKS)])
+@pytest.mark.parametrize("where", [
+    dict(host="::1"),
+    dict(hosts={"prefill": "127.0.0.2", "decode": "127.0.0.3", "proxy": "127.0.0.4"}),
+], ids=["ipv6", "separate-hosts"])
+def test_a_stack_across_addresses(default_model_path, start_stack, smollm2, hf_greedy, near_tie_check, ids_of, where):
+    """Control, KV transfer, token streams and HTTP, exact: all over IPv6 (::1); and as the README's
+    separate-hosts recipe, prefill, decode and proxy each on an address of its own (127.0.0.2-4 stand for three
+    hosts) with every port fixed, block and inbox ports too."""
+    stack = start_stack(default_model_path, prefills=1, decodes=1, engine_args=["--num-kv-blocks", str(NUM_BLOCKS)],
+                        **where)
     try:
         model, tokenizer = smollm2
         client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        prompt = TEXT_PROMPTS[1]
+        prompt = TEXT_PROMPTS[0]
         resp = client.completions.create(model="demo", prompt=prompt, logprobs=0, **GREEDY, **IDS)
         ref, logits = hf_greedy(model, tokenizer.encode(prompt), MAX_TOKENS)
         near_tie_check(prompt, ids_of(resp.choices[0].logprobs.tokens), ref, logits)
         assert stack.services["decode-0"].metrics()["epdserve:remote_kv_requests_total"] == 1
-        for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
-            assert f"ready: control tcp://{hosts[role]}:" in stack.services[name].log.read_text()
+        for name in ("prefill-0", "decode-0"):  # each listens on its own address
+            host = stack.services[name].host
+            assert f"ready: control tcp://{f'[{host}]' if ':' in host else host}:" in \
+                stack.services[name].log.read_text()
     finally:
         stack.stop()
 
