@@ -67,14 +67,14 @@ def test_image_urls_on_private_hosts_are_refused_by_default(stack, client):
 # Streams of every kind the proxy must continue exactly: greedy with logprobs, seeded sampling, a JSON schema's
 # matcher, and n = 3 seeded sequences (each continued alone).
 STREAMS = {
-    "greedy": dict(prompt="Story 1: once upon a time", max_tokens=300, temperature=0, logprobs=1,
+    "greedy": dict(prompt="Story 1: once upon a time", max_tokens=160, temperature=0, logprobs=1,
                    extra_body={"ignore_eos": True}),
-    "seeded": dict(prompt="Story 2: in a land far away", max_tokens=300, temperature=1.0, seed=7,
+    "seeded": dict(prompt="Story 2: in a land far away", max_tokens=160, temperature=1.0, seed=7,
                    extra_body={"ignore_eos": True}),
-    "json": dict(prompt="Thirty fruits, as JSON:", max_tokens=300, temperature=0, extra_body={"structured_outputs": {
+    "json": dict(prompt="Thirty fruits, as JSON:", max_tokens=160, temperature=0, extra_body={"structured_outputs": {
         "json": {"type": "object", "properties": {"fruits": {"type": "array", "items": {"type": "string"},
                                                              "minItems": 30}}, "required": ["fruits"]}}}),
-    "n3": dict(prompt="Story 3: the old lighthouse", max_tokens=300, temperature=1.0, seed=11, n=3,
+    "n3": dict(prompt="Story 3: the old lighthouse", max_tokens=160, temperature=1.0, seed=11, n=3,
                extra_body={"ignore_eos": True}),
 }
 
