@@ -106,7 +106,7 @@ class ServiceStack:
                 continue
             text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=AUTH, timeout=5).text
             for line in text.splitlines():
-                if line.startswith(("epdserve:num_requests_running", "epdserve:num_requests_waiting")) and \
+                if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")) and \
                         float(line.rsplit(" ", 1)[1]) > 0:
                     return False
         return True

@@ -161,7 +161,7 @@ def fault(args: argparse.Namespace, log_dir: Path) -> list[dict]:
                         await asyncio.sleep(0.05)
                     ports = stack.http_ports()
                     victim = max((e for e in ports if e.startswith(role)),
-                                 key=lambda e: _metrics(ports[e]).get("epdserve:num_requests_running", 0))
+                                 key=lambda e: _metrics(ports[e]).get("vllm:num_requests_running", 0))
                     pid = _pid(stack, victim)
                     os.kill(pid, sig)
                 try:

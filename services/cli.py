@@ -220,11 +220,14 @@ def proxy_config(args: argparse.Namespace, model: str):
                         ("--max-prefill-queue-tokens", args.max_prefill_queue_tokens)):
         if value < 0:
             raise SystemExit(f"epdserve: error: {flag} must be at least 0, got {value}")
+    if args.metrics_require_api_key and not api_key(args):
+        raise SystemExit("epdserve: error: --metrics-require-api-key needs an API key (--api-key or --api-key-file)")
     transport = transport_config(args)
     vllm_flags.check_shared_flags(args, model)
     return ProxyConfig(
         model=model, served_model_name=tuple(args.served_model_name or ()), host=args.host, port=args.port,
         inbox_port=args.inbox_port, advertise_host=args.advertise_host, api_key=api_key(args),
+        metrics_require_api_key=args.metrics_require_api_key,
         encoders=_peer_targets(args, "encoder"), prefills=_peer_targets(args, "prefill"),
         decodes=_peer_targets(args, "decode"), unified=_peer_targets(args, "unified"), poll_interval=args.poll_interval,
         lifecycle=LifecycleConfig(local_prefill_threshold=args.local_prefill_threshold,

@@ -22,10 +22,9 @@ SERVED_MODEL_NAME_HELP = ("the model's names in the API: the first in responses,
                           "of every metric and request traces; every one accepted as a request's \"model\" (default: "
                           "the model folder's name); give every service of a deployment the same")
 
-# Unlike vLLM, which leaves /metrics open.
-_API_KEY_SCOPE = ("It covers every route but /health, /metrics included: its labels and counters describe the "
-                  "API's traffic (models, request and token counts, errors), which is the key holder's to see; "
-                  "give your scraper the key")
+# /metrics open, as vLLM's: scrapers and vLLM's dashboards and alerts expect it.
+_API_KEY_SCOPE = ("It covers every route but /health and /metrics, which are open as vLLM's are (`serve proxy "
+                  "--metrics-require-api-key` puts /metrics behind it)")
 
 
 def port_range(value: str) -> tuple[int, int]:
@@ -251,6 +250,9 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", default=os.environ.get("EPDSERVE_API_KEY_FILE"),
                    help="read the API key from this file instead (a mounted secret; default "
                         "$EPDSERVE_API_KEY_FILE)")
+    p.add_argument("--metrics-require-api-key", action="store_true",
+                   help="put /metrics behind the API key too (its labels and counters describe the API's traffic: "
+                        "models, request and token counts, errors); give your scraper the key")
     for name in ("encoder", "prefill", "decode", "unified"):
         p.add_argument(f"--{name}", action="append", metavar="HOST:PORT",
                        help=f"{name} control address(es); repeat or comma-separate; DNS names are re-resolved")

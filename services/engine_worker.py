@@ -259,7 +259,8 @@ class EngineWorker:
             return Error(ErrorCode.OVERLOADED, f"streams to {len(self.proxies)} proxies already", request_id, True)
         task = asyncio.create_task(self._stream(request_id, outputs(), reply_to, spans,
                                                 request.sampling_params.logprobs,
-                                                request.sampling_params.prompt_logprobs))
+                                                request.sampling_params.prompt_logprobs,
+                                                reports_cached=not request.num_peer_tokens))
         self._tasks[request_id] = task
 
         def done(_) -> None:
@@ -270,7 +271,10 @@ class EngineWorker:
         return Ack(request_id)
 
     async def _stream(self, request_id: str, outputs: AsyncIterator[RequestOutput], reply_to: str,
-                      spans: RequestSpans, num_top: int | None, num_prompt_top: int | None = None) -> None:
+                      spans: RequestSpans, num_top: int | None, num_prompt_top: int | None = None,
+                      reports_cached: bool = True) -> None:
+        """`reports_cached`: the first delta says how many prompt tokens were cached - unless the request
+        continues from a peer's first tokens, whose answer said it for the engine that prefilled it."""
         first = True
         try:
             async for out in outputs:
@@ -278,7 +282,7 @@ class EngineWorker:
                 reason = FinishReason(completion.finish_reason) if completion.finish_reason else None
                 self.proxies.send_soon(reply_to, TokenDelta(
                     request_id, tuple(completion.token_ids), logprobs_to_wire(out, num_top), reason,
-                    completion.stop_reason, out.num_cached_tokens if first else None,
+                    completion.stop_reason, out.num_cached_tokens if first and reports_cached else None,
                     prompt_logprobs_to_wire(out, num_prompt_top), index=completion.index,
                     trace=spans.take() if first else ()))
                 first = False

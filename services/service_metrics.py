@@ -1,17 +1,28 @@
-"""Prometheus metrics of a service, named like vLLM's (`vllm:` becomes `epdserve:`).
+"""Prometheus metrics of a service: vLLM's series under vLLM's names (`vllm:`), with vLLM's labels, meaning and
+buckets, so that vLLM's Grafana dashboards and alerts work unchanged; what vLLM has no series for is ours
+(`epdserve:`).
 
-Every series carries `model_name` (as the proxy's: `--served-model-name`, else the model folder's name),
+Every series carries vLLM's `model_name` (as the proxy's: `--served-model-name`, else the model folder's
+name) and `engine` (the engine's index in its server, as vLLM's: a service runs one engine, "0"), and ours:
 `role` and `engine_id`.
 
-Who counts what, so that a sum over every target counts each thing once:
-    the proxy    requests: `request_success_total` (the request count, by finish reason), TTFT, ITL,
-                 TPOT, e2e latency, prompt and generation tokens, request lengths and parameters
-    engines      their batch and cache: running/waiting, KV usage, prefix-cache queries and hits,
-                 preemptions, `iteration_tokens_total`, speculative decoding's drafts and accepted tokens
-                 (`spec_decode_*`), and the time each request spent here (queue,
-                 prefill, decode, inference); `engine_requests_finished_total` is each engine's share of
-                 the requests (a request served by prefill and decode ends once on each)
+Who counts what, so that a sum over every target counts each request once:
+    the proxy    requests: `request_success_total` (the request count, by finish reason), TTFT, ITL, TPOT,
+                 e2e latency, prompt, generation and cached prompt tokens, request lengths and parameters
+    engines      their batch and cache: running/waiting, KV usage, preemptions, `iteration_tokens_total`,
+                 speculative decoding's drafts and accepted tokens (`spec_decode_*`); the prompts they
+                 prefill: prefix-cache and KV tier (`external_prefix_cache_*`) lookups and hits, prompt
+                 tokens by source; and each request's queue, prefill, decode and inference time
     encoders     `mm_cache_queries_total` / `mm_cache_hits_total` (images looked up, images found)
+A request is looked up in a prefix cache by the engine that prefills it - the prefill, or the decode or
+unified engine that computes its prompt itself - and only there: a decode continuing after prefill's first
+token (it looks the prompt up in its own cache to pull less) or after a lost stream does not count it
+(shared/engine/prompt_stats.py). Likewise each request is observed once in each of the time histograms:
+queue and prefill time by the engine that prefilled it, decode and inference time by the engine it ended on
+(a request that ends at its first token: the prefill; otherwise the decode or unified engine, timing its
+part there). `epdserve:engine_requests_finished_total` is each engine's share of the requests (a request
+served by prefill and decode ends once on each); `epdserve:prompt_tokens_computed_total` is the work each
+engine did, recomputations included.
 Engine state is read from the engine when scraped; what the service itself does (transfers, leases,
 fallbacks, rejected frames) is counted as it happens.
 """
@@ -26,8 +37,10 @@ from epdserve.shared.engine import RESTORE_SECONDS_BUCKETS, EngineStats, Request
 
 disable_created_metrics()  # no `_created` series beside every counter and histogram, as in vLLM
 
+# vLLM's `engine` label: the index of the engine in its server. A service runs one engine.
+ENGINE_INDEX = "0"
 _BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-# vLLM's buckets for a request's prefill, decode and inference time.
+# vLLM's buckets for a request's queue, prefill, decode, inference and end-to-end time.
 REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                         240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -53,24 +66,45 @@ class _EngineCollector:
             c.add_metric(values, value)
             return c
 
+        def by(family, label, doc, counts: dict, kind=CounterMetricFamily):
+            f = kind(family, doc, labels=names + [label])
+            for key, count in counts.items():
+                f.add_metric(values + [key], count)
+            return f
+
         for name, (doc, value) in self.extra().items():
             yield counter(name, doc, value)
         if self.stats is None:
             return
         s = self.stats()
-        yield gauge("epdserve:num_requests_running", "Requests in the running batch.", s.num_running)
-        yield gauge("epdserve:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield gauge("epdserve:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_cache_usage)
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
+        # As vLLM's: those held back while their KV (or image embeddings) is loaded wait too, "deferred".
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled, or held back while their KV "
+                    "is loaded.", s.num_waiting + s.num_waiting_for_kv)
+        yield by("vllm:num_requests_waiting_by_reason", "reason", "Waiting requests by reason: capacity (in the "
+                 "queue, for KV blocks or a seat) or deferred (while a connector loads their KV or image "
+                 "embeddings).", {"capacity": s.num_waiting, "deferred": s.num_waiting_for_kv}, GaugeMetricFamily)
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_cache_usage)
         yield gauge("epdserve:num_free_kv_blocks", "Free KV blocks.", s.num_free_blocks)
         yield gauge("epdserve:num_kv_blocks", "KV blocks in the pool.", s.num_total_blocks)
-        yield counter("epdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.prefix_cache_queries)
-        yield counter("epdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
-        yield counter("epdserve:num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens: the tokens of each request "
+                      "this engine prefilled, looked up once.", s.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens: of those, found in this engine's "
+                      "prefix cache.", s.prefix_cache_hits)
+        yield counter("vllm:external_prefix_cache_queries", "KV tier queries (the local offload tier, the shared "
+                      "KV store), in tokens: the same tokens, looked up in the tiers too.",
+                      s.external_prefix_cache_queries)
+        yield counter("vllm:external_prefix_cache_hits", "KV tier hits, in tokens: of those, restored from a tier "
+                      "instead of computed.", s.external_prefix_cache_hits)
+        yield by("vllm:prompt_tokens_by_source", "source", "Prompt tokens of the requests this engine prefilled, "
+                 "by source: local_compute, local_cache_hit (its prefix cache), external_kv_transfer (a KV tier).",
+                 s.prompt_tokens_by_source)
+        yield counter("vllm:num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions)
         if s.spec_decode is not None:
             yield from self._spec_decode(s.spec_decode, counter, names, values)
         yield counter("epdserve:prompt_tokens_computed", "Prompt tokens this engine computed (not those found in "
-                      "its prefix cache, pulled from a peer or restored from a KV tier).", s.num_prompt_tokens)
+                      "its prefix cache, pulled from a peer or restored from a KV tier), recomputations included.",
+                      s.num_prompt_tokens)
         steps = CounterMetricFamily("epdserve:engine_step_seconds", "Engine step time by phase (schedule, draft, "
                                     "prepare, forward, attention, sampler, output; with --profile-moe a mixture of "
                                     "experts' moe_route, moe_dispatch, moe_experts, moe_combine too).",
@@ -79,13 +113,9 @@ class _EngineCollector:
             steps.add_metric(values + [phase], seconds)
         yield steps
         yield counter("epdserve:engine_steps", "Engine steps run.", s.num_steps)
-        finished = CounterMetricFamily("epdserve:engine_requests_finished",
-                                       "Requests this engine finished, by reason (a prefill engine's part ends at "
-                                       "the first token). The request count is the proxy's request_success.",
-                                       labels=names + ["finished_reason"])
-        for reason, count in s.num_finished.items():
-            finished.add_metric(values + [reason], count)
-        yield finished
+        yield by("epdserve:engine_requests_finished", "finished_reason", "Requests this engine finished, by reason "
+                 "(a prefill engine's part ends at the first token). The request count is the proxy's "
+                 "vllm:request_success.", s.num_finished)
         if s.kv_tiers:
             yield from self._tiers(s, names, values)
 
@@ -113,19 +143,18 @@ class _EngineCollector:
     def _spec_decode(sd, counter, names: list[str], values: list[str]):
         """Speculative decoding's counters; acceptance rate = accepted / draft tokens, mean accepted length =
         1 + accepted / drafts (as vLLM's dashboards compute them)."""
-        yield counter("epdserve:spec_decode_num_drafts", "Speculative decoding: verification runs (one "
+        yield counter("vllm:spec_decode_num_drafts", "Speculative decoding: verification runs (one "
                       "request's draft tokens in one step).", sd.num_drafts)
-        yield counter("epdserve:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+        yield counter("vllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
                       sd.num_draft_tokens)
-        yield counter("epdserve:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
                       sd.num_accepted_tokens)
-        per_pos = CounterMetricFamily("epdserve:spec_decode_num_accepted_tokens_per_pos",
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Speculative decoding: draft tokens accepted, by position in the draft.",
                                       labels=names + ["position"])
         for position, count in enumerate(sd.num_accepted_tokens_per_pos):
             per_pos.add_metric(values + [str(position)], count)
         yield per_pos
-
 
 _TIER_SERIES = (
     ("gauge", "epdserve:kv_tier_blocks", "KV blocks a tier holds.", "num_blocks"),
@@ -153,7 +182,7 @@ class ServiceMetrics:
         """`stats()`: the engine's state (engines); `mm_cache()`: (images looked up, images found) (encoders);
         `rejected_frames()`: frames the service's channels dropped (malformed, oversized, unknown)."""
         self.registry = CollectorRegistry()
-        self.labels = {"model_name": model_name, "role": role, "engine_id": engine_id}
+        self.labels = {"model_name": model_name, "engine": ENGINE_INDEX, "role": role, "engine_id": engine_id}
         self.role = role
         self.rejected_frames = rejected_frames
         self.mm_cache = mm_cache
@@ -166,15 +195,18 @@ class ServiceMetrics:
         def histogram(name: str, doc: str, buckets=REQUEST_TIME_BUCKETS):
             return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**self.labels)
 
-        self.queue_time = histogram("epdserve:request_queue_time_seconds", "Arrival to first scheduling.", _BUCKETS)
-        self.prefill_time = histogram("epdserve:request_prefill_time_seconds",
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Arrival to first scheduling, for requests this engine prefilled.")
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
                                       "First scheduling to first token, for requests this engine prefilled.")
-        self.decode_time = histogram("epdserve:request_decode_time_seconds",
-                                     "First token to last, for requests this engine decoded (not on prefill).")
-        self.inference_time = histogram("epdserve:request_inference_time_seconds",
-                                        "Time a request ran on this engine: first scheduling (or, for a request "
-                                        "prefilled elsewhere, its arrival with the first token) to its last token.")
-        self.iteration_tokens = histogram("epdserve:iteration_tokens_total", "Tokens computed per engine step.",
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "First token to last, for requests that ended on this engine (continued "
+                                     "from a prefill's first token: from their arrival here with it).")
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Time a request that ended on this engine ran here: first scheduling (or, "
+                                        "for a request prefilled elsewhere, its arrival with the first token) to "
+                                        "its last token.")
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens computed per engine step.",
                                           ITERATION_TOKEN_BUCKETS)
         self.transfer_bytes = counter("epdserve:kv_transfer_bytes", "Bytes of KV blocks and embeddings moved.")
         self.transfer_seconds = counter("epdserve:kv_transfer_seconds", "Seconds spent moving KV and embeddings.")
@@ -196,7 +228,9 @@ class ServiceMetrics:
         self.local_kv_hit_blocks = counter("epdserve:remote_kv_local_hit_blocks",
                                            "Prompt blocks decode found in its own prefix cache instead of pulling.")
         self.local_prefills = counter("epdserve:local_prefills",
-                                      "Requests prefilled by this engine itself (unified, or decode's fallback).")
+                                      "Prompts this engine computed: a prefill's, a unified or decode engine's "
+                                      "own, a decode's recompute when its pull failed (that request counted on "
+                                      "prefill too), a stream continued here after its instance was lost.")
         self.expired_leases = counter("epdserve:kv_lease_expired", "Held KV released because its lease ran out.")
         self.lease_renewals = counter("epdserve:kv_lease_renewals",
                                       "Leases on prefill's KV renewed while a request waited here for its pull.")
@@ -214,22 +248,28 @@ class ServiceMetrics:
                                               self.rejected_frames())}
         if self.mm_cache is not None:
             queries, hits = self.mm_cache()
-            extra["epdserve:mm_cache_queries"] = ("Images looked up in the encoder cache.", queries)
-            extra["epdserve:mm_cache_hits"] = ("Images found in the encoder cache (not encoded again).", hits)
+            extra["vllm:mm_cache_queries"] = ("Multimodal cache queries, in items: images looked up in the "
+                                              "encoder cache.", queries)
+            extra["vllm:mm_cache_hits"] = ("Multimodal cache hits, in items: images found in the encoder cache "
+                                           "(not encoded again).", hits)
         return extra
 
-    def finished(self, out: RequestOutput) -> None:
-        """A request's part on this engine is over (for prefill: at its first token)."""
+    def finished(self, out: RequestOutput, ends_here: bool = True) -> None:
+        """A request's part on this engine is over (for prefill: at its first token); `ends_here`: the request
+        ends with it (a prefill's: when its first token is its last). Queue and prefill time are observed by
+        the engine that prefilled the request, decode and inference time by the one it ended on: once each."""
         m = out.metrics
         if m is None:
             return
         scheduled, first_token, end = m.first_scheduled_time, m.first_token_time, m.finished_time
-        if scheduled is not None:
+        if scheduled is not None and not m.peer_prefilled:
             self.queue_time.observe(scheduled - m.arrival_time)
             if first_token is not None:
                 self.prefill_time.observe(first_token - scheduled)
+        if not ends_here or end is None:
+            return
         start = scheduled if scheduled is not None else first_token
-        if end is not None and start is not None:
+        if start is not None:
             self.inference_time.observe(end - start)
-        if end is not None and first_token is not None and self.role != "prefill":
+        if first_token is not None:
             self.decode_time.observe(end - first_token)

@@ -43,6 +43,7 @@ class StoreKVConnector(KVConnector):
     """See the module docstring. Owns its client to the store and its view of what the store holds."""
 
     name = "store"
+    caches_prefixes = True
 
     def __init__(self, address: str, kv_cache: torch.Tensor, layout: KVLayout, loop: asyncio.AbstractEventLoop,
                  client_kwargs: dict, timeout: float = 2.0, poll_interval: float = 0.5, retry_after: float = 5.0,

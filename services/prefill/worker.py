@@ -129,10 +129,11 @@ class PrefillWorker(EngineWorker):
         first = completion.token_ids[0]
         num_top = request.sampling_params.logprobs
         first_logprobs = self._first_logprobs(out, num_top)
+        ends_here = all(f.outputs[0].finish_reason == "stop" for f in firsts.values()) or not wants_more
         self.metrics.local_prefills.inc()
-        self.metrics.finished(out)  # this engine's part ends here, whether or not decode goes on
+        self.metrics.finished(out, ends_here)  # this engine's part ends here, whether or not decode goes on
         spans.add_engine_stages(out.metrics)
-        if all(f.outputs[0].finish_reason == "stop" for f in firsts.values()) or not wants_more:
+        if ends_here:
             self.llm.release_kv(rid)
             others = tuple(FirstToken(f.outputs[0].token_ids[0], self._first_logprobs(f, num_top),
                                       FinishReason(f.outputs[0].finish_reason)) for _, f in sorted(firsts.items())[1:])

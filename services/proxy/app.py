@@ -2,10 +2,11 @@
 
 Errors are OpenAI-shaped ({"error": {"message", "type", "param", "code"}}): 400 for bad input (a body that is
 not valid JSON or not a JSON object included; `param` names the field), 401 without the API key (when one is
-set; /health is open), 404 for an unknown model or route, 405 for a wrong method, 413 for a body over the
-size limit, 415 for a body that is declared as something other than JSON, 503 while the proxy starts (until
-every role has a ready instance) or when a role has no healthy instance, 504 on timeout. A client that
-disconnects, before its first token or after, aborts its request on every service.
+set; /health is open, and so is /metrics, as vLLM's, unless --metrics-require-api-key puts it behind the key),
+404 for an unknown model or route, 405 for a wrong method, 413 for a body over the size limit, 415 for a body
+that is declared as something other than JSON, 503 while the proxy starts (until every role has a ready
+instance) or when a role has no healthy instance, 504 on timeout. A client that disconnects, before its first
+token or after, aborts its request on every service.
 """
 from __future__ import annotations
 
@@ -63,16 +64,16 @@ def error_response(message: str, error_type: str, status: int, param: str | None
 
 
 class _RequireApiKey:
-    """Every route but /health needs `Authorization: Bearer <key>`, the scheme in any case (RFC 7235), in
-    exactly one header: with two, a check of the first and a use of the second could disagree. Plain ASGI:
+    """Every route but the `open_paths` needs `Authorization: Bearer <key>`, the scheme in any case (RFC 7235),
+    in exactly one header: with two, a check of the first and a use of the second could disagree. Plain ASGI:
     the receive wrapper of an @app.middleware("http") hides a client's disconnect from
     request.is_disconnected()."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.expected = app, api_key.encode()
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...]) -> None:
+        self.app, self.expected, self.open_paths = app, api_key.encode(), open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = Headers(scope=scope).getlist("authorization")
             if len(given) > 1:
                 response = error_response("send one Authorization header, not several", "BadRequestError", 400)
@@ -169,14 +170,18 @@ class _CountResponses:
 
 def build_app(serving: OpenAIServing, metrics: ProxyMetrics, api_key: str | None = None,
               readiness: Callable[[], Awaitable[tuple[bool, dict]]] | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES, waiting_for: Callable[[], str | None] | None = None) -> FastAPI:
+              max_body_bytes: int = MAX_BODY_BYTES, waiting_for: Callable[[], str | None] | None = None,
+              metrics_require_api_key: bool = False) -> FastAPI:
     """`readiness()` -> (ready, details): whether every role has a healthy instance. `max_body_bytes`: the
     largest request body taken (413 beyond). `waiting_for()`: why the API is not served yet (503), None once
-    it is (startup.py); None: served from the start."""
+    it is (startup.py); None: served from the start. `api_key`: the key every route but /health and /metrics
+    needs (/metrics too with `metrics_require_api_key`)."""
     app = FastAPI(title="epdserve", docs_url=None, redoc_url=None)
     app.add_middleware(_CheckBody, max_bytes=max_body_bytes)  # inside the key check: strangers get a 401
     if api_key:
-        app.add_middleware(_RequireApiKey, api_key=api_key)
+        # /metrics is open as vLLM's is (scrapers and vLLM's dashboards expect it), unless asked otherwise.
+        app.add_middleware(_RequireApiKey, api_key=api_key,
+                           open_paths=("/health",) if metrics_require_api_key else ("/health", "/metrics"))
     if waiting_for is not None:
         app.add_middleware(_WhileStarting, waiting_for=waiting_for)
     app.add_middleware(_CountResponses, metrics=metrics)  # added last: outermost, it sees the key check's 401s

@@ -1,10 +1,12 @@
-"""Prometheus metrics of the proxy, named like vLLM's (`vllm:` becomes `epdserve:`).
+"""Prometheus metrics of the proxy: vLLM's request-level series under vLLM's names (`vllm:`), labels (the
+proxy runs no engine: `model_name` only) and buckets; its own (`epdserve:`) where vLLM has none.
 
 The proxy sees every request once, whichever engines served it (and however often it failed over), so
-its series are the request-level ones: `request_success_total` is the request count (engines report
-their share as `engine_requests_finished_total`), with TTFT, ITL, TPOT and end-to-end latency as the
-client saw them, token counts, request lengths and parameters, and the requests in flight here
-(`proxy_requests_in_flight`: the engines' `num_requests_running`/`waiting` count the same requests).
+its series are the request-level ones: `vllm:request_success_total` is the request count (engines report
+their share as `epdserve:engine_requests_finished_total`), with TTFT, ITL, TPOT and end-to-end latency as
+the client saw them, prompt, generation and cached prompt tokens (as the response's usage counts them),
+request lengths and parameters, and the requests in flight here (`epdserve:proxy_requests_in_flight`: the
+engines' `vllm:num_requests_running`/`waiting` count the same requests).
 `http_responses_total` counts every API response by status, errors refused before any engine was involved
 included; probes and scrapes of /health, /ready and /metrics are not API traffic and are not counted.
 `request_stage_seconds` breaks requests down by stage (`stage`: a span name of their traces, see
@@ -25,21 +27,31 @@ disable_created_metrics()  # no `_created` series beside every counter and histo
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
-# vLLM's buckets for time per output token.
+# vLLM's buckets: time to first token; inter-token latency and time per output token; a request's end to end.
+_TTFT_BUCKETS = (*_LATENCY_BUCKETS, 640.0, 2560.0)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0)
-# 1, 2, 5, 10, 20, 50, ... as vLLM's token-count buckets (which stop at the model's length).
-_TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5) if m * 10 ** e <= 1_000_000)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0)
 _N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def token_buckets(max_model_len: int | None) -> tuple[int, ...]:
+    """vLLM's buckets for token counts: 1, 2, 5, 10, 20, 50, ... up to the model's length (None: a million)."""
+    top = 1_000_000 if max_model_len is None else max_model_len
+    return tuple(m * 10 ** e for e in range(len(str(top))) for m in (1, 2, 5) if m * 10 ** e <= top)
 
 
 class ProxyMetrics:
     """One registry per proxy (not the global one), so in-process tests and apps do not collide."""
 
-    def __init__(self, model_name: str, rejected_frames: Callable[[], int] | None = None) -> None:
-        """`rejected_frames()`: how many frames the proxy's inbox has dropped (malformed, oversized, unknown)."""
+    def __init__(self, model_name: str, rejected_frames: Callable[[], int] | None = None,
+                 max_model_len: int | None = None) -> None:
+        """`rejected_frames()`: how many frames the proxy's inbox has dropped (malformed, oversized, unknown);
+        `max_model_len`: the model's length, where the token-count buckets stop."""
         self.registry = CollectorRegistry()
         labels = ["model_name"]
+        tokens = token_buckets(max_model_len)
 
         def histogram(name: str, doc: str, buckets):
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
@@ -47,32 +59,36 @@ class ProxyMetrics:
         def counter(name: str, doc: str):
             return Counter(name, doc, labels, registry=self.registry).labels(model_name)
 
-        self.ttft = histogram("epdserve:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.itl = histogram("epdserve:inter_token_latency_seconds", "Time between generated tokens.",
-                             _LATENCY_BUCKETS)
-        self.tpot = histogram("epdserve:time_per_output_token_seconds",
-                              "A request's mean time per output token after the first.", _TPOT_BUCKETS)
-        self.e2e = histogram("epdserve:e2e_request_latency_seconds", "Request latency, arrival to last token.",
-                             _LATENCY_BUCKETS)
-        self.request_prompt_tokens = histogram("epdserve:request_prompt_tokens", "Prompt length of finished "
-                                               "requests, in tokens.", _TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram("epdserve:request_generation_tokens",
-                                                   "Tokens generated for finished requests.", _TOKEN_BUCKETS)
-        self.request_params_n = histogram("epdserve:request_params_n", "The n parameter of finished requests.",
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between generated tokens.", _TPOT_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "A finished request's mean time per output token after the first (0 for a "
+                              "single token).", _TPOT_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             _REQUEST_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt length of finished "
+                                               "requests, in tokens.", tokens)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Tokens generated for finished requests.", tokens)
+        self.request_max_num_generation_tokens = histogram("vllm:request_max_num_generation_tokens",
+                                                           "Tokens generated for the longest sequence of finished "
+                                                           "requests (n > 1: of their n sequences).", tokens)
+        self.request_params_n = histogram("vllm:request_params_n", "The n parameter of finished requests.",
                                           _N_BUCKETS)
-        self.request_params_max_tokens = histogram("epdserve:request_params_max_tokens",
+        self.request_params_max_tokens = histogram("vllm:request_params_max_tokens",
                                                    "The max_tokens of finished requests (the room left in the "
-                                                   "model's length when not given).", _TOKEN_BUCKETS)
-        self._success = Counter("epdserve:request_success", "Finished requests by reason: the request count.",
+                                                   "model's length when not given).", tokens)
+        self._success = Counter("vllm:request_success", "Finished requests by reason: the request count.",
                                 labels + ["finished_reason"], registry=self.registry)
         self._failure = Counter("epdserve:request_failure", "Requests that failed, by HTTP status.",
                                 labels + ["status"], registry=self.registry)
         self._responses = Counter("epdserve:http_responses", "HTTP responses by status.", labels + ["status"],
                                   registry=self.registry)
-        self.prompt_tokens = counter("epdserve:prompt_tokens", "Prompt tokens of finished requests.")
-        self.cached_prompt_tokens = counter("epdserve:prompt_tokens_cached", "Prompt tokens served from a prefix "
-                                            "cache.")
-        self.generation_tokens = counter("epdserve:generation_tokens", "Generated tokens.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self.cached_prompt_tokens = counter("vllm:prompt_tokens_cached", "Prompt tokens of finished requests not "
+                                            "computed for them: found in a prefix cache or restored from a KV "
+                                            "tier (the usage's cached_tokens).")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens of finished requests.")
         self._aborts = Counter("epdserve:request_aborts", "Requests aborted before they finished, by reason.",
                                labels + ["reason"], registry=self.registry)
         self._migrations = Counter("epdserve:request_migrations", "Streams continued on another instance after "
@@ -91,7 +107,7 @@ class ProxyMetrics:
         self._stages = Histogram("epdserve:request_stage_seconds", "Time requests spent in each stage of their "
                                  "traces (proxy.request, prefill.queue, kv.transfer, ...), one observation per "
                                  "span.", labels + ["stage"], buckets=_LATENCY_BUCKETS, registry=self.registry)
-        # Not `num_requests_running`: the engines' gauges of that name count these same requests, and a
+        # Not `vllm:num_requests_running`: the engines' gauges of that name count these same requests, and a
         # dashboard's sum over every target (vLLM's `sum(vllm:num_requests_running)`) would count them twice.
         self.in_flight = Gauge("epdserve:proxy_requests_in_flight", "Requests in flight at this proxy (each also "
                                "counted by the engine running it, in num_requests_running or num_requests_waiting).",
@@ -99,8 +115,12 @@ class ProxyMetrics:
         self.model_name = model_name
 
     def finished(self, reason: str, num_prompt_tokens: int, num_cached_tokens: int, num_generated_tokens: int,
-                 params: SamplingParams, e2e_seconds: float, ttft_seconds: float | None) -> None:
-        """A request ended with a finish reason (not an error): everything counted once per request."""
+                 params: SamplingParams, e2e_seconds: float, ttft_seconds: float | None,
+                 longest_sequence_tokens: int | None = None) -> None:
+        """A request ended with a finish reason (not an error): everything counted once per request.
+        `num_generated_tokens`: over its sequences; `longest_sequence_tokens`: its longest one's (default: the
+        same, one sequence), which its end to end latency and time per output token are the time of."""
+        longest = num_generated_tokens if longest_sequence_tokens is None else longest_sequence_tokens
         self._success.labels(self.model_name, reason).inc()
         self.e2e.observe(e2e_seconds)
         self.prompt_tokens.inc(num_prompt_tokens)
@@ -108,11 +128,12 @@ class ProxyMetrics:
         self.generation_tokens.inc(num_generated_tokens)
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_generated_tokens)
+        self.request_max_num_generation_tokens.observe(longest)
         self.request_params_n.observe(params.n)
         if params.max_tokens is not None:
             self.request_params_max_tokens.observe(params.max_tokens)
-        if ttft_seconds is not None and num_generated_tokens > 1:
-            self.tpot.observe((e2e_seconds - ttft_seconds) / (num_generated_tokens - 1))
+        if ttft_seconds is not None:
+            self.tpot.observe((e2e_seconds - ttft_seconds) / (longest - 1) if longest > 1 else 0.0)
 
     def failed(self, status: int) -> None:
         self._failure.labels(self.model_name, str(status)).inc()

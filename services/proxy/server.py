@@ -51,6 +51,7 @@ class ProxyConfig:
     inbox_port: int = 0
     advertise_host: str | None = None
     api_key: str | None = None
+    metrics_require_api_key: bool = False  # /metrics behind the API key too (open by default, as vLLM's)
     encoders: tuple[str, ...] = ()  # host:port of control channels; host names are re-resolved
     prefills: tuple[str, ...] = ()
     decodes: tuple[str, ...] = ()
@@ -134,7 +135,8 @@ async def build_proxy(config: ProxyConfig):
     wildcard = config.host in WILDCARD_HOSTS
     inbox = PullChannel(engine_id, host=config.host, port=config.inbox_port, allow_wildcard=wildcard,
                         curve=server_curve(config.transport), senders=MAY_SEND)
-    metrics = ProxyMetrics(config.model_name, rejected_frames=lambda: inbox.num_rejected)
+    metrics = ProxyMetrics(config.model_name, rejected_frames=lambda: inbox.num_rejected,
+                           max_model_len=model_config.max_model_len)
     if index is not None:
         metrics.watch_prefix_index(index)
     metrics.watch_prompt_queues(lambda: [i for role in (Role.PREFILL, Role.DECODE, Role.UNIFIED)
@@ -170,7 +172,7 @@ async def build_proxy(config: ProxyConfig):
         return ready and not drain.draining, details | {"draining": drain.draining}
 
     app = DrainGate(build_app(serving, metrics, config.api_key, readiness, config.max_request_body_bytes,
-                              startup.waiting_for), drain, metrics.responded)
+                              startup.waiting_for, config.metrics_require_api_key), drain, metrics.responded)
     return app, router, backend, drain, tracer, startup
 
 

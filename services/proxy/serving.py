@@ -250,7 +250,8 @@ class OpenAIServing:
             m.failed(502)
             raise GenerationError("the request ended without a finish reason", 502, "BadGatewayError")
         m.finished(results[0].finish_reason, len(gen.prompt_token_ids), max(r.num_cached_tokens for r in results),
-                   sum(len(r.token_ids) for r in results), sampling, time.monotonic() - start, ttft)
+                   sum(len(r.token_ids) for r in results), sampling, time.monotonic() - start, ttft,
+                   max(len(r.token_ids) for r in results))
 
     async def _run_all(self, gens: list[GenerateInput], samplings: list[SamplingParams],
                        traces: list[RequestTrace]) -> AsyncIterator[Choice]:

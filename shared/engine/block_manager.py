@@ -55,9 +55,6 @@ class BlockManager:
         self.block_copies: list[tuple[int, int]] = []
         # request_id -> how many of its full blocks are registered in `cached_blocks` already.
         self._num_registered: dict[str, int] = {}
-        # Prefix-cache statistics in tokens, as vLLM counts them.
-        self.num_prefix_queries = 0
-        self.num_prefix_hits = 0
         # Registered and evicted hashes, for routers that follow what this cache holds.
         self.events = KVEventLog()
         # Told of the prefix-cache blocks each allocation evicts, while their content is still there.
@@ -98,8 +95,6 @@ class BlockManager:
             if block is None or block.token_ids != tuple(tokens[i * bs:(i + 1) * bs]):
                 break
             hits.append(block)
-        self.num_prefix_queries += request.num_tokens
-        self.num_prefix_hits += len(hits) * bs
         return hits, len(hits) * bs
 
     # -- allocation ---------------------------------------------------------------------------------

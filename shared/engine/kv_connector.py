@@ -73,6 +73,10 @@ class KVConnector:
     """One way KV (or encoder output) reaches the engine or leaves it; see the module docstring. Every method
     but `start_load` has a default that does nothing."""
 
+    # A tier: it offers the KV of any request's prefix it holds, by block hash - what it brings counts as the
+    # engine's external prefix-cache hits (prompt_stats.py) - rather than one request's KV a peer hands over.
+    caches_prefixes = False
+
     def bind(self, finish: Callable[[LoadResult], None], release: Callable[[str], None]) -> None:
         """`finish(result)` ends a load, `release(request_id)` frees the blocks this connector kept; the
         engine binds them before the first request arrives."""

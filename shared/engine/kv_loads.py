@@ -36,6 +36,16 @@ class KVLoads:
         self.loading: dict[str, Loading] = {}
         block_manager.on_evict = self._evicted
 
+    @property
+    def has_tier(self) -> bool:
+        """Whether a connector is a KV tier (`caches_prefixes`): requests' prefixes are looked up there too."""
+        return any(connector.caches_prefixes for connector in self.connectors)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests held back while a connector loads their KV or encoder outputs (aborted ones excluded)."""
+        return sum(not loading.request.is_finished for loading in self.loading.values())
+
     def _evicted(self, blocks: list[EvictedBlock]) -> None:
         for connector in self.connectors:
             connector.blocks_evicted(blocks)
@@ -72,8 +82,6 @@ class KVLoads:
         fill = request.block_ids[len(computed_blocks):]
         bm.skip_zeroing(fill)  # overwritten whole by the load; zeroing them at the next step would race it
         request.num_computed_tokens = num_cached
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_cached
         request.kv_load_started = True
         self._start(request, connector, KVLoad(request.request_id, fill, len(computed_blocks), num_cached + num_tokens))
         return Admission.STARTED

@@ -394,14 +394,16 @@ class LLMEngine:
                                     {tier.name: tier.hashes() for tier in self.tiers})
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(self.scheduler.num_running, len(self.scheduler.waiting), bm.num_free_blocks,
-                           bm.num_blocks, bm.usage, bm.num_prefix_queries, bm.num_prefix_hits,
-                           self.scheduler.num_preemptions, dict(self.scheduler.num_finished),
+        bm, sched = self.block_manager, self.scheduler
+        prompts = sched.prompt_stats.counts()
+        return EngineStats(sched.num_running, len(sched.waiting), bm.num_free_blocks,
+                           bm.num_blocks, bm.usage, prompts.prefix_queries, prompts.prefix_hits,
+                           sched.num_preemptions, dict(sched.num_finished),
                            self.step_timer.num_steps, self.step_timer.breakdown(), self.num_prompt_tokens,
                            self.num_generation_tokens,
-                           None if self.proposer is None else self.scheduler.spec_stats.counts(self.proposer.k),
-                           {tier.name: tier.stats() for tier in self.tiers})
+                           None if self.proposer is None else sched.spec_stats.counts(self.proposer.k),
+                           {tier.name: tier.stats() for tier in self.tiers}, sched.loads.num_waiting,
+                           prompts.external_queries, prompts.external_hits, prompts.by_source)
 
     def close(self) -> None:
         """Stop the engine's tiers' threads (the engine itself holds nothing else that needs it)."""

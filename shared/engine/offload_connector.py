@@ -52,6 +52,7 @@ class OffloadConnector(KVConnector):
     file owns its slots and index."""
 
     name = "local"
+    caches_prefixes = True
 
     def __init__(self, kv_cache: torch.Tensor, block_size: int, file: OffloadFile, save_finished: bool = False,
                  max_staged_bytes: int = 256 << 20) -> None:

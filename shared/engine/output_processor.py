@@ -82,6 +82,7 @@ class OutputProcessor:
         state = self.states[request.request_id]
         for token_id in request.output_token_ids:
             self._account(request, state, token_id, None)
+        state.metrics.peer_prefilled = True
         state.num_sent_tokens = request.num_peer_tokens
         state.num_sent_chars = len(state.detokenizer.text) if state.detokenizer else 0
 

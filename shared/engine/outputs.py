@@ -33,6 +33,9 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # It continued from first tokens a peer sampled (handoff.py): its prompt was computed, and its queue and
+    # prefill timed, by that peer; its `first_token_time` is its arrival here with them.
+    peer_prefilled: bool = False
 
 
 @dataclass(slots=True)
@@ -65,12 +68,14 @@ class SpecDecodeCounts(NamedTuple):
 
 class EngineStats(NamedTuple):
     num_running: int
-    num_waiting: int
+    num_waiting: int  # in the queue
     num_free_blocks: int
     num_total_blocks: int
     kv_cache_usage: float
-    prefix_cache_queries: int  # tokens looked up
-    prefix_cache_hits: int  # tokens found
+    # The prompts this engine prefilled, each counted once (prompt_stats.py), in tokens: looked up in the
+    # prefix cache, found there.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
     num_preemptions: int
     num_finished: dict[str, int]  # by finish reason: stop, length, abort, error
     num_steps: int
@@ -80,6 +85,12 @@ class EngineStats(NamedTuple):
     spec_decode: SpecDecodeCounts | None = None  # with speculative decoding on
     # The KV tiers beyond the pool (empty: none configured), by name: "local" (offload_connector.py).
     kv_tiers: dict[str, "KVTierStats"] = {}
+    num_waiting_for_kv: int = 0  # out of the queue while a connector loads their KV or encoder outputs
+    # The same prompts looked up in the KV tiers, and brought from one (0 without tiers).
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    # Their tokens by source: local_compute, local_cache_hit, external_kv_transfer (prompt_stats.SOURCES).
+    prompt_tokens_by_source: dict[str, int] = {}
 
 
 # Bounds (seconds) of the restore latency histogram's buckets: a load from a tier, start to finish.

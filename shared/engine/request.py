@@ -124,8 +124,11 @@ class Request:
         # Draft tokens to verify in the next step (speculative decoding): proposed before each step, cut to
         # what the step has room for by the scheduler; they follow `all_token_ids` and are not the request's.
         self.spec_token_ids: list[int] = []
-        # Prompt tokens found in the prefix cache when the request was first scheduled.
+        # Prompt tokens it did not compute when first started: found in the prefix cache, or brought by a KV
+        # tier's load (-1: not started yet).
         self.num_cached_tokens = -1
+        # Whether its prompt's sources were counted (prompt_stats.py: once per request, whatever recomputes it).
+        self.prompt_counted = False
         self.num_preemptions = 0
         self.block_ids: list[int] = []
         # Finished, its blocks kept by a KV connector until it releases them (a prefill's, for the decode that

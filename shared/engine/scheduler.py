@@ -28,6 +28,7 @@ from epdserve.shared.config import SchedulerConfig
 from epdserve.shared.engine.kv_connector import KVLoad, LoadResult
 from epdserve.shared.engine.kv_loads import Admission, KVLoads
 from epdserve.shared.engine.parallel_sampling import group_members, ungroup
+from epdserve.shared.engine.prompt_stats import PromptStats
 from epdserve.shared.engine.request import Request, RequestFailure, RequestStatus
 from epdserve.shared.engine.speculative import SpecDecodeStats
 from epdserve.shared.engine.step_budget import StepBudget
@@ -68,6 +69,7 @@ class Scheduler:
         self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}  # by finish reason
         self.loads = KVLoads(block_manager)  # the KV connectors, and the requests they are loading
         self.spec_stats = SpecDecodeStats()  # draft tokens verified and accepted (speculative decoding)
+        self.prompt_stats = PromptStats()  # where the prompts came from: pool, tiers, computed (once per request)
 
     def add_request(self, request: Request) -> None:
         self._admit(request)
@@ -189,6 +191,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
+            self.prompt_stats.count(request, num_cached, 0, self.loads.has_tier)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
@@ -381,6 +384,11 @@ class Scheduler:
             return self._embeddings_loaded(request, load, result, hidden_size)
         if result.ok:
             request.num_computed_tokens = load.num_tokens
+            # Its prompt's tokens not computed here: its prefix-cache hits and what the load brought.
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = load.num_tokens
+            local_hits = load.first_block * self.block_manager.block_size
+            self.prompt_stats.count(request, local_hits, load.num_tokens - local_hits, self.loads.has_tier)
             self.block_manager.cache_full_blocks(request)
             self._start_running(request)
             return []
@@ -388,6 +396,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         members = ungroup(request)
+        for sequence in members[1:]:  # each computes its prompt now: the request is counted once, by the first
+            sequence.prompt_counted = True
         for member in reversed(members):
             self.waiting.appendleft(member)
         return []

@@ -149,7 +149,7 @@ def pick_victim(cluster: Cluster, service: str) -> str:
 
     def load(container: str) -> float:
         m = cluster.metrics(container)
-        return m.get("epdserve:num_requests_running", 0.0) + m.get("epdserve:num_requests_waiting", 0.0)
+        return m.get("vllm:num_requests_running", 0.0) + m.get("vllm:num_requests_waiting", 0.0)
 
     return max(containers, key=load)
 

@@ -36,7 +36,7 @@ def running_requests(stack, container: str) -> float:
     status, body = stack.http_get(container, "/metrics")
     assert status == 200, container
     return sum(s.value for family in text_string_to_metric_families(body) for s in family.samples
-               if s.name == "epdserve:num_requests_running")
+               if s.name == "vllm:num_requests_running")
 
 
 @dataclass

@@ -184,7 +184,7 @@ def test_prometheus_scrapes_every_metrics_port(compose_config, epdserve_services
     for name, (service, args) in epdserve_services(project).items():
         port, job = next(scraped[n] for n in dns_names(name, service) if n in scraped)
         assert port == (args.port if args.role == "proxy" else args.http_port), name
-        if args.role == "proxy":  # the proxy's /metrics needs the API key
+        if args.role == "proxy":  # the key, for a proxy whose /metrics needs it (--metrics-require-api-key)
             credentials = job["authorization"]["credentials_file"]
             assert credentials in [s["target"] for s in prometheus["secrets"]]
 

@@ -248,6 +248,7 @@ def test_ingress_monitoring_values_protect_the_api(render, served):
             assert env["EPDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "epdserve-api-key",
                                                                              "key": "api-key"}
             assert args.served_model_name == "llava-demo"
+            assert args.metrics_require_api_key  # apiKey.protectMetrics
         else:
             assert "EPDSERVE_API_KEY" not in env
     (monitor,) = of_kind(objects, "ServiceMonitor")
@@ -357,7 +358,7 @@ def test_autoscaling_reads_the_engines_queue_through_the_adapter_metric(render, 
     # The README's prometheus-adapter rule makes the chart's default name from the engines' gauge.
     readme = (REPO / "README.md").read_text()
     default_name = chart_values(None)["autoscaling"]["queueMetricName"]
-    assert "seriesQuery: 'epdserve:num_requests_waiting" in readme and f"as: {default_name}" in readme
+    assert "seriesQuery: 'vllm:num_requests_waiting" in readme and f"as: {default_name}" in readme
     # A role set to CPU gets a CPU target instead.
     xpyd = {h["spec"]["scaleTargetRef"]["name"]: h for h in
             of_kind(render(CHART / "ci" / "xpyd-values.yaml")[1], "HorizontalPodAutoscaler")}
@@ -383,7 +384,7 @@ def test_keda_scales_engines_on_their_queue_from_prometheus(render):
         assert trigger["type"] == "prometheus"
         assert trigger["metadata"]["serverAddress"] == "http://prometheus.monitoring.svc:9090"
         query = trigger["metadata"]["query"]
-        assert query.startswith("sum(epdserve:num_requests_waiting{") and 'namespace="llm"' in query
+        assert query.startswith("sum(vllm:num_requests_waiting{") and 'namespace="llm"' in query
         # The service label prometheus-operator gives every target: the role's headless Service.
         service = services[query.split('service="')[1].split('"')[0]]
         assert selects(service["spec"]["selector"], deployment["spec"]["template"]["metadata"]["labels"])

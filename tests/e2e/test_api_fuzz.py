@@ -90,7 +90,7 @@ def wait_until(predicate, what: str, timeout: float = 10) -> None:
 def blocks_free(stack) -> bool:
     for name in ("prefill-0", "decode-0"):
         m = stack.services[name].metrics()
-        if m["epdserve:num_free_kv_blocks"] != NUM_BLOCKS or m["epdserve:num_requests_running"] != 0:
+        if m["epdserve:num_free_kv_blocks"] != NUM_BLOCKS or m["vllm:num_requests_running"] != 0:
             return False
     return True
 

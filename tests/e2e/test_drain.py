@@ -73,7 +73,7 @@ class SSEStream:
 
 
 def running(service) -> float:
-    return service.metrics().get("epdserve:num_requests_running", 0.0)
+    return service.metrics().get("vllm:num_requests_running", 0.0)
 
 
 async def wait_for(predicate, timeout: float, what: str, state=lambda: "") -> None:

@@ -52,7 +52,7 @@ def ask(client, png: bytes, salt: str):
 
 
 def hits(stack, name: str) -> float:
-    return stack.services[name].metrics().get("epdserve:mm_cache_hits_total", 0.0)
+    return stack.services[name].metrics().get("vllm:mm_cache_hits_total", 0.0)
 
 
 def healthy(stack, role: str) -> int:

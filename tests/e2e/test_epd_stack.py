@@ -64,7 +64,7 @@ def wait_until(predicate, timeout: float, what: str):
 def all_blocks_free(stack) -> bool:
     for name in ("prefill-0", "decode-0"):
         m = stack.services[name].metrics()
-        if m["epdserve:num_free_kv_blocks"] != NUM_BLOCKS or m["epdserve:num_requests_running"] != 0:
+        if m["epdserve:num_free_kv_blocks"] != NUM_BLOCKS or m["vllm:num_requests_running"] != 0:
             return False
     return True
 
@@ -299,7 +299,7 @@ def test_a_request_past_its_time_is_a_504_and_is_aborted(demo_model, start_stack
         assert caught.value.status_code == 504
         assert caught.value.body["type"] == "TimeoutError"
         engine = stack.services["unified-0"]
-        wait_until(lambda: engine.metrics()["epdserve:num_requests_running"] == 0
+        wait_until(lambda: engine.metrics()["vllm:num_requests_running"] == 0
                    and engine.metrics()["epdserve:num_free_kv_blocks"] == NUM_BLOCKS, 10, "the request to be dropped")
         assert slow.completions.create(model="demo", prompt="Hi", max_tokens=2, temperature=0).usage.completion_tokens == 2
     finally:

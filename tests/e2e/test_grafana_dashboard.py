@@ -1,7 +1,9 @@
 """The Grafana dashboard asks only for series a running stack exports: every PromQL query of every panel
 and variable is read for the metric names and labels it uses, and each is found on the /metrics of a real
-stack (an encoder, a prefill, a decode and the proxy, after one request). And what its panels sum counts
-each thing once: summed over a scrape of every service, `num_requests_running` is the requests running."""
+stack (an encoder, a prefill, a decode and the proxy, after one request). So does every series vLLM's own
+dashboards (and vLLM production-stack's) query: they work unchanged. And what a dashboard sums counts each
+thing once: summed over a scrape of every service, `vllm:num_requests_running` is the requests running, and
+one request moves the request, prompt token and prefix-cache lookup counters by that one request."""
 import json
 import re
 from pathlib import Path
@@ -19,22 +21,23 @@ KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "boo
 TARGET_LABELS = {"role", "instance", "job"}
 # What the dashboard must show: vLLM's usual panels and the disaggregation's.
 REQUIRED = {
-    "epdserve:e2e_request_latency_seconds_bucket", "epdserve:time_to_first_token_seconds_bucket",
-    "epdserve:inter_token_latency_seconds_bucket", "epdserve:time_per_output_token_seconds_bucket",
-    "epdserve:prompt_tokens_total", "epdserve:generation_tokens_total", "epdserve:request_success_total",
-    "epdserve:request_prompt_tokens_bucket", "epdserve:request_generation_tokens_bucket",
-    "epdserve:request_params_max_tokens_bucket", "epdserve:request_params_n_sum",
-    "epdserve:num_requests_running", "epdserve:num_requests_waiting", "epdserve:kv_cache_usage_perc",
-    "epdserve:prefix_cache_hits_total", "epdserve:prefix_cache_queries_total",
-    "epdserve:request_queue_time_seconds_bucket", "epdserve:request_prefill_time_seconds_sum",
-    "epdserve:request_decode_time_seconds_sum", "epdserve:request_inference_time_seconds_sum",
-    "epdserve:iteration_tokens_total_bucket", "epdserve:http_responses_total",
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket", "vllm:request_time_per_output_token_seconds_bucket",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:request_params_max_tokens_bucket", "vllm:request_params_n_sum",
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+    "vllm:request_queue_time_seconds_bucket", "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum", "vllm:request_inference_time_seconds_sum",
+    "vllm:iteration_tokens_total_bucket", "epdserve:http_responses_total",
     "epdserve:kv_transfer_bytes_total", "epdserve:kv_transfer_seconds_total", "epdserve:kv_lease_renewals_total",
-    "epdserve:kv_lease_expired_total", "epdserve:local_prefills_total", "epdserve:mm_cache_hits_total",
-    "epdserve:mm_cache_queries_total", "epdserve:spec_decode_num_drafts_total",
-    "epdserve:spec_decode_num_draft_tokens_total", "epdserve:spec_decode_num_accepted_tokens_total",
-    "epdserve:spec_decode_num_accepted_tokens_per_pos_total",
-    "epdserve:prompt_tokens_computed_total",
+    "epdserve:kv_lease_expired_total", "epdserve:local_prefills_total", "vllm:mm_cache_hits_total",
+    "vllm:mm_cache_queries_total", "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+    "epdserve:prompt_tokens_computed_total", "vllm:external_prefix_cache_hits_total",
+    "vllm:external_prefix_cache_queries_total", "vllm:prompt_tokens_by_source_total",
     "epdserve:kv_tier_hit_tokens_total", "epdserve:kv_tier_restore_seconds_bucket",
 }
 
@@ -151,8 +154,112 @@ def test_summed_over_every_service_the_running_gauge_counts_each_running_request
         for stream in streams:
             stream.close()
     running = {sample.labels.get("role"): sample.value for sample in samples
-               if sample.name == "epdserve:num_requests_running"}
+               if sample.name == "vllm:num_requests_running"}
     assert sum(running.values()) == len(streams), running
     assert running == {"prefill": 0, "decode": len(streams)}
     (in_flight,) = [sample.value for sample in samples if sample.name == "epdserve:proxy_requests_in_flight"]
     assert in_flight == len(streams)
+
+
+# Every series vLLM's Grafana dashboards and vLLM production-stack's query, with the labels their queries
+# match or group by, as read from each dashboard's JSON (the `expr` of every target, the variables' queries):
+#   vllm-project/vllm examples/observability/prometheus_grafana/grafana.json (until it moved there:
+#     examples/online_serving/prometheus_grafana/grafana.json)
+#   vllm-project/vllm examples/observability/dashboards/grafana/vllm_overview.json
+#   vllm-project/production-stack helm/dashboards/vllm-model-metrics-dashboard.json
+#   vllm-project/production-stack helm/dashboards/vllm-dashboard.json
+# Their variables read `label_values(model_name)`, and the overview's `job` and `instance` come from the
+# scrape. Left out, not being vLLM's engine series: production-stack's router's own (its vllm-dashboard.json's
+# `vllm:healthy_pods_total`, `vllm:current_qps` and `router_*`), the deprecated `vllm:gpu_prefix_cache_*`
+# that vLLM stopped exporting after 0.9 (the same panel there), and the HTTP server's instrumentation that
+# vllm_overview.json shows (`http_requests_total`, `http_request_duration_seconds`: the proxy counts its API
+# responses by status in epdserve:http_responses_total).
+VLLM_DASHBOARD_SERIES = {
+    "vllm:e2e_request_latency_seconds_bucket": {"model_name", "le"},
+    "vllm:e2e_request_latency_seconds_sum": {"model_name"},
+    "vllm:e2e_request_latency_seconds_count": {"model_name"},
+    "vllm:time_to_first_token_seconds_bucket": {"model_name", "le"},
+    "vllm:time_to_first_token_seconds_sum": {"model_name"},
+    "vllm:time_to_first_token_seconds_count": {"model_name"},
+    "vllm:inter_token_latency_seconds_bucket": {"model_name", "le"},
+    "vllm:inter_token_latency_seconds_sum": {"model_name"},
+    "vllm:inter_token_latency_seconds_count": {"model_name"},
+    "vllm:request_time_per_output_token_seconds_bucket": {"model_name", "le"},
+    "vllm:request_time_per_output_token_seconds_sum": {"model_name"},
+    "vllm:request_time_per_output_token_seconds_count": {"model_name"},
+    "vllm:prompt_tokens_total": {"model_name"},
+    "vllm:generation_tokens_total": {"model_name"},
+    "vllm:request_success_total": {"model_name", "finished_reason"},
+    "vllm:request_prompt_tokens_bucket": {"model_name", "le"},
+    "vllm:request_prompt_tokens_sum": {"model_name"},
+    "vllm:request_prompt_tokens_count": {"model_name"},
+    "vllm:request_generation_tokens_bucket": {"model_name", "le"},
+    "vllm:request_generation_tokens_sum": {"model_name"},
+    "vllm:request_generation_tokens_count": {"model_name"},
+    "vllm:request_max_num_generation_tokens_sum": {"model_name"},
+    "vllm:num_requests_running": {"model_name"},
+    "vllm:num_requests_waiting": {"model_name"},
+    "vllm:num_requests_waiting_by_reason": {"model_name", "reason"},
+    "vllm:kv_cache_usage_perc": {"model_name"},
+    "vllm:num_preemptions_total": {"model_name"},
+    "vllm:prefix_cache_hits_total": {"model_name"},
+    "vllm:prefix_cache_queries_total": {"model_name"},
+    "vllm:external_prefix_cache_hits_total": {"model_name"},
+    "vllm:external_prefix_cache_queries_total": {"model_name"},
+    "vllm:mm_cache_hits_total": {"model_name"},
+    "vllm:mm_cache_queries_total": {"model_name"},
+    "vllm:prompt_tokens_by_source_total": {"model_name", "source"},
+    "vllm:iteration_tokens_total_bucket": {"model_name", "le"},
+    "vllm:iteration_tokens_total_sum": {"model_name"},
+    "vllm:iteration_tokens_total_count": {"model_name"},
+    "vllm:request_queue_time_seconds_bucket": {"model_name", "le"},
+    "vllm:request_queue_time_seconds_sum": {"model_name"},
+    "vllm:request_queue_time_seconds_count": {"model_name"},
+    "vllm:request_prefill_time_seconds_sum": {"model_name"},
+    "vllm:request_prefill_time_seconds_count": {"model_name"},
+    "vllm:request_decode_time_seconds_sum": {"model_name"},
+    "vllm:request_decode_time_seconds_count": {"model_name"},
+}
+
+
+def test_every_series_vllms_dashboards_query_is_exported(exported):
+    missing = {name: labels - exported.get(name, set()) for name, labels in VLLM_DASHBOARD_SERIES.items()
+               if name not in exported or not labels <= exported[name]}
+    assert not missing, f"series (or their labels) vLLM's dashboards query and the stack lacks: {missing}"
+    # The engines' series carry vLLM's own labels: the model's name and the engine's index in its server.
+    engine_series = [name for name in exported if name.startswith("vllm:num_requests")]
+    assert engine_series and all({"model_name", "engine"} <= exported[name] for name in engine_series)
+
+
+def totals(stack) -> dict[str, float]:
+    """{series: value summed over every service of the stack and every label}."""
+    out: dict[str, float] = {}
+    for sample in scrape(stack):
+        out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def test_one_request_counts_once_summed_over_every_service(stack):
+    """One request prefilled on prefill and decoded on decode: the request, its prompt tokens and its prompt's
+    prefix-cache lookup are counted once over the proxy, encoder, prefill and decode (decode looks the prompt
+    up in its own cache too, to pull less: that lookup is not counted), and so are its stage times."""
+    before = totals(stack)
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    out = client.completions.create(model="demo", prompt="Once counted, twice shy: a proverb of", max_tokens=6,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    after = totals(stack)
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    prompt = out.usage.prompt_tokens
+    assert delta["epdserve:remote_kv_requests_total"] == 1  # prefill computed it, decode pulled it
+    assert delta["vllm:request_success_total"] == 1
+    assert delta["vllm:prompt_tokens_total"] == prompt
+    assert delta["vllm:generation_tokens_total"] == 6
+    assert delta["vllm:prefix_cache_queries_total"] == prompt
+    assert delta["vllm:external_prefix_cache_queries_total"] == prompt  # the engines have offload tiers
+    assert delta["vllm:prompt_tokens_by_source_total"] == prompt
+    assert delta["vllm:prompt_tokens_cached_total"] == out.usage.prompt_tokens_details.cached_tokens
+    assert delta["vllm:prefix_cache_hits_total"] + delta["vllm:external_prefix_cache_hits_total"] == \
+        out.usage.prompt_tokens_details.cached_tokens
+    for stage in ("queue", "prefill", "decode", "inference"):
+        assert delta[f"vllm:request_{stage}_time_seconds_count"] == 1, stage
+    assert delta["vllm:e2e_request_latency_seconds_count"] == delta["vllm:time_to_first_token_seconds_count"] == 1

@@ -1,5 +1,6 @@
 """A shared KV store on a real 1 prefill + 2 decode stack: a conversation evicted from every engine's pool
-comes back from the store with the very tokens it had; a killed store costs recomputation, not requests."""
+comes back from the store with the very tokens it had (its restored tokens cached ones, in its usage and in
+the prefix-cache hit series); a killed store costs recomputation, not requests."""
 import sys
 import time
 
@@ -9,7 +10,7 @@ import pytest
 
 from epdserve.services.launcher import free_port
 from tests.e2e.conftest import Service
-from tests.e2e.kv_eviction import complete, push_out, total
+from tests.e2e.kv_eviction import cached_counts, complete, completion, push_out, token_ids, total
 
 BLOCK_SIZE = 16
 
@@ -60,12 +61,18 @@ def test_an_evicted_conversation_comes_back_from_the_store_token_for_token(stack
     time.sleep(1.5)  # the engines follow the store's events every half second
     computed = total(stack, "epdserve:prompt_tokens_computed_total")
     hits = total(stack, "epdserve:kv_tier_hit_tokens_total")
-    assert complete(client, conversation(0)) == first
+    found, counted = cached_counts(stack)
+    again = completion(client, conversation(0))
+    assert token_ids(again) == first
     restored = total(stack, "epdserve:kv_tier_hit_tokens_total") - hits
     recomputed = total(stack, "epdserve:prompt_tokens_computed_total") - computed
     assert restored >= 17 * BLOCK_SIZE, restored
     assert recomputed <= BLOCK_SIZE, recomputed
     assert total(stack, "epdserve:kv_tier_failed_restores_total") == 0
+    # What the store brought is cached: in the usage, in the engines' hit series and the proxy's, once.
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 17 * BLOCK_SIZE, cached
+    assert tuple(now - then for now, then in zip(cached_counts(stack), (found, counted))) == (cached, cached)
 
 
 def test_a_killed_store_costs_recomputation_not_requests(stack, client, store):

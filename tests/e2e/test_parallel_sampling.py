@@ -43,8 +43,8 @@ def test_n3_with_a_seed_repeats_differs_and_prefills_once(stack, client):
     assert len(set(texts)) == 3, texts
     # The prompt was looked up once and computed once (what the cache held aside), not three times.
     prompt_len, cached = first.usage.prompt_tokens, first.usage.prompt_tokens_details.cached_tokens
-    assert after["epdserve:prefix_cache_queries_total"] - before["epdserve:prefix_cache_queries_total"] == prompt_len
-    computed = after["epdserve:iteration_tokens_total_sum"] - before["epdserve:iteration_tokens_total_sum"]
+    assert after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"] == prompt_len
+    computed = after["vllm:iteration_tokens_total_sum"] - before["vllm:iteration_tokens_total_sum"]
     decoded = 0 if decode_before is not None else first.usage.completion_tokens - 3
     assert computed == prompt_len - cached + decoded
     if decode_before is not None:  # decode pulled the KV once and forked it

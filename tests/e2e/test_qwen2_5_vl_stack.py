@@ -183,7 +183,7 @@ def served(stack, client, ids_of, messages, **params) -> list[list[int]]:
 
 
 def accepted(stack) -> float:
-    return stack.services["decode-0"].metrics().get("epdserve:spec_decode_num_accepted_tokens_total", 0.0)
+    return stack.services["decode-0"].metrics().get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
 
 
 @pytest.mark.parametrize("name", ["photo", "two-images"])
@@ -229,7 +229,7 @@ def test_speculating_decode_keeps_to_a_json_schema_as_without_speculation(stack,
 
 def test_the_prefill_checks_the_config_and_does_not_speculate(stack):
     assert "prefill does not speculate" in stack.services["prefill-0"].log.read_text()
-    assert "epdserve:spec_decode_num_drafts_total" not in stack.services["prefill-0"].metrics()
+    assert "vllm:spec_decode_num_drafts_total" not in stack.services["prefill-0"].metrics()
 
 
 def test_unified_stack_equals_hf(qwen2_5_vl_path, start_stack, hf_reference, near_tie_check, ids_of):

@@ -67,7 +67,7 @@ def engines(stack):
 def every_block_back(stack) -> bool:
     for service in engines(stack):
         m = service.metrics()
-        if m["epdserve:num_free_kv_blocks"] != NUM_BLOCKS or m["epdserve:num_requests_running"] != 0:
+        if m["epdserve:num_free_kv_blocks"] != NUM_BLOCKS or m["vllm:num_requests_running"] != 0:
             return False
     return True
 
@@ -259,7 +259,7 @@ def test_a_killed_prefill_fails_its_waiting_streams_within_seconds(default_model
         async with httpx.AsyncClient(timeout=300) as client:
             streams = [asyncio.create_task(one(client, i)) for i in range(16)]
             prefill = stack.services["prefill-0"]
-            await asyncio.to_thread(wait_until, lambda: prefill.metrics()["epdserve:num_requests_running"] > 0, 60,
+            await asyncio.to_thread(wait_until, lambda: prefill.metrics()["vllm:num_requests_running"] > 0, 60,
                                     "prefill to be busy")
             await asyncio.sleep(1.0)
             prefill.proc.send_signal(signal.SIGKILL)

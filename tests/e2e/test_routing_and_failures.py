@@ -44,7 +44,7 @@ def test_requests_spread_over_instances(stack, client):
 
 def test_shared_prefix_hits_the_prefix_cache(stack, client):
     # Found on a prefill, or - KV-aware routing - on the decode that holds it, which then prefills the rest.
-    hits = lambda: sum(counter(stack, n, "epdserve:prefix_cache_hits_total")  # noqa: E731
+    hits = lambda: sum(counter(stack, n, "vllm:prefix_cache_hits_total")  # noqa: E731
                        for n in ("prefill-0", "prefill-1", "decode-0", "decode-1"))
     first = client.completions.create(model="demo", prompt=LONG_PREFIX + " What is 2+2?", max_tokens=4, temperature=0)
     before = hits()
@@ -126,7 +126,7 @@ async def lose_decode_mid_stream(stack, lose: str, keep: str, requests: dict, ho
         task = asyncio.create_task(stream_all(stack, requests, ended, stalls))
         # Every sequence decoding on `lose` (a stream's first token comes from prefill, before decode has it).
         sequences = sum(kwargs.get("n", 1) for kwargs in requests.values())
-        while counter(stack, lose, "epdserve:num_requests_running") < sequences:
+        while counter(stack, lose, "vllm:num_requests_running") < sequences:
             assert not task.done(), task.result()
             await asyncio.sleep(0.05)
     finally:

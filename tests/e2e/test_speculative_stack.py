@@ -53,7 +53,7 @@ def speculating(stack):
 
 
 def accepted(stack) -> float:
-    return speculating(stack).metrics().get("epdserve:spec_decode_num_accepted_tokens_total", 0.0)
+    return speculating(stack).metrics().get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
 
 
 def offline(reference, prompt_ids, **params):
@@ -128,7 +128,7 @@ def test_every_engine_is_given_the_config_and_only_the_decoding_one_speculates(s
     for engine in engines:
         log = engine.log.read_text()
         assert "--speculative-config" in engine.argv
-        assert ("epdserve:spec_decode_num_drafts_total" in engine.metrics()) == (engine is drafting), engine.name
+        assert ("vllm:spec_decode_num_drafts_total" in engine.metrics()) == (engine is drafting), engine.name
         if engine is not drafting:
             assert "prefill does not speculate" in log and "loading it for speculative decoding" not in log
     loads_draft = "loading it for speculative decoding" in drafting.log.read_text()

@@ -101,6 +101,10 @@ def test_prefill_then_decode_equals_unified(tiny_model_paths, copy_connector, pr
         assert sorted(connector.ended) == sorted(f"r{i}" for i in range(len(PROMPTS)))
         stats = prefill_engine.stats()
         assert stats.num_free_blocks == stats.num_total_blocks and not prefill_engine.scheduler.held
+        # Each prompt was looked up in a prefix cache - and counted - by the engine that prefilled it, once:
+        # decode, pulling or recomputing it, counts none of them (only the prompt it prefilled itself).
+        assert stats.prefix_cache_queries == sum(map(len, PROMPTS))
+        assert decode.stats().prefix_cache_queries == (len(PROMPTS[-1]) if decode_has_prefix else 0)
     finally:
         decode.shutdown()
 

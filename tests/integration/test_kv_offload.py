@@ -1,10 +1,12 @@
 """The local offload tier: a conversation whose blocks the pool evicted comes back from the tier, its prefill
-mostly skipped, with exactly the tokens of a run without tiers; a corrupted tier file is recomputed."""
+mostly skipped, with exactly the tokens of a run without tiers - its restored tokens cached ones, in its
+usage and in the engine's prompt counters; a corrupted tier file is recomputed."""
 import pytest
 import torch
 
 from epdserve import LLM, SamplingParams
 from epdserve.shared.block_hash import extend_block_hashes
+from epdserve.shared.engine.outputs import RequestOutput
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 24  # a pool the other conversations overflow
@@ -22,8 +24,8 @@ def reference(tiny_model_paths):
     return llm.generate([{"prompt_token_ids": conversation(0)}], GREEDY)[0].outputs[0].token_ids
 
 
-def evict_then_return(llm: LLM) -> tuple[list[int], int]:
-    """Conversation 0, then enough others to evict it from the pool, then 0 again: its tokens the second
+def evict_then_return(llm: LLM) -> tuple[RequestOutput, int]:
+    """Conversation 0, then enough others to evict it from the pool, then 0 again: its output the second
     time, and the prompt tokens the engine computed for it then."""
     engine = llm.engine
     llm.generate([{"prompt_token_ids": conversation(0)}], GREEDY)
@@ -33,23 +35,37 @@ def evict_then_return(llm: LLM) -> tuple[list[int], int]:
     assert not set(hashes) & set(engine.block_manager.cached_blocks), "the pool still holds conversation 0"
     before = engine.num_prompt_tokens
     out = llm.generate([{"prompt_token_ids": conversation(0)}], GREEDY)[0]
-    return out.outputs[0].token_ids, engine.num_prompt_tokens - before
+    return out, engine.num_prompt_tokens - before
 
 
 def test_without_tiers_an_evicted_conversation_is_prefilled_again(tiny_model_paths, reference):
     llm = LLM(model=tiny_model_paths["llama"], num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
-    tokens, computed = evict_then_return(llm)
-    assert tokens == reference
-    assert computed == len(conversation(0))
+    out, computed = evict_then_return(llm)
+    assert out.outputs[0].token_ids == reference
+    assert computed == len(conversation(0)) and out.num_cached_tokens == 0
+    stats = llm.engine.stats()  # no tier: nothing looked up beyond the pool
+    assert stats.external_prefix_cache_queries == stats.external_prefix_cache_hits == 0
 
 
 def test_an_evicted_conversation_comes_back_from_the_local_tier(tiny_model_paths, reference, tmp_path):
     llm = LLM(model=tiny_model_paths["llama"], num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
               kv_offloading_size=0.01, kv_offloading_path=str(tmp_path))
-    tokens, computed = evict_then_return(llm)
-    assert tokens == reference
+    before = llm.engine.stats()
+    out, computed = evict_then_return(llm)
+    assert out.outputs[0].token_ids == reference
     # 160 prompt tokens: 9 full blocks restored (the 10th holds the last token, which is computed).
     assert computed == len(conversation(0)) - 9 * BLOCK_SIZE
+    # Restored tokens are cached ones: in the request's usage, and in the engine's counters of the prompts
+    # it prefilled (the 6 requests, each looked up once; the last one's 9 blocks found in the tier).
+    assert out.num_cached_tokens == 9 * BLOCK_SIZE
+    after = llm.engine.stats()
+    looked_up = 6 * len(conversation(0))
+    assert after.prefix_cache_queries - before.prefix_cache_queries == looked_up
+    assert after.external_prefix_cache_queries - before.external_prefix_cache_queries == looked_up
+    assert after.external_prefix_cache_hits - before.external_prefix_cache_hits == 9 * BLOCK_SIZE
+    sources = {k: after.prompt_tokens_by_source[k] - before.prompt_tokens_by_source.get(k, 0)
+               for k in after.prompt_tokens_by_source}
+    assert sources["external_kv_transfer"] == 9 * BLOCK_SIZE and sum(sources.values()) == looked_up
     stats = llm.engine.stats().kv_tiers["local"]
     assert stats.hit_blocks == 9 and stats.failed_restores == 0 and sum(stats.restore_buckets) == 1
     assert stats.saved_blocks >= 9 and stats.restored_bytes == 9 * llm.engine.tiers[0].file.block_bytes
@@ -79,4 +95,6 @@ def test_a_corrupted_tier_file_is_recomputed_not_used(tiny_model_paths, referenc
     assert engine.num_prompt_tokens - before == len(conversation(0))  # recomputed whole
     stats = engine.stats().kv_tiers["local"]
     assert stats.failed_restores == 1 and stats.corrupt_blocks >= 1 and stats.hit_blocks == 0
+    # The load that failed brought nothing: no cached tokens, no tier hits.
+    assert out.num_cached_tokens == 0 and engine.stats().external_prefix_cache_hits == 0
     engine.close()

@@ -167,7 +167,7 @@ def test_tokenize_detokenize_models_metrics(server):
     assert httpx.post(server[0] + "/detokenize", json={"tokens": ids}, headers=h).json()["prompt"] == "hello world"
     assert httpx.get(server[0] + "/v1/models", headers=h).json()["data"][0]["id"] == MODEL
     metrics = httpx.get(server[0] + "/metrics", headers=h).text
-    assert "epdserve:time_to_first_token_seconds_count" in metrics
+    assert "vllm:time_to_first_token_seconds_count" in metrics
 
 
 def test_same_request_id_from_two_clients_does_not_collide(server):

@@ -31,6 +31,17 @@ def test_proxy_reads_its_api_key_from_a_file(tmp_path, default_model_path):
         proxy_config(args, str(default_model_path))
 
 
+def test_proxy_metrics_behind_the_api_key_only_when_asked_and_only_with_a_key(default_model_path, monkeypatch):
+    monkeypatch.delenv("EPDSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("EPDSERVE_API_KEY_FILE", raising=False)
+    serve = ["serve", "proxy", "--decode", "d:1"]
+    assert not proxy_config(parse(*serve, "--api-key", "k"), str(default_model_path)).metrics_require_api_key
+    config = proxy_config(parse(*serve, "--api-key", "k", "--metrics-require-api-key"), str(default_model_path))
+    assert config.metrics_require_api_key and config.api_key == "k"
+    with pytest.raises(SystemExit, match="--metrics-require-api-key needs an API key"):
+        proxy_config(parse(*serve, "--metrics-require-api-key"), str(default_model_path))
+
+
 def test_proxy_needs_a_way_to_decode(default_model_path):
     with pytest.raises(ValueError, match="decode"):
         proxy_config(parse("serve", "proxy", "--prefill", "p:1"), str(default_model_path))

@@ -95,6 +95,9 @@ def test_preemption_frees_newest_and_recomputes():
         check_invariants(sched, bm)
     assert a.num_output_tokens == 6 and b.num_output_tokens == 6
     assert bm.num_free_blocks == bm.num_blocks
+    # Each prompt was looked up and counted once: b's recompute is not counted again (prompt_stats.py).
+    counts = sched.prompt_stats.counts()
+    assert counts.prefix_queries == 8 + 8 and sum(counts.by_source.values()) == 8 + 8
 
 
 def test_request_too_large_for_pool_is_refused():
@@ -171,6 +174,7 @@ def test_a_group_holding_every_seat_makes_room_for_a_waiting_request_at_once():
         step(sched)
         check_invariants(sched, bm)
     assert bm.num_free_blocks == bm.num_blocks
+    assert sched.prompt_stats.counts().prefix_queries == 6 + 5  # the group's prompt once, and late's
 
 
 class Keeper(KVConnector):

@@ -88,6 +88,9 @@ app.kubernetes.io/part-of: epdserve
 - {{ printf "%s:%v" (include "epdserve.roleName" (dict "root" $root "role" $target)) $ports.control | quote }}
 {{- end }}
 {{- end }}
+{{- if $root.Values.apiKey.protectMetrics }}
+- --metrics-require-api-key
+{{- end }}
 {{- else }}
 - --port
 - {{ $ports.control | quote }}
