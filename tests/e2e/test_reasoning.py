@@ -191,7 +191,7 @@ def test_a_stream_killed_mid_reasoning_continues_elsewhere_with_the_same_split(s
     consumer.start()
     assert started.wait(120), "no reasoning streamed"
     running = [s for name, s in stack.services.items()
-               if name.startswith("unified") and s.metrics().get("epdserve:num_requests_running", 0) >= 1]
+               if name.startswith("unified") and s.metrics().get("vllm:num_requests_running", 0) >= 1]
     assert len(running) == 1, "the stream is not running on exactly one engine"
     running[0].proc.send_signal(signal.SIGSTOP)  # frozen mid-reasoning: nothing more reaches the client
     frozen = consumer.is_alive(), len(progress["reasoning"])
