@@ -247,7 +247,7 @@ def test_ingress_monitoring_values_protect_the_api(render, served):
         if args.role == "proxy":
             assert env["EPDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "epdserve-api-key",
                                                                              "key": "api-key"}
-            assert args.served_model_name == "llava-demo"
+            assert args.served_model_name == ["llava-demo"]
             assert args.metrics_require_api_key  # apiKey.protectMetrics
         else:
             assert "EPDSERVE_API_KEY" not in env
@@ -308,7 +308,7 @@ def test_grafana_dashboard_is_a_configmap_for_the_sidecar_when_asked(render, ser
     assert json.loads(configmap["data"]["epdserve.json"]) == dashboard
     # Its model variable matches the proxy's and the engines' model_name: every role is given the name.
     for deployment in of_kind(objects, "Deployment"):
-        assert served(deployment)[0].served_model_name == "llava-demo", deployment["metadata"]["name"]
+        assert served(deployment)[0].served_model_name == ["llava-demo"], deployment["metadata"]["name"]
 
 
 # -- shutdown, autoscaling, model download, scheduling, resources ------------------------------------------
