@@ -38,7 +38,7 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
 class _DraftView:
     """A request as the draft's runner sees it: its tokens then the drafts so far, its own computed count,
-    greedy sampling and nothing else."""
+    greedy sampling and nothing else (no adapter either: the draft's runner has none)."""
 
     sampling_params = _GREEDY
     spec_token_ids: list[int] = []
@@ -71,7 +71,10 @@ class DraftModelProposer:
     def __init__(self, config: EngineConfig, num_blocks: int, timer: StepTimer) -> None:
         spec = config.speculative
         self.k = spec.num_speculative_tokens
-        self.runner = ModelRunner(replace(config, model=spec.draft, speculative=None), num_blocks, timer)
+        # Without adapters: a request with one drafts from the base draft model. Verification keeps its output
+        # the adapter's own, and an adapter moves few of the argmaxes that the base draft guesses, so most of
+        # its drafts are still accepted; adapters for the draft would be per draft, which nobody trains.
+        self.runner = ModelRunner(replace(config, model=spec.draft, speculative=None, lora=None), num_blocks, timer)
         # The draft tokens a step may compute to catch up with the target: the target's own step budget.
         self.budget = config.scheduler.max_num_batched_tokens
         self.num_tokens_last_step = 0  # tokens the draft computed in the last step (all its forwards)

@@ -187,3 +187,28 @@ def test_slot_bytes_are_what_the_model_allocates(tiny_model_paths):
                                                     layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
     allocated = sum(s.a.numel() * s.a.element_size() + s.b.numel() * s.b.element_size() for s in stacks)
     assert slot_bytes(llm.engine.config.model, llm.engine.config.lora) == allocated
+
+
+def test_a_draft_model_drafts_for_adapter_requests(tiny_model_paths, lora_paths, tokenized, hf_references,
+                                                   near_tie_check, caplog):
+    """With adapters enabled, a draft model (without adapters: it drafts for every request with its base
+    weights) speculates for the base and adapter requests alike: outputs equal HF + PEFT's, drafts are
+    accepted, and no step fails."""
+    llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=256,
+              speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
+                                  "model": tiny_model_paths["llama"]})
+    cases = [(name, i) for i in (0, 2) for name in (None, *ADAPTERS)]
+    with caplog.at_level("WARNING", logger="epdserve"):
+        outputs = llm.generate([{"prompt_token_ids": tokenized[i]} for _, i in cases],
+                               SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS),
+                               lora_request=[lora_request(name, lora_paths) for name, _ in cases])
+    ties = sum(near_tie_check(f"{name} prompt {i}", out.outputs[0].token_ids, *hf_references[name, i])
+               for (name, i), out in zip(cases, outputs))
+    assert ties <= 1
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")]
+    # An adapter's requests alone have drafts accepted too.
+    before = llm.engine.stats().spec_decode.num_accepted_tokens
+    out = llm.generate({"prompt_token_ids": tokenized[1]}, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS),
+                       lora_request=lora_request("all", lora_paths))[0]
+    near_tie_check("all prompt 1", out.outputs[0].token_ids, *hf_references["all", 1])
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > before
