@@ -249,7 +249,7 @@ class ModelRunner:
         dev = self.device
         if self.lora is not None:
             slots = torch.tensor([request.lora_slot for request, _ in scheduled])
-            batch = group_by_slot(slots[seq_idx], padded=not self.lora.triton)
+            batch = group_by_slot(slots[seq_idx], padded=not (self.lora.triton or self.lora.invariant))
             self.lora.batch = None if batch is None else batch._replace(token_indices=batch.token_indices.to(dev))
         meta = AttentionMetadata(slot_mapping.to(dev), block_tables.to(dev), seq_lens.to(dev), query_start_loc.to(dev))
         if self.backend.plan is not None:

@@ -212,3 +212,29 @@ def test_a_draft_model_drafts_for_adapter_requests(tiny_model_paths, lora_paths,
                        lora_request=lora_request("all", lora_paths))[0]
     near_tie_check("all prompt 1", out.outputs[0].token_ids, *hf_references["all", 1])
     assert llm.engine.stats().spec_decode.num_accepted_tokens > before
+
+
+def test_seeded_sampling_with_an_adapter_is_reproducible_in_any_batch(tiny_model_paths, lora_paths, tokenized):
+    """A seeded request with an adapter samples the same tokens, with bitwise the same logprobs, run alone
+    twice and in batches that mix other adapters, the base model and other prompts' prefills: its adapter's
+    arithmetic does not depend on what else is in the step, as the base model's does not (checked first)."""
+    llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=256,
+              max_num_batched_tokens=64)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, logprobs=3, ignore_eos=True)
+    prompt = {"prompt_token_ids": tokenized[0]}
+
+    def seeded(out):
+        return out.outputs[0].token_ids, [{t: (lp.logprob, lp.rank) for t, lp in e.items()}
+                                          for e in out.outputs[0].logprobs]
+
+    for name in (None, *ADAPTERS):
+        alone = [seeded(llm.generate(prompt, params, lora_request=lora_request(name, lora_paths))[0])
+                 for _ in range(2)]
+        assert alone[0] == alone[1]
+        # Beside other adapters, the base and prompts long enough to be chunked across the steps it decodes in.
+        others = [(other, i) for i in (2, 1, 3) for other in (None, *ADAPTERS) if other != name]
+        mixed = llm.generate([prompt] + [{"prompt_token_ids": tokenized[i] * 3} for _, i in others],
+                             [params] + [SamplingParams(temperature=1.0, seed=9, max_tokens=30)] * len(others),
+                             lora_request=[lora_request(name, lora_paths)] +
+                                          [lora_request(other, lora_paths) for other, _ in others])
+        assert seeded(mixed[0]) == alone[0], name
