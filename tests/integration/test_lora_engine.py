@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 
-from epdserve import LLM, LoRARequest, SamplingParams
+from epdserve import LLM, LoRARequest, RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.slow  # more than ten seconds: left out of `make test-fast`
 
@@ -216,8 +217,9 @@ def test_a_draft_model_drafts_for_adapter_requests(tiny_model_paths, lora_paths,
 
 def test_seeded_sampling_with_an_adapter_is_reproducible_in_any_batch(tiny_model_paths, lora_paths, tokenized):
     """A seeded request with an adapter samples the same tokens, with bitwise the same logprobs, run alone
-    twice and in batches that mix other adapters, the base model and other prompts' prefills: its adapter's
-    arithmetic does not depend on what else is in the step, as the base model's does not (checked first)."""
+    twice and in batches that mix other adapters, the base model and other prompts' prefills, and continued on
+    from half its tokens recomputed: its adapter's arithmetic does not depend on what else is in the step or
+    on whether a token is computed in a prefill or a decode, as the base model's does not (checked first)."""
     llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=256,
               max_num_batched_tokens=64)
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, logprobs=3, ignore_eos=True)
@@ -238,3 +240,14 @@ def test_seeded_sampling_with_an_adapter_is_reproducible_in_any_batch(tiny_model
                              lora_request=[lora_request(name, lora_paths)] +
                                           [lora_request(other, lora_paths) for other, _ in others])
         assert seeded(mixed[0]) == alone[0], name
+        # Continued from half its tokens (what a migrated stream does): the prompt and those tokens recomputed
+        # as a prefill, then the same tokens as the first run's.
+        cut = len(alone[0][0]) // 2
+        engine = llm.engine
+        engine.add_request("continued", engine.make_request(
+            "continued", prompt, replace(params, output_kind=RequestOutputKind.DELTA),
+            lora_request=lora_request(name, lora_paths), peer_token_ids=[list(alone[0][0][:cut])]))
+        following = []
+        while engine.has_work():
+            following += [t for out in engine.step() if out.request_id == "continued" for t in out.outputs[0].token_ids]
+        assert following == alone[0][0][cut:], name
