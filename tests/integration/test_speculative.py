@@ -304,9 +304,24 @@ def test_draft_prompt_work_is_chunked_within_the_step_budget(tiny_model_paths, h
         assert proposer.num_tokens_last_step <= budget + len(decoding) * 2 * (k + 1)
         chunked_steps += 0 < prompt_left and len(decoding) > 0
     assert chunked_steps >= len(long) // budget
-    assert engine.stats().spec_decode.num_accepted_tokens > 0
+    # The draft is the target: every greedy draft is accepted only if the KV it drafted from, computed chunk by
+    # chunk, is right.
+    spec = engine.stats().spec_decode
+    assert spec.num_accepted_tokens == spec.num_draft_tokens > 0
     model = hf_causal_lm(target)
-    ties = sum(near_tie_check(rid, list(outputs[rid].outputs[0].token_ids), *hf_greedy(model, prompts[rid], lengths[rid]))
-               for rid in prompts)
+    ties = sum(near_tie_check(rid, list(outputs[rid].outputs[0].token_ids),
+                              *hf_greedy(model, prompts[rid], lengths[rid])) for rid in prompts)
     assert ties <= 1
+    # The long prompt again: the target takes its blocks from the prefix cache, the draft has none of it and
+    # catches up a budget a step, drafting once it is there.
+    engine.add_request("again", {"prompt_token_ids": long},
+                       SamplingParams(temperature=0.0, max_tokens=lengths["long"], ignore_eos=True))
+    again, steps = [], 0
+    while engine.has_unfinished_requests():
+        again += [out for out in engine.step() if out.finished]
+        steps += 1
+        assert proposer.num_tokens_last_step <= budget + 2 * (k + 1)
+    assert again[0].num_cached_tokens > 0
+    assert again[0].outputs[0].token_ids == outputs["long"].outputs[0].token_ids
+    assert steps < lengths["long"]  # it drafted
     assert_clean(llm)
