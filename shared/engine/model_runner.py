@@ -24,6 +24,7 @@ from epdserve.shared.models.layers.sparse_moe import SparseMoE
 from epdserve.shared.models import model_class
 from epdserve.shared.models.cpu_kernels import load_cpu_kernels
 from epdserve.shared.engine.prompt_logprobs import PromptScores, prompt_span, score_prompt_spans
+from epdserve.shared.engine.repeated_errors import RepeatedErrors
 from epdserve.shared.engine.request import RequestFailure
 from epdserve.shared.engine.sampler import SampledLogprobs, Sampler
 from epdserve.shared.engine.scheduler import ScheduledRequest
@@ -33,6 +34,8 @@ from epdserve.shared.models.unfilled import build_unfilled
 from epdserve.shared.models.weights import iterate_weights, language_model_weights
 
 logger = logging.getLogger(__name__)
+# A step that fails the same way every time logs its traceback once, then a line a minute with a count.
+logger.addFilter(RepeatedErrors())
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -246,7 +249,7 @@ class ModelRunner:
         dev = self.device
         if self.lora is not None:
             slots = torch.tensor([request.lora_slot for request, _ in scheduled])
-            batch = group_by_slot(slots[seq_idx], padded=not self.lora.triton)
+            batch = group_by_slot(slots[seq_idx], padded=not (self.lora.triton or self.lora.invariant))
             self.lora.batch = None if batch is None else batch._replace(token_indices=batch.token_indices.to(dev))
         meta = AttentionMetadata(slot_mapping.to(dev), block_tables.to(dev), seq_lens.to(dev), query_start_loc.to(dev))
         if self.backend.plan is not None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 
-from epdserve import LLM, LoRARequest, SamplingParams
+from epdserve import LLM, LoRARequest, RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.slow  # more than ten seconds: left out of `make test-fast`
 
@@ -187,3 +188,66 @@ def test_slot_bytes_are_what_the_model_allocates(tiny_model_paths):
                                                     layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
     allocated = sum(s.a.numel() * s.a.element_size() + s.b.numel() * s.b.element_size() for s in stacks)
     assert slot_bytes(llm.engine.config.model, llm.engine.config.lora) == allocated
+
+
+def test_a_draft_model_drafts_for_adapter_requests(tiny_model_paths, lora_paths, tokenized, hf_references,
+                                                   near_tie_check, caplog):
+    """With adapters enabled, a draft model (without adapters: it drafts for every request with its base
+    weights) speculates for the base and adapter requests alike: outputs equal HF + PEFT's, drafts are
+    accepted, and no step fails."""
+    llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=256,
+              speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
+                                  "model": tiny_model_paths["llama"]})
+    cases = [(name, i) for i in (0, 2) for name in (None, *ADAPTERS)]
+    with caplog.at_level("WARNING", logger="epdserve"):
+        outputs = llm.generate([{"prompt_token_ids": tokenized[i]} for _, i in cases],
+                               SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS),
+                               lora_request=[lora_request(name, lora_paths) for name, _ in cases])
+    ties = sum(near_tie_check(f"{name} prompt {i}", out.outputs[0].token_ids, *hf_references[name, i])
+               for (name, i), out in zip(cases, outputs))
+    assert ties <= 1
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")]
+    # An adapter's requests alone have drafts accepted too.
+    before = llm.engine.stats().spec_decode.num_accepted_tokens
+    out = llm.generate({"prompt_token_ids": tokenized[1]}, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS),
+                       lora_request=lora_request("all", lora_paths))[0]
+    near_tie_check("all prompt 1", out.outputs[0].token_ids, *hf_references["all", 1])
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > before
+
+
+def test_seeded_sampling_with_an_adapter_is_reproducible_in_any_batch(tiny_model_paths, lora_paths, tokenized):
+    """A seeded request with an adapter samples the same tokens, with bitwise the same logprobs, run alone
+    twice and in batches that mix other adapters, the base model and other prompts' prefills, and continued on
+    from half its tokens recomputed: its adapter's arithmetic does not depend on what else is in the step or
+    on whether a token is computed in a prefill or a decode, as the base model's does not (checked first)."""
+    llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=256,
+              max_num_batched_tokens=64)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, logprobs=3, ignore_eos=True)
+    prompt = {"prompt_token_ids": tokenized[0]}
+
+    def seeded(out):
+        return out.outputs[0].token_ids, [{t: (lp.logprob, lp.rank) for t, lp in e.items()}
+                                          for e in out.outputs[0].logprobs]
+
+    for name in (None, *ADAPTERS):
+        alone = [seeded(llm.generate(prompt, params, lora_request=lora_request(name, lora_paths))[0])
+                 for _ in range(2)]
+        assert alone[0] == alone[1]
+        # Beside other adapters, the base and prompts long enough to be chunked across the steps it decodes in.
+        others = [(other, i) for i in (2, 1, 3) for other in (None, *ADAPTERS) if other != name]
+        mixed = llm.generate([prompt] + [{"prompt_token_ids": tokenized[i] * 3} for _, i in others],
+                             [params] + [SamplingParams(temperature=1.0, seed=9, max_tokens=30)] * len(others),
+                             lora_request=[lora_request(name, lora_paths)] +
+                                          [lora_request(other, lora_paths) for other, _ in others])
+        assert seeded(mixed[0]) == alone[0], name
+        # Continued from half its tokens (what a migrated stream does): the prompt and those tokens recomputed
+        # as a prefill, then the same tokens as the first run's.
+        cut = len(alone[0][0]) // 2
+        engine = llm.engine
+        engine.add_request("continued", engine.make_request(
+            "continued", prompt, replace(params, output_kind=RequestOutputKind.DELTA),
+            lora_request=lora_request(name, lora_paths), peer_token_ids=[list(alone[0][0][:cut])]))
+        following = []
+        while engine.has_work():
+            following += [t for out in engine.step() if out.request_id == "continued" for t in out.outputs[0].token_ids]
+        assert following == alone[0][0][cut:], name

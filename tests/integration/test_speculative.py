@@ -264,3 +264,64 @@ def test_draft_model_under_preemption_and_prefix_caching(tiny_model_paths):
 def test_bad_draft_model_config_is_refused(tiny, config, message):
     with pytest.raises(ValueError, match=message):
         LLM(model=tiny, num_kv_blocks=16, speculative_config=config)
+
+
+def test_draft_prompt_work_is_chunked_within_the_step_budget(tiny_model_paths, hf_causal_lm, hf_greedy,
+                                                             near_tie_check):
+    """A long prompt arriving while others decode: the draft computes its prompt chunk by chunk, in the steps
+    that compute the target's, never more prompt tokens in a step than the step budget - so every request
+    decoding meanwhile gets a token every step - and greedy output still equals HF transformers."""
+    target, budget, k = tiny_model_paths["qwen3"], 32, 3
+    llm = LLM(model=target, num_kv_blocks=128, max_num_batched_tokens=budget, speculative_config={
+        "method": "draft_model", "num_speculative_tokens": k, "model": target})
+    engine, proposer = llm.engine, llm.engine.proposer
+    # The short requests decode (about k + 1 tokens a step, the draft being the target) all through the long
+    # prompt's chunks.
+    lengths = {"short-0": 120, "short-1": 120, "long": 24}
+    short = [[11, 12, 13, 14, 15, 16], [21, 22, 23, 24]]
+    long = [(i * 37) % 900 + 5 for i in range(400)]
+    prompts = {"short-0": short[0], "short-1": short[1], "long": long}
+    for rid in ("short-0", "short-1"):
+        engine.add_request(rid, {"prompt_token_ids": prompts[rid]},
+                           SamplingParams(temperature=0.0, max_tokens=lengths[rid], ignore_eos=True))
+    while any(engine.scheduler.requests[r].num_output_tokens < 2 for r in ("short-0", "short-1")):
+        engine.step()
+    engine.add_request("long", {"prompt_token_ids": long},
+                       SamplingParams(temperature=0.0, max_tokens=lengths["long"], ignore_eos=True))
+    requests = dict(engine.scheduler.requests)
+    outputs, chunked_steps = {}, 0
+    while engine.has_unfinished_requests():
+        decoding = [r for r in requests.values() if not r.is_finished and r.num_computed_tokens >= r.num_prompt_tokens]
+        before = {r.request_id: r.num_output_tokens for r in decoding}
+        prompt_left = requests["long"].num_prompt_tokens - requests["long"].num_computed_tokens
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        # Every request decoding in this step got at least one token.
+        assert all(r.num_output_tokens > before[r.request_id] for r in decoding)
+        # Decoding requests each compute at most their last token, the previous step's drafts and their own k
+        # drafts; the rest of the draft's tokens are prompt work, within the budget.
+        assert proposer.num_tokens_last_step <= budget + len(decoding) * 2 * (k + 1)
+        chunked_steps += 0 < prompt_left and len(decoding) > 0
+    assert chunked_steps >= len(long) // budget
+    # The draft is the target: every greedy draft is accepted only if the KV it drafted from, computed chunk by
+    # chunk, is right.
+    spec = engine.stats().spec_decode
+    assert spec.num_accepted_tokens == spec.num_draft_tokens > 0
+    model = hf_causal_lm(target)
+    ties = sum(near_tie_check(rid, list(outputs[rid].outputs[0].token_ids),
+                              *hf_greedy(model, prompts[rid], lengths[rid])) for rid in prompts)
+    assert ties <= 1
+    # The long prompt again: the target takes its blocks from the prefix cache, the draft has none of it and
+    # catches up a budget a step, drafting once it is there.
+    engine.add_request("again", {"prompt_token_ids": long},
+                       SamplingParams(temperature=0.0, max_tokens=lengths["long"], ignore_eos=True))
+    again, steps = [], 0
+    while engine.has_unfinished_requests():
+        again += [out for out in engine.step() if out.finished]
+        steps += 1
+        assert proposer.num_tokens_last_step <= budget + 2 * (k + 1)
+    assert again[0].num_cached_tokens > 0
+    assert again[0].outputs[0].token_ids == outputs["long"].outputs[0].token_ids
+    assert steps < lengths["long"]  # it drafted
+    assert_clean(llm)
