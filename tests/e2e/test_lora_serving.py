@@ -199,3 +199,11 @@ def test_an_instance_without_room_refuses_retryably(start_stack, tiny, lora_path
         assert "retry-after" in refused.headers
         assert busy.result() == 200
     assert complete(stack.url, "attn", prompt_ids[1], 2).status_code == 200
+    # Both adapters asked for at once: requests that pass the engine's first look at the slots race for the
+    # one slot; whichever loses is refused retryably too, never an internal error.
+    cases = ["all", "attn"] * 8
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda name: complete(stack.url, name, prompt_ids[0], 200, ignore_eos=True), cases))
+    assert {r.status_code for r in answers} <= {200, 503}, [r.text for r in answers if r.status_code != 200]
+    assert all("retry-after" in r.headers for r in answers if r.status_code == 503)
+    assert any(r.status_code == 200 for r in answers)

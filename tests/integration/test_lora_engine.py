@@ -187,3 +187,37 @@ def test_slot_bytes_are_what_the_model_allocates(tiny_model_paths):
                                                     layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
     allocated = sum(s.a.numel() * s.a.element_size() + s.b.numel() * s.b.element_size() for s in stacks)
     assert slot_bytes(llm.engine.config.model, llm.engine.config.lora) == allocated
+
+
+def test_a_request_that_finds_every_slot_taken_at_its_start_is_refused_quietly(tiny_model_paths, lora_paths,
+                                                                              tokenized, caplog):
+    """Two requests checked while a slot was free, started one after the other: the second finds the one slot
+    taken by the first's adapter and is refused with NoLoRASlotError (retryable: the service answers 503),
+    without a traceback in the log - a full engine is not a fault."""
+    import asyncio
+
+    from epdserve.shared.engine import AsyncLLM, NoLoRASlotError
+    from epdserve.shared.engine.llm import build_engine_config
+
+    llm = AsyncLLM.from_config(build_engine_config(tiny_model_paths["llama"], enable_lora=True, max_loras=1,
+                                                   max_lora_rank=16, num_kv_blocks=64))
+
+    async def race() -> None:
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        first, second = [await llm.make_request({"prompt_token_ids": tokenized[1]}, params, f"r-{name}",
+                                                lora_request=lora_request(name, lora_paths))
+                         for name in ("all", "attn")]
+        running = llm.generate(first)
+        await anext(running)  # its adapter holds the slot
+        with pytest.raises(NoLoRASlotError, match="no room for LoRA adapter 'attn'"):
+            async for _ in llm.generate(second):
+                pass
+        async for _ in running:
+            pass
+
+    try:
+        with caplog.at_level("WARNING"):
+            asyncio.run(race())
+    finally:
+        llm.shutdown()
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
