@@ -484,8 +484,14 @@ class LoRAConfig:
     max_lora_rank: int = 16
     # (name, PEFT folder) of the adapters read and checked at start-up (an engine's --lora-modules).
     modules: tuple[tuple[str, str], ...] = ()
+    # The folders other adapters may be read from (a service's --lora-root; () there: none but `modules`);
+    # None: any folder, for the offline API, whose caller is the operator.
+    roots: tuple[str, ...] | None = None
+    max_bytes: int = 1 << 30  # the largest adapter weights file read (--max-lora-bytes)
 
     def __post_init__(self):
+        if not _is_int(self.max_bytes) or self.max_bytes <= 0:
+            raise ValueError(f"max_lora_bytes must be a positive integer, got {self.max_bytes!r}")
         names = [name for name, _ in self.modules]
         if len(set(names)) != len(names):
             raise ValueError(f"LoRA module names must be distinct, got {names}")
