@@ -83,7 +83,7 @@ def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, max_rank
             raise LoRAAdapterError(f"LoRA adapter {name!r}: {exc}") from None
     settings = _read_config(name, folder, roots)
     rank = settings.get("r")
-    if not isinstance(rank, int) or rank <= 0:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:  # JSON's true is no rank
         raise LoRAAdapterError(f"LoRA adapter {name!r}: 'r' in {CONFIG_FILE} must be a positive integer, got {rank!r}")
     if rank > max_rank:
         raise LoRAAdapterError(f"LoRA adapter {name!r} has rank {rank}, above this server's max_lora_rank {max_rank}")

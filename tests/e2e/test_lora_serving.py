@@ -123,6 +123,8 @@ def test_runtime_updates_need_the_key(unified, lora_paths):
 
 
 def test_bad_adapters_are_refused_at_load(unified, lora_root, lora_paths, tiny_model_paths, prompt_ids):
+    from safetensors.torch import load_file, save_file
+
     from epdserve.shared.checkpoints.tiny_lora import build_tiny_lora
 
     tmp_path = lora_root / "bad"
@@ -133,8 +135,13 @@ def test_bad_adapters_are_refused_at_load(unified, lora_root, lora_paths, tiny_m
     (corrupt / "adapter_config.json").write_text((tmp_path / "qwen3-lora" / "adapter_config.json").read_text())
     (corrupt / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
     big = build_tiny_lora(tiny_model_paths["llama"], tmp_path / "big", "all", r=32)
+    nan = build_tiny_lora(tiny_model_paths["llama"], tmp_path / "nan", "attn")
+    tensors = load_file(nan / "adapter_model.safetensors")
+    tensors[sorted(tensors)[0]][0, 0] = float("nan")
+    save_file(tensors, nan / "adapter_model.safetensors")
     for path, message in ((other_base, "another base model"), (corrupt, "is corrupt"),
-                          (big, "rank 32, above this server's max_lora_rank 16")):
+                          (big, "rank 32, above this server's max_lora_rank 16"),
+                          (nan, "holds weights that are not finite numbers (NaN or infinity)")):
         r = httpx.post(unified.url + "/v1/load_lora_adapter", headers=AUTH,
                        json={"lora_name": "bad", "lora_path": str(path)})
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text

@@ -150,6 +150,10 @@ def bad_adapters(lora_paths, tiny_model_paths, tmp_path):
     shutil.copytree(lora_paths["attn"], inf_alpha)
     (inf_alpha / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": float("inf")}))
     bad["inf-alpha"] = str(inf_alpha)
+    bool_rank = tmp_path / "bool-rank"
+    shutil.copytree(lora_paths["attn"], bool_rank)
+    (bool_rank / "adapter_config.json").write_text(json.dumps({**config, "r": True}))
+    bad["bool-rank"] = str(bool_rank)
     huge = tmp_path / "huge"
     shutil.copytree(lora_paths["attn"], huge)
     with open(huge / "adapter_model.safetensors", "r+b") as f:
@@ -166,6 +170,7 @@ def bad_adapters(lora_paths, tiny_model_paths, tmp_path):
     ("missing", "no adapter_config.json"),
     ("nan", "holds weights that are not finite numbers"),
     ("inf-alpha", "'lora_alpha' must be a number"),
+    ("bool-rank", "'r' in adapter_config.json must be a positive integer, got True"),
     ("huge", "adapter_model.safetensors is 1073741825 bytes, above the 1073741824 this server reads"),
 ])
 def test_bad_adapters_are_refused_at_load(tiny_model_paths, lora_paths, tokenized, bad_adapters, case, message):
