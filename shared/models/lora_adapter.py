@@ -6,9 +6,9 @@ Every check that can fail does so here, at load, with a message naming the adapt
 rank above the engine's limit, a tensor whose shape is not this base model's (an adapter trained on
 another base), a module we do not adapt, a PEFT feature we do not implement, an unreadable file, a file
 above the size limit, weights that are not finite numbers (NaN or infinity would poison every logit).
-The weights are read through safetensors' header and a memory map, one tensor at a time, never the whole
-file into memory at once; with `roots` (a service's --lora-root folders) the folder and its files must lie
-inside them (lora_roots.py).
+The weights file's size is checked before anything is read (--max-lora-bytes), then safetensors reads its
+header and each tensor from a memory map - no copy of the whole file in memory besides the tensors; with
+`roots` (a service's --lora-root folders) the folder and its files must lie inside them (lora_roots.py).
 """
 from __future__ import annotations
 
