@@ -161,7 +161,8 @@ def engine_config(args: argparse.Namespace, model: str):
         kv_offloading_size=args.kv_offloading_size, kv_offloading_path=args.kv_offloading_path,
         kv_offloading_save_finished=args.kv_offloading_save_finished,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        lora_modules=lora_modules(args), profile_moe=args.profile_moe)
+        lora_modules=lora_modules(args), lora_roots=lora_roots(args), max_lora_bytes=args.max_lora_bytes,
+        profile_moe=args.profile_moe)
     if getattr(args, "role", None) == "prefill" and config.speculative is not None:
         # A prefill's part of a request ends at its first token (handoff.py), so it never has a token to
         # speculate on: a draft model would be loaded, cache and all, for nothing. The config was still
@@ -170,6 +171,17 @@ def engine_config(args: argparse.Namespace, model: str):
                     "--speculative-config %s is checked, and no draft is loaded", config.speculative.method)
         config = replace(config, speculative=None)
     return config
+
+
+def lora_roots(args: argparse.Namespace) -> tuple[str, ...]:
+    """--lora-root DIR ...: a service reads runtime adapters from these only (none given: none at all)."""
+    roots = tuple(args.lora_root or ())
+    if roots and hasattr(args, "enable_lora") and not args.enable_lora:
+        raise SystemExit("epdserve: error: --lora-root needs --enable-lora")
+    missing = [root for root in roots if hasattr(args, "enable_lora") and not os.path.isdir(root)]
+    if missing:  # an engine's (the proxy checks paths by their text: it may not see the adapters' files)
+        raise SystemExit(f"epdserve: error: --lora-root {missing[0]!r} is not a folder")
+    return roots
 
 
 def lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
@@ -244,7 +256,8 @@ def proxy_config(args: argparse.Namespace, model: str):
         drain_timeout=args.drain_timeout, max_request_body_bytes=args.max_request_body_bytes,
         otlp_traces_endpoint=args.otlp_traces_endpoint, request_trace=args.request_trace,
         constraint_limits=ConstraintLimits(args.max_structured_output_bytes, args.max_logit_bias),
-        lora_modules=lora_modules(args), enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+        lora_modules=lora_modules(args), lora_roots=lora_roots(args),
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
         chat_template=chat_template(args.chat_template),
         max_images_per_prompt=(args.limit_mm_per_prompt or {}).get("image"))
 
@@ -420,6 +433,7 @@ def stack_config(args: argparse.Namespace, model: str):
 def lora_args(args: argparse.Namespace) -> tuple[str, ...]:
     """`up`'s LoRA options, as every engine service takes them (the proxy takes --lora-modules of them)."""
     modules = lora_modules(args)
+    lora_roots(args)  # checked once here; the engines and the proxy get --lora-root as given
     if args.enable_lora_runtime_updates and not args.enable_lora:
         raise SystemExit("epdserve: error: --enable-lora-runtime-updates needs --enable-lora")
     if not args.enable_lora:

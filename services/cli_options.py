@@ -128,6 +128,16 @@ def add_lora_engine_args(g: argparse._ActionsContainer) -> None:
                         "is refused retryably (default: %(default)s)")
     g.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
                    help="largest adapter rank served; an adapter above it is refused at load (default: %(default)s)")
+    add_lora_root_arg(g)
+    g.add_argument("--max-lora-bytes", type=int, default=1 << 30, metavar="BYTES",
+                   help="largest adapter weights file read; a larger one is refused at load (default: %(default)s)")
+
+
+def add_lora_root_arg(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--lora-root", action="append", metavar="DIR",
+                   help="a folder adapters may be loaded from at run time (repeatable; like vLLM's LoRA resolver "
+                        "folders): a load's lora_path must lie inside one, symlinks resolved (default: none, only "
+                        "the --lora-modules adapters)")
 
 
 def add_lora_modules_arg(g: argparse._ActionsContainer) -> None:
@@ -317,6 +327,7 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logit-bias", type=int, default=1024, metavar="N",
                    help="most logit_bias entries one request may send (a 400 beyond; default: %(default)s)")
     add_lora_modules_arg(p)
+    add_lora_root_arg(p)
     add_lora_runtime_updates_arg(p)
     _add_trace_options(p)
     vllm_flags.add_proxy_flags(p.add_argument_group("vLLM's flags (for vLLM command lines)"))

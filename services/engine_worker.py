@@ -20,7 +20,8 @@ from epdserve.services.request_spans import RequestSpans
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.services.stats_log import StatsLog
 from epdserve.services.store_kv_connector import StoreKVConnector
-from epdserve.shared.engine import AsyncLLM, EngineStats, InputsUnavailableError, LoRARequest, RequestOutput
+from epdserve.shared.engine import (AsyncLLM, EngineStats, InputsUnavailableError, LoRARequest, NoLoRASlotError,
+                                    RequestOutput)
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason, GenerateRequest,
@@ -39,6 +40,12 @@ logger = logging.getLogger(__name__)
 
 def bad_request(request_id: str | None, message: str) -> Error:
     return Error(ErrorCode.BAD_REQUEST, message, request_id)
+
+
+def no_lora_slot(exc: NoLoRASlotError, request_id: str) -> Error:
+    """Every adapter slot is busy with other adapters' requests: a retryable refusal (the proxy tries another
+    instance, or answers 503 with Retry-After), not a fault of the request or of this engine."""
+    return Error(ErrorCode.OVERLOADED, str(exc), request_id, retryable=True, retry_after=1.0)
 
 
 def lora_request(lora: WireLoRA) -> LoRARequest:
@@ -203,9 +210,9 @@ class EngineWorker:
             return bad_request(m.request_id, str(exc))
         if request.lora_name is not None and not await self.llm.can_seat_lora(request.lora_name):
             # Every adapter slot is busy with other adapters' requests: another instance may have room.
-            return Error(ErrorCode.OVERLOADED, f"no room for LoRA adapter {request.lora_name!r}: all "
-                         f"{self.engine_config.lora.max_loras} adapter slots are in use", m.request_id,
-                         retryable=True, retry_after=1.0)
+            return no_lora_slot(NoLoRASlotError(f"no room for LoRA adapter {request.lora_name!r}: all "
+                                                f"{self.engine_config.lora.max_loras} adapter slots are in use"),
+                                m.request_id)
         return request, sources
 
     def refuse_if_overloaded(self, request_id: str) -> Error | None:
@@ -295,6 +302,8 @@ class EngineWorker:
         except InputsUnavailableError as exc:  # the proxy encodes the image again and sends the request once more
             logger.warning("request %s failed: %s", request_id, exc)
             self.proxies.send_soon(reply_to, Error(ErrorCode.EMBEDDINGS_UNAVAILABLE, str(exc), request_id))
+        except NoLoRASlotError as exc:  # the slots filled up since make_request looked: retryable, as there
+            self.proxies.send_soon(reply_to, no_lora_slot(exc, request_id))
         except Exception as exc:
             logger.exception("request %s failed", request_id)
             code = ErrorCode.BAD_REQUEST if isinstance(exc, ValueError) else ErrorCode.INTERNAL

@@ -396,6 +396,10 @@ class SchedulerConfig:
             raise ValueError(f"budget_policy must be one of {', '.join(BUDGET_POLICIES)}, got {self.budget_policy!r}")
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 # The keys of vLLM's speculative config that are ours too, by method; any other key is refused, never ignored.
 _SPECULATIVE_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
                      "draft_model": ("method", "num_speculative_tokens", "model")}
@@ -422,10 +426,11 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 32:
+        # JSON's true is Python's 1: a bool is refused, not taken as a count.
+        if not _is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got {self.num_speculative_tokens!r}")
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
@@ -447,7 +452,7 @@ class SpeculativeConfig:
             raise ValueError("speculative config must be a JSON object")
         if "method" not in spec or "num_speculative_tokens" not in spec:
             raise ValueError("speculative config needs 'method' and 'num_speculative_tokens'")
-        keys = _SPECULATIVE_KEYS.get(spec["method"])
+        keys = _SPECULATIVE_KEYS.get(spec["method"]) if isinstance(spec["method"], str) else None
         if keys is None:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {spec['method']!r}")
         unknown = sorted(set(spec) - set(keys))
@@ -479,8 +484,14 @@ class LoRAConfig:
     max_lora_rank: int = 16
     # (name, PEFT folder) of the adapters read and checked at start-up (an engine's --lora-modules).
     modules: tuple[tuple[str, str], ...] = ()
+    # The folders other adapters may be read from (a service's --lora-root; () there: none but `modules`);
+    # None: any folder, for the offline API, whose caller is the operator.
+    roots: tuple[str, ...] | None = None
+    max_bytes: int = 1 << 30  # the largest adapter weights file read (--max-lora-bytes)
 
     def __post_init__(self):
+        if not _is_int(self.max_bytes) or self.max_bytes <= 0:
+            raise ValueError(f"max_lora_bytes must be a positive integer, got {self.max_bytes!r}")
         names = [name for name, _ in self.modules]
         if len(set(names)) != len(names):
             raise ValueError(f"LoRA module names must be distinct, got {names}")

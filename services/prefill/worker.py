@@ -22,11 +22,12 @@ import logging
 import time
 from typing import Callable
 
-from epdserve.services.engine_worker import (EngineWorker, bad_request, kv_layout, kv_transfer_client,
+from epdserve.services.engine_worker import (EngineWorker, bad_request, kv_layout, kv_transfer_client, no_lora_slot,
                                              start_engine)
 from epdserve.services.network import advertised, server_curve
 from epdserve.services.request_spans import RequestSpans
-from epdserve.shared.engine import PREFILL_OUTPUT_TOKENS, AsyncLLM, InputsUnavailableError, RequestOutput
+from epdserve.shared.engine import (PREFILL_OUTPUT_TOKENS, AsyncLLM, InputsUnavailableError, NoLoRASlotError,
+                                    RequestOutput)
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.transport.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, FirstToken, Handshake, KVHandle,
                                       LeaseRenewed, Message, PrefillDone, PrefillRequest, Release, RenewLease, Role,
@@ -122,6 +123,8 @@ class PrefillWorker(EngineWorker):
             return Error(ErrorCode.ABORTED, "aborted", rid)
         except InputsUnavailableError as exc:  # the proxy encodes the image again and sends the request once more
             return Error(ErrorCode.EMBEDDINGS_UNAVAILABLE, str(exc), rid)
+        except NoLoRASlotError as exc:  # the slots filled up since make_request looked: another instance may have one
+            return no_lora_slot(exc, rid)
         finally:
             self._tasks.pop(rid, None)
         out = firsts[0]

@@ -321,7 +321,7 @@ def _add_lora_update_routes(app: FastAPI, serving: OpenAIServing) -> None:
             return Response(await change(), media_type="text/plain")
         except LoRAUpdateError as exc:
             return error_response(str(exc), HTTP_ERROR_TYPES.get(exc.status, "BadRequestError"), exc.status,
-                                  "lora_name")
+                                  exc.param or "lora_name")
 
     @app.post("/v1/load_lora_adapter", responses=BAD_INPUT)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:

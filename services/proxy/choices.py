@@ -9,6 +9,7 @@ import asyncio
 from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 from epdserve.services.proxy.generation import Chunk
+from epdserve.services.proxy.prompt_logprobs import json_logprob
 from epdserve.shared.engine import SamplingParams
 from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
 from epdserve.transport.protocol import TokenLogprobs
@@ -56,7 +57,7 @@ class Choice:
 
     @property
     def cumulative_logprob(self) -> float:
-        return sum(lp.logprob for lp in self.logprobs)
+        return sum(json_logprob(lp.logprob) for lp in self.logprobs)  # NaN would make best_of's order arbitrary
 
     def take_delta(self) -> tuple[str, list[int], list[TokenLogprobs]]:
         """What the client has not seen yet (text held back while it may still start a stop string)."""

@@ -93,6 +93,9 @@ def service_error(error: Error, instance: Instance) -> GenerationError:
     if error.code == ErrorCode.ABORTED:  # the instance stopped it: it is shutting down
         return GenerationError(f"{instance.role.value} {instance.address}: {error.message}", 503,
                                "ServiceUnavailableError")
+    if error.code == ErrorCode.OVERLOADED:  # pushed on a stream that had no room after all: the client may retry
+        return GenerationError(f"{instance.role.value} {instance.address}: {error.message}", 503,
+                               "ServiceUnavailableError", retry_after=error.retry_after)
     if error.code == ErrorCode.EMBEDDINGS_UNAVAILABLE:
         return EmbeddingsUnavailable(f"{instance.role.value} {instance.address}: {error.message}", 503,
                                      "ServiceUnavailableError")

@@ -83,6 +83,7 @@ class ProxyConfig:
     # LoRA adapters offered as models: (name, PEFT folder) from the start, and whether
     # /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time.
     lora_modules: tuple[tuple[str, str], ...] = ()
+    lora_roots: tuple[str, ...] = ()  # the folders runtime loads may name (--lora-root)
     enable_lora_runtime_updates: bool = False
     chat_template: str | None = None  # a Jinja template instead of the tokenizer's (the text, not a path)
     max_images_per_prompt: int | None = None  # more in one request is a 400 (None: no limit)
@@ -150,7 +151,8 @@ async def build_proxy(config: ProxyConfig):
         chat_encoder = MultimodalChatEncoder(tokenizer, config.model, ImageFetcher(
             config.max_image_bytes, allowed_domains=config.allowed_image_domains,
             allow_private=config.allow_private_image_urls))
-    loras = LoRAModules(config.model_name, config.lora_modules, config.enable_lora_runtime_updates)
+    loras = LoRAModules(config.model_name, config.lora_modules, config.enable_lora_runtime_updates,
+                        config.lora_roots)
     loras.fan_out = backend.broadcast
     serving = OpenAIServing(config.model_name, tokenizer, backend, model_config.max_model_len,
                             model_config.vocab_size, metrics, chat_encoder,

@@ -22,7 +22,7 @@ from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.chat_tools import ChatAnswer
 from epdserve.services.proxy.openai_protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from epdserve.services.proxy.output_constraints import ConstraintError, ConstraintLimits
-from epdserve.services.proxy.prompt_logprobs import Echo, echo_logprobs, vllm_prompt_logprobs
+from epdserve.services.proxy.prompt_logprobs import Echo, echo_logprobs, json_logprob, vllm_prompt_logprobs
 from epdserve.services.proxy.reasoning_parsers import get_reasoning_parser
 from epdserve.services.proxy.tracing import RequestTrace, Tracer
 from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
@@ -400,8 +400,8 @@ class OpenAIServing:
         for token, lp in zip(tokens, logprobs):
             text = self._token_text(token)
             out["tokens"].append(self._token_label(token, as_ids))
-            out["token_logprobs"].append(lp.logprob)
-            out["top_logprobs"].append({self._token_label(t, as_ids): v for t, v in lp.top})
+            out["token_logprobs"].append(json_logprob(lp.logprob))
+            out["top_logprobs"].append({self._token_label(t, as_ids): json_logprob(v) for t, v in lp.top})
             out["text_offset"].append(offset)
             offset += len(text)
         return out
@@ -476,7 +476,8 @@ class OpenAIServing:
     def _chat_logprobs(self, tokens: list[int], logprobs: list[TokenLogprobs], as_ids: bool) -> list[dict]:
         def entry(token_id: int, logprob: float) -> dict:
             text = self._token_text(token_id)
-            return {"token": self._token_label(token_id, as_ids), "logprob": logprob, "bytes": list(text.encode())}
+            return {"token": self._token_label(token_id, as_ids), "logprob": json_logprob(logprob),
+                    "bytes": list(text.encode())}
 
         return [entry(t, lp.logprob) | {"top_logprobs": [entry(i, v) for i, v in lp.top]}
                 for t, lp in zip(tokens, logprobs)]

@@ -26,6 +26,7 @@ from epdserve.shared.engine.kv_connector import KVConnector
 from epdserve.shared.engine.kv_events import KVEventBatch
 from epdserve.shared.engine.llm import build_engine_config
 from epdserve.shared.engine.llm_engine import LLMEngine, PromptType
+from epdserve.shared.engine.lora_manager import NoLoRASlotError
 from epdserve.shared.engine.outputs import EngineStats, RequestOutput
 from epdserve.shared.engine.request import Request
 from epdserve.shared.engine.sampling_params import SamplingParams
@@ -316,7 +317,9 @@ class AsyncLLM:
                     stream = self._streams.pop(request.group_id, None)  # it hears of this, not of the abort
                     if stream is not None:
                         stream.put(exc)
-                    if not isinstance(exc, ValueError):  # a ValueError is bad input and added nothing
+                    # A ValueError is bad input, a NoLoRASlotError a full engine (retryable): neither added
+                    # anything, and neither is a fault worth a traceback.
+                    if not isinstance(exc, (ValueError, NoLoRASlotError)):
                         logger.exception("request %s could not be added", request.group_id)
                         engine.abort_request(request.group_id)
             case Abort(request_id=request_id):

@@ -40,6 +40,8 @@ def build_engine_config(
     max_loras: int = 4,
     max_lora_rank: int = 16,
     lora_modules: tuple[tuple[str, str], ...] = (),
+    lora_roots: tuple[str, ...] | None = None,
+    max_lora_bytes: int = 1 << 30,
     profile_moe: bool = False,
 ) -> EngineConfig:
     """`kv_offloading_size`: GiB of the local offload tier (0: none), as vLLM's `--kv-offloading-size`;
@@ -57,7 +59,8 @@ def build_engine_config(
         seed=seed,
         grammar_compile_timeout=grammar_compile_timeout,
         speculative=None if speculative is None else speculative.with_draft(dtype, model_config.max_model_len),
-        lora=LoRAConfig(max_loras, max_lora_rank, tuple(lora_modules)) if enable_lora else None,
+        lora=LoRAConfig(max_loras, max_lora_rank, tuple(lora_modules),
+                        None if lora_roots is None else tuple(lora_roots), max_lora_bytes) if enable_lora else None,
         profile_moe=profile_moe,
     )
 
@@ -70,7 +73,8 @@ class LLM:
     ("auto" | "torch" | "triton"), device, seed, speculative_config (vLLM's: a dict or its JSON text, e.g.
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}), kv_offloading_size (GiB of
     the local offload tier), kv_offloading_path, kv_offloading_save_finished, enable_lora with max_loras,
-    max_lora_rank and lora_modules, profile_moe (a mixture-of-experts model's sparse MLPs timed by part in
+    max_lora_rank, lora_modules, lora_roots (the folders other adapters may come from; None: any) and
+    max_lora_bytes (the largest adapter weights file read), profile_moe (a mixture-of-experts model's sparse MLPs timed by part in
     `engine.stats().step_seconds`, see step_timer.py)."""
 
     def __init__(self, model: str, **kwargs) -> None:

@@ -15,6 +15,7 @@ from epdserve.shared.config import LoRAConfig, ModelConfig
 from epdserve.shared.engine.lora_request import LoRARequest
 # LoRAAdapterError: exported from the engine package by this module's name.
 from epdserve.shared.models.lora_adapter import LoRAAdapter, LoRAAdapterError, load_lora_adapter  # noqa: F401
+from epdserve.shared.models.lora_roots import LoRARoots, check_adapter_name
 
 logger = logging.getLogger(__name__)
 
@@ -38,15 +39,28 @@ class LoRAManager:
         # `load` and `remove` may run off the engine's thread (a service reads adapters without holding
         # up its steps); the adapters dict is what they share with it.
         self._lock = threading.Lock()
+        # Adapters other than the operator's start-up ones come only from inside these (None: from anywhere).
+        self._roots = None if config.roots is None else LoRARoots(config.roots)
+        self._named = set(config.modules)
 
     def load(self, lora: LoRARequest) -> LoRAAdapter:
         """The adapter `lora` names, read from its path unless known already under that name and path;
-        raises LoRAAdapterError (a ValueError) for an adapter this base model cannot serve."""
+        raises LoRAAdapterError (a ValueError) for an adapter this base model cannot serve, and - unless it
+        is one of the start-up adapters (`modules`) - for a name that is no model name or a folder outside
+        the roots."""
         with self._lock:
             known = self.adapters.get(lora.lora_name)
         if known is not None and known.path == lora.lora_path:
             return known
-        adapter = load_lora_adapter(lora.lora_name, lora.lora_path, self.model_config, self.config.max_lora_rank)
+        roots = None
+        if self._roots is not None and (lora.lora_name, lora.lora_path) not in self._named:
+            try:
+                check_adapter_name(lora.lora_name)
+            except ValueError as exc:
+                raise LoRAAdapterError(str(exc)) from None
+            roots = self._roots
+        adapter = load_lora_adapter(lora.lora_name, lora.lora_path, self.model_config, self.config.max_lora_rank,
+                                    self.config.max_bytes, roots)
         with self._lock:
             self.adapters[lora.lora_name] = adapter
         logger.info("LoRA adapter %s loaded from %s (rank %d, %d modules)", adapter.name, adapter.path,

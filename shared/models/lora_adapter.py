@@ -4,7 +4,11 @@ No PEFT at run time: the format is small. A LoRA on module W of layer i adds `sc
 A [r, in_features], B [out_features, r], scaling = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA).
 Every check that can fail does so here, at load, with a message naming the adapter and what is wrong: a
 rank above the engine's limit, a tensor whose shape is not this base model's (an adapter trained on
-another base), a module we do not adapt, a PEFT feature we do not implement, an unreadable file.
+another base), a module we do not adapt, a PEFT feature we do not implement, an unreadable file, a file
+above the size limit, weights that are not finite numbers (NaN or infinity would poison every logit).
+The weights file's size is checked before anything is read (--max-lora-bytes), then safetensors reads its
+header and each tensor from a memory map - no copy of the whole file in memory besides the tensors; with
+`roots` (a service's --lora-root folders) the folder and its files must lie inside them (lora_roots.py).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +24,11 @@ from pathlib import Path
 import torch
 
 from epdserve.shared.config import DTYPE_BYTES, LoRAConfig, ModelConfig
+from epdserve.shared.models.lora_roots import LoRARoots
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_MAX_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 logger = logging.getLogger(__name__)
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -63,23 +70,31 @@ def slot_bytes(config: ModelConfig, lora: LoRAConfig) -> int:
     return lora.max_loras * (config.num_layers * per_layer + num_dense * mlp) * DTYPE_BYTES[config.dtype_name]
 
 
-def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
-    """Read and check the adapter at `path` for the base model `config`; raises LoRAAdapterError."""
+def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int,
+                      max_bytes: int | None = None, roots: LoRARoots | None = None) -> LoRAAdapter:
+    """Read and check the adapter at `path` for the base model `config`; raises LoRAAdapterError.
+    `max_bytes`: the largest weights file read (None: any); `roots`: the folders it must lie inside (None:
+    anywhere, for adapters the operator names)."""
     folder = Path(path)
-    settings = _read_config(name, folder)
+    if roots is not None:
+        try:
+            folder = roots.folder(str(path))
+        except ValueError as exc:
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: {exc}") from None
+    settings = _read_config(name, folder, roots)
     rank = settings.get("r")
-    if not isinstance(rank, int) or rank <= 0:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:  # JSON's true is no rank
         raise LoRAAdapterError(f"LoRA adapter {name!r}: 'r' in {CONFIG_FILE} must be a positive integer, got {rank!r}")
     if rank > max_rank:
         raise LoRAAdapterError(f"LoRA adapter {name!r} has rank {rank}, above this server's max_lora_rank {max_rank}")
     alpha = settings.get("lora_alpha", 8)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise LoRAAdapterError(f"LoRA adapter {name!r}: 'lora_alpha' must be a number, got {alpha!r}")
     scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
-    tensors, digest = _read_weights(name, folder)
-    weights = _pair_up(name, tensors, config, settings, rank, scaling)
+    weights, digest = _read_weights(name, folder, roots, max_bytes,
+                                    lambda tensors: _pair_up(name, tensors, config, settings, rank, scaling))
     _note_base_name(name, settings.get("base_model_name_or_path"), config)
-    return LoRAAdapter(name, str(folder), rank, digest, weights)
+    return LoRAAdapter(name, str(Path(path)), rank, digest, weights)
 
 
 def _note_base_name(name: str, base: object, config: ModelConfig) -> None:
@@ -94,10 +109,20 @@ def _note_base_name(name: str, base: object, config: ModelConfig) -> None:
                        config.model_id)
 
 
-def _read_config(name: str, folder: Path) -> dict:
-    file = folder / CONFIG_FILE
-    if not file.is_file():
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {str(folder)!r}")
+def _file(name: str, folder: Path, file_name: str, roots: LoRARoots | None, max_bytes: int | None) -> Path:
+    """`folder`'s file `file_name`, a regular file (inside `roots`, links resolved) of at most `max_bytes`."""
+    file = folder / file_name
+    if not file.is_file() or (roots is not None and not roots.contains(file)):
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: no {file_name} in {str(folder)!r}")
+    size = os.stat(file).st_size
+    if max_bytes is not None and size > max_bytes:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {file_name} is {size} bytes, above the {max_bytes} this "
+                               f"server reads (--max-lora-bytes)")
+    return file
+
+
+def _read_config(name: str, folder: Path, roots: LoRARoots | None) -> dict:
+    file = _file(name, folder, CONFIG_FILE, roots, CONFIG_MAX_BYTES)
     try:
         settings = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -118,20 +143,25 @@ def _read_config(name: str, folder: Path) -> dict:
     return settings
 
 
-def _read_weights(name: str, folder: Path) -> tuple[dict[str, torch.Tensor], str]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load
+def _read_weights(name: str, folder: Path, roots: LoRARoots | None, max_bytes: int | None, pair_up):
+    """(`pair_up` of the file's tensors, the adapter's digest). safetensors reads the header, then each tensor
+    from a memory map of the file; the digest hashes the file in chunks."""
+    from safetensors import SafetensorError, safe_open
 
-    file = folder / WEIGHTS_FILE
-    if not file.is_file():
-        raise LoRAAdapterError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {str(folder)!r}")
-    data = file.read_bytes()
+    file = _file(name, folder, WEIGHTS_FILE, roots, max_bytes)
     try:
-        tensors = load(data)
-    except (SafetensorError, ValueError, RuntimeError) as exc:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} is corrupt ({exc})") from None
-    digest = hashlib.sha256(data + (folder / CONFIG_FILE).read_bytes()).hexdigest()[:32]
-    return tensors, digest
+    weights = pair_up(tensors)
+    del tensors
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    digest.update((folder / CONFIG_FILE).read_bytes())
+    return weights, digest.hexdigest()[:32]
 
 
 def _pair_up(name: str, tensors: dict[str, torch.Tensor], config: ModelConfig, settings: dict, rank: int,
@@ -170,5 +200,9 @@ def _pair_up(name: str, tensors: dict[str, torch.Tensor], config: ModelConfig, s
                 f"LoRA adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; this "
                 f"base model needs A ({rank}, {in_features}) and B ({out_features}, {rank}) (an adapter for "
                 f"another base model?)")
-        weights[layer, module] = (a.float(), b.float() * scaling)
+        a, b = a.float(), b.float() * scaling
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: layer {layer} {module} holds weights that are not "
+                                   f"finite numbers (NaN or infinity)")
+        weights[layer, module] = (a, b)
     return weights

@@ -25,10 +25,16 @@ def tiny(tiny_model_paths):
 
 
 @pytest.fixture(scope="module")
-def lora_paths(tiny, tmp_path_factory):
+def lora_root(tmp_path_factory):
+    """The folder runtime loads may name (--lora-root): every test adapter is built inside it."""
+    return tmp_path_factory.mktemp("loras")
+
+
+@pytest.fixture(scope="module")
+def lora_paths(tiny, lora_root):
     from epdserve.shared.checkpoints.tiny_lora import build_tiny_lora
 
-    root = tmp_path_factory.mktemp("loras")
+    root = lora_root
     variants = (*ADAPTERS, "qk-rank2")
     return {v: str(build_tiny_lora(tiny, root / v, v, seed=i + 1)) for i, v in enumerate(variants)}
 
@@ -83,9 +89,11 @@ LORA_ENGINE = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "16", "--
 
 
 @pytest.fixture(scope="module")
-def unified(stack_factory, tiny, lora_paths):
-    return stack_factory(tiny, unified=1, engine_args=[*LORA_ENGINE, *lora_flags(lora_paths)],
-                         proxy_args=[*lora_flags(lora_paths), "--enable-lora-runtime-updates", "--api-key", KEY])
+def unified(stack_factory, tiny, lora_paths, lora_root):
+    roots = ["--lora-root", str(lora_root)]
+    return stack_factory(tiny, unified=1, engine_args=[*LORA_ENGINE, *lora_flags(lora_paths), *roots],
+                         proxy_args=[*lora_flags(lora_paths), *roots, "--enable-lora-runtime-updates", "--api-key",
+                                     KEY])
 
 
 def test_models_lists_adapters_with_their_parent(unified, lora_paths):
@@ -114,8 +122,12 @@ def test_runtime_updates_need_the_key(unified, lora_paths):
     assert r.status_code == 401
 
 
-def test_bad_adapters_are_refused_at_load(unified, tmp_path, lora_paths, tiny_model_paths, prompt_ids):
+def test_bad_adapters_are_refused_at_load(unified, lora_root, lora_paths, tiny_model_paths, prompt_ids):
+    from safetensors.torch import load_file, save_file
+
     from epdserve.shared.checkpoints.tiny_lora import build_tiny_lora
+
+    tmp_path = lora_root / "bad"
 
     other_base = build_tiny_lora(tiny_model_paths["qwen3"], tmp_path / "qwen3-lora", "attn")
     corrupt = tmp_path / "corrupt"
@@ -123,8 +135,13 @@ def test_bad_adapters_are_refused_at_load(unified, tmp_path, lora_paths, tiny_mo
     (corrupt / "adapter_config.json").write_text((tmp_path / "qwen3-lora" / "adapter_config.json").read_text())
     (corrupt / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
     big = build_tiny_lora(tiny_model_paths["llama"], tmp_path / "big", "all", r=32)
+    nan = build_tiny_lora(tiny_model_paths["llama"], tmp_path / "nan", "attn")
+    tensors = load_file(nan / "adapter_model.safetensors")
+    tensors[sorted(tensors)[0]][0, 0] = float("nan")
+    save_file(tensors, nan / "adapter_model.safetensors")
     for path, message in ((other_base, "another base model"), (corrupt, "is corrupt"),
-                          (big, "rank 32, above this server's max_lora_rank 16")):
+                          (big, "rank 32, above this server's max_lora_rank 16"),
+                          (nan, "holds weights that are not finite numbers (NaN or infinity)")):
         r = httpx.post(unified.url + "/v1/load_lora_adapter", headers=AUTH,
                        json={"lora_name": "bad", "lora_path": str(path)})
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
@@ -134,6 +151,34 @@ def test_bad_adapters_are_refused_at_load(unified, tmp_path, lora_paths, tiny_mo
     assert r.status_code == 400 and "surprise" in r.text
     # The service is undisturbed.
     assert complete(unified.url, "attn", prompt_ids[0], 2).status_code == 200
+
+
+def test_runtime_loads_stay_inside_the_lora_roots(unified, lora_root, lora_paths, prompt_ids):
+    """A load names a folder inside --lora-root, or is refused: `..`, absolute paths elsewhere, links out of the
+    root and folders that do not exist all get the same 400 (param lora_path), which says nothing of what
+    exists outside; a name that is a path is refused (param lora_name). Nothing refused is offered."""
+    from epdserve.shared.models.lora_roots import outside_message
+
+    (lora_root / "to-etc").symlink_to("/etc")
+    for path in ("../../etc/passwd", "/etc", "/proc/self/mem", str(lora_root / "to-etc"), "to-etc",
+                 str(lora_root / "absent"), "/no/such/folder", f"{lora_root}/../{lora_root.name}-other"):
+        r = httpx.post(unified.url + "/v1/load_lora_adapter", headers=AUTH,
+                       json={"lora_name": "p", "lora_path": path})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+        assert outside_message(path) in r.json()["error"]["message"], r.text
+        assert "/etc" not in r.json()["error"]["message"].replace(path, ""), r.text
+    for name in ("../x", "a/b", ".x"):
+        r = httpx.post(unified.url + "/v1/load_lora_adapter", headers=AUTH,
+                       json={"lora_name": name, "lora_path": lora_paths["attn"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+    models = [m["id"] for m in httpx.get(unified.url + "/v1/models", headers=AUTH).json()["data"]]
+    assert "p" not in models and "../x" not in models
+    # A folder relative to the root loads, and serves.
+    r = httpx.post(unified.url + "/v1/load_lora_adapter", headers=AUTH, json={"lora_name": "rel", "lora_path": "attn"})
+    assert r.status_code == 200, r.text
+    assert complete(unified.url, "rel", prompt_ids[0], 2).status_code == 200
+    r = httpx.post(unified.url + "/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "rel"})
+    assert r.status_code == 200, r.text
 
 
 def test_load_and_unload_under_traffic(unified, lora_paths, prompt_ids, references, near_tie_check, ids_of):
@@ -199,3 +244,11 @@ def test_an_instance_without_room_refuses_retryably(start_stack, tiny, lora_path
         assert "retry-after" in refused.headers
         assert busy.result() == 200
     assert complete(stack.url, "attn", prompt_ids[1], 2).status_code == 200
+    # Both adapters asked for at once: requests that pass the engine's first look at the slots race for the
+    # one slot; whichever loses is refused retryably too, never an internal error.
+    cases = ["all", "attn"] * 8
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda name: complete(stack.url, name, prompt_ids[0], 200, ignore_eos=True), cases))
+    assert {r.status_code for r in answers} <= {200, 503}, [r.text for r in answers if r.status_code != 200]
+    assert all("retry-after" in r.headers for r in answers if r.status_code == 503)
+    assert any(r.status_code == 200 for r in answers)

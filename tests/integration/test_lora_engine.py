@@ -122,6 +122,8 @@ def test_triton_kernels_in_the_model_match_hf_peft(tiny_model_paths, lora_paths,
 
 @pytest.fixture()
 def bad_adapters(lora_paths, tiny_model_paths, tmp_path):
+    from safetensors.torch import load_file, save_file
+
     from epdserve.shared.checkpoints.tiny_lora import build_tiny_lora
 
     bad = {}
@@ -138,6 +140,26 @@ def bad_adapters(lora_paths, tiny_model_paths, tmp_path):
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     bad["dora"] = str(dora)
     bad["missing"] = str(tmp_path / "nowhere")
+    nan = tmp_path / "nan"
+    shutil.copytree(lora_paths["attn"], nan)
+    tensors = load_file(nan / "adapter_model.safetensors")
+    key = sorted(k for k in tensors if k.endswith("lora_B.weight"))[-1]
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, nan / "adapter_model.safetensors")
+    bad["nan"] = str(nan)
+    inf_alpha = tmp_path / "inf-alpha"
+    shutil.copytree(lora_paths["attn"], inf_alpha)
+    (inf_alpha / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": float("inf")}))
+    bad["inf-alpha"] = str(inf_alpha)
+    bool_rank = tmp_path / "bool-rank"
+    shutil.copytree(lora_paths["attn"], bool_rank)
+    (bool_rank / "adapter_config.json").write_text(json.dumps({**config, "r": True}))
+    bad["bool-rank"] = str(bool_rank)
+    huge = tmp_path / "huge"
+    shutil.copytree(lora_paths["attn"], huge)
+    with open(huge / "adapter_model.safetensors", "r+b") as f:
+        f.truncate((1 << 30) + 1)  # sparse: nothing written, and nothing should be read
+    bad["huge"] = str(huge)
     return bad
 
 
@@ -147,6 +169,10 @@ def bad_adapters(lora_paths, tiny_model_paths, tmp_path):
     ("corrupt", "adapter_model.safetensors is corrupt"),
     ("dora", "uses use_dora, which this server does not support"),
     ("missing", "no adapter_config.json"),
+    ("nan", "holds weights that are not finite numbers"),
+    ("inf-alpha", "'lora_alpha' must be a number"),
+    ("bool-rank", "'r' in adapter_config.json must be a positive integer, got True"),
+    ("huge", "adapter_model.safetensors is 1073741825 bytes, above the 1073741824 this server reads"),
 ])
 def test_bad_adapters_are_refused_at_load(tiny_model_paths, lora_paths, tokenized, bad_adapters, case, message):
     from epdserve.shared.engine import LoRAAdapterError
@@ -159,6 +185,41 @@ def test_bad_adapters_are_refused_at_load(tiny_model_paths, lora_paths, tokenize
     outs = llm.generate([{"prompt_token_ids": tokenized[1]}] * 2, SamplingParams(max_tokens=2),
                         lora_request=[None, LoRARequest("attn", 2, lora_paths["attn"])])
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+
+
+def test_a_service_reads_runtime_adapters_only_from_inside_its_roots(tiny_model_paths, lora_paths, tokenized,
+                                                                    tmp_path):
+    """With roots (a service's --lora-root), an adapter outside them, one whose folder or weights file links out
+    of them, and one named like a path are refused, saying nothing of what exists outside; an adapter inside
+    loads, and a start-up adapter (the operator's --lora-modules) loads from wherever it is."""
+    from epdserve.shared.engine import LoRAAdapterError
+    from epdserve.shared.models.lora_roots import outside_message
+
+    root = tmp_path / "root"
+    shutil.copytree(lora_paths["attn"], root / "attn")
+    shutil.copytree(lora_paths["all"], root / "leaky")
+    (root / "leaky" / "adapter_model.safetensors").unlink()
+    (root / "leaky" / "adapter_model.safetensors").symlink_to(f"{lora_paths['all']}/adapter_model.safetensors")
+    (root / "out").symlink_to(lora_paths["all"])
+    llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=2, num_kv_blocks=64,
+              lora_modules=[("mlp", lora_paths["mlp-rslora"])], lora_roots=[str(root)])
+
+    def run(name: str, path: str):
+        return llm.generate({"prompt_token_ids": tokenized[1]}, SamplingParams(max_tokens=2),
+                            lora_request=LoRARequest(name, 9, path))
+
+    for path in (lora_paths["all"], str(root / "out"), str(root / "absent"), f"{root}/../root/../..", "/etc",
+                 "/proc/self/mem"):
+        with pytest.raises(LoRAAdapterError) as refused:
+            run("x", path)
+        assert str(refused.value) == f"LoRA adapter 'x': {outside_message(path)}"
+    with pytest.raises(LoRAAdapterError, match="no adapter_model.safetensors in"):
+        run("leaky", str(root / "leaky"))
+    with pytest.raises(LoRAAdapterError, match="lora_name must be"):
+        run("../x", str(root / "attn"))
+    assert len(run("attn", str(root / "attn"))[0].outputs[0].token_ids) == 2
+    assert len(run("attn2", "attn")[0].outputs[0].token_ids) == 2  # relative to the root
+    assert len(run("mlp", lora_paths["mlp-rslora"])[0].outputs[0].token_ids) == 2
 
 
 def test_chat_takes_an_adapter(tiny_model_paths, lora_paths):
@@ -251,3 +312,37 @@ def test_seeded_sampling_with_an_adapter_is_reproducible_in_any_batch(tiny_model
         while engine.has_work():
             following += [t for out in engine.step() if out.request_id == "continued" for t in out.outputs[0].token_ids]
         assert following == alone[0][0][cut:], name
+
+
+def test_a_request_that_finds_every_slot_taken_at_its_start_is_refused_quietly(tiny_model_paths, lora_paths,
+                                                                              tokenized, caplog):
+    """Two requests checked while a slot was free, started one after the other: the second finds the one slot
+    taken by the first's adapter and is refused with NoLoRASlotError (retryable: the service answers 503),
+    without a traceback in the log - a full engine is not a fault."""
+    import asyncio
+
+    from epdserve.shared.engine import AsyncLLM, NoLoRASlotError
+    from epdserve.shared.engine.llm import build_engine_config
+
+    llm = AsyncLLM.from_config(build_engine_config(tiny_model_paths["llama"], enable_lora=True, max_loras=1,
+                                                   max_lora_rank=16, num_kv_blocks=64))
+
+    async def race() -> None:
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        first, second = [await llm.make_request({"prompt_token_ids": tokenized[1]}, params, f"r-{name}",
+                                                lora_request=lora_request(name, lora_paths))
+                         for name in ("all", "attn")]
+        running = llm.generate(first)
+        await anext(running)  # its adapter holds the slot
+        with pytest.raises(NoLoRASlotError, match="no room for LoRA adapter 'attn'"):
+            async for _ in llm.generate(second):
+                pass
+        async for _ in running:
+            pass
+
+    try:
+        with caplog.at_level("WARNING"):
+            asyncio.run(race())
+    finally:
+        llm.shutdown()
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]

@@ -419,9 +419,11 @@ def test_up_gives_every_engine_its_lora_options_and_the_proxy_the_adapters(tmp_p
     model = str(default_model_path)
     commands = dict(LocalStack(stack_config(parse(
         "up", "--encoders", "1", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32", "--lora-modules",
-        f"sql={tmp_path}/sql", f"chat={tmp_path}/chat", "--enable-lora-runtime-updates"), model)).commands())
+        f"sql={tmp_path}/sql", f"chat={tmp_path}/chat", "--enable-lora-runtime-updates", "--lora-root", str(tmp_path),
+        "--lora-root", str(default_model_path), "--max-lora-bytes", "1000"), model)).commands())
     proxy = proxy_config(parse(*commands["proxy"][commands["proxy"].index("serve"):]), model)
     assert proxy.lora_modules == (("sql", f"{tmp_path}/sql"), ("chat", f"{tmp_path}/chat"))
+    assert proxy.lora_roots == (str(tmp_path), model)
     assert proxy.enable_lora_runtime_updates
     assert "--enable-lora" not in commands["encoder-0"]
     for name in ("prefill-0", "decode-0"):
@@ -429,6 +431,7 @@ def test_up_gives_every_engine_its_lora_options_and_the_proxy_the_adapters(tmp_p
         lora = engine_config(parse(*argv[argv.index("serve"):]), model).lora
         assert (lora.max_loras, lora.max_lora_rank) == (3, 32)
         assert lora.modules == (("sql", f"{tmp_path}/sql"), ("chat", f"{tmp_path}/chat"))
+        assert (lora.roots, lora.max_bytes) == ((str(tmp_path), model), 1000)
     plain = dict(LocalStack(stack_config(parse("up"), model)).commands())
     assert not any("--enable-lora" in argv or "--lora-modules" in argv for argv in plain.values())
 
@@ -438,6 +441,8 @@ def test_up_gives_every_engine_its_lora_options_and_the_proxy_the_adapters(tmp_p
     (("--lora-modules", "a=/x", "a=/y", "--enable-lora"), "names must be distinct"),
     (("--lora-modules", "a=/x"), "--lora-modules needs --enable-lora"),
     (("--enable-lora-runtime-updates",), "--enable-lora-runtime-updates needs --enable-lora"),
+    (("--lora-root", "/"), "--lora-root needs --enable-lora"),
+    (("--lora-root", "/no/such/folder", "--enable-lora"), "--lora-root '/no/such/folder' is not a folder"),
 ])
 def test_up_refuses_bad_lora_options(default_model_path, argv, message):
     with pytest.raises(SystemExit, match=message):

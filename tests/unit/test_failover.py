@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from epdserve.services.proxy.failover import EmbeddingsUnavailable, Failover, InstanceDown, Liveness, watched
+from epdserve.services.proxy.failover import (EmbeddingsUnavailable, Failover, InstanceDown, Liveness, service_error,
+                                             watched)
 from epdserve.services.proxy.generation import GenerationError
 from epdserve.services.proxy.router import Instance, RolePool, Route, Router
 from epdserve.transport.protocol import Ack, Error, ErrorCode, GenerateRequest, Role, WireSamplingParams
@@ -91,6 +92,16 @@ def test_embeddings_gone_with_their_encoder_are_the_request_s_to_encode_again_no
         call(failover)
     assert raised.value.status == 503 and raised.value.error_type == "ServiceUnavailableError"
     assert not second.requests and not aborted and all(i.alive for i in instances)
+
+
+def test_a_stream_refused_for_load_after_its_ack_is_a_503_that_says_when_to_retry():
+    """An engine whose adapter slots filled up between its first look and the request's start pushes a retryable
+    refusal on the stream: the client's answer is the same 503 with Retry-After as a refusal before the Ack."""
+    instance = Instance(Role.PREFILL, "tcp://127.0.0.1:1", FakeClient(), alive=True)
+    error = service_error(Error(ErrorCode.OVERLOADED, "no room for LoRA adapter 'a'", "r1", retryable=True,
+                                retry_after=1.0), instance)
+    assert (error.status, error.error_type, error.retry_after) == (503, "ServiceUnavailableError", 1.0)
+    assert "no room for LoRA adapter 'a'" in str(error)
 
 
 def test_an_internal_error_of_a_dead_instance_moves_on():

@@ -47,3 +47,18 @@ def test_output_tokens_count_and_drafts_stop_before_stop_tokens_and_max_tokens()
 def test_vllm_spelling_and_defaults(spec, expected):
     config = SpeculativeConfig.parse(spec)
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == expected and config.num_speculative_tokens == 2
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({"method": "draft_model", "num_speculative_tokens": False, "model": "/m"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2.0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": True}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": True},
+     "prompt_lookup_max"),
+    ({"method": ["ngram"], "num_speculative_tokens": 2}, "speculative method"),
+])
+def test_a_bool_or_other_non_integer_is_refused_naming_the_field(spec, field):
+    """JSON's true would pass as 1 where Python checks for an int: refused, with the field's name."""
+    with pytest.raises(ValueError, match=field):
+        SpeculativeConfig.parse(spec)
