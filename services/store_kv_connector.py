@@ -155,7 +155,7 @@ class StoreKVConnector(KVConnector):
     async def _load(self, load: KVLoad, hashes: list[bytes], expected: tuple[int, ...], started: float) -> None:
         ok, reason = False, "store_unreachable"
         try:
-            reply = await self.client.request(KVStoreGet(self.layout, b"".join(hashes)), timeout=self.timeout,
+            reply = await self.client.request(KVStoreGet(self.layout, b"".join(hashes), expected), timeout=self.timeout,
                                               expect=KVStoreBlocks)
             ok, reason = self._copy_in(load, hashes, expected, reply)
         except _FAILURES as exc:
@@ -174,7 +174,8 @@ class StoreKVConnector(KVConnector):
     def _copy_in(self, load: KVLoad, hashes: list[bytes], expected: tuple[int, ...],
                  reply: KVStoreBlocks) -> tuple[bool, str]:
         """Check what the store sent and copy it into the load's blocks; (ok, why not)."""
-        if reply.block_hashes != b"".join(hashes) or reply.token_ids != expected or len(reply.blocks) != 1:
+        # The store sends only blocks whose token ids are the ones this get showed it (`expected`).
+        if reply.block_hashes != b"".join(hashes) or len(reply.blocks) != 1:
             for block_hash in hashes[len(reply.block_hashes) // HASH_BYTES:]:
                 self._held.discard(block_hash)  # gone from the store since its last events
             return False, "store_missing"
