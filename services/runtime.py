@@ -21,7 +21,7 @@ import signal
 from typing import Callable
 
 from epdserve.services.management import ManagementServer, build_management_app
-from epdserve.services.network import advertised, server_curve
+from epdserve.services.network import advertised, peer_auth, server_curve
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.transport.protocol import (MAY_SEND, DecodeRequest, EncodeRequest, Error, ErrorCode, GenerateRequest,
                                       Handshake, Health, Message, PrefillRequest, Role, Status, StatusRequest)
@@ -59,7 +59,7 @@ class Service:
         transport = config.transport
         control = ReplyServer(config.engine_id, host=config.host, port=config.port,
                               allow_wildcard=config.host in WILDCARD_HOSTS, curve=server_curve(transport),
-                              senders=MAY_SEND)
+                              auth=peer_auth(transport), senders=MAY_SEND)
         self.control_addr = advertised(await control.start(), config.host, config.advertise_host)
         management = ManagementServer(
             build_management_app(self._management_state,

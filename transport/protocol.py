@@ -69,6 +69,7 @@ class ErrorCode(str, enum.Enum):
     INCOMPATIBLE = "incompatible"  # handshake refused: model or KV layout differ
     VERSION_MISMATCH = "version_mismatch"  # handshake refused: protocol versions differ
     HANDSHAKE_REQUIRED = "handshake_required"  # peer spoke before (re)doing the handshake
+    UNAUTHENTICATED = "unauthenticated"  # handshake refused: no proof of the deployment's secret
     OVERLOADED = "overloaded"
     ABORTED = "aborted"
     INTERNAL = "internal"
