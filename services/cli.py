@@ -235,6 +235,7 @@ def proxy_config(args: argparse.Namespace, model: str):
     from epdserve.services.proxy.lifecycle import LifecycleConfig
     from epdserve.services.proxy.output_constraints import ConstraintLimits
     from epdserve.services.proxy.server import ProxyConfig
+    from epdserve.shared.block_hash import deployment_key
 
     for flag, value in (("--migration-limit", args.migration_limit),
                         ("--max-prefill-queue-tokens", args.max_prefill_queue_tokens)):
@@ -250,6 +251,7 @@ def proxy_config(args: argparse.Namespace, model: str):
         lifecycle=LifecycleConfig(local_prefill_threshold=args.local_prefill_threshold,
                                   max_prefill_queue_tokens=args.max_prefill_queue_tokens,
                                   rpc_timeout=transport.rpc_timeout, prefill_timeout=args.prefill_timeout,
+                                  block_hash_key=deployment_key(transport.secret),
                                   token_timeout=args.token_timeout, migration_limit=args.migration_limit,
                                   kv_routing=KVRoutingConfig(RoutingPolicy(args.routing_policy), args.kv_load_weight,
                                                              args.kv_local_prefill_tokens, args.kv_tier_weight,
@@ -360,6 +362,12 @@ def _serve_command(args: argparse.Namespace) -> int:
         engine = engine_config(args, model) if args.role != "encoder" else None
     except ValueError as exc:  # an engine option out of range, or one that contradicts the model
         raise SystemExit(f"epdserve: error: {exc}") from None
+    if engine is not None and config.transport.secret:  # blocks named by hashes only the deployment can make
+        from dataclasses import replace
+
+        from epdserve.shared.block_hash import deployment_key
+
+        engine = replace(engine, cache=replace(engine.cache, block_hash_key=deployment_key(config.transport.secret)))
     _starting(config.engine_id, model)
     return asyncio.run(run_service(config, engine, model, args.dtype, args.device))
 

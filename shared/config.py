@@ -357,6 +357,9 @@ class CacheConfig:
     kv_offloading_bytes: int = 0
     kv_offloading_path: str | None = None
     kv_offloading_save_finished: bool = False
+    # The deployment's block-hash key (shared/block_hash.py deployment_key; None: unkeyed): the prefix
+    # cache, the offload tier and the shared KV store all name blocks by hashes keyed with it.
+    block_hash_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.kv_offloading_bytes < 0:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from epdserve.services.launcher import free_port
-from epdserve.shared.block_hash import extend_block_hashes
+from epdserve.shared.block_hash import deployment_key, extend_block_hashes
 from epdserve.transport import protocol as p
 from epdserve.transport.channel import ErrorReply, HandshakeError
 from epdserve.transport.checksum import checksum
@@ -82,8 +82,10 @@ def store_metric(up: Up, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-def victim_hashes(salt: str) -> list[bytes]:
-    return extend_block_hashes([], PROMPT, BLOCK_SIZE, cache_salt=salt)
+def victim_hashes(salt: str, secret: str | None = SECRET) -> list[bytes]:
+    """The prompt's block hashes as the stack's engines make them: keyed with the stack's secret."""
+    key = deployment_key(secret.encode()) if secret else None
+    return extend_block_hashes([], PROMPT, BLOCK_SIZE, cache_salt=salt, key=key)
 
 
 def test_a_peer_without_the_stack_secret_gets_no_handshake_and_nothing_through(up):
@@ -116,6 +118,8 @@ def test_a_peer_with_the_secret_but_another_salt_reads_no_prompt_and_plants_no_k
                     break
                 assert asyncio.get_running_loop().time() < deadline, "the victim's blocks never reached the store"
                 await asyncio.sleep(0.3)
+            # Keyed with the stack's secret: a prompt hashed as the prefix cache's hashes were before names nothing.
+            assert not set(victim_hashes(VICTIM_SALT, secret=None)) & set(held)
             # ... but no block leaves the store for a getter that does not show its token ids.
             for block_hash in held:
                 got = await client.request(p.KVStoreGet(layout, block_hash, (0,) * BLOCK_SIZE), expect=p.KVStoreBlocks)
