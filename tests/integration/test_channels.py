@@ -335,8 +335,14 @@ def test_wildcard_bind_must_be_asked_for():
 def test_a_peer_must_prove_the_deployment_secret_and_the_server_proves_it_back():
     secret, other = b"a" * 32, b"b" * 32
 
+    checked = []  # hellos the server's own check saw (a UCX path's: it parses the peer's worker address)
+
+    async def check(hello):
+        checked.append(hello.engine_id)
+        return None
+
     async def main():
-        async with ReplyServer("kvstore-0", auth=PeerAuth(secret)) as server:
+        async with ReplyServer("kvstore-0", auth=PeerAuth(secret), check_handshake=check) as server:
             task = await serving(server)
             async with client_of(server, auth=PeerAuth(secret)) as client:
                 assert isinstance(await client.request(p.StatusRequest()), p.Status)
@@ -345,6 +351,7 @@ def test_a_peer_must_prove_the_deployment_secret_and_the_server_proves_it_back()
                     with pytest.raises(HandshakeError, match=f"unauthenticated: kvstore-0: {why}"):
                         await client.request(p.StatusRequest())
             assert server.num_auth_denied == 2 and server.rejected_by_reason["unauthenticated"] == 2
+            assert checked == ["proxy-0"]  # only the proven hello got as far as the server's own check
             # A recorded hello is not admitted again.
             sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
             sock.linger = 0
