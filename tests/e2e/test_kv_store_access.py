@@ -38,13 +38,15 @@ def up(tiny_model_paths):
         port = free_port()
     # The stack's secret as an operator would give it (up makes one of its own otherwise): the probe below
     # plays a peer that holds it.
-    os.environ["EPDSERVE_SECRET"] = SECRET
+    before, os.environ["EPDSERVE_SECRET"] = os.environ.get("EPDSERVE_SECRET"), SECRET
     try:
         stack = Up([str(Path(sys.executable).with_name("epdserve")), "up", tiny_model_paths["llama"], "--port",
                     str(port), "--internal-ports", f"{low}-{low + 19}", "--kv-store", "0.05", "--block-size",
                     str(BLOCK_SIZE)])
     finally:
-        del os.environ["EPDSERVE_SECRET"]
+        os.environ.pop("EPDSERVE_SECRET")
+        if before is not None:
+            os.environ["EPDSERVE_SECRET"] = before
     stack.port = port
     try:
         stack.wait_for(READY, 300)
