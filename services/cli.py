@@ -146,11 +146,11 @@ def deployment_secret(path: str | None, host: str, curve_dir: str | None) -> byt
     """The secret every handshake proves: from --secret-file, else $EPDSERVE_SECRET. Without one a service
     runs only where nothing else can reach it (loopback), or with CURVE (whose keys authenticate)."""
     from epdserve.transport.peer_auth import SECRET_ENV, load_secret
-    from epdserve.transport.security import LOOPBACK_HOSTS
+    from epdserve.transport.security import is_loopback
 
     secret = load_secret(os.environ.get(SECRET_ENV), path)
     if secret is None and not curve_dir:
-        if host not in LOOPBACK_HOSTS:
+        if not is_loopback(host):
             raise ValueError(f"a service bound to {host} is reachable from other hosts and needs the deployment's "
                              f"secret: make one with `epdserve keys --secret FILE` and give every service "
                              f"--secret-file FILE (or ${SECRET_ENV})")

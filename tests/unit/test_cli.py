@@ -66,8 +66,12 @@ def test_a_service_other_hosts_can_reach_refuses_to_start_without_the_deployment
         service_config(parse("serve", "kvstore", "--host", "0.0.0.0"))
     with pytest.raises(SystemExit, match="reachable from other hosts"):
         proxy_config(parse("serve", "proxy", "--model", "m", "--host", "0.0.0.0", "--decode", "127.0.0.1:7001"), "m")
+    with pytest.raises(SystemExit, match="reachable from other hosts"):
+        service_config(parse("serve", "kvstore", "--host", "my-host.example"))
     with caplog.at_level(logging.WARNING):  # on loopback nothing else reaches it: it runs, and says so
         assert service_config(parse("serve", "kvstore")).transport.secret is None
+        assert service_config(parse("serve", "kvstore", "--host", "127.0.0.3")).transport.secret is None
+        assert service_config(parse("serve", "kvstore", "--host", "::1")).transport.secret is None
     assert "no deployment secret" in caplog.text
     secret = tmp_path / "secret"
     assert main(["keys", "--secret", str(secret)]) == 0
