@@ -154,9 +154,6 @@ def deployment_secret(path: str | None, host: str, curve_dir: str | None) -> byt
             raise ValueError(f"a service bound to {host} is reachable from other hosts and needs the deployment's "
                              f"secret: make one with `epdserve keys --secret FILE` and give every service "
                              f"--secret-file FILE (or ${SECRET_ENV})")
-        logging.getLogger("epdserve").warning(
-            "no deployment secret: peers are not authenticated, which is safe only because this service binds "
-            "loopback (%s) and every local user is trusted", host)
     return secret
 
 

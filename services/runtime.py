@@ -23,7 +23,7 @@ from typing import Callable
 from prometheus_client import Gauge
 
 from epdserve.services.management import ManagementServer, build_management_app
-from epdserve.services.network import advertised, peer_auth, server_curve
+from epdserve.services.network import advertised, peer_auth, say_if_unauthenticated, server_curve
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.transport.protocol import (MAY_SEND, DecodeRequest, EncodeRequest, Error, ErrorCode, GenerateRequest,
                                       Handshake, Health, Message, PrefillRequest, Role, Status, StatusRequest)
@@ -59,6 +59,7 @@ class Service:
         """Serve until stopped; the exit code (1 if the engine died)."""
         config, role = self.config, self.role
         transport = config.transport
+        say_if_unauthenticated(transport, config.host)
         control = ReplyServer(config.engine_id, host=config.host, port=config.port,
                               allow_wildcard=config.host in WILDCARD_HOSTS, curve=server_curve(transport),
                               auth=peer_auth(transport), senders=MAY_SEND)

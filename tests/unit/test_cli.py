@@ -12,7 +12,7 @@ import pytest
 from epdserve.services.cli import main, parse_args, proxy_config, service_config, stack_config, transport_config
 from epdserve.services import launcher
 from epdserve.services.launcher import PORT_OPTIONS, LocalStack, StackConfig, exit_message, free_port
-from epdserve.services.network import split_target
+from epdserve.services.network import say_if_unauthenticated, split_target
 
 
 def parse(*argv):
@@ -68,11 +68,13 @@ def test_a_service_other_hosts_can_reach_refuses_to_start_without_the_deployment
         proxy_config(parse("serve", "proxy", "--model", "m", "--host", "0.0.0.0", "--decode", "127.0.0.1:7001"), "m")
     with pytest.raises(SystemExit, match="reachable from other hosts"):
         service_config(parse("serve", "kvstore", "--host", "my-host.example"))
-    with caplog.at_level(logging.WARNING):  # on loopback nothing else reaches it: it runs, and says so
-        assert service_config(parse("serve", "kvstore")).transport.secret is None
-        assert service_config(parse("serve", "kvstore", "--host", "127.0.0.3")).transport.secret is None
-        assert service_config(parse("serve", "kvstore", "--host", "::1")).transport.secret is None
-    assert "no deployment secret" in caplog.text
+    # On loopback nothing else reaches it: it runs (and says so as it starts: network.say_if_unauthenticated).
+    assert service_config(parse("serve", "kvstore")).transport.secret is None
+    assert service_config(parse("serve", "kvstore", "--host", "127.0.0.3")).transport.secret is None
+    assert service_config(parse("serve", "kvstore", "--host", "::1")).transport.secret is None
+    with caplog.at_level(logging.WARNING):
+        say_if_unauthenticated(service_config(parse("serve", "kvstore")).transport, "127.0.0.1")
+    assert "no deployment secret: peers are not authenticated" in caplog.text
     secret = tmp_path / "secret"
     assert main(["keys", "--secret", str(secret)]) == 0
     assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_text().strip()) == 64
