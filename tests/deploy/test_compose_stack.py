@@ -1,7 +1,8 @@
 """The exact commands compose.yaml gives each service, run as local processes, answer a chat request.
 
 Only what a container network provides is changed: hosts become 127.0.0.1, each (service, port) a free
-local port, the model path the demo fixture. Services start in compose's order - the proxy once every
+local port, the model path the demo fixture, each named volume a local folder (fill-volumes' command makes
+the deployment's secret in the `secret` one). Services start in compose's order - the proxy once every
 engine's own compose health check passes - and the test then drives the proxy with the openai client.
 """
 import os
@@ -35,6 +36,11 @@ class LocalProject:
     def __init__(self, project: dict, model: str, log_dir: Path) -> None:
         self.services = {n: s for n, s in project["services"].items() if s["command"][:2] == ["epdserve", "serve"]}
         self.model, self.log_dir = model, log_dir
+        self.fill = project["services"]["fill-volumes"]
+        # Container paths of the secret volume -> a local folder, as every service mounts it.
+        self.volume = log_dir / "secret-volume"
+        self.mounts = {v["target"]: str(self.volume) for s in project["services"].values()
+                       for v in s.get("volumes", []) if v.get("source") == "secret"}
         self.ports = {(name, int(port)): free_port() for name, s in self.services.items()
                       for option, port in zip(s["command"], s["command"][1:]) if option in PORT_OPTIONS}
         self.procs: dict[str, subprocess.Popen] = {}
@@ -68,8 +74,24 @@ class LocalProject:
 
     def environment(self, name: str) -> dict[str, str]:
         """A service's environment: its process's, and its health check's (Docker runs it in the container)."""
-        return {**os.environ, **self.services[name].get("environment", {}), "PYTHONSAFEPATH": "1",
-                "PYTHONUNBUFFERED": "1"}
+        env = {key: self.local(value) for key, value in self.services[name].get("environment", {}).items()}
+        return {**os.environ, **env, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
+
+    def local(self, text: str) -> str:
+        for target, folder in self.mounts.items():
+            text = text.replace(target, folder)
+        return text
+
+    def fill_volumes(self) -> None:
+        """fill-volumes' command (`sh -c ...`), its volume a local folder and `epdserve` this Python's."""
+        shell, flag, script = self.fill["command"]
+        assert (shell, flag) == ("sh", "-c"), self.fill["command"]
+        self.volume.mkdir(exist_ok=True)
+        cli = f"{sys.executable} -m epdserve.services.cli"
+        for _ in range(2):  # the second `up` keeps the secret the first made
+            done = subprocess.run([shell, flag, self.local(script).replace("epdserve keys", f"{cli} keys")],
+                                  capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
 
     def start(self, name: str) -> None:
         log = (self.log_dir / f"{name}.log").open("ab")
@@ -89,6 +111,7 @@ class LocalProject:
 
     def up(self) -> None:
         """Starts services whose depends_on are healthy, like `docker compose up`, until all run."""
+        self.fill_volumes()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while len(self.procs) < len(self.services):
             # A dependency that runs no server (fill-volumes fills container volumes) has no local part.
@@ -158,3 +181,26 @@ def test_the_helm_test_script_passes_against_the_stack(local_compose):
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "answered" in done.stdout
+
+
+def test_a_peer_without_the_deployment_secret_is_refused(local_compose):
+    """Every service bound 0.0.0.0 in compose proves the secret fill-volumes made; a client without it (another
+    container on the network) gets no handshake, one holding it does."""
+    import asyncio
+
+    from epdserve.transport import protocol as p
+    from epdserve.transport.channel import HandshakeError
+    from epdserve.transport.peer_auth import PeerAuth, load_secret
+    from epdserve.transport.request_client import RequestClient
+
+    secret = load_secret(path=local_compose.environment("prefill")["EPDSERVE_SECRET_FILE"])
+
+    async def probe(service: str, auth):
+        address = f"tcp://127.0.0.1:{local_compose.ports[(service, 7000)]}"
+        async with RequestClient(address, engine_id="probe", role=p.Role.PREFILL, timeout=5, auth=auth) as client:
+            return await client.request(p.StatusRequest())
+
+    for service in ("encoder", "prefill", "decode"):
+        with pytest.raises(HandshakeError, match="unauthenticated"):
+            asyncio.run(probe(service, None))
+        assert isinstance(asyncio.run(probe(service, PeerAuth(secret))), p.Status)
