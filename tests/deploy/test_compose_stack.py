@@ -75,6 +75,8 @@ class LocalProject:
     def environment(self, name: str) -> dict[str, str]:
         """A service's environment: its process's, and its health check's (Docker runs it in the container)."""
         env = {key: self.local(value) for key, value in self.services[name].get("environment", {}).items()}
+        if env.get("EPDSERVE_KV_STORE"):  # the store's service name, as compose's DNS resolves it
+            env["EPDSERVE_KV_STORE"] = self.target(env["EPDSERVE_KV_STORE"])
         return {**os.environ, **env, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
 
     def local(self, text: str) -> str:
@@ -140,7 +142,9 @@ class LocalProject:
 @pytest.fixture(scope="module")
 def local_compose(compose_config, llava_demo_path, tmp_path_factory):
     # One torch thread per engine: three engines share this machine's cores.
-    project = compose_config(EPDSERVE_API_KEY=API_KEY, EPDSERVE_THREADS="1")
+    # With the shared KV store (its profile, and every engine pointed at it), as the file's header shows.
+    project = compose_config("kvstore", EPDSERVE_API_KEY=API_KEY, EPDSERVE_THREADS="1", EPDSERVE_KV_STORE="kvstore:7000",
+                             EPDSERVE_KV_STORE_SIZE="0.05")
     stack = LocalProject(project, llava_demo_path, tmp_path_factory.mktemp("compose-logs"))
     try:
         stack.up()
@@ -200,7 +204,51 @@ def test_a_peer_without_the_deployment_secret_is_refused(local_compose):
         async with RequestClient(address, engine_id="probe", role=p.Role.PREFILL, timeout=5, auth=auth) as client:
             return await client.request(p.StatusRequest())
 
-    for service in ("encoder", "prefill", "decode"):
+    for service in ("encoder", "prefill", "decode", "kvstore"):
         with pytest.raises(HandshakeError, match="unauthenticated"):
             asyncio.run(probe(service, None))
         assert isinstance(asyncio.run(probe(service, PeerAuth(secret))), p.Status)
+
+
+def test_the_compose_store_gives_no_prompt_to_a_peer_and_takes_no_forged_block(local_compose):
+    """The store probe against compose's store: a raw client without the secret is refused; one holding it
+    lists the store's block hashes but reads none of them without their tokens, and plants nothing over them."""
+    import asyncio
+
+    import torch
+
+    from epdserve.services.cli import engine_config, parse_args
+    from epdserve.services.engine_worker import kv_layout
+    from epdserve.transport import protocol as p
+    from epdserve.transport.channel import ErrorReply, HandshakeError
+    from epdserve.transport.checksum import checksum
+    from epdserve.transport.peer_auth import PeerAuth, load_secret
+    from epdserve.transport.request_client import RequestClient
+
+    test_the_compose_stack_completes_a_chat(local_compose)  # a request whose blocks the engines put there
+    secret = load_secret(path=local_compose.environment("kvstore")["EPDSERVE_SECRET_FILE"])
+    layout = kv_layout(engine_config(parse_args(["serve", "prefill"]), local_compose.model))
+    address = f"tcp://127.0.0.1:{local_compose.ports[('kvstore', 7000)]}"
+
+    async def main():
+        async with RequestClient(address, engine_id="probe", role=p.Role.PREFILL, timeout=5) as stranger:
+            with pytest.raises(HandshakeError, match="unauthenticated"):
+                await stranger.request(p.KVEventsRequest(None))
+        async with RequestClient(address, engine_id="probe", role=p.Role.PREFILL, timeout=5,
+                                 auth=PeerAuth(secret)) as peer:
+            deadline = time.monotonic() + 20
+            while not (events := await peer.request(p.KVEventsRequest(None), expect=p.KVEvents)).stored:
+                assert time.monotonic() < deadline, "no block reached the store: " + local_compose.logs()
+                await asyncio.sleep(0.5)
+            held = [events.stored[i:i + 16] for i in range(0, len(events.stored), 16)]
+            guess = (0,) * layout.block_size
+            for block_hash in held:
+                got = await peer.request(p.KVStoreGet(layout, block_hash, guess), expect=p.KVStoreBlocks)
+                assert got.block_hashes == b"" and not got.blocks
+            shape = (1, layout.num_layers, 2, layout.num_kv_heads, layout.block_size, layout.head_size)
+            forged = torch.randn(shape, dtype=getattr(torch, layout.dtype))
+            with pytest.raises(ErrorReply, match="other token ids"):
+                await peer.request(p.KVStorePut(layout, held[0], guess, (checksum(forged[0]),), (forged,)),
+                                   expect=p.Ack)
+
+    asyncio.run(main())
