@@ -29,8 +29,8 @@ from epdserve.shared.engine import (RESTORE_SECONDS_BUCKETS, EvictedBlock, KVCon
                                     LoadResult, Request)
 from epdserve.transport.channel import ChannelError, ErrorReply
 from epdserve.transport.checksum import checksum
-from epdserve.transport.protocol import (Ack, KVEvents, KVEventsRequest, KVLayout, KVStoreBlocks, KVStoreGet,
-                                      KVStorePut)
+from epdserve.transport.protocol import (Ack, ErrorCode, KVEvents, KVEventsRequest, KVLayout, KVStoreBlocks,
+                                      KVStoreGet, KVStorePut)
 from epdserve.transport.request_client import RequestClient
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,16 @@ class StoreKVConnector(KVConnector):
                 message = KVStorePut(self.layout, b"".join(b.block_hash for b in part),
                                      tuple(t for b in part for t in b.token_ids),
                                      tuple(checksum(chunk[i]) for i in range(len(part))), (chunk,))
-                await self.client.request(message, timeout=self.timeout, expect=Ack)
+                try:
+                    await self.client.request(message, timeout=self.timeout, expect=Ack)
+                except ErrorReply as exc:
+                    if exc.error.code is not ErrorCode.BAD_REQUEST:
+                        raise
+                    # It kept the others and refused blocks it holds under other tokens: the store is up.
+                    logger.warning("the KV store refused part of a put: %s", exc.error.message)
+                    with self._lock:
+                        self._dropped += len(part)
+                    continue
                 self._held.update(b.block_hash for b in part)  # its events will say so too
                 with self._lock:
                     self._saved_blocks += len(part)

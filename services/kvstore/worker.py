@@ -4,17 +4,18 @@ Engines put the blocks their pools evict and those of the requests they finish (
 leading blocks of a prompt they lack (`KVStoreGet`); they learn what the store holds from its KV events
 (`KVEventsRequest`, numbered batches as an engine's own: shared/engine/kv_events.py), so that deciding to
 load costs them no round trip. Blocks are kept per KV layout (model, dtype, block shape) by their chained
-hash - equal hashes mean equal prefixes (shared/block_hash.py) - with their token ids and the checksum they were put with, which the store checks on arrival (a
-corrupted block is refused) and a getter checks again once the bytes have landed.
+hash - equal hashes mean equal prefixes (shared/block_hash.py) - with their token ids and the checksum they
+were put with, which the store checks on arrival (a corrupted block is refused) and a getter checks again
+once the bytes have landed.
 
 Memory is bounded (`capacity_bytes`), least recently used blocks go first - to disk when the store has
 one (`disk_bytes` per KV layout, in a memory-mapped file of `disk_path`, checksummed like an engine's
 offload tier: shared/engine/offload_file.py), else away. A get is answered from memory, then from disk.
-Token ids never leave the store: a get shows the token ids it expects, and only blocks holding exactly those
-are sent (a peer learns nothing it did not already hold). A block is never replaced: a put of other token ids
-under a hash the store holds is refused and counted (`epdserve:kv_store_conflicting_blocks`), so a peer cannot
-plant KV under another prompt's hash once it is there. The store is a cache: losing it (a crash, a restart, a full memory) costs engines recomputation, never a
-wrong token.
+Token ids never leave the store: a get shows the token ids it expects, and only blocks holding exactly
+those are sent (a peer learns nothing it did not already hold). A block is never replaced: a put of other
+token ids under a hash the store holds is refused (the rest of the put is kept) and counted
+(`epdserve:kv_store_conflicting_blocks`), so a peer cannot plant KV under a held prompt's hash. The store
+is a cache: losing it (a crash, a restart, a full memory) costs engines recomputation, never a wrong token.
 """
 from __future__ import annotations
 
