@@ -90,6 +90,9 @@ RUN epdserve model llava-demo && chmod -R a+rX /models && rm -rf /tmp/* /tmp/.[!
 
 COPY deploy/healthcheck.py /usr/local/bin/epdserve-healthcheck
 RUN chmod 0755 /usr/local/bin/epdserve-healthcheck
+# Where compose's `secret` volume holds the deployment's secret: a named volume starts as a copy of this
+# folder, so the service user may write the secret there once, and only it may read it.
+RUN mkdir -p /run/epdserve && chown 10001:10001 /run/epdserve && chmod 0700 /run/epdserve
 
 USER 10001:10001
 # 8000: the proxy's OpenAI API. 7000/7100/7200/9000: what compose.yaml and the Helm chart give every

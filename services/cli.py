@@ -121,8 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_up_options(up)
     up.set_defaults(func=_up_command)
 
-    keys = sub.add_parser("keys", help="create the CURVE certificate every service of a deployment shares")
-    keys.add_argument("dir")
+    keys = sub.add_parser("keys", help="create the CURVE certificate (DIR) or the secret (--secret FILE) every "
+                                       "service of a deployment shares")
+    keys.add_argument("dir", nargs="?")
+    keys.add_argument("--secret", metavar="FILE", help="write a new deployment secret to FILE (readable by its owner only)")
     keys.set_defaults(func=_keys_command)
 
     add_bench_parser(sub)
@@ -135,9 +137,24 @@ def transport_config(args: argparse.Namespace):
 
     try:
         return TransportConfig(args.kv_transport, args.curve_dir, args.rpc_timeout, args.transfer_timeout,
-                               args.ucx_net_devices)
+                               args.ucx_net_devices, deployment_secret(args.secret_file, args.host, args.curve_dir))
     except ValueError as exc:  # argparse checks no default: $EPDSERVE_KV_TRANSPORT may hold anything
         raise SystemExit(f"epdserve: error: {exc}") from None
+
+
+def deployment_secret(path: str | None, host: str, curve_dir: str | None) -> bytes | None:
+    """The secret every handshake proves: from --secret-file, else $EPDSERVE_SECRET. Without one a service
+    runs only where nothing else can reach it (loopback), or with CURVE (whose keys authenticate)."""
+    from epdserve.transport.peer_auth import SECRET_ENV, load_secret
+    from epdserve.transport.security import is_loopback
+
+    secret = load_secret(os.environ.get(SECRET_ENV), path)
+    if secret is None and not curve_dir:
+        if not is_loopback(host):
+            raise ValueError(f"a service bound to {host} is reachable from other hosts and needs the deployment's "
+                             f"secret: make one with `epdserve keys --secret FILE` and give every service "
+                             f"--secret-file FILE (or ${SECRET_ENV})")
+    return secret
 
 
 def engine_config(args: argparse.Namespace, model: str):
@@ -227,6 +244,7 @@ def proxy_config(args: argparse.Namespace, model: str):
     from epdserve.services.proxy.lifecycle import LifecycleConfig
     from epdserve.services.proxy.output_constraints import ConstraintLimits
     from epdserve.services.proxy.server import ProxyConfig
+    from epdserve.shared.block_hash import deployment_key
 
     for flag, value in (("--migration-limit", args.migration_limit),
                         ("--max-prefill-queue-tokens", args.max_prefill_queue_tokens)):
@@ -245,6 +263,7 @@ def proxy_config(args: argparse.Namespace, model: str):
         lifecycle=LifecycleConfig(local_prefill_threshold=args.local_prefill_threshold,
                                   max_prefill_queue_tokens=args.max_prefill_queue_tokens,
                                   rpc_timeout=transport.rpc_timeout, prefill_timeout=args.prefill_timeout,
+                                  block_hash_key=deployment_key(transport.secret),
                                   token_timeout=args.token_timeout, migration_limit=args.migration_limit,
                                   kv_routing=KVRoutingConfig(RoutingPolicy(args.routing_policy), args.kv_load_weight,
                                                              args.kv_local_prefill_tokens, args.kv_tier_weight,
@@ -356,6 +375,12 @@ def _serve_command(args: argparse.Namespace) -> int:
         engine = engine_config(args, model) if args.role != "encoder" else None
     except ValueError as exc:  # an engine option out of range, or one that contradicts the model
         raise SystemExit(f"epdserve: error: {exc}") from None
+    if engine is not None and config.transport.secret:  # blocks named by hashes only the deployment can make
+        from dataclasses import replace
+
+        from epdserve.shared.block_hash import deployment_key
+
+        engine = replace(engine, cache=replace(engine.cache, block_hash_key=deployment_key(config.transport.secret)))
     _starting(config.engine_id, model)
     return asyncio.run(run_service(config, engine, model, args.dtype, args.device))
 
@@ -466,7 +491,20 @@ def _keys_command(args: argparse.Namespace) -> int:
     import zmq.auth
 
     from epdserve.services.network import CURVE_CERT
+    from epdserve.transport.peer_auth import new_secret
 
+    if not args.dir and not args.secret:
+        raise SystemExit("epdserve keys: error: name a folder for the CURVE certificate, or --secret FILE")
+    if args.secret:
+        try:  # never over an existing secret: services still holding it would lose their peers
+            fd = os.open(args.secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise SystemExit(f"epdserve keys: error: cannot create {args.secret}: {exc.strerror}") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(new_secret() + "\n")
+        print(args.secret)
+        if not args.dir:
+            return 0
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
     public, secret = zmq.auth.create_certificates(str(folder), CURVE_CERT)

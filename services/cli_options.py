@@ -173,7 +173,11 @@ def add_transport_args(p: argparse.ArgumentParser) -> None:
     add_kv_transport_args(g)
     g.add_argument("--curve-dir", default=os.environ.get("EPDSERVE_CURVE_DIR"),
                    help="folder with the deployment's CURVE certificate (epdserve keys DIR); "
-                        "default $EPDSERVE_CURVE_DIR; unset = no authentication")
+                        "default $EPDSERVE_CURVE_DIR; unset = no encryption")
+    g.add_argument("--secret-file", default=os.environ.get("EPDSERVE_SECRET_FILE"), metavar="FILE",
+                   help="file holding the deployment's shared secret (epdserve keys --secret FILE), which every "
+                        "handshake between services proves; default $EPDSERVE_SECRET_FILE, else the secret itself "
+                        "from $EPDSERVE_SECRET (never on a command line); needed unless the service binds loopback")
     g.add_argument("--rpc-timeout", type=float, default=30.0,
                    help="seconds a control request to a peer may take before it counts as gone")
     g.add_argument("--request-timeout", dest="rpc_timeout", type=float, default=argparse.SUPPRESS,

@@ -13,7 +13,7 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
-from epdserve.services.network import client_curve
+from epdserve.services.network import client_curve, peer_auth
 from epdserve.services.peer_kv_connector import PeerKVConnector, PeerSources
 from epdserve.services.proxy_channels import ProxyChannels
 from epdserve.services.request_spans import RequestSpans
@@ -63,7 +63,7 @@ def control_client_kwargs(service: ServiceConfig) -> dict:
     """How this service dials a peer's control channel or a proxy's inbox: as itself, within the RPC timeout."""
     transport = service.transport
     return dict(engine_id=service.engine_id, role=Role(service.role), curve=client_curve(transport),
-                timeout=transport.rpc_timeout)
+                auth=peer_auth(transport), timeout=transport.rpc_timeout)
 
 
 async def start_engine(service: ServiceConfig, engine_config: EngineConfig,
@@ -80,7 +80,7 @@ def kv_transfer_client(service: ServiceConfig, engine_config: EngineConfig, llm:
     transport = service.transport
     return create_client(transport.kv_transport, service.engine_id, role=Role(service.role),
                          kv_cache=llm.kv_cache, layout=kv_layout(engine_config),
-                         timeout=transport.transfer_timeout, curve=client_curve(transport),
+                         timeout=transport.transfer_timeout, curve=client_curve(transport), auth=peer_auth(transport),
                          **transport.transfer_options())
 
 

@@ -28,6 +28,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from epdserve.transport.peer_auth import SECRET_ENV, SECRET_FILE_ENV, new_secret
+
 ENGINE_ROLES = ("prefill", "decode", "unified")
 # The ports each service of the stack listens on, besides the proxy's API: the options that give them.
 PORT_OPTIONS = {"encoder": ("--port", "--data-port", "--http-port"),
@@ -180,6 +182,10 @@ class LocalStack:
         self._argv: dict[str, list[str]] = {}
         self._deaths: dict[str, list[float]] = {}  # name -> when it died, within the restart window
         self._given_up: set[str] = set()
+        # The stack's own secret, which every handshake between its services proves (unless the caller's
+        # environment names one): handed to each child in its environment, never on a command line.
+        given = os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV)
+        self._secret = None if given else new_secret()
 
     def _on_signal(self, *_) -> None:
         self.signals += 1
@@ -246,6 +252,8 @@ class LocalStack:
         # `python -m` would put the working folder first on the module path (Python >= 3.11 leaves it off
         # with this): a folder named epdserve there must not be run instead of the installed package.
         env["PYTHONSAFEPATH"] = "1"
+        if self._secret is not None:
+            env[SECRET_ENV] = self._secret
         if name == "proxy" and self.config.api_key:
             env["EPDSERVE_API_KEY"] = self.config.api_key
         return env

@@ -1,12 +1,16 @@
-"""How services find and trust each other: advertised addresses and the deployment's CURVE certificate."""
+"""How services find and trust each other: advertised addresses, the deployment's secret and its CURVE
+certificate."""
 from __future__ import annotations
 
+import logging
 import socket
 from pathlib import Path
 
 from epdserve.shared.config import TransportConfig
+from epdserve.transport.peer_auth import PeerAuth
 from epdserve.transport.security import WILDCARD_HOSTS, CurveConfig, bracketed
 
+logger = logging.getLogger(__name__)
 CURVE_CERT = "epdserve"  # <curve_dir>/epdserve.key (public) and epdserve.key_secret
 
 
@@ -16,6 +20,19 @@ def server_curve(transport: TransportConfig) -> CurveConfig | None:
         return None
     folder = Path(transport.curve_dir)
     return CurveConfig(folder / f"{CURVE_CERT}.key_secret", allowed_clients=(folder / f"{CURVE_CERT}.key",))
+
+
+def peer_auth(transport: TransportConfig) -> PeerAuth | None:
+    """Every service shares one secret: each handshake proves it, each side checks the other's proof. A
+    server gets one of its own (it remembers the nonces it admitted)."""
+    return PeerAuth(transport.secret) if transport.secret else None
+
+
+def say_if_unauthenticated(transport: TransportConfig, host: str) -> None:
+    """One line at startup when peers are not authenticated (allowed only on loopback: cli.py refuses the rest)."""
+    if not transport.secret and not transport.curve_dir:
+        logger.warning("no deployment secret: peers are not authenticated, which is safe only because this "
+                       "service binds loopback (%s), where only this machine's users reach it", host)
 
 
 def client_curve(transport: TransportConfig) -> CurveConfig | None:

@@ -20,8 +20,10 @@ import logging
 import signal
 from typing import Callable
 
+from prometheus_client import Gauge
+
 from epdserve.services.management import ManagementServer, build_management_app
-from epdserve.services.network import advertised, server_curve
+from epdserve.services.network import advertised, peer_auth, say_if_unauthenticated, server_curve
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.transport.protocol import (MAY_SEND, DecodeRequest, EncodeRequest, Error, ErrorCode, GenerateRequest,
                                       Handshake, Health, Message, PrefillRequest, Role, Status, StatusRequest)
@@ -57,9 +59,10 @@ class Service:
         """Serve until stopped; the exit code (1 if the engine died)."""
         config, role = self.config, self.role
         transport = config.transport
+        say_if_unauthenticated(transport, config.host)
         control = ReplyServer(config.engine_id, host=config.host, port=config.port,
                               allow_wildcard=config.host in WILDCARD_HOSTS, curve=server_curve(transport),
-                              senders=MAY_SEND)
+                              auth=peer_auth(transport), senders=MAY_SEND)
         self.control_addr = advertised(await control.start(), config.host, config.advertise_host)
         management = ManagementServer(
             build_management_app(self._management_state,
@@ -72,6 +75,7 @@ class Service:
             loop.add_signal_handler(sig, self._on_signal)
 
         worker = self.worker = await self._build_worker(lambda: control.num_rejected)
+        count_refused_peers(worker, control, role.value, config.engine_id)
         if self.health == Health.STARTING:
             self.health = Health.READY
         logger.info("%s %s ready: control %s, data %s, http port %d, KV transport %s", role.value, config.engine_id,
@@ -174,3 +178,13 @@ async def run_service(config: ServiceConfig, engine: EngineConfig | None, model_
                       dtype: str = "float32", device: str = "cpu") -> int:
     """Run one service until stopped; its exit code."""
     return await Service(config, engine, model_path, dtype, device).run()
+
+
+def count_refused_peers(worker, control: ReplyServer, role: str, engine_id: str) -> None:
+    """Export how many peers this service refused for want of the deployment's credentials (no proof of its
+    secret, a CURVE key not allowed), on its control channel and its KV transfer server."""
+    labels = {"role": role, "engine_id": engine_id}
+    kv_server = getattr(worker, "kv_server", None)
+    gauge = Gauge("epdserve:peer_auth_refused", "Peers refused: no proof of the deployment's secret, or a CURVE key "
+                  "not allowed.", list(labels), registry=worker.metrics.registry).labels(**labels)
+    gauge.set_function(lambda: control.num_auth_denied + (kv_server.num_auth_denied if kv_server is not None else 0))

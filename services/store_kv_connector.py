@@ -29,8 +29,8 @@ from epdserve.shared.engine import (RESTORE_SECONDS_BUCKETS, EvictedBlock, KVCon
                                     LoadResult, Request)
 from epdserve.transport.channel import ChannelError, ErrorReply
 from epdserve.transport.checksum import checksum
-from epdserve.transport.protocol import (Ack, KVEvents, KVEventsRequest, KVLayout, KVStoreBlocks, KVStoreGet,
-                                      KVStorePut)
+from epdserve.transport.protocol import (Ack, ErrorCode, KVEvents, KVEventsRequest, KVLayout, KVStoreBlocks,
+                                      KVStoreGet, KVStorePut)
 from epdserve.transport.request_client import RequestClient
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,16 @@ class StoreKVConnector(KVConnector):
                 message = KVStorePut(self.layout, b"".join(b.block_hash for b in part),
                                      tuple(t for b in part for t in b.token_ids),
                                      tuple(checksum(chunk[i]) for i in range(len(part))), (chunk,))
-                await self.client.request(message, timeout=self.timeout, expect=Ack)
+                try:
+                    await self.client.request(message, timeout=self.timeout, expect=Ack)
+                except ErrorReply as exc:
+                    if exc.error.code is not ErrorCode.BAD_REQUEST:
+                        raise
+                    # It kept the others and refused blocks it holds under other tokens: the store is up.
+                    logger.warning("the KV store refused part of a put: %s", exc.error.message)
+                    with self._lock:
+                        self._dropped += len(part)
+                    continue
                 self._held.update(b.block_hash for b in part)  # its events will say so too
                 with self._lock:
                     self._saved_blocks += len(part)
@@ -156,7 +165,7 @@ class StoreKVConnector(KVConnector):
     async def _load(self, load: KVLoad, hashes: list[bytes], expected: tuple[int, ...], started: float) -> None:
         ok, reason = False, "store_unreachable"
         try:
-            reply = await self.client.request(KVStoreGet(self.layout, b"".join(hashes)), timeout=self.timeout,
+            reply = await self.client.request(KVStoreGet(self.layout, b"".join(hashes), expected), timeout=self.timeout,
                                               expect=KVStoreBlocks)
             ok, reason = self._copy_in(load, hashes, expected, reply)
         except _FAILURES as exc:
@@ -175,7 +184,8 @@ class StoreKVConnector(KVConnector):
     def _copy_in(self, load: KVLoad, hashes: list[bytes], expected: tuple[int, ...],
                  reply: KVStoreBlocks) -> tuple[bool, str]:
         """Check what the store sent and copy it into the load's blocks; (ok, why not)."""
-        if reply.block_hashes != b"".join(hashes) or reply.token_ids != expected or len(reply.blocks) != 1:
+        # The store sends only blocks whose token ids are the ones this get showed it (`expected`).
+        if reply.block_hashes != b"".join(hashes) or len(reply.blocks) != 1:
             for block_hash in hashes[len(reply.block_hashes) // HASH_BYTES:]:
                 self._held.discard(block_hash)  # gone from the store since its last events
             return False, "store_missing"

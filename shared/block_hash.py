@@ -4,12 +4,15 @@ A block's hash covers its parent's hash, its token ids and its extra keys (the h
 placeholder tokens overlap it; the request's `cache_salt` and LoRA adapter on the first block), so equal
 hashes mean equal prefixes computed by the same weights. The hash is stable across processes (unlike
 `hash()` of strings): engines report the hashes of the blocks they hold, and the proxy's router hashes a
-prompt the same way to find where it is cached.
+prompt the same way to find where it is cached. A deployment with a secret keys the hash with a key derived
+from it (`deployment_key`): what its engines, tiers and KV store hold is then named by hashes nobody without
+the secret can compute from a guessed prompt, so a block can neither be looked up nor planted by its tokens.
 Imports neither torch nor the engine, so the proxy can use it.
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 from array import array
 from typing import Protocol, Sequence
 
@@ -22,12 +25,18 @@ class ImageSpan(Protocol):
     mm_hash: str
 
 
-def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple[str, ...] = ()) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
+def deployment_key(secret: bytes | None) -> bytes | None:
+    """The block-hash key of a deployment whose services share `secret` (None: hashes are unkeyed)."""
+    return hmac.new(secret, b"epdserve block hash key", hashlib.sha256).digest() if secret else None
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple[str, ...] = (),
+               key: bytes | None = None) -> bytes:
+    h = hashlib.blake2b(digest_size=16, key=key or b"")
     h.update(parent_hash or b"\0" * 16)
     h.update(array("q", token_ids).tobytes())
-    for key in extra_keys:
-        h.update(b"\x1f" + key.encode())
+    for extra_key in extra_keys:
+        h.update(b"\x1f" + extra_key.encode())
     return h.digest()
 
 
@@ -47,8 +56,9 @@ def block_extra_keys(block_index: int, block_size: int, images: Sequence[ImageSp
 
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
                         images: Sequence[ImageSpan] = (), cache_salt: str | None = None,
-                        lora_key: str | None = None) -> list[bytes]:
-    """Appends to `hashes` the hashes of the full blocks of `token_ids` it lacks; returns it."""
+                        lora_key: str | None = None, key: bytes | None = None) -> list[bytes]:
+    """Appends to `hashes` the hashes of the full blocks of `token_ids` it lacks; returns it. `key`: the
+    deployment's (deployment_key), which every engine and router of a deployment must hash with alike."""
     start, end = len(hashes), len(token_ids) // block_size
     if start >= end:
         return hashes
@@ -58,9 +68,9 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
     parent = hashes[-1] if hashes else b"\0" * 16
     extra = bool(images or cache_salt or lora_key)
     for i, offset in enumerate(range(0, len(raw), step), start):
-        h = hashlib.blake2b(parent + raw[offset:offset + step], digest_size=16)
-        for key in block_extra_keys(i, block_size, images, cache_salt, lora_key) if extra else ():
-            h.update(b"\x1f" + key.encode())
+        h = hashlib.blake2b(parent + raw[offset:offset + step], digest_size=16, key=key or b"")
+        for extra_key in block_extra_keys(i, block_size, images, cache_salt, lora_key) if extra else ():
+            h.update(b"\x1f" + extra_key.encode())
         parent = h.digest()
         hashes.append(parent)
     return hashes

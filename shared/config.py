@@ -357,6 +357,9 @@ class CacheConfig:
     kv_offloading_bytes: int = 0
     kv_offloading_path: str | None = None
     kv_offloading_save_finished: bool = False
+    # The deployment's block-hash key (shared/block_hash.py deployment_key; None: unkeyed): the prefix
+    # cache, the offload tier and the shared KV store all name blocks by hashes keyed with it.
+    block_hash_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.kv_offloading_bytes < 0:
@@ -543,6 +546,9 @@ class TransportConfig:
     # UCX's NET_DEVICES: the interfaces the ucx transport may use. "all" (UCX's own default) reaches
     # peers on other hosts; name the fabric (e.g. "mlx5_0:1" or "eth0") to keep it off the others.
     ucx_net_devices: str = "all"
+    # The deployment's shared secret: every handshake proves it (transport/peer_auth.py). None: peers are not
+    # authenticated, which only a service nothing else can reach (bound to loopback) may run without.
+    secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.kv_transport not in ("zmq", "ucx"):

@@ -15,8 +15,9 @@ Frames: a DEALER sends [correlation id (8 bytes), *codec frames]; the ROUTER see
 identity in front and answers [identity, correlation id, *codec frames]. The correlation id lets one
 connection carry many concurrent requests; all-zero means "no reply wanted" (push).
 
-Every connection starts with a Handshake (protocol version, role, engine id, optional KV layout)
-which the server accepts or refuses before it passes anything else to its handler. A server that
+Every connection starts with a Handshake (protocol version, role, engine id, optional KV layout, and
+the proof of the deployment's secret, peer_auth.py) which the server accepts or refuses before it passes
+anything else to its handler; the HandshakeAck proves the secret back. A server that
 restarts forgets its peers and answers HANDSHAKE_REQUIRED; the client then handshakes again and
 retries once, so a reconnect is invisible to callers. ZMQ itself reconnects the TCP connection.
 

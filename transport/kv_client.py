@@ -41,6 +41,7 @@ from epdserve.transport.limits import DEFAULT_LIMITS, Limits
 from epdserve.transport.peer_pool import PeerPool
 from epdserve.transport.protocol import ErrorCode, FetchBlocks, HandshakeAck, KVLayout, Role
 from epdserve.transport.request_client import RequestClient
+from epdserve.transport.peer_auth import PeerAuth
 from epdserve.transport.security import CurveConfig
 
 # Blocks gathered for want of runs travel in messages of at most this size: each is gathered into a
@@ -116,7 +117,7 @@ class KVTransferClient:
 
     def __init__(self, engine_id: str, paths: Sequence[ClientPath], *, kv_cache: torch.Tensor | None = None,
                  model_id: str = "", layout: KVLayout | None = None, role: Role = Role.DECODE, timeout: float = 30.0,
-                 curve: CurveConfig | None = None, limits: Limits = DEFAULT_LIMITS,
+                 curve: CurveConfig | None = None, auth: PeerAuth | None = None, limits: Limits = DEFAULT_LIMITS,
                  max_message_bytes: int = 256 << 20, min_message_bytes: int = 64 << 20,
                  max_inflight_messages: int = 2, min_segment_bytes: int = 64 << 10,
                  peer_idle_seconds: float = peer_pool.IDLE_SECONDS, connect_timeout: float = CONNECT_TIMEOUT):
@@ -128,7 +129,7 @@ class KVTransferClient:
         self.kv_cache = kv_cache
         self.layout = kv_layout(kv_cache, model_id, layout) if kv_cache is not None else None
         self.stats = TransferStats()
-        self.role, self.timeout, self.limits, self._curve = role, timeout, limits, curve
+        self.role, self.timeout, self.limits, self._curve, self._auth = role, timeout, limits, curve, auth
         self.connect_timeout = connect_timeout
         # Large messages: runs cost no gather, so a message costs a round trip and Python work per segment,
         # and few large ones measured fastest (64-256 MiB x 2 in flight on 2 cores).
@@ -148,7 +149,7 @@ class KVTransferClient:
     def _open_control(self, address: str) -> RequestClient:
         extra = {key: value for path in self.paths for key, value in path.hello_extra().items()}
         return RequestClient(address, engine_id=self.engine_id, role=self.role, timeout=self.timeout,
-                             curve=self._curve, limits=self.limits, kv_layout=self.layout,
+                             curve=self._curve, auth=self._auth, limits=self.limits, kv_layout=self.layout,
                              kv_transport=self.transport, check_ack=self._check_ack, fail_if_refused=True, **extra)
 
     def _check_ack(self, ack: HandshakeAck) -> str | None:

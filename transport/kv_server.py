@@ -40,6 +40,7 @@ from epdserve.transport.limits import DEFAULT_LIMITS, Limits
 from epdserve.transport.protocol import (MAY_SEND, Error, ErrorCode, FetchBlocks, FetchEmbeddings, Handshake, KVLayout,
                                          Message)
 from epdserve.transport.reply_server import ReplyServer
+from epdserve.transport.peer_auth import PeerAuth
 from epdserve.transport.security import CurveConfig
 
 logger = logging.getLogger(__name__)
@@ -122,7 +123,8 @@ class KVTransferServer:
     def __init__(self, engine_id: str, paths: Sequence[ServerPath], *, kv_cache: torch.Tensor | None = None,
                  model_id: str = "", encoder_cache: EmbeddingSource | None = None, layout: KVLayout | None = None,
                  host: str = "127.0.0.1", port: int = 0, allow_wildcard: bool = False,
-                 curve: CurveConfig | None = None, limits: Limits = DEFAULT_LIMITS, max_inflight: int = 8):
+                 curve: CurveConfig | None = None, auth: PeerAuth | None = None, limits: Limits = DEFAULT_LIMITS,
+                 max_inflight: int = 8):
         transports = {path.transport for path in paths}
         assert len(transports) == 1, f"the paths of one server move data over one transport, not {transports}"
         self.engine_id = engine_id
@@ -139,7 +141,7 @@ class KVTransferServer:
         # (or from another server at the same address) does not match either.
         self._generations = itertools.count(secrets.randbits(62) + 1)
         self.control = ReplyServer(engine_id, host=host, port=port, allow_wildcard=allow_wildcard, curve=curve,
-                                   limits=limits, kv_layout=self.layout, kv_transport=self.transport,
+                                   auth=auth, limits=limits, kv_layout=self.layout, kv_transport=self.transport,
                                    on_sent=self._on_sent, check_handshake=self._check_peer, max_inflight=max_inflight,
                                    senders=MAY_SEND, ack_extra=self._ack_extra)
         self._serve_task: asyncio.Task | None = None

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 
 
 class Role(str, enum.Enum):
@@ -69,6 +69,7 @@ class ErrorCode(str, enum.Enum):
     INCOMPATIBLE = "incompatible"  # handshake refused: model or KV layout differ
     VERSION_MISMATCH = "version_mismatch"  # handshake refused: protocol versions differ
     HANDSHAKE_REQUIRED = "handshake_required"  # peer spoke before (re)doing the handshake
+    UNAUTHENTICATED = "unauthenticated"  # handshake refused: no proof of the deployment's secret
     OVERLOADED = "overloaded"
     ABORTED = "aborted"
     INTERNAL = "internal"
@@ -249,6 +250,9 @@ class Handshake:
     kv_layout: KVLayout | None = None  # set by KV transfer clients; must equal the server's
     kv_transport: str | None = None  # set by KV transfer clients ("zmq" | "ucx"); must equal the server's
     ucx_address: bytes | None = None  # UCX worker address of a UCX transfer client
+    # Proof of the deployment's secret (transport/peer_auth.py): a fresh nonce and its HMAC.
+    auth_nonce: bytes | None = None
+    auth_proof: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +267,7 @@ class HandshakeAck:
     # and the token a connection to it starts with; only for peers that may fetch blocks.
     data_port: int | None = None
     data_token: bytes | None = None
+    auth_proof: bytes | None = None  # the server's proof of the deployment's secret, over the hello's nonce
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,17 +502,19 @@ class KVStorePut:
 
 @dataclass(frozen=True, slots=True)
 class KVStoreGet:
-    """The leading blocks of `block_hashes` the store holds for `layout`, answered with KVStoreBlocks."""
+    """The leading blocks of `block_hashes` the store holds for `layout`, answered with KVStoreBlocks. The
+    getter shows the token ids it expects of those blocks (block_size per block): the store sends a block
+    only to a getter that already holds its prefix, so what it keeps never tells one tenant another's prompt."""
     TAG: ClassVar[str] = "kv_store_get"
     layout: KVLayout
     block_hashes: bytes
+    token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class KVStoreBlocks:
     TAG: ClassVar[str] = "kv_store_blocks"
-    block_hashes: bytes  # the leading ones of the request held (maybe none)
-    token_ids: tuple[int, ...]
+    block_hashes: bytes  # the leading ones of the request held with the token ids asked for (maybe none)
     checksums: tuple[int, ...]  # as the blocks were put: the getter compares them with what landed
     blocks: tuple[torch.Tensor, ...] = field(compare=False)  # one [num_blocks, *block] tensor, or none
 

@@ -19,6 +19,7 @@ from epdserve.transport.codec import DEFAULT_LIMITS, DecodeError, Limits, Versio
 from epdserve.transport.protocol import (
     PROTOCOL_VERSION, Error, ErrorCode, Handshake, HandshakeAck, KVLayout, Message, Role,
 )
+from epdserve.transport.peer_auth import PeerAuth
 from epdserve.transport.security import CurveConfig
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,9 @@ class ReplyServer:
     send is refused (an Error reply) and counted as rejected. With `on_sent`, a reply carrying tensors
     is sent tracked and the tracker handed to it: ZMQ sends tensor frames from the tensors' own memory
     on its IO thread, so whoever owns that memory must not reuse it before the tracker is done.
-    `ack_extra` gives further HandshakeAck fields for an accepted peer.
+    `ack_extra` gives further HandshakeAck fields for an accepted peer. With `auth`, a peer's hello must
+    prove the deployment's secret (peer_auth.py); one that does not is refused and counted in
+    `num_auth_denied`.
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class ReplyServer:
         port: int = 0,
         allow_wildcard: bool = False,
         curve: CurveConfig | None = None,
+        auth: PeerAuth | None = None,
         limits: Limits = DEFAULT_LIMITS,
         kv_layout: KVLayout | None = None,
         kv_transport: str | None = None,
@@ -64,6 +68,8 @@ class ReplyServer:
         self._on_sent = on_sent
         self._endpoint = security.bind_endpoint(host, port, allow_wildcard)
         self._curve = curve
+        self._auth_check = auth
+        self._num_unproven = 0
         self._check_handshake = check_handshake
         self._max_inflight = max_inflight
         self._max_peers = max_peers
@@ -92,8 +98,9 @@ class ReplyServer:
 
     @property
     def num_auth_denied(self) -> int:
-        """CURVE clients refused by the allow-list."""
-        return self._allow_list.num_denied if self._allow_list else 0
+        """Peers refused for want of the deployment's credentials: CURVE keys not in the allow-list, hellos
+        without a proof of its secret."""
+        return (self._allow_list.num_denied if self._allow_list else 0) + self._num_unproven
 
     async def start(self) -> str:
         """Bind; return the address clients connect to. Idempotent."""
@@ -174,6 +181,13 @@ class ReplyServer:
         if hello.protocol_version != PROTOCOL_VERSION:
             return Error(ErrorCode.VERSION_MISMATCH,
                          f"{self.engine_id} speaks protocol {PROTOCOL_VERSION}, peer {hello.protocol_version}")
+        auth = self._auth_check
+        if auth is not None:
+            refusal = auth.check_hello(hello.auth_nonce, hello.auth_proof, hello.role.value, hello.engine_id)
+            if refusal is not None:
+                self._num_unproven += 1
+                self._rejections.reject("unauthenticated", f"{hello.role.value} {hello.engine_id}: {refusal}")
+                return Error(ErrorCode.UNAUTHENTICATED, f"{self.engine_id}: {refusal}")
         if self._check_handshake is not None:
             refusal = await self._check_handshake(hello)
             if refusal is not None:
@@ -184,7 +198,8 @@ class ReplyServer:
         while len(self._peers) > self._max_peers:
             self._peers.popitem(last=False)
         return HandshakeAck(PROTOCOL_VERSION, self.engine_id, kv_layout=self.kv_layout, kv_transport=self.kv_transport,
-                            ucx_address=self.ucx_address, **(self._ack_extra(hello) if self._ack_extra else {}))
+                            ucx_address=self.ucx_address, **(self._ack_extra(hello) if self._ack_extra else {}),
+                            auth_proof=auth.ack(hello.auth_nonce, self.engine_id) if auth is not None else None)
 
     async def _send(self, identity: bytes, corr: bytes, reply: Message) -> None:
         if corr == NO_REPLY and not isinstance(reply, Error):

@@ -4,6 +4,7 @@ for the framing and the handshake."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from typing import TypeVar
@@ -21,6 +22,7 @@ from epdserve.transport.codec import DEFAULT_LIMITS, DecodeError, Limits, Versio
 from epdserve.transport.protocol import (
     PROTOCOL_VERSION, Error, ErrorCode, Handshake, HandshakeAck, KVLayout, Message, Role,
 )
+from epdserve.transport.peer_auth import PeerAuth
 from epdserve.transport.security import CurveConfig
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class RequestClient:
         role: Role,
         timeout: float = 10.0,
         curve: CurveConfig | None = None,
+        auth: PeerAuth | None = None,
         limits: Limits = DEFAULT_LIMITS,
         kv_layout: KVLayout | None = None,
         kv_transport: str | None = None,
@@ -69,6 +72,7 @@ class RequestClient:
         self._hello = Handshake(PROTOCOL_VERSION, role, engine_id, kv_layout=kv_layout, kv_transport=kv_transport,
                                 ucx_address=ucx_address)
         self._curve = curve
+        self._auth = auth
         self._check_ack = check_ack
         self._rejections = Rejections(f"client of {address}")
         self._sock: zmq.asyncio.Socket | None = None
@@ -216,7 +220,8 @@ class RequestClient:
                 # socket learns of the drop a moment after the monitor does) and be lost without a trace:
                 # once the next connection is made, it is sent again (a repeated hello is answered alike).
                 reconnected = self._reconnected = loop.create_future() if self.down_since is not None else None
-                roundtrip = asyncio.ensure_future(self._roundtrip(self._hello, deadline))
+                hello = self._proven_hello()
+                roundtrip = asyncio.ensure_future(self._roundtrip(hello, deadline))
                 await asyncio.wait({refused, roundtrip, unreachable, reconnected} - {None},
                                    return_when=asyncio.FIRST_COMPLETED)
                 if roundtrip.done() or reconnected is None or not reconnected.done():
@@ -247,11 +252,23 @@ class RequestClient:
             raise HandshakeError(f"{self.address} refused the handshake: {reply.code.value}: {reply.message}")
         if not isinstance(reply, HandshakeAck) or reply.protocol_version != PROTOCOL_VERSION:
             raise HandshakeError(f"{self.address} answered the handshake with {reply!r}")
+        if self._auth is not None:
+            refusal = self._auth.check_ack(hello.auth_nonce, reply.auth_proof, reply.engine_id)
+            if refusal is not None:
+                raise HandshakeError(f"{self.address} ({reply.engine_id}): {refusal}")
         if self._check_ack is not None:
             refusal = self._check_ack(reply)
             if refusal is not None:
                 raise HandshakeError(f"{self.address} ({reply.engine_id}) is incompatible: {refusal}")
         return reply
+
+    def _proven_hello(self) -> Handshake:
+        """Our hello, with a fresh proof of the deployment's secret each time it is sent (a server admits
+        a nonce once)."""
+        if self._auth is None:
+            return self._hello
+        nonce, proof = self._auth.hello(self._hello.role.value, self._hello.engine_id)
+        return dataclasses.replace(self._hello, auth_nonce=nonce, auth_proof=proof)
 
     async def _roundtrip(self, message: Message, deadline: float) -> Message:
         corr = next(self._corr_ids).to_bytes(len(NO_REPLY), "little")

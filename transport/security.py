@@ -9,6 +9,7 @@ handler.
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,17 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 
 class SecurityError(Exception):
     """A security setting is unusable (missing key file, wildcard bind not allowed...)."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a service out of reach of other machines (127.0.0.0/8, ::1, localhost)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: whatever it resolves to, it may be reachable
+        return False
 
 
 def bind_endpoint(host: str, port: int, allow_wildcard: bool = False) -> str:

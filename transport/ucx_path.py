@@ -2,11 +2,12 @@
 fetch requests and errors go over the KV transfer server's typed ZMQ control channel, as for every path.
 
 No UCX listener is opened (ucxx's would bind every interface): each side sends its UCX worker
-address in the ZMQ handshake (bound and optionally CURVE-authenticated like any other channel), the
-server connects an endpoint to the client's to send, and the client one to the server's, through
+address in the ZMQ handshake (bound, and authenticated by the deployment's secret or CURVE, like any other
+channel), the server connects an endpoint to the client's to send, and the client one to the server's, through
 which it posts its receives (so that closing it cancels them); endpoints are kept per peer worker and
-aborted once unused for a while (`_Endpoints`). UCX parses worker addresses from peers, so enable this
-backend between trusted peers (CURVE) only.
+aborted once unused for a while (`_Endpoints`). UCX parses worker addresses from peers: a server reads a
+client's only once its hello proved the secret (`check_peer` runs after that check), and a client the
+server's only once the HandshakeAck proved it back.
 
 One fetch message: the client posts one receive per segment (run x layer x K/V) straight into the
 destination blocks of its cache (blocks that form no runs: into one buffer, scattered after), with

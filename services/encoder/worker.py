@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from epdserve.services.network import advertised, server_curve
+from epdserve.services.network import advertised, peer_auth, server_curve
 from epdserve.services.request_spans import RequestSpans
 from epdserve.services.service_metrics import ServiceMetrics
 from epdserve.shared.compute_threads import set_this_thread
@@ -76,7 +76,7 @@ async def build_encoder_worker(service: ServiceConfig, model_path: str, dtype: t
     transport = service.transport
     kv_server = create_server(transport.kv_transport, service.engine_id, encoder_cache=cache, host=service.host,
                               port=service.data_port, allow_wildcard=service.host in WILDCARD_HOSTS,
-                              curve=server_curve(transport), **transport.transfer_options())
+                              curve=server_curve(transport), auth=peer_auth(transport), **transport.transfer_options())
     data_addr = advertised(await kv_server.start(), service.host, service.advertise_host)
     return EncoderWorker(service, service.served_model_name or Path(model_path).name, encoder, cache,
                          kv_server, data_addr, lambda: control_rejected() + kv_server.num_rejected)

@@ -4,15 +4,18 @@ Engines put the blocks their pools evict and those of the requests they finish (
 leading blocks of a prompt they lack (`KVStoreGet`); they learn what the store holds from its KV events
 (`KVEventsRequest`, numbered batches as an engine's own: shared/engine/kv_events.py), so that deciding to
 load costs them no round trip. Blocks are kept per KV layout (model, dtype, block shape) by their chained
-hash - equal hashes mean equal prefixes (shared/block_hash.py) - with their token ids, which a getter
-checks against its own, and the checksum they were put with, which the store checks on arrival (a
-corrupted block is refused) and a getter checks again once the bytes have landed.
+hash - equal hashes mean equal prefixes (shared/block_hash.py) - with their token ids and the checksum they
+were put with, which the store checks on arrival (a corrupted block is refused) and a getter checks again
+once the bytes have landed.
 
 Memory is bounded (`capacity_bytes`), least recently used blocks go first - to disk when the store has
 one (`disk_bytes` per KV layout, in a memory-mapped file of `disk_path`, checksummed like an engine's
 offload tier: shared/engine/offload_file.py), else away. A get is answered from memory, then from disk.
-The store is a cache: losing it (a crash, a restart, a full memory) costs engines recomputation, never a
-wrong token.
+Token ids never leave the store: a get shows the token ids it expects, and only blocks holding exactly
+those are sent (a peer learns nothing it did not already hold). A block is never replaced: a put of other
+token ids under a hash the store holds is refused (the rest of the put is kept) and counted
+(`epdserve:kv_store_conflicting_blocks`), so a peer cannot plant KV under a held prompt's hash. The store
+is a cache: losing it (a crash, a restart, a full memory) costs engines recomputation, never a wrong token.
 """
 from __future__ import annotations
 
@@ -55,6 +58,10 @@ class KVStoreMetrics:
                            registry=self.registry).labels(**labels)
         self.put_blocks = counter("epdserve:kv_store_put_blocks", "KV blocks put (new or not).")
         self.corrupt_puts = counter("epdserve:kv_store_corrupt_blocks", "Put blocks refused: checksum mismatch.")
+        self.conflicting_puts = counter("epdserve:kv_store_conflicting_blocks",
+                                        "Put blocks refused: the store holds other token ids under their hash.")
+        self.mismatched_gets = counter("epdserve:kv_store_mismatched_get_blocks",
+                                       "Blocks asked for with token ids other than those the store holds: not sent.")
         self.get_blocks = counter("epdserve:kv_store_get_blocks", "KV blocks asked for.")
         self.hit_blocks = counter("epdserve:kv_store_hit_blocks", "KV blocks asked for and sent.")
         self.evicted_blocks = counter("epdserve:kv_store_evicted_blocks", "KV blocks dropped for room (LRU).")
@@ -116,24 +123,39 @@ class KVStoreWorker:
                                      f"{layout.dtype} tensor, {n} checksums and {n * layout.block_size} token ids")
         self.metrics.put_blocks.inc(n)
         bs = layout.block_size
+        refused = 0
         for i, block_hash in enumerate(hashes):
             key = (layout, block_hash)
-            if key in self.blocks:
-                self.blocks.move_to_end(key)
-                continue
-            disk = self.disks.get(layout)
-            if disk is not None and disk.holds(block_hash):
+            token_ids = tuple(m.token_ids[i * bs:(i + 1) * bs])
+            held = self._held_tokens(layout, block_hash)
+            if held is not None:
+                if held != token_ids:
+                    refused += 1
+                elif key in self.blocks:
+                    self.blocks.move_to_end(key)
                 continue
             data = tensor[i].clone()  # not a view of the received frame: the frame goes
             if checksum(data) != m.checksums[i]:
                 self.metrics.corrupt_puts.inc()
                 logger.warning("a put block from %s does not match its checksum: refused", layout.model_id)
                 continue
-            self.blocks[key] = _Block(tuple(m.token_ids[i * bs:(i + 1) * bs]), m.checksums[i], data)
+            self.blocks[key] = _Block(token_ids, m.checksums[i], data)
             self.num_bytes += data.nbytes
             self.events.stored(block_hash)
         self._evict()
+        if refused:
+            self.metrics.conflicting_puts.inc(refused)
+            logger.warning("a put of %d blocks of %s under hashes held with other token ids: refused", refused,
+                           layout.model_id)
+            return bad_request(f"{refused} of the {n} blocks put are held under their hash with other token ids")
         return Ack("")
+
+    def _held_tokens(self, layout: KVLayout, block_hash: bytes) -> tuple[int, ...] | None:
+        block = self.blocks.get((layout, block_hash))
+        if block is not None:
+            return block.token_ids
+        disk = self.disks.get(layout)
+        return disk.token_ids(block_hash) if disk is not None else None
 
     def _evict(self) -> None:
         while self.num_bytes > self.capacity_bytes and self.blocks:
@@ -174,9 +196,12 @@ class KVStoreWorker:
     def get(self, m: KVStoreGet) -> KVStoreBlocks:
         found: list[tuple[bytes, _Block]] = []
         hashes = _split(m.block_hashes)
+        bs = m.layout.block_size
+        if len(m.token_ids) != len(hashes) * bs:
+            raise ValueError(f"a get of {len(hashes)} blocks must show their {len(hashes) * bs} token ids")
         self.metrics.get_blocks.inc(len(hashes))
         disk = self.disks.get(m.layout)
-        for block_hash in hashes:
+        for i, block_hash in enumerate(hashes):
             block = self.blocks.get((m.layout, block_hash))
             if block is not None:
                 self.blocks.move_to_end((m.layout, block_hash))
@@ -188,12 +213,15 @@ class KVStoreWorker:
                     for gone in disk.take_changes()[1]:  # a corrupt block it just dropped
                         self.events.removed(gone)
                 break
+            if block.token_ids != tuple(m.token_ids[i * bs:(i + 1) * bs]):
+                self.metrics.mismatched_gets.inc()
+                break  # the getter has not shown this block's prefix: nothing of it, nor of what follows
             found.append((block_hash, block))
         self.metrics.hit_blocks.inc(len(found))
         if not found:
-            return KVStoreBlocks(b"", (), (), ())
-        return KVStoreBlocks(b"".join(h for h, _ in found), tuple(t for _, b in found for t in b.token_ids),
-                             tuple(b.checksum for _, b in found), (torch.stack([b.data for _, b in found]),))
+            return KVStoreBlocks(b"", (), ())
+        return KVStoreBlocks(b"".join(h for h, _ in found), tuple(b.checksum for _, b in found),
+                             (torch.stack([b.data for _, b in found]),))
 
     async def close(self) -> None:
         self.blocks.clear()

@@ -24,7 +24,7 @@ from typing import Callable
 
 from epdserve.services.engine_worker import (EngineWorker, bad_request, kv_layout, kv_transfer_client, no_lora_slot,
                                              start_engine)
-from epdserve.services.network import advertised, server_curve
+from epdserve.services.network import advertised, peer_auth, server_curve
 from epdserve.services.request_spans import RequestSpans
 from epdserve.shared.engine import (PREFILL_OUTPUT_TOKENS, AsyncLLM, InputsUnavailableError, NoLoRASlotError,
                                     RequestOutput)
@@ -50,7 +50,7 @@ async def build_prefill_worker(service: ServiceConfig, engine_config: EngineConf
     kv_server = create_server(transport.kv_transport, service.engine_id, kv_cache=llm.kv_cache,
                               layout=kv_layout(engine_config), host=service.host, port=service.data_port,
                               allow_wildcard=service.host in WILDCARD_HOSTS, curve=server_curve(transport),
-                              **transport.server_options(service.block_port))
+                              auth=peer_auth(transport), **transport.server_options(service.block_port))
     data_addr = advertised(await kv_server.start(), service.host, service.advertise_host)
     return PrefillWorker(service, engine_config, llm, kv_transfer_client(service, engine_config, llm),
                          lambda: control_rejected() + kv_server.num_rejected,

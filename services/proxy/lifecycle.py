@@ -82,6 +82,9 @@ class LifecycleConfig:
     liveness_check: float = 0.5  # how often a waiting call or stream checks its instance is still alive
     migration_limit: int = 3  # times one request's stream may continue on another instance (migration.py)
     kv_routing: KVRoutingConfig = field(default_factory=KVRoutingConfig)
+    # The deployment's block-hash key (shared/block_hash.py): engines hash their blocks with it, so must the
+    # router that matches a prompt's blocks against their KV events. None: unkeyed.
+    block_hash_key: bytes | None = field(default=None, repr=False)
 
 
 class _Plan(NamedTuple):
@@ -256,7 +259,8 @@ class ServiceBackend:
         index, kv = self.router.index, self.config.kv_routing
         route, reason = Route(lora=lora), "load"
         if kv.policy is RoutingPolicy.KV and index is not None and index.block_size is not None and lora is None:
-            hashes = extend_block_hashes([], prompt, index.block_size, placeholders, gen.cache_salt)
+            hashes = extend_block_hashes([], prompt, index.block_size, placeholders, gen.cache_salt,
+                                         key=self.config.block_hash_key)
             cached, elsewhere = index.match_weighted(hashes, kv.tier_weight, kv.store_weight)
             route = affinity = Route(affinity.key, cached, len(hashes), kv.load_weight, elsewhere)
             reason = "cached_prefix" if cached else "no_cached_prefix"

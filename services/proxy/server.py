@@ -28,7 +28,7 @@ from epdserve.services.proxy.router import RolePool, Router
 from epdserve.services.proxy.serving import OpenAIServing
 from epdserve.services.proxy.startup import Startup
 from epdserve.services.proxy.tracing import OTelExport, Tracer, check_otlp_endpoint
-from epdserve.services.network import client_curve, server_curve
+from epdserve.services.network import client_curve, peer_auth, say_if_unauthenticated, server_curve
 from epdserve.shared.config import ModelConfig, TransportConfig
 from epdserve.transport.protocol import MAY_SEND, Role
 from epdserve.shared.processing.tokenizer import load_tokenizer
@@ -124,7 +124,7 @@ async def build_proxy(config: ProxyConfig):
 
     def make_client(address: str, role: Role) -> RequestClient:
         return RequestClient(address, engine_id=engine_id, role=Role.PROXY, timeout=config.transport.rpc_timeout,
-                             curve=client_curve(config.transport))
+                             curve=client_curve(config.transport), auth=peer_auth(config.transport))
 
     # KV-aware routing: what every engine's prefix cache holds, from its KV events (encoders have none).
     index = PrefixIndex() if config.lifecycle.kv_routing.policy is RoutingPolicy.KV else None
@@ -135,7 +135,7 @@ async def build_proxy(config: ProxyConfig):
     router = Router(pools, config.poll_interval, config.resolve_interval, index, store)
     wildcard = config.host in WILDCARD_HOSTS
     inbox = PullChannel(engine_id, host=config.host, port=config.inbox_port, allow_wildcard=wildcard,
-                        curve=server_curve(config.transport), senders=MAY_SEND)
+                        curve=server_curve(config.transport), auth=peer_auth(config.transport), senders=MAY_SEND)
     metrics = ProxyMetrics(config.model_name, rejected_frames=lambda: inbox.num_rejected,
                            max_model_len=model_config.max_model_len)
     if index is not None:
@@ -187,6 +187,7 @@ class _Server(uvicorn.Server):
 
 
 async def run_proxy(config: ProxyConfig) -> None:
+    say_if_unauthenticated(config.transport, config.host)
     app, router, backend, drain, tracer, startup = await build_proxy(config)
     await backend.start()
     await router.start()

@@ -40,10 +40,13 @@ class KVBlock:
 class BlockManager:
     """Sole owner of the blocks, the free queue and the hash map; writes `request.block_ids`."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_key: bytes | None = None) -> None:
+        """`hash_key`: the deployment's block-hash key (shared/block_hash.py), None: unkeyed."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_key = hash_key
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Least recently used first; never-filled and hashless blocks go to the front.
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
@@ -75,7 +78,7 @@ class BlockManager:
     # -- prefix cache -------------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> None:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.mm_placeholders,
-                            request.cache_salt, request.lora_key)
+                            request.cache_salt, request.lora_key, self.hash_key)
 
     def get_computed_blocks(self, request: Request, max_tokens: int | None = None) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request's first `max_tokens` tokens, in whole blocks.

@@ -48,7 +48,8 @@ class LLMEngine:
         num_blocks = kv_size.num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %d bytes; %s", num_blocks, config.cache.block_size,
                     num_blocks * config.cache.block_size, kv_size.num_bytes, kv_size.reason)
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                          hash_key=config.cache.block_hash_key)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.step_timer = StepTimer(moe=config.profile_moe and config.model.moe is not None)
         self.queue_estimate = QueueEstimate()  # read by services from other threads (admission control)

@@ -87,6 +87,12 @@ class OffloadFile:
         with self._lock:
             return block_hash in self._entries
 
+    def token_ids(self, block_hash: bytes) -> tuple[int, ...] | None:
+        """The token ids a block was kept with; None if this tier holds no block under that hash."""
+        with self._lock:
+            entry = self._entries.get(block_hash)
+            return entry.token_ids if entry is not None else None
+
     def hashes(self) -> list[bytes]:
         """Every block hash this tier can offer now."""
         with self._lock:

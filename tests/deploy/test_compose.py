@@ -222,14 +222,32 @@ def test_docker_waits_for_every_drain_before_killing(compose_config, epdserve_se
                 assert args.drain_timeout <= int(grace[:-1]), name
 
 
+def test_every_service_proves_a_secret_made_once_for_the_deployment(compose_config, epdserve_services):
+    """Services bind 0.0.0.0: each refuses to start without the deployment's secret, which fill-volumes makes
+    (never over an existing one) into a volume every service mounts read-only."""
+    project = compose_config("gpu", "monitoring", "kvstore")
+    fill = project["services"]["fill-volumes"]
+    (made,) = [v for v in fill["volumes"] if v["source"] == "secret"]
+    assert not made.get("read_only")
+    assert fill["command"] == ["sh", "-c", f"test -s {made['target']}/secret || epdserve keys --secret "
+                                           f"{made['target']}/secret"]
+    services = epdserve_services(project)
+    assert {"encoder", "prefill", "decode", "kvstore", "proxy"} <= set(services)
+    for name, (service, args) in services.items():
+        (mount,) = [v for v in service["volumes"] if v["source"] == "secret"]
+        assert mount["read_only"] and mount["target"] == made["target"], name
+        assert service["environment"]["EPDSERVE_SECRET_FILE"] == f"{made['target']}/secret", name
+        assert "EPDSERVE_SECRET" not in service["environment"], name  # the file, never the secret itself
+
+
 def test_volumes_from_the_image_are_filled_by_one_container_before_the_others(compose_config):
     """Docker fills an empty named volume from the image when a container mounting it is created; two
     created at once race on that copy and one fails. One one-shot service fills them, alone, first."""
     services = compose_config("gpu", "monitoring")["services"]
     fill = services["fill-volumes"]
-    assert fill["restart"] == "no" and fill["command"] == ["true"]
+    assert fill["restart"] == "no"
     filled = {v["source"] for v in fill["volumes"] if v["type"] == "volume"}
-    assert "models" in filled
+    assert {"models", "secret"} <= filled
 
     def created_after_fill(name: str) -> bool:
         """Waits for fill-volumes to exit 0, itself or through a service that does (the proxy)."""

@@ -3,6 +3,7 @@ validation, refusal of bad values; then the rendered objects read back and check
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "epdserve"
@@ -507,3 +508,57 @@ def test_kv_store_is_a_statefulset_every_engine_is_pointed_at(render, served, pa
             refs = [e["configMapRef"]["name"] for e in main_container(deployment)["envFrom"] if "configMapRef" in e]
             assert config["metadata"]["name"] in refs  # EPDSERVE_KV_STORE: their --kv-store default
     assert not of_kind(render(None)[1], "StatefulSet")  # off by default
+
+
+@pytest.mark.parametrize("values", [None, CHART / "ci" / "kvstore-values.yaml"], ids=value_id)
+def test_every_service_proves_a_secret_the_chart_makes(render, served, values):
+    objects = render(values)[1]
+    secrets = by_name(objects, "Secret")
+    made = secrets["rel-epdserve-secret"]
+    assert made["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(made["data"]["secret"]) >= 64  # base64 of 64 random characters
+    workloads = of_kind(objects, "Deployment") + of_kind(objects, "StatefulSet")
+    assert len(workloads) == len(of_kind(render(None)[1], "Deployment")) + (values is not None)
+    for workload in workloads:
+        container = main_container(workload)
+        (env,) = [e for e in container["env"] if e["name"] == "EPDSERVE_SECRET"]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": "rel-epdserve-secret", "key": "secret"}
+        assert not any("secret" in str(a).lower() for a in container["args"])  # never on a command line
+
+
+def test_an_existing_secret_replaces_the_made_one(helm):
+    done = helm("template", "rel", CHART, "--set", "secret.existingSecret=ops-secret", "--set", "secret.key=s")
+    assert done.returncode == 0, done.stderr
+    objects = [o for o in yaml.safe_load_all(done.stdout) if o]
+    assert not of_kind(objects, "Secret")
+    for deployment in of_kind(objects, "Deployment"):
+        (env,) = [e for e in main_container(deployment)["env"] if e["name"] == "EPDSERVE_SECRET"]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": "ops-secret", "key": "s"}
+
+
+def test_network_policies_let_only_the_release_reach_engine_and_store_ports(render):
+    objects = render(CHART / "ci" / "kvstore-values.yaml")[1]
+    policies = of_kind(objects, "NetworkPolicy")
+    pods = [(w, w["spec"]["template"]["metadata"]["labels"]) for w in
+            of_kind(objects, "Deployment") + of_kind(objects, "StatefulSet")]
+
+    def selected(policy, labels):
+        selector = policy["spec"]["podSelector"]
+        if not selects(selector.get("matchLabels", {}), labels):
+            return False
+        return all(labels.get(e["key"]) not in e["values"] for e in selector.get("matchExpressions", [])
+                   if e["operator"] == "NotIn")
+
+    for workload, labels in pods:
+        mine = [p for p in policies if selected(p, labels)]
+        assert mine, workload["metadata"]["name"]  # every pod is isolated for ingress
+        rules = [rule for p in mine for rule in p["spec"]["ingress"]]
+        open_ports = {port["port"] for rule in rules if "from" not in rule for port in rule.get("ports", [])}
+        assert open_ports == {"http"}, workload["metadata"]["name"]  # probes, metrics, the proxy's API
+        release = [rule for rule in rules if "ports" not in rule]
+        for rule in release:  # every port, but only from pods of this release
+            (peer,) = rule["from"]
+            assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "epdserve",
+                                                          "app.kubernetes.io/instance": "rel"}
+        assert release
+    assert of_kind(render(None)[1], "NetworkPolicy")  # on by default

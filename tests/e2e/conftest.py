@@ -1,4 +1,6 @@
-"""Real stacks for end-to-end tests: every service its own process on 127.0.0.1 (or ::1), stopped by pid."""
+"""Real stacks for end-to-end tests: every service its own process on 127.0.0.1 (or ::1), stopped by pid.
+Every service a test starts holds the same deployment secret (STACK_SECRET), as a deployment's do: their
+handshakes prove it, and a test that talks to a service directly proves it with `stack_auth()`."""
 import io
 import os
 import signal
@@ -141,6 +143,28 @@ class Stack:
 @pytest.fixture(scope="session")
 def demo_model(llava_demo_path):
     return llava_demo_path
+
+
+STACK_SECRET = "e2e-stack-secret-" + "7" * 32
+
+
+def stack_auth():
+    """The proof of the stacks' secret, for a test's own client of a service."""
+    from epdserve.transport.peer_auth import PeerAuth
+
+    return PeerAuth(STACK_SECRET.encode())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stack_secret():
+    """In the environment every service (and `epdserve up`) started by a test inherits."""
+    before = os.environ.get("EPDSERVE_SECRET")
+    os.environ["EPDSERVE_SECRET"] = STACK_SECRET
+    yield STACK_SECRET
+    if before is None:
+        del os.environ["EPDSERVE_SECRET"]
+    else:
+        os.environ["EPDSERVE_SECRET"] = before
 
 
 class _Stacks:

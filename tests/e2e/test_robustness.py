@@ -20,6 +20,7 @@ from epdserve.shared.engine.sampling_params import SamplingParams
 from epdserve.services.wire import sampling_params_to_wire
 from epdserve.transport.channel import ErrorReply
 from epdserve.transport.request_client import RequestClient
+from tests.e2e.conftest import stack_auth
 
 NUM_BLOCKS = 96
 LEASE = 3.0
@@ -134,7 +135,8 @@ def test_poison_parameters_are_a_400_and_the_stack_keeps_serving(pd, poison):
 
 
 def service_client(service, role=p.Role.PROXY) -> RequestClient:
-    return RequestClient(f"tcp://127.0.0.1:{service.port}", engine_id="tester", role=role, timeout=10)
+    return RequestClient(f"tcp://127.0.0.1:{service.port}", engine_id="tester", role=role, timeout=10,
+                         auth=stack_auth())
 
 
 @pytest.mark.parametrize("params", [
@@ -183,7 +185,8 @@ def test_the_proxy_inbox_takes_tokens_from_engines_only(pd):
     before = proxy_metric(pd, "epdserve:inbox_rejected_frames_total")
 
     async def main():
-        async with PushChannel(f"tcp://127.0.0.1:{INBOX_PORT}", engine_id="x", role=p.Role.PROXY) as push:
+        async with PushChannel(f"tcp://127.0.0.1:{INBOX_PORT}", engine_id="x", role=p.Role.PROXY,
+                               auth=stack_auth()) as push:
             for i in range(3):
                 await push.send(p.TokenDelta(f"nobody-{i}", (1,)), timeout=5)
 

@@ -20,6 +20,7 @@ from epdserve.transport import protocol as p
 from epdserve.transport import codec
 from epdserve.transport.codec import Limits
 from epdserve.transport.channel import ChannelError, ChannelTimeout, ErrorReply, HandshakeError, NO_REPLY
+from epdserve.transport.peer_auth import PeerAuth
 from epdserve.transport.reply_server import PullChannel, ReplyServer
 from epdserve.transport.request_client import PushChannel, RequestClient
 from epdserve.transport.security import CurveConfig, SecurityError
@@ -325,6 +326,55 @@ def test_wildcard_bind_must_be_asked_for():
     from epdserve.transport.security import bind_endpoint
     assert bind_endpoint("0.0.0.0", 5555, allow_wildcard=True) == "tcp://0.0.0.0:5555"
     assert bind_endpoint("127.0.0.1", 0) == "tcp://127.0.0.1:*"
+
+
+# ---------------------------------------------------------------------------------------------
+# The deployment's secret
+
+
+def test_a_peer_must_prove_the_deployment_secret_and_the_server_proves_it_back():
+    secret, other = b"a" * 32, b"b" * 32
+
+    checked = []  # hellos the server's own check saw (a UCX path's: it parses the peer's worker address)
+
+    async def check(hello):
+        checked.append(hello.engine_id)
+        return None
+
+    async def main():
+        async with ReplyServer("kvstore-0", auth=PeerAuth(secret), check_handshake=check) as server:
+            task = await serving(server)
+            async with client_of(server, auth=PeerAuth(secret)) as client:
+                assert isinstance(await client.request(p.StatusRequest()), p.Status)
+            for auth, why in ((None, "no proof"), (PeerAuth(other), "wrong proof")):
+                async with client_of(server, auth=auth) as client:
+                    with pytest.raises(HandshakeError, match=f"unauthenticated: kvstore-0: {why}"):
+                        await client.request(p.StatusRequest())
+            assert server.num_auth_denied == 2 and server.rejected_by_reason["unauthenticated"] == 2
+            assert checked == ["proxy-0"]  # only the proven hello got as far as the server's own check
+            # A recorded hello is not admitted again.
+            sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+            sock.linger = 0
+            sock.connect(server.address)
+            nonce, proof = PeerAuth(secret).hello("prefill", "prefill-9")
+            hello = p.Handshake(p.PROTOCOL_VERSION, p.Role.PREFILL, "prefill-9", auth_nonce=nonce, auth_proof=proof)
+            answers = []
+            for corr in (1, 2):
+                await sock.send_multipart([corr.to_bytes(8, "little"), *codec.encode(hello)])
+                answers.append(codec.decode((await sock.recv_multipart())[1:]))
+            sock.close()
+            assert isinstance(answers[0], p.HandshakeAck)
+            assert isinstance(answers[1], p.Error) and "replayed" in answers[1].message
+            task.cancel()
+        # A server without the secret (an impostor at a service's address) is refused by the client.
+        async with ReplyServer("prefill-0") as impostor:
+            task = await serving(impostor)
+            async with client_of(impostor, auth=PeerAuth(secret)) as client:
+                with pytest.raises(HandshakeError, match="did not prove this deployment's secret"):
+                    await client.request(p.StatusRequest())
+            task.cancel()
+
+    asyncio.run(main())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from epdserve.services.cli import parse_args, proxy_config, service_config, stack_config, transport_config
+from epdserve.services.cli import main, parse_args, proxy_config, service_config, stack_config, transport_config
 from epdserve.services import launcher
 from epdserve.services.launcher import PORT_OPTIONS, LocalStack, StackConfig, exit_message, free_port
-from epdserve.services.network import split_target
+from epdserve.services.network import say_if_unauthenticated, split_target
 
 
 def parse(*argv):
@@ -59,13 +59,54 @@ def test_the_reasoning_parser_reaches_the_proxy_config(default_model_path, capsy
     assert all(word in error for word in ("--reasoning-parser", "granite", "deepseek_r1", "qwen3")), error
 
 
-def test_service_config_from_args():
+def test_service_config_from_args(monkeypatch):
+    monkeypatch.setenv("EPDSERVE_SECRET", "s" * 32)
     args = parse("serve", "prefill", "--host", "0.0.0.0", "--port", "7000", "--data-port", "7100",
                  "--lease-seconds", "3", "--kv-transport", "zmq")
     config = service_config(args)
     assert (config.role, config.host, config.port, config.data_port, config.lease_seconds) == \
         ("prefill", "0.0.0.0", 7000, 7100, 3.0)
     assert config.engine_id.startswith("prefill-")
+    assert config.transport.secret == b"s" * 32 and "s" * 32 not in repr(config)
+
+
+def test_a_service_other_hosts_can_reach_refuses_to_start_without_the_deployment_secret(monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv("EPDSERVE_SECRET", raising=False)
+    monkeypatch.delenv("EPDSERVE_SECRET_FILE", raising=False)
+    with pytest.raises(SystemExit, match=r"reachable from other hosts.*epdserve keys --secret FILE"):
+        service_config(parse("serve", "kvstore", "--host", "0.0.0.0"))
+    with pytest.raises(SystemExit, match="reachable from other hosts"):
+        proxy_config(parse("serve", "proxy", "--model", "m", "--host", "0.0.0.0", "--decode", "127.0.0.1:7001"), "m")
+    with pytest.raises(SystemExit, match="reachable from other hosts"):
+        service_config(parse("serve", "kvstore", "--host", "my-host.example"))
+    # On loopback nothing else reaches it: it runs (and says so as it starts: network.say_if_unauthenticated).
+    assert service_config(parse("serve", "kvstore")).transport.secret is None
+    assert service_config(parse("serve", "kvstore", "--host", "127.0.0.3")).transport.secret is None
+    assert service_config(parse("serve", "kvstore", "--host", "::1")).transport.secret is None
+    with caplog.at_level(logging.WARNING):
+        say_if_unauthenticated(service_config(parse("serve", "kvstore")).transport, "127.0.0.1")
+    assert "no deployment secret: peers are not authenticated" in caplog.text
+    secret = tmp_path / "secret"
+    assert main(["keys", "--secret", str(secret)]) == 0
+    assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_text().strip()) == 64
+    with pytest.raises(SystemExit, match="cannot create"):  # never over a secret services may hold
+        main(["keys", "--secret", str(secret)])
+    config = service_config(parse("serve", "kvstore", "--host", "0.0.0.0", "--secret-file", str(secret)))
+    assert config.transport.secret == secret.read_text().strip().encode()
+    monkeypatch.setenv("EPDSERVE_SECRET", "short")
+    with pytest.raises(SystemExit, match="at least 16 characters"):
+        service_config(parse("serve", "kvstore"))
+
+
+def test_up_gives_its_services_a_secret_of_their_own_in_their_environment_unless_given_one(monkeypatch):
+    monkeypatch.delenv("EPDSERVE_SECRET", raising=False)
+    monkeypatch.delenv("EPDSERVE_SECRET_FILE", raising=False)
+    stack, other = LocalStack(StackConfig("m")), LocalStack(StackConfig("m"))
+    secrets = {stack.environment(name)["EPDSERVE_SECRET"] for name in ("prefill-0", "decode-0", "proxy")}
+    assert len(secrets) == 1 and secrets != {other.environment("proxy")["EPDSERVE_SECRET"]}
+    assert not any(arg in secrets for _, argv in stack.commands() for arg in argv)
+    monkeypatch.setenv("EPDSERVE_SECRET", "t" * 32)
+    assert LocalStack(StackConfig("m")).environment("kvstore-0")["EPDSERVE_SECRET"] == "t" * 32
 
 
 def test_profile_moe_reaches_the_engine_config(default_model_path):

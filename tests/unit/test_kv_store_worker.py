@@ -1,5 +1,6 @@
 """The KV store's own rules: blocks by layout and chained hash, LRU within its size, corrupt puts refused,
-the leading blocks of a get, and KV events a follower can apply."""
+the leading blocks of a get, and KV events a follower can apply; a block goes only to a getter showing its
+token ids, and a put never replaces a block with other tokens."""
 import asyncio
 
 import torch
@@ -27,15 +28,16 @@ def put(worker, hashes, layout=LAYOUT, corrupt=()):
     return asyncio.run(worker.handle(message, None))
 
 
-def get(worker, hashes, layout=LAYOUT) -> KVStoreBlocks:
-    return asyncio.run(worker.handle(KVStoreGet(layout, b"".join(h(i) for i in hashes)), None))
+def get(worker, hashes, layout=LAYOUT, token_ids=None) -> KVStoreBlocks:
+    token_ids = tuple(t for i in hashes for t in [i] * 4) if token_ids is None else token_ids
+    return asyncio.run(worker.handle(KVStoreGet(layout, b"".join(h(i) for i in hashes), token_ids), None))
 
 
 def test_blocks_by_layout_and_hash_least_recently_used_first():
     worker = KVStoreWorker(ServiceConfig("kvstore", "s"), 3 * BLOCK_BYTES, lambda: 0)
     assert isinstance(put(worker, [1, 2, 3]), Ack)
     got = get(worker, [1, 2, 9, 3])  # the leading ones held: 1, 2
-    assert got.block_hashes == h(1) + h(2) and got.token_ids == (1,) * 4 + (2,) * 4
+    assert got.block_hashes == h(1) + h(2)
     assert torch.equal(got.blocks[0][1], torch.full((2, 2, 1, 4, 8), 2.0))
     assert [checksum(b) for b in got.blocks[0]] == list(got.checksums)
     assert get(worker, [1], OTHER).block_hashes == b""  # another model's blocks are another's
@@ -53,7 +55,7 @@ def test_a_corrupt_block_is_refused_and_events_follow_the_store():
     put(worker, [3, 4])
     events = asyncio.run(worker.handle(KVEventsRequest(snapshot.last_seq + 1), None))
     assert not events.snapshot and events.removed == h(1) and events.stored == h(3) + h(4)
-    bad = asyncio.run(worker.handle(KVStoreGet(LAYOUT, b"short"), None))
+    bad = asyncio.run(worker.handle(KVStoreGet(LAYOUT, b"short", ()), None))
     assert isinstance(bad, Error) and "16 bytes" in bad.message
 
 
@@ -64,7 +66,7 @@ def test_blocks_memory_lets_go_are_kept_on_disk_and_served_from_there(tmp_path):
     put(worker, [1, 2, 3, 4])  # 1 and 2 go to disk
     assert worker.num_bytes == 2 * BLOCK_BYTES
     got = get(worker, [1, 2, 3])
-    assert got.block_hashes == h(1) + h(2) + h(3) and got.token_ids[:4] == (1,) * 4
+    assert got.block_hashes == h(1) + h(2) + h(3)
     assert torch.equal(got.blocks[0][0], torch.full((2, 2, 1, 4, 8), 1.0))
     assert [checksum(b) for b in got.blocks[0]] == list(got.checksums)
     put(worker, [5, 6])  # 3 and 4 to disk, pushing out 1 and 2: gone from the store
@@ -76,3 +78,25 @@ def test_blocks_memory_lets_go_are_kept_on_disk_and_served_from_there(tmp_path):
     disk.slot(disk._entries[h(3)].slot).view(-1)[0] += 1.0
     assert get(worker, [3]).block_hashes == b""
     assert h(3) in asyncio.run(worker.handle(KVEventsRequest(events.last_seq + 1), None)).removed
+
+
+def test_a_block_goes_only_to_a_getter_that_shows_its_token_ids_and_is_never_replaced(tmp_path):
+    worker = KVStoreWorker(ServiceConfig("kvstore", "s"), 2 * BLOCK_BYTES, lambda: 0, disk_bytes=2 * BLOCK_BYTES,
+                           disk_path=str(tmp_path))
+    put(worker, [1, 2, 3])  # 1 on disk, 2 and 3 in memory
+    # Hashes alone (another tenant's guess, or the store's events) do not get the blocks, from memory or disk.
+    assert get(worker, [2, 3], token_ids=(7,) * 8).block_hashes == b""
+    assert get(worker, [2, 3], token_ids=(2,) * 4 + (7,) * 4).block_hashes == h(2)
+    assert get(worker, [1], token_ids=(7,) * 4).block_hashes == b""
+    assert get(worker, [1, 2]).block_hashes == h(1) + h(2)
+    short = asyncio.run(worker.handle(KVStoreGet(LAYOUT, h(2), ()), None))
+    assert isinstance(short, Error) and "token ids" in short.message
+    # Other tokens under a held hash (in memory or on disk) are refused and counted; the block stays as it was.
+    blocks = torch.stack([torch.full((2, 2, 1, 4, 8), 9.0)] * 2)
+    forged = KVStorePut(LAYOUT, h(1) + h(3), (9,) * 8, tuple(checksum(b) for b in blocks), (blocks,))
+    refused = asyncio.run(worker.handle(forged, None))
+    assert isinstance(refused, Error) and "other token ids" in refused.message
+    assert worker.metrics.conflicting_puts._value.get() == 2
+    got = get(worker, [1, 2, 3])
+    assert got.block_hashes == h(1) + h(2) + h(3)
+    assert torch.equal(got.blocks[0][2], torch.full((2, 2, 1, 4, 8), 3.0))

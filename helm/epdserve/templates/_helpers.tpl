@@ -150,3 +150,12 @@ app.kubernetes.io/part-of: epdserve
 {{- end }}
 {{- toYaml $resources }}
 {{- end }}
+
+{{/* The env entry every service reads the deployment's secret from (never a command-line argument). */}}
+{{- define "epdserve.secretEnv" -}}
+- name: EPDSERVE_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ default (printf "%s-secret" (include "epdserve.fullname" .)) .Values.secret.existingSecret }}
+      key: {{ .Values.secret.key }}
+{{- end }}
