@@ -26,7 +26,7 @@ from collections import OrderedDict
 from typing import Callable, NamedTuple
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 
 from epdserve.shared.engine import KVEventLog, OffloadFile
 from epdserve.shared.config import ServiceConfig
@@ -34,6 +34,7 @@ from epdserve.transport.checksum import checksum
 from epdserve.transport.protocol import (Ack, Error, ErrorCode, Handshake, Health, KVEvents, KVEventsRequest, KVLayout,
                                       KVStoreBlocks, KVStoreGet, KVStorePut, Message, Role, Status)
 
+disable_created_metrics()  # no `_created` series beside the counters, as every other service (and vLLM)
 logger = logging.getLogger(__name__)
 HASH_BYTES = 16
 

@@ -2,6 +2,8 @@
 the leading blocks of a get, and KV events a follower can apply; a block goes only to a getter showing its
 token ids, and a put never replaces a block with other tokens."""
 import asyncio
+import subprocess
+import sys
 
 import torch
 
@@ -100,3 +102,16 @@ def test_a_block_goes_only_to_a_getter_that_shows_its_token_ids_and_is_never_rep
     got = get(worker, [1, 2, 3])
     assert got.block_hashes == h(1) + h(2) + h(3)
     assert torch.equal(got.blocks[0][2], torch.full((2, 2, 1, 4, 8), 3.0))
+
+
+def test_the_store_exports_no_created_series():
+    """As every other service (and vLLM): no `_created` series beside each counter. In a process of its own, as a
+    store runs: prometheus_client's switch is global, and another module of this one may have thrown it."""
+    script = ("from prometheus_client import generate_latest\n"
+              "from epdserve.services.kvstore.worker import KVStoreWorker\n"
+              "from epdserve.shared.config import ServiceConfig\n"
+              "worker = KVStoreWorker(ServiceConfig('kvstore', 's'), 1 << 20, lambda: 0)\n"
+              "print(generate_latest(worker.metrics.registry).decode())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "_total" in done.stdout and "_created" not in done.stdout, done.stdout
