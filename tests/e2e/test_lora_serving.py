@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
 import httpx
 import pytest
@@ -188,6 +189,13 @@ def test_load_and_unload_under_traffic(unified, lora_paths, prompt_ids, referenc
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         traffic = [pool.submit(complete, unified.url, name, prompt_ids[i % 2], **long)
                    for i, name in enumerate(["demo", "all"] * 3)]
+        # Every stream running on the engine (or done) before `all` is unloaded under it: a request that reaches
+        # the proxy only after the unload is rightly refused.
+        deadline = time.monotonic() + 60
+        while (sum(f.done() for f in traffic) +
+               unified.services["unified-0"].metrics().get("vllm:num_requests_running", 0)) < len(traffic):
+            assert time.monotonic() < deadline, "the streams did not all start"
+            time.sleep(0.05)
         r = httpx.post(unified.url + "/v1/load_lora_adapter", headers=AUTH,
                        json={"lora_name": "qk", "lora_path": lora_paths["qk-rank2"]})
         assert r.status_code == 200, r.text
