@@ -164,14 +164,14 @@ def model_folder(image, tmp_path_factory) -> Path:
 
 @contextlib.contextmanager
 def compose_up(files: list[str], services: list[str], profiles: tuple[str, ...] = (),
-               scale: dict[str, int] | None = None) -> Iterator[Stack]:
+               scale: dict[str, int] | None = None, env: dict[str, str] | None = None) -> Iterator[Stack]:
     """`compose up --wait` of `services` (and what they depend on) from the repo's compose `files`, every
     engine and the proxy ready; `down -v` on leaving, whatever happened."""
     api_port, prometheus_port = free_port(), free_port()
     # --env-file: a developer's own .env beside compose.yaml must not change what is tested.
     argv = [*shlex.split(os.environ["EPDSERVE_COMPOSE"]), "--env-file", os.devnull,
             *[a for f in files for a in ("-f", str(REPO / f))], *[a for p in profiles for a in ("--profile", p)]]
-    env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "EPDSERVE_API_KEY": API_KEY,
+    env = {**os.environ, **(env or {}), "COMPOSE_PROJECT_NAME": PROJECT, "EPDSERVE_API_KEY": API_KEY,
            # One torch thread per engine: the engines share this machine's cores.
            "EPDSERVE_THREADS": os.environ.get("EPDSERVE_THREADS", "1"),
            "EPDSERVE_PORT": str(api_port), "EPDSERVE_PROMETHEUS_PORT": str(prometheus_port)}
@@ -206,6 +206,20 @@ def ucx_stack(references) -> Iterator[Stack]:
     alone, taken down when that module ends, so that it never runs beside the session's stack."""
     with compose_up(["compose.yaml", "compose.ucx.yaml"], ["proxy"]) as stack:
         yield stack
+
+
+@pytest.fixture(scope="module")
+def store_stack(references) -> Iterator[Stack]:
+    """encoder, prefill, decode, the proxy and the KV store the engines share (the kvstore profile). Its module's
+    alone, as ucx_stack."""
+    with compose_up(["compose.yaml"], ["proxy", "kvstore"], profiles=("kvstore",),
+                    env={"EPDSERVE_KV_STORE": "kvstore:7000"}) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def store_client(store_stack):
+    return api_client(store_stack)
 
 
 def api_client(stack: Stack):
