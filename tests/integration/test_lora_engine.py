@@ -58,15 +58,21 @@ def lora_request(name, lora_paths):
     return None if name is None else LoRARequest(name, 1 + ADAPTERS.index(name), lora_paths[name])
 
 
+def greedy_cases(llm, cases, lora_paths, tokenized, hf_references, near_tie_check) -> int:
+    """The near ties of each (adapter name or None, prompt index) of `cases` generated greedily in one call,
+    each checked against HF + PEFT's reference."""
+    outputs = llm.generate([{"prompt_token_ids": tokenized[i]} for _, i in cases],
+                           SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS),
+                           lora_request=[lora_request(name, lora_paths) for name, _ in cases])
+    return sum(near_tie_check(f"{name} prompt {i}", out.outputs[0].token_ids, *hf_references[name, i])
+               for (name, i), out in zip(cases, outputs))
+
+
 def test_mixed_batch_matches_hf_peft(tiny_model_paths, lora_paths, tokenized, hf_references, near_tie_check):
     llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=256)
     # Every prompt with every adapter and the base, interleaved: one step holds all four.
     cases = [(name, i) for i in range(len(tokenized)) for name in (None, *ADAPTERS)]
-    outputs = llm.generate([{"prompt_token_ids": tokenized[i]} for _, i in cases],
-                           SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS),
-                           lora_request=[lora_request(name, lora_paths) for name, _ in cases])
-    ties = sum(near_tie_check(f"{name} prompt {i}", out.outputs[0].token_ids, *hf_references[name, i])
-               for (name, i), out in zip(cases, outputs))
+    ties = greedy_cases(llm, cases, lora_paths, tokenized, hf_references, near_tie_check)
     assert ties <= 1
     # The adapters matter: each changes some prompt's output from the base model's.
     for name in ADAPTERS:
@@ -261,11 +267,7 @@ def test_a_draft_model_drafts_for_adapter_requests(tiny_model_paths, lora_paths,
                                   "model": tiny_model_paths["llama"]})
     cases = [(name, i) for i in (0, 2) for name in (None, *ADAPTERS)]
     with caplog.at_level("WARNING", logger="epdserve"):
-        outputs = llm.generate([{"prompt_token_ids": tokenized[i]} for _, i in cases],
-                               SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS),
-                               lora_request=[lora_request(name, lora_paths) for name, _ in cases])
-    ties = sum(near_tie_check(f"{name} prompt {i}", out.outputs[0].token_ids, *hf_references[name, i])
-               for (name, i), out in zip(cases, outputs))
+        ties = greedy_cases(llm, cases, lora_paths, tokenized, hf_references, near_tie_check)
     assert ties <= 1
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")]
     # An adapter's requests alone have drafts accepted too.
