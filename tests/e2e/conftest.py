@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from epdserve.services.launcher import free_port
+from tests.e2e.service_fork import ForkedProcess
 
 
 def http_host(host: str) -> str:
@@ -27,11 +28,12 @@ class Service:
                  log: Path, host: str = "127.0.0.1") -> None:
         self.name, self.role, self.argv, self.host = name, role, argv, host
         self.port, self.data_port, self.http_port, self.log = port, data_port, http_port, log
-        self.proc: subprocess.Popen | None = None
+        self.proc: ForkedProcess | None = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, stdout=self.log.open("ab"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        """`argv` (python -m epdserve.services.cli ...) as a fork of the test process's fork server."""
+        assert self.argv[:3] == [sys.executable, "-m", "epdserve.services.cli"], self.argv
+        self.proc = ForkedProcess([os.fspath(a) for a in self.argv[3:]], str(self.log), dict(os.environ))
 
     @property
     def alive(self) -> bool:
