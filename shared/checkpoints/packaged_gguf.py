@@ -9,6 +9,8 @@ the joined file is deleted once converted.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import logging
@@ -131,7 +133,29 @@ def _listed_sha256(checkpoint: PackagedGGUF) -> str:
     raise ValueError(f"the {checkpoint.distribution} package lists no SHA-256 of {checkpoint.file_name}")
 
 
+@contextlib.contextmanager
+def _each_file_parsed_once():
+    """transformers parses a GGUF file's metadata anew for the tokenizer, the config (twice) and the weights,
+    and builds the same tensor-name map anew for each of its tensors; on Gemma 3's 262k-entry vocabulary each
+    parse is seconds of Python. While converting, one reader per file and one map per (architecture, layers)
+    serve every caller (transformers imports both from `gguf` when it calls them)."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.cache(reader)
+    gguf.get_tensor_name_map = functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def _convert(checkpoint: PackagedGGUF, gguf_path: Path, out: Path) -> None:
+    with _each_file_parsed_once():
+        _convert_parsed_once(checkpoint, gguf_path, out)
+
+
+def _convert_parsed_once(checkpoint: PackagedGGUF, gguf_path: Path, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
