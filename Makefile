@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 TOOLS := $(VENV)/tools
 TOOLS_STAMP := $(TOOLS)/.installed
 
-.PHONY: run test test-fast test-compose test-chaos install model bench clean
+.PHONY: run test test-fast coverage test-compose test-chaos install model bench clean
 
 # Also rebuilt when a C++ kernel changes: the install compiles them (setup.py).
 $(STAMP): pyproject.toml constraints.txt setup.py kernels/cpu_levels.py $(wildcard kernels/csrc/*)
@@ -66,6 +66,14 @@ test: $(STAMP) $(TOOLS_STAMP)
 # (no whole stacks, no module that takes more than about ten seconds).
 test-fast: $(STAMP) $(TOOLS_STAMP)
 	$(PYTEST) -m "not slow and not gpu" $(PYTEST_ARGS) tests/unit tests/kernels tests/integration tests/deploy
+
+# `make test` under coverage.py (.coveragerc), every process measured; ends with the line coverage of services/,
+# shared/ and transport/, per folder and in total (a slower run: the tracing costs about half again).
+coverage: $(STAMP) $(TOOLS_STAMP)
+	$(PY) -m coverage erase
+	$(PY) -m coverage run -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m coverage combine -q
+	$(PY) tests/coverage_summary.py
 
 # Builds the image and runs `docker compose up` under a real Docker engine, started here when none runs
 # (root on Debian); says it skipped, and passes, only where no container can run.

@@ -44,6 +44,15 @@ class SuiteProfile:
             popen_init(self, args, *rest, **kwargs)
 
         subprocess.Popen.__init__ = init
+        from tests.e2e.service_fork import ForkedProcess  # the stacks' services: forked, not Popen's
+
+        fork_init = ForkedProcess.__init__
+
+        def forked(self, args, *rest, **kwargs):
+            profile._count_process(["epdserve", *args])
+            fork_init(self, args, *rest, **kwargs)
+
+        ForkedProcess.__init__ = forked
 
         from epdserve.shared.engine import llm_engine, model_runner
 
