@@ -17,10 +17,11 @@ PREBUILT = Path(__file__).parent / "prebuilt"
 MANIFEST = "manifest.json"
 
 # Each source's own flags. cpu_layer_ops rounds where PyTorch's separate ops do: a*b + c*d stays two
-# roundings, never a fused multiply-add.
+# roundings, never a fused multiply-add; so does cpu_linear's unpacking of a quantized weight (scale * q +
+# offset, as the reference dequantizer rounds it).
 SOURCES = {
     "cpu_paged_attention": (),
-    "cpu_linear": (),
+    "cpu_linear": ("-ffp-contract=off",),
     "cpu_layer_ops": ("-ffp-contract=off",),
 }
 COMMON_CFLAGS = ("-O3", "-fopenmp")

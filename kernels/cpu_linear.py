@@ -35,9 +35,23 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return _ops().pack(weight.detach())
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] -> [..., out_features]."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    return _ops().linear(rows, panels, out_features, bias).view(*x.shape[:-1], out_features)
+    return _ops().linear(_rows(x), panels, out_features, bias).view(*x.shape[:-1], out_features)
+
+
+def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """A quantized [N, K] weight, w = scale * q (+ offset) per group of K // scale.shape[1] consecutive k (q int8,
+    scale and offset [N, groups] float32) -> the quantized kernel's panels (float32 x only)."""
+    return _ops().pack_quantized(q, scale, offset)
+
+
+def linear_quantized(x: torch.Tensor, panels: torch.Tensor, out_features: int, has_offset: bool,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] float32 -> [..., out_features], bit for bit `linear` on the dequantized weight."""
+    return _ops().linear_quantized(_rows(x), panels, out_features, has_offset, bias).view(*x.shape[:-1], out_features)

@@ -106,26 +106,83 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t K
   tile<R>(x, x_stride, panel, K, y, y_stride, cols);
 }
 
-template <typename T>
-void rows_times_panel(const T* x, int64_t x_stride, int64_t rows, const T* panel, int64_t K, T* y, int64_t y_stride,
-                      int64_t cols, const float* bias) {
+// The quantized tile (quantized panels, below): each weight unpacked in registers as scale * q (+ offset),
+// two roundings as the reference dequantizer makes them (this file is built without contraction into fused
+// multiply-adds), then the same chain of fused multiply-adds over k as the float32 tile: y equals the
+// float32 kernel's on the dequantized weight, bit for bit.
+template <int R>
+inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, int64_t G, bool has_offset,
+                  float* y, int64_t y_stride, int64_t cols) {
+  __m512 acc[R][VECTORS];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int64_t floats = (has_offset ? 2 : 1) * PANEL, group_bytes = floats * 4 + G * PANEL;
+  for (int64_t g0 = 0; g0 < K; g0 += G, panel += group_bytes) {
+    const float* scale = reinterpret_cast<const float*>(panel);
+    const int8_t* q = reinterpret_cast<const int8_t*>(panel + floats * 4);
+    __m512 sc[VECTORS], off[VECTORS];
+    for (int v = 0; v < VECTORS; ++v) {
+      sc[v] = _mm512_loadu_ps(scale + 16 * v);
+      off[v] = has_offset ? _mm512_loadu_ps(scale + PANEL + 16 * v) : _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < G; ++k, q += PANEL) {
+      __m512 wv[VECTORS];
+      for (int v = 0; v < VECTORS; ++v) {
+        const __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * v))));
+        wv[v] = _mm512_mul_ps(qv, sc[v]);
+        if (has_offset) wv[v] = _mm512_add_ps(wv[v], off[v]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 xr = _mm512_set1_ps(x[r * x_stride + g0 + k]);
+        for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_fmadd_ps(wv[v], xr, acc[r][v]);
+      }
+    }
+  }
+  for (int v = 0; v < VECTORS; ++v) {
+    const int64_t left = cols - 16 * v;
+    if (left <= 0) break;
+    const __mmask16 mask = first_lanes(left);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride + 16 * v, mask, acc[r][v]);
+  }
+}
+
+// What a quantized panel holds: groups of G k's, each scale[64] float32, offset[64] float32 (has_offset)
+// and q[G][64] int8.
+struct QuantLayout {
+  int64_t G;
+  bool has_offset;
+};
+
+template <int R>
+inline void tile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, float* y, int64_t y_stride,
+                 int64_t cols, QuantLayout layout) {
+  qtile<R>(x, x_stride, panel, K, layout.G, layout.has_offset, y, y_stride, cols);
+}
+
+template <typename T, typename W, typename Extra>
+void rows_times_panel(const T* x, int64_t x_stride, int64_t rows, const W* panel, int64_t K, T* y, int64_t y_stride,
+                      int64_t cols, Extra extra) {
   int64_t r = 0;
-  for (; r + ROWS <= rows; r += ROWS) tile<ROWS>(x + r * x_stride, x_stride, panel, K, y + r * y_stride, y_stride, cols, bias);
+  for (; r + ROWS <= rows; r += ROWS) tile<ROWS>(x + r * x_stride, x_stride, panel, K, y + r * y_stride, y_stride, cols, extra);
   const T* xr = x + r * x_stride;
   T* yr = y + r * y_stride;
   switch (rows - r) {
-    case 5: tile<5>(xr, x_stride, panel, K, yr, y_stride, cols, bias); break;
-    case 4: tile<4>(xr, x_stride, panel, K, yr, y_stride, cols, bias); break;
-    case 3: tile<3>(xr, x_stride, panel, K, yr, y_stride, cols, bias); break;
-    case 2: tile<2>(xr, x_stride, panel, K, yr, y_stride, cols, bias); break;
-    case 1: tile<1>(xr, x_stride, panel, K, yr, y_stride, cols, bias); break;
+    case 5: tile<5>(xr, x_stride, panel, K, yr, y_stride, cols, extra); break;
+    case 4: tile<4>(xr, x_stride, panel, K, yr, y_stride, cols, extra); break;
+    case 3: tile<3>(xr, x_stride, panel, K, yr, y_stride, cols, extra); break;
+    case 2: tile<2>(xr, x_stride, panel, K, yr, y_stride, cols, extra); break;
+    case 1: tile<1>(xr, x_stride, panel, K, yr, y_stride, cols, extra); break;
     default: break;
   }
 }
 
-template <typename T>
-void run(const T* xp, int64_t x_stride, const T* wp, T* yp, int64_t M, int64_t K, int64_t N, int64_t P,
-         int64_t panel_elems, const float* bias) {
+// The panel's bias pointer for the float tiles; the layout, the same for every panel, for the quantized one.
+inline const float* panel_extra(const float* bias, int64_t p) { return bias ? bias + p * PANEL : nullptr; }
+inline QuantLayout panel_extra(QuantLayout layout, int64_t) { return layout; }
+
+template <typename T, typename W, typename Extra>
+void run(const T* xp, int64_t x_stride, const W* wp, T* yp, int64_t M, int64_t K, int64_t N, int64_t P,
+         int64_t panel_elems, Extra extra) {
   // Work items: panels, and when there are fewer panels than a few per thread, or a number the threads
   // cannot share evenly (9 panels on 2 threads), row chunks of each (in whole tiles); consecutive items
   // share a panel, so a thread reads its panels from memory once.
@@ -140,7 +197,7 @@ void run(const T* xp, int64_t x_stride, const T* wp, T* yp, int64_t M, int64_t K
     const int64_t rows = std::min(M, first + chunk_rows) - first;
     if (rows <= 0) continue;
     rows_times_panel(xp + first * x_stride, x_stride, rows, wp + p * panel_elems, K, yp + first * N + p * PANEL, N,
-                     std::min(PANEL, N - p * PANEL), bias ? bias + p * PANEL : nullptr);
+                     std::min(PANEL, N - p * PANEL), panel_extra(extra, p));
   }
 }
 
@@ -195,7 +252,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::opti
   const bool has_bias = bias.has_value() && bias->defined();
   if (dtype == torch::kFloat32) {
 #ifdef __AVX512F__
-    run(x.data_ptr<float>(), x.stride(0), panels.data_ptr<float>(), y.data_ptr<float>(), M, K, N, P, K * PANEL, nullptr);
+    run(x.data_ptr<float>(), x.stride(0), panels.data_ptr<float>(), y.data_ptr<float>(), M, K, N, P, K * PANEL,
+        static_cast<const float*>(nullptr));
 #else
     TORCH_CHECK(false, "this build has no float32 panel kernel (AVX-512)");
 #endif
@@ -214,8 +272,60 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::opti
   return y;
 }
 
+// A quantized weight [N, K] as q [N, K] int8, scale and offset [N, K / G] float32 (offset undefined where the
+// format has none) -> its panels, uint8 [ceil(N / 64), K / G, group bytes]: per group of G k's, scale[64],
+// offset[64] and q[G][64] (k-major, the columns past N zero).
+torch::Tensor pack_quantized(torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> offset) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.device().is_cpu(), "q: [N, K] int8 on CPU");
+  const int64_t N = q.size(0), K = q.size(1), groups = scale.size(1);
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.scalar_type() == torch::kFloat32 && groups > 0 &&
+              K % groups == 0, "scale: [N, K / G] float32");
+  const bool has_offset = offset.has_value() && offset->defined();
+  TORCH_CHECK(!has_offset || (offset->sizes() == scale.sizes() && offset->scalar_type() == torch::kFloat32),
+              "offset: as scale");
+  const int64_t G = K / groups, panels = (N + PANEL - 1) / PANEL, rows = panels * PANEL;
+  auto pad = [&](torch::Tensor t) {
+    auto padded = torch::zeros({rows, t.size(1)}, t.options());
+    padded.narrow(0, 0, N).copy_(t);
+    return padded;
+  };
+  // [panel, column, group] floats -> [panel, group, column]; q [panel, column, group, G] -> [panel, group, G, column]
+  std::vector<torch::Tensor> parts{pad(scale).view({panels, PANEL, groups}).transpose(1, 2).contiguous()
+                                       .view(torch::kUInt8).view({panels, groups, PANEL * 4})};
+  if (has_offset)
+    parts.push_back(pad(*offset).view({panels, PANEL, groups}).transpose(1, 2).contiguous().view(torch::kUInt8)
+                        .view({panels, groups, PANEL * 4}));
+  parts.push_back(pad(q).view({panels, PANEL, groups, G}).permute({0, 2, 3, 1}).contiguous().view(torch::kUInt8)
+                      .view({panels, groups, G * PANEL}));
+  return torch::cat(parts, 2).contiguous();
+}
+
+// x [M, K] float32 (rows contiguous), panels from pack_quantized() of an [N, K] weight -> y [M, N]; equal to
+// linear() on the dequantized weight, bit for bit.
+torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor panels, int64_t N, bool has_offset,
+                               c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu() && x.scalar_type() == torch::kFloat32,
+              "x: [M, K] float32 on CPU, rows contiguous");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), groups = panels.size(1);
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.scalar_type() == torch::kUInt8 &&
+              P * PANEL >= N && (P - 1) * PANEL < N && groups > 0 && K % groups == 0 &&
+              panels.size(2) == ((has_offset ? 2 : 1) * PANEL * 4 + K / groups * PANEL),
+              "panels: pack_quantized() of an [N, K] weight");
+  auto y = torch::empty({M, N}, x.options());
+#ifdef __AVX512F__
+  run(x.data_ptr<float>(), x.stride(0), panels.data_ptr<uint8_t>(), y.data_ptr<float>(), M, K, N, P,
+      groups * panels.size(2), QuantLayout{K / groups, has_offset});
+#else
+  TORCH_CHECK(false, "this build has no quantized panel kernel (AVX-512)");
+#endif
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dtypes", &dtypes, "The dtypes this build has a kernel for");
   m.def("pack", &pack, "Pack an [N, K] float32 weight into panels for linear (CPU)");
   m.def("linear", &linear, "x W^T + bias from packed panels (CPU, float32 or bfloat16)");
+  m.def("pack_quantized", &pack_quantized, "Pack a quantized [N, K] weight (q, scale, offset) into panels");
+  m.def("linear_quantized", &linear_quantized, "x W^T + bias from quantized panels (CPU, float32)");
 }

@@ -73,3 +73,37 @@ def test_bfloat16_equals_onednn(rows, out_features, in_features):
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
     alone = torch.cat([cpu_linear.linear(x[i:i + 1], cpu_linear.pack(weight), out_features, bias) for i in range(rows)])
     assert torch.equal(got, alone)
+
+
+def quantized_weight(out_features: int, in_features: int, group: int, with_offset: bool, seed: int):
+    """(q int8, scale, offset or None) of a random quantized weight, as a GGML format holds one."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    groups = in_features // group
+    scale = torch.randn(out_features, groups, generator=gen) * 0.01
+    offset = torch.randn(out_features, groups, generator=gen) * 0.1 if with_offset else None
+    return q, scale, offset
+
+
+def dequantized(q, scale, offset) -> torch.Tensor:
+    """w = scale * q (+ offset), each operation rounded to float32 (the reference dequantizer's order)."""
+    n, k = q.shape
+    groups = scale.shape[1]
+    w = q.view(n, groups, k // groups).float() * scale[:, :, None]
+    if offset is not None:
+        w = w + offset[:, :, None]
+    return w.view(n, k)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64])
+@pytest.mark.parametrize("out_features, in_features, group", [(576, 576, 32), (100, 64, 16), (130, 512, 256)])
+@pytest.mark.parametrize("with_offset", [False, True], ids=["scale", "scale-offset"])
+def test_a_quantized_weight_gives_the_float32_kernels_result_on_its_dequantized_weight(rows, out_features,
+                                                                                        in_features, group,
+                                                                                        with_offset):
+    q, scale, offset = quantized_weight(out_features, in_features, group, with_offset, rows * out_features)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, in_features, generator=gen), torch.randn(out_features, generator=gen)
+    packed = cpu_linear.pack_quantized(q, scale, offset)
+    expected = cpu_linear.linear(x, cpu_linear.pack(dequantized(q, scale, offset)), out_features, bias)
+    assert torch.equal(cpu_linear.linear_quantized(x, packed, out_features, with_offset, bias), expected)
