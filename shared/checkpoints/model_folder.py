@@ -35,8 +35,13 @@ def check_model_folder(path: str | Path) -> Path:
                 f"{text!r} is not a folder here; epdserve serves local model folders and downloads nothing: "
                 f"fetch it first (`hf download {text} --local-dir ~/models/{name}`) and pass that folder")
         raise FileNotFoundError(f"no model folder at {text!r} ({PREPARE_HINT})")
+    if folder.is_file() and folder.suffix == ".gguf":
+        from epdserve.shared.checkpoints.packaged_gguf import prepare_gguf
+
+        folder = prepare_gguf(folder)
     if not folder.is_dir():
-        raise FileNotFoundError(f"{text!r} is a file; give the HF model folder that holds config.json")
+        raise FileNotFoundError(f"{text!r} is a file; give the HF model folder that holds config.json, or a "
+                                "GGUF file")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{text!r} has no config.json: not an HF model folder ({PREPARE_HINT})")
     try:

@@ -3,9 +3,10 @@
 We never import those packages (some pull in llama.cpp bindings); we only locate their files through the
 installed metadata, dequantise the GGUF file once with transformers, and save a float32 HF folder
 (config.json, model.safetensors, tokenizer.json with the chat template, generation_config.json) into a
-cache directory reused afterwards. A file too large for one package ships as parts in chunk packages: the
+cache directory reused afterwards, with the GGUF file itself (model.gguf, a link to the installed file):
+the engine serves the weights from it as they ship, HF transformers reads the dequantized copy. A file too large for one package ships as parts in chunk packages: the
 parts are joined in order into a scratch file, checked against the SHA-256 the main package lists, and
-the joined file is deleted once converted.
+the joined file becomes the folder's model.gguf.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epdserve.shared.checkpoints.model_folder import building
+from epdserve.shared.models.weights import GGUF_WEIGHTS
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,8 @@ def default_cache_dir() -> Path:
 
 
 def is_prepared(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+    return all((folder / name).is_file()
+               for name in ("config.json", "model.safetensors", "tokenizer.json", GGUF_WEIGHTS))
 
 
 def prepare_packaged_gguf(checkpoint: PackagedGGUF, cache_dir: Path | None = None) -> Path:
@@ -71,7 +74,24 @@ def prepare_packaged_gguf(checkpoint: PackagedGGUF, cache_dir: Path | None = Non
     return folder
 
 
-def _prepare(checkpoint: PackagedGGUF, folder: Path) -> None:
+def prepare_gguf(path: Path, cache_dir: Path | None = None) -> Path:
+    """A GGUF file given as the model (`--model FILE.gguf`): its HF folder (tokenizer, chat template and config
+    read from the file), converted once into <cache>/models/<file>-<hash of its path, size and time>, the file
+    linked in as its weights."""
+    path = path.expanduser().resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\n{stat.st_size}\n{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    checkpoint = PackagedGGUF(name=f"{path.stem}-{key}", distribution="", version="", file_name=path.name)
+    folder = (cache_dir or default_cache_dir()) / "models" / checkpoint.name
+    if is_prepared(folder):
+        return folder
+    with building(folder):
+        if not is_prepared(folder):
+            _prepare(checkpoint, folder, path)
+    return folder
+
+
+def _prepare(checkpoint: PackagedGGUF, folder: Path, source: Path | None = None) -> None:
     logger.info("converting %s from its packaged GGUF file into %s (once: a minute or a few)", checkpoint.name,
                 folder)
     # Build in a sibling temp folder and rename, so a killed conversion never leaves a half folder; a joined
@@ -79,7 +99,13 @@ def _prepare(checkpoint: PackagedGGUF, folder: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{checkpoint.name}-", dir=folder.parent))
     scratch = Path(tempfile.mkdtemp(prefix=f".{checkpoint.name}-gguf-", dir=folder.parent))
     try:
-        _convert(checkpoint, gguf_file(checkpoint, scratch), tmp)
+        source = source or gguf_file(checkpoint, scratch)
+        _convert(checkpoint, source, tmp)
+        # The engine serves the weights as the file ships them (quantized); HF reads the dequantized copy.
+        if checkpoint.part_distributions:
+            source.rename(tmp / GGUF_WEIGHTS)
+        else:
+            (tmp / GGUF_WEIGHTS).symlink_to(source)
         if folder.exists():
             shutil.rmtree(folder)
         tmp.rename(folder)

@@ -27,6 +27,7 @@ from epdserve.shared.models.layers.lora import LoRAStack, LoRAState
 from epdserve.shared.models.layers.rms_norm import RMSNorm
 from epdserve.shared.models.layers.rotary_embedding import RotaryEmbedding
 from epdserve.shared.models.layers.sparse_moe import Experts, SparseMoE
+from epdserve.shared.models.quantized_weight import QuantizedWeight
 from epdserve.shared.models.weight_loader import load_weights
 
 
@@ -209,8 +210,20 @@ class LlamaForCausalLM(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, (LlamaAttention, Experts)):
                 pieces.update(module.checkpoint_pieces(name + "."))
-        skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        load_weights(self, weights, pieces, skip)
+        tied = self.config.tie_word_embeddings
+        skip = {"lm_head.weight"} if tied else set()
+        # A quantized checkpoint's linear layers run on their weights as shipped where the kernel is (a tied
+        # lm_head on the embedding's, which the embedding also holds dequantized, for its lookups).
+        linears = {f"{name}.weight": module for name, module in self.named_modules()
+                   if isinstance(module, Linear) and module.runs_quantized(module.weight)}
+        if tied and "lm_head.weight" in linears:
+            linears["model.embed_tokens.weight"] = linears.pop("lm_head.weight")
+        quantized = load_weights(self, weights, pieces, skip, frozenset(linears))
+        for name, parts in quantized.items():
+            weight = QuantizedWeight.stack_rows([part for _, part in sorted(parts, key=lambda p: p[0])])
+            if name == "model.embed_tokens.weight":
+                self.model.embed_tokens.weight.data.copy_(weight.dequantize())
+            linears[name].set_quantized(weight, shared=name == "model.embed_tokens.weight")
         for module in self.modules():
             if isinstance(module, (Linear, Experts)):
                 module.pack()

@@ -8,6 +8,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from epdserve.shared.models.quantized_weight import QuantizedWeight
+
 # Mixtral's checkpoints name its sparse MLP and its experts' projections otherwise than Qwen3-MoE's (and
 # than transformers 5, whose names we use): block_sparse_moe -> mlp; w1, w3, w2 -> gate, up, down.
 _MIXTRAL_MOE = re.compile(r"\.block_sparse_moe\.")
@@ -21,13 +23,17 @@ def our_name(hf_name: str) -> str:
     return _MIXTRAL_EXPERT.sub(lambda m: f"{m[1]}{_MIXTRAL_PROJECTIONS[m[2]]}.weight", name)
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                 pieces: dict[str, tuple[str, tuple]], skip: set[str]) -> None:
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
+                 pieces: dict[str, tuple[str, tuple]], skip: set[str],
+                 quantizable: frozenset[str] = frozenset()) -> dict[str, list[tuple[int, QuantizedWeight]]]:
     """Copy `weights` into `model`'s parameters; every parameter not in `skip` must be written exactly once,
-    whole or by its pieces. pieces: HF name -> (our parameter, the index of that tensor's part in it)."""
+    whole or by its pieces. pieces: HF name -> (our parameter, the index of that tensor's part in it).
+    A QuantizedWeight whose parameter is in `quantizable` is not copied: it is returned, with its pieces' first
+    rows, for the layer to pack ({parameter: [(first row, piece), ...]}); any other is written dequantized."""
     params = dict(model.named_parameters(remove_duplicate=False))
     pending = {name: param.numel() for name, param in params.items() if name not in skip}
     seen: set[str] = set()
+    quantized: dict[str, list[tuple[int, QuantizedWeight]]] = {}
     for hf_name, tensor in weights:
         name = our_name(hf_name)
         if "rotary_emb.inv_freq" in name or name in skip:
@@ -39,15 +45,20 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             target, index = pieces[name]
             part = params[target].data[index]
         elif name in params:
-            target, part = name, params[name].data
+            target, index, part = name, (), params[name].data
         else:
             raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
-        if tensor.shape != part.shape:
+        if tuple(tensor.shape) != tuple(part.shape):
             raise ValueError(f"weight {hf_name} has shape {tuple(tensor.shape)}, does not fit {target} "
                              f"(expected {tuple(part.shape)})")
-        part.copy_(tensor)
+        if isinstance(tensor, QuantizedWeight) and target in quantizable:
+            first = index[0].start if index and isinstance(index[0], slice) else 0
+            quantized.setdefault(target, []).append((first or 0, tensor))
+        else:
+            part.copy_(tensor.dequantize() if isinstance(tensor, QuantizedWeight) else tensor)
         pending[target] -= part.numel()
         if pending[target] == 0:
             del pending[target]
     if pending:
         raise ValueError(f"checkpoint lacks weights: {sorted(pending)[:8]}")
+    return quantized

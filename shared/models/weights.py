@@ -1,7 +1,9 @@
-"""Reads HF checkpoints: `config.json` plus `*.safetensors`, one file or sharded with an index."""
+"""Reads HF checkpoints: `config.json` plus `*.safetensors`, one file or sharded with an index; or, where the
+folder holds the GGUF file it was converted from (GGUF_WEIGHTS), the weights as that file ships them."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -10,7 +12,14 @@ from safetensors import safe_open
 if TYPE_CHECKING:
     import torch
 
+    from epdserve.shared.models.quantized_weight import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
 SHARD_INDEX = "model.safetensors.index.json"
+# A folder converted from a GGUF file keeps the file under this name: the engine serves its weights as they
+# ship (quantized), HF reads the dequantized model.safetensors beside it - the same values.
+GGUF_WEIGHTS = "model.gguf"
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:
@@ -37,6 +46,20 @@ def iterate_weights(folder: str | Path, prefixes: tuple[str, ...] | None = None)
             for name in f.keys():
                 if prefixes is None or name.startswith(prefixes):
                     yield name, f.get_tensor(name)
+
+
+def checkpoint_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """The language model's weights under causal-LM names: from the folder's GGUF file where it has one
+    (quantized linear layers as QuantizedWeight), else from its safetensors."""
+    gguf = Path(folder) / GGUF_WEIGHTS
+    if gguf.is_file():
+        from epdserve.shared.models.gguf_weights import gguf_weights
+
+        try:
+            return gguf_weights(gguf)
+        except ValueError as exc:
+            logger.warning("%s; serving its dequantized weights (model.safetensors)", exc)
+    return language_model_weights(iterate_weights(folder))
 
 
 # Where a multimodal checkpoint keeps its language model (older and newer transformers layouts), and the

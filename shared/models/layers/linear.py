@@ -14,6 +14,7 @@ from torch import nn
 
 from epdserve.kernels import cpu_linear
 from epdserve.shared.models.layers.lora import LoRAStack
+from epdserve.shared.models.quantized_weight import QuantizedWeight
 
 _ONEDNN_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _PACK_BATCH_HINT = 64  # rows the packing is tuned for; any row count works
@@ -35,6 +36,23 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout
     panels: torch.Tensor | None = None  # cpu_linear's
     lora: LoRAStack | None = None  # the resident LoRA adapters' weights, on a layer they may adapt
+    # The quantized kernel's panels of a weight kept as its checkpoint ships it, and whether they hold offsets.
+    quantized: tuple[torch.Tensor, bool] | None = None
+
+    @staticmethod
+    def runs_quantized(weight: torch.Tensor) -> bool:
+        """Whether a layer with this (float) weight runs a quantized one as shipped: float32 on a CPU with the
+        quantized kernel. Elsewhere a quantized checkpoint is dequantized at load (the same values)."""
+        return weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_linear.supports(torch.float32)
+
+    def set_quantized(self, weight: QuantizedWeight, shared: bool) -> None:
+        """Run on `weight` as shipped. Its float parameter is then never read: unless `shared` (a tied
+        embedding's), it gives back its memory and stays as zeros of its shape, dtype and device."""
+        self.quantized = (cpu_linear.pack_quantized(weight.q, weight.scale, weight.offset), weight.offset is not None)
+        self.packed_weight = self.panels = None
+        if not shared:
+            self.weight = nn.Parameter(torch.zeros((), dtype=self.weight.dtype, device=self.weight.device)
+                                       .expand(self.weight.shape), requires_grad=False)
 
     @classmethod
     def over(cls, weight: torch.Tensor) -> Linear:
@@ -47,6 +65,8 @@ class Linear(nn.Linear):
 
     def pack(self, weight: torch.Tensor | None = None) -> None:
         """Pack `weight` (default: this layer's own) for the CPU kernels; call again after weights change."""
+        if self.quantized is not None:
+            return
         weight = self.weight if weight is None else weight
         self.packed_weight = self.panels = None
         if weight.device.type != "cpu":
@@ -63,6 +83,9 @@ class Linear(nn.Linear):
         return y
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            panels, has_offset = self.quantized
+            return cpu_linear.linear_quantized(x, panels, self.out_features, has_offset, self.bias)
         if self.panels is not None and x.dtype == self.panels.dtype:
             return cpu_linear.linear(x, self.panels, self.out_features, self.bias)
         if self.packed_weight is not None:

@@ -1,0 +1,58 @@
+"""A linear layer's weight as a quantized checkpoint ships it: w = scale * q (+ offset) per group of
+consecutive input features (gguf_quants), kept in that form so the CPU kernel reads a byte a weight instead
+of four, and unpacks the very float32 values the dequantized checkpoint holds."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    q: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N, K // group] float32
+    offset: torch.Tensor | None  # as scale; None: w = scale * q
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32: scale * q, then + offset, each rounded on its own (as the reference dequantizer)."""
+        n, k = self.q.shape
+        w = self.q.view(n, -1, self.group).float() * self.scale[:, :, None]
+        if self.offset is not None:
+            w = w + self.offset[:, :, None]
+        return w.view(n, k)
+
+    def in_groups_of(self, group: int, with_offset: bool) -> QuantizedWeight:
+        """The same values in groups of `group` (a divisor of this one's), with an offset where asked: a
+        format without one gets -0.0, the one value whose addition changes no float (x + -0.0 == x, signed
+        zeros included)."""
+        repeat = self.group // group
+        scale = self.scale.repeat_interleave(repeat, dim=1)
+        offset = self.offset
+        if offset is not None:
+            offset = offset.repeat_interleave(repeat, dim=1)
+        elif with_offset:
+            offset = torch.full_like(scale, -0.0)
+        return QuantizedWeight(self.q, scale, offset)
+
+    def rows(self, index: slice) -> QuantizedWeight:
+        return QuantizedWeight(self.q[index], self.scale[index], None if self.offset is None else self.offset[index])
+
+    @staticmethod
+    def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """The parts one under another (a fused projection: q, k and v): in the finest group of the parts,
+        with offsets if any part has them."""
+        group = math.gcd(*(p.group for p in parts))
+        with_offset = any(p.offset is not None for p in parts)
+        parts = [p.in_groups_of(group, with_offset) for p in parts]
+        return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                               torch.cat([p.offset for p in parts]) if with_offset else None)
