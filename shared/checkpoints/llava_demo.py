@@ -67,7 +67,7 @@ def _build(out: Path, text_model_dir: Path, seed: int) -> None:
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    from epdserve.shared.models.weights import iterate_weights
+    from epdserve.shared.models.weights import GGUF_WEIGHTS, iterate_weights
 
     tokenizer = AutoTokenizer.from_pretrained(text_model_dir)
     text_vocab = len(tokenizer)
@@ -102,6 +102,8 @@ def _build(out: Path, text_model_dir: Path, seed: int) -> None:
         raise ValueError(f"demo weights do not fit the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
     model.generation_config = GenerationConfig.from_pretrained(text_model_dir)
     model.save_pretrained(out)
+    if (text_model_dir / GGUF_WEIGHTS).is_file():  # the engine serves SmolLM2's weights as they ship (4-bit)
+        (out / GGUF_WEIGHTS).symlink_to((text_model_dir / GGUF_WEIGHTS).resolve())
     processor = _processor(tokenizer)
     processor.save_pretrained(out)
     # transformers 5 nests the image processor in processor_config.json; older versions (and other

@@ -44,8 +44,12 @@ class QuantizedWeight:
             offset = torch.full_like(scale, -0.0)
         return QuantizedWeight(self.q, scale, offset)
 
-    def rows(self, index: slice) -> QuantizedWeight:
-        return QuantizedWeight(self.q[index], self.scale[index], None if self.offset is None else self.offset[index])
+    def with_zero_rows(self, n: int) -> QuantizedWeight:
+        """`n` more rows of zeros (q, scale and offset 0: each dequantizes to +0.0)."""
+        def grown(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else torch.cat([t, t.new_zeros(n, t.shape[1])])
+
+        return QuantizedWeight(grown(self.q), grown(self.scale), grown(self.offset))
 
     @staticmethod
     def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:

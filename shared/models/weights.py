@@ -2,6 +2,7 @@
 folder holds the GGUF file it was converted from (GGUF_WEIGHTS), the weights as that file ships them."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -56,10 +57,40 @@ def checkpoint_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor |
         from epdserve.shared.models.gguf_weights import gguf_weights
 
         try:
-            return gguf_weights(gguf)
+            return _fitted_to_folder(gguf_weights(gguf), folder)
         except ValueError as exc:
             logger.warning("%s; serving its dequantized weights (model.safetensors)", exc)
     return language_model_weights(iterate_weights(folder))
+
+
+def _fitted_to_folder(weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]],
+                      folder: str | Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """The GGUF file's tensors, each checked against the folder's: a folder built on the file may have added
+    rows since (the demo's <image> token: a zero row of the embedding), which the file's tensor gets as zero
+    rows too, once the folder's are seen to be zero; any other difference is an error."""
+    import torch
+
+    from epdserve.shared.models.quantized_weight import QuantizedWeight
+
+    with contextlib.ExitStack() as files:
+        slices = {}
+        for path in safetensors_files(folder):
+            f = files.enter_context(safe_open(str(path), framework="pt"))
+            slices.update((name, (f, key)) for key in f.keys() if (name := _language_model_name(key)))
+        for name, tensor in weights:
+            if name not in slices:
+                yield name, tensor  # the loader names what the model has no parameter for
+                continue
+            f, key = slices[name]
+            shape, rows = tuple(f.get_slice(key).get_shape()), tensor.shape[0]
+            if shape != tuple(tensor.shape):
+                added = f.get_slice(key)[rows:] if shape[1:] == tuple(tensor.shape[1:]) and shape[0] > rows else None
+                if added is None or torch.count_nonzero(added):
+                    raise ValueError(f"{name}: {tuple(tensor.shape)} in {GGUF_WEIGHTS} but {shape} in the folder's "
+                                     "safetensors")
+                tensor = (tensor.with_zero_rows(shape[0] - rows) if isinstance(tensor, QuantizedWeight)
+                          else torch.cat([tensor, tensor.new_zeros(shape[0] - rows, *shape[1:])]))
+            yield name, tensor
 
 
 # Where a multimodal checkpoint keeps its language model (older and newer transformers layouts), and the
@@ -70,13 +101,16 @@ _ENCODER_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projec
                      "visual.", "model.visual.")
 
 
+def _language_model_name(name: str) -> str | None:
+    """A checkpoint tensor's causal-LM name; None for an encoder's."""
+    if name.startswith(_ENCODER_PREFIXES):
+        return None
+    for old, new in _TEXT_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def language_model_weights(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The language model's tensors under causal-LM names; encoder tensors are left out."""
-    for name, tensor in weights:
-        if name.startswith(_ENCODER_PREFIXES):
-            continue
-        for old, new in _TEXT_PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
-        yield name, tensor
+    return ((lm_name, tensor) for name, tensor in weights if (lm_name := _language_model_name(name)) is not None)
