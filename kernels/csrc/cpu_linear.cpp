@@ -110,9 +110,9 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t K
 // two roundings as the reference dequantizer makes them (this file is built without contraction into fused
 // multiply-adds), then the same chain of fused multiply-adds over k as the float32 tile: y equals the
 // float32 kernel's on the dequantized weight, bit for bit.
-template <int R>
-inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, int64_t G, bool has_offset,
-                  float* y, int64_t y_stride, int64_t cols) {
+template <int R, bool has_offset>
+inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, int64_t G, float* y,
+                  int64_t y_stride, int64_t cols) {
   __m512 acc[R][VECTORS];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -130,7 +130,7 @@ inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_
       for (int v = 0; v < VECTORS; ++v) {
         const __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * v))));
         wv[v] = _mm512_mul_ps(qv, sc[v]);
-        if (has_offset) wv[v] = _mm512_add_ps(wv[v], off[v]);
+        if constexpr (has_offset) wv[v] = _mm512_add_ps(wv[v], off[v]);
       }
       for (int r = 0; r < R; ++r) {
         const __m512 xr = _mm512_set1_ps(x[r * x_stride + g0 + k]);
@@ -156,7 +156,11 @@ struct QuantLayout {
 template <int R>
 inline void tile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, float* y, int64_t y_stride,
                  int64_t cols, QuantLayout layout) {
-  qtile<R>(x, x_stride, panel, K, layout.G, layout.has_offset, y, y_stride, cols);
+  // Without offsets (Q4_0, Q8_0, Q6_K), a weight is one multiply: a loop of its own.
+  if (layout.has_offset)
+    qtile<R, true>(x, x_stride, panel, K, layout.G, y, y_stride, cols);
+  else
+    qtile<R, false>(x, x_stride, panel, K, layout.G, y, y_stride, cols);
 }
 
 template <typename T, typename W, typename Extra>
