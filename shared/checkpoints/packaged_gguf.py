@@ -59,8 +59,9 @@ def default_cache_dir() -> Path:
 
 
 def is_prepared(folder: Path) -> bool:
-    return all((folder / name).is_file()
-               for name in ("config.json", "model.safetensors", "tokenizer.json", GGUF_WEIGHTS))
+    # The GGUF file may be a link into a package uninstalled since: the folder still serves, dequantized.
+    return all((folder / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json")) \
+        and os.path.lexists(folder / GGUF_WEIGHTS)
 
 
 def prepare_packaged_gguf(checkpoint: PackagedGGUF, cache_dir: Path | None = None) -> Path:

@@ -26,6 +26,7 @@ def test_a_prepared_folder_is_reused_without_the_package(tmp_path):
     folder.mkdir(parents=True)
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         (folder / name).write_text("{}")
+    (folder / "model.gguf").symlink_to(tmp_path / "uninstalled" / "model.gguf")  # the package's file, gone
     assert prepare_packaged_gguf(missing, tmp_path) == folder
 
 
