@@ -24,6 +24,7 @@ from epdserve.shared.config import LoRAConfig, ModelConfig
 from epdserve.shared.models.layers.attention import Attention, AttentionMetadata
 from epdserve.shared.models.layers.linear import Linear
 from epdserve.shared.models.layers.lora import LoRAStack, LoRAState
+from epdserve.shared.models.layers.quantized_embedding import QuantizedEmbedding
 from epdserve.shared.models.layers.rms_norm import RMSNorm
 from epdserve.shared.models.layers.rotary_embedding import RotaryEmbedding
 from epdserve.shared.models.layers.sparse_moe import Experts, SparseMoE
@@ -212,18 +213,20 @@ class LlamaForCausalLM(nn.Module):
                 pieces.update(module.checkpoint_pieces(name + "."))
         tied = self.config.tie_word_embeddings
         skip = {"lm_head.weight"} if tied else set()
-        # A quantized checkpoint's linear layers run on their weights as shipped where the kernel is (a tied
-        # lm_head on the embedding's, which the embedding also holds dequantized, for its lookups).
+        # A quantized checkpoint's linear layers and embedding run on their weights as shipped where the
+        # quantized kernel is (a tied lm_head on the embedding's).
         linears = {f"{name}.weight": module for name, module in self.named_modules()
                    if isinstance(module, Linear) and module.runs_quantized(module.weight)}
-        if tied and "lm_head.weight" in linears:
-            linears["model.embed_tokens.weight"] = linears.pop("lm_head.weight")
-        quantized = load_weights(self, weights, pieces, skip, frozenset(linears))
-        for name, parts in quantized.items():
+        embedding = "model.embed_tokens.weight"
+        quantizable = frozenset([*linears, embedding]) if linears else frozenset()
+        for name, parts in load_weights(self, weights, pieces, skip, quantizable).items():
             weight = QuantizedWeight.stack_rows([part for _, part in sorted(parts, key=lambda p: p[0])])
-            if name == "model.embed_tokens.weight":
-                self.model.embed_tokens.weight.data.copy_(weight.dequantize())
-            linears[name].set_quantized(weight, shared=name == "model.embed_tokens.weight")
+            if name == embedding:
+                self.model.embed_tokens = QuantizedEmbedding(weight)
+                if tied:
+                    self.lm_head.set_quantized(weight)
+            else:
+                linears[name].set_quantized(weight)
         for module in self.modules():
             if isinstance(module, (Linear, Experts)):
                 module.pack()

@@ -45,14 +45,13 @@ class Linear(nn.Linear):
         quantized kernel. Elsewhere a quantized checkpoint is dequantized at load (the same values)."""
         return weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_linear.supports(torch.float32)
 
-    def set_quantized(self, weight: QuantizedWeight, shared: bool) -> None:
-        """Run on `weight` as shipped. Its float parameter is then never read: unless `shared` (a tied
-        embedding's), it gives back its memory and stays as zeros of its shape, dtype and device."""
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        """Run on `weight` as shipped. Its float parameter is then never read: it gives back its memory and
+        stays as zeros of its shape, dtype and device."""
         self.quantized = (cpu_linear.pack_quantized(weight.q, weight.scale, weight.offset), weight.offset is not None)
         self.packed_weight = self.panels = None
-        if not shared:
-            self.weight = nn.Parameter(torch.zeros((), dtype=self.weight.dtype, device=self.weight.device)
-                                       .expand(self.weight.shape), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros((), dtype=self.weight.dtype, device=self.weight.device)
+                                   .expand(self.weight.shape), requires_grad=False)
 
     @classmethod
     def over(cls, weight: torch.Tensor) -> Linear:
