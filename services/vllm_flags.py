@@ -44,8 +44,9 @@ def add_engine_flags(g: argparse._ActionsContainer) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="vLLM's; auto only: the KV cache is stored in the model's --dtype")
     g.add_argument("--quantization", "-q", metavar="METHOD",
-                   help="vLLM's; not taken: weights are served in --dtype here (a quantized checkpoint is refused "
-                        "when the model loads)")
+                   help="vLLM's; gguf only: a GGUF file's weights (--model FILE.gguf, or a folder holding its "
+                        "model.gguf) are served as they ship, which is the default for such a model; other methods "
+                        "are refused")
     add_shared_flags(g)
     g.add_argument("--enforce-eager", action="store_true",
                    help="vLLM's; always so here: the engine captures no graphs (accepted for vLLM command lines)")
@@ -108,9 +109,13 @@ def check_engine_flags(args: argparse.Namespace, model: str) -> None:
     if args.kv_cache_dtype != "auto":
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: the KV cache is stored in the model's "
                          f"--dtype here; only auto applies")
-    if args.quantization is not None:
-        raise ValueError(f"--quantization {args.quantization}: weights are served in --dtype here; "
-                         "quantized serving is not available")
+    if args.quantization not in (None, "gguf"):
+        raise ValueError(f"--quantization {args.quantization}: only gguf applies here (the weights of a GGUF "
+                         "file, served as they ship); other checkpoints are served in --dtype")
+    from epdserve.shared.models.weights import GGUF_WEIGHTS
+
+    if args.quantization == "gguf" and not (Path(model) / GGUF_WEIGHTS).is_file():
+        raise ValueError(f"--quantization gguf: {model} holds no GGUF file; give --model FILE.gguf")
     if args.gpu_memory_utilization is not None and args.kv_cache_memory_fraction is not None:
         raise ValueError("--gpu-memory-utilization and --kv-cache-memory-fraction say the same here: give one")
 

@@ -152,7 +152,8 @@ def test_an_engine_option_out_of_range(tmp_path, servable, option, message):
     (("--no-such-option",), "unknown option --no-such-option (see `epdserve up --help`)"),
     (("--tensor-parallel-size", "2"), "--tensor-parallel-size 2: an engine runs on one device here"),
     (("--kv-cache-dtype", "fp8"), "--kv-cache-dtype fp8: the KV cache is stored in the model's --dtype"),
-    (("--quantization", "awq"), "--quantization awq: weights are served in --dtype here"),
+    (("--quantization", "awq"), "--quantization awq: only gguf applies here"),
+    (("--quantization", "gguf"), "holds no GGUF file; give --model FILE.gguf"),
     (("--limit-mm-per-prompt", '{"audio": 1}'), "audio: this server takes image only"),
 ])
 def test_a_flag_up_cannot_take_is_one_line_that_names_it(tmp_path, servable, given, message):
