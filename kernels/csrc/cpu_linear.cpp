@@ -33,6 +33,7 @@ using epdserve::first_lanes;
 constexpr int64_t VECTORS = 4;             // 16-lane vectors per panel row
 constexpr int64_t PANEL = 16 * VECTORS;    // output columns per panel
 constexpr int64_t ROWS = 6;                // rows of x per register tile
+constexpr int64_t PREFETCH_AHEAD = 32;     // k steps (cache lines) a quantized panel is fetched ahead
 
 #ifdef __AVX512F__
 // y[0..R)[0..cols) = x[0..R) . panel, cols <= PANEL (the last panel may be narrower: masked stores).
@@ -126,6 +127,9 @@ inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_
       off[v] = has_offset ? _mm512_loadu_ps(scale + PANEL + 16 * v) : _mm512_setzero_ps();
     }
     for (int64_t k = 0; k < G; ++k, q += PANEL) {
+      // A k step reads one cache line; the hardware prefetcher alone keeps too few in flight for the unpacking
+      // to hide DRAM's latency: ask for the line PREFETCH_AHEAD steps on.
+      _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
       __m512 wv[VECTORS];
       for (int v = 0; v < VECTORS; ++v) {
         const __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * v))));
