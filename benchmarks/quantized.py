@@ -66,8 +66,9 @@ def measure_engine(folder: str, dtype: str, threads: int, output_len: int, repea
             packed = m.quantized[0] if m.quantized is not None else m.panels if m.panels is not None else \
                 m.packed_weight if m.packed_weight is not None else m.weight
             read += packed.numel() * packed.element_size()
-    embed = model.model.embed_tokens.weight
-    read += embed.shape[1] * embed.element_size()
+    embed = model.model.embed_tokens  # one row a token: float, or a quantized row and its scales
+    read += sum(t[0].numel() * t.element_size() for t in embed.buffers() if t is not None and t.dim() == 2) \
+        if not hasattr(embed, "weight") else embed.weight.shape[1] * embed.weight.element_size()
     return {"tpot_ms": 1e3 * statistics.median(tpots), "tpot_ms_runs": [1e3 * t for t in tpots],
             "rss_mb": psutil.Process().memory_info().rss / 2**20, "bytes_per_token": read}
 
@@ -128,6 +129,8 @@ def run_llama_server(binary: str, gguf: Path, args) -> dict:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {proc.returncode} while starting")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
@@ -170,7 +173,11 @@ def main() -> int:
         folder = model_folder(name)
         cells = {form: run_form(folder, form, args) for form in FORMS}
         if server:
-            cells["llama-server"] = run_llama_server(server, (folder / "model.gguf").resolve(), args)
+            try:
+                cells["llama-server"] = run_llama_server(server, (folder / "model.gguf").resolve(), args)
+            except RuntimeError as exc:
+                results.setdefault("peer_errors", []).append(f"{name}: {exc}")
+                print(f"{name}: {exc}")
         results["models"][name] = cells
         base = cells["float32"]
         print(f"\n{name}: TPOT at batch 1, memory, roofline")
