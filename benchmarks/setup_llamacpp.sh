@@ -3,6 +3,10 @@
 # that builds it with CMake at install: about nine minutes on two cores), the peer that benchmarks/quantized.py
 # measures on the same GGUF files. Separate from .venv: llama.cpp (AGPL-3.0) is never a project dependency.
 # Idempotent: does nothing when the venv already has a working llama-server. Prints the binary's path.
+# The default build is for this CPU (-march=native); where the CPU lists instructions the machine does not
+# let a process run (AMX tiles on some virtual machines: the server then dies with SIGILL while it warms up),
+# build without them, e.g. CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+# (the environment reaches the package's CMake build).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
