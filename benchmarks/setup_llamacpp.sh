@@ -6,7 +6,7 @@
 # The default build is for this CPU (-march=native); where the CPU lists instructions the machine does not
 # let a process run (AMX tiles on some virtual machines: the server then dies with SIGILL while it warms up),
 # build without them, e.g. CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
-# (the environment reaches the package's CMake build).
+# (not yet tried: whether the package's build takes CMAKE_ARGS from the environment).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
