@@ -36,7 +36,28 @@ constexpr int64_t ROWS = 6;                // rows of x per register tile
 constexpr int64_t PREFETCH_AHEAD = 32;     // k steps (cache lines) a quantized panel is fetched ahead
 
 #ifdef __AVX512F__
-// y[0..R)[0..cols) = x[0..R) . panel, cols <= PANEL (the last panel may be narrower: masked stores).
+// One k step of a float32 tile: acc[r] += w * x[r][k], a fused multiply-add per lane. The float32 and the
+// quantized tiles both take this step, which is what makes their results equal bit for bit.
+template <int R>
+inline void fma_step(__m512 (&acc)[R][VECTORS], const __m512 (&wv)[VECTORS], const float* x, int64_t x_stride) {
+  for (int r = 0; r < R; ++r) {
+    const __m512 xr = _mm512_set1_ps(x[r * x_stride]);
+    for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_fmadd_ps(wv[v], xr, acc[r][v]);
+  }
+}
+
+// y[0..R)[0..cols) = acc, cols <= PANEL (the last panel may be narrower: masked stores).
+template <int R>
+inline void store(const __m512 (&acc)[R][VECTORS], float* y, int64_t y_stride, int64_t cols) {
+  for (int v = 0; v < VECTORS; ++v) {
+    const int64_t left = cols - 16 * v;
+    if (left <= 0) break;
+    const __mmask16 mask = first_lanes(left);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride + 16 * v, mask, acc[r][v]);
+  }
+}
+
+// y[0..R)[0..cols) = x[0..R) . panel.
 template <int R>
 inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t K, float* y, int64_t y_stride,
                  int64_t cols) {
@@ -47,17 +68,9 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t K
     const float* w = panel + k * PANEL;
     __m512 wv[VECTORS];
     for (int v = 0; v < VECTORS; ++v) wv[v] = _mm512_loadu_ps(w + 16 * v);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xr = _mm512_set1_ps(x[r * x_stride + k]);
-      for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_fmadd_ps(wv[v], xr, acc[r][v]);
-    }
+    fma_step<R>(acc, wv, x + k, x_stride);
   }
-  for (int v = 0; v < VECTORS; ++v) {
-    const int64_t left = cols - 16 * v;
-    if (left <= 0) break;
-    const __mmask16 mask = first_lanes(left);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride + 16 * v, mask, acc[r][v]);
-  }
+  store<R>(acc, y, y_stride, cols);
 }
 
 #ifdef __AVX512BF16__
@@ -109,8 +122,8 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t K
 
 // The quantized tile (quantized panels, below): each weight unpacked in registers as scale * q (+ offset),
 // two roundings as the reference dequantizer makes them (this file is built without contraction into fused
-// multiply-adds), then the same chain of fused multiply-adds over k as the float32 tile: y equals the
-// float32 kernel's on the dequantized weight, bit for bit.
+// multiply-adds), then the float32 tile's own fma_step over k: y equals the float32 kernel's on the
+// dequantized weight, bit for bit.
 template <int R, bool has_offset>
 inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, int64_t G, float* y,
                   int64_t y_stride, int64_t cols) {
@@ -136,18 +149,10 @@ inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_
         wv[v] = _mm512_mul_ps(qv, sc[v]);
         if constexpr (has_offset) wv[v] = _mm512_add_ps(wv[v], off[v]);
       }
-      for (int r = 0; r < R; ++r) {
-        const __m512 xr = _mm512_set1_ps(x[r * x_stride + g0 + k]);
-        for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_fmadd_ps(wv[v], xr, acc[r][v]);
-      }
+      fma_step<R>(acc, wv, x + g0 + k, x_stride);
     }
   }
-  for (int v = 0; v < VECTORS; ++v) {
-    const int64_t left = cols - 16 * v;
-    if (left <= 0) break;
-    const __mmask16 mask = first_lanes(left);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride + 16 * v, mask, acc[r][v]);
-  }
+  store<R>(acc, y, y_stride, cols);
 }
 
 // What a quantized panel holds: groups of G k's, each scale[64] float32, offset[64] float32 (has_offset)
