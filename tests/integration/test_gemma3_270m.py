@@ -1,7 +1,9 @@
-"""Gemma 3 270M's real weights (`epdserve model gemma3-270m`, converted from the packaged GGUF): greedy float32
-output equals HF transformers `generate` on the converted folder token for token, for chat prompts in Gemma 3's
-turn format, and for a prompt longer than the sliding window (512) prefilled in chunks, then again from the
-prefix cache. A mismatch is accepted only at a near-tie of HF's top-2 logits (tests/conftest.py).
+"""Gemma 3 270M's real weights (`epdserve model gemma3-270m`, converted from the packaged GGUF; the engine serves
+the GGUF file's Q4_K_M weights as they ship): greedy float32 output equals HF transformers `generate` on the
+converted folder token for token, for chat prompts in Gemma 3's turn format, and for a prompt longer than the
+sliding window (512) prefilled in chunks, then again from the prefix cache. A mismatch is accepted only at a
+near-tie of HF's top-2 logits (tests/conftest.py). Every tensor the engine reads from the file is the converted
+folder's bit for bit.
 
 One engine and one HF model serve every test: the 262k-token vocabulary makes each load cost seconds."""
 import pytest
@@ -35,6 +37,18 @@ def gemma(gemma3_270m_path):
               enable_prefix_caching=True)
     hf = AutoModelForCausalLM.from_pretrained(gemma3_270m_path, dtype=torch.float32).eval()
     return llm, hf, llm.engine.tokenizer.hf
+
+
+def test_every_gguf_tensor_is_the_converted_folders_bit_for_bit(gemma3_270m_path):
+    from epdserve.shared.models.gguf_weights import gguf_weights
+    from epdserve.shared.models.quantized_weight import QuantizedWeight
+    from epdserve.shared.models.weights import GGUF_WEIGHTS, iterate_weights
+
+    reference = dict(iterate_weights(gemma3_270m_path))
+    for name, tensor in gguf_weights(gemma3_270m_path / GGUF_WEIGHTS):
+        values = tensor.dequantize() if isinstance(tensor, QuantizedWeight) else tensor
+        assert torch.equal(values.view(torch.int32), reference.pop(name).view(torch.int32)), name
+    assert not reference, f"not in the GGUF file: {sorted(reference)}"
 
 
 def template_ids(tokenizer, chat) -> list[int]:

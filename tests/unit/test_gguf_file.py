@@ -95,3 +95,26 @@ def test_a_truncated_file_names_the_tensor(tmp_path):
     path.write_bytes(path.read_bytes()[:-1024])
     with pytest.raises(ValueError, match="token_embd.weight.*past the end"):
         GGUFFile(path)
+
+
+def test_parts_stacked_in_a_common_group_dequantize_as_they_did_alone():
+    """q, k and v fused from formats of different groups (Q5_0's 32, Q6_K's 16) and with and without offsets:
+    the stack's values are each part's, bit for bit (the added offsets are -0.0: x + -0.0 == x)."""
+    import torch
+
+    from epdserve.shared.models.quantized_weight import QuantizedWeight
+
+    gen = torch.Generator().manual_seed(0)
+
+    def part(rows, group, offset):
+        q = torch.randint(-32, 32, (rows, 64), generator=gen, dtype=torch.int8)
+        scale = torch.randn(rows, 64 // group, generator=gen)
+        scale[0, 0] = -1.0  # with q = 0 below: a -0.0 weight, which must stay -0.0
+        q[0, 0] = 0
+        return QuantizedWeight(q, scale, torch.randn(rows, 64 // group, generator=gen) if offset else None)
+
+    parts = [part(3, 32, False), part(2, 16, True), part(4, 64, False)]
+    stacked = QuantizedWeight.stack_rows(parts)
+    assert stacked.group == 16 and stacked.offset is not None
+    alone = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(stacked.dequantize().view(torch.int32), alone.view(torch.int32))
