@@ -1,6 +1,7 @@
 """A GGUF checkpoint's tensors under HF names: the linear layers' weights quantized as they ship
 (QuantizedWeight), everything else as float32 tensors - the values transformers' GGUF conversion writes,
-bit for bit (tests/integration/test_gguf_weights.py holds each against the converted folder).
+bit for bit (tests/integration/test_gguf_serving.py and test_gemma3_270m.py hold each against the converted
+folder).
 
 llama.cpp's converter stores a Llama's q and k projections with their rows permuted (its RoPE pairs
 neighbouring features) and Gemma's norm weights plus one; both are undone here, as transformers does.
