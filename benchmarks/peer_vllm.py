@@ -78,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--kv-cache-gb", default="2", help="VLLM_CPU_KVCACHE_SPACE in GiB (default 2)")
+    p.add_argument("--speculative-config", default=None, help="vLLM's --speculative-config (JSON)")
     p.add_argument("--warmup-prompts", type=int, default=4)
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument(
@@ -127,6 +128,7 @@ def main(argv=None) -> int:
         dtype=args.dtype,
         max_model_len=longest + max(max_tokens, args.warmup_tokens),
         seed=0,
+        speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
     )
 
     def params(n: int) -> SamplingParams:
@@ -159,6 +161,7 @@ def main(argv=None) -> int:
         "temperature": args.temperature,
         "top_p": args.top_p,
         "max_tokens": max_tokens,
+        "speculative_config": args.speculative_config,
         "detokenize": not args.no_detokenize,
     } | summarize(timed)
     with open(args.out, "w") as f:

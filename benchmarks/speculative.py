@@ -1,14 +1,17 @@
-"""Speculative decoding (ngram prompt lookup) when serving: TPOT and throughput with and without it, ours
-and `vllm serve`'s with the same --speculative-config, in the same run.
+"""Speculative decoding (ngram prompt lookup, suffix decoding) when serving: TPOT and throughput with and
+without it, ours and `vllm serve`'s with the same --speculative-config, in the same run.
 
 Servers, one at a time, each on the same CPUs (--cpus):
 
-    ours        epdserve up --unified --threads N (N = number of --cpus)
-    ours-spec   the same, with --speculative-config SPEC
-    vllm        vllm serve MODEL --dtype float32 (from .venv-vllm, benchmarks/setup_vllm_cpu.sh)
-    vllm-spec   the same, with --speculative-config SPEC (where its CPU build refuses it, the report says so)
+    ours         epdserve up --unified --threads N (N = number of --cpus)
+    ours-spec    the same, with --speculative-config SPEC
+    ours-suffix  the same, with --speculative-config SUFFIX_SPEC (--suffix-spec)
+    vllm         vllm serve MODEL --dtype float32 (from .venv-vllm, benchmarks/setup_vllm_cpu.sh)
+    vllm-spec    the same, with --speculative-config SPEC (where its CPU build refuses it, the report says so)
+    vllm-suffix  the same, with SUFFIX_SPEC
 
-Workloads, each at every rate of --rates (default 1 and 4 req/s), driven by `epdserve bench serve`
+Workloads, each at every rate of --rates (default 1 and 4 req/s; "inf" sends them all at once), driven by
+`epdserve bench serve`
 (the same prompts for every server; EOS ignored, so every request writes --output-len tokens):
 
     repetitive  chat requests to rewrite a piece of this project's own code with one change, or to quote a
@@ -43,9 +46,10 @@ from pathlib import Path
 from stacks import ROOT, Stack, VllmServer, cpu_list, machine
 
 RESULTS = ROOT / "benchmarks" / "results"
-SERVERS = ("ours", "ours-spec", "vllm", "vllm-spec")
+SERVERS = ("ours", "ours-spec", "ours-suffix", "vllm", "vllm-spec", "vllm-suffix")
 WORKLOADS = ("repetitive", "random")
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+SUFFIX_SPEC = '{"method": "suffix", "num_speculative_tokens": 8}'
 # (result key, label)
 METRICS = (("median_tpot_ms", "TPOT p50 ms"), ("output_throughput", "out tok/s"), ("median_ttft_ms", "TTFT p50 ms"),
            ("acceptance_rate", "draft acceptance"), ("mean_acceptance_length", "mean acceptance length"))
@@ -109,7 +113,8 @@ def run_bench(url: str, bench: list[str], rate: str, temperature: float, seed: i
 def make_server(name: str, args: argparse.Namespace, log_dir: Path):
     cpus = args.cpus
     threads = str(len(cpu_list(cpus)))
-    spec = ["--speculative-config", args.spec] if name.endswith("-spec") else []
+    spec = {"spec": ["--speculative-config", args.spec],
+            "suffix": ["--speculative-config", args.suffix_spec]}.get(name.partition("-")[2], [])
     if name.startswith("vllm"):
         return VllmServer(args.model, args.served_name, cpus, log_dir, extra_args=spec, log_stats=bool(spec))
     engine = ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []
@@ -149,8 +154,8 @@ def measure(name: str, args: argparse.Namespace, dataset: Path, tmp: Path) -> di
     try:
         server.start(args.startup_timeout)
     except RuntimeError as exc:
-        if name == "vllm-spec":  # the peer's CPU build may not speculate: a finding, not a failure of the run
-            print(f"{name}: did not start with {args.spec}", flush=True)
+        if name.startswith("vllm-"):  # the peer's CPU build may not speculate: a finding, not a failure of the run
+            print(f"{name}: did not start with its speculative config", flush=True)
             return {"unsupported": str(exc)[-1500:]}
         raise
     record: dict = {"pinning": server.pinning, "median": {}, "runs": {}}
@@ -190,7 +195,8 @@ def markdown(report: dict, args: argparse.Namespace) -> str:
     servers = [s for s in SERVERS if s in report["servers"]]
     lines = ["# Speculative decoding (ngram prompt lookup) when serving", "",
              f"`{report['command']}` on {report['date']}: {report['machine']}. Model `{Path(args.model).name}`, "
-             f"{args.dtype}; `--speculative-config '{args.spec}'`; {args.num_prompts} requests per run, "
+             f"{args.dtype}; -spec: `--speculative-config '{args.spec}'`, -suffix: `--speculative-config "
+             f"'{args.suffix_spec}'`; {args.num_prompts} requests per run, "
              f"{args.output_len} output tokens each (EOS ignored), temperature {args.temperature:g}; every server "
              f"on CPUs {args.cpus}. Cells: median of {args.repeats} runs. Ratios: to `ours` (TPOT: lower is "
              "better, throughput: higher is better).", ""]
@@ -246,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-name", default="SmolLM2-135M-Instruct")
     p.add_argument("--servers", default=",".join(SERVERS), help="subset of " + ",".join(SERVERS))
     p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--spec", default=SPEC, help="the --speculative-config every speculating server gets")
+    p.add_argument("--spec", default=SPEC, help="the --speculative-config of the -spec servers")
+    p.add_argument("--suffix-spec", default=SUFFIX_SPEC, help="the --speculative-config of the -suffix servers")
     p.add_argument("--cpus", default="0-1")
     p.add_argument("--rates", default="1,4")
     p.add_argument("--num-prompts", type=int, default=32)

@@ -106,8 +106,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", metavar="JSON",
                    help='speculative decoding, in vLLM\'s spelling: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (prompt lookup: drafts copied from what '
-                        'followed the latest earlier occurrence of the last tokens); outputs are those of decoding '
-                        'without it, token for token (default: off)')
+                        'followed the latest earlier occurrence of the last tokens), "draft_model" or "suffix" '
+                        '(suffix decoding); each step keeps only the drafts worth their rows unless "adaptive": '
+                        'false; outputs are those of decoding without it, token for token (default: off)')
     g.add_argument("--threads", type=int, help="compute threads of the engine (or encoder); the service's other "
                                                 "threads use one (default: one per core)")
     g.add_argument("--profile-moe", action="store_true",

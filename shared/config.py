@@ -404,8 +404,12 @@ def _is_int(value: object) -> bool:
 
 
 # The keys of vLLM's speculative config that are ours too, by method; any other key is refused, never ignored.
-_SPECULATIVE_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
-                     "draft_model": ("method", "num_speculative_tokens", "model")}
+# "adaptive" is ours (draft_policy.py): false verifies every draft proposed.
+_SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+_SPECULATIVE_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "adaptive"),
+                     "draft_model": ("method", "num_speculative_tokens", "model", "adaptive"),
+                     "suffix": ("method", "num_speculative_tokens", *_SUFFIX_KEYS, "adaptive")}
 SPECULATIVE_METHODS = tuple(_SPECULATIVE_KEYS)
 
 
@@ -417,7 +421,10 @@ class SpeculativeConfig:
     last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in its prompt and output, up to
     num_speculative_tokens of it. vLLM's defaults: both lookup bounds 5 when neither is given, else the one
     given for both. "draft_model": a small model of the same vocabulary (`model`, a folder) proposes
-    num_speculative_tokens greedy tokens; `draft` is its config, read at the entry point."""
+    num_speculative_tokens greedy tokens; `draft` is its config, read at the entry point. "suffix": suffix
+    decoding (suffix_proposer.py), num_speculative_tokens defaulting to the tree's depth. num_speculative_tokens
+    is the most a request verifies in a step: `adaptive` (ours, default true) keeps only the drafts expected
+    to pay for the rows they add (draft_policy.py)."""
 
     method: str
     num_speculative_tokens: int
@@ -425,6 +432,14 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     model: str | None = None
     draft: ModelConfig | None = None
+    # Each step verifies only the drafts expected to pay for their rows (draft_policy.py); False: all of them.
+    adaptive: bool = True
+    # "suffix" (suffix_proposer.py), vLLM's keys; the cache of outputs is smaller than vLLM's 10000 requests
+    # by default: its tree holds about depth nodes per output token, in Python objects.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 256
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -438,6 +453,19 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
+        if not _is_int(self.suffix_decoding_max_tree_depth) or not 2 <= self.suffix_decoding_max_tree_depth <= 64:
+            raise ValueError("suffix_decoding_max_tree_depth must be an integer in [2, 64], got "
+                             f"{self.suffix_decoding_max_tree_depth!r}")
+        if not _is_int(self.suffix_decoding_max_cached_requests) or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_cached_requests must be a non-negative integer, got "
+                             f"{self.suffix_decoding_max_cached_requests!r}")
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 64:
+            raise ValueError(f"suffix_decoding_max_spec_factor must be a number in (0, 64], got {factor!r}")
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+            raise ValueError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
         if (self.method == "draft_model") != isinstance(self.model, str) or self.model == "":
             raise ValueError("speculative method 'draft_model' needs 'model' (the draft model's folder), and only it")
 
@@ -453,7 +481,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative config is not valid JSON: {exc}") from None
         if not isinstance(spec, dict):
             raise ValueError("speculative config must be a JSON object")
-        if "method" not in spec or "num_speculative_tokens" not in spec:
+        if "method" not in spec or ("num_speculative_tokens" not in spec and spec["method"] != "suffix"):
             raise ValueError("speculative config needs 'method' and 'num_speculative_tokens'")
         keys = _SPECULATIVE_KEYS.get(spec["method"]) if isinstance(spec["method"], str) else None
         if keys is None:
@@ -465,7 +493,11 @@ class SpeculativeConfig:
         low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
         low, high = (5, 5) if low is None and high is None else (high if low is None else low,
                                                                low if high is None else high)
-        return SpeculativeConfig(spec["method"], spec["num_speculative_tokens"], low, high, spec.get("model"))
+        # Suffix decoding's drafts are as long as the tree is deep unless told otherwise (vLLM's default).
+        depth = spec.get("suffix_decoding_max_tree_depth", 24)
+        return SpeculativeConfig(spec["method"], spec.get("num_speculative_tokens", depth), low, high,
+                                 spec.get("model"), adaptive=spec.get("adaptive", True),
+                                 **{key: spec[key] for key in _SUFFIX_KEYS if key in spec})
 
     def with_draft(self, dtype: str, max_model_len: int) -> "SpeculativeConfig":
         """This config with its draft model's config read (draft_model; raises ValueError), else itself."""

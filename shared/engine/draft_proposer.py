@@ -89,6 +89,9 @@ class DraftModelProposer:
         room = min(self.k, request.max_output_tokens - request.num_output_tokens - 1)
         return [0] * max(room, 0)
 
+    def start_step(self) -> None:
+        """Nothing to do before a step's proposals (suffix_proposer.py's forgets finished requests)."""
+
     def fill(self, scheduled: list[ScheduledRequest], block_copies=()) -> None:
         """Compute the draft KV of the positions the target computes in this step (within the budget), and
         write the draft tokens of every scheduled request that kept some, greedy from the draft model."""

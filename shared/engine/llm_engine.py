@@ -14,6 +14,7 @@ from epdserve.shared.engine.kv_cache_budget import size_kv_cache
 from epdserve.shared.engine.model_runner import ModelRunner
 from epdserve.shared.engine.draft_proposer import DraftModelProposer
 from epdserve.shared.engine.ngram_proposer import NgramProposer
+from epdserve.shared.engine.suffix_proposer import SuffixProposer
 from epdserve.shared.engine.offload_connector import OffloadConnector
 from epdserve.shared.engine.handoff import continue_from_peer
 from epdserve.shared.engine.kv_connector import KVConnector, LoadResult
@@ -351,27 +352,42 @@ class LLMEngine:
                 out = self.output_processor.make_output(request)
                 if out is not None:
                     outputs.append(out)
-        self.queue_estimate.observe_step(sched.num_batched_tokens, time.perf_counter() - started,
-                                         self.scheduler.num_queued_prompt_tokens)
+        seconds = time.perf_counter() - started
+        self.queue_estimate.observe_step(sched.num_batched_tokens, seconds, self.scheduler.num_queued_prompt_tokens)
+        if self.proposer is not None and sched.scheduled:
+            self.scheduler.draft_policy.observe_step(sched.num_batched_tokens, seconds)
         return outputs
 
     @staticmethod
-    def _proposer(config: EngineConfig, num_blocks: int) -> NgramProposer | DraftModelProposer | None:
+    def _proposer(config: EngineConfig, num_blocks: int) -> NgramProposer | SuffixProposer | DraftModelProposer | None:
         """Where draft tokens come from (speculative decoding), if anywhere."""
         spec = config.speculative
         if spec is None:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec)
+        if spec.method == "suffix":
+            return SuffixProposer(spec)
         logger.info("draft model %s: loading it for speculative decoding", spec.draft.path)
         # Its own timer: its forward passes are the step's "draft" phase, not the target's "forward".
         return DraftModelProposer(config, num_blocks, StepTimer())
 
     def _propose(self) -> None:
-        """Draft tokens for every running request that is decoding (its last token is all it computes)."""
+        """Draft tokens for every running request that is decoding (its last token is all it computes), cut
+        to those worth their rows (draft_policy.py)."""
+        decoding, prompt_rows = [], 0
+        self.proposer.start_step()
         for request in self.scheduler.running:
-            request.spec_token_ids = self.proposer.propose(request) \
-                if request.num_computed_tokens == request.num_tokens - 1 else []
+            if request.num_computed_tokens == request.num_tokens - 1:
+                request.spec_token_ids = self.proposer.propose(request)
+                decoding.append(request)
+            else:
+                request.spec_token_ids = []
+                prompt_rows += request.num_tokens - request.num_computed_tokens
+        if not self.config.speculative.adaptive:
+            return
+        base_rows = len(decoding) + min(prompt_rows, self.config.scheduler.max_num_batched_tokens)
+        self.scheduler.draft_policy.trim([r for r in decoding if r.spec_token_ids], base_rows, len(decoding))
 
     def _fail(self, errors: dict[str, RequestFailure]) -> list[RequestOutput]:
         """End requests that failed on their own (their blocks return to the pool); their final outputs

@@ -35,6 +35,9 @@ class NgramProposer:
                 return draft[:i]
         return draft
 
+    def start_step(self) -> None:
+        """Nothing to do before a step's proposals (suffix_proposer.py's forgets finished requests)."""
+
     def fill(self, scheduled, block_copies=()) -> None:
         """Nothing to do once the step is scheduled: the drafts were whole before (draft_proposer.py's are not)."""
 

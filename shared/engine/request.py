@@ -124,6 +124,9 @@ class Request:
         # Draft tokens to verify in the next step (speculative decoding): proposed before each step, cut to
         # what the step has room for by the scheduler; they follow `all_token_ids` and are not the request's.
         self.spec_token_ids: list[int] = []
+        # Its drafts' recent record, accepted and rejected (decayed; draft_policy.py).
+        self.draft_hits = 0.0
+        self.draft_misses = 0.0
         # Prompt tokens it did not compute when first started: found in the prefix cache, or brought by a KV
         # tier's load (-1: not started yet).
         self.num_cached_tokens = -1

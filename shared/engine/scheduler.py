@@ -30,6 +30,7 @@ from epdserve.shared.engine.kv_loads import Admission, KVLoads
 from epdserve.shared.engine.parallel_sampling import group_members, ungroup
 from epdserve.shared.engine.prompt_stats import PromptStats
 from epdserve.shared.engine.request import Request, RequestFailure, RequestStatus
+from epdserve.shared.engine.draft_policy import DraftPolicy
 from epdserve.shared.engine.speculative import SpecDecodeStats
 from epdserve.shared.engine.step_budget import StepBudget
 
@@ -69,6 +70,7 @@ class Scheduler:
         self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}  # by finish reason
         self.loads = KVLoads(block_manager)  # the KV connectors, and the requests they are loading
         self.spec_stats = SpecDecodeStats()  # draft tokens verified and accepted (speculative decoding)
+        self.draft_policy = DraftPolicy()  # which drafts are worth a step's rows
         self.prompt_stats = PromptStats()  # where the prompts came from: pool, tiers, computed (once per request)
 
     def add_request(self, request: Request) -> None:
@@ -274,6 +276,7 @@ class Scheduler:
                                           request.num_tokens + len(token_ids) - 1)
         self.block_manager.trim(request)
         self.spec_stats.observe(len(drafts), num_accepted)
+        self.draft_policy.observe_verification(request, len(drafts), num_accepted)
 
     def _append(self, sequence: Request, token_ids: list[int], on_token) -> None:
         for i, token_id in enumerate(token_ids):

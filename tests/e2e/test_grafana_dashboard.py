@@ -98,7 +98,7 @@ def stack(stack_factory, demo_model):
     # Speculating engines with an offload tier export the spec_decode and kv_tier series too.
     return stack_factory(demo_model, encoders=1, prefills=1, decodes=1,
                          engine_args=["--num-kv-blocks", "128", "--max-model-len", "1024", "--speculative-config",
-                                      '{"method": "ngram", "num_speculative_tokens": 2}',
+                                      '{"method": "ngram", "num_speculative_tokens": 2, "adaptive": false}',
                                       "--kv-offloading-size", "0.05"])
 
 

@@ -25,7 +25,7 @@ MAX_TOKENS = 12
 NUM_BLOCKS = 256
 GREEDY = dict(temperature=0, max_tokens=MAX_TOKENS, logprobs=True, extra_body={"return_tokens_as_token_ids": True})
 QUESTION = "What is in this picture?"
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": false}'
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
                                                     "maxItems": 3}},

@@ -8,7 +8,7 @@ import jsonschema
 import openai
 import pytest
 
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": false}'
 LAYOUTS = {"unified": dict(unified=1), "1p1d": dict(prefills=1, decodes=1),
            "1p1d-draft-model": dict(prefills=1, decodes=1)}
 TEXT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
@@ -22,7 +22,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 def stack(request, stack_factory, default_model_path):
     # The draft model layout drafts with the model itself: what is tested is the serving path, and every
     # greedy draft is accepted.
-    spec = json.dumps({"method": "draft_model", "num_speculative_tokens": 3, "model": str(default_model_path)}) \
+    spec = json.dumps({"method": "draft_model", "num_speculative_tokens": 3, "model": str(default_model_path),
+                       "adaptive": False}) \
         if request.param.endswith("draft-model") else SPEC
     stack = stack_factory(default_model_path, engine_args=["--num-kv-blocks", "256", "--speculative-config", spec],
                           **LAYOUTS[request.param])

@@ -95,7 +95,8 @@ PATHS = {
     # Prompt lookup drafts, verified in the step (drafts cut by the budget, and preempted, too).
     "speculative": dict(enable_prefix_caching=True, num_kv_blocks=64, max_num_batched_tokens=96,
                         speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                            "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+                                            "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                                            "adaptive": False}),
 }
 
 

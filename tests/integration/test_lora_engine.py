@@ -264,7 +264,7 @@ def test_a_draft_model_drafts_for_adapter_requests(tiny_model_paths, lora_paths,
     accepted, and no step fails."""
     llm = LLM(model=tiny_model_paths["llama"], enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=256,
               speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
-                                  "model": tiny_model_paths["llama"]})
+                                  "model": tiny_model_paths["llama"], "adaptive": False})
     cases = [(name, i) for i in (0, 2) for name in (None, *ADAPTERS)]
     with caplog.at_level("WARNING", logger="epdserve"):
         ties = greedy_cases(llm, cases, lora_paths, tokenized, hf_references, near_tie_check)

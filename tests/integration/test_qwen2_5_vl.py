@@ -347,7 +347,7 @@ def test_prefill_then_decode_equals_hf(qwen2_5_vl_path, prepared, hf_reference, 
     names = ["small-square", "wide", "two-images"] + (["text-only"] if drafting else [])
     prefill_engine = LLMEngine(build_engine_config(qwen2_5_vl_path, num_kv_blocks=64), detokenize=False)
     prefill_engine.add_connector(copy_connector(None), prefill_engine.finish_load, prefill_engine.release_kv)
-    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": qwen2_5_vl_path} if drafting else None
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": qwen2_5_vl_path, "adaptive": False} if drafting else None
     decode = AsyncLLM.from_config(build_engine_config(qwen2_5_vl_path, num_kv_blocks=64, speculative_config=spec),
                                   detokenize=False)
     connector = copy_connector(decode.kv_cache, fail=fail)
@@ -404,8 +404,8 @@ def test_speculative_decoding_verifies_drafts_at_the_positions_after_the_prompt(
     is the checkpoint itself, an M-RoPE model too, rotating the request's tokens and its drafts by the same
     3-D positions: where it sees what the target sees (a text prompt; it sees an image's placeholders, not
     its embeddings), every draft is accepted."""
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3} \
-        if method == "ngram" else {"method": "draft_model", "num_speculative_tokens": 3, "model": qwen2_5_vl_path}
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False} \
+        if method == "ngram" else {"method": "draft_model", "num_speculative_tokens": 3, "model": qwen2_5_vl_path, "adaptive": False}
     llm = LLM(model=qwen2_5_vl_path, num_kv_blocks=128, speculative_config=spec)
     # The positions a step computes for a request's last token and 4 drafts after its first output token.
     ids, phs, embs, positions = prepared["two-images"]

@@ -1,4 +1,4 @@
-"""Speculative decoding (ngram prompt lookup) through the offline engine: the output is exactly that of
+"""Speculative decoding (ngram prompt lookup, suffix decoding) through the offline engine: the output is exactly that of
 one token per step - greedy and seeded, with every logits processor, stops, structured outputs, n > 1,
 preemption, prefix caching and chunked prefill - and greedy equals HF transformers.
 
@@ -17,7 +17,9 @@ from epdserve.shared.engine.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow  # more than ten seconds: left out of `make test-fast`
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Every draft proposed is verified ("adaptive": false): which drafts the draft policy keeps depends on how long
+# steps take, and these tests need drafts verified whatever the machine. The policy's own tests come last.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
         "Rewrite the code above with mul instead of sub:\n\ndef add(a, b):\n    return a + b\n\n\ndef")
 PROMPTS = [CODE, "The lighthouse keeper climbed the stairs. The lighthouse keeper", "a b c a b c a b c a",
@@ -229,7 +231,7 @@ def test_draft_model_output_is_that_of_one_token_per_step(tiny_model_paths, draf
     target = tiny_model_paths["qwen3"]
     base = LLM(model=target, num_kv_blocks=64)
     spec = LLM(model=target, num_kv_blocks=64, speculative_config={
-        "method": "draft_model", "num_speculative_tokens": 3, "model": tiny_model_paths[draft]})
+        "method": "draft_model", "num_speculative_tokens": 3, "model": tiny_model_paths[draft], "adaptive": False})
     for params in (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
                    SamplingParams(temperature=1.0, seed=8, max_tokens=24, ignore_eos=True),
                    SamplingParams(n=2, temperature=1.0, seed=2, max_tokens=16, ignore_eos=True)):
@@ -248,7 +250,7 @@ def test_draft_model_under_preemption_and_prefix_caching(tiny_model_paths):
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     want = LLM(model=target, num_kv_blocks=256).generate(PROMPTS * 2, params)
     small = LLM(model=target, num_kv_blocks=16, max_num_batched_tokens=24, speculative_config={
-        "method": "draft_model", "num_speculative_tokens": 3, "model": target})
+        "method": "draft_model", "num_speculative_tokens": 3, "model": target, "adaptive": False})
     assert_same(want, small.generate(PROMPTS * 2, params))
     stats = small.engine.stats()
     assert stats.num_preemptions > 0 and stats.spec_decode.num_accepted_tokens > 0
@@ -273,7 +275,7 @@ def test_draft_prompt_work_is_chunked_within_the_step_budget(tiny_model_paths, h
     decoding meanwhile gets a token every step - and greedy output still equals HF transformers."""
     target, budget, k = tiny_model_paths["qwen3"], 32, 3
     llm = LLM(model=target, num_kv_blocks=128, max_num_batched_tokens=budget, speculative_config={
-        "method": "draft_model", "num_speculative_tokens": k, "model": target})
+        "method": "draft_model", "num_speculative_tokens": k, "model": target, "adaptive": False})
     engine, proposer = llm.engine, llm.engine.proposer
     # The short requests decode (about k + 1 tokens a step, the draft being the target) all through the long
     # prompt's chunks.
@@ -325,3 +327,38 @@ def test_draft_prompt_work_is_chunked_within_the_step_budget(tiny_model_paths, h
     assert again[0].outputs[0].token_ids == outputs["long"].outputs[0].token_ids
     assert steps < lengths["long"]  # it drafted
     assert_clean(llm)
+
+
+def test_suffix_decoding_output_is_that_of_one_token_per_step(tiny, base):
+    """Drafts from the request's own suffix tree and from the outputs of the requests that finished before it
+    (the second round of the same prompts finds the first's there)."""
+    suffix = LLM(model=tiny, num_kv_blocks=256,
+                 speculative_config={"method": "suffix", "num_speculative_tokens": 6, "adaptive": False})
+    for params in (SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True, logprobs=2),
+                   SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)):
+        assert_same(base.generate(PROMPTS, params), suffix.generate(PROMPTS, params))
+    assert accepted(suffix) > 0
+    # Each round's outputs joined the cache once the next round's first step swept the finished requests.
+    assert len(suffix.engine.proposer.cached) == 2 * len(PROMPTS)
+    assert_clean(suffix)
+
+
+# -- the draft policy (adaptive, the default) ------------------------------------------------------------------
+def test_the_default_adaptive_engine_answers_as_one_token_per_step(tiny, base):
+    """Whatever drafts the policy keeps (it decides from measured step times), the output is the same."""
+    adaptive = LLM(model=tiny, num_kv_blocks=256, speculative_config={**SPEC, "adaptive": True})
+    for params in (SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True, logprobs=2)):
+        assert_same(base.generate(PROMPTS, params), adaptive.generate(PROMPTS, params))
+    # Rows priced far beyond what a draft can bring (a second a row, the moving averages made that): no draft
+    # is verified, and nothing else changes. (The steps then measured make only the row counts they have cheap.)
+    policy = adaptive.engine.scheduler.draft_policy
+    for _ in range(100):
+        for rows in range(1, 65):
+            policy.observe_step(rows, float(rows))
+    drafted = adaptive.engine.scheduler.spec_stats.num_draft_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert_same(base.generate(PROMPTS, params), adaptive.generate(PROMPTS, params))
+    assert adaptive.engine.scheduler.spec_stats.num_draft_tokens == drafted
+    assert_clean(adaptive)

