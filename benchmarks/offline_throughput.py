@@ -66,7 +66,7 @@ SAMPLINGS = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sampled": {"temperat
 DTYPES = ("float32", "bfloat16")
 WORKLOADS = tuple(f"{s}-{d}" for d in DTYPES for s in SAMPLINGS)
 REFERENCE_WORKLOAD = "greedy-float32"  # the only one the HF engines run
-PHASES = ("schedule", "prepare", "forward", "attention", "sampler", "output")
+PHASES = ("draft", "schedule", "prepare", "forward", "attention", "sampler", "output")
 MOE_PHASES = ("moe_route", "moe_dispatch", "moe_experts", "moe_combine")  # shared/engine/step_timer.py's
 
 

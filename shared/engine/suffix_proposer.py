@@ -1,15 +1,17 @@
 """Suffix decoding ("suffix" speculative decoding): draft tokens from suffix trees, no model.
 
-Two trees of token counts: one per request over its own prompt and output, and one over the outputs of the
+Two sources of token counts: the request's own prompt and output, and a tree over the outputs of the
 requests that finished before it (the last `suffix_decoding_max_cached_requests` of them) - agentic and
-repetitive traffic writes the same things again. Each tree holds every run of at most
-`suffix_decoding_max_tree_depth` consecutive tokens of its sequences, with how often it occurs.
+repetitive traffic writes the same things again. The tree holds every run of at most
+`suffix_decoding_max_tree_depth` consecutive tokens of its sequences, with how often it occurs; the
+request's own tokens are searched as they are (`own_draft`, numpy over the token array: what a tree of them
+would answer, without building one per request, which in Python cost more than the drafts saved).
 
-To propose, the longest suffix of the request's tokens that the tree has seen followed by something is
+To propose, the longest suffix of the request's tokens that the source has seen followed by something is
 found (m tokens long, at most the depth less what the draft needs), and the draft walks on from it, each
 time to the token that most often came next, while the product of those tokens' frequencies stays at least
 `suffix_decoding_min_token_prob`, for at most `suffix_decoding_max_spec_factor` * m tokens (a long match
-earns a long draft) and `num_speculative_tokens`. Of the two trees' drafts the one with the larger
+earns a long draft) and `num_speculative_tokens`. Of the two sources' drafts the one with the larger
 expected length (the sum of the running products) is proposed.
 
 As for prompt lookup, a draft never holds one of the request's stop tokens nor reaches its max_tokens.
@@ -17,6 +19,8 @@ As for prompt lookup, a draft never holds one of the request's stop tokens nor r
 from __future__ import annotations
 
 from collections import deque
+
+import numpy as np
 
 from epdserve.shared.config import SpeculativeConfig
 from epdserve.shared.engine.request import Request, RequestStatus
@@ -30,13 +34,17 @@ class SuffixTree:
         self.depth = depth
         self.root: list = [0, {}]
 
-    def extender(self) -> "SuffixExtender":
-        return SuffixExtender(self)
-
     def add(self, tokens: list[int]) -> None:
-        extender = self.extender()
+        ends: list[list] = []  # nodes of the runs that end at the last token added, shortest first
         for token in tokens:
-            extender.append(token)
+            grown = []
+            for node in (self.root, *ends[:self.depth - 1]):
+                child = node[1].get(token)
+                if child is None:
+                    child = node[1][token] = [0, {}]
+                child[0] += 1
+                grown.append(child)
+            ends = grown
 
     def remove(self, tokens: list[int]) -> None:
         """Take back a sequence `add` put in (its counts; nodes left with none go)."""
@@ -78,7 +86,8 @@ class SuffixTree:
         room = min(max_tokens, int(spec_factor * low), self.depth - low)
         draft, prob, score = [], 1.0, 0.0
         while len(draft) < room and node[1]:
-            token, child = max(node[1].items(), key=lambda item: item[1][0])
+            # The most frequent; of equals, the smallest token (as own_draft takes it).
+            token, child = max(node[1].items(), key=lambda item: (item[1][0], -item[0]))
             prob *= child[0] / sum(c[0] for c in node[1].values())
             if prob < min_prob:
                 break
@@ -88,25 +97,39 @@ class SuffixTree:
         return draft, score
 
 
-class SuffixExtender:
-    """Adds a sequence to a tree one token at a time (a request's, as it grows): the nodes of the runs that end
-    at its last token are kept, and each new token extends them."""
-
-    def __init__(self, tree: SuffixTree) -> None:
-        self.tree = tree
-        self.ends: list[list] = []  # nodes of the runs ending at the last token, shortest first
-        self.size = 0  # tokens added
-
-    def append(self, token: int) -> None:
-        ends = [self.tree.root, *self.ends[:self.tree.depth - 1]]
-        self.ends = []
-        for node in ends:
-            child = node[1].get(token)
-            if child is None:
-                child = node[1][token] = [0, {}]
-            child[0] += 1
-            self.ends.append(child)
-        self.size += 1
+def own_draft(tokens: np.ndarray, depth: int, max_tokens: int, spec_factor: float,
+              min_prob: float) -> tuple[list[int], float]:
+    """SuffixTree.speculate's draft for a tree of `tokens` alone, from `tokens` itself: its last run of m
+    tokens is matched where it occurred before (each occurrence by the position it ends at, one that is
+    followed by a token), growing m while any remain."""
+    n = len(tokens)
+    ends = np.flatnonzero(tokens[:n - 1] == tokens[n - 1])
+    m = 0
+    if len(ends):
+        m = 1
+        while m < min(depth - 1, n - 1):
+            longer = ends[ends >= m]
+            longer = longer[tokens[longer - m] == tokens[n - 1 - m]]
+            if not len(longer):
+                break
+            ends, m = longer, m + 1
+    if not m:
+        return [], 0.0
+    room = min(max_tokens, int(spec_factor * m), depth - m)
+    draft, prob, score = [], 1.0, 0.0
+    while len(draft) < room:
+        ends = ends[ends + 1 + len(draft) < n]
+        if not len(ends):
+            break
+        values, counts = np.unique(tokens[ends + 1 + len(draft)], return_counts=True)
+        best = int(np.argmax(counts))
+        prob *= counts[best] / len(ends)
+        if prob < min_prob:
+            break
+        draft.append(int(values[best]))
+        score += prob
+        ends = ends[tokens[ends + len(draft)] == values[best]]
+    return draft, score
 
 
 class SuffixProposer:
@@ -118,13 +141,12 @@ class SuffixProposer:
         self.max_cached = config.suffix_decoding_max_cached_requests
         self.outputs = SuffixTree(self.depth)  # finished requests' outputs
         self.cached: deque[list[int]] = deque()
-        # request id -> (request, its tree, the extender that has added its tokens so far)
-        self.requests: dict[str, tuple[Request, SuffixTree, SuffixExtender]] = {}
+        self.requests: dict[str, Request] = {}  # those proposed for, until they end
 
     def start_step(self) -> None:
-        """Requests that ended since the last step: their trees go, their outputs (if they ended by a stop or
+        """Requests that ended since the last step are forgotten; their outputs (if they ended by a stop or
         their length, not an abort or an error) join the cache of outputs."""
-        for request_id, (request, _, _) in list(self.requests.items()):
+        for request_id, request in list(self.requests.items()):
             if not request.is_finished:
                 continue
             del self.requests[request_id]
@@ -137,20 +159,14 @@ class SuffixProposer:
 
     def propose(self, request: Request) -> list[int]:
         """Up to k draft tokens to follow `request`'s tokens (maybe none)."""
-        entry = self.requests.get(request.request_id)
-        if entry is None:
-            tree = SuffixTree(self.depth)
-            entry = self.requests[request.request_id] = (request, tree, tree.extender())
-        _, tree, extender = entry
-        tokens = request.all_token_ids
-        for token in tokens[extender.size:]:
-            extender.append(token)
+        self.requests[request.request_id] = request
         room = min(self.k, request.max_output_tokens - request.num_output_tokens - 1)
         if room <= 0:
             return []
-        context = tokens[-self.depth:]
-        draft, score = tree.speculate(context, room, self.spec_factor, self.min_prob)
+        tokens = np.fromiter(request.all_token_ids, np.int64, request.num_tokens)
+        draft, score = own_draft(tokens, self.depth, room, self.spec_factor, self.min_prob)
         if self.cached:
+            context = request.all_token_ids[-self.depth:]
             other, other_score = self.outputs.speculate(context, room, self.spec_factor, self.min_prob)
             if other_score > score:
                 draft = other

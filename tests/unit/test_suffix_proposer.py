@@ -1,12 +1,15 @@
 """Suffix decoding's trees and proposals (suffix_proposer.py)."""
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 
 from epdserve.shared.config import SpeculativeConfig
 from epdserve.shared.engine.request import Request, RequestStatus
 from epdserve.shared.engine.sampling_params import SamplingParams
-from epdserve.shared.engine.suffix_proposer import SuffixProposer, SuffixTree
+from epdserve.shared.engine.suffix_proposer import SuffixProposer, SuffixTree, own_draft
 
 
 def counts(tree: SuffixTree, tokens: list[int]) -> int:
@@ -27,14 +30,17 @@ def test_the_tree_counts_every_run_up_to_its_depth_and_takes_a_sequence_back():
     assert tree.root[1] == {}
 
 
-def test_an_extended_sequence_equals_one_added_whole():
-    whole, grown = SuffixTree(depth=4), SuffixTree(depth=4)
-    tokens = [5, 6, 7, 5, 6, 8, 5, 6, 7, 9]
-    whole.add(tokens)
-    extender = grown.extender()
-    for token in tokens:
-        extender.append(token)
-    assert grown.root == whole.root and extender.size == len(tokens)
+def test_a_requests_own_tokens_draft_as_a_tree_of_them_would():
+    rng = random.Random(3)
+    for _ in range(200):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(2, 40))]
+        tree = SuffixTree(depth=6)
+        tree.add(tokens)
+        context = tokens[-6:]
+        for room, factor, min_prob in ((4, 1.0, 0.1), (6, 3.0, 0.0), (2, 1.0, 0.5)):
+            want, want_score = tree.speculate(context, room, factor, min_prob)
+            got, score = own_draft(np.array(tokens), 6, room, factor, min_prob)
+            assert got == want and score == pytest.approx(want_score)
 
 
 def test_the_draft_follows_the_longest_match_and_grows_with_it():
