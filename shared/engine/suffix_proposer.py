@@ -8,7 +8,7 @@ request's own tokens are searched as they are (`own_draft`, numpy over the token
 would answer, without building one per request, which in Python cost more than the drafts saved).
 
 To propose, the longest suffix of the request's tokens that the source has seen followed by something is
-found (m tokens long, at most the depth less what the draft needs), and the draft walks on from it, each
+found (m tokens long, at most the depth less the draft's room), and the draft walks on from it, each
 time to the token that most often came next, while the product of those tokens' frequencies stays at least
 `suffix_decoding_min_token_prob`, for at most `suffix_decoding_max_spec_factor` * m tokens (a long match
 earns a long draft) and `num_speculative_tokens`. Of the two sources' drafts the one with the larger
@@ -69,9 +69,10 @@ class SuffixTree:
     def speculate(self, context: list[int], max_tokens: int, spec_factor: float,
                   min_prob: float) -> tuple[list[int], float]:
         """A draft to follow `context` and its expected length (the sum of its tokens' running products)."""
-        longest = min(len(context), self.depth - 1)
-        # The longest suffix of the context followed by something here: a suffix that is is followed by
-        # something for every shorter suffix too, so it is found by halving.
+        # At most the depth less the draft's room: a match as deep as the tree leaves nothing to follow it.
+        longest = min(len(context), max(self.depth - max_tokens, 1))
+        # The longest suffix of the context followed by something here: a suffix that is followed by something
+        # is so for every shorter suffix too, so it is found by halving.
         low, high, found = 0, longest, None
         while low < high:
             m = (low + high + 1) // 2
@@ -107,7 +108,7 @@ def own_draft(tokens: np.ndarray, depth: int, max_tokens: int, spec_factor: floa
     m = 0
     if len(ends):
         m = 1
-        while m < min(depth - 1, n - 1):
+        while m < min(max(depth - max_tokens, 1), n - 1):
             longer = ends[ends >= m]
             longer = longer[tokens[longer - m] == tokens[n - 1 - m]]
             if not len(longer):
