@@ -59,6 +59,16 @@ CODE_FILES = ("shared/engine/block_manager.py", "shared/engine/scheduler.py", "s
 RENAMES = (("request", "job"), ("block", "page"), ("token", "piece"), ("self", "this"))
 
 
+def float32_folder(model: str, tmp: Path) -> str:
+    """`model`'s folder as vLLM reads it: its files but its GGUF file (ours would serve that, quantized)."""
+    folder = tmp / f"{Path(model).name}-float32"
+    folder.mkdir(exist_ok=True)
+    for f in Path(model).iterdir():
+        if f.name != "model.gguf" and not (folder / f.name).exists():
+            (folder / f.name).symlink_to(f.resolve())
+    return str(folder)
+
+
 # -- the repetitive workload ----------------------------------------------------------------------------------
 def repetitive_dataset(path: Path, num: int, chunk_lines: int = 24) -> Path:
     """A ShareGPT-format file of `num` requests: rewrite a code chunk with one rename, or quote a paragraph."""
@@ -291,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
               "date": datetime.now().isoformat(timespec="seconds"), "machine": machine(), "spec": args.spec,
               "servers": {}}
     with tempfile.TemporaryDirectory() as tmp:
+        # Every server on the same float32 weights (ours would serve a folder's GGUF file, quantized).
+        args.model = float32_folder(args.model, Path(tmp))
         dataset = repetitive_dataset(Path(tmp) / "repetitive.json", max(args.num_prompts, 8))
         for name in servers:
             report["servers"][name] = measure(name, args, dataset, Path(tmp))

@@ -49,23 +49,13 @@ from datetime import datetime
 from pathlib import Path
 
 from offline_throughput import VLLM_PYTHON, pin, step_profile
-from speculative import SPEC, repetitive_dataset
+from speculative import SPEC, float32_folder, repetitive_dataset
 from stacks import ROOT, machine
 
 RESULTS = ROOT / "benchmarks" / "results"
 ENGINES = ("ours", "ours-ngram", "ours-suffix", "ours-suffix-own", "vllm", "vllm-ngram", "vllm-suffix", "vllm-suffix-own")
 SUFFIX_SPEC = '{"method": "suffix", "num_speculative_tokens": 8}'
 WORKLOADS = ("copy", "random")
-
-
-def float32_folder(model: str, tmp: Path) -> str:
-    """`model`'s folder as vLLM reads it: its files but its GGUF file (ours would serve that, quantized)."""
-    folder = tmp / f"{Path(model).name}-float32"
-    folder.mkdir(exist_ok=True)
-    for f in Path(model).iterdir():
-        if f.name != "model.gguf" and not (folder / f.name).exists():
-            (folder / f.name).symlink_to(f.resolve())
-    return str(folder)
 
 
 def workload_prompts(workload: str, model: str, num: int, input_len: int, tmp: Path) -> list[list[int]]:
