@@ -33,7 +33,8 @@ earlier run answered (the same prompts, and each batch's first ones are the smal
 the best case of traffic that repeats itself exactly, -suffix-own what the request's own tokens bring.
 --profile prints our engines' step phases per batch.
 
-Writes benchmarks/results/speculative_offline.{json,md,png}.
+Writes benchmarks/results/speculative_offline.{json,md,png} (with --temperature above 0:
+speculative_offline_sampled.*).
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def worker(args: argparse.Namespace) -> int:
     runs, max_tokens = spec["runs"], spec["max_tokens"]
     llm = LLM(model=args.model, max_num_seqs=max(len(r) for r in runs),
               speculative_config=args.speculative_config)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p[::-1]} for p in runs[0][:4]], SamplingParams(max_tokens=8, ignore_eos=True))
     timed = []
     for prompts in runs:
@@ -118,7 +119,8 @@ def run_engine(engine: str, model: str, runs: list[list[list[int]]], args: argpa
         cmd = [str(VLLM_PYTHON), str(ROOT / "benchmarks" / "peer_vllm.py"), "--kv-cache-gb", "4"]
     else:
         cmd = [sys.executable, __file__, "--worker"]
-    cmd += ["--model", model, "--prompts", str(prompts), "--threads", str(args.threads), "--out", str(out), *spec]
+    cmd += ["--model", model, "--prompts", str(prompts), "--threads", str(args.threads), "--out", str(out),
+            "--temperature", str(args.temperature), *spec]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"  {engine}: failed\n{proc.stderr[-3000:]}")
@@ -149,7 +151,8 @@ def markdown(summary: dict) -> list[str]:
              f"`{summary['command']}` on {summary['date']}: {summary['machine']}. Model `{summary['model_name']}`, "
              f"float32, {summary['threads']} threads; -ngram: `--speculative-config '{summary['spec']}'`, "
              f"-suffix: `--speculative-config '{summary['suffix_spec']}'`; "
-             f"{summary['output_len']} output tokens per request (EOS ignored), greedy. Cells: median output tok/s "
+             f"{summary['output_len']} output tokens per request (EOS ignored), "
+             f"{'temperature %g' % summary['temperature'] if summary['temperature'] else 'greedy'}. Cells: median output tok/s "
              f"of {summary['repeats']} runs; (ratio to the same system without speculation); acceptance of "
              "the drafts verified.", ""]
     engines = [e for e in ENGINES if any(e in w for w in summary["results"].values())]
@@ -215,6 +218,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--input-len", type=int, default=256, help="the random workload's prompt length")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); above: sampled, unseeded")
     p.add_argument("--spec", default=SPEC, help="the --speculative-config of the -ngram engines")
     p.add_argument("--suffix-spec", default=SUFFIX_SPEC, help="the --speculative-config of the -suffix engines")
     p.add_argument("--profile", action="store_true", help="print our engines' step phases per batch")
@@ -237,7 +241,7 @@ def main(argv=None) -> int:
     summary = {"command": "benchmarks/speculative_offline.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "date": datetime.now().isoformat(timespec="seconds"), "machine": machine(),
                "model_name": Path(model).name, "threads": args.threads, "spec": args.spec,
-               "suffix_spec": args.suffix_spec, "batches": batches,
+               "suffix_spec": args.suffix_spec, "temperature": args.temperature, "batches": batches,
                "repeats": args.repeats, "output_len": args.output_len, "results": {}}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -261,7 +265,7 @@ def main(argv=None) -> int:
                         print("      " + ", ".join(f"{k} {1e3 * v / max(p['steps'], 1):.1f}"
                                                   for k, v in p["step_seconds"].items()) + f" ms/step, {p['steps']} steps")
             for engine in ("ours-ngram", "ours-suffix", "ours-suffix-own"):
-                if "ours" in result and engine in result:
+                if "ours" in result and engine in result and not args.temperature:
                     pairs = [(x, y) for b in result["ours"] if b in result[engine]
                              for x, y in zip(result["ours"][b]["output_token_ids"], result[engine][b]["output_token_ids"])]
                     result.setdefault("agreement", {})[engine] = f"{sum(x == y for x, y in pairs)}/{len(pairs)}"
@@ -270,10 +274,11 @@ def main(argv=None) -> int:
             for c in result.get(engine, {}).values():
                 c.pop("output_token_ids", None)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "speculative_offline.json").write_text(json.dumps(summary, indent=1))
+    stem = "speculative_offline_sampled" if args.temperature else "speculative_offline"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(summary, indent=1))
     text = "\n".join(markdown(summary))
-    (RESULTS / "speculative_offline.md").write_text(text)
-    plot(summary, RESULTS / "speculative_offline.png")
+    (RESULTS / f"{stem}.md").write_text(text)
+    plot(summary, RESULTS / f"{stem}.png")
     print(text)
     return 0
 
