@@ -25,21 +25,33 @@ class NgramProposer:
 
     def propose(self, request: Request) -> list[int]:
         """Up to k draft tokens to follow `request`'s tokens (maybe none)."""
-        room = min(self.k, request.max_output_tokens - request.num_output_tokens - 1)
+        room = draft_room(request, self.k)
         if room <= 0:
             return []
-        tokens = np.fromiter(request.all_token_ids, np.int64, request.num_tokens)
-        draft = _lookup(tokens, self.min_n, self.max_n, room)
-        for i, token_id in enumerate(draft):
-            if token_id in request.stop_token_ids:
-                return draft[:i]
-        return draft
+        return before_stop(request, _lookup(token_array(request), self.min_n, self.max_n, room))
 
     def start_step(self) -> None:
         """Nothing to do before a step's proposals (suffix_proposer.py's forgets finished requests)."""
 
     def fill(self, scheduled, block_copies=()) -> None:
         """Nothing to do once the step is scheduled: the drafts were whole before (draft_proposer.py's are not)."""
+
+
+def draft_room(request: Request, k: int) -> int:
+    """How many draft tokens `request` may take: at most k, and never its last token (max_tokens)."""
+    return min(k, request.max_output_tokens - request.num_output_tokens - 1)
+
+
+def before_stop(request: Request, draft: list[int]) -> list[int]:
+    """`draft` up to the first of the request's stop tokens."""
+    for i, token_id in enumerate(draft):
+        if token_id in request.stop_token_ids:
+            return draft[:i]
+    return draft
+
+
+def token_array(request: Request) -> np.ndarray:
+    return np.fromiter(request.all_token_ids, np.int64, request.num_tokens)
 
 
 def _lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:

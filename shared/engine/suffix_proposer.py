@@ -23,6 +23,7 @@ from collections import deque
 import numpy as np
 
 from epdserve.shared.config import SpeculativeConfig
+from epdserve.shared.engine.ngram_proposer import before_stop, draft_room, token_array
 from epdserve.shared.engine.request import Request, RequestStatus
 
 
@@ -73,17 +74,16 @@ class SuffixTree:
         longest = min(len(context), max(self.depth - max_tokens, 1))
         # The longest suffix of the context followed by something here: a suffix that is followed by something
         # is so for every shorter suffix too, so it is found by halving.
-        low, high, found = 0, longest, None
+        low, high, node = 0, longest, None
         while low < high:
             m = (low + high + 1) // 2
-            node = self.node(context[len(context) - m:])
-            if node is not None and node[1]:
-                low, found = m, node
+            candidate = self.node(context[len(context) - m:])
+            if candidate is not None and candidate[1]:
+                low, node = m, candidate
             else:
                 high = m - 1
         if not low:
             return [], 0.0
-        node = found
         room = min(max_tokens, int(spec_factor * low), self.depth - low)
         draft, prob, score = [], 1.0, 0.0
         while len(draft) < room and node[1]:
@@ -161,20 +161,16 @@ class SuffixProposer:
     def propose(self, request: Request) -> list[int]:
         """Up to k draft tokens to follow `request`'s tokens (maybe none)."""
         self.requests[request.request_id] = request
-        room = min(self.k, request.max_output_tokens - request.num_output_tokens - 1)
+        room = draft_room(request, self.k)
         if room <= 0:
             return []
-        tokens = np.fromiter(request.all_token_ids, np.int64, request.num_tokens)
-        draft, score = own_draft(tokens, self.depth, room, self.spec_factor, self.min_prob)
+        draft, score = own_draft(token_array(request), self.depth, room, self.spec_factor, self.min_prob)
         if self.cached:
             context = request.all_token_ids[-self.depth:]
             other, other_score = self.outputs.speculate(context, room, self.spec_factor, self.min_prob)
             if other_score > score:
                 draft = other
-        for i, token_id in enumerate(draft):
-            if token_id in request.stop_token_ids:
-                return draft[:i]
-        return draft
+        return before_stop(request, draft)
 
     def fill(self, scheduled, block_copies=()) -> None:
         """Nothing to do once the step is scheduled: the drafts were whole before."""
