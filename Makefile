@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 TOOLS := $(VENV)/tools
 TOOLS_STAMP := $(TOOLS)/.installed
 
-.PHONY: run test test-fast coverage test-compose test-chaos install model bench clean
+.PHONY: run test test-fast coverage image test-compose test-chaos install model bench clean
 
 # Also rebuilt when a C++ kernel changes: the install compiles them (setup.py).
 $(STAMP): pyproject.toml constraints.txt setup.py kernels/cpu_levels.py $(wildcard kernels/csrc/*)
@@ -74,6 +74,11 @@ coverage: $(STAMP) $(TOOLS_STAMP)
 	$(PY) -m coverage run -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 	$(PY) -m coverage combine -q
 	$(PY) tests/coverage_summary.py
+
+# The image test-compose and test-chaos run (and the engine they run it on, as they start it), without
+# their tests: .ci/run builds it niced while make test runs, so that their own builds find it cached.
+image: $(STAMP)
+	PYTHON=$(PY) tests/compose/run.sh --image-only
 
 # Builds the image and runs `docker compose up` under a real Docker engine, started here when none runs
 # (root on Debian); says it skipped, and passes, only where no container can run.

@@ -17,13 +17,18 @@ REPO = HERE.parents[1]
 ANSWER = bytes(range(256)) * 1024  # 256 KiB: one answer of the fake prefill
 
 
-def test_the_overlay_only_shrinks_the_kv_pools():
-    """compose.chaos.yaml restates the prefill and decode commands: they must stay compose.yaml's, plus the pool."""
+def test_the_overlay_only_shrinks_the_kv_pools_and_checks_restarts_sooner():
+    """compose.chaos.yaml restates the prefill and decode commands: they must stay compose.yaml's, plus the pool;
+    of the engines' health checks it changes only how often a starting engine is checked."""
     base = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
     overlay = yaml.safe_load((HERE / "compose.chaos.yaml").read_text())["services"]
-    assert set(overlay) == {"prefill", "decode"}
+    assert set(overlay) == {"encoder", "prefill", "decode"}
     for service, spec in overlay.items():
-        assert set(spec) == {"command"}, service
+        assert spec["healthcheck"] == {"start_interval": "1s"}, service
+        if service == "encoder":
+            assert set(spec) == {"healthcheck"}
+            continue
+        assert set(spec) == {"command", "healthcheck"}, service
         command = list(spec["command"])
         at = command.index("--num-kv-blocks")
         assert command[at + 1] == "256"

