@@ -5,7 +5,8 @@ The PyTorch backend (torch_attention) gathers each sequence's K/V into a contigu
 batched matmuls whose rows are a GQA group (3 rows for SmolLM2) for a decode, or one
 scaled_dot_product_attention per prefill chunk; both run far below the machine's speed at these sizes.
 The kernel in csrc/cpu_paged_attention.cpp reads the blocks in place, one query token and KV head at a
-time (the head serves its GQA group), and computes in float32 (exact two-pass softmax). A prefill token
+time (the head serves its GQA group), and computes in float32 (exact two-pass softmax), whatever the cache
+stores (the model's dtype, bfloat16 or FP8: widened as read). A prefill token
 attends to its causal prefix: the kernel is told, per token, how many of its sequence's tokens it sees.
 
 The kernel is built on first use for the CPU it runs on (see cpu_build); where it cannot be built,
@@ -31,10 +32,13 @@ def available() -> bool:
 
 def kv_cache_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """`torch_attention.kv_cache_write`'s contract, one row copy per token and head instead of an index_put."""
+    """`torch_attention.kv_cache_write`'s contract, one row copy per token and head instead of an index_put; a
+    cache narrower than the model (bfloat16, FP8) takes the new rows converted first (FP8 saturating, as torch
+    converts)."""
     key_hm, value_hm = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
-    if key.dtype == value.dtype == key_cache.dtype and key_hm.is_contiguous() and value_hm.is_contiguous():
-        _extension().write_kv(key.contiguous(), value.contiguous(), key_hm, value_hm, slot_mapping.long())
+    if key_hm.is_contiguous() and value_hm.is_contiguous() and value_cache.dtype == key_cache.dtype:
+        _extension().write_kv(key.to(key_cache.dtype).contiguous(), value.to(key_cache.dtype).contiguous(), key_hm,
+                              value_hm, slot_mapping.long())
     else:
         torch_attention.kv_cache_write(key, value, key_cache, value_cache, slot_mapping)
 

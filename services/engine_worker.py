@@ -55,7 +55,7 @@ def lora_request(lora: WireLoRA) -> LoRARequest:
 
 def kv_layout(engine: EngineConfig) -> KVLayout:
     m = engine.model
-    return KVLayout(m.model_id, str(m.dtype).removeprefix("torch."), engine.cache.block_size, m.num_layers,
+    return KVLayout(m.model_id, engine.kv_dtype_name, engine.cache.block_size, m.num_layers,
                     m.num_kv_heads, m.head_size)
 
 

@@ -17,6 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
+from epdserve.shared.config import KV_CACHE_DTYPES
+
 # vLLM's --dtype spellings -> ours. "auto" is the exact float32 here on CPU (vLLM: the checkpoint's dtype).
 DTYPES = {"auto": "float32", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
           "float16": "float16", "half": "float16"}
@@ -42,7 +44,10 @@ def add_engine_flags(g: argparse._ActionsContainer) -> None:
                         "KV pool takes - the same as --kv-cache-memory-fraction (vLLM: the share of the whole GPU, "
                         "weights included). On CPU each engine of a host sees the same free memory: keep it small")
     g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
-                   help="vLLM's; auto only: the KV cache is stored in the model's --dtype")
+                   help="vLLM's: what the KV cache stores - auto (the model's --dtype), bfloat16, fp8 (= fp8_e4m3) "
+                        "or fp8_e5m2 (unscaled, as vLLM without calibrated scales); the prefill->decode transfer, "
+                        "the offload tier and the KV store move blocks as stored. Every engine of a deployment "
+                        "must store the same"),
     g.add_argument("--quantization", "-q", metavar="METHOD",
                    help="vLLM's; gguf only: a GGUF file's weights (--model FILE.gguf, or a folder holding its "
                         "model.gguf) are served as they ship, which is the default for such a model; other methods "
@@ -106,9 +111,9 @@ def check_engine_flags(args: argparse.Namespace, model: str) -> None:
         if size != 1:
             raise ValueError(f"{flag} {size}: an engine runs on one device here (no model parallelism); for more "
                              "throughput run more engines (`epdserve up --decodes N`, or more decode services)")
-    if args.kv_cache_dtype != "auto":
-        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: the KV cache is stored in the model's "
-                         f"--dtype here; only auto applies")
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported here; choose one of "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
     if args.quantization not in (None, "gguf"):
         raise ValueError(f"--quantization {args.quantization}: only gguf applies here (the weights of a GGUF "
                          "file, served as they ship); other checkpoints are served in --dtype")

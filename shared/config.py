@@ -30,6 +30,11 @@ _LAYERED_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # The dtypes a model runs in, by name, with their size in bytes. Names, not torch dtypes: the proxy reads
 # model folders too, and loads no torch.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# What the KV pool may store (--kv-cache-dtype, vLLM's spellings) by its dtype's name; "auto": the model's dtype.
+# FP8 is stored unscaled (scale 1.0, vLLM's default without calibrated scales), saturated at its largest value.
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                   "fp8_e5m2": "float8_e5m2"}
+KV_DTYPE_BYTES = {**DTYPE_BYTES, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
@@ -318,9 +323,9 @@ class ModelConfig:
     def dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype_name)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_size * DTYPE_BYTES[self.dtype_name]
+    def kv_bytes_per_token(self, kv_dtype_name: str | None = None) -> int:
+        """Bytes of one token's K and V in every layer, stored in `kv_dtype_name` (None: the model's dtype)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * KV_DTYPE_BYTES[kv_dtype_name or self.dtype_name]
 
     @property
     def num_weight_bytes(self) -> int:
@@ -360,8 +365,14 @@ class CacheConfig:
     # The deployment's block-hash key (shared/block_hash.py deployment_key; None: unkeyed): the prefix
     # cache, the offload tier and the shared KV store all name blocks by hashes keyed with it.
     block_hash_key: bytes | None = field(default=None, repr=False)
+    # What the pool stores, in vLLM's spellings (KV_CACHE_DTYPES): the model's dtype ("auto"), bfloat16 or FP8;
+    # the prefill->decode transfer, the offload tier and the shared store move blocks as stored.
+    cache_dtype: str = "auto"
 
     def __post_init__(self):
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.cache_dtype!r} is not supported; choose one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         if self.kv_offloading_bytes < 0:
             raise ValueError(f"kv_offloading_bytes must be at least 0, got {self.kv_offloading_bytes}")
         if self.kv_offloading_bytes and not self.enable_prefix_caching:
@@ -553,6 +564,11 @@ class EngineConfig:
     # Time a mixture-of-experts model's sparse MLPs by part in the step timer (routing, dispatch, experts,
     # combine); nothing for a dense model. Off: those layers run with no clock reads at all.
     profile_moe: bool = False
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The dtype the KV pool stores, by name ("float32", "bfloat16", "float8_e4m3fn", ...)."""
+        return KV_CACHE_DTYPES[self.cache.cache_dtype] or self.model.dtype_name
 
     def __post_init__(self):
         if not self.grammar_compile_timeout > 0:

@@ -11,7 +11,10 @@
 // L2), and ran at half the machine's speed. Each token's sums are added in the same order either way, so a
 // token's result does not depend on its tile, its batch or its chunk.
 //
-// With AVX-512 and a head size that is a multiple of 16 (float32 and bfloat16 caches), the scores of 16
+// The cache may be stored narrower than the query (--kv-cache-dtype): bfloat16, or FP8 (E4M3 or E5M2, scale
+// 1.0 as vLLM's default); its values are widened to float32 as they are read, so the arithmetic is the same.
+//
+// With AVX-512 and a head size that is a multiple of 16 (float32, bfloat16 and FP8 caches), the scores of 16
 // tokens come out of one transposing reduction instead of 16 horizontal sums, the softmax runs 16 lanes
 // at a time, and the weighted sum of V keeps its accumulators in registers across the whole context.
 // Without AVX-512, AVX2 runs the same steps 8 lanes at a time (head sizes a multiple of 8); the plain
@@ -22,6 +25,8 @@
 
 #include <omp.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -34,6 +39,36 @@
 namespace {
 
 using namespace epdserve;
+
+using E4M3 = c10::Float8_e4m3fn;
+using E5M2 = c10::Float8_e5m2;
+
+// FP8 values widened exactly through float16: an E5M2 byte is the top half of a float16; an E4M3 byte's
+// exponent and mantissa, placed at a float16's (sign kept), read as float16 times 2^8 (the exponent biases
+// are 7 and 15), subnormals included. (The E4M3 NaN is never stored: the cache write saturates.) The byte
+// goes to the top of 16 bits, an arithmetic shift right by one copies the sign into bit 14 as well, and
+// clearing bit 14 leaves sign, exponent and mantissa where a float16 has them: three operations.
+#if defined(__AVX512F__)
+using epdserve::load16;  // the float32 and bfloat16 loads, beside these (a declaration here hides them otherwise)
+inline __m512 fp8_lanes16(__m256i bytes16, bool e4m3) {
+  const __m256i top = _mm256_slli_epi16(bytes16, 8);
+  if (!e4m3) return _mm512_cvtph_ps(top);
+  const __m256i half = _mm256_and_si256(_mm256_srai_epi16(top, 1), _mm256_set1_epi16(static_cast<short>(0xbfff)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
+}
+inline __m512 load16(const E4M3* p) { return fp8_lanes16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), true); }
+inline __m512 load16(const E5M2* p) { return fp8_lanes16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), false); }
+#elif defined(__AVX2__) && defined(__FMA__)
+using epdserve::load8;
+inline __m256 fp8_lanes8(__m128i bytes8, bool e4m3) {
+  const __m128i top = _mm_slli_epi16(bytes8, 8);
+  if (!e4m3) return _mm256_cvtph_ps(top);
+  const __m128i half = _mm_and_si128(_mm_srai_epi16(top, 1), _mm_set1_epi16(static_cast<short>(0xbfff)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+}
+inline __m256 load8(const E4M3* p) { return fp8_lanes8(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), true); }
+inline __m256 load8(const E5M2* p) { return fp8_lanes8(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), false); }
+#endif
 
 // Asks for blocks ahead of their use: the blocks of a sequence are scattered, so the hardware prefetcher
 // cannot guess the next one, and a decode is bound by reading K and V from memory. Into L2, not L1: a
@@ -101,14 +136,26 @@ inline void softmax_rows_plain(float* scores, int64_t rows, int64_t ctx, float* 
 // independent chains the compiler turns into vector fused multiply-adds (one chain over d, as before, was
 // latency-bound: an AVX2 Zen 3 prefilled a 1k-token prompt 2.5x slower than PyTorch's attention). The
 // order is fixed, so a token's score does not depend on its batch.
-template <typename T>
-inline float dot_plain(const float* q, const T* k, int64_t d_n) {
+inline float dot_plain(const float* q, const float* k, int64_t d_n) {
   float part[DOT_LANES] = {};
   int64_t d = 0;
   for (; d + DOT_LANES <= d_n; d += DOT_LANES)
-    for (int64_t j = 0; j < DOT_LANES; ++j) part[j] += q[d + j] * static_cast<float>(k[d + j]);
-  for (int64_t j = 0; d < d_n; ++d, ++j) part[j] += q[d] * static_cast<float>(k[d]);
+    for (int64_t j = 0; j < DOT_LANES; ++j) part[j] += q[d + j] * k[d + j];
+  for (int64_t j = 0; d < d_n; ++d, ++j) part[j] += q[d] * k[d];
   return fold(part);
+}
+
+// A cache row as float32: the row itself, or its values widened into `buffer`. The plain loops then run the
+// same float32 code whatever the cache stores (the compiler contracts and vectorizes a loop that converts as
+// it goes otherwise, and a narrower cache would round differently from the same values stored as float32).
+template <typename T>
+inline const float* widened(const T* row, int64_t n, float* buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    for (int64_t d = 0; d < n; ++d) buffer[d] = static_cast<float>(row[d]);
+    return buffer;
+  }
 }
 
 // The plain loops: any dtype, any head size, any ISA.
@@ -116,17 +163,18 @@ template <typename T>
 void attend_plain(const HeadRows<T>& keys, const HeadRows<T>& values, const float* q, int64_t group,
                   int64_t first, int64_t len, float* scores, float* inv_sum, float* acc) {
   const int64_t ctx = len - first, d_n = keys.head_size;
+  std::vector<float> buffer(std::is_same_v<T, float> ? 0 : d_n);
   for (int64_t t = first; t < len; ++t) {
-    const T* k = keys.row(t);
+    const float* k = widened(keys.row(t), d_n, buffer.data());
     for (int64_t g = 0; g < group; ++g) scores[g * ctx + (t - first)] = dot_plain(q + g * d_n, k, d_n);
   }
   softmax_rows_plain(scores, group, ctx, inv_sum);
   std::fill(acc, acc + group * d_n, 0.0f);
   for (int64_t t = first; t < len; ++t) {
-    const T* v = values.row(t);
+    const float* v = widened(values.row(t), d_n, buffer.data());
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * ctx + (t - first)];
-      for (int64_t d = 0; d < d_n; ++d) acc[g * d_n + d] += p * static_cast<float>(v[d]);
+      for (int64_t d = 0; d < d_n; ++d) acc[g * d_n + d] += p * v[d];
     }
   }
 }
@@ -445,8 +493,9 @@ void attend8(const HeadRows<T>& keys, const HeadRows<T>& values, const Tile& til
 }
 #endif
 
-template <typename T>
-void attention_impl(T* out, const T* query, const T* key_cache, const T* value_cache,
+// Q: the query's and output's type; T: the cache's.
+template <typename Q, typename T>
+void attention_impl(Q* out, const Q* query, const T* key_cache, const T* value_cache,
                     const int64_t* block_tables, const int64_t* table_rows, const int64_t* seq_lens, int64_t num_tokens,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
                     int64_t table_stride, double scale, int64_t sliding_window) {
@@ -458,7 +507,8 @@ void attention_impl(T* out, const T* query, const T* key_cache, const T* value_c
 #else
   constexpr int64_t lanes = 0;
 #endif
-  constexpr bool vector_type = lanes > 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+  constexpr bool vector_type = lanes > 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> ||
+                                             std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>);
   const bool vectorized = vector_type && head_size % lanes == 0;
   // Work items: runs of up to TILE_TOKENS consecutive tokens of one sequence (a prefill chunk's; a decode
   // is a run of one) - with a sliding window each token has its own start, and is its own run.
@@ -507,8 +557,8 @@ void attention_impl(T* out, const T* query, const T* key_cache, const T* value_c
       for (int64_t j = 0; j < tile.tokens; ++j)
         for (int64_t g = 0; g < group; ++g) {
           const float* a = acc.data() + (j * group + g) * head_size;
-          T* o = out + ((i0 + j) * num_heads + h * group + g) * head_size;
-          for (int64_t d = 0; d < head_size; ++d) o[d] = static_cast<T>(a[d] * inv_sum[j * group + g]);
+          Q* o = out + ((i0 + j) * num_heads + h * group + g) * head_size;
+          for (int64_t d = 0; d < head_size; ++d) o[d] = static_cast<Q>(a[d] * inv_sum[j * group + g]);
         }
     }
   }
@@ -520,7 +570,8 @@ void attention_impl(T* out, const T* query, const T* key_cache, const T* value_c
 // sequence's row of block_tables; seq_lens[i], how many of the sequence's tokens it attends to (those of
 // the cache up to and including its own). key_cache/value_cache:
 // [num_blocks, num_kv_heads, block_size, head_size] contiguous (the head-major storage); block_tables:
-// [num_seqs, >= blocks of the longest] int64. Indices are int64; the tensors share one dtype.
+// [num_seqs, >= blocks of the longest] int64. Indices are int64; out and query share a dtype, and the caches
+// share that one, or are bfloat16 or FP8.
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                      torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor table_rows,
                      torch::Tensor seq_lens, double scale, int64_t sliding_window) {
@@ -530,8 +581,11 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
               "out and query [tokens, heads, head_size], caches [blocks, kv_heads, block_size, head_size]");
   TORCH_CHECK(out.is_contiguous() && query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "out, query and the (head-major) caches must be contiguous");
-  TORCH_CHECK(out.scalar_type() == query.scalar_type() && query.scalar_type() == key_cache.scalar_type() &&
-              key_cache.scalar_type() == value_cache.scalar_type(), "out, query and caches must share a dtype");
+  const auto cache_type = key_cache.scalar_type();
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && value_cache.scalar_type() == cache_type &&
+              (cache_type == query.scalar_type() || cache_type == torch::kBFloat16 ||
+               cache_type == torch::kFloat8_e4m3fn || cache_type == torch::kFloat8_e5m2),
+              "out and query share a dtype; the caches share it too, or are bfloat16 or float8 (e4m3fn, e5m2)");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && table_rows.scalar_type() == torch::kInt64 &&
               seq_lens.scalar_type() == torch::kInt64, "block_tables, table_rows and seq_lens must be int64");
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_size = query.size(2);
@@ -548,9 +602,23 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
   TORCH_CHECK(tables.numel() == 0 || (tables.min().item<int64_t>() >= 0 && tables.max().item<int64_t>() < key_cache.size(0)),
               "block ids out of range");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    attention_impl<scalar_t>(out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
-                             tables.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), num_tokens,
-                             num_heads, num_kv_heads, head_size, block_size, tables.size(1), scale, sliding_window);
+    using Q = scalar_t;
+    const auto run = [&](auto* cache_type_tag) {
+      using T = std::remove_pointer_t<decltype(cache_type_tag)>;
+      attention_impl<Q, T>(out.data_ptr<Q>(), query.data_ptr<Q>(), static_cast<const T*>(key_cache.data_ptr()),
+                           static_cast<const T*>(value_cache.data_ptr()), tables.data_ptr<int64_t>(),
+                           rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), num_tokens, num_heads, num_kv_heads,
+                           head_size, block_size, tables.size(1), scale, sliding_window);
+    };
+    if (cache_type == query.scalar_type()) {
+      run(static_cast<Q*>(nullptr));
+    } else if constexpr (std::is_same_v<Q, float> || std::is_same_v<Q, c10::BFloat16>) {  // the engines' dtypes
+      if (cache_type == torch::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
+      else if (cache_type == torch::kFloat8_e4m3fn) run(static_cast<E4M3*>(nullptr));
+      else run(static_cast<E5M2*>(nullptr));
+    } else {
+      TORCH_CHECK(false, "a cache narrower than the query needs a float32 or bfloat16 query");
+    }
   });
 }
 

@@ -51,7 +51,7 @@ def default_fraction(device: str) -> float:
 def size_kv_cache(config: EngineConfig, limit: MemoryLimit | None = None) -> KVCacheSize:
     """The pool for `config`; `limit` (measured when None) is read only for the auto size."""
     cache, model = config.cache, config.model
-    block_bytes = model.kv_bytes_per_token * cache.block_size
+    block_bytes = model.kv_bytes_per_token(config.kv_dtype_name) * cache.block_size
     if cache.num_blocks is not None:
         return KVCacheSize(cache.num_blocks, cache.num_blocks * block_bytes, "num_kv_blocks given")
     if cache.kv_cache_memory_bytes is not None:

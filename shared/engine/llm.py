@@ -43,6 +43,7 @@ def build_engine_config(
     lora_roots: tuple[str, ...] | None = None,
     max_lora_bytes: int = 1 << 30,
     profile_moe: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> EngineConfig:
     """`kv_offloading_size`: GiB of the local offload tier (0: none), as vLLM's `--kv-offloading-size`;
     `kv_offloading_path`: the folder its file goes in (default: the temp folder)."""
@@ -52,7 +53,7 @@ def build_engine_config(
         model=model_config,
         cache=CacheConfig(block_size, kv_cache_memory_bytes, num_kv_blocks, enable_prefix_caching,
                           kv_cache_memory_fraction, int(kv_offloading_size * (1 << 30)), kv_offloading_path,
-                          kv_offloading_save_finished),
+                          kv_offloading_save_finished, cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, budget_policy),
         device=device,
         attention_backend=attention_backend,
@@ -75,7 +76,8 @@ class LLM:
     the local offload tier), kv_offloading_path, kv_offloading_save_finished, enable_lora with max_loras,
     max_lora_rank, lora_modules, lora_roots (the folders other adapters may come from; None: any) and
     max_lora_bytes (the largest adapter weights file read), profile_moe (a mixture-of-experts model's sparse MLPs timed by part in
-    `engine.stats().step_seconds`, see step_timer.py)."""
+    `engine.stats().step_seconds`, see step_timer.py), kv_cache_dtype (vLLM's: "auto" | "bfloat16" | "fp8" |
+    "fp8_e4m3" | "fp8_e5m2", what the KV pool stores)."""
 
     def __init__(self, model: str, **kwargs) -> None:
         use_default_logging()

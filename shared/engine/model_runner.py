@@ -81,9 +81,13 @@ class ModelRunner:
             # which would otherwise wait while a ready engine compiles.
             load_cpu_kernels(m.dtype, layer_ops=True, attention=config.attention_backend in ("auto", "cpu"))
         self.model = load_model(config)
-        self.kv_cache = zeroed((m.num_layers, 2, num_blocks, m.num_kv_heads, self.block_size, m.head_size),
-                               m.dtype, self.device)
         backend = select_attention_backend(config.attention_backend, self.device)
+        kv_dtype = getattr(torch, config.kv_dtype_name)
+        if kv_dtype != m.dtype and backend.name == "triton":
+            raise ValueError(f"kv_cache_dtype {config.cache.cache_dtype}: the Triton attention kernels read a cache in "
+                             f"the model's dtype only; use kv_cache_dtype auto, or the cpu or torch attention backend")
+        self.kv_cache = zeroed((m.num_layers, 2, num_blocks, m.num_kv_heads, self.block_size, m.head_size),
+                               kv_dtype, self.device)
         backend = backend._replace(write_kv=self.timer.timed("attention", backend.write_kv),
                                    attend=self.timer.timed("attention", backend.attend))
         for i, attn in enumerate(self.model.attention_layers()):
@@ -114,8 +118,8 @@ class ModelRunner:
         """Run one step. A failure is pinned on the request that caused it: the others still get their
         tokens and the caller fails only the requests in `failed`. `block_copies`: (source, destination)
         blocks to copy first (copy-on-write of a block that forked sequences share)."""
-        if new_block_ids:
-            self.kv_cache.index_fill_(2, torch.tensor(new_block_ids, device=self.device), 0)
+        if new_block_ids:  # as bytes: zero bytes are 0.0 in every dtype, and torch fills no float8 on CPU
+            self.kv_cache.view(torch.uint8).index_fill_(2, torch.tensor(new_block_ids, device=self.device), 0)
         if block_copies:
             sources, destinations = (torch.tensor(ids, device=self.device) for ids in zip(*block_copies))
             self.kv_cache[:, :, destinations] = self.kv_cache[:, :, sources]

@@ -8,6 +8,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 from epdserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from epdserve.services.engine_worker import kv_layout
@@ -24,9 +25,11 @@ PROMPTS = [list(range(200, 200 + n)) for n in (1, 15, 16, 17, 40, 70)]
 MAX_TOKENS = 12
 
 
-def engines(path, decode_blocks=64):
-    prefill_engine = LLMEngine(build_engine_config(path, num_kv_blocks=64), detokenize=False)
-    decode = AsyncLLM.from_config(build_engine_config(path, num_kv_blocks=decode_blocks), detokenize=False)
+def engines(path, decode_blocks=64, kv_cache_dtype="auto"):
+    prefill_engine = LLMEngine(build_engine_config(path, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype),
+                               detokenize=False)
+    decode = AsyncLLM.from_config(build_engine_config(path, num_kv_blocks=decode_blocks, kv_cache_dtype=kv_cache_dtype),
+                                  detokenize=False)
     return prefill_engine, decode
 
 
@@ -52,22 +55,31 @@ async def all_blocks_back(decode: AsyncLLM) -> bool:
     return False
 
 
-@pytest.mark.parametrize("decode_has_prefix, fail, params", [
-    (False, False, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)),
-    (True, False, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)),
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("decode_has_prefix, fail, params, kv_cache_dtype", [
+    (False, False, GREEDY, "auto"),
+    (True, False, GREEDY, "auto"),
     # Seeded sampling continues where prefill's draw left off: the same tokens as one engine.
-    (False, False, SamplingParams(temperature=3.0, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)),
+    (False, False, SamplingParams(temperature=3.0, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True), "auto"),
     # The load fails: decode recomputes the prompt and prefill's first token, and goes on exactly as one
     # engine would (seeded noise, penalties and limits included).
-    (False, True, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)),
+    (False, True, GREEDY, "auto"),
     (False, True, SamplingParams(temperature=1.5, seed=5, presence_penalty=1.5, frequency_penalty=0.5,
-                                 max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, ignore_eos=True)),
-], ids=["pulled", "pulled-after-prefix-hits", "pulled-seeded", "recomputed", "recomputed-seeded-penalties"])
+                                 max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, ignore_eos=True), "auto"),
+    # An FP8 pool's blocks move as stored: the same tokens as one engine with an FP8 pool.
+    (True, False, GREEDY, "fp8"),
+], ids=["pulled", "pulled-after-prefix-hits", "pulled-seeded", "recomputed", "recomputed-seeded-penalties",
+        "pulled-after-prefix-hits-fp8-kv"])
 def test_prefill_then_decode_equals_unified(tiny_model_paths, copy_connector, prefill_held, decode_has_prefix, fail,
-                                           params):
+                                           params, kv_cache_dtype):
     path = tiny_model_paths["qwen2"]
-    unified = LLM(model=path, num_kv_blocks=128).generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    prefill_engine, decode = engines(path)
+    unified = LLM(model=path, num_kv_blocks=128, kv_cache_dtype=kv_cache_dtype).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], params)
+    prefill_engine, decode = engines(path, kv_cache_dtype=kv_cache_dtype)
+    assert decode.kv_cache.dtype == prefill_engine.runner.kv_cache.dtype == (
+        torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.float32)
     connector = copy_connector(decode.kv_cache, fail=fail)
     decode.add_connector(connector)
     block_size = prefill_engine.config.cache.block_size
@@ -249,3 +261,12 @@ def test_kv_that_lands_corrupted_is_fetched_again_then_recomputed(tiny_model_pat
         assert prefill_engine.release_kv("r")
     finally:
         decode.shutdown()
+
+
+@pytest.mark.parametrize("kv_cache_dtype, stored", [("auto", "float32"), ("bfloat16", "bfloat16"),
+                                                    ("fp8", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")])
+def test_the_kv_layout_peers_compare_names_what_the_pool_stores(tiny_model_paths, kv_cache_dtype, stored):
+    """A prefill and a decode whose pools store different dtypes refuse each other before any block moves
+    (test_kv_transfer.py): what they compare is the pool's dtype, not the model's."""
+    config = build_engine_config(tiny_model_paths["qwen2"], kv_cache_dtype=kv_cache_dtype)
+    assert kv_layout(config).dtype == config.kv_dtype_name == stored

@@ -60,7 +60,8 @@ PATHS = pytest.mark.parametrize("block_port", [0, None], ids=["block_connection"
 
 
 @PATHS
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+# float8: a --kv-cache-dtype fp8 pool, its blocks moved as stored.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("message_bytes", [1, 1 << 20], ids=["one_block_per_message", "one_message"])
 @pytest.mark.parametrize("min_segment_bytes", [1, 1 << 20], ids=["as_runs", "gathered"])
 def test_blocks_land_bit_exact_in_shuffled_local_blocks(dtype, message_bytes, min_segment_bytes, block_port):
@@ -83,7 +84,7 @@ def test_blocks_land_bit_exact_in_shuffled_local_blocks(dtype, message_bytes, mi
 
     asyncio.run(main())
     assert torch.equal(bits(local_cache[:, :, local_ids]), bits(remote_cache[:, :, remote_ids]))
-    assert not local_cache[:, :, untouched].any()  # nothing else written
+    assert not bits(local_cache[:, :, untouched]).any()  # nothing else written
 
 
 def test_runs_move_over_the_block_connection_from_cache_to_cache():
@@ -266,7 +267,8 @@ def test_block_ids_are_bounds_checked_on_both_sides(block_port):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("model_id", "other-model"), ("dtype", torch.bfloat16), ("block_size", 8), ("num_layers", 4),
+    ("model_id", "other-model"), ("dtype", torch.bfloat16), ("dtype", torch.float8_e4m3fn), ("block_size", 8),
+    ("num_layers", 4),
 ])
 def test_layout_mismatch_is_refused_before_any_block_moves(field, value):
     remote_cache = make_cache()
@@ -288,7 +290,7 @@ def test_layout_mismatch_is_refused_before_any_block_moves(field, value):
                 assert client.stats.num_failures == 1
 
     asyncio.run(main())
-    assert not local_cache.any()
+    assert not bits(local_cache).any()
 
 
 def test_a_client_without_kv_layout_cannot_fetch_blocks():

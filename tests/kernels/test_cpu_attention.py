@@ -1,8 +1,10 @@
 """The C++ CPU attention kernel against torch_attention, on the engine's head-major cache."""
+import platform
+
 import pytest
 import torch
 
-from epdserve.kernels import cpu_attention, torch_attention
+from epdserve.kernels import cpu_attention, cpu_build, cpu_levels, torch_attention
 from epdserve.kernels.backend import select_attention_backend
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the C++ kernel cannot be built here")
@@ -125,3 +127,63 @@ def test_kv_cache_write_equals_the_reference(dtype):
     assert torch.equal(storage[0], storage[1]) and storage[0].any()
     with pytest.raises(RuntimeError, match="slot out of range"):
         cpu_attention.kv_cache_write(key, value, *caches[0], torch.full((7,), 160))
+
+
+NARROW_CACHES = [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+# Every level of prebuilt kernels this CPU runs (AVX-512 and AVX2 on an AVX-512 machine).
+LEVELS = [lv for lv in cpu_levels.LEVELS
+          if lv.machine == platform.machine() and lv.cpu_flags <= cpu_levels.cpu_flags()]
+
+
+@pytest.mark.parametrize("level", LEVELS, ids=lambda lv: lv.name)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", NARROW_CACHES)
+# 64: the vector paths' unrolled loops, 80: their run-time head size, 36: the plain loops.
+@pytest.mark.parametrize("head_size", [64, 80, 36])
+def test_a_narrower_cache_equals_its_values_widened(level, query_dtype, cache_dtype, head_size):
+    """--kv-cache-dtype: a cache stored narrower than the query gives exactly what the query's own dtype gives on
+    the same values (each is widened exactly as read, then the arithmetic is the same), decodes and a prefill."""
+    if cache_dtype == query_dtype:
+        pytest.skip("the same dtype")
+    kernel = cpu_build.load_prebuilt("cpu_paged_attention", level)
+    q_lens, seq_lens = [1, 1, 1, 40], [1, 17, 200, 57]
+    query, key_cache, value_cache, tables, lens, qsl = make_batch(q_lens, seq_lens, 9, 3, head_size, 16,
+                                                                  torch.float32, seed=3)
+    key_cache.mul_(30)  # values a wide range apart, FP8 saturation included (E4M3's largest is 448)
+    plan = cpu_attention.plan_attention(tables, lens, qsl, 16, 3)
+    query = query.to(query_dtype)
+
+    def attend(dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty_like(query)
+        caches = [c.transpose(1, 2).contiguous().to(cache_dtype).to(dtype) for c in (key_cache, value_cache)]
+        kernel.paged_attention(out, query, *caches, plan.table, plan.table_rows, plan.lens, 0.125, -1)
+        return out
+
+    got = attend(cache_dtype)
+    assert got.dtype == query_dtype and torch.isfinite(got).all()
+    assert torch.equal(got, attend(query_dtype))
+
+
+@pytest.mark.parametrize("cache_dtype", NARROW_CACHES)
+def test_kv_cache_write_converts_to_a_narrower_cache(cache_dtype):
+    """New rows land converted as torch converts them (FP8 saturating), the same as the reference path."""
+    gen = torch.Generator().manual_seed(6)
+    storage = torch.zeros(2, 2, 10, 3, 16, 64, dtype=cache_dtype)
+    caches = [(s[0].transpose(1, 2), s[1].transpose(1, 2)) for s in storage]
+    key, value = torch.randn(2, 7, 3, 64, generator=gen) * 300
+    slots = torch.tensor([5, -1, 16, 17, 159, 80, -1])
+    cpu_attention.kv_cache_write(key, value, *caches[0], slots)
+    torch_attention.kv_cache_write(key, value, *caches[1], slots)
+    assert torch.equal(storage[0].view(torch.uint8), storage[1].view(torch.uint8))
+    written = caches[0][0][0, 5].float()  # block 0, offset 5: token 0's key
+    assert torch.equal(written, key[0].to(cache_dtype).float())
+    assert torch.isfinite(written).all()
+
+
+def test_a_narrower_cache_needs_a_float32_or_bfloat16_query():
+    query, key_cache, value_cache, *rest = make_batch([1], [5], 4, 2, 64, 16, torch.float16)
+    fp8 = [c.to(torch.float8_e4m3fn) for c in (key_cache, value_cache)]
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 query"):
+        cpu_attention.paged_attention(query, *fp8, *rest, 0.125)

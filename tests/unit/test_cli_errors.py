@@ -151,7 +151,8 @@ def test_an_engine_option_out_of_range(tmp_path, servable, option, message):
                                          "--gpu-memory-utilization"),
     (("--no-such-option",), "unknown option --no-such-option (see `epdserve up --help`)"),
     (("--tensor-parallel-size", "2"), "--tensor-parallel-size 2: an engine runs on one device here"),
-    (("--kv-cache-dtype", "fp8"), "--kv-cache-dtype fp8: the KV cache is stored in the model's --dtype"),
+    (("--kv-cache-dtype", "fp8_inc"), "--kv-cache-dtype fp8_inc is not supported here; choose one of auto, "
+                                      "bfloat16, fp8, fp8_e4m3, fp8_e5m2"),
     (("--quantization", "awq"), "--quantization awq: only gguf applies here"),
     (("--quantization", "gguf"), "holds no GGUF file; give --model FILE.gguf"),
     (("--limit-mm-per-prompt", '{"audio": 1}'), "audio: this server takes image only"),

@@ -52,6 +52,21 @@ def test_num_blocks_wins_over_bytes_and_bytes_over_auto():
         size_kv_cache(engine(CacheConfig(kv_cache_memory_bytes=1000)), limit)
 
 
+@pytest.mark.parametrize("cache_dtype, per_float32_block", [("auto", 1), ("bfloat16", 2), ("fp8", 4),
+                                                             ("fp8_e4m3", 4), ("fp8_e5m2", 4)])
+def test_a_narrower_kv_cache_holds_more_blocks_in_the_same_memory(cache_dtype, per_float32_block):
+    size = size_kv_cache(engine(CacheConfig(kv_cache_memory_bytes=64 * BLOCK_BYTES, cache_dtype=cache_dtype)))
+    assert size.num_blocks == 64 * per_float32_block
+    assert size.num_bytes == 64 * BLOCK_BYTES
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_inc", "int4", "float32"])
+def test_a_kv_cache_dtype_not_supported_is_refused_naming_the_choices(cache_dtype):
+    with pytest.raises(ValueError, match=f"kv_cache_dtype '{cache_dtype}' is not supported; choose one of auto, "
+                                         "bfloat16, fp8, fp8_e4m3, fp8_e5m2"):
+        CacheConfig(cache_dtype=cache_dtype)
+
+
 def test_auto_size_is_a_fraction_of_what_is_left_after_the_weights():
     limit = MemoryLimit(20 * GiB, "host MemAvailable")
     spare = 20 * GiB - MODEL.num_weight_bytes
@@ -146,7 +161,7 @@ def test_the_engine_logs_what_it_chose_and_why(tiny_model_paths, caplog):
     num_blocks = llm.engine.block_manager.num_blocks
     assert num_blocks == 4 * 256 // 16  # the tiny model's pool is capped by what 4 sequences need
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
-    block_bytes = llm.engine.model_config.kv_bytes_per_token * 16
+    block_bytes = llm.engine.model_config.kv_bytes_per_token() * 16
     assert line.startswith(f"KV cache: {num_blocks} blocks of 16 tokens ({num_blocks * 16} tokens), "
                            f"{num_blocks * block_bytes} bytes; auto: 0.05 x (")
     assert "available (" in line and line.endswith("capped at 4 sequences of 256 tokens")
