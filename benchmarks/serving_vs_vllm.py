@@ -6,6 +6,8 @@ One server at a time, each on the same CPUs:
     vllm       vllm serve MODEL --dtype float32, computing on every CPU of --cpus (its front end on them too)
     unified    epdserve up --unified --threads N (N = number of --cpus), the engine and proxy on --cpus
     pd         epdserve up: prefill pinned to the first CPU, decode to the second, --threads 1 each
+    llama-npN  llama.cpp's llama-server on the model folder's GGUF file (model.gguf, which epdserve serves too)
+               with N slots (-np N), every thread on --cpus (benchmarks/setup_llamacpp.sh builds it)
 
 Each is driven by `vllm bench serve` (the peer's client, `/v1/completions`, random 128-token prompts,
 128 output tokens, EOS ignored) at every rate of --rates with the API's default sampling (temperature
@@ -21,17 +23,21 @@ at the first rate (from its `epdserve:engine_step_seconds` metric); the engines 
 a mixture-of-experts model's sparse MLPs are broken down by part too (moe_route, moe_dispatch,
 moe_experts, moe_combine).
 
-Writes benchmarks/results/serving_vs_vllm.{md,json,png}: tables with ratios to vLLM from the same run.
+Writes benchmarks/results/serving_vs_vllm.{md,json,png} (--name): tables with ratios to --baseline (vLLM) from
+the same run.
 
     benchmarks/setup_vllm_cpu.sh                                  # the peer's venv, once
     .venv/bin/python benchmarks/serving_vs_vllm.py                # ~45 minutes on 2 cores
     .venv/bin/python benchmarks/serving_vs_vllm.py --servers unified --rates inf --repeats 1 --profile
+    .venv/bin/python benchmarks/serving_vs_vllm.py --servers llama-np4,llama-np16,unified --baseline llama-np16 \
+        --rates inf --name serving_vs_llamacpp                   # the 4-bit GGUF file against llama.cpp
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -42,7 +48,7 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-from stacks import ROOT, VLLM_PYTHON, Stack, VllmServer, cpu_list, in_turns, machine
+from stacks import ROOT, VLLM_PYTHON, LlamaServer, Stack, VllmServer, cpu_list, in_turns, machine
 
 RESULTS = ROOT / "benchmarks" / "results"
 SERVERS = ("vllm", "unified", "pd")
@@ -61,6 +67,9 @@ def make_server(name: str, args: argparse.Namespace, log_dir: Path):
     cpus = cpu_list(args.cpus)
     if name == "vllm":
         return VllmServer(args.model, args.served_name, args.cpus, log_dir)
+    if name.startswith("llama-np"):
+        return LlamaServer(str((Path(args.model) / "model.gguf").resolve()), args.cpus, int(name[len("llama-np"):]),
+                           args.input_len + args.output_len + 64, log_dir)
     # Every server answers to the one name the clients send; with --profile a mixture of experts' sparse MLPs
     # are timed by part too (nothing for a dense model).
     named = ["--served-model-name", args.served_name, *shlex.split(args.up_args)]
@@ -227,25 +236,27 @@ def _fmt(v: float) -> str:
 
 
 def markdown(report: dict, args: argparse.Namespace) -> str:
-    servers = [s for s in SERVERS if s in report["servers"]]
+    servers = list(report["servers"])
     lines = [
-        "# Serving: epdserve vs `vllm serve`, driven by `vllm bench serve`", "",
+        f"# Serving: epdserve beside {', '.join(s for s in servers if s not in ('unified', 'pd')) or 'itself'}, "
+        "driven by `vllm bench serve`", "",
         f"`{report['command']}` on {report['date']}: {report['machine']}. Model `{Path(args.model).name}`, "
+        f"served by epdserve from its GGUF file where the folder has one, by llama-server from that file, by vLLM in "
         f"float32; {args.num_prompts} random prompts of {args.input_len} tokens, {args.output_len} output tokens, "
-        f"EOS ignored; `/v1/completions`. Each cell is the median of {args.repeats} runs; ratios are to vLLM in "
-        "this run (throughput: higher is better; latencies: lower is better).", "",
+        f"EOS ignored; `/v1/completions`. Each cell is the median of {args.repeats} runs; ratios are to "
+        f"{args.baseline} in this run (throughput: higher is better; latencies: lower is better).", "",
     ]
     for label, _, temperature in workloads(args):
         sampling = "temperature 0" if temperature == 0 else "default sampling (temperature 1.0)"
         lines += [f"## {label.split('-greedy')[0].replace('rate-', 'rate ')} req/s, {sampling}", "",
                   "| metric | " + " | ".join(servers) + " |", "|---|" + "---|" * len(servers)]
-        base = report["servers"].get("vllm", {}).get("median", {}).get(label, {})
+        base = report["servers"].get(args.baseline, {}).get("median", {}).get(label, {})
         for key, name, _ in METRICS:
             cells = []
             for s in servers:
                 v = report["servers"][s]["median"].get(label, {}).get(key)
                 cell = "-" if v is None else _fmt(v)
-                if v is not None and base.get(key) and s != "vllm":
+                if v is not None and base.get(key) and s != args.baseline:
                     cell += f" ({v / base[key]:.2f}x)"
                 cells.append(cell)
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -292,7 +303,7 @@ def plot(report: dict, args: argparse.Namespace, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    servers = [s for s in SERVERS if s in report["servers"]]
+    servers = list(report["servers"])
     labels = [w[0] for w in workloads(args)]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, (key, name, _) in zip(axes, METRICS[:3]):
@@ -303,7 +314,7 @@ def plot(report: dict, args: argparse.Namespace, path: Path) -> None:
         ax.set_xticks([x + width * (len(servers) - 1) / 2 for x in range(len(labels))], labels, rotation=20)
         ax.set_title(name)
     axes[0].legend()
-    fig.suptitle(f"epdserve vs vllm serve ({Path(args.model).name}, median of {args.repeats})")
+    fig.suptitle(f"epdserve and its peers ({Path(args.model).name}, median of {args.repeats})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -315,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct, prepared offline)")
     p.add_argument("--served-name", help="the model's name in requests (default: the model folder's name)")
-    p.add_argument("--servers", default=",".join(SERVERS), help="subset of vllm,unified,pd")
+    p.add_argument("--servers", default=",".join(SERVERS), help="of vllm,unified,pd,llama-npN")
+    p.add_argument("--baseline", default="vllm", help="the server the ratios are to")
+    p.add_argument("--name", default="serving_vs_vllm", help="the results' file name (without suffix)")
     p.add_argument("--cpus", default="0-1", help="the CPUs every server gets (pd: prefill first, decode last)")
     p.add_argument("--rates", default="inf,4,1")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -340,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     args.model = args.model or default_model()
     args.served_name = args.served_name or Path(args.model).name
     servers = args.servers.split(",")
-    if unknown := set(servers) - set(SERVERS):
+    if unknown := {s for s in servers if s not in SERVERS and not re.fullmatch(r"llama-np\d+", s)}:
         raise SystemExit(f"--servers: unknown {sorted(unknown)}")
     report = {"command": "benchmarks/serving_vs_vllm.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
               "date": datetime.now().isoformat(timespec="seconds"),
@@ -352,11 +365,11 @@ def main(argv: list[str] | None = None) -> int:
             report["images"] = measure_images(args, Path(tmp))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "serving_vs_vllm.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "serving_vs_vllm.md").write_text(markdown(report, args))
-    plot(report, args, out_dir / "serving_vs_vllm.png")
+    (out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+    (out_dir / f"{args.name}.md").write_text(markdown(report, args))
+    plot(report, args, out_dir / f"{args.name}.png")
     print(markdown(report, args))
-    print(f"wrote {out_dir}/serving_vs_vllm.{{md,json,png}}")
+    print(f"wrote {out_dir}/{args.name}.{{md,json,png}}")
     return 0
 
 

