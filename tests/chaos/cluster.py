@@ -48,6 +48,10 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float, interval:
     return time.monotonic() - start
 
 
+# The labels every sample of a service carries (which service it is), left out of the keys parse_metrics makes.
+IDENTITY_LABELS = ("model_name", "role", "engine_id", "engine")
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {sample name with its labels: value}, and {bare name: sum over its samples}."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -55,8 +59,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "role",
-                                                                                             "engine_id"))
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in IDENTITY_LABELS)
             out[s.name] = out.get(s.name, 0.0) + s.value
             if labels:
                 out[f"{s.name}{{{labels}}}"] = out.get(f"{s.name}{{{labels}}}", 0.0) + s.value
