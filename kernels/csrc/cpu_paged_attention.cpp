@@ -146,8 +146,9 @@ inline float dot_plain(const float* q, const float* k, int64_t d_n) {
 }
 
 // A cache row as float32: the row itself, or its values widened into `buffer`. The plain loops then run the
-// same float32 code whatever the cache stores (the compiler contracts and vectorizes a loop that converts as
-// it goes otherwise, and a narrower cache would round differently from the same values stored as float32).
+// same float32 code whatever the cache stores: loops that converted as they went compiled to other code than
+// the float32 ones and rounded differently (an E4M3 cache's results then differed from a float32 cache holding
+// the same values).
 template <typename T>
 inline const float* widened(const T* row, int64_t n, float* buffer) {
   if constexpr (std::is_same_v<T, float>) {
