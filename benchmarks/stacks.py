@@ -174,8 +174,48 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float, name: str, tail
     raise RuntimeError(f"{name} was not ready within {timeout:.0f}s:\n{tail()}")
 
 
-class VllmServer:
+class PeerServer:
+    """A peer's OpenAI-compatible server process (`argv`, in its own session, log in `log`), up once /health
+    answers; subclasses set the command."""
+
+    name: str
+    cpus: str
+    url: str
+    argv: list[str]
+    env: dict[str, str] | None = None
+    log: Path
+    what: str  # how pinning names the process, "{pid}" for its pid
+    proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float) -> None:
+        # Its own session: stop() signals it and whatever it spawns (vLLM's engine core) together.
+        self.proc = subprocess.Popen(self.argv, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        try:
+            wait_ready(self.url + "/health", self.proc, timeout, self.name, self.tail)
+        except RuntimeError:
+            self.stop()
+            raise
+        self.pinning = {self.what.format(pid=self.proc.pid): self.cpus}
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+
+class VllmServer(PeerServer):
     """`vllm serve MODEL` (float32) computing on `cpus`, its front end on the same CPUs."""
+
+    what = "vllm serve (pid {pid}) and its engine core"
 
     def __init__(self, model: str, served_name: str, cpus: str, log_dir: Path, dtype: str = "float32",
                  kv_cache_gb: int = 2, extra_args: list[str] = (), log_stats: bool = False) -> None:
@@ -195,32 +235,7 @@ class VllmServer:
                     "VLLM_DO_NOT_TRACK": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
                     "VLLM_CPU_OMP_THREADS_BIND": cpus, "PYTHONUNBUFFERED": "1"}
         self.log = log_dir / "vllm.log"
-        self.proc: subprocess.Popen | None = None
         self.pinning: dict[str, str] = {}
-
-    def start(self, timeout: float) -> None:
-        # Its own session: stop() signals the API server and the engine core it spawns together.
-        self.proc = subprocess.Popen(self.argv, stdout=self.log.open("wb"), stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-        try:
-            wait_ready(self.url + "/health", self.proc, timeout, self.name, self.tail)
-        except RuntimeError:
-            self.stop()
-            raise
-        self.pinning = {f"vllm serve (pid {self.proc.pid}) and its engine core": self.cpus}
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def tail(self, n: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
 
 
 def llama_server_binary() -> str | None:
@@ -233,9 +248,11 @@ def llama_server_binary() -> str | None:
     return out.stdout.strip() or None
 
 
-class LlamaServer:
+class LlamaServer(PeerServer):
     """llama.cpp's `llama-server` on a GGUF file with `slots` parallel sequences (-np, continuous batching, its
     default), every thread on `cpus`; `slot_tokens` of context each (-c is shared by the slots)."""
+
+    what = "llama-server (pid {pid})"
 
     def __init__(self, gguf: str, cpus: str, slots: int, slot_tokens: int, log_dir: Path) -> None:
         binary = llama_server_binary()
@@ -248,28 +265,4 @@ class LlamaServer:
         self.argv = ["taskset", "-c", cpus, binary, "-m", gguf, "-t", threads, "-tb", threads, "-np", str(slots),
                      "-c", str(slots * slot_tokens), "--host", "127.0.0.1", "--port", str(self.port), "--metrics"]
         self.log = log_dir / f"{self.name}.log"
-        self.proc: subprocess.Popen | None = None
         self.pinning: dict[str, str] = {}
-
-    def start(self, timeout: float) -> None:
-        self.proc = subprocess.Popen(self.argv, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        try:
-            wait_ready(self.url + "/health", self.proc, timeout, self.name, self.tail)
-        except RuntimeError:
-            self.stop()
-            raise
-        self.pinning = {f"llama-server (pid {self.proc.pid})": self.cpus}
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def tail(self, n: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
