@@ -12,7 +12,8 @@ same model:
                 --text-tokens tokens), from its prompt logprobs
   greedy equal  64 prompts (windows of the same text), --max-tokens greedy tokens each: the share of tokens
                 equal to the auto cache's at the same position, and the share of answers equal in whole
-  TPOT          one stream after a --context-tokens prompt, 64 tokens, median of --repeats
+  TPOT          one stream after a --context-tokens prompt, 64 tokens, median of --repeats rounds in which every
+                engine (all loaded at once) runs once
 
     .venv/bin/python benchmarks/kv_cache_dtype.py                     # SmolLM2 (its GGUF Q4_1), ~5 minutes
     .venv/bin/python benchmarks/kv_cache_dtype.py --model gemma3-270m
@@ -22,7 +23,6 @@ Writes benchmarks/results/kv_cache_dtype.json and .png.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import statistics
@@ -41,12 +41,18 @@ def reference_text() -> str:
     return "\n\n".join(topics[name] for name in TOPICS)
 
 
-def measure(model: str, kv_cache_dtype: str, text_ids: list[int], prompts: list[list[int]], args) -> dict:
-    from epdserve import LLM, SamplingParams
+def engine(model: str, kv_cache_dtype: str, text_ids: list[int], args):
+    from epdserve import LLM
 
     # No prefix cache: the TPOT runs' prompts are computed each time, as their TTFT run's was.
-    llm = LLM(model=model, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=args.pool_mib << 20, seed=0,
+    return LLM(model=model, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=args.pool_mib << 20, seed=0,
               max_model_len=max(len(text_ids), args.context_tokens) + 128, enable_prefix_caching=False)
+
+
+def measure(llm, text_ids: list[int], prompts: list[list[int]], args) -> dict:
+    """Everything but the TPOT."""
+    from epdserve import SamplingParams
+
     cache = llm.engine.runner.kv_cache
     block_size = llm.engine.config.cache.block_size
     cell = {"stored": str(cache.dtype).removeprefix("torch."), "blocks": cache.shape[2],
@@ -58,20 +64,19 @@ def measure(model: str, kv_cache_dtype: str, text_ids: list[int], prompts: list[
 
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     cell["greedy"] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
-
-    context = (text_ids * (args.context_tokens // len(text_ids) + 1))[:args.context_tokens]
-    tpots = []
-    for _ in range(args.repeats):
-        t = time.perf_counter()
-        llm.generate([{"prompt_token_ids": context}], SamplingParams(temperature=0.0, max_tokens=1))
-        ttft = time.perf_counter() - t
-        t = time.perf_counter()
-        llm.generate([{"prompt_token_ids": context}], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
-        tpots.append((time.perf_counter() - t - ttft) / 63)
-    cell["tpot_ms"] = 1e3 * statistics.median(tpots)
-    del llm
-    gc.collect()
     return cell
+
+
+def tpot(llm, context: list[int]) -> float:
+    """Seconds per output token of one stream after `context`, its time to the first token taken off."""
+    from epdserve import SamplingParams
+
+    t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": context}], SamplingParams(temperature=0.0, max_tokens=1))
+    ttft = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": context}], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    return (time.perf_counter() - t - ttft) / 63
 
 
 def main() -> int:
@@ -101,7 +106,17 @@ def main() -> int:
     step = max(1, (len(ids) - args.prompt_tokens) // args.prompts)
     prompts = [ids[i * step:i * step + args.prompt_tokens] for i in range(args.prompts)]
 
-    cells = {d: measure(model, d, text_ids, prompts, args) for d in args.dtypes.split(",")}
+    engines = {d: engine(model, d, text_ids, args) for d in args.dtypes.split(",")}
+    cells = {d: measure(llm, text_ids, prompts, args) for d, llm in engines.items()}
+    # TPOT in rounds, every engine once a round: a slow stretch of the machine lands on all of them.
+    context = (text_ids * (args.context_tokens // len(text_ids) + 1))[:args.context_tokens]
+    runs = {d: [] for d in engines}
+    for _ in range(args.repeats):
+        for d, llm in engines.items():
+            runs[d].append(tpot(llm, context))
+    for d, cell in cells.items():
+        cell["tpot_ms"] = 1e3 * statistics.median(runs[d])
+        cell["tpot_ms_runs"] = [1e3 * t for t in runs[d]]
     answers = {d: cell.pop("greedy") for d, cell in cells.items()}
     base = cells["auto"]
     for d, cell in cells.items():
