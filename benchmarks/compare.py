@@ -306,7 +306,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.peer_name in ("unified", "disagg", "disagg-nocache"):
         raise SystemExit("--peer-name: pick a name that is not one of the managed stacks")
     if args.model is None:
-        from epdserve.services.cli import default_serving_model
+        from epdserve.services.cli.main import default_serving_model
 
         args.model = default_serving_model()
     return args

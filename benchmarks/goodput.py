@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         write(report, analyse(report, slo), args.out_dir)
         return 0
     if args.model is None:
-        from epdserve.services.cli import prepare_model
+        from epdserve.services.cli.main import prepare_model
 
         args.model = str(prepare_model("tiny-llama" if args.quick else "smollm2"))
     config = json.loads((Path(args.model) / "config.json").read_text())

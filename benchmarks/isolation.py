@@ -415,7 +415,7 @@ def main() -> None:
     unknown = set(args.probes) - set(ORDER)
     if unknown:
         raise SystemExit(f"unknown probes: {sorted(unknown)}; known: {', '.join(ORDER)}")
-    from epdserve.services.cli import prepare_model
+    from epdserve.services.cli.main import prepare_model
 
     model = str(prepare_model("llava-demo"))
     with tempfile.TemporaryDirectory(prefix="epdserve-isolation-") as tmp:

@@ -97,7 +97,7 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from epdserve.services.cli import prepare_model
+    from epdserve.services.cli.main import prepare_model
 
     torch.set_num_threads(args.threads)
     model = str(prepare_model(args.model)) if not Path(args.model).is_dir() else args.model

@@ -112,7 +112,7 @@ def run_llama_server(binary: str, gguf: Path, args) -> dict:
     import httpx
     import psutil
 
-    from epdserve.services.launcher import free_port
+    from epdserve.services.cli.launcher import free_port
 
     port = free_port("127.0.0.1")
     proc = subprocess.Popen([binary, "-m", str(gguf), "-t", str(args.threads), "-tb", str(args.threads), "-np", "1",
@@ -144,7 +144,7 @@ def run_llama_server(binary: str, gguf: Path, args) -> dict:
 
 def model_folder(name: str) -> Path:
     sys.path.insert(0, str(ROOT))
-    from epdserve.services.cli import prepare_model
+    from epdserve.services.cli.main import prepare_model
 
     return prepare_model(name)
 

@@ -195,7 +195,7 @@ def measure(servers: list[str], args: argparse.Namespace, tmp: Path) -> dict[str
 
 
 def measure_images(args: argparse.Namespace, tmp: Path) -> dict:
-    from epdserve.services.cli import prepare_model
+    from epdserve.services.cli.main import prepare_model
 
     model = str(prepare_model("llava-demo"))
     cpus = cpu_list(args.cpus)

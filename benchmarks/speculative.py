@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.dtype = "float32"
     if args.quick:
-        from epdserve.services.cli import prepare_model
+        from epdserve.services.cli.main import prepare_model
 
         args.model = args.model or str(prepare_model("tiny-llama"))
         args.served_name, args.num_prompts, args.output_len, args.input_len = "tiny", 6, 32, 64

@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    from epdserve.services.cli import prepare_model
+    from epdserve.services.cli.main import prepare_model
 
     model = args.model or prepare_model("smollm2")
     batches = [int(b) for b in args.batches.split(",")]

@@ -37,7 +37,7 @@ def server_args(cmdline: list[str]) -> list[str] | None:
 
 def server_options(args: list[str]) -> argparse.Namespace:
     """`args` as the server parsed them (defaults from this process's environment: see `main`)."""
-    from epdserve.services.cli import build_parser
+    from epdserve.services.cli.main import build_parser
 
     return build_parser().parse_args(args)
 
@@ -57,7 +57,7 @@ def ready_url(ns: argparse.Namespace) -> str:
 
 def bearer_token(ns: argparse.Namespace) -> str | None:
     """The API key the server's /ready is behind (None: open), as the server read it."""
-    from epdserve.services.cli import api_key
+    from epdserve.services.cli.main import api_key
 
     return api_key(ns) if hasattr(ns, "api_key") else None  # only the proxy and `up` take a key
 

@@ -12,7 +12,7 @@ Conventions:
   are excluded from `==` so that messages compare by their control fields.
 - Times are Unix seconds (float) so that they mean the same on every host.
 - Engine types (SamplingParams, the sampler's logprobs, RequestOutput) are converted to and from
-  these structs by `epdserve.services.wire` and nowhere else.
+  these structs by `epdserve.services.host.wire` and nowhere else.
 
 Compatibility: there is none across versions. Every message carries PROTOCOL_VERSION and the codec
 drops any other version; within a version it requires exactly the declared fields (a default is
@@ -116,7 +116,7 @@ class WireStructuredOutputs:
 @dataclass(frozen=True, slots=True)
 class WireSamplingParams:
     """The engine's SamplingParams as they travel: the same fields, minus those only the engine sets
-    (see `epdserve.services.wire`, which converts, and the test that holds the two field sets equal)."""
+    (see `epdserve.services.host.wire`, which converts, and the test that holds the two field sets equal)."""
 
     n: int = 1
     temperature: float = 1.0

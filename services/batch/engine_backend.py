@@ -11,7 +11,7 @@ from typing import AsyncIterator
 
 from epdserve.services.proxy.generation import Chunk, GenerateInput, GenerationError
 from epdserve.shared.engine import AsyncLLM, EngineDeadError, RequestFailedError, RequestOutputKind
-from epdserve.services.wire import logprobs_to_wire, prompt_logprobs_to_wire
+from epdserve.services.host.wire import logprobs_to_wire, prompt_logprobs_to_wire
 
 
 class EngineBackend:

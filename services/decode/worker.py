@@ -14,9 +14,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
-from epdserve.services.engine_worker import EngineWorker, bad_request, kv_transfer_client, start_engine
-from epdserve.services.peer_kv_connector import PeerSources
-from epdserve.services.request_spans import RequestSpans
+from epdserve.services.host.engine_worker import EngineWorker, bad_request, kv_transfer_client, start_engine
+from epdserve.services.host.peer_kv_connector import PeerSources
+from epdserve.services.host.request_spans import RequestSpans
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.shared.engine import RequestOutput
 from epdserve.transport.protocol import DecodeRequest, Error, Handshake, Message, Role

@@ -20,9 +20,9 @@ from typing import Callable
 
 import torch
 
-from epdserve.services.network import advertised, peer_auth, server_curve
-from epdserve.services.request_spans import RequestSpans
-from epdserve.services.service_metrics import ServiceMetrics
+from epdserve.services.runtime.network import advertised, peer_auth, server_curve
+from epdserve.services.host.request_spans import RequestSpans
+from epdserve.services.host.service_metrics import ServiceMetrics
 from epdserve.shared.compute_threads import set_this_thread
 from epdserve.shared.config import ServiceConfig
 from epdserve.shared.models.cpu_kernels import load_cpu_kernels

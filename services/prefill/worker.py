@@ -22,17 +22,17 @@ import logging
 import time
 from typing import Callable
 
-from epdserve.services.engine_worker import (EngineWorker, bad_request, kv_layout, kv_transfer_client, no_lora_slot,
+from epdserve.services.host.engine_worker import (EngineWorker, bad_request, kv_layout, kv_transfer_client, no_lora_slot,
                                              start_engine)
-from epdserve.services.network import advertised, peer_auth, server_curve
-from epdserve.services.request_spans import RequestSpans
+from epdserve.services.runtime.network import advertised, peer_auth, server_curve
+from epdserve.services.host.request_spans import RequestSpans
 from epdserve.shared.engine import (PREFILL_OUTPUT_TOKENS, AsyncLLM, InputsUnavailableError, NoLoRASlotError,
                                     RequestOutput)
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.transport.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, FirstToken, Handshake, KVHandle,
                                       LeaseRenewed, Message, PrefillDone, PrefillRequest, Release, RenewLease, Role,
                                       TokenLogprobs)
-from epdserve.services.wire import logprobs_to_wire, prompt_logprobs_to_wire
+from epdserve.services.host.wire import logprobs_to_wire, prompt_logprobs_to_wire
 from epdserve.transport.kv_client import KVTransferClient
 from epdserve.transport.kv_server import KVTransferServer
 from epdserve.transport.transports import create_server

@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable, NamedTuple
 
-from epdserve.services.network import advertised
+from epdserve.services.runtime.network import advertised
 from epdserve.services.proxy.choices import merge
 from epdserve.services.proxy.failover import (EmbeddingsUnavailable, Failover, InstanceDown, Liveness, service_error,
                                               watched)
@@ -60,7 +60,7 @@ from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, EncodeDone, 
                                       GenerateRequest, Message, MMItem, MMPlaceholder, PrefillDone, PrefillRequest,
                                       Role, TokenDelta, TokenDeltas, TraceSpan)
 from epdserve.shared.block_hash import extend_block_hashes
-from epdserve.services.wire import mrope_positions_to_wire, sampling_params_to_wire
+from epdserve.services.host.wire import mrope_positions_to_wire, sampling_params_to_wire
 from epdserve.shared.engine import sequence_seed
 from epdserve.transport.channel import ChannelError, ErrorReply
 from epdserve.transport.reply_server import PullChannel

@@ -10,7 +10,7 @@ engines' `vllm:num_requests_running`/`waiting` count the same requests).
 `http_responses_total` counts every API response by status, errors refused before any engine was involved
 included; probes and scrapes of /health, /ready and /metrics are not API traffic and are not counted.
 `request_stage_seconds` breaks requests down by stage (`stage`: a span name of their traces, see
-tracing.py). See services/service_metrics.py for the engines' series.
+tracing.py). See services/host/service_metrics.py for the engines' series.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
-from epdserve.services.network import split_target
+from epdserve.services.runtime.network import split_target
 from epdserve.services.proxy import kv_routing
 from epdserve.services.proxy.prefix_index import STORE, PrefixIndex
 from epdserve.transport.protocol import Health, KVEvents, KVEventsRequest, Role, Status, StatusRequest

@@ -28,7 +28,7 @@ from epdserve.services.proxy.router import RolePool, Router
 from epdserve.services.proxy.serving import OpenAIServing
 from epdserve.services.proxy.startup import Startup
 from epdserve.services.proxy.tracing import OTelExport, Tracer, check_otlp_endpoint
-from epdserve.services.network import client_curve, peer_auth, say_if_unauthenticated, server_curve
+from epdserve.services.runtime.network import client_curve, peer_auth, say_if_unauthenticated, server_curve
 from epdserve.shared.config import ModelConfig, TransportConfig
 from epdserve.transport.protocol import MAY_SEND, Role
 from epdserve.shared.processing.tokenizer import load_tokenizer

@@ -1,7 +1,7 @@
 """One trace per request: where its time went, service by service, assembled at the proxy.
 
 Every service records the stages of its part of a request and returns them with its answer (see
-services/request_spans.py): the encoder with EncodeDone, prefill with PrefillDone, decode (or a unified
+services/host/request_spans.py): the encoder with EncodeDone, prefill with PrefillDone, decode (or a unified
 engine) with the request's first TokenDelta. The proxy adds its own spans - `proxy.request` (the whole
 life, from the HTTP request to the last token), `proxy.encode` and `proxy.prefill` (each call as the proxy
 waited for it, network and failover included) and `proxy.first_token` (until the first token reached the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from epdserve.services.engine_worker import EngineWorker, kv_transfer_client, start_engine
+from epdserve.services.host.engine_worker import EngineWorker, kv_transfer_client, start_engine
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.transport.protocol import Role
 

@@ -39,7 +39,7 @@ _BLOCK = 256
 
 class SampledLogprobs(NamedTuple):
     """The engine's logprobs of one sampled token (what travels is `protocol.TokenLogprobs`, made from
-    the engine's outputs by `epdserve.services.wire`)."""
+    the engine's outputs by `epdserve.services.host.wire`)."""
 
     logprob: float  # of the sampled token
     rank: int  # 1 = the most likely token

@@ -49,7 +49,7 @@ def _fake_prefill(listener: socket.socket) -> None:
 
 
 def test_kv_tap_delays_answers_and_flips_one_bit_per_request(tmp_path):
-    from epdserve.services.launcher import free_port
+    from epdserve.services.cli.launcher import free_port
     from epdserve.transport import codec
     from epdserve.transport.protocol import FetchBlocks
 

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import pytest
 
-from epdserve.services.launcher import free_port
+from epdserve.services.cli.launcher import free_port
 
 
 HERE = Path(__file__).resolve().parent

@@ -8,8 +8,8 @@ MODEL_IN_IMAGE = "/models/models/llava-demo"  # the demo model the image bakes i
 PROBE = """
 import asyncio, json, os, time
 import torch
-from epdserve.services.cli import engine_config, parse_args
-from epdserve.services.engine_worker import kv_layout
+from epdserve.services.cli.main import engine_config, parse_args
+from epdserve.services.host.engine_worker import kv_layout
 from epdserve.transport import protocol as p
 from epdserve.transport.channel import ErrorReply, HandshakeError
 from epdserve.transport.checksum import checksum

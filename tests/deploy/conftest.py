@@ -124,7 +124,7 @@ def render(helm):
 def parse_cli():
     """parse_cli(argv) -> argparse.Namespace: an epdserve command line (argv[0] is the program) read by
     the CLI's own parser, which exits (failing the test) on anything it would refuse."""
-    from epdserve.services.cli import parse_args
+    from epdserve.services.cli.main import parse_args
 
     def parse(argv):
         assert Path(argv[0]).name == "epdserve", argv

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from epdserve.services.launcher import free_port
+from epdserve.services.cli.launcher import free_port
 
 pytestmark = pytest.mark.slow  # more than ten seconds: left out of `make test-fast`
 
@@ -217,8 +217,8 @@ def test_the_compose_store_gives_no_prompt_to_a_peer_and_takes_no_forged_block(l
 
     import torch
 
-    from epdserve.services.cli import engine_config, parse_args
-    from epdserve.services.engine_worker import kv_layout
+    from epdserve.services.cli.main import engine_config, parse_args
+    from epdserve.services.host.engine_worker import kv_layout
     from epdserve.transport import protocol as p
     from epdserve.transport.channel import ErrorReply, HandshakeError
     from epdserve.transport.checksum import checksum

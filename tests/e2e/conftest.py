@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from epdserve.services.launcher import free_port
+from epdserve.services.cli.launcher import free_port
 from tests.e2e.service_fork import ForkedProcess
 
 

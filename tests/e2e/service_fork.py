@@ -16,7 +16,7 @@ import sys
 # Imported once by the fork server. Only libraries and modules that read no environment at import: a
 # service's environment is set after the fork.
 PRELOAD = ["numpy", "torch", "transformers", "safetensors", "PIL.Image", "zmq", "msgpack", "httpx", "fastapi",
-           "uvicorn", "epdserve.services.runtime", "epdserve.shared.engine.llm_engine",
+           "uvicorn", "epdserve.services.runtime.service", "epdserve.shared.engine.llm_engine",
            "epdserve.services.proxy.app"]
 
 _context = multiprocessing.get_context("forkserver")

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from epdserve.services.launcher import free_port
+from epdserve.services.cli.launcher import free_port
 
 ENGINE_ARGS = ["--num-kv-blocks", "384", "--drain-timeout", "120"]
 STREAM_TIMEOUT = httpx.Timeout(180, connect=10)

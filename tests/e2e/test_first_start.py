@@ -20,7 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from epdserve.services.launcher import free_port
+from epdserve.services.cli.launcher import free_port
 
 NAME = "smol"
 ALIAS = "smol-2"

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from epdserve.services.launcher import free_port
+from epdserve.services.cli.launcher import free_port
 from tests.e2e.conftest import Service
 from tests.e2e.kv_eviction import cached_counts, complete, completion, push_out, token_ids, total
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from epdserve.services.launcher import free_port
+from epdserve.services.cli.launcher import free_port
 from epdserve.shared.block_hash import deployment_key, extend_block_hashes
 from epdserve.transport import protocol as p
 from epdserve.transport.channel import ErrorReply, HandshakeError
@@ -60,8 +60,8 @@ def up(tiny_model_paths):
 
 @pytest.fixture(scope="module")
 def layout(tiny_model_paths):
-    from epdserve.services.cli import engine_config, parse_args
-    from epdserve.services.engine_worker import kv_layout
+    from epdserve.services.cli.main import engine_config, parse_args
+    from epdserve.services.host.engine_worker import kv_layout
 
     path = tiny_model_paths["llama"]
     return kv_layout(engine_config(parse_args(["serve", "prefill", "--block-size", str(BLOCK_SIZE)]), path))

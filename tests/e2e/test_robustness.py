@@ -14,10 +14,10 @@ import httpx
 import openai
 import pytest
 
-from epdserve.services.launcher import free_port
+from epdserve.services.cli.launcher import free_port
 from epdserve.transport import protocol as p
 from epdserve.shared.engine.sampling_params import SamplingParams
-from epdserve.services.wire import sampling_params_to_wire
+from epdserve.services.host.wire import sampling_params_to_wire
 from epdserve.transport.channel import ErrorReply
 from epdserve.transport.request_client import RequestClient
 from tests.e2e.conftest import stack_auth

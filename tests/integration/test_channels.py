@@ -15,7 +15,7 @@ import zmq.auth
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epdserve.services.launcher import free_port
+from epdserve.services.cli.launcher import free_port
 from epdserve.transport import protocol as p
 from epdserve.transport import codec
 from epdserve.transport.codec import Limits

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from epdserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
-from epdserve.services.engine_worker import kv_layout
-from epdserve.services.peer_kv_connector import PeerKVConnector, PeerSources
-from epdserve.services.request_spans import RequestSpans
-from epdserve.services.service_metrics import ServiceMetrics
+from epdserve.services.host.engine_worker import kv_layout
+from epdserve.services.host.peer_kv_connector import PeerKVConnector, PeerSources
+from epdserve.services.host.request_spans import RequestSpans
+from epdserve.services.host.service_metrics import ServiceMetrics
 from epdserve.shared.engine.llm import build_engine_config
 from epdserve.shared.engine.llm_engine import LLMEngine
 from epdserve.transport import transports

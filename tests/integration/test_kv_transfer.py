@@ -26,7 +26,7 @@ from epdserve.transport import transports
 from epdserve.transport.block_stream import BlockStreamServerPath
 from epdserve.transport.kv_client import KVTransferClient
 from epdserve.transport.kv_server import KVTransferServer
-from epdserve.services.launcher import free_port
+from epdserve.services.cli.launcher import free_port
 
 
 

@@ -366,7 +366,7 @@ def test_encoder_refuses_bad_input_and_incomplete_checkpoints(tmp_path, pipeline
 
 
 def test_cli_builds_the_demo_into_the_cache(monkeypatch, tmp_path, capsys):
-    from epdserve.services import cli
+    from epdserve.services.cli import main as cli
     from epdserve.shared.checkpoints import default_model, llava_demo
 
     calls = []

@@ -13,7 +13,7 @@ from epdserve.services.proxy.app import build_app
 from epdserve.services.proxy.generation import Chunk
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.serving import OpenAIServing
-from epdserve.services.service_metrics import ServiceMetrics
+from epdserve.services.host.service_metrics import ServiceMetrics
 from epdserve.shared.config import ModelConfig
 from epdserve.shared.engine.llm import LLM
 from epdserve.shared.engine.sampling_params import SamplingParams

@@ -62,7 +62,7 @@ def test_a_service_exports_the_moe_phases(path):
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from epdserve.services.service_metrics import ServiceMetrics
+    from epdserve.services.host.service_metrics import ServiceMetrics
 
     llm = LLM(model=path, num_kv_blocks=64, profile_moe=True)
     llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY)

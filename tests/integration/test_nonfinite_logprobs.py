@@ -13,7 +13,7 @@ import uvicorn
 
 from epdserve import AsyncLLM
 from epdserve.services.batch.engine_backend import EngineBackend
-from epdserve.services.launcher import free_port
+from epdserve.services.cli.launcher import free_port
 from epdserve.services.proxy.app import build_app
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.prompt_logprobs import LOGPROB_FLOOR

@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from epdserve.services.proxy_channels import ProxyChannels
+from epdserve.services.host.proxy_channels import ProxyChannels
 from epdserve.transport import protocol as p
 from epdserve.transport.reply_server import PullChannel
 

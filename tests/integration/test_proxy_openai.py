@@ -10,7 +10,7 @@ import pytest
 import uvicorn
 
 from epdserve import AsyncLLM
-from epdserve.services.launcher import free_port
+from epdserve.services.cli.launcher import free_port
 from epdserve.services.proxy.app import build_app
 from epdserve.services.batch.engine_backend import EngineBackend
 from epdserve.services.proxy.metrics import ProxyMetrics

@@ -445,7 +445,7 @@ def test_n_sequences_share_the_prompt_and_its_positions(qwen2_5_vl_path, prepare
 
 def test_the_cli_builds_the_same_checkpoint(qwen2_5_vl_path, tmp_path, capsys):
     """`epdserve model tiny-qwen2.5-vl`: the project's builder, fixed seed - the tests' checkpoint, byte for byte."""
-    from epdserve.services import cli
+    from epdserve.services.cli import main as cli
 
     assert cli.main(["model", "tiny-qwen2.5-vl", "--out", str(tmp_path / "tiny")]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(tmp_path / "tiny")

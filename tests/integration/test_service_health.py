@@ -8,13 +8,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from epdserve.services.launcher import free_port
-from epdserve.services.runtime import Service
+from epdserve.services.cli.launcher import free_port
+from epdserve.services.cli.roles import worker_builder
+from epdserve.services.runtime.service import Service
 from epdserve.transport import protocol as p
 from epdserve.shared.config import ServiceConfig, TransportConfig
 from epdserve.shared.engine.llm import build_engine_config
 from epdserve.shared.engine.sampling_params import SamplingParams
-from epdserve.services.wire import sampling_params_to_wire
+from epdserve.services.host.wire import sampling_params_to_wire
 from epdserve.transport.channel import ErrorReply
 from epdserve.transport.reply_server import PullChannel
 from epdserve.transport.request_client import RequestClient
@@ -26,7 +27,7 @@ HEALTHCHECK = Path(__file__).parents[2] / "deploy" / "healthcheck.py"
 def make_service(model: str, role: str = "unified") -> Service:
     config = ServiceConfig(role, f"{role}-0", port=free_port(), http_port=free_port(),
                            transport=TransportConfig(rpc_timeout=5.0), drain_timeout=30.0)
-    return Service(config, build_engine_config(model, num_kv_blocks=64), model)
+    return Service(config, worker_builder(config, build_engine_config(model, num_kv_blocks=64), model))
 
 
 async def started(service: Service) -> asyncio.Task:

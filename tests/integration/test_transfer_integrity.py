@@ -187,9 +187,9 @@ def test_embeddings_that_land_corrupted_are_fetched_again_then_the_load_fails(co
     """The services' connector, loading an image's embeddings from an encoder whose first `faults` answers
     are corrupted after their checksums: it counts each, fetches once more, and either hands the engine the
     intact embeddings or fails the load (the request then ends with an error): never corrupt ones."""
-    from epdserve.services.peer_kv_connector import PeerKVConnector, PeerSources
-    from epdserve.services.request_spans import RequestSpans
-    from epdserve.services.service_metrics import ServiceMetrics
+    from epdserve.services.host.peer_kv_connector import PeerKVConnector, PeerSources
+    from epdserve.services.host.request_spans import RequestSpans
+    from epdserve.services.host.service_metrics import ServiceMetrics
     from epdserve.shared.engine import KVLoad
 
     mm_hash = "ab" * 32

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from epdserve.services.bench import datasets
-from epdserve.services.cli import build_parser
+from epdserve.services.cli.main import build_parser
 
 
 class WordTokenizer:

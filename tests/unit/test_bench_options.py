@@ -7,7 +7,7 @@ import pytest
 
 from epdserve.services.bench import datasets, vllm_flags
 from epdserve.services.bench.options import BenchOptions
-from epdserve.services.cli import build_parser
+from epdserve.services.cli.main import build_parser
 
 # Every flag of `vllm bench serve`, from vllm-project/vllm: vllm/benchmarks/serve.py `add_cli_args` (commit
 # 009e6d4a1cd6ba3fb2a9fc00f4ec06f5297232a1) and vllm/benchmarks/datasets.py `add_dataset_parser` (commit

@@ -9,7 +9,7 @@ import pytest
 from epdserve.services.bench import result
 from epdserve.services.bench.metrics import RequestOutput
 from epdserve.services.bench.options import BenchOptions
-from epdserve.services.cli import build_parser
+from epdserve.services.cli.main import build_parser
 
 # The keys of vLLM's result JSON, from vllm-project/vllm vllm/benchmarks/serve.py at commit
 # 009e6d4a1cd6ba3fb2a9fc00f4ec06f5297232a1: `main_async` (result_json: the setup and traffic keys) and

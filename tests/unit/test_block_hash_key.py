@@ -4,7 +4,7 @@ the deployment, holding the same secret, hashes alike."""
 import hashlib
 from array import array
 
-from epdserve.services.cli import engine_config, parse_args, proxy_config
+from epdserve.services.cli.main import engine_config, parse_args, proxy_config
 from epdserve.shared.block_hash import deployment_key, extend_block_hashes, hash_block
 from epdserve.shared.engine.block_manager import BlockManager
 

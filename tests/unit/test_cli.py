@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from epdserve.services.cli import main, parse_args, proxy_config, service_config, stack_config, transport_config
-from epdserve.services import launcher
-from epdserve.services.launcher import PORT_OPTIONS, LocalStack, StackConfig, exit_message, free_port
-from epdserve.services.network import say_if_unauthenticated, split_target
+from epdserve.services.cli.main import main, parse_args, proxy_config, service_config, stack_config, transport_config
+from epdserve.services.cli import launcher
+from epdserve.services.cli.launcher import PORT_OPTIONS, LocalStack, StackConfig, exit_message, free_port
+from epdserve.services.runtime.network import say_if_unauthenticated, split_target
 
 
 def parse(*argv):
@@ -110,7 +110,7 @@ def test_up_gives_its_services_a_secret_of_their_own_in_their_environment_unless
 
 
 def test_profile_moe_reaches_the_engine_config(default_model_path):
-    from epdserve.services.cli import engine_config
+    from epdserve.services.cli.main import engine_config
 
     assert engine_config(parse("serve", "unified", "--profile-moe"), str(default_model_path)).profile_moe
     assert not engine_config(parse("serve", "decode"), str(default_model_path)).profile_moe
@@ -384,7 +384,7 @@ SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
 
 @pytest.mark.parametrize("layout, speculating", [([], {"decode-0"}), (["--unified"], {"unified-0"})])
 def test_up_gives_the_speculative_config_to_the_engines_that_decode(default_model_path, layout, speculating):
-    from epdserve.services.cli import engine_config
+    from epdserve.services.cli.main import engine_config
 
     commands = dict(LocalStack(stack_config(parse("up", *layout, "--speculative-config", SPEC),
                                             str(default_model_path))).commands())
@@ -404,11 +404,11 @@ def test_a_prefill_given_a_draft_model_checks_it_and_loads_none(default_model_pa
     deployment giving every engine the same options does) is checked but not loaded."""
     import json
 
-    from epdserve.services.cli import engine_config
+    from epdserve.services.cli.main import engine_config
 
     model = str(default_model_path)
     spec = json.dumps({"method": "draft_model", "num_speculative_tokens": 3, "model": model})
-    with caplog.at_level(logging.INFO, logger="epdserve.services.cli"):
+    with caplog.at_level(logging.INFO, logger="epdserve.services.cli.main"):
         assert engine_config(parse("serve", "prefill", "--speculative-config", spec), model).speculative is None
     assert "prefill does not speculate" in caplog.text
     for role in ("decode", "unified"):
@@ -425,7 +425,7 @@ def test_a_prefill_given_a_draft_model_checks_it_and_loads_none(default_model_pa
                                                                          "speculative method"),
                                             ('{"method": "ngram", "num_speculative_tokens": 2, "x": 1}', "unsupported")])
 def test_a_bad_speculative_config_stops_up_and_serve_with_one_line(default_model_path, value, message):
-    from epdserve.services.cli import engine_config
+    from epdserve.services.cli.main import engine_config
 
     with pytest.raises(SystemExit, match=f"--speculative-config: .*{message}"):
         stack_config(parse("up", "--speculative-config", value), str(default_model_path))
@@ -455,7 +455,7 @@ def test_up_with_a_kv_store_starts_one_and_gives_every_engine_its_address(defaul
 
 
 def test_up_gives_every_engine_its_lora_options_and_the_proxy_the_adapters(tmp_path, default_model_path):
-    from epdserve.services.cli import engine_config
+    from epdserve.services.cli.main import engine_config
 
     model = str(default_model_path)
     commands = dict(LocalStack(stack_config(parse(
@@ -491,7 +491,7 @@ def test_up_refuses_bad_lora_options(default_model_path, argv, message):
 
 
 def test_up_gives_every_engine_the_budget_policy_after_the_double_dash(default_model_path, capsys):
-    from epdserve.services.cli import engine_config
+    from epdserve.services.cli.main import engine_config
 
     for extra, policy in (([], "prompts"), (["--", "--budget-policy", "shared", "--max-num-batched-tokens", "2048"],
                                            "shared")):

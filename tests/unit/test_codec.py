@@ -353,7 +353,7 @@ def test_a_message_its_receiver_would_drop_for_its_size_is_refused_when_encoded(
     """What a receiver decoding with the default limits would drop is refused on the sending side, naming
     the field: nothing too large leaves only to vanish on the wire."""
     from epdserve.shared.engine.sampling_params import SamplingParams, StructuredOutputsParams
-    from epdserve.services.wire import sampling_params_to_wire
+    from epdserve.services.host.wire import sampling_params_to_wire
 
     def request(params):
         return p.GenerateRequest("r", (1, 2, 3), sampling_params_to_wire(params), "tcp://127.0.0.1:1")

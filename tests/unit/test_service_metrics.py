@@ -4,7 +4,7 @@ in vLLM; the prompt counters (prefix cache, KV tiers, tokens by source) as the e
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from epdserve.services.service_metrics import ServiceMetrics
+from epdserve.services.host.service_metrics import ServiceMetrics
 from epdserve.shared.engine.outputs import EngineStats
 
 

@@ -1,6 +1,6 @@
-"""The engine's periodic stats line (services/stats_log.py): vLLM's fields, and none while nothing happens."""
-from epdserve.services import stats_log
-from epdserve.services.stats_log import StatsLog
+"""The engine's periodic stats line (services/host/stats_log.py): vLLM's fields, and none while nothing happens."""
+from epdserve.services.host import stats_log
+from epdserve.services.host.stats_log import StatsLog
 from epdserve.shared.engine.outputs import EngineStats
 
 

@@ -1,7 +1,7 @@
 """An engine's KV tiers on /metrics: counters and the restore latency histogram, labelled by tier."""
 from prometheus_client import generate_latest
 
-from epdserve.services.service_metrics import ServiceMetrics
+from epdserve.services.host.service_metrics import ServiceMetrics
 from epdserve.shared.engine.outputs import RESTORE_SECONDS_BUCKETS, EngineStats, KVTierStats
 
 

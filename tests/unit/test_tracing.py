@@ -1,5 +1,5 @@
 """A request's trace as the proxy assembles it (services/proxy/tracing.py) and as the services record their
-part (services/request_spans.py); exported through the real OpenTelemetry SDK, into its in-memory exporter
+part (services/host/request_spans.py); exported through the real OpenTelemetry SDK, into its in-memory exporter
 and, over OTLP/HTTP, to a receiver on 127.0.0.1 that decodes the protobuf with opentelemetry-proto."""
 import http.server
 import logging
@@ -14,7 +14,7 @@ from opentelemetry.trace import StatusCode
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.tracing import (OTelExport, RequestTrace, Tracer, check_otlp_endpoint, stage_of,
                                              trace_id_of)
-from epdserve.services.request_spans import RequestSpans, unix_time
+from epdserve.services.host.request_spans import RequestSpans, unix_time
 from epdserve.shared.engine.outputs import RequestMetrics
 from epdserve.transport.protocol import TraceSpan
 

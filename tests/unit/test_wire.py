@@ -8,7 +8,7 @@ import pytest
 from epdserve.transport import protocol as p
 from epdserve.shared.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from epdserve.services.wire import (ENGINE_ONLY_SAMPLING_FIELDS, WIRE_SAMPLING_FIELDS, logprobs_to_wire,
+from epdserve.services.host.wire import (ENGINE_ONLY_SAMPLING_FIELDS, WIRE_SAMPLING_FIELDS, logprobs_to_wire,
                                   mrope_positions_from_wire, mrope_positions_to_wire, prompt_logprobs_to_wire,
                                   sampling_params_from_wire, sampling_params_to_wire)
 from epdserve.transport import codec
@@ -84,7 +84,7 @@ def test_mrope_positions_cross_as_three_rows():
 
 
 def test_the_openai_layer_and_the_wire_types_load_without_torch():
-    modules = ["epdserve.transport.protocol", "epdserve.services.wire", "epdserve.services.proxy.generation",
+    modules = ["epdserve.transport.protocol", "epdserve.services.host.wire", "epdserve.services.proxy.generation",
                "epdserve.services.proxy.serving", "epdserve.services.proxy.app"]
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

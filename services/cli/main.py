@@ -19,16 +19,15 @@ import os
 import sys
 from pathlib import Path
 
-from epdserve.services import vllm_flags
-from epdserve.services.batch.cli import add_run_batch_parser
+from epdserve.services.cli import vllm_flags
+from epdserve.services.cli.run_batch import add_run_batch_parser
 from epdserve.services.bench.cli import add_bench_parser
-from epdserve.services.cli_options import (
+from epdserve.services.cli.options import (
     ROLES, SERVED_BY_DEFAULT, add_engine_args, add_model_options, add_service_options, add_up_options, log_level,
 )
 from epdserve.services.proxy.kv_routing import KVRoutingConfig, RoutingPolicy
 
-# By name: `epdserve up` runs this module as __main__.
-logger = logging.getLogger("epdserve.services.cli")
+logger = logging.getLogger(__name__)
 
 
 # -- epdserve model -----------------------------------------------------------------------------------
@@ -229,7 +228,7 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 def _peer_targets(args: argparse.Namespace, role: str) -> tuple[str, ...]:
     """--<role> addresses, each checked: a typo is refused here rather than retried forever."""
-    from epdserve.services.network import split_target
+    from epdserve.services.runtime.network import split_target
 
     targets = _split_targets(getattr(args, role))
     for target in targets:
@@ -297,7 +296,7 @@ def _kv_store_address(args: argparse.Namespace) -> str | None:
     """--kv-store HOST:PORT as a control address (tcp://...), checked; None when not given."""
     if not getattr(args, "kv_store", None):
         return None
-    from epdserve.services.network import split_target
+    from epdserve.services.runtime.network import split_target
     from epdserve.transport.security import bracketed
 
     try:
@@ -342,7 +341,8 @@ def _serve_command(args: argparse.Namespace) -> int:
     import asyncio
 
     if args.role == "kvstore":  # no model: blocks of any layout, by hash
-        from epdserve.services.runtime import run_service
+        from epdserve.services.cli.roles import worker_builder
+        from epdserve.services.runtime.service import run_service
         from epdserve.shared.compute_threads import compute_in_one_thread_by_default
 
         # It only copies and checksums blocks: a parallel copy gains nothing on memory bandwidth, and on a
@@ -351,7 +351,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         compute_in_one_thread_by_default()
         config = service_config(args)
         _starting(config.engine_id, "no model")
-        return asyncio.run(run_service(config, None, ""))
+        return asyncio.run(run_service(config, worker_builder(config, None, "")))
     model = model_folder(args)
     if args.role == "proxy":
         from epdserve.services.proxy.server import run_proxy
@@ -365,7 +365,8 @@ def _serve_command(args: argparse.Namespace) -> int:
         return 0
     import torch
 
-    from epdserve.services.runtime import run_service
+    from epdserve.services.cli.roles import worker_builder
+    from epdserve.services.runtime.service import run_service
     from epdserve.shared.compute_threads import compute_in_one_thread_by_default
 
     threads = args.threads or torch.get_num_threads()
@@ -382,7 +383,7 @@ def _serve_command(args: argparse.Namespace) -> int:
 
         engine = replace(engine, cache=replace(engine.cache, block_hash_key=deployment_key(config.transport.secret)))
     _starting(config.engine_id, model)
-    return asyncio.run(run_service(config, engine, model, args.dtype, args.device))
+    return asyncio.run(run_service(config, worker_builder(config, engine, model, args.dtype, args.device)))
 
 
 def _starting(name: str, model: str) -> None:
@@ -398,7 +399,7 @@ UP_OWN_OPTIONS = {"--kv-transport": "the encoders", "--kv-backend": "the encoder
 
 
 def stack_config(args: argparse.Namespace, model: str):
-    from epdserve.services.launcher import StackConfig, is_multimodal
+    from epdserve.services.cli.launcher import StackConfig, is_multimodal
 
     for flag, value, least in (("--port", args.port, 1), ("--prefills", args.prefills, 0),
                                ("--decodes", args.decodes, 0), ("--encoders", args.encoders, 0),
@@ -482,7 +483,7 @@ def _check_kv_transport(args: argparse.Namespace) -> None:
 
 
 def _up_command(args: argparse.Namespace) -> int:
-    from epdserve.services.launcher import LocalStack
+    from epdserve.services.cli.launcher import LocalStack
 
     return LocalStack(stack_config(args, model_folder(args))).run(args.startup_timeout)
 
@@ -490,7 +491,7 @@ def _up_command(args: argparse.Namespace) -> int:
 def _keys_command(args: argparse.Namespace) -> int:
     import zmq.auth
 
-    from epdserve.services.network import CURVE_CERT
+    from epdserve.services.runtime.network import CURVE_CERT
     from epdserve.transport.peer_auth import new_secret
 
     if not args.dir and not args.secret:
@@ -566,7 +567,3 @@ def main(argv: list[str] | None = None) -> int:
         # A line per HTTP request (run-batch's and bench's clients) would break their progress bars.
         logging.getLogger("httpx").setLevel(logging.WARNING)
     return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

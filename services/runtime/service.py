@@ -18,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
 
 from prometheus_client import Gauge
 
-from epdserve.services.management import ManagementServer, build_management_app
-from epdserve.services.network import advertised, peer_auth, say_if_unauthenticated, server_curve
-from epdserve.shared.config import EngineConfig, ServiceConfig
+from epdserve.services.runtime.management import ManagementServer, build_management_app
+from epdserve.services.runtime.network import advertised, peer_auth, say_if_unauthenticated, server_curve
+from epdserve.shared.config import ServiceConfig
 from epdserve.transport.protocol import (MAY_SEND, DecodeRequest, EncodeRequest, Error, ErrorCode, GenerateRequest,
                                       Handshake, Health, Message, PrefillRequest, Role, Status, StatusRequest)
 from epdserve.transport.reply_server import ReplyServer
@@ -38,14 +39,25 @@ NEW_WORK = (EncodeRequest, PrefillRequest, DecodeRequest, GenerateRequest)
 UNHEALTHY_GRACE_SECONDS = 1.0
 
 
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a role's worker needs of the service that hosts it."""
+    control_addr: str  # the service's control channel, as peers reach it
+    control_rejected: Callable[[], int]  # frames the control channel dropped
+    on_engine_dead: Callable[[BaseException], None]  # called on the engine's thread when its loop dies
+
+
+# A role's worker, whole: its engine (or encoder) loaded and its data server serving. The command line picks
+# it by role (services/cli/roles.py), so that this runtime knows no role.
+WorkerBuilder = Callable[[WorkerContext], Awaitable[Any]]
+
+
 class Service:
     """One service process: its health, its channels, and its worker once built."""
 
-    def __init__(self, config: ServiceConfig, engine: EngineConfig | None, model_path: str, dtype: str = "float32",
-                 device: str = "cpu") -> None:
-        """`engine` is None for an encoder, which loads `model_path`'s vision tower in `dtype` on `device`."""
+    def __init__(self, config: ServiceConfig, build_worker: WorkerBuilder) -> None:
         self.config = config
-        self.engine, self.model_path, self.dtype, self.device = engine, model_path, dtype, device
+        self.build_worker = build_worker
         self.role = Role(config.role)
         self.health = Health.STARTING
         self.worker = None
@@ -94,35 +106,12 @@ class Service:
         return self.exit_code
 
     async def _build_worker(self, control_rejected: Callable[[], int]):
-        """This service's worker, whole: its engine (or encoder) loaded and its data server serving.
-        `control_rejected()`: frames the control channel dropped."""
-        config, engine = self.config, self.engine
-        if self.role == Role.KVSTORE:
-            from epdserve.services.kvstore.worker import build_kvstore_worker
-
-            return await build_kvstore_worker(config, control_rejected)
-        if self.role == Role.ENCODER:
-            from epdserve.services.encoder.worker import build_encoder_worker
-            from epdserve.shared.config import parse_dtype
-
-            return await build_encoder_worker(config, self.model_path, parse_dtype(self.dtype), self.device,
-                                              control_rejected)
         loop = asyncio.get_running_loop()
 
         def on_dead(cause: BaseException) -> None:  # called on the engine thread
             loop.call_soon_threadsafe(self._engine_died, cause)
 
-        if self.role == Role.PREFILL:
-            from epdserve.services.prefill.worker import build_prefill_worker
-
-            return await build_prefill_worker(config, engine, self.control_addr, control_rejected, on_dead)
-        if self.role == Role.DECODE:
-            from epdserve.services.decode.worker import build_decode_worker
-
-            return await build_decode_worker(config, engine, control_rejected, on_dead)
-        from epdserve.services.unified.worker import build_unified_worker
-
-        return await build_unified_worker(config, engine, control_rejected, on_dead)
+        return await self.build_worker(WorkerContext(self.control_addr, control_rejected, on_dead))
 
     def status(self) -> Status:
         if self.worker is None:
@@ -174,10 +163,9 @@ class Service:
                              f"(after {drained:.1f}s of draining)")
 
 
-async def run_service(config: ServiceConfig, engine: EngineConfig | None, model_path: str,
-                      dtype: str = "float32", device: str = "cpu") -> int:
+async def run_service(config: ServiceConfig, build_worker: WorkerBuilder) -> int:
     """Run one service until stopped; its exit code."""
-    return await Service(config, engine, model_path, dtype, device).run()
+    return await Service(config, build_worker).run()
 
 
 def count_refused_peers(worker, control: ReplyServer, role: str, engine_id: str) -> None:

@@ -37,8 +37,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
 
-from epdserve.services.request_spans import RequestSpans
-from epdserve.services.service_metrics import ServiceMetrics
+from epdserve.services.host.request_spans import RequestSpans
+from epdserve.services.host.service_metrics import ServiceMetrics
 from epdserve.shared.engine import KVConnector, KVLoad, LoadResult
 from epdserve.transport.channel import ChannelError, ErrorReply
 from epdserve.transport.kv_client import KVTransferClient

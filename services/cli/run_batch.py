@@ -76,7 +76,7 @@ def _server_client(args: argparse.Namespace) -> httpx.AsyncClient:
 async def _local_client(args: argparse.Namespace, stack: AsyncExitStack) -> httpx.AsyncClient:
     """A client of the proxy's app over an engine in this process (shut down with `stack`)."""
     from epdserve.services.batch.engine_backend import EngineBackend
-    from epdserve.services.cli import engine_config, model_folder
+    from epdserve.services.cli.main import engine_config, model_folder
     from epdserve.services.proxy.app import build_app
     from epdserve.services.proxy.metrics import ProxyMetrics
     from epdserve.services.proxy.serving import OpenAIServing

@@ -5,8 +5,8 @@ import argparse
 import os
 from typing import NamedTuple
 
-from epdserve.services import vllm_flags
-from epdserve.services.forwarded_options import ForwardedOptions
+from epdserve.services.cli import vllm_flags
+from epdserve.services.cli.forwarded_options import ForwardedOptions
 from epdserve.services.proxy.kv_routing import RoutingPolicy
 from epdserve.services.proxy.reasoning_parsers import REASONING_PARSERS as REASONING_PARSER_NAMES
 from epdserve.services.proxy.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES

@@ -13,13 +13,13 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
-from epdserve.services.network import client_curve, peer_auth
-from epdserve.services.peer_kv_connector import PeerKVConnector, PeerSources
-from epdserve.services.proxy_channels import ProxyChannels
-from epdserve.services.request_spans import RequestSpans
-from epdserve.services.service_metrics import ServiceMetrics
-from epdserve.services.stats_log import StatsLog
-from epdserve.services.store_kv_connector import StoreKVConnector
+from epdserve.services.runtime.network import client_curve, peer_auth
+from epdserve.services.host.peer_kv_connector import PeerKVConnector, PeerSources
+from epdserve.services.host.proxy_channels import ProxyChannels
+from epdserve.services.host.request_spans import RequestSpans
+from epdserve.services.host.service_metrics import ServiceMetrics
+from epdserve.services.host.stats_log import StatsLog
+from epdserve.services.host.store_kv_connector import StoreKVConnector
 from epdserve.shared.engine import (AsyncLLM, EngineStats, InputsUnavailableError, LoRARequest, NoLoRASlotError,
                                     RequestOutput)
 from epdserve.shared.config import EngineConfig, ServiceConfig
@@ -27,7 +27,7 @@ from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason, GenerateRequest,
                                       Handshake, Health, KVEvents, KVEventsRequest, KVLayout, LoadLoRA, Message,
                                       PrefillRequest, Role, Status, TokenDelta, UnloadLoRA, WireLoRA)
-from epdserve.services.wire import (logprobs_to_wire, mrope_positions_from_wire, prompt_logprobs_to_wire,
+from epdserve.services.host.wire import (logprobs_to_wire, mrope_positions_from_wire, prompt_logprobs_to_wire,
                                    sampling_params_from_wire)
 from epdserve.transport.kv_client import KVTransferClient
 from epdserve.transport.transports import create_client
