@@ -1,5 +1,9 @@
-"""Guards for the one-namespace layout: every package folder is importable as epdserve.<folder>."""
+"""Guards for the one-namespace layout: every package folder is importable as epdserve.<folder>; the layer
+contracts and the import graph hold, and a module that breaks them fails here."""
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,25 +57,92 @@ def test_packages_import_under_namespace():
         assert Path(module.__file__).parent.name in PACKAGE_FOLDERS
 
 
-def test_the_layer_contracts_hold(tmp_path):
-    """import-linter checks pyproject.toml's contracts (dependencies point one way; services reach the engine
-    through its door only). It reads packages from disk as the import system would find them, so it gets
-    the `epdserve` tree as installed: top-level folders linked under one package, as setup.py maps them."""
-    import os
-    import subprocess
-    import sys
+def _lint_imports(package_root: Path) -> subprocess.CompletedProcess:
+    """import-linter over pyproject.toml's contracts. It reads packages from disk as the import system would find
+    them, so it gets the `epdserve` tree as installed: the top-level folders under one package, as setup.py maps
+    them (`package_root`/epdserve)."""
+    lint = Path(sys.executable).with_name("lint-imports")
+    return subprocess.run([str(lint), "--config", str(ROOT / "pyproject.toml"), "--no-cache"], cwd=package_root,
+                          env={**os.environ, "PYTHONPATH": str(package_root)}, capture_output=True, text=True,
+                          timeout=300)
 
+
+def test_the_layer_contracts_hold(tmp_path):
+    """Dependencies point one way; services reach the engine through its door only; the proxy loads no torch."""
     package = tmp_path / "epdserve"
     package.mkdir()
     for source in (ROOT / "shared" / "api").glob("*.py"):
         (package / source.name).symlink_to(source)
     for folder in PACKAGE_FOLDERS:
         (package / folder).symlink_to(ROOT / folder, target_is_directory=True)
-    lint = Path(sys.executable).with_name("lint-imports")
-    result = subprocess.run([str(lint), "--config", str(ROOT / "pyproject.toml"), "--no-cache"], cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True,
-                            timeout=300)
+    result = _lint_imports(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _import_graph():
+    """tests/import_graph.py, by its path (tests/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("epdserve_import_graph", ROOT / "tests" / "import_graph.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_import_cycle_between_subpackages():
+    """Imports inside functions included (tests/import_graph.py)."""
+    graphs = _import_graph()
+    graph = graphs.subpackage_graph(ROOT)
+    found = graphs.cycles(graph)
+    assert not found, [(c, {a: sorted(graph[a][b]) for a in c for b in c if b in graph[a]}) for c in found]
+
+
+# One module per contract that breaks it, in a copy of the tree: the contracts and the cycle check must see them.
+PROBES = {
+    "kernels import nothing of ours": ("kernels/probe.py", "import epdserve.shared.config"),
+    "transport imports no engine and no service": ("transport/probe.py", "import epdserve.services.runtime.network"),
+    "the engine and the shared library import neither services nor transport":
+        ("shared/probe.py", "import epdserve.transport.protocol"),
+    "processing does not import the engine": ("shared/processing/probe.py", "import epdserve.shared.engine.scheduler"),
+    "services use the engine through its door only: the names epdserve.shared.engine exports":
+        ("services/host/probe.py", "import epdserve.shared.engine.scheduler"),
+    "services are layered by who runs them: the command line; what it serves; what hosts an engine; every service's "
+    "runtime": ("services/runtime/probe.py", "import epdserve.services.host.wire"),
+    "the proxy loads neither torch nor the engine's machinery: only the engine's parameter and output types":
+        ("services/proxy/probe.py", "def later():\n    import torch"),
+}
+
+
+def test_a_probe_breaks_every_contract_and_the_cycle_check(tmp_path):
+    import shutil
+    import tomllib
+
+    graphs = _import_graph()
+    contracts = [c["name"] for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+                 ["contracts"]]
+    assert sorted(contracts) == sorted(PROBES), "every contract needs its probe here"
+    tree = tmp_path / "tree"
+    for folder in PACKAGE_FOLDERS:
+        shutil.copytree(ROOT / folder, tree / folder,
+                        ignore=lambda d, names: [n for n in names if n in SKIP_DIRS or n.startswith(".")
+                                                 or not (n.endswith(".py") or (Path(d) / n).is_dir())])
+    for path, code in PROBES.values():
+        (tree / path).write_text(f'"""Breaks a contract."""\n{code}\n')
+    (tree / "shared" / "probe_a.py").write_text("import epdserve.shared.probe_b\n")
+    (tree / "shared" / "probe_b.py").write_text("def later():\n    import epdserve.shared.probe_a\n")
+
+    assert ["epdserve.shared.probe_a", "epdserve.shared.probe_b"] in graphs.cycles(graphs.subpackage_graph(tree))
+    package = tmp_path / "epdserve"
+    package.mkdir()
+    for source in (tree / "shared" / "api").glob("*.py"):
+        (package / source.name).symlink_to(source)
+    for folder in PACKAGE_FOLDERS:
+        (package / folder).symlink_to(tree / folder, target_is_directory=True)
+    result = _lint_imports(tmp_path)
+    report = " ".join(result.stdout.split())  # import-linter wraps long names
+    assert result.returncode != 0
+    for name in contracts:
+        assert f"{name} BROKEN" in report, (name, result.stdout)
 
 
 def test_the_constraints_pin_versions_the_project_accepts():
