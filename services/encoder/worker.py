@@ -116,24 +116,24 @@ class EncoderWorker:
         return Error(ErrorCode.BAD_REQUEST, f"an encoder does not take {type(message).__name__}",
                      getattr(message, "request_id", None))
 
-    async def _encode(self, m: EncodeRequest) -> Message:
+    async def _encode(self, request: EncodeRequest) -> Message:
         started = time.monotonic()
         spans = RequestSpans(self.service.engine_id)
         done, num_bytes = [], 0
-        for item in m.items:
+        for item in request.items:
             cached = self.cache.get(item.mm_hash)
             if cached is None:
                 self.cache.misses += 1
                 try:
                     cached = await self._compute(item.mm_hash, item.data, spans)
                 except ValueError as exc:
-                    return Error(ErrorCode.BAD_REQUEST, str(exc), m.request_id)
+                    return Error(ErrorCode.BAD_REQUEST, str(exc), request.request_id)
             else:
                 self.cache.hits += 1
             done.append(EncodedItem(item.mm_hash, cached.shape[0]))
             num_bytes += cached.nbytes
         spans.add("encode", started, time.monotonic(), num_bytes)
-        return EncodeDone(m.request_id, tuple(done), trace=spans.take())
+        return EncodeDone(request.request_id, tuple(done), trace=spans.take())
 
     async def _compute(self, item_hash: str, data: bytes, spans: RequestSpans) -> torch.Tensor:
         def run() -> torch.Tensor:

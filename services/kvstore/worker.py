@@ -112,14 +112,14 @@ class KVStoreWorker:
                             b"".join(batch.removed), batch.snapshot)
         return bad_request(f"a kvstore service does not take {type(message).__name__}")
 
-    def put(self, m: KVStorePut) -> Message:
-        hashes = _split(m.block_hashes)
+    def put(self, request: KVStorePut) -> Message:
+        hashes = _split(request.block_hashes)
         n = len(hashes)
-        layout = m.layout
+        layout = request.layout
         block_shape = (layout.num_layers, 2, layout.num_kv_heads, layout.block_size, layout.head_size)
-        tensor = m.blocks[0] if len(m.blocks) == 1 else None
-        if tensor is None or tuple(tensor.shape) != (n, *block_shape) or len(m.checksums) != n or \
-                len(m.token_ids) != n * layout.block_size or str(tensor.dtype).removeprefix("torch.") != layout.dtype:
+        tensor = request.blocks[0] if len(request.blocks) == 1 else None
+        if tensor is None or tuple(tensor.shape) != (n, *block_shape) or len(request.checksums) != n or \
+                len(request.token_ids) != n * layout.block_size or str(tensor.dtype).removeprefix("torch.") != layout.dtype:
             return bad_request(f"a put of {n} blocks must carry one [{n}, {', '.join(map(str, block_shape))}] "
                                      f"{layout.dtype} tensor, {n} checksums and {n * layout.block_size} token ids")
         self.metrics.put_blocks.inc(n)
@@ -127,7 +127,7 @@ class KVStoreWorker:
         refused = 0
         for i, block_hash in enumerate(hashes):
             key = (layout, block_hash)
-            token_ids = tuple(m.token_ids[i * bs:(i + 1) * bs])
+            token_ids = tuple(request.token_ids[i * bs:(i + 1) * bs])
             held = self._held_tokens(layout, block_hash)
             if held is not None:
                 if held != token_ids:
@@ -136,11 +136,11 @@ class KVStoreWorker:
                     self.blocks.move_to_end(key)
                 continue
             data = tensor[i].clone()  # not a view of the received frame: the frame goes
-            if checksum(data) != m.checksums[i]:
+            if checksum(data) != request.checksums[i]:
                 self.metrics.corrupt_puts.inc()
                 logger.warning("a put block from %s does not match its checksum: refused", layout.model_id)
                 continue
-            self.blocks[key] = _Block(token_ids, m.checksums[i], data)
+            self.blocks[key] = _Block(token_ids, request.checksums[i], data)
             self.num_bytes += data.nbytes
             self.events.stored(block_hash)
         self._evict()
@@ -194,18 +194,18 @@ class KVStoreWorker:
             logger.info("KV store: %d blocks of %s on disk (%s)", num_slots, layout.model_id, path)
         return disk
 
-    def get(self, m: KVStoreGet) -> KVStoreBlocks:
+    def get(self, request: KVStoreGet) -> KVStoreBlocks:
         found: list[tuple[bytes, _Block]] = []
-        hashes = _split(m.block_hashes)
-        bs = m.layout.block_size
-        if len(m.token_ids) != len(hashes) * bs:
+        hashes = _split(request.block_hashes)
+        bs = request.layout.block_size
+        if len(request.token_ids) != len(hashes) * bs:
             raise ValueError(f"a get of {len(hashes)} blocks must show their {len(hashes) * bs} token ids")
         self.metrics.get_blocks.inc(len(hashes))
-        disk = self.disks.get(m.layout)
+        disk = self.disks.get(request.layout)
         for i, block_hash in enumerate(hashes):
-            block = self.blocks.get((m.layout, block_hash))
+            block = self.blocks.get((request.layout, block_hash))
             if block is not None:
-                self.blocks.move_to_end((m.layout, block_hash))
+                self.blocks.move_to_end((request.layout, block_hash))
             elif disk is not None and (stored := disk.read(block_hash)) is not None:
                 token_ids, data, digest = stored
                 block = _Block(token_ids, digest, data)
@@ -214,7 +214,7 @@ class KVStoreWorker:
                     for gone in disk.take_changes()[1]:  # a corrupt block it just dropped
                         self.events.removed(gone)
                 break
-            if block.token_ids != tuple(m.token_ids[i * bs:(i + 1) * bs]):
+            if block.token_ids != tuple(request.token_ids[i * bs:(i + 1) * bs]):
                 self.metrics.mismatched_gets.inc()
                 break  # the getter has not shown this block's prefix: nothing of it, nor of what follows
             found.append((block_hash, block))
