@@ -55,7 +55,7 @@ METRICS = (("median_tpot_ms", "TPOT p50 ms"), ("output_throughput", "out tok/s")
            ("acceptance_rate", "draft acceptance"), ("mean_acceptance_length", "mean acceptance length"))
 # The code and text the repetitive prompts rewrite or quote: this project's own, so the run needs no download.
 CODE_FILES = ("shared/engine/block_manager.py", "shared/engine/scheduler.py", "shared/engine/sampler.py",
-              "shared/engine/request.py", "services/proxy/router.py", "transport/codec.py")
+              "shared/engine/request.py", "services/proxy/router.py", "transport/channel/codec.py")
 RENAMES = (("request", "job"), ("block", "page"), ("token", "piece"), ("self", "this"))
 
 

@@ -13,7 +13,7 @@ elsewhere on the machine hits them alike (the median round is reported):
   tcp_copy  a plain socket moving the blocks the simplest way: gather into a buffer, send, receive
             into a buffer, scatter; one message, no pipelining;
   zmq, ucx  the KV transports (epdserve.transport.transports) as deployed: ZMQ's blocks over its
-            block connections (block_stream.py), UCX's as UCX messages (ucx_path.py);
+            block connections (block_stream/), UCX's as UCX messages (ucx/);
   zmq_frames  the ZMQ transport without block connections (as with CURVE): blocks as ZMQ frames.
 
     python benchmarks/transfer.py                       # every backend available; JSON (+ PNG) in results/
@@ -22,7 +22,7 @@ elsewhere on the machine hits them alike (the median round is reported):
     python benchmarks/transfer.py --checksum            # + what the transfers' checksums cost
 
 Every transfer carries a checksum per segment, taken by the sender and again by the receiver
-(transport/checksum.py), so the times above include them. `--checksum` measures what they cost, three ways:
+(transport/kv/checksum.py), so the times above include them. `--checksum` measures what they cost, three ways:
   in the path  each process times (CPU seconds, HashClock) every checksum its data paths take during a
                fetch - the receiver (this process) and the sender (the server process, asked after each
                fetch) - as a share of that fetch's time, per round: `checksum_{receiver,sender}_share_*`;
@@ -53,9 +53,9 @@ from pathlib import Path
 
 import torch
 
-from epdserve.transport import checksum
-from epdserve.transport.kv_client import GATHERED_MESSAGE_BYTES
-from epdserve.transport.kv_transfer import Run, as_bytes, gather_blocks, run_views, scatter_blocks
+from epdserve.transport.kv import checksum
+from epdserve.transport.kv.client import GATHERED_MESSAGE_BYTES
+from epdserve.transport.kv.transfer import Run, as_bytes, gather_blocks, run_views, scatter_blocks
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 30, 3, 64, 16
 MODEL_ID = "SmolLM2-135M-Instruct"
@@ -149,7 +149,7 @@ def make_cache(dtype: str, seed: int) -> torch.Tensor:
 
 def ucx_available() -> bool:
     try:
-        from epdserve.transport import ucx_path
+        from epdserve.transport.ucx import path as ucx_path
         ucx_path.import_ucxx()
         return True
     except ImportError:

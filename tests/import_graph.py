@@ -3,7 +3,7 @@
 Every import counts, those inside functions included (a function-level import is a dependency all the same,
 only a later one); those under `if TYPE_CHECKING:` do not (they never run). Each module is counted in its
 sub-package: the first three parts of its name (`epdserve.services.host`, `epdserve.shared.models`), or the
-module itself where it sits directly in a top folder (`epdserve.shared.config`, `epdserve.transport.codec`).
+module itself where it sits directly in a top folder (`epdserve.shared.config`, `epdserve.transport.transports`).
 
     .venv/bin/python tests/import_graph.py            # the edges between sub-packages, then any cycle
     .venv/bin/python tests/import_graph.py --root DIR  # another checkout's tree

@@ -1,15 +1,17 @@
 """The KV transports (`--kv-transport`) as the data paths each is made of: "zmq" (the default) moves blocks
-over plain TCP block connections where it can - a CPU cache, a channel CURVE does not encrypt - and as
-ZMQ frames otherwise, embeddings as frames; "ucx" moves both as UCX tagged messages (the `ucx` extra)."""
+over plain TCP block connections (block_stream/) where it can - a CPU cache, a channel CURVE does not
+encrypt - and as ZMQ frames (zmq_frames/) otherwise, embeddings as frames; "ucx" moves both as UCX tagged
+messages (ucx/, the `ucx` extra). The one module above the data paths: it assembles them into a KV transfer
+server or client (kv/)."""
 from __future__ import annotations
 
 from typing import Mapping
 
-from epdserve.transport.block_stream import BlockStreamClientPath, BlockStreamServerPath
-from epdserve.transport.frame_path import FrameClientPath, FrameServerPath
-from epdserve.transport.kv_client import KVTransferClient
-from epdserve.transport.kv_server import KVTransferServer
-from epdserve.transport.limits import DEFAULT_LIMITS
+from epdserve.transport.block_stream.path import BlockStreamClientPath, BlockStreamServerPath
+from epdserve.transport.channel.limits import DEFAULT_LIMITS
+from epdserve.transport.kv.client import KVTransferClient
+from epdserve.transport.kv.server import KVTransferServer
+from epdserve.transport.zmq_frames.path import FrameClientPath, FrameServerPath
 
 TRANSPORTS = ("zmq", "ucx")
 
@@ -29,7 +31,7 @@ def create_server(transport: str, engine_id: str, *, block_port: int | None = 0,
                                                kwargs.get("limits", DEFAULT_LIMITS)))
         return KVTransferServer(engine_id, paths, **kwargs)
     if transport == "ucx":
-        from epdserve.transport.ucx_path import UcxServerPath
+        from epdserve.transport.ucx.path import UcxServerPath
 
         return KVTransferServer(engine_id, [UcxServerPath(net_devices, ucx_options)], **kwargs)
     raise ValueError(f"unknown KV transport {transport!r}; choose from {TRANSPORTS}")
@@ -41,7 +43,7 @@ def create_client(transport: str, engine_id: str, *, net_devices: str | None = N
     if transport == "zmq":
         return KVTransferClient(engine_id, [BlockStreamClientPath(), FrameClientPath()], **kwargs)
     if transport == "ucx":
-        from epdserve.transport.ucx_path import UcxClientPath
+        from epdserve.transport.ucx.path import UcxClientPath
 
         return KVTransferClient(engine_id, [UcxClientPath(net_devices, ucx_options)], **kwargs)
     raise ValueError(f"unknown KV transport {transport!r}; choose from {TRANSPORTS}")

@@ -28,7 +28,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from epdserve.transport.peer_auth import SECRET_ENV, SECRET_FILE_ENV, new_secret
+from epdserve.transport.channel.peer_auth import SECRET_ENV, SECRET_FILE_ENV, new_secret
 
 ENGINE_ROLES = ("prefill", "decode", "unified")
 # The ports each service of the stack listens on, besides the proxy's API: the options that give them.

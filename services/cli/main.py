@@ -144,8 +144,8 @@ def transport_config(args: argparse.Namespace):
 def deployment_secret(path: str | None, host: str, curve_dir: str | None) -> bytes | None:
     """The secret every handshake proves: from --secret-file, else $EPDSERVE_SECRET. Without one a service
     runs only where nothing else can reach it (loopback), or with CURVE (whose keys authenticate)."""
-    from epdserve.transport.peer_auth import SECRET_ENV, load_secret
-    from epdserve.transport.security import is_loopback
+    from epdserve.transport.channel.peer_auth import SECRET_ENV, load_secret
+    from epdserve.transport.channel.security import is_loopback
 
     secret = load_secret(os.environ.get(SECRET_ENV), path)
     if secret is None and not curve_dir:
@@ -297,7 +297,7 @@ def _kv_store_address(args: argparse.Namespace) -> str | None:
     if not getattr(args, "kv_store", None):
         return None
     from epdserve.services.runtime.network import split_target
-    from epdserve.transport.security import bracketed
+    from epdserve.transport.channel.security import bracketed
 
     try:
         host, port = split_target(args.kv_store)
@@ -492,7 +492,7 @@ def _keys_command(args: argparse.Namespace) -> int:
     import zmq.auth
 
     from epdserve.services.runtime.network import CURVE_CERT
-    from epdserve.transport.peer_auth import new_secret
+    from epdserve.transport.channel.peer_auth import new_secret
 
     if not args.dir and not args.secret:
         raise SystemExit("epdserve keys: error: name a folder for the CURVE certificate, or --secret FILE")

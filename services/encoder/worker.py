@@ -28,11 +28,11 @@ from epdserve.shared.config import ServiceConfig
 from epdserve.shared.models.cpu_kernels import load_cpu_kernels
 from epdserve.shared.models.image_encoder import ImageEncoder
 from epdserve.shared.processing.multimodal import mm_hash
-from epdserve.transport.protocol import (EncodeDone, EncodedItem, EncodeRequest, Error, ErrorCode, Handshake, Health,
-                                      Message, Role, Status)
-from epdserve.transport.kv_server import KVTransferServer
+from epdserve.transport.channel.protocol import (EncodeDone, EncodedItem, EncodeRequest, Error, ErrorCode, Handshake,
+                                                 Health, Message, Role, Status)
+from epdserve.transport.kv.server import KVTransferServer
 from epdserve.transport.transports import create_server
-from epdserve.transport.security import WILDCARD_HOSTS
+from epdserve.transport.channel.security import WILDCARD_HOSTS
 
 logger = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from epdserve.transport.channel import ChannelError
-from epdserve.transport.peer_pool import PeerPool
-from epdserve.transport.protocol import Error, TokenDelta, TokenDeltas
-from epdserve.transport.request_client import PushChannel
+from epdserve.transport.channel.common import ChannelError
+from epdserve.transport.channel.peer_pool import PeerPool
+from epdserve.transport.channel.protocol import Error, TokenDelta, TokenDeltas
+from epdserve.transport.channel.request_client import PushChannel
 
 
 class ProxyChannels:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from epdserve.shared.engine import RequestMetrics
-from epdserve.transport.protocol import TraceSpan
+from epdserve.transport.channel.protocol import TraceSpan
 
 
 def unix_time(monotonic: float) -> float:

@@ -1,4 +1,4 @@
-"""Every conversion between the engine's types and the wire's (`epdserve.transport.protocol`): the one place
+"""Every conversion between the engine's types and the wire's (`epdserve.transport.channel.protocol`): the one place
 they meet, on the services' side (the engine knows no wire, the transport no engine).
 
 - SamplingParams <-> WireSamplingParams: the same fields by name, less those only the engine sets.
@@ -18,8 +18,8 @@ import dataclasses
 from typing import Any
 
 from epdserve.shared.engine import RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams
-from epdserve.transport.protocol import (LogitBias, MRopePositions, TokenLogprobs, WireSamplingParams,
-                                         WireStructuredOutputs)
+from epdserve.transport.channel.protocol import (LogitBias, MRopePositions, TokenLogprobs, WireSamplingParams,
+                                                 WireStructuredOutputs)
 
 # SamplingParams fields that never travel: how the caller takes its outputs, and the model's EOS ids,
 # which the receiving engine fills in itself.

@@ -30,9 +30,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created
 
 from epdserve.shared.engine import KVEventLog, OffloadFile
 from epdserve.shared.config import ServiceConfig
-from epdserve.transport.checksum import checksum
-from epdserve.transport.protocol import (Ack, Error, ErrorCode, Handshake, Health, KVEvents, KVEventsRequest, KVLayout,
-                                      KVStoreBlocks, KVStoreGet, KVStorePut, Message, Role, Status)
+from epdserve.transport.kv.checksum import checksum
+from epdserve.transport.channel.protocol import (Ack, Error, ErrorCode, Handshake, Health, KVEvents, KVEventsRequest,
+                                                 KVLayout, KVStoreBlocks, KVStoreGet, KVStorePut, Message, Role,
+                                                 Status)
 
 disable_created_metrics()  # no `_created` series beside the counters, as every other service (and vLLM)
 logger = logging.getLogger(__name__)

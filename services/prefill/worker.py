@@ -29,14 +29,14 @@ from epdserve.services.host.request_spans import RequestSpans
 from epdserve.shared.engine import (PREFILL_OUTPUT_TOKENS, AsyncLLM, InputsUnavailableError, NoLoRASlotError,
                                     RequestOutput)
 from epdserve.shared.config import EngineConfig, ServiceConfig
-from epdserve.transport.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, FirstToken, Handshake, KVHandle,
-                                      LeaseRenewed, Message, PrefillDone, PrefillRequest, Release, RenewLease, Role,
-                                      TokenLogprobs)
+from epdserve.transport.channel.protocol import (Abort, Ack, Error, ErrorCode, FinishReason, FirstToken, Handshake,
+                                                 KVHandle, LeaseRenewed, Message, PrefillDone, PrefillRequest, Release,
+                                                 RenewLease, Role, TokenLogprobs)
 from epdserve.services.host.wire import logprobs_to_wire, prompt_logprobs_to_wire
-from epdserve.transport.kv_client import KVTransferClient
-from epdserve.transport.kv_server import KVTransferServer
+from epdserve.transport.kv.client import KVTransferClient
+from epdserve.transport.kv.server import KVTransferServer
 from epdserve.transport.transports import create_server
-from epdserve.transport.security import WILDCARD_HOSTS
+from epdserve.transport.channel.security import WILDCARD_HOSTS
 
 logger = logging.getLogger(__name__)
 

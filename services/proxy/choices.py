@@ -12,7 +12,7 @@ from epdserve.services.proxy.generation import Chunk
 from epdserve.services.proxy.prompt_logprobs import json_logprob
 from epdserve.shared.engine import SamplingParams
 from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
-from epdserve.transport.protocol import TokenLogprobs
+from epdserve.transport.channel.protocol import TokenLogprobs
 
 T = TypeVar("T")
 

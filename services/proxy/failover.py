@@ -25,9 +25,9 @@ from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 from epdserve.services.proxy.generation import GenerationError
 from epdserve.services.proxy.router import Instance, NoInstanceError, Route, Router
-from epdserve.transport.codec import LimitExceeded
-from epdserve.transport.protocol import Error, ErrorCode, Message, Role
-from epdserve.transport.channel import ChannelError, ErrorReply
+from epdserve.transport.channel.codec import LimitExceeded
+from epdserve.transport.channel.protocol import Error, ErrorCode, Message, Role
+from epdserve.transport.channel.common import ChannelError, ErrorReply
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, NamedTuple, Protocol
 
-from epdserve.transport.protocol import TokenLogprobs, TraceSpan, WireLoRA
+from epdserve.transport.channel.protocol import TokenLogprobs, TraceSpan, WireLoRA
 from epdserve.shared.engine import SamplingParams
 
 

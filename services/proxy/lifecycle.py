@@ -56,14 +56,14 @@ from epdserve.services.proxy.kv_routing import KVRoutingConfig, RoutingPolicy
 from epdserve.services.proxy.migration import Progress, StreamLost
 from epdserve.services.proxy.prefill_queue import prefill_on_decode
 from epdserve.services.proxy.router import Instance, Route, Router, prefix_key
-from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error, ErrorCode,
-                                      GenerateRequest, Message, MMItem, MMPlaceholder, PrefillDone, PrefillRequest,
-                                      Role, TokenDelta, TokenDeltas, TraceSpan)
+from epdserve.transport.channel.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error,
+                                                 ErrorCode, GenerateRequest, Message, MMItem, MMPlaceholder,
+                                                 PrefillDone, PrefillRequest, Role, TokenDelta, TokenDeltas, TraceSpan)
 from epdserve.shared.block_hash import extend_block_hashes
 from epdserve.services.host.wire import mrope_positions_to_wire, sampling_params_to_wire
 from epdserve.shared.engine import sequence_seed
-from epdserve.transport.channel import ChannelError, ErrorReply
-from epdserve.transport.reply_server import PullChannel
+from epdserve.transport.channel.common import ChannelError, ErrorReply
+from epdserve.transport.channel.reply_server import PullChannel
 
 logger = logging.getLogger(__name__)
 

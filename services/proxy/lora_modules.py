@@ -17,7 +17,7 @@ import logging
 from typing import Awaitable, Callable
 
 from epdserve.shared.models.lora_roots import LoRARoots, check_adapter_name, outside_message
-from epdserve.transport.protocol import LoadLoRA, Message, UnloadLoRA, WireLoRA
+from epdserve.transport.channel.protocol import LoadLoRA, Message, UnloadLoRA, WireLoRA
 
 logger = logging.getLogger(__name__)
 

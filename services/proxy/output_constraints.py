@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from epdserve.shared.engine import LOGIT_BIAS_MAX, LOGIT_BIAS_MIN, StructuredOutputsParams
-from epdserve.transport.limits import DEFAULT_LIMITS
+from epdserve.transport.channel.limits import DEFAULT_LIMITS
 
 
 class ConstraintError(ValueError):

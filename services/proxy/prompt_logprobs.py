@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Callable, NamedTuple
 
-from epdserve.transport.protocol import TokenLogprobs
+from epdserve.transport.channel.protocol import TokenLogprobs
 
 LOGPROB_FLOOR = -9999.0
 

@@ -32,10 +32,10 @@ from typing import Callable, NamedTuple, Sequence
 from epdserve.services.runtime.network import split_target
 from epdserve.services.proxy import kv_routing
 from epdserve.services.proxy.prefix_index import STORE, PrefixIndex
-from epdserve.transport.protocol import Health, KVEvents, KVEventsRequest, Role, Status, StatusRequest
-from epdserve.transport.channel import ChannelError, ErrorReply
-from epdserve.transport.request_client import RequestClient
-from epdserve.transport.security import bracketed
+from epdserve.transport.channel.protocol import Health, KVEvents, KVEventsRequest, Role, Status, StatusRequest
+from epdserve.transport.channel.common import ChannelError, ErrorReply
+from epdserve.transport.channel.request_client import RequestClient
+from epdserve.transport.channel.security import bracketed
 
 logger = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ from epdserve.services.proxy.startup import Startup
 from epdserve.services.proxy.tracing import OTelExport, Tracer, check_otlp_endpoint
 from epdserve.services.runtime.network import client_curve, peer_auth, say_if_unauthenticated, server_curve
 from epdserve.shared.config import ModelConfig, TransportConfig
-from epdserve.transport.protocol import MAY_SEND, Role
+from epdserve.transport.channel.protocol import MAY_SEND, Role
 from epdserve.shared.processing.tokenizer import load_tokenizer
-from epdserve.transport.reply_server import PullChannel
-from epdserve.transport.request_client import RequestClient
-from epdserve.transport.security import WILDCARD_HOSTS, bracketed
+from epdserve.transport.channel.reply_server import PullChannel
+from epdserve.transport.channel.request_client import RequestClient
+from epdserve.transport.channel.security import WILDCARD_HOSTS, bracketed
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from epdserve.services.proxy.prompt_logprobs import Echo, echo_logprobs, json_lo
 from epdserve.services.proxy.reasoning_parsers import get_reasoning_parser
 from epdserve.services.proxy.tracing import RequestTrace, Tracer
 from epdserve.shared.processing.detokenizer import IncrementalDetokenizer
-from epdserve.transport.protocol import TokenLogprobs, WireLoRA
+from epdserve.transport.channel.protocol import TokenLogprobs, WireLoRA
 from epdserve.shared.engine import SamplingParams
 from epdserve.shared.processing.mrope import mrope_positions
 from epdserve.shared.processing.multimodal import MultiModalPlaceholder

@@ -28,7 +28,7 @@ import logging
 import time
 from typing import Callable, Iterable
 
-from epdserve.transport.protocol import TraceSpan
+from epdserve.transport.channel.protocol import TraceSpan
 
 logger = logging.getLogger(__name__)
 

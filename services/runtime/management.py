@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from epdserve.transport.protocol import Health
+from epdserve.transport.channel.protocol import Health
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import socket
 from pathlib import Path
 
 from epdserve.shared.config import TransportConfig
-from epdserve.transport.peer_auth import PeerAuth
-from epdserve.transport.security import WILDCARD_HOSTS, CurveConfig, bracketed
+from epdserve.transport.channel.peer_auth import PeerAuth
+from epdserve.transport.channel.security import WILDCARD_HOSTS, CurveConfig, bracketed
 
 logger = logging.getLogger(__name__)
 CURVE_CERT = "epdserve"  # <curve_dir>/epdserve.key (public) and epdserve.key_secret

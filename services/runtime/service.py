@@ -26,10 +26,11 @@ from prometheus_client import Gauge
 from epdserve.services.runtime.management import ManagementServer, build_management_app
 from epdserve.services.runtime.network import advertised, peer_auth, say_if_unauthenticated, server_curve
 from epdserve.shared.config import ServiceConfig
-from epdserve.transport.protocol import (MAY_SEND, DecodeRequest, EncodeRequest, Error, ErrorCode, GenerateRequest,
-                                      Handshake, Health, Message, PrefillRequest, Role, Status, StatusRequest)
-from epdserve.transport.reply_server import ReplyServer
-from epdserve.transport.security import WILDCARD_HOSTS
+from epdserve.transport.channel.protocol import (MAY_SEND, DecodeRequest, EncodeRequest, Error, ErrorCode,
+                                                 GenerateRequest, Handshake, Health, Message, PrefillRequest, Role,
+                                                 Status, StatusRequest)
+from epdserve.transport.channel.reply_server import ReplyServer
+from epdserve.transport.channel.security import WILDCARD_HOSTS
 
 logger = logging.getLogger(__name__)
 

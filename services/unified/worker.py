@@ -7,7 +7,7 @@ from typing import Callable
 
 from epdserve.services.host.engine_worker import EngineWorker, kv_transfer_client, start_engine
 from epdserve.shared.config import EngineConfig, ServiceConfig
-from epdserve.transport.protocol import Role
+from epdserve.transport.channel.protocol import Role
 
 
 async def build_unified_worker(service: ServiceConfig, engine_config: EngineConfig,

@@ -7,7 +7,7 @@ The chaos suite runs it inside a prefill container's network namespace (`nsenter
 iptables REDIRECT sends every connection a decode opens to the block port here; it forwards them to the real
 port on the loopback. Nothing in the services knows it is there.
 
-The block protocol (transport/block_stream.py) is asymmetric: a decode sends a token, then requests
+The block protocol (transport/block_stream/stream.py) is asymmetric: a decode sends a token, then requests
 `[u32 length][codec frame of FetchBlocks]`; the prefill answers each with raw segment bytes (and whatever
 follows them). Client bytes pass untouched, read only to learn which request each answer belongs to; the
 answers are what the faults touch, so every flipped bit lands in KV bytes on their way to the decode's cache:
@@ -127,7 +127,7 @@ class Tap:
 def request_id(frame: bytes) -> str:
     """The request id of a FetchBlocks frame, read with the project's own codec (any other frame: '?')."""
     try:
-        from epdserve.transport import codec
+        from epdserve.transport.channel import codec
 
         return str(getattr(codec.decode([frame]), "request_id", "?"))
     except Exception:  # noqa: BLE001 - an unreadable frame is forwarded as it is, for the prefill to refuse

@@ -50,8 +50,8 @@ def _fake_prefill(listener: socket.socket) -> None:
 
 def test_kv_tap_delays_answers_and_flips_one_bit_per_request(tmp_path):
     from epdserve.services.cli.launcher import free_port
-    from epdserve.transport import codec
-    from epdserve.transport.protocol import FetchBlocks
+    from epdserve.transport.channel import codec
+    from epdserve.transport.channel.protocol import FetchBlocks
 
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_fake_prefill, args=(listener,), daemon=True).start()

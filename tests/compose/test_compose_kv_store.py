@@ -10,11 +10,11 @@ import asyncio, json, os, time
 import torch
 from epdserve.services.cli.main import engine_config, parse_args
 from epdserve.services.host.engine_worker import kv_layout
-from epdserve.transport import protocol as p
-from epdserve.transport.channel import ErrorReply, HandshakeError
-from epdserve.transport.checksum import checksum
-from epdserve.transport.peer_auth import PeerAuth, load_secret
-from epdserve.transport.request_client import RequestClient
+from epdserve.transport.channel import protocol as p
+from epdserve.transport.channel.common import ErrorReply, HandshakeError
+from epdserve.transport.kv.checksum import checksum
+from epdserve.transport.channel.peer_auth import PeerAuth, load_secret
+from epdserve.transport.channel.request_client import RequestClient
 
 ADDRESS = "tcp://kvstore:7000"
 layout = kv_layout(engine_config(parse_args(["serve", "prefill"]), MODEL))

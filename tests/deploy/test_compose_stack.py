@@ -192,10 +192,10 @@ def test_a_peer_without_the_deployment_secret_is_refused(local_compose):
     container on the network) gets no handshake, one holding it does."""
     import asyncio
 
-    from epdserve.transport import protocol as p
-    from epdserve.transport.channel import HandshakeError
-    from epdserve.transport.peer_auth import PeerAuth, load_secret
-    from epdserve.transport.request_client import RequestClient
+    from epdserve.transport.channel import protocol as p
+    from epdserve.transport.channel.common import HandshakeError
+    from epdserve.transport.channel.peer_auth import PeerAuth, load_secret
+    from epdserve.transport.channel.request_client import RequestClient
 
     secret = load_secret(path=local_compose.environment("prefill")["EPDSERVE_SECRET_FILE"])
 
@@ -219,11 +219,11 @@ def test_the_compose_store_gives_no_prompt_to_a_peer_and_takes_no_forged_block(l
 
     from epdserve.services.cli.main import engine_config, parse_args
     from epdserve.services.host.engine_worker import kv_layout
-    from epdserve.transport import protocol as p
-    from epdserve.transport.channel import ErrorReply, HandshakeError
-    from epdserve.transport.checksum import checksum
-    from epdserve.transport.peer_auth import PeerAuth, load_secret
-    from epdserve.transport.request_client import RequestClient
+    from epdserve.transport.channel import protocol as p
+    from epdserve.transport.channel.common import ErrorReply, HandshakeError
+    from epdserve.transport.kv.checksum import checksum
+    from epdserve.transport.channel.peer_auth import PeerAuth, load_secret
+    from epdserve.transport.channel.request_client import RequestClient
 
     test_the_compose_stack_completes_a_chat(local_compose)  # a request whose blocks the engines put there
     secret = load_secret(path=local_compose.environment("kvstore")["EPDSERVE_SECRET_FILE"])

@@ -152,7 +152,7 @@ STACK_SECRET = "e2e-stack-secret-" + "7" * 32
 
 def stack_auth():
     """The proof of the stacks' secret, for a test's own client of a service."""
-    from epdserve.transport.peer_auth import PeerAuth
+    from epdserve.transport.channel.peer_auth import PeerAuth
 
     return PeerAuth(STACK_SECRET.encode())
 

@@ -15,11 +15,11 @@ import torch
 
 from epdserve.services.cli.launcher import free_port
 from epdserve.shared.block_hash import deployment_key, extend_block_hashes
-from epdserve.transport import protocol as p
-from epdserve.transport.channel import ErrorReply, HandshakeError
-from epdserve.transport.checksum import checksum
-from epdserve.transport.peer_auth import PeerAuth
-from epdserve.transport.request_client import RequestClient
+from epdserve.transport.channel import protocol as p
+from epdserve.transport.channel.common import ErrorReply, HandshakeError
+from epdserve.transport.kv.checksum import checksum
+from epdserve.transport.channel.peer_auth import PeerAuth
+from epdserve.transport.channel.request_client import RequestClient
 from tests.e2e.test_first_start import Up
 
 BLOCK_SIZE = 16

@@ -15,11 +15,11 @@ import openai
 import pytest
 
 from epdserve.services.cli.launcher import free_port
-from epdserve.transport import protocol as p
+from epdserve.transport.channel import protocol as p
 from epdserve.shared.engine.sampling_params import SamplingParams
 from epdserve.services.host.wire import sampling_params_to_wire
-from epdserve.transport.channel import ErrorReply
-from epdserve.transport.request_client import RequestClient
+from epdserve.transport.channel.common import ErrorReply
+from epdserve.transport.channel.request_client import RequestClient
 from tests.e2e.conftest import stack_auth
 
 NUM_BLOCKS = 96
@@ -180,7 +180,7 @@ def test_a_role_spoof_is_refused(pd):
 
 def test_the_proxy_inbox_takes_tokens_from_engines_only(pd):
     """Anyone can dial the inbox; only an engine's role may push tokens into it (counted otherwise)."""
-    from epdserve.transport.request_client import PushChannel
+    from epdserve.transport.channel.request_client import PushChannel
 
     before = proxy_metric(pd, "epdserve:inbox_rejected_frames_total")
 

@@ -12,7 +12,7 @@ import torch
 from epdserve.shared.engine.kv_connector import KVConnector, KVLoad, LoadResult
 from epdserve.shared.engine.llm_engine import LLMEngine
 from epdserve.shared.engine.sampling_params import SamplingParams
-from epdserve.transport.frame_path import FrameServerPath
+from epdserve.transport.zmq_frames.path import FrameServerPath
 
 
 KEEP = "keep"  # the kv_transfer_params of a request whose blocks a KeepConnector keeps once it finishes

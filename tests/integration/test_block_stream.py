@@ -1,4 +1,4 @@
-"""The ZMQ transport's block connections (transport/block_stream.py) on real sockets: who gets a port, what a
+"""The ZMQ transport's block connections (transport/block_stream/stream.py) on real sockets: who gets a port, what a
 stranger or garbage gets, refusals, and that no byte lands in a block after its fetch has ended."""
 import asyncio
 import socket
@@ -7,14 +7,15 @@ import time
 import pytest
 import torch
 
-from epdserve.transport import codec
-from epdserve.transport import protocol as p
-from epdserve.transport.block_stream import (TOKEN_BYTES, BlockStreamClient, BlockStreamServer, BlockStreamServerPath,
-                                            _frame, _recv_bytes, _recv_message)
-from epdserve.transport.kv_transfer import BlocksNotFoundError, TransferError, TransferTimeout
-from epdserve.transport.request_client import RequestClient
+from epdserve.transport.channel import codec
+from epdserve.transport.channel import protocol as p
+from epdserve.transport.block_stream.stream import (TOKEN_BYTES, BlockStreamClient, BlockStreamServer, _frame,
+                                                    _recv_bytes, _recv_message)
+from epdserve.transport.block_stream.path import BlockStreamServerPath
+from epdserve.transport.kv.transfer import BlocksNotFoundError, TransferError, TransferTimeout
+from epdserve.transport.channel.request_client import RequestClient
 from epdserve.transport import transports
-from epdserve.transport.kv_server import KVTransferServer
+from epdserve.transport.kv.server import KVTransferServer
 
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE = 4, 16, 4, 64
 
@@ -228,8 +229,8 @@ def test_segments_hashed_while_the_socket_waits_are_hashed_whole_and_in_order(sl
     builds): each side's checksum still equals XXH3 of the whole segment, the bytes land exact, and a byte
     changed anywhere - not only in the first piece - changes the checksum. A slow reader makes the sender
     wait for room; a slow writer, the receiver for data."""
-    from epdserve.transport import checksum
-    from epdserve.transport.block_stream import _recv_into, _send_hashed
+    from epdserve.transport.kv import checksum
+    from epdserve.transport.block_stream.stream import _recv_into, _send_hashed
 
     gen = torch.Generator().manual_seed(5)
     segment = torch.randint(0, 256, ((3 << 20) + 12345,), dtype=torch.uint8, generator=gen).numpy()

@@ -16,14 +16,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epdserve.services.cli.launcher import free_port
-from epdserve.transport import protocol as p
-from epdserve.transport import codec
-from epdserve.transport.codec import Limits
-from epdserve.transport.channel import ChannelError, ChannelTimeout, ErrorReply, HandshakeError, NO_REPLY
-from epdserve.transport.peer_auth import PeerAuth
-from epdserve.transport.reply_server import PullChannel, ReplyServer
-from epdserve.transport.request_client import PushChannel, RequestClient
-from epdserve.transport.security import CurveConfig, SecurityError
+from epdserve.transport.channel import protocol as p
+from epdserve.transport.channel import codec
+from epdserve.transport.channel.codec import Limits
+from epdserve.transport.channel.common import ChannelError, ChannelTimeout, ErrorReply, HandshakeError, NO_REPLY
+from epdserve.transport.channel.peer_auth import PeerAuth
+from epdserve.transport.channel.reply_server import PullChannel, ReplyServer
+from epdserve.transport.channel.request_client import PushChannel, RequestClient
+from epdserve.transport.channel.security import CurveConfig, SecurityError
 
 
 def status_of(engine_id: str) -> p.Status:
@@ -173,8 +173,8 @@ def test_unreachable_peer_times_out_instead_of_hanging():
 
 SLOW_SERVER = """
 import asyncio
-from epdserve.transport import protocol as p
-from epdserve.transport.reply_server import ReplyServer
+from epdserve.transport.channel import protocol as p
+from epdserve.transport.channel.reply_server import ReplyServer
 
 async def handle(message, peer):
     if isinstance(message, p.StatusRequest):
@@ -323,7 +323,7 @@ def test_wildcard_bind_must_be_asked_for():
     for host in ("*", "0.0.0.0", "::"):
         with pytest.raises(SecurityError):
             ReplyServer("x", host=host)
-    from epdserve.transport.security import bind_endpoint
+    from epdserve.transport.channel.security import bind_endpoint
     assert bind_endpoint("0.0.0.0", 5555, allow_wildcard=True) == "tcp://0.0.0.0:5555"
     assert bind_endpoint("127.0.0.1", 0) == "tcp://127.0.0.1:*"
 

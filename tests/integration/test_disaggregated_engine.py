@@ -18,8 +18,8 @@ from epdserve.services.host.service_metrics import ServiceMetrics
 from epdserve.shared.engine.llm import build_engine_config
 from epdserve.shared.engine.llm_engine import LLMEngine
 from epdserve.transport import transports
-from epdserve.transport.kv_server import KVTransferServer
-from epdserve.transport.protocol import KVHandle
+from epdserve.transport.kv.server import KVTransferServer
+from epdserve.transport.channel.protocol import KVHandle
 
 PROMPTS = [list(range(200, 200 + n)) for n in (1, 15, 16, 17, 40, 70)]
 MAX_TOKENS = 12

@@ -13,19 +13,19 @@ import pytest
 import torch
 import zmq.auth
 
-from epdserve.transport import protocol as p
-from epdserve.transport import kv_transfer
-from epdserve.transport.kv_transfer import (
+from epdserve.transport.channel import protocol as p
+from epdserve.transport.kv import transfer as kv_transfer
+from epdserve.transport.kv.transfer import (
     BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, IncompatiblePeerError, PeerUnreachableError,
     TransferError, TransferTimeout,
 )
-from epdserve.transport.channel import ErrorReply
-from epdserve.transport.request_client import RequestClient
-from epdserve.transport.security import CurveConfig
+from epdserve.transport.channel.common import ErrorReply
+from epdserve.transport.channel.request_client import RequestClient
+from epdserve.transport.channel.security import CurveConfig
 from epdserve.transport import transports
-from epdserve.transport.block_stream import BlockStreamServerPath
-from epdserve.transport.kv_client import KVTransferClient
-from epdserve.transport.kv_server import KVTransferServer
+from epdserve.transport.block_stream.path import BlockStreamServerPath
+from epdserve.transport.kv.client import KVTransferClient
+from epdserve.transport.kv.server import KVTransferServer
 from epdserve.services.cli.launcher import free_port
 
 
@@ -368,9 +368,9 @@ def test_curve_protected_transfer(tmp_path):
 
 DYING_SERVER = """
 import asyncio, sys, time, torch
-from epdserve.transport.block_stream import BlockStreamServerPath
-from epdserve.transport.frame_path import FrameServerPath
-from epdserve.transport.kv_server import KVTransferServer
+from epdserve.transport.block_stream.path import BlockStreamServerPath
+from epdserve.transport.zmq_frames.path import FrameServerPath
+from epdserve.transport.kv.server import KVTransferServer
 
 # Each path answers the first message of a fetch, then stalls: the test kills the process mid-transfer.
 served = 0

@@ -4,8 +4,8 @@ import asyncio
 import pytest
 
 from epdserve.services.host.proxy_channels import ProxyChannels
-from epdserve.transport import protocol as p
-from epdserve.transport.reply_server import PullChannel
+from epdserve.transport.channel import protocol as p
+from epdserve.transport.channel.reply_server import PullChannel
 
 
 def channels(**kwargs) -> ProxyChannels:

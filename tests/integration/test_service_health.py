@@ -11,14 +11,14 @@ import pytest
 from epdserve.services.cli.launcher import free_port
 from epdserve.services.cli.roles import worker_builder
 from epdserve.services.runtime.service import Service
-from epdserve.transport import protocol as p
+from epdserve.transport.channel import protocol as p
 from epdserve.shared.config import ServiceConfig, TransportConfig
 from epdserve.shared.engine.llm import build_engine_config
 from epdserve.shared.engine.sampling_params import SamplingParams
 from epdserve.services.host.wire import sampling_params_to_wire
-from epdserve.transport.channel import ErrorReply
-from epdserve.transport.reply_server import PullChannel
-from epdserve.transport.request_client import RequestClient
+from epdserve.transport.channel.common import ErrorReply
+from epdserve.transport.channel.reply_server import PullChannel
+from epdserve.transport.channel.request_client import RequestClient
 
 HEALTHCHECK = Path(__file__).parents[2] / "deploy" / "healthcheck.py"
 

@@ -10,13 +10,13 @@ import threading
 import pytest
 import torch
 
-from epdserve.transport import protocol as p
+from epdserve.transport.channel import protocol as p
 from epdserve.transport import transports
-from epdserve.transport.block_stream import BlockStreamServerPath
-from epdserve.transport.channel import ErrorReply
-from epdserve.transport.kv_server import KVTransferServer
-from epdserve.transport.kv_transfer import BlocksNotFoundError, IntegrityError, StaleHandleError
-from epdserve.transport.request_client import RequestClient
+from epdserve.transport.block_stream.path import BlockStreamServerPath
+from epdserve.transport.channel.common import ErrorReply
+from epdserve.transport.kv.server import KVTransferServer
+from epdserve.transport.kv.transfer import BlocksNotFoundError, IntegrityError, StaleHandleError
+from epdserve.transport.channel.request_client import RequestClient
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE = 3, 48, 4, 2, 8
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from epdserve.transport.kv_transfer import (
+from epdserve.transport.kv.transfer import (
     BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, IncompatiblePeerError, IntegrityError,
     StaleHandleError, TransferError, TransferTimeout,
 )
@@ -17,7 +17,7 @@ from epdserve.transport.kv_transfer import (
 from epdserve.transport import transports
 
 try:
-    from epdserve.transport import ucx_path
+    from epdserve.transport.ucx import path as ucx_path
 
     ucx_path.import_ucxx()
 except ImportError:
@@ -27,8 +27,8 @@ SHAPE = (3, 2, 48, 4, 2, 8)  # [layers, 2, blocks, block_size, kv_heads, head_si
 
 SERVER = """
 import asyncio, json, sys, torch
-from epdserve.transport.kv_server import KVTransferServer
-from epdserve.transport.ucx_path import UcxServerPath
+from epdserve.transport.kv.server import KVTransferServer
+from epdserve.transport.ucx.path import UcxServerPath
 
 class StallingPath(UcxServerPath):
     # For the dead-peer tests: answers the first message of request "stall", then never again; answers
@@ -294,8 +294,8 @@ def test_a_fetch_waiting_to_start_its_send_keeps_its_blocks_from_being_freed():
     """Between a fetch's check and the start of its send, a UCX path waits (for an endpoint, a send slot): the
     fetch counts as sending from its check on, so blocks withdrawn in that wait are not freed before the send
     that follows has read them."""
-    from epdserve.transport.kv_server import KVTransferServer
-    from epdserve.transport.protocol import FetchBlocks
+    from epdserve.transport.kv.server import KVTransferServer
+    from epdserve.transport.channel.protocol import FetchBlocks
 
     async def main():
         gate, started = asyncio.Event(), []

@@ -308,7 +308,7 @@ def test_an_unresolvable_peer_is_warned_about_once(caplog, monkeypatch):
     import socket
 
     from epdserve.services.proxy.router import RolePool
-    from epdserve.transport.protocol import Role
+    from epdserve.transport.channel.protocol import Role
 
     async def no_such_name(*args, **kwargs):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")

@@ -7,9 +7,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epdserve.transport import protocol as p
-from epdserve.transport import codec, tensor_frames
-from epdserve.transport.codec import DEFAULT_LIMITS, DecodeError, EncodeError, Limits, VersionMismatchError
+from epdserve.transport.channel import protocol as p
+from epdserve.transport.channel import codec, tensor_frames
+from epdserve.transport.channel.codec import DEFAULT_LIMITS, DecodeError, EncodeError, Limits, VersionMismatchError
 
 LAYOUT = p.KVLayout("SmolLM2-135M", "bfloat16", 16, 30, 3, 64)
 SAMPLING = p.WireSamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=1234, max_tokens=None,

@@ -9,8 +9,8 @@ from epdserve.services.proxy.failover import (EmbeddingsUnavailable, Failover, I
                                              watched)
 from epdserve.services.proxy.generation import GenerationError
 from epdserve.services.proxy.router import Instance, RolePool, Route, Router
-from epdserve.transport.protocol import Ack, Error, ErrorCode, GenerateRequest, Role, WireSamplingParams
-from epdserve.transport.channel import ChannelError, ErrorReply
+from epdserve.transport.channel.protocol import Ack, Error, ErrorCode, GenerateRequest, Role, WireSamplingParams
+from epdserve.transport.channel.common import ChannelError, ErrorReply
 
 
 class FakeClient:

@@ -9,9 +9,9 @@ import torch
 
 from epdserve.services.kvstore.worker import KVStoreWorker
 from epdserve.shared.config import ServiceConfig
-from epdserve.transport.checksum import checksum
-from epdserve.transport.protocol import (Ack, Error, KVEvents, KVEventsRequest, KVLayout, KVStoreBlocks, KVStoreGet,
-                                      KVStorePut)
+from epdserve.transport.kv.checksum import checksum
+from epdserve.transport.channel.protocol import (Ack, Error, KVEvents, KVEventsRequest, KVLayout, KVStoreBlocks,
+                                                 KVStoreGet, KVStorePut)
 
 LAYOUT = KVLayout("m", "float32", 4, 2, 1, 8)
 OTHER = KVLayout("m2", "float32", 4, 2, 1, 8)

@@ -102,7 +102,7 @@ PROBES = {
     "kernels import nothing of ours": ("kernels/probe.py", "import epdserve.shared.config"),
     "transport imports no engine and no service": ("transport/probe.py", "import epdserve.services.runtime.network"),
     "the engine and the shared library import neither services nor transport":
-        ("shared/probe.py", "import epdserve.transport.protocol"),
+        ("shared/probe.py", "import epdserve.transport.channel.protocol"),
     "processing does not import the engine": ("shared/processing/probe.py", "import epdserve.shared.engine.scheduler"),
     "services use the engine through its door only: the names epdserve.shared.engine exports":
         ("services/host/probe.py", "import epdserve.shared.engine.scheduler"),

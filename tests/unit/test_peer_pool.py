@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from epdserve.transport.peer_pool import PeerPool, PoolFull
+from epdserve.transport.channel.peer_pool import PeerPool, PoolFull
 
 
 class Connection:

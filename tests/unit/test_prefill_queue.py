@@ -9,8 +9,8 @@ from epdserve.services.proxy.failover import Failover
 from epdserve.services.proxy.generation import GenerationError
 from epdserve.services.proxy.prefill_queue import prefill_on_decode
 from epdserve.services.proxy.router import Instance, RolePool, Route, Router
-from epdserve.transport.protocol import Ack, GenerateRequest, Role, WireSamplingParams
-from epdserve.transport.channel import ChannelError
+from epdserve.transport.channel.protocol import Ack, GenerateRequest, Role, WireSamplingParams
+from epdserve.transport.channel.common import ChannelError
 
 
 @pytest.mark.parametrize("prompt, prefills, decodes, local", [

@@ -7,10 +7,10 @@ import msgpack
 import pytest
 import torch
 
-from epdserve.transport import protocol
-from epdserve.transport.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Message
-from epdserve.transport import codec
-from epdserve.transport.codec import DecodeError
+from epdserve.transport.channel import protocol
+from epdserve.transport.channel.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Message
+from epdserve.transport.channel import codec
+from epdserve.transport.channel.codec import DecodeError
 
 
 def test_version_is_a_positive_int():

@@ -8,8 +8,8 @@ import pytest
 
 from epdserve.services.proxy.failover import InstanceDown, Liveness
 from epdserve.services.proxy.router import RolePool
-from epdserve.transport.channel import ChannelError
-from epdserve.transport.protocol import Health, Role, Status
+from epdserve.transport.channel.common import ChannelError
+from epdserve.transport.channel.protocol import Health, Role, Status
 
 
 class StatusClient:

@@ -3,7 +3,7 @@ that has, any instance (it reads the adapter on first use); load still decides a
 from types import SimpleNamespace
 
 from epdserve.services.proxy.router import Instance, RolePool, Route
-from epdserve.transport.protocol import Health, Role, Status
+from epdserve.transport.channel.protocol import Health, Role, Status
 
 
 def pool_of(*instances: tuple[str, tuple[str, ...], int]) -> RolePool:

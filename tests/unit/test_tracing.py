@@ -16,7 +16,7 @@ from epdserve.services.proxy.tracing import (OTelExport, RequestTrace, Tracer, c
                                              trace_id_of)
 from epdserve.services.host.request_spans import RequestSpans, unix_time
 from epdserve.shared.engine.outputs import RequestMetrics
-from epdserve.transport.protocol import TraceSpan
+from epdserve.transport.channel.protocol import TraceSpan
 
 T0 = 1_700_000_000.0
 RID = "chatcmpl-1.abc"

@@ -5,13 +5,13 @@ import sys
 
 import pytest
 
-from epdserve.transport import protocol as p
+from epdserve.transport.channel import protocol as p
 from epdserve.shared.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from epdserve.services.host.wire import (ENGINE_ONLY_SAMPLING_FIELDS, WIRE_SAMPLING_FIELDS, logprobs_to_wire,
                                   mrope_positions_from_wire, mrope_positions_to_wire, prompt_logprobs_to_wire,
                                   sampling_params_from_wire, sampling_params_to_wire)
-from epdserve.transport import codec
+from epdserve.transport.channel import codec
 
 # Every wire field away from its default (but n, which must be 1).
 PARAMS = SamplingParams(

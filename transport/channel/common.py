@@ -33,8 +33,8 @@ from collections.abc import Awaitable, Callable
 
 import zmq
 
-from epdserve.transport.codec import DecodeError, Limits, VersionMismatchError
-from epdserve.transport.protocol import Error, Handshake, HandshakeAck, Message
+from epdserve.transport.channel.codec import DecodeError, Limits, VersionMismatchError
+from epdserve.transport.channel.protocol import Error, Handshake, HandshakeAck, Message
 
 logger = logging.getLogger(__name__)
 

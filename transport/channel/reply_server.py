@@ -1,5 +1,5 @@
 """The binding end of typed channels: ReplyServer (ROUTER: handshakes, then a handler per message and
-its reply) and PullChannel (the receiving end of push channels, in arrival order). See channel.py for
+its reply) and PullChannel (the receiving end of push channels, in arrival order). See common.py for
 the framing and the handshake."""
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ from collections.abc import Callable, Mapping
 import zmq
 import zmq.asyncio
 
-from epdserve.transport import codec, security
-from epdserve.transport.channel import (
+from epdserve.transport.channel import codec, security
+from epdserve.transport.channel.common import (
     NO_REPLY, ChannelTimeout, ErrorReply, Handler, HandshakeCheck, Rejections, configure_socket, rejection_reason,
 )
-from epdserve.transport.codec import DEFAULT_LIMITS, DecodeError, Limits, VersionMismatchError
-from epdserve.transport.protocol import (
+from epdserve.transport.channel.codec import DEFAULT_LIMITS, DecodeError, Limits, VersionMismatchError
+from epdserve.transport.channel.protocol import (
     PROTOCOL_VERSION, Error, ErrorCode, Handshake, HandshakeAck, KVLayout, Message, Role,
 )
-from epdserve.transport.peer_auth import PeerAuth
-from epdserve.transport.security import CurveConfig
+from epdserve.transport.channel.peer_auth import PeerAuth
+from epdserve.transport.channel.security import CurveConfig
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Generic, Hashable, Iterator, TypeVar
 
-from epdserve.transport.channel import ChannelError
+from epdserve.transport.channel.common import ChannelError
 
 # How long a connection nobody holds stays open, unless a pool is told otherwise.
 IDLE_SECONDS = 300.0

@@ -5,7 +5,7 @@ No UCX listener is opened (ucxx's would bind every interface): each side sends i
 address in the ZMQ handshake (bound, and authenticated by the deployment's secret or CURVE, like any other
 channel), the server connects an endpoint to the client's to send, and the client one to the server's, through
 which it posts its receives (so that closing it cancels them); endpoints are kept per peer worker and
-aborted once unused for a while (`_Endpoints`). UCX parses worker addresses from peers: a server reads a
+aborted once unused for a while (`Endpoints`, endpoints.py). UCX parses worker addresses from peers: a server reads a
 client's only once its hello proved the secret (`check_peer` runs after that check), and a client the
 server's only once the HandshakeAck proved it back.
 
@@ -21,7 +21,7 @@ blocks the caller reuses. Embeddings go the same way (EmbeddingsSent carries the
 
 A fetch counts as sending from its check on (`sending`), before it waits for an endpoint or a send slot:
 a withdraw in that wait does not free the blocks under the send that follows. `ucxx` is an optional
-extra, imported on first use.
+extra, imported on first use (endpoints.py).
 """
 from __future__ import annotations
 
@@ -29,24 +29,22 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import os
 import secrets
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from epdserve.transport import checksum, peer_pool
-from epdserve.transport.channel import ErrorReply
-from epdserve.transport.kv_client import Chunk, ClientPath
-from epdserve.transport.kv_server import ServerPath
-from epdserve.transport.kv_transfer import BlockRangeError, TransferError, TransferTimeout, as_bytes
-from epdserve.transport.peer_pool import PeerPool
-from epdserve.transport.protocol import (BlocksSent, EmbeddingsSent, Error, ErrorCode, FetchBlocks, FetchEmbeddings,
-                                         Handshake, HandshakeAck, Message)
-from epdserve.transport.request_client import RequestClient
-from epdserve.transport.tensor_frames import check_spec, tensor_spec
+from epdserve.transport.channel import peer_pool
+from epdserve.transport.channel.common import ErrorReply
+from epdserve.transport.channel.protocol import (BlocksSent, EmbeddingsSent, Error, ErrorCode, FetchBlocks,
+                                                 FetchEmbeddings, Handshake, HandshakeAck, Message)
+from epdserve.transport.channel.request_client import RequestClient
+from epdserve.transport.channel.tensor_frames import check_spec, tensor_spec
+from epdserve.transport.kv import checksum
+from epdserve.transport.kv.base import Chunk, ClientPath, ServerPath
+from epdserve.transport.kv.transfer import BlockRangeError, TransferError, TransferTimeout, as_bytes
+from epdserve.transport.ucx.endpoints import Endpoints, PeerLost, completed, import_ucxx, init_ucx, post
 
 logger = logging.getLogger(__name__)
 
@@ -54,174 +52,6 @@ MAX_WORKER_ADDRESS_BYTES = 64 << 10
 # A message's segments take consecutive tags from its ucx_tag: the client draws ucx_tag with these
 # low bits clear, so that no two messages' tags meet.
 SEGMENT_TAG_BITS = 24
-# How often a transfer checks its UCX requests: often enough that a message's completion is seen at
-# once, rarely enough to leave the cores to UCX's progress thread and the sockets (0.1 ms measured
-# 3.2-3.9 GB/s on 2 cores; every turn of the loop 1.5-2.1; 2 ms 1.4-1.7).
-POLL_SECONDS = 1e-4
-_init_lock = threading.Lock()
-_initialised = False
-
-
-def import_ucxx() -> Any:
-    """The ucxx module; ImportError (with the install hint) when the extra is not installed."""
-    # ucxx reads this when it loads UCX; without it UCX warns about every unrelated UCX_* variable.
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    try:
-        import ucxx
-    except ImportError as e:
-        raise ImportError("the UCX transfer backend needs the 'ucx' extra: pip install 'epdserve[ucx]'") from e
-    return ucxx
-
-
-# The settings UCX runs with unless `ucx_options` replace them.
-# - Between hosts over TCP (the CPU case), UCX's defaults move 3-4x less than a plain socket: 8 KiB
-#   TCP segments, and a rendezvous protocol that fragments through bounce buffers. Large segments and
-#   eager sends of whole messages measured 3-5x faster. On RDMA fabrics, where rendezvous is zero-copy,
-#   pass `ucx_options` without these.
-# - On one host, UCX would use shared memory, but our endpoints ask for peer-failure handling (a dead
-#   peer must fail a transfer, never the process), and UCX drops every shared-memory transport from
-#   such endpoints: sysv/posix do not declare it, and CMA rendezvous lacks the memory invalidation it
-#   then requires - so same-host transfers ran over TCP on loopback. POSIX_ERROR_HANDLING declares it
-#   for the posix transport (whose segments are files, so a dead peer's memory stays mapped), which
-#   UCX then picks for same-host peers: eager copies through shared memory, 5-6x a loopback socket.
-#   Shared memory never detects a dead peer: the client watches the control connection instead.
-#   Error handling stays on: without it a CMA read from a dead peer aborts the reader's process.
-DEFAULT_OPTIONS = {"TCP_TX_SEG_SIZE": "1m", "TCP_RX_SEG_SIZE": "1m", "RNDV_THRESH": "inf",
-                   "POSIX_ERROR_HANDLING": "y"}
-
-
-def _ucx(net_devices: str | None, ucx_options: Mapping[str, str] | None) -> Any:
-    """ucxx, initialised once per process (the first caller's options apply to the process), its worker
-    progressed by ucxx's thread for the running event loop (completions are polled: `_completed`)."""
-    global _initialised
-    ucxx = import_ucxx()
-    with _init_lock:
-        if not _initialised:
-            options = dict(DEFAULT_OPTIONS if ucx_options is None else ucx_options)
-            if net_devices:
-                options["NET_DEVICES"] = net_devices
-            try:
-                ucxx.init(options=options)  # progress thread: idle workers cost nothing
-            except RuntimeError:
-                pass  # initialised by other code of this process, with its options
-            _initialised = True
-    ucxx.continuous_ucx_progress()  # returns at once when this loop already has it
-    return ucxx
-
-
-class _Endpoints:
-    """UCX endpoints by the peer worker's address: made on first use, shared, aborted once unused for a
-    while (a PeerPool: peers come and go). Each is held from `acquire` to `release`."""
-
-    def __init__(self, ucxx: Callable[[], Any], idle_seconds: float) -> None:
-        self._ucxx = ucxx  # the initialised ucxx module
-        # address -> the task making its endpoint: ucxx makes endpoints in a coroutine, a pool opens at once
-        self._pool: PeerPool[bytes, asyncio.Task] = PeerPool(
-            lambda address: asyncio.ensure_future(self._make(address)), _abort_made, idle_seconds=idle_seconds)
-
-    def __len__(self) -> int:
-        return len(self._pool)
-
-    async def _make(self, ucx_address: bytes) -> Any:
-        ucxx = self._ucxx()
-        try:
-            return await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(ucx_address))
-        except Exception as e:  # UCX raises its own exception types
-            raise TransferError(f"cannot reach the peer's UCX worker: {e}") from e
-
-    async def acquire(self, ucx_address: bytes) -> Any:
-        """The endpoint to the worker at `ucx_address`: the one in use, or a new one where there is none or
-        it has closed (its peer failed). Raises TransferError."""
-        for _ in range(2):
-            making = self._pool.acquire(ucx_address)
-            if making is None:
-                raise TransferError(f"UCX endpoints to {len(self._pool)} peers are all in use")
-            try:
-                endpoint = await asyncio.shield(making)  # others may be waiting for it too
-            except BaseException:
-                self._let_go(ucx_address, making)
-                raise
-            if not endpoint.closed:
-                return endpoint
-            self._let_go(ucx_address, making)
-        raise TransferError("a new UCX endpoint closed at once")
-
-    def _let_go(self, ucx_address: bytes, making: asyncio.Task) -> None:
-        """Release `making`, and drop it if it failed or made an endpoint that closed (not if we were
-        cancelled while it ran): the next `acquire` makes a new one."""
-        self._pool.release(ucx_address, making)
-        if making.done():
-            self._pool.discard(ucx_address, making)
-
-    def release(self, ucx_address: bytes, endpoint: Any) -> None:
-        making = self._pool.get(ucx_address)
-        if making is not None and _made(making) is endpoint:
-            self._pool.release(ucx_address, making)
-
-    def abort(self, ucx_address: bytes, endpoint: Any) -> None:
-        """Abort `endpoint` now (its sends and receives are cancelled); the next `acquire` makes a new one."""
-        endpoint.abort()
-        making = self._pool.get(ucx_address)
-        if making is not None and _made(making) is endpoint:
-            self._pool.discard(ucx_address, making)
-
-    async def close(self) -> None:
-        await self._pool.close()
-
-
-def _made(making: asyncio.Task) -> Any:
-    """The endpoint `making` made, or None (not yet, failed, or cancelled)."""
-    if not making.done() or making.cancelled() or making.exception() is not None:
-        return None
-    return making.result()
-
-
-def _abort_made(making: asyncio.Task) -> None:
-    endpoint = _made(making)
-    if endpoint is not None:
-        endpoint.abort()
-    elif not making.done():
-        making.cancel()
-    else:
-        making.exception()  # retrieved, so asyncio does not log it as never retrieved
-
-
-def _post(endpoint: Any, buffers: list, tag: int, send: bool) -> list[Any]:
-    """One UCX tag send (or receive) per non-empty buffer (flat bytes: a numpy array, or a device tensor's
-    `as_bytes`), with tags tag, tag + 1, ..., straight from (into) the buffer's memory; the ucxx requests,
-    for `_completed`. ucxx's Endpoint.send/recv await each request
-    on its own, polling with sleep(0): with a message's receives posted at once, that spun the event loop
-    once per pending receive and took the cores the data needed (measured on 2 cores: 1.7 GB/s, against
-    3.2-3.9 polled together). ucxx's progress modes that avoid it spin even while idle."""
-    from ucxx._lib.arr import Array
-    from ucxx.types import Tag, TagMaskFull
-
-    ep = endpoint._ep  # the ucxx endpoint object behind the asyncio wrapper
-    if ep is None:
-        raise TransferError("UCX endpoint closed")
-    ep.raise_on_error()
-    if send:
-        return [ep.tag_send(Array(b), Tag(tag + i)) for i, b in enumerate(buffers) if b.nbytes]
-    return [ep.tag_recv(Array(b), Tag(tag + i), TagMaskFull) for i, b in enumerate(buffers) if b.nbytes]
-
-
-class _PeerLost(Exception):
-    """The peer's control connection dropped while UCX requests to it were pending."""
-
-
-async def _completed(requests: list[Any], timeout: float, peer_lost: Callable[[], bool] | None = None) -> None:
-    """Wait until every request completed (raising the first one's error), polling all of them every
-    POLL_SECONDS; asyncio.TimeoutError after `timeout` seconds, _PeerLost as soon as `peer_lost()`."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not all(request.completed for request in requests):
-        if loop.time() > deadline:
-            raise asyncio.TimeoutError
-        if peer_lost is not None and peer_lost():
-            raise _PeerLost
-        await asyncio.sleep(POLL_SECONDS)
-    for request in requests:
-        request.check_error()
 
 
 class UcxServerPath(ServerPath):
@@ -230,7 +60,7 @@ class UcxServerPath(ServerPath):
 
     `net_devices` limits the interfaces UCX uses (UCX's NET_DEVICES; None or "all": every one, which
     reaches other hosts); e.g. "eth0" or "mlx5_0:1" keeps it on one fabric. `ucx_options` (UCX
-    settings without the UCX_ prefix) replace DEFAULT_OPTIONS.
+    settings without the UCX_ prefix) replace endpoints.DEFAULT_OPTIONS.
     """
 
     transport = "ucx"
@@ -240,7 +70,7 @@ class UcxServerPath(ServerPath):
                  peer_idle_seconds: float = peer_pool.IDLE_SECONDS) -> None:
         self._net_devices, self._ucx_options = net_devices, ucx_options
         self._ucxx = import_ucxx()
-        self._endpoints = _Endpoints(lambda: self._ucxx, peer_idle_seconds)  # by client worker address
+        self._endpoints = Endpoints(lambda: self._ucxx, peer_idle_seconds)  # by client worker address
         self._sends: set[asyncio.Task] = set()
         self._sends_of: dict[str, set[asyncio.Task]] = {}  # request id -> its block sends in flight
         # request id -> fetches of it checked and not yet handed to a send task (waiting for an endpoint or slot)
@@ -250,7 +80,7 @@ class UcxServerPath(ServerPath):
         self._send_timeout = send_timeout
 
     async def start(self) -> None:
-        self._ucxx = _ucx(self._net_devices, self._ucx_options)
+        self._ucxx = init_ucx(self._net_devices, self._ucx_options)
         self.server.control.ucx_address = bytes(self._ucxx.get_worker_address())
         self._send_slots = asyncio.Semaphore(self._max_inflight_sends)
 
@@ -320,7 +150,7 @@ class UcxServerPath(ServerPath):
 
     async def _send(self, endpoint: Any, buffers: list, tag: int, peer: Handshake) -> None:
         try:
-            await _completed(_post(endpoint, buffers, tag, send=True), self._send_timeout)
+            await completed(post(endpoint, buffers, tag, send=True), self._send_timeout)
         except BaseException as e:  # the client died or gave up, or the send was cut: its fetch fails
             if not isinstance(e, asyncio.CancelledError):
                 logger.warning("%s: UCX send to %s failed: %s", self.server.engine_id, peer.engine_id,
@@ -357,10 +187,10 @@ class UcxClientPath(ClientPath):
     def bind(self, client) -> None:
         super().bind(client)
         # by server worker address: this worker's endpoints to the servers', through which receives are posted
-        self._endpoints = _Endpoints(lambda: _ucx(self._net_devices, self._ucx_options), client.peer_idle_seconds)
+        self._endpoints = Endpoints(lambda: init_ucx(self._net_devices, self._ucx_options), client.peer_idle_seconds)
 
     def hello_extra(self) -> dict:
-        self._ucxx = _ucx(self._net_devices, self._ucx_options)
+        self._ucxx = init_ucx(self._net_devices, self._ucx_options)
         return {"ucx_address": bytes(self._ucxx.get_worker_address())}
 
     def usable(self, peer: HandshakeAck) -> bool:
@@ -379,7 +209,7 @@ class UcxClientPath(ClientPath):
         on a fresh endpoint): a server that misses a deadline is rarely healthy for the others."""
         self._endpoints.abort(ucx_address, endpoint)
         try:
-            await _completed(receives, 1.0)
+            await completed(receives, 1.0)
         except asyncio.TimeoutError:
             logger.error("%s: UCX receives into the KV cache outlived their endpoint", self.client.engine_id)
         except Exception:
@@ -408,17 +238,17 @@ class UcxClientPath(ClientPath):
         disconnects, receives, reply = control.num_disconnects, [], None
         remaining = self.client.remaining
         try:
-            receives = _post(endpoint, buffers, tag, send=False)
+            receives = post(endpoint, buffers, tag, send=False)
             if request is not None:
                 reply = await control.request(request, timeout=remaining(deadline), expect=BlocksSent)
                 if reply.num_segments != len(buffers):
                     raise BlockRangeError(f"peer sends {reply.num_segments} segments, expected {len(buffers)}")
             try:
                 # Over shared memory UCX never notices a dead sender: its control connection does.
-                await _completed(receives, remaining(deadline), peer_lost=lambda: control.num_disconnects != disconnects)
+                await completed(receives, remaining(deadline), peer_lost=lambda: control.num_disconnects != disconnects)
             except asyncio.TimeoutError:
                 raise TransferTimeout(f"{address}: UCX data did not arrive in time") from None
-            except _PeerLost:
+            except PeerLost:
                 raise TransferError(f"{address}: the control connection dropped with UCX data in flight") from None
             except Exception as e:  # UCX's own exception types (truncated message, endpoint error)
                 raise TransferError(f"{address}: UCX receive failed: {e}") from e

@@ -3,19 +3,22 @@ peers that handshook on its control channel (a typed ZMQ channel), over the data
 
 What every path shares is here: the control channel and its handshake checks (transport, KV layout), the
 requests' blocks exposed while held and withdrawn on release, the checks of every fetch against them, and
-the segments' bytes as the cache holds them. How those bytes travel is a `ServerPath`'s business, and none
-knows another: ZMQ frames (frame_path.py), plain TCP block connections (block_stream.py), UCX (ucx_path.py).
-Each path sends the checksum of every segment (and embedding tensor) it sends, taken over the bytes as they
-leave (just before, or piece by piece once a socket copied them: checksum.py). `create_server` assembles the paths of a transport.
+the segments' bytes as the cache holds them. How those bytes travel is a `ServerPath`'s business (base.py),
+and none knows another: ZMQ frames (transport/zmq_frames/), plain TCP block connections
+(transport/block_stream/), UCX (transport/ucx/). Each path sends the checksum of every segment (and embedding
+tensor) it sends, taken over the bytes as they leave (just before, or piece by piece once a socket copied
+them: checksum.py). `transports.create_server` assembles the paths of a transport.
 
 `expose` / `withdraw` are called by the engine's loop (the owner of the blocks and their leases); the
 server only reads exposed blocks, never frees or writes any. Each exposure gets a generation of its own,
 which the handle carries and every fetch must carry back: a fetch is served only while its request's
 blocks are exposed under that very generation, so a handle outlives neither a release nor a new exposure
-of the same request id. A path checks a fetch and marks its send as reading the blocks (`sending`) with
-nothing in between that a withdraw could run in: off the loop under `lock`, which `withdraw` holds too;
-on the loop without an await. The owner frees a withdrawn request's blocks only once `wait_sent` says no
-send reads them any more - sends that outlast its timeout are cut, and waited for still.
+of the same request id. `state` says where a request's blocks stand (states.py): EXPOSED, FETCHING while a
+path's send reads them, STALE for a handle of another exposure, and once withdrawn RELEASING until no send
+reads them any more, then RELEASED. A path checks a fetch and marks its send as reading the blocks
+(`sending`) with nothing in between that a withdraw could run in: off the loop under `lock`, which
+`withdraw` holds too; on the loop without an await. The owner frees a withdrawn request's blocks only once
+`wait_sent` says they are RELEASED - sends that outlast its timeout are cut, and waited for still.
 """
 from __future__ import annotations
 
@@ -26,22 +29,25 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from typing import ClassVar
+from dataclasses import dataclass
 
 import torch
 import zmq
 
-from epdserve.transport.channel import ErrorReply
-from epdserve.transport.kv_transfer import (BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError,
+from epdserve.transport.channel.common import ErrorReply
+from epdserve.transport.channel.limits import DEFAULT_LIMITS, Limits
+from epdserve.transport.channel.peer_auth import PeerAuth
+from epdserve.transport.channel.protocol import (MAY_SEND, Error, ErrorCode, FetchBlocks, FetchEmbeddings, Handshake,
+                                                 KVLayout, Message)
+from epdserve.transport.channel.reply_server import ReplyServer
+from epdserve.transport.channel.security import CurveConfig
+from epdserve.transport.kv.base import ServerPath
+from epdserve.transport.kv.states import HandoffState
+from epdserve.transport.kv.transfer import (BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError,
                                             EmbeddingSource, IncompatiblePeerError, Run, StaleHandleError,
                                             TransferError, TransferStats, as_bytes, block_index, gather_blocks,
-                                            kv_layout, layout_mismatch, run_segments, run_views, split_runs)
-from epdserve.transport.limits import DEFAULT_LIMITS, Limits
-from epdserve.transport.protocol import (MAY_SEND, Error, ErrorCode, FetchBlocks, FetchEmbeddings, Handshake, KVLayout,
-                                         Message)
-from epdserve.transport.reply_server import ReplyServer
-from epdserve.transport.peer_auth import PeerAuth
-from epdserve.transport.security import CurveConfig
+                                            kv_layout, layout_mismatch, run_segments, run_views, split_runs,
+                                            transport_mismatch)
 
 logger = logging.getLogger(__name__)
 
@@ -58,62 +64,26 @@ def error_reply(error: TransferError, request_id: str | None = None) -> ErrorRep
     return ErrorReply(Error(_ERROR_CODES.get(type(error), ErrorCode.INTERNAL), str(error), request_id))
 
 
-def transport_mismatch(ours: str, theirs: str | None, us: str, them: str) -> str | None:
-    """Why two ends cannot move data between them, or None: each must use the same transport."""
-    if theirs is None or theirs == ours:
-        return None
-    return (f"{us} moves KV and embeddings over {ours}, {them} over {theirs}: start every encoder, "
-            f"prefill and decode of a deployment with the same --kv-transport")
+# The states in which a send reads a request's blocks: they must not be freed.
+_READ = frozenset({HandoffState.FETCHING, HandoffState.RELEASING})
 
 
-class ServerPath:
-    """One way a server's bytes travel; the defaults are those of a path with nothing to say."""
+@dataclass(frozen=True, slots=True)
+class _Exposure:
+    """What `expose` made readable: the generation fetches must carry, and the block ids they may name."""
 
-    transport: ClassVar[str]  # the --kv-transport it belongs to: peers must use the same
-    server: KVTransferServer
+    generation: int
+    block_ids: frozenset[int]
 
-    def bind(self, server: KVTransferServer) -> None:
-        self.server = server
 
-    def serves(self, message: FetchBlocks | FetchEmbeddings) -> bool:
-        """Whether this path answers `message` on the control channel."""
-        return False
-
-    async def start(self) -> None:
-        pass
-
-    def ack_extra(self, hello: Handshake) -> dict:
-        """HandshakeAck fields this path tells a peer."""
-        return {}
-
-    async def check_peer(self, hello: Handshake) -> str | None:
-        """Why this path refuses the peer, or None."""
-        return None
-
-    async def reply_blocks(self, message: FetchBlocks, peer: Handshake) -> tuple[Message, int]:
-        """The answer to a FetchBlocks this path serves, and the bytes it moves."""
-        raise NotImplementedError
-
-    async def reply_embeddings(self, message: FetchEmbeddings, peer: Handshake, tensor: torch.Tensor) -> Message:
-        raise NotImplementedError
-
-    def on_sent(self, reply: Message, tracker: zmq.MessageTracker) -> None:
-        """A reply of this server's left for ZMQ's I/O thread, which reads its frames until `tracker` is done."""
-
-    def sending(self, request_id: str) -> bool:
-        """Whether a send of this path still reads the request's blocks."""
-        return False
-
-    def abort(self, request_id: str) -> None:
-        """Stop the sends still reading the request's blocks (their fetches fail); `sending` turns False once
-        they no longer read them."""
-
-    @property
-    def num_rejected(self) -> int:
-        return 0
-
-    async def close(self) -> None:
-        pass
+def _exposure_state(exposure: _Exposure | None, generation: int | None) -> HandoffState:
+    """EXPOSED, STALE or RELEASED: what a fetch of a handle of `generation` is checked against (the sends that
+    read the blocks aside)."""
+    if exposure is None:
+        return HandoffState.RELEASED
+    if generation is not None and generation != exposure.generation:
+        return HandoffState.STALE
+    return HandoffState.EXPOSED
 
 
 class KVTransferServer:
@@ -135,8 +105,8 @@ class KVTransferServer:
         self.encoder_cache = encoder_cache
         self.stats = TransferStats()  # bytes served
         self.lock = threading.Lock()  # a path's off-loop check of a fetch and the start of its send; withdraw
-        # request id -> (its exposure's generation, the block ids exposed for it); only these may be read by peers.
-        self._exposed: dict[str, tuple[int, frozenset[int]]] = {}
+        # request id -> its exposure (EXPOSED or FETCHING); only these blocks may be read by peers.
+        self._exposed: dict[str, _Exposure] = {}
         # Generations: consecutive from a random start, so that a handle from before a restart of the server
         # (or from another server at the same address) does not match either.
         self._generations = itertools.count(secrets.randbits(62) + 1)
@@ -188,34 +158,45 @@ class KVTransferServer:
 
     # -- what peers may read --------------------------------------------------------------------------
     def expose(self, request_id: str, block_ids: Sequence[int]) -> int:
-        """Let peers fetch `block_ids` under `request_id` (until withdraw); the exposure's generation, which
-        their fetches must carry (KVHandle.generation)."""
+        """Let peers fetch `block_ids` under `request_id` (EXPOSED, until withdraw); the exposure's generation,
+        which their fetches must carry (KVHandle.generation)."""
         if self.kv_cache is None:
             raise RuntimeError(f"{self.engine_id} has no KV cache to expose")
         block_index(block_ids, self.kv_cache.shape[2], f"expose {request_id}")
         generation = next(self._generations)
         with self.lock:
-            self._exposed[request_id] = (generation, frozenset(block_ids))
+            self._exposed[request_id] = _Exposure(generation, frozenset(block_ids))
         return generation
 
     def generation(self, request_id: str) -> int | None:
         """The generation the request's blocks are exposed under; None when they are not exposed."""
-        exposed = self._exposed.get(request_id)
-        return exposed[0] if exposed is not None else None
+        exposure = self._exposed.get(request_id)
+        return exposure.generation if exposure is not None else None
 
     def withdraw(self, request_id: str) -> None:
-        """Stop serving the request's blocks (released, aborted or lease expired)."""
+        """Stop serving the request's blocks (released, aborted or lease expired): RELEASING while a send still
+        reads them, else RELEASED."""
         with self.lock:
             self._exposed.pop(request_id, None)
 
+    def state(self, request_id: str, generation: int | None = None) -> HandoffState:
+        """Where the request's blocks stand here for a handle of `generation` (None: of whichever exposure):
+        EXPOSED, or FETCHING while a send reads them; STALE when they are exposed under another generation;
+        not exposed (withdrawn, or never exposed), RELEASING while a send still reads them, else RELEASED.
+        Not to be called under `lock` (a path's `sending` may take it)."""
+        state = _exposure_state(self._exposed.get(request_id), generation)
+        if state is not HandoffState.STALE and any(path.sending(request_id) for path in self.paths):
+            return HandoffState.FETCHING if state is HandoffState.EXPOSED else HandoffState.RELEASING
+        return state
+
     async def wait_sent(self, request_id: str, timeout: float = 60.0) -> bool:
-        """Wait until no send still reads the request's blocks: blocks go out straight from the cache, so
-        the engine frees withdrawn blocks only after this. Sends still reading them after `timeout` (a peer
-        that stopped reading) are cut, and waited for until they no longer read them: a block is never
-        freed under a send. False if it had to cut some."""
+        """Wait until no send still reads the request's blocks (neither FETCHING nor RELEASING): blocks go out
+        straight from the cache, so the engine frees withdrawn blocks only once they are RELEASED. Sends still
+        reading them after `timeout` (a peer that stopped reading) are cut, and waited for until they no
+        longer read them: a block is never freed under a send. False if it had to cut some."""
         deadline = time.monotonic() + timeout
         cut, warned = False, deadline + timeout
-        while any(path.sending(request_id) for path in self.paths):
+        while self.state(request_id) in _READ:
             now = time.monotonic()
             if now > deadline:
                 cut = True
@@ -229,16 +210,17 @@ class KVTransferServer:
         return not cut
 
     def check_exposed(self, request_id: str, generation: int, block_ids: Sequence[int]) -> None:
-        """Refuse a fetch of blocks not exposed for the request under `generation` (exposed ids were
-        checked by `expose`)."""
-        exposed = self._exposed.get(request_id)
-        if exposed is None:
+        """Refuse a fetch of blocks not exposed for the request under `generation`: BlocksNotFoundError when it
+        is RELEASED, StaleHandleError when the handle is STALE (exposed ids were checked by `expose`)."""
+        exposure = self._exposed.get(request_id)
+        state = _exposure_state(exposure, generation)
+        if state is HandoffState.RELEASED:
             raise BlocksNotFoundError(f"{self.engine_id} holds no blocks for request {request_id!r}")
-        if exposed[0] != generation:
+        if state is HandoffState.STALE:
             raise StaleHandleError(f"{self.engine_id}: the blocks of request {request_id!r} that the handle "
                                    f"names (generation {generation}) were released; it exposes generation "
-                                   f"{exposed[0]} now")
-        if not exposed[1].issuperset(block_ids):
+                                   f"{exposure.generation} now")
+        if not exposure.block_ids.issuperset(block_ids):
             raise BlockRangeError(f"request {request_id!r}: asked for blocks not exposed for it")
 
     def embeddings(self, mm_hash: str) -> torch.Tensor:

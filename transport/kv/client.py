@@ -1,5 +1,5 @@
 """`KVTransferClient`: pulls a server's blocks into the local KV cache, and embeddings by mm_hash, over the
-data paths it was built with (the server's counterparts: see kv_server.py).
+data paths it was built with (`ClientPath`s, base.py: the counterparts of the server's, server.py).
 
 What every path shares is here: one control connection per server address (a RequestClient, handshaken on
 first use, reused, closed once unused), the handshake's checks, and how a fetch is planned - remote and
@@ -14,8 +14,8 @@ IntegrityError. A fetch carries its handle's generation, and the server refuses 
 once the blocks the handle names were released.
 
 `stats` counts bytes, seconds and failures of every fetch. A failed fetch leaves the local blocks it was
-writing undefined: the caller frees them (or computes them itself), or fetches again. `create_client`
-assembles the paths of a transport.
+writing undefined: the caller frees them (or computes them itself), or fetches again (FETCHING, then FETCHED or
+FAILED: states.py). `transports.create_client` assembles the paths of a transport.
 """
 from __future__ import annotations
 
@@ -24,25 +24,24 @@ import functools
 import time
 import typing
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from epdserve.transport import checksum, codec, peer_pool
-from epdserve.transport.channel import ChannelError, ChannelTimeout, ErrorReply, HandshakeError, PeerUnreachable
-from epdserve.transport.kv_transfer import (BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, FetchResult,
+from epdserve.transport.channel import codec, peer_pool
+from epdserve.transport.channel.common import ChannelError, ChannelTimeout, ErrorReply, HandshakeError, PeerUnreachable
+from epdserve.transport.channel.limits import DEFAULT_LIMITS, Limits
+from epdserve.transport.channel.peer_auth import PeerAuth
+from epdserve.transport.channel.peer_pool import PeerPool
+from epdserve.transport.channel.protocol import ErrorCode, FetchBlocks, HandshakeAck, KVLayout, Role
+from epdserve.transport.channel.request_client import RequestClient
+from epdserve.transport.channel.security import CurveConfig
+from epdserve.transport.kv import checksum
+from epdserve.transport.kv.base import Chunk, ClientPath
+from epdserve.transport.kv.transfer import (BlockRangeError, BlocksNotFoundError, EmbeddingNotFoundError, FetchResult,
                                             IncompatiblePeerError, PeerUnreachableError, Run, StaleHandleError,
-                                            TransferError,
-                                            TransferStats, TransferTimeout, as_bytes, block_index, common_runs,
-                                            kv_layout, layout_mismatch, run_segments, run_views, scatter_blocks)
-from epdserve.transport.kv_server import transport_mismatch
-from epdserve.transport.limits import DEFAULT_LIMITS, Limits
-from epdserve.transport.peer_pool import PeerPool
-from epdserve.transport.protocol import ErrorCode, FetchBlocks, HandshakeAck, KVLayout, Role
-from epdserve.transport.request_client import RequestClient
-from epdserve.transport.peer_auth import PeerAuth
-from epdserve.transport.security import CurveConfig
+                                            TransferError, TransferStats, TransferTimeout, as_bytes, block_index,
+                                            common_runs, kv_layout, layout_mismatch, run_segments, run_views,
+                                            scatter_blocks, transport_mismatch)
 
 # Blocks gathered for want of runs travel in messages of at most this size: each is gathered into a
 # fresh buffer on the server and received into one on the client, which glibc reuses below its mmap
@@ -53,63 +52,6 @@ GATHERED_MESSAGE_BYTES = 16 << 20
 # its fetch fails within this and is made good elsewhere (blocks recomputed, an image encoded again) rather
 # than waiting out the transfer timeout. A refused connection fails it at once.
 CONNECT_TIMEOUT = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """One fetch message: the (remote, local) run pairs it moves, as runs or gathered."""
-
-    pairs: list[tuple[Run, Run]]
-    gathered: bool
-
-    @property
-    def remote_ids(self) -> tuple[int, ...]:
-        return tuple(i for remote, _ in self.pairs for i in range(remote.first, remote.first + remote.length))
-
-    @property
-    def local_ids(self) -> list[int]:
-        return [i for _, local in self.pairs for i in range(local.first, local.first + local.length)]
-
-    @property
-    def local_runs(self) -> list[Run]:
-        return [local for _, local in self.pairs]
-
-    def request(self, request_id: str, generation: int, ucx_tag: int | None = None) -> FetchBlocks:
-        run_lengths = () if self.gathered else tuple(remote.length for remote, _ in self.pairs)
-        return FetchBlocks(request_id, generation, self.remote_ids, run_lengths, ucx_tag=ucx_tag)
-
-
-class ClientPath:
-    """One way a client's bytes travel; the defaults are those of a path with nothing to say."""
-
-    transport: ClassVar[str]  # the --kv-transport it belongs to: the server must use the same
-    client: KVTransferClient
-
-    def bind(self, client: KVTransferClient) -> None:
-        self.client = client
-
-    def hello_extra(self) -> dict:
-        """Handshake fields this path tells servers (RequestClient keyword arguments)."""
-        return {}
-
-    def usable(self, peer: HandshakeAck) -> bool:
-        """Whether this path can fetch blocks from the peer that answered the handshake so."""
-        return False
-
-    async def fetch_chunk(self, control: RequestClient, request: FetchBlocks, chunk: Chunk, deadline: float) -> int:
-        """Receive one message's blocks into the cache (`KVTransferClient.landing`) and hand them to
-        `KVTransferClient.land`; the bytes received."""
-        raise NotImplementedError
-
-    fetches_embeddings: ClassVar[bool] = False
-
-    async def fetch_embeddings(self, control: RequestClient, mm_hash: str,
-                               deadline: float) -> tuple[torch.Tensor, int]:
-        """The embeddings, and the checksum the server sent with them."""
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        pass
 
 
 class KVTransferClient:

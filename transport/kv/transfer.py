@@ -3,15 +3,16 @@ client and data path shares (errors, layouts, runs, the cache's segments as byte
 
 An engine's KV cache is one tensor
     kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]   (dim 1: K, V)
-and a block is `kv_cache[:, :, block_id]`. A prefill engine runs a KVTransferServer (kv_server.py),
+and a block is `kv_cache[:, :, block_id]`. A prefill engine runs a KVTransferServer (server.py),
 exposes each request's blocks while it holds them under a lease, and withdraws them on release; a decode
-engine's KVTransferClient (kv_client.py) pulls given remote block ids into given local block ids. An
-encoder's server exposes its encoder cache (mm_hash -> [num_tokens, hidden_size]) the same way.
+engine's KVTransferClient (client.py) pulls given remote block ids into given local block ids. An
+encoder's server exposes its encoder cache (mm_hash -> [num_tokens, hidden_size]) the same way. The states
+a request's blocks pass through on the way are named in states.py.
 
 Before any block moves the two sides compare KVLayout (model id, dtype, block size, layers, KV heads,
-head size) in the connection handshake. Block ids and sizes that come from the wire are checked
-against the local cache on both sides: a server serves only blocks it exposed for that request, under
-the generation it gave that exposure (a handle to blocks released since is refused, never read), and a
+head size) and the transport in the connection handshake. Block ids and sizes that come from the wire are
+checked against the local cache on both sides: a server serves only blocks it exposed for that request,
+under the generation it gave that exposure (a handle to blocks released since is refused, never read), and a
 client writes only blocks it named, with exactly the shape its own cache has. Every segment and embedding
 tensor carries the checksum its sender took of the bytes sent, which the receiver compares with the bytes
 that landed (checksum.py).
@@ -22,10 +23,14 @@ moves as one segment per layer and K/V, straight from the server's cache memory 
 no gather or scatter buffer on either side. Blocks in runs too short for that (a segment per block,
 layer and K/V costs more per byte than copying it) are gathered into one segment instead.
 
-Data paths, each standalone: plain TCP block connections (block_stream.py) and ZMQ frames
-(frame_path.py) make the "zmq" transport, UCX tagged messages (ucx_path.py) the "ucx" one; control goes
-over a typed ZMQ channel for all. `transports.create_server` / `create_client` assemble a transport's
-paths; both ends of a transfer must use the same transport, which the handshake checks.
+How the bytes travel is a data path's business (base.py: what each implements), each in a package of its own
+that knows no other: plain TCP block connections (transport/block_stream/) and ZMQ frames
+(transport/zmq_frames/) make the "zmq" transport, UCX tagged messages (transport/ucx/) the "ucx" one; control
+goes over a typed ZMQ channel (transport/channel/) for all. `transports.create_server` / `create_client`
+assemble a transport's paths; both ends of a transfer must use the same transport, which the handshake checks.
+
+Importing this module registers tensor frames with the codec (channel/tensor_frames.py), so every process that
+moves KV blocks or embeddings can send and receive tensors.
 """
 from __future__ import annotations
 
@@ -38,8 +43,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from epdserve.transport.protocol import KVLayout
-from epdserve.transport.tensor_frames import dtype_name
+from epdserve.transport.channel.protocol import KVLayout
+from epdserve.transport.channel.tensor_frames import dtype_name
 
 
 class TransferError(Exception):
@@ -55,12 +60,12 @@ class BlockRangeError(TransferError, ValueError):
 
 
 class BlocksNotFoundError(TransferError):
-    """The server exposes no blocks for the request (released, or its lease expired)."""
+    """The server exposes no blocks for the request (released, or its lease expired): RELEASED (states.py)."""
 
 
 class StaleHandleError(BlocksNotFoundError):
     """The server exposes the request's blocks under another generation than the handle's: the blocks the
-    handle named were released since (and may hold another request's KV by now)."""
+    handle named were released since (and may hold another request's KV by now): the handle is STALE."""
 
 
 class IntegrityError(TransferError):
@@ -134,6 +139,14 @@ def layout_mismatch(ours: KVLayout, theirs: KVLayout, us: str = "here", them: st
         if getattr(ours, f.name) != getattr(theirs, f.name)
     ]
     return "; ".join(diffs) or None
+
+
+def transport_mismatch(ours: str, theirs: str | None, us: str, them: str) -> str | None:
+    """Why two ends cannot move data between them, or None: each must use the same transport."""
+    if theirs is None or theirs == ours:
+        return None
+    return (f"{us} moves KV and embeddings over {ours}, {them} over {theirs}: start every encoder, "
+            f"prefill and decode of a deployment with the same --kv-transport")
 
 
 def block_index(block_ids: Sequence[int], num_blocks: int, what: str, unique: bool = False) -> None:

@@ -1,5 +1,5 @@
 """The connecting end of typed channels: RequestClient (DEALER: handshakes on first use, then requests
-and their replies, many in flight) and PushChannel (fire-and-forget messages in order). See channel.py
+and their replies, many in flight) and PushChannel (fire-and-forget messages in order). See common.py
 for the framing and the handshake."""
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from epdserve.transport import codec, security
-from epdserve.transport.channel import (
+from epdserve.transport.channel import codec, security
+from epdserve.transport.channel.common import (
     NO_REPLY, AckCheck, ChannelError, ChannelTimeout, ErrorReply, HandshakeError, PeerUnreachable, Rejections,
     configure_socket, rejection_reason,
 )
-from epdserve.transport.codec import DEFAULT_LIMITS, DecodeError, Limits, VersionMismatchError
-from epdserve.transport.protocol import (
+from epdserve.transport.channel.codec import DEFAULT_LIMITS, DecodeError, Limits, VersionMismatchError
+from epdserve.transport.channel.protocol import (
     PROTOCOL_VERSION, Error, ErrorCode, Handshake, HandshakeAck, KVLayout, Message, Role,
 )
-from epdserve.transport.peer_auth import PeerAuth
-from epdserve.transport.security import CurveConfig
+from epdserve.transport.channel.peer_auth import PeerAuth
+from epdserve.transport.channel.security import CurveConfig
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import xxhash
 
-from epdserve.transport.kv_transfer import IntegrityError
+from epdserve.transport.kv.transfer import IntegrityError
 
 
 def checksum(buffer) -> int:

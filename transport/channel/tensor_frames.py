@@ -1,6 +1,7 @@
 """Tensors on the wire: a tensor field travels as its (dtype, shape) in the control frame and its raw bytes
-in a frame of its own (see codec.py). The only part of the codec that needs torch: messages without tensors
-- all the proxy ever sends or receives - are encoded and decoded without it.
+in a frame of its own (see codec.py). The only part of the codec that needs torch, plugged into it when this
+module is imported (`codec.register_tensors`): messages without tensors - all the proxy ever sends or
+receives - are encoded and decoded without it.
 """
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Union
 
 import torch
 
-from epdserve.transport.codec import DecodeError, EncodeError
-from epdserve.transport.limits import DEFAULT_LIMITS, Limits
-from epdserve.transport.protocol import TensorSpec
+from epdserve.transport.channel import codec
+from epdserve.transport.channel.codec import DecodeError, EncodeError
+from epdserve.transport.channel.limits import DEFAULT_LIMITS, Limits
+from epdserve.transport.channel.protocol import TensorSpec
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -81,3 +83,6 @@ def tensor_from_buffer(spec: TensorSpec, buffer: Buffer, limits: Limits = DEFAUL
     if dtype is torch.bool and bool((raw > 1).any()):
         raise DecodeError("bool tensor holds bytes other than 0 and 1")
     return raw.view(dtype).view(spec.shape)
+
+
+codec.register_tensors(codec.Tensors(spec=tensor_spec, buffer=tensor_buffer, from_buffer=tensor_from_buffer))

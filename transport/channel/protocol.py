@@ -1,7 +1,7 @@
 """Every message the services exchange, as typed structs in one tagged union.
 
 Messages are frozen, slotted dataclasses: a received message cannot be changed by the loop that
-handles it, and its fields are exactly those declared here. `epdserve.transport.codec` is the only
+handles it, and its fields are exactly those declared here. `epdserve.transport.channel.codec` is the only
 code that turns them into bytes and back; it validates every field against the annotations below,
 so what a loop receives always has the declared types.
 
@@ -21,8 +21,9 @@ added (with or without a default), removed, renamed or retyped, a tag or an enum
 bumps PROTOCOL_VERSION, and peers of different versions refuse each other at the handshake.
 tests/unit/test_protocol.py pins a fingerprint of the schema to the version.
 
-This module does not import torch (only the annotations of tensor fields name it), nor does the codec
-unless a message carries a tensor (tensor_frames.py): the proxy, which moves none, never loads torch.
+This module does not import torch (only the annotations of tensor fields name it), nor does the codec:
+tensors are tensor_frames.py's, which registers itself with the codec where a process moves tensors. The
+proxy, which moves none, never loads torch.
 """
 from __future__ import annotations
 
@@ -250,7 +251,7 @@ class Handshake:
     kv_layout: KVLayout | None = None  # set by KV transfer clients; must equal the server's
     kv_transport: str | None = None  # set by KV transfer clients ("zmq" | "ucx"); must equal the server's
     ucx_address: bytes | None = None  # UCX worker address of a UCX transfer client
-    # Proof of the deployment's secret (transport/peer_auth.py): a fresh nonce and its HMAC.
+    # Proof of the deployment's secret (transport/channel/peer_auth.py): a fresh nonce and its HMAC.
     auth_nonce: bytes | None = None
     auth_proof: bytes | None = None
 
@@ -547,7 +548,7 @@ class FetchBlocks:
 
     With `ucx_tag` set, segment i goes over UCX with tag `ucx_tag + i` and the reply is BlocksSent;
     otherwise the reply is BlocksData carrying the segments. Either reply carries the checksum of each
-    segment's bytes as sent (transport/checksum.py), which the client compares with what landed.
+    segment's bytes as sent (transport/kv/checksum.py), which the client compares with what landed.
 
     `generation` is the KVHandle's: the server refuses (ErrorCode.STALE) a fetch of another generation
     than the one it exposes the request's blocks under.
@@ -576,7 +577,7 @@ class BlocksData:
 @dataclass(frozen=True, slots=True)
 class BlocksSent:
     """The segments of a FetchBlocks went (or are going) another way: over UCX, or before this message on a
-    block connection (block_stream.py)."""
+    block connection (transport/block_stream/)."""
 
     TAG: ClassVar[str] = "blocks_sent"
     request_id: str

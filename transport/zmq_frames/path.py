@@ -10,9 +10,8 @@ refused fetch or a tracker. A device cache's segments are staged in one pinned h
 client receives into memory libzmq allocates and copies once into the cache - ZMQ has no receive into
 caller memory and hands a multipart message over only whole - then checks the segments where they landed
 (gathered blocks, and the blocks of a device cache: in the received frames, before they are scattered or
-copied to the device). Copies out of ZMQ frames run on the
-event loop thread: handing them to a worker thread cost more in wake-ups than it saved (measured on two
-cores: up to 1.5x slower).
+copied to the device). Copies out of ZMQ frames run on the event loop thread: handing them to a worker
+thread cost more in wake-ups than it saved (measured on two cores: up to 1.5x slower).
 
 Embeddings go the same way, as EmbeddingsData with the tensor's checksum.
 """
@@ -21,13 +20,12 @@ from __future__ import annotations
 import torch
 import zmq
 
-from epdserve.transport import checksum
-from epdserve.transport.kv_client import Chunk, ClientPath
-from epdserve.transport.kv_server import ServerPath
-from epdserve.transport.kv_transfer import BlockRangeError, TransferError, as_bytes, copy_segment, run_segments
-from epdserve.transport.protocol import (BlocksData, EmbeddingsData, FetchBlocks, FetchEmbeddings, HandshakeAck,
-                                         Handshake, Message)
-from epdserve.transport.request_client import RequestClient
+from epdserve.transport.channel.protocol import (BlocksData, EmbeddingsData, FetchBlocks, FetchEmbeddings,
+                                                 Handshake, HandshakeAck, Message)
+from epdserve.transport.channel.request_client import RequestClient
+from epdserve.transport.kv import checksum
+from epdserve.transport.kv.base import Chunk, ClientPath, ServerPath
+from epdserve.transport.kv.transfer import BlockRangeError, TransferError, as_bytes, copy_segment, run_segments
 
 
 class FrameServerPath(ServerPath):

@@ -10,8 +10,12 @@ Decoding is strict: every field of the tagged struct must be present with its de
 other field may be, nested structs are checked the same way, and strings, lists, binaries and the
 control frame are length-limited before anything is allocated for them. Any violation raises
 DecodeError, so a loop that receives a message can trust its types. There is no pickle, eval or
-torch.load here: tensors are rebuilt from (dtype, shape) and raw bytes with torch.frombuffer,
-aliasing the received frame without a copy (tensor_frames.py: the part that needs torch).
+torch.load here.
+
+This module never imports torch, nor what does: tensors are tensor_frames.py's business, which registers
+itself here (`register_tensors`) when imported - by every module that moves tensors (the KV-transfer core
+imports it). A process that never imported it (the proxy, which moves none) refuses messages that carry
+tensors rather than load torch to decode them.
 """
 from __future__ import annotations
 
@@ -19,14 +23,14 @@ import dataclasses
 import enum
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import msgpack
 
-from epdserve.transport import protocol
-from epdserve.transport.limits import DEFAULT_LIMITS, Limits
-from epdserve.transport.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Message, TensorSpec
+from epdserve.transport.channel import protocol
+from epdserve.transport.channel.limits import DEFAULT_LIMITS, Limits
+from epdserve.transport.channel.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, Message, TensorSpec
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -67,12 +71,36 @@ class _Tensor:
 _TORCH_NAMES = types.SimpleNamespace(Tensor=_Tensor)
 
 
-def _tensor_frames():
-    """tensor_frames, which imports torch: loaded by the first message with a tensor, which a process
-    that moves no tensors (the proxy) never has."""
-    from epdserve.transport import tensor_frames
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tensors:
+    """How tensor fields travel: a tensor's (dtype, shape), its bytes as a buffer, and the tensor rebuilt
+    from both (checked against `Limits`). tensor_frames.py is the one implementation."""
 
-    return tensor_frames
+    spec: Callable[[Any], TensorSpec]
+    buffer: Callable[[Any], Buffer]
+    from_buffer: Callable[[TensorSpec, Buffer, Limits], Any]
+
+
+_tensors: Tensors | None = None
+
+
+def register_tensors(tensors: Tensors) -> None:
+    """Let messages carry tensors, encoded and decoded by `tensors` (tensor_frames.py registers itself so)."""
+    global _tensors
+    _tensors = tensors
+
+
+def _encoding_tensors(path: str) -> Tensors:
+    if _tensors is None:
+        raise EncodeError(f"{path}: tensors travel only in a process that imported "
+                          f"epdserve.transport.channel.tensor_frames")
+    return _tensors
+
+
+def _decoding_tensors(tag: str) -> Tensors:
+    if _tensors is None:  # a process that moves no tensors does not load torch for a peer's
+        raise DecodeError(f"{tag}: this process takes no tensors")
+    return _tensors
 
 
 class _Field:
@@ -213,9 +241,9 @@ class _Struct(_Field):
             if name in self.tensor_tuples:
                 if not isinstance(item, tuple):
                     _fail_encode(f"{path}.{name}", "a tuple of tensors", item)
-                item = tuple(map(_tensor_frames().tensor_spec, item))
+                item = tuple(_encoding_tensors(f"{path}.{name}").spec(t) for t in item)
             elif name in self.tensor_fields:
-                item = _tensor_frames().tensor_spec(item)
+                item = _encoding_tensors(f"{path}.{name}").spec(item)
             body[name] = conv.to_wire(item, f"{path}.{name}")
         return body
 
@@ -290,7 +318,7 @@ def encode(message: Message) -> list[Buffer]:
     if len(head) > _SMALLEST_LIMIT:  # no smaller frame can hold a string, binary or list over its limit
         _check_limits(conv.cls.__name__, body, len(head), DEFAULT_LIMITS)
     tensors = conv.tensors(message)
-    return [head, *map(_tensor_frames().tensor_buffer, tensors)] if tensors else [head]
+    return [head, *map(_encoding_tensors(conv.cls.__name__).buffer, tensors)] if tensors else [head]
 
 
 def _check_limits(path: str, body: Any, head_bytes: int, limits: Limits) -> None:
@@ -350,10 +378,10 @@ def decode(frames: Sequence[Buffer], limits: Limits = DEFAULT_LIMITS) -> Message
     tensors, next_frame = [], 1
     for name in conv.tensor_fields:
         if name in conv.tensor_tuples:
-            tensors.append(tuple(_tensor_frames().tensor_from_buffer(spec, frames[next_frame + i], limits)
+            tensors.append(tuple(_decoding_tensors(tag).from_buffer(spec, frames[next_frame + i], limits)
                                  for i, spec in enumerate(specs[name])))
             next_frame += len(specs[name])
         else:
-            tensors.append(_tensor_frames().tensor_from_buffer(specs[name], frames[next_frame], limits))
+            tensors.append(_decoding_tensors(tag).from_buffer(specs[name], frames[next_frame], limits))
             next_frame += 1
     return conv.from_wire(body, conv.cls.__name__, tensors)

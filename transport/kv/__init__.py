@@ -1,0 +1,5 @@
+"""The KV-transfer core: what moves KV blocks and encoder embeddings between engines, whatever the data path -
+the server and client (server.py, client.py), the base each data path implements (base.py), the states a
+handoff passes through (states.py), and the errors, layouts, runs and checksums both sides share
+(transfer.py, checksum.py). The data paths themselves live in transport/zmq_frames/, transport/block_stream/
+and transport/ucx/."""
