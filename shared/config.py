@@ -595,7 +595,7 @@ class TransportConfig:
     # UCX's NET_DEVICES: the interfaces the ucx transport may use. "all" (UCX's own default) reaches
     # peers on other hosts; name the fabric (e.g. "mlx5_0:1" or "eth0") to keep it off the others.
     ucx_net_devices: str = "all"
-    # The deployment's shared secret: every handshake proves it (transport/peer_auth.py). None: peers are not
+    # The deployment's shared secret: every handshake proves it (transport/channel/peer_auth.py). None: peers are not
     # authenticated, which only a service nothing else can reach (bound to loopback) may run without.
     secret: bytes | None = field(default=None, repr=False)
 

@@ -110,6 +110,8 @@ PROBES = {
     "runtime": ("services/runtime/probe.py", "import epdserve.services.host.wire"),
     "the proxy loads neither torch nor the engine's machinery: only the engine's parameter and output types":
         ("services/proxy/probe.py", "def later():\n    import torch"),
+    "transport is layered: the transports; the data paths, independent of each other; the KV-transfer core; the "
+    "channel layer": ("transport/kv/probe.py", "import epdserve.transport.zmq_frames.path"),
 }
 
 
