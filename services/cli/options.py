@@ -1,4 +1,4 @@
-"""The options of every `epdserve` subcommand, apart from what the commands do with them (cli.py)."""
+"""The options of every `epdserve` subcommand, apart from what the commands do with them (main.py)."""
 from __future__ import annotations
 
 import argparse
@@ -63,6 +63,45 @@ def add_model_options(model: argparse.ArgumentParser) -> None:
     model.add_argument("--seed", type=int, default=0)
 
 
+# Options more than one command takes: each one's type, default and values are defined once below, and each
+# command says in its help what the option does there.
+
+def add_served_model_name(p: argparse._ActionsContainer, help: str = SERVED_MODEL_NAME_HELP) -> None:
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", help=help)
+
+
+def add_drain_timeout(p: argparse._ActionsContainer, help: str, default: float = 10.0) -> None:
+    p.add_argument("--drain-timeout", type=float, default=default, metavar="SECONDS", help=help)
+
+
+def add_api_key_options(p: argparse._ActionsContainer, key_help: str, file_help: str) -> None:
+    p.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"), metavar="KEY", help=key_help)
+    p.add_argument("--api-key-file", default=os.environ.get("EPDSERVE_API_KEY_FILE"), metavar="FILE", help=file_help)
+
+
+def add_speculative_config(p: argparse._ActionsContainer, help: str) -> None:
+    p.add_argument("--speculative-config", metavar="JSON", help=help)
+
+
+def add_routing_policy(p: argparse._ActionsContainer, help: str) -> None:
+    p.add_argument("--routing-policy", choices=[policy.value for policy in RoutingPolicy], default="kv", help=help)
+
+
+def add_migration_limit(p: argparse._ActionsContainer, help: str) -> None:
+    p.add_argument("--migration-limit", type=int, default=3, metavar="N", help=help)
+
+
+def add_max_prefill_queue_tokens(p: argparse._ActionsContainer, help: str) -> None:
+    p.add_argument("--max-prefill-queue-tokens", type=int, default=1024, metavar="TOKENS", help=help)
+
+
+def add_service_ports(p: argparse._ActionsContainer, port_help: str, engine_id_help: str) -> None:
+    """An engine service's or the KV store's control and management ports and its id."""
+    p.add_argument("--port", type=int, default=0, help=port_help)
+    p.add_argument("--http-port", type=int, default=0, help="/health, /ready, /metrics")
+    p.add_argument("--engine-id", help=engine_id_help)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", type=vllm_flags.dtype, default="float32", metavar="DTYPE",
@@ -103,8 +142,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="seconds a request's structured output (JSON schema, regex, grammar) may take to compile "
                         "before the request is refused with a 400; compiles run off the service's event loop")
-    g.add_argument("--speculative-config", metavar="JSON",
-                   help='speculative decoding, in vLLM\'s spelling: \'{"method": "ngram", "num_speculative_tokens": 4, '
+    add_speculative_config(g, help='speculative decoding, in vLLM\'s spelling: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (prompt lookup: drafts copied from what '
                         'followed the latest earlier occurrence of the last tokens), "draft_model" or "suffix" '
                         '(suffix decoding); each step keeps only the drafts worth their rows unless "adaptive": '
@@ -190,8 +228,6 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
     """`epdserve serve <role>`'s options (every role but the KV store has a `--model`; all the log level)."""
     if role != "kvstore":  # the store holds blocks of any model
         add_model_argument(p)
-        p.add_argument("--model", metavar="FOLDER",
-                       help=f"local HF model folder (default: the {SERVED_BY_DEFAULT} model, built on first use)")
     add_log_level(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes every interface)")
     p.add_argument("--advertise-host", help="host peers use to reach this process (default: --host)")
@@ -200,24 +236,21 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
     elif role == "kvstore":
         _add_kvstore_options(p)
     else:
-        p.add_argument("--port", type=int, default=0, help="control channel port")
+        add_service_ports(p, "control channel port", "default: <role>-<hostname>-<port>")
         p.add_argument("--data-port", type=int, default=0, help="KV / embedding transfer port (prefill, encoder)")
         p.add_argument("--block-port", type=int, default=0,
                        help="prefill: plain TCP port KV blocks leave on, beside --data-port (ZeroMQ transport "
                             "without CURVE; default: any free port, which decodes learn when they connect)")
-        p.add_argument("--http-port", type=int, default=0, help="/health, /ready, /metrics")
-        p.add_argument("--engine-id", help="default: <role>-<hostname>-<port>")
-        p.add_argument("--served-model-name", nargs="+", metavar="NAME", help=SERVED_MODEL_NAME_HELP)
+        add_served_model_name(p)
         p.add_argument("--lease-seconds", type=float, default=10.0)
         p.add_argument("--encoder-cache-items", type=int, default=256)
         p.add_argument("--max-queue-wait", type=float, default=60.0, metavar="SECONDS",
                        help="refuse a new request (the proxy tries another instance, else answers 503 with "
                             "Retry-After) when the prompts queued ahead of it would take longer than this to "
                             "compute at the engine's measured rate; 0 takes every request (default: %(default)s)")
-        p.add_argument("--drain-timeout", type=float, default=10.0,
-                       help="on SIGTERM or Ctrl-C, seconds to finish requests in flight (taking no new ones, "
-                            "/ready 503, DRAINING to the proxies) before the rest are cut and the service "
-                            "exits (default: %(default)s)")
+        add_drain_timeout(p, "on SIGTERM or Ctrl-C, seconds to finish requests in flight (taking no new ones, "
+                             "/ready 503, DRAINING to the proxies) before the rest are cut and the service exits "
+                             "(default: %(default)s)")
         add_engine_args(p)
         if role != "encoder":
             _add_stats_options(p)
@@ -232,9 +265,7 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
 
 
 def _add_kvstore_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=0, help="control channel port (engines' --kv-store)")
-    p.add_argument("--http-port", type=int, default=0, help="/health, /ready, /metrics")
-    p.add_argument("--engine-id", help="default: kvstore-<hostname>-<port>")
+    add_service_ports(p, "control channel port (engines' --kv-store)", "default: kvstore-<hostname>-<port>")
     p.add_argument("--kv-store-size", type=float, default=1.0, metavar="GiB",
                    help="GiB of KV blocks the store keeps in memory, least recently used dropped first "
                         "(default: %(default)s)")
@@ -244,7 +275,7 @@ def _add_kvstore_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-store-path", metavar="DIR",
                    help="folder of the disk tier's files (removed from the folder once mapped; default: the "
                         "temp folder)")
-    p.add_argument("--drain-timeout", type=float, default=1.0, help=argparse.SUPPRESS)
+    add_drain_timeout(p, argparse.SUPPRESS, default=1.0)
 
 
 def _add_stats_options(p: argparse.ArgumentParser) -> None:
@@ -259,12 +290,9 @@ def _add_stats_options(p: argparse.ArgumentParser) -> None:
 def _add_proxy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--inbox-port", type=int, default=0, help="where services push tokens back (0: any)")
-    p.add_argument("--served-model-name", nargs="+", metavar="NAME", help=SERVED_MODEL_NAME_HELP)
-    p.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"),
-                   help="required Bearer token (default $EPDSERVE_API_KEY; unset = open). " + _API_KEY_SCOPE)
-    p.add_argument("--api-key-file", default=os.environ.get("EPDSERVE_API_KEY_FILE"),
-                   help="read the API key from this file instead (a mounted secret; default "
-                        "$EPDSERVE_API_KEY_FILE)")
+    add_served_model_name(p)
+    add_api_key_options(p, "required Bearer token (default $EPDSERVE_API_KEY; unset = open). " + _API_KEY_SCOPE,
+                        "read the API key from this file instead (a mounted secret; default $EPDSERVE_API_KEY_FILE)")
     p.add_argument("--metrics-require-api-key", action="store_true",
                    help="put /metrics behind the API key too (its labels and counters describe the API's traffic: "
                         "models, request and token counts, errors); give your scraper the key")
@@ -273,12 +301,10 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                        help=f"{name} control address(es); repeat or comma-separate; DNS names are re-resolved")
     p.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts shorter than this many tokens are prefilled by decode itself")
-    p.add_argument("--max-prefill-queue-tokens", type=int, default=1024,
-                   help="a prompt of at most this many tokens is prefilled by a decode while every prefill "
+    add_max_prefill_queue_tokens(p, help="a prompt of at most this many tokens is prefilled by a decode while every prefill "
                         "instance has at least this many prompt tokens queued and the decode fewer (a burst "
                         "shared by both roles; 0: never; default: %(default)s)")
-    p.add_argument("--routing-policy", choices=[policy.value for policy in RoutingPolicy], default="kv",
-                   help="kv: prefill and decode chosen by the prompt blocks each caches (the engines' KV "
+    add_routing_policy(p, help="kv: prefill and decode chosen by the prompt blocks each caches (the engines' KV "
                         "events) weighed against load; load: prefill by a hash of the prompt's head, "
                         "decode by free blocks and load (default: %(default)s)")
     p.add_argument("--kv-load-weight", type=float, default=0.25,
@@ -300,15 +326,13 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                    help="seconds a whole prefill may take (long prompts on CPU take a while; "
                         "default: %(default)s)")
     p.add_argument("--poll-interval", type=float, default=1.0)
-    p.add_argument("--migration-limit", type=int, default=3, metavar="N",
-                   help="times one request's stream may continue on another decode after its own was lost (died, "
+    add_migration_limit(p, help="times one request's stream may continue on another decode after its own was lost (died, "
                         "cut off, drained past its grace), from the tokens already sent; 0: never (default: "
                         "%(default)s)")
     p.add_argument("--token-timeout", type=float, default=600.0,
                    help="seconds allowed between two chunks of a stream; also the longest wait for a "
                         "stream's first chunk or a whole non-streamed answer")
-    p.add_argument("--drain-timeout", type=float, default=10.0,
-                   help="on SIGTERM or Ctrl-C, seconds requests in flight get to finish (new ones are "
+    add_drain_timeout(p, help="on SIGTERM or Ctrl-C, seconds requests in flight get to finish (new ones are "
                         "refused with 503, /ready turns 503) before the rest are cut - a stream with an "
                         "error event and [DONE]; a second signal cuts at once (default: %(default)s)")
     p.add_argument("--allowed-image-domains", action="append", metavar="DOMAIN",
@@ -371,8 +395,6 @@ class UpForwarding(NamedTuple):
 
 def add_up_options(up: argparse.ArgumentParser) -> None:
     add_model_argument(up)
-    up.add_argument("--model", metavar="FOLDER",
-                    help=f"local HF model folder (default: the {SERVED_BY_DEFAULT} model, built on first use)")
     up.add_argument("--port", type=int, default=8000, help="port of the OpenAI API (default: %(default)s)")
     up.add_argument("--host", default="127.0.0.1",
                     help="bind address of the API; 0.0.0.0 exposes it on every interface (default: %(default)s; "
@@ -381,8 +403,7 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
                     help="the ports the stack's other services listen on (control, data, block and metrics ports "
                          "of every engine, the proxy's inbox): free ports of this range, in order, e.g. 9100-9199 "
                          "(default: any free ports)")
-    up.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                    help="the model's names in the API (the first in responses, every service's metrics and request "
+    add_served_model_name(up, help="the model's names in the API (the first in responses, every service's metrics and request "
                          "traces; each one accepted in requests); up gives them to every service (default: the model "
                          "folder's name)")
     up.add_argument("--encoders", type=int, metavar="N",
@@ -392,17 +413,13 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
     up.add_argument("--decodes", type=int, default=1, metavar="N",
                     help="decode engine processes (default: %(default)s)")
     up.add_argument("--unified", action="store_true", help="one unified engine instead of prefills and decodes")
-    up.add_argument("--speculative-config", metavar="JSON",
-                    help="speculative decoding for the decode (or unified) engines, as their --speculative-config; "
+    add_speculative_config(up, help="speculative decoding for the decode (or unified) engines, as their --speculative-config; "
                          "prefill samples one token and needs none (default: off)")
-    up.add_argument("--routing-policy", choices=[policy.value for policy in RoutingPolicy], default="kv",
-                    help="how the proxy picks instances: kv (by the prompt blocks each caches, and load) or load "
+    add_routing_policy(up, help="how the proxy picks instances: kv (by the prompt blocks each caches, and load) or load "
                          "(default: %(default)s)")
-    up.add_argument("--migration-limit", type=int, default=3, metavar="N",
-                    help="times the proxy may continue one request's stream on another decode after its own was "
+    add_migration_limit(up, help="times the proxy may continue one request's stream on another decode after its own was "
                          "lost; 0: never (default: %(default)s)")
-    up.add_argument("--max-prefill-queue-tokens", type=int, default=1024, metavar="TOKENS",
-                    help="prompts of at most this many tokens are prefilled by a decode while every prefill has "
+    add_max_prefill_queue_tokens(up, help="prompts of at most this many tokens are prefilled by a decode while every prefill has "
                          "as many queued and the decode fewer; 0: never (default: %(default)s)")
     up.add_argument("--kv-store", type=float, nargs="?", const=1.0, metavar="GiB",
                     help="start a shared KV store (epdserve serve kvstore) of this many GiB (1 if none given) that "
@@ -411,15 +428,12 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
     _add_trace_options(up)
     add_lora_engine_args(up)
     add_lora_runtime_updates_arg(up)
-    up.add_argument("--api-key", default=os.environ.get("EPDSERVE_API_KEY"), metavar="KEY",
-                    help="Bearer token the API requires (default: $EPDSERVE_API_KEY; unset: open). A key on the "
-                         "command line shows in `ps`: prefer --api-key-file or the variable. " + _API_KEY_SCOPE)
-    up.add_argument("--api-key-file", default=os.environ.get("EPDSERVE_API_KEY_FILE"), metavar="FILE",
-                    help="read the API key from this file (default: $EPDSERVE_API_KEY_FILE)")
+    add_api_key_options(up, "Bearer token the API requires (default: $EPDSERVE_API_KEY; unset: open). A key on "
+                            "the command line shows in `ps`: prefer --api-key-file or the variable. " + _API_KEY_SCOPE,
+                        "read the API key from this file (default: $EPDSERVE_API_KEY_FILE)")
     up.add_argument("--threads", type=int, default=1, metavar="N",
                     help="compute threads per engine process (default: %(default)s)")
-    up.add_argument("--drain-timeout", type=float, default=10.0, metavar="SECONDS",
-                    help="on Ctrl-C or SIGTERM, seconds the proxy, then each engine, gets to finish requests in "
+    add_drain_timeout(up, help="on Ctrl-C or SIGTERM, seconds the proxy, then each engine, gets to finish requests in "
                          "flight; a second Ctrl-C cuts them, a third kills (default: %(default)s)")
     up.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS",
                     help="seconds to wait for every service to be ready (default: %(default)s)")
@@ -443,3 +457,5 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
     """The model folder as vLLM takes it, first and without a flag (`epdserve up MODEL`); --model is the same."""
     p.add_argument("model_argument", nargs="?", metavar="MODEL",
                    help="the model folder (or give --model)")
+    p.add_argument("--model", metavar="FOLDER",
+                   help=f"local HF model folder (default: the {SERVED_BY_DEFAULT} model, built on first use)")
