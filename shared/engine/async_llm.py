@@ -1,9 +1,14 @@
 """`AsyncLLM`: the engine loop on its own thread, requests as async iterators of incremental outputs.
 
-The engine is touched only by its thread: callers hand it typed commands (engine_commands.py) through a
-queue, and get outputs back on their event loop. torch releases the GIL inside its kernels, so the event
-loop stays responsive while a step runs. Everything a service needs of its engine is a method here; nothing
-outside the engine reaches its scheduler, runner or cache objects.
+The engine is touched only by its thread: every call that reads or changes engine state hands it a typed
+command (engine_commands.py) through a queue - answered ones (`Question`) through a future - and callers
+get outputs back on their event loop. What any thread may read besides is set once at start (the tokenizer,
+the KV cache, the config) or a snapshot the engine's thread publishes (stats, the adapters' names, the
+connectors, the queue estimate - to which a submit adds its prompt under `_lock` before the engine takes it
+in, so that admission control counts a burst at once); `make_request` is a pure constructor over those
+(and the thread-safe grammar compiler). torch releases the GIL inside its kernels, so the event loop stays
+responsive while a step runs. Everything a service needs of its engine is a method here; nothing outside
+the engine reaches its scheduler, runner or cache objects.
 """
 from __future__ import annotations
 
@@ -13,26 +18,27 @@ import itertools
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Callable, TypeVar
+from typing import AsyncIterator, Callable
 
 import torch
 
 from epdserve.shared.config import EngineConfig
 from epdserve.shared.compute_threads import set_this_thread
 from epdserve.shared.engine.default_logging import use_default_logging
-from epdserve.shared.engine.engine_commands import (Abort, AddConnector, Command, FinishLoad, OnStep, Query,
-                                                    ReleaseKV, Stop, Submit)
-from epdserve.shared.engine.kv_connector import KVConnector
+from epdserve.shared.engine.engine_commands import (Abort, AddConnector, CanSeatLoRA, Command, Expect, FindLoRA,
+                                                    FinishLoad, LoadLoRA, OnStep, Question, ReleaseKV, Stop, Submit,
+                                                    TakeKVEvents, UnloadLoRA)
+from epdserve.shared.engine.kv_connector import KVConnector, tier_stats
 from epdserve.shared.engine.kv_events import KVEventBatch
 from epdserve.shared.engine.llm import build_engine_config
 from epdserve.shared.engine.llm_engine import LLMEngine, PromptType
-from epdserve.shared.engine.lora_manager import NoLoRASlotError
+from epdserve.shared.engine.lora_manager import LoRAAdapter, NoLoRASlotError
+from epdserve.shared.engine.lora_request import LoRARequest
 from epdserve.shared.engine.outputs import EngineStats, RequestOutput
 from epdserve.shared.engine.request import Request
 from epdserve.shared.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -82,12 +88,16 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._on_dead: list[Callable[[BaseException], None]] = []
         self._stopping = False
+        # The engine thread's snapshots, each published before any caller can see what changed it: the
+        # adapters' names and the connectors (`_start`, then as they change), the stats (after each step).
+        self._lora_names: tuple[str, ...] = ()
+        self._connectors: tuple[KVConnector, ...] = ()
         built: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._start, args=(engine, num_threads, built), name="epdserve-engine",
                                         daemon=True)
         self._thread.start()
         self._engine: LLMEngine = built.result()  # raises what building it raised
-        self._stats: EngineStats = self._engine.stats()  # the engine thread's latest snapshot
+        self._stats: EngineStats = self._engine.stats()
 
     @classmethod
     def from_model(cls, model: str, **kwargs) -> AsyncLLM:
@@ -112,8 +122,10 @@ class AsyncLLM:
         return self._engine.runner.kv_cache
 
     def stats(self) -> EngineStats:
-        """The engine's state after its latest step (a snapshot the engine's thread publishes)."""
-        return self._stats
+        """The engine's state after its latest step (a snapshot the engine's thread publishes), with each KV
+        connector's counters as of now (`KVConnector.stats`, which any thread may call: a tier's saves and
+        a store's puts go on while the engine idles)."""
+        return self._stats._replace(kv_tiers=tier_stats(self._connectors))
 
     def queue_seconds(self) -> float:
         """About how long a request arriving now would wait for its prompt to start (see QueueEstimate)."""
@@ -121,11 +133,18 @@ class AsyncLLM:
 
     # -- requests -----------------------------------------------------------------------------------
     async def make_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                           request_id: str | None = None, **kwargs) -> Request:
-        """Validate, tokenize and compile the output constraint (raises ValueError); touches no engine
-        state. Keyword arguments are `LLMEngine.make_request`'s. The compile, which can take seconds for a
-        large grammar, runs off the caller's event loop and gets `EngineConfig.grammar_compile_timeout`
-        seconds (then the request is refused)."""
+                           request_id: str | None = None, lora_request: LoRARequest | None = None,
+                           **kwargs) -> Request:
+        """Validate, tokenize and compile the output constraint (raises ValueError). Keyword arguments are
+        `LLMEngine.make_request`'s. The compile, which can take seconds for a large grammar, runs off the
+        caller's event loop and gets `EngineConfig.grammar_compile_timeout` seconds (then the request is
+        refused).
+
+        A pure constructor, on the caller's thread: it reads only what is set once at start (the tokenizer,
+        the model's and the engine's config) and the grammar compiler, which is thread-safe and made for
+        this - no command needed, and a request refused here never reaches the engine's queue. The one
+        piece of engine state a request needs, its LoRA adapter, is had through typed commands first
+        (`load_lora`'s: found, or read off both threads and then kept)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         constraint = sampling_params.structured_outputs if sampling_params is not None else None
         compiler = self._engine.grammar_compiler
@@ -137,7 +156,9 @@ class AsyncLLM:
             except TimeoutError:
                 raise ValueError(f"the structured output took longer than {timeout:g}s to compile "
                                  "(--grammar-compile-timeout); simplify it") from None
-        return self._engine.make_request(request_id, prompt, sampling_params, compiled_grammar=compiled, **kwargs)
+        adapter = None if lora_request is None else await self._lora_adapter(lora_request)
+        return self._engine.make_request(request_id, prompt, sampling_params, compiled_grammar=compiled,
+                                         lora_adapter=adapter, **kwargs)
 
     async def generate(self, prompt: PromptType | Request, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
@@ -158,20 +179,31 @@ class AsyncLLM:
             yield out
 
     # -- LoRA adapters ------------------------------------------------------------------------------
-    async def load_lora(self, lora_request) -> None:
-        """Read and check a LoRA adapter (LoRAAdapterError, a ValueError, if it cannot be served), off the
-        event loop and off the engine's steps."""
-        await asyncio.to_thread(self._engine.load_lora, lora_request)
+    async def load_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check a LoRA adapter (LoRAAdapterError, a ValueError, if it cannot be served) unless the
+        engine keeps it already (`FindLoRA`), then have the engine keep it (`LoadLoRA`); the reading runs
+        off the event loop and off the engine's steps."""
+        await self._lora_adapter(lora_request)
+
+    async def _lora_adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
+        self._engine.check_lora_request(lora_request)  # config only: bad input raises before any command
+        adapter = await self._ask(FindLoRA(lora_request))
+        if adapter is None:
+            adapter = await asyncio.to_thread(self._engine.read_lora, lora_request)
+            adapter = await self._ask(LoadLoRA(adapter))
+        return adapter
 
     async def unload_lora(self, name: str) -> bool:
-        return await self._query(lambda engine: engine.unload_lora(name))
+        """Forget adapter `name` (False if it was not kept): requests added already finish with it."""
+        return await self._ask(UnloadLoRA(name))
 
     def lora_adapters(self) -> list[str]:
-        """The adapters read, by name (any thread)."""
-        return self._engine.lora_adapters()
+        """The adapters kept, by name (any thread: a snapshot the engine's thread publishes as they change)."""
+        return list(self._lora_names)
 
     async def can_seat_lora(self, name: str) -> bool:
-        return await self._query(lambda engine: engine.can_seat_lora(name))
+        """Whether a request with adapter `name` would find it a slot now."""
+        return await self._ask(CanSeatLoRA(name))
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(Abort(request_id))
@@ -182,23 +214,29 @@ class AsyncLLM:
 
     # -- KV from elsewhere, and what routers and metrics follow --------------------------------------
     def add_connector(self, connector: KVConnector) -> None:
-        """Let `connector` feed this engine's requests and keep finished ones' KV (kv_connector.py); its loads
-        may end, and what it kept go, on any thread."""
+        """Let `connector` feed this engine's requests and keep finished ones' KV (kv_connector.py), asked after
+        those added before it; its loads may end, and what it kept go, on any thread. `close()` closes it."""
         self._put(AddConnector(connector, lambda result: self._put(FinishLoad(result)), self.release_kv))
+
+    def expect(self, request_id: str, kv_transfer_params: object) -> None:
+        """Tell the KV connectors that request `request_id`, with these `kv_transfer_params`, is about to be
+        submitted (`KVConnector.expect`), ahead of its submit. Queued without a check: on an engine whose
+        loop died, the request's submit says so."""
+        self._commands.put(Expect(request_id, kv_transfer_params))
 
     async def kv_events(self, next_seq: int | None) -> KVEventBatch:
         """What the prefix cache stored and evicted since event batch `next_seq` (see LLMEngine.kv_events)."""
-        return await self._query(lambda engine: engine.kv_events(next_seq))
+        return await self._ask(TakeKVEvents(next_seq))
 
     def on_step(self, callback: Callable[[int], None]) -> None:
         """Have `callback(num_tokens)` called on the engine's thread with the tokens each step computes."""
         self._put(OnStep(callback))
 
-    async def _query(self, fn: Callable[[LLMEngine], T]) -> T:
-        """`fn(engine)` on the engine thread, between steps. Cancelled before it ran, it never runs."""
-        command = Query(fn)
-        self._put(command)
-        return await asyncio.wrap_future(command.future)
+    async def _ask(self, question: Question):
+        """`question`'s answer from the engine thread, between steps. Cancelled before it was applied, it never
+        is."""
+        self._put(question)
+        return await asyncio.wrap_future(question.future)
 
     # -- the loop's lifetime ------------------------------------------------------------------------
     @property
@@ -211,11 +249,19 @@ class AsyncLLM:
         self._on_dead.append(callback)
 
     def shutdown(self) -> None:
+        """Stop the engine loop, then shut the KV connectors' threads down (`LLMEngine.close`)."""
         self._stopping = True
         self._commands.put(Stop())
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self._engine.close()
+
+    async def close(self) -> None:
+        """`shutdown()`, then close every KV connector in order (`KVConnector.close`) on this event loop: what
+        they run on it, tasks and connections, ends with them."""
+        self.shutdown()
+        for connector in self._connectors:
+            await connector.close()
 
     def _put(self, command: Command) -> None:
         with self._lock:
@@ -259,8 +305,10 @@ class AsyncLLM:
         except BaseException as exc:
             built.set_exception(exc)
             return
-        for tier in self._engine.tiers:  # first: a tier offers its blocks before a peer's connector is asked
-            self._engine.add_connector(tier, lambda result: self._put(FinishLoad(result)), self.release_kv)
+        # Its own tier, first in its connectors: it offers its blocks before a peer's connector is asked.
+        self._engine.bind_connectors(lambda result: self._put(FinishLoad(result)), self.release_kv)
+        self._lora_names = tuple(self._engine.lora_adapters())
+        self._connectors = tuple(self._engine.connectors)
         built.set_result(self._engine)
         self._run()
 
@@ -296,7 +344,7 @@ class AsyncLLM:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(command, Query) and command.future.set_running_or_notify_cancel():
+                if isinstance(command, Question) and command.future.set_running_or_notify_cancel():
                     command.future.set_exception(error)
         for callback in self._on_dead:  # before the waiters hear of it: by then the service says unhealthy
             callback(cause)
@@ -330,14 +378,37 @@ class AsyncLLM:
                 self._deliver(engine.finish_load(result))
             case AddConnector(connector=connector, finish=finish, release=release):
                 engine.add_connector(connector, finish, release)
+                self._connectors = tuple(engine.connectors)
+            case Expect(request_id=request_id, kv_transfer_params=params):
+                engine.expect(request_id, params)
             case OnStep(callback=callback):
                 engine.on_step_tokens = callback
-            case Query(fn=fn, future=future):
-                if future.set_running_or_notify_cancel():  # else its caller gave up before it ran
+            case Question(future=future):
+                if future.set_running_or_notify_cancel():  # else its caller gave up before it was applied
                     try:
-                        future.set_result(fn(engine))
+                        future.set_result(self._answer(command))
                     except Exception as exc:  # the caller gets it; the engine loop goes on
                         future.set_exception(exc)
+
+    def _answer(self, question: Question):
+        """What the engine says to `question` (on its thread); what it changes is published before the answer."""
+        engine = self._engine
+        match question:
+            case TakeKVEvents(next_seq=next_seq):
+                return engine.kv_events(next_seq)
+            case FindLoRA(lora_request=lora_request):
+                return engine.find_lora(lora_request)
+            case LoadLoRA(adapter=adapter):
+                adapter = engine.add_lora(adapter)
+                self._lora_names = tuple(engine.lora_adapters())
+                return adapter
+            case UnloadLoRA(name=name):
+                removed = engine.unload_lora(name)
+                self._lora_names = tuple(engine.lora_adapters())
+                return removed
+            case CanSeatLoRA(name=name):
+                return engine.can_seat_lora(name)
+        raise TypeError(f"no answer to {type(question).__name__}")
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams: one wake-up of each streams' event loop per step, not one

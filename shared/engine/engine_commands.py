@@ -1,5 +1,6 @@
 """What callers ask the engine's thread to do (`AsyncLLM`): one typed command each, applied between steps in
-the order they were given."""
+the order they were given. A `Question` is answered: its result (or the exception it raised) goes to its
+`future`; the others are told, not answered."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -7,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from epdserve.shared.engine.kv_connector import KVConnector, LoadResult
+from epdserve.shared.engine.lora_request import LoRARequest
 from epdserve.shared.engine.request import Request
+from epdserve.shared.models.lora_adapter import LoRAAdapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,10 +47,49 @@ class AddConnector:
 
 
 @dataclass(frozen=True, slots=True)
-class Query:
-    """Run `fn(engine)` and hand its result to `future` (read-only questions: KV events, stats)."""
-    fn: Callable
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+class Expect:
+    """A request with these `kv_transfer_params` is about to be submitted: tell the KV connectors
+    (`KVConnector.expect`)."""
+    request_id: str
+    kv_transfer_params: object
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    """A command whose answer goes to `future`. Cancelled before it was applied, it is not applied."""
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future, kw_only=True,
+                                              compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class TakeKVEvents(Question):
+    """The prefix cache's (and the tiers') KV events from batch `next_seq` on (`LLMEngine.kv_events`: it seals
+    the open batch): a KVEventBatch."""
+    next_seq: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class FindLoRA(Question):
+    """The adapter the engine keeps under the request's name, read from its path, or None."""
+    lora_request: LoRARequest
+
+
+@dataclass(frozen=True, slots=True)
+class LoadLoRA(Question):
+    """Keep an adapter read already, off the engine's thread (`LLMEngine.read_lora`); answered with it."""
+    adapter: LoRAAdapter
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadLoRA(Question):
+    """Forget adapter `name`: True, or False if it was not kept."""
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class CanSeatLoRA(Question):
+    """Whether a request with adapter `name` (kept already) would find it a slot now."""
+    name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,4 +103,5 @@ class Stop:
     """End the loop."""
 
 
-Command = Submit | Abort | ReleaseKV | FinishLoad | AddConnector | Query | OnStep | Stop
+Command = (Submit | Abort | ReleaseKV | FinishLoad | AddConnector | Expect | OnStep | Stop | TakeKVEvents | FindLoRA
+           | LoadLoRA | UnloadLoRA | CanSeatLoRA)

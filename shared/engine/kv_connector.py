@@ -31,14 +31,32 @@ connector is asked; the one that offers the most tokens loads them (ties: the fi
 connectors are asked at most once for its KV; encoder outputs are asked for whenever a
 (re)computation needs ones it lacks, after a failed KV load or a preemption. `request_ended` tells the
 connector a request is gone (finished, aborted, failed), once its blocks are no longer being written.
+
+The rest of the contract is what the engine and the services ask of every connector, through this class
+only (as vLLM's KVConnectorBase_V1 carries its stats, events and shutdown); each has a default for a
+connector with nothing to say:
+
+- `expect(request_id, kv_transfer_params)`: a request with these params is about to be submitted (the
+  engine's thread, just before the request is added): a connector that must hold something for it until
+  its load (a peer's lease on the prompt's blocks) starts doing so.
+- `stats()`: its counters as a KV tier (`KVTierStats`), which the engine's stats carry under its `name`
+  (a service's metrics read them when scraped: any thread).
+- `take_changes()` and `hashes()`: the block hashes it stored and removed since the last call, and all it
+  holds now, which the engine's KV events carry under its `name`, for routers.
+- `shutdown()`: stop its threads, when the engine closes (`LLMEngine.close`); `close()`: let go of what it
+  runs on an event loop (tasks, connections), awaited on that loop (`AsyncLLM.close`).
+
+The engine holds its connectors in one list, `LLMEngine.connectors`, and asks each in the order it was
+added: its own tier first, then those the front door adds (a service's peers', then its shared store's).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Sequence
 
 if TYPE_CHECKING:
     import torch
 
+    from epdserve.shared.engine.outputs import KVTierStats
     from epdserve.shared.engine.request import Request
 
 
@@ -71,11 +89,15 @@ class LoadResult(NamedTuple):
 
 class KVConnector:
     """One way KV (or encoder output) reaches the engine or leaves it; see the module docstring. Every method
-    but `start_load` has a default that does nothing."""
+    but `start_load` has a default that does nothing (or says nothing). The scheduler half and `expect` are
+    called on the engine's thread; `stats` on any; `shutdown` and `close` once, as they say."""
 
     # A tier: it offers the KV of any request's prefix it holds, by block hash - what it brings counts as the
     # engine's external prefix-cache hits (prompt_stats.py) - rather than one request's KV a peer hands over.
     caches_prefixes = False
+    # What the engine's stats (`kv_tiers`) and KV events (`TierEvents.tier`) call it: "local" (the engine's
+    # offload tier), "store" (a shared KV store), "peer".
+    name = ""
 
     def bind(self, finish: Callable[[LoadResult], None], release: Callable[[str], None]) -> None:
         """`finish(result)` ends a load, `release(request_id)` frees the blocks this connector kept; the
@@ -107,3 +129,39 @@ class KVConnector:
     def blocks_evicted(self, blocks: Sequence[EvictedBlock]) -> None:
         """These prefix-cache blocks are about to be reused: a connector that keeps evicted KV copies it
         now (their content is gone once this returns)."""
+
+    # -- what else the engine and its front door ask -------------------------------------------------
+    def expect(self, request_id: str, kv_transfer_params: object) -> None:
+        """Request `request_id`, whose `kv_transfer_params` these are, is about to be added (the engine's
+        thread, right before it is; `AsyncLLM.expect` queues the call ahead of the request's submit). A
+        connector that must hold something for it until its load starts - a decode's hold on the prefill's
+        blocks, renewing their lease and giving up past its timeout - starts doing so now. Not every request
+        is announced: only those a service expects KV for."""
+
+    def stats(self) -> KVTierStats | None:
+        """Its counters as a KV tier, for the engine's stats (`EngineStats.kv_tiers[name]`, thence a
+        service's metrics); None: it is no tier and has none. Any thread may call it."""
+        return None
+
+    def take_changes(self) -> tuple[Sequence[bytes], Sequence[bytes]] | None:
+        """(block hashes it stored, removed) since the last call, for the engine's KV events (the engine's
+        thread); None: it publishes no KV events (a peer's; the shared store, whose events routers follow
+        from the store itself)."""
+        return None
+
+    def hashes(self) -> Sequence[bytes] | None:
+        """Every block hash it holds now, for a snapshot of the engine's KV events; None as `take_changes`."""
+        return None
+
+    def shutdown(self) -> None:
+        """Stop the threads it runs and free what they hold; called once, when the engine closes
+        (`LLMEngine.close`), after the engine's loop stopped: no other call comes after it."""
+
+    async def close(self) -> None:
+        """Let go of what it runs on an event loop (tasks, connections): awaited once, on that loop, after the
+        engine's loop stopped (`AsyncLLM.close` awaits every connector's, in order)."""
+
+
+def tier_stats(connectors: Iterable[KVConnector]) -> dict[str, KVTierStats]:
+    """The counters of those `connectors` that are KV tiers, by name (`EngineStats.kv_tiers`)."""
+    return {connector.name: stats for connector in connectors if (stats := connector.stats()) is not None}

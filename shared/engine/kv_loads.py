@@ -28,7 +28,8 @@ class Loading(NamedTuple):
 
 
 class KVLoads:
-    """Owns the connectors and the loads in flight; the scheduler owns the requests themselves."""
+    """Owns the connectors (the engine's one list of them, `LLMEngine.connectors`) and the loads in flight; the
+    scheduler owns the requests themselves."""
 
     def __init__(self, block_manager: BlockManager) -> None:
         self.block_manager = block_manager

@@ -83,10 +83,9 @@ class LLM:
         use_default_logging()
         self.engine = LLMEngine(build_engine_config(model, **kwargs))
         self._ids = itertools.count()
-        # Loads from the engine's own tiers end on their worker threads; `_run` applies them between steps.
+        # Loads from the engine's own tier end on its worker thread; `_run` applies them between steps.
         self._loads_done: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
-        for connector in self.engine.tiers:
-            self.engine.add_connector(connector, self._loads_done.put, lambda request_id: None)
+        self.engine.bind_connectors(self._loads_done.put, lambda request_id: None)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

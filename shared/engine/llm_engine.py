@@ -17,13 +17,13 @@ from epdserve.shared.engine.ngram_proposer import NgramProposer
 from epdserve.shared.engine.suffix_proposer import SuffixProposer
 from epdserve.shared.engine.offload_connector import OffloadConnector
 from epdserve.shared.engine.handoff import continue_from_peer
-from epdserve.shared.engine.kv_connector import KVConnector, LoadResult
+from epdserve.shared.engine.kv_connector import KVConnector, LoadResult, tier_stats
 from epdserve.shared.engine.output_processor import OutputProcessor
 from epdserve.shared.engine.queue_estimate import QueueEstimate
 from epdserve.shared.engine.parallel_sampling import group_members, make_group
 from epdserve.shared.engine.outputs import EngineStats, RequestOutput
 from epdserve.shared.engine.kv_events import KVEventBatch
-from epdserve.shared.engine.lora_manager import LoRAManager
+from epdserve.shared.engine.lora_manager import LoRAAdapter, LoRAManager
 from epdserve.shared.engine.lora_request import LoRARequest
 from epdserve.shared.engine.request import Request, RequestFailure, RequestStatus, dense_logit_bias
 from epdserve.shared.engine.sampling_params import SamplingParams
@@ -56,13 +56,15 @@ class LLMEngine:
         self.queue_estimate = QueueEstimate()  # read by services from other threads (admission control)
         self.runner = ModelRunner(config, num_blocks, self.step_timer)
         self.proposer = self._proposer(config, num_blocks)
-        # The engine's own KV tiers beyond the pool: connectors the front door (LLM, AsyncLLM) adds first,
-        # with the finish callback that brings their loads to its thread.
-        self.tiers: list[OffloadConnector] = []
+        # Every KV connector, asked in this order (kv_connector.py): the engine's own tier beyond the pool
+        # first - bound by the front door (LLM, AsyncLLM) with the callbacks that bring its loads to the
+        # engine's thread, `bind_connectors` - then those the front door adds (`add_connector`).
+        self.connectors: list[KVConnector] = self.scheduler.loads.connectors
         if config.cache.kv_offloading_bytes:
-            self.tiers.append(OffloadConnector.create(
+            self.connectors.append(OffloadConnector.create(
                 self.runner.kv_cache, config.cache.block_size, config.cache.kv_offloading_bytes,
                 config.cache.kv_offloading_path, config.cache.kv_offloading_save_finished))
+        self._num_own_connectors = len(self.connectors)
         self.lora_manager = None if config.lora is None else LoRAManager(config.lora, config.model,
                                                                          self.runner.model.set_lora)
         for i, (name, path) in enumerate(config.lora.modules if config.lora else ()):
@@ -91,8 +93,9 @@ class LLMEngine:
                      peer_token_ids: Sequence[Sequence[int]] | None = None,
                      kv_transfer_params: object | None = None,
                      mrope_positions: Sequence[Sequence[int]] | None = None,
-                     lora_request: LoRARequest | None = None) -> Request:
-        """Validate and tokenize; raises ValueError naming the problem. Changes no engine state.
+                     lora_request: LoRARequest | None = None, lora_adapter: LoRAAdapter | None = None) -> Request:
+        """Validate and tokenize; raises ValueError naming the problem. Changes no engine state - but for an
+        adapter `lora_request` names that the engine has not read yet: see `lora_request`.
 
         `compiled_grammar`: the params' output constraint, compiled already (else it is compiled here).
         `mm_embeddings` may lack some placeholders' items: a KV connector loads them before they are needed.
@@ -104,7 +107,11 @@ class LLMEngine:
         temporal, height, width), as the prompt's builder computed them (processing/mrope.py); a text
         prompt may leave them out.
         `lora_request`: the LoRA adapter to run the request with (read from disk on first use and checked
-        here; LoRAAdapterError, a ValueError, for one this model cannot serve)."""
+        here; LoRAAdapterError, a ValueError, for one this model cannot serve) - reading it adds it to the
+        engine's adapters, so a caller off the engine's thread passes `lora_adapter` instead: the adapter the
+        engine holds under that name already (`find_lora`, or `add_lora` of what `read_lora` read). Then
+        this reads only what is set once at start (the tokenizer, the model's and the engine's config) and
+        the grammar compiler (thread-safe): any thread may call it."""
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
@@ -115,7 +122,9 @@ class LLMEngine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         bias = dense_logit_bias(params.logit_bias, self.model_config.vocab_size)
-        adapter = self._lora_adapter(lora_request)
+        if lora_adapter is not None and lora_request is not None:
+            raise ValueError("pass lora_request or lora_adapter, not both")
+        adapter = lora_adapter if lora_adapter is not None else self._lora_adapter(lora_request)
         lora_name, lora_key = (None, None) if adapter is None else (adapter.name, adapter.digest)
         # n > 1: the first of n sequences, the others waiting to fork from it (parallel_sampling.py).
         request = make_group(request_id, params, lambda rid, p: Request(
@@ -129,15 +138,19 @@ class LLMEngine:
             continue_from_peer(request, peer_token_ids, self.model_config.vocab_size)
         return request
 
-    def _lora_adapter(self, lora_request: LoRARequest | None):
+    def _lora_adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
         if lora_request is None:
             return None
+        self.check_lora_request(lora_request)
+        return self.lora_manager.load(lora_request)
+
+    def check_lora_request(self, lora_request: LoRARequest) -> None:
+        """ValueError unless `lora_request` is one and this engine serves adapters (config only: any thread)."""
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         if self.lora_manager is None:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but this engine serves no "
                              f"adapters (enable LoRA)")
-        return self.lora_manager.load(lora_request)
 
     def _grammar(self, params: SamplingParams, compiled=None):
         """A fresh matcher for a constrained request (compiled grammars are cached); raises ValueError."""
@@ -170,7 +183,7 @@ class LLMEngine:
 
     def _seat_adapter(self, request: Request, members: list[Request]) -> None:
         """Put the request's adapter in a slot (NoLoRASlotError when every slot is in use)."""
-        adapter = self.lora_manager.adapters.get(request.lora_name)  # (one dict read: no lock needed)
+        adapter = self.lora_manager.adapters.get(request.lora_name)
         if adapter is None or adapter.digest != request.lora_key:
             raise ValueError(f"LoRA adapter {request.lora_name!r} was unloaded")
         in_use = {r.lora_slot for r in self.scheduler.requests.values() if r.lora_slot >= 0}
@@ -187,6 +200,23 @@ class LLMEngine:
         """Read and check an adapter now (LoRAAdapterError if this model cannot serve it); it takes a slot
         when a request first uses it."""
         self._lora_adapter(lora_request)
+
+    def find_lora(self, lora_request: LoRARequest) -> LoRAAdapter | None:
+        """The adapter read already under `lora_request`'s name from its path, or None (ValueError as
+        `check_lora_request`)."""
+        self.check_lora_request(lora_request)
+        return self.lora_manager.find(lora_request)
+
+    def read_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Read and check the adapter `lora_request` names (LoRAAdapterError if this model cannot serve it),
+        without adding it: touches no engine state, so any thread may (a service reads adapters off the
+        engine's thread, then adds them with `add_lora`)."""
+        self.check_lora_request(lora_request)
+        return self.lora_manager.read(lora_request)
+
+    def add_lora(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """Keep an adapter `read_lora` read under its name (in place of any kept there); returns it."""
+        return self.lora_manager.add(adapter)
 
     def unload_lora(self, name: str) -> bool:
         """Forget an adapter (False if unknown): requests already added finish with it, new ones may not
@@ -288,13 +318,25 @@ class LLMEngine:
         holds none."""
         return self.scheduler.release_kv(request_id)
 
+    def bind_connectors(self, finish: Callable[[LoadResult], None], release: Callable[[str], None]) -> None:
+        """Bind the connectors the engine made itself (its offload tier, first in `connectors`) as
+        `add_connector` binds the others: the front door does, once, before the first request."""
+        for connector in self.connectors[:self._num_own_connectors]:
+            connector.bind(finish, release)
+
     def add_connector(self, connector: KVConnector, finish: Callable[[LoadResult], None],
                       release: Callable[[str], None]) -> None:
-        """Let `connector` feed requests and keep finished ones' KV (kv_connector.py). `finish(result)` ends a
-        load, `release(request_id)` lets kept blocks go: each must bring its call to this engine's thread
-        (`finish_load`, `release_kv`)."""
+        """Let `connector` feed requests and keep finished ones' KV (kv_connector.py), asked after those
+        added before it. `finish(result)` ends a load, `release(request_id)` lets kept blocks go: each must
+        bring its call to this engine's thread (`finish_load`, `release_kv`)."""
         connector.bind(finish, release)
-        self.scheduler.loads.connectors.append(connector)
+        self.connectors.append(connector)
+
+    def expect(self, request_id: str, kv_transfer_params: object) -> None:
+        """A request with these `kv_transfer_params` is about to be added: every connector hears of it
+        (`KVConnector.expect`)."""
+        for connector in self.connectors:
+            connector.expect(request_id, kv_transfer_params)
 
     def finish_load(self, result: LoadResult) -> list[RequestOutput]:
         """A connector's load ended (on the engine's thread); the outputs of requests that ended with it."""
@@ -403,13 +445,13 @@ class LLMEngine:
         """What the prefix cache gained and lost from event batch `next_seq` on; a snapshot of what it
         holds when `next_seq` is None or those batches are gone."""
         manager = self.scheduler.block_manager
-        for tier in self.tiers:
-            stored, removed = tier.take_changes()
-            manager.events.tier_changed(tier.name, stored, removed)
+        for connector in self.connectors:  # each tier's, by its name; other connectors publish none
+            changes = connector.take_changes()
+            if changes is not None:
+                manager.events.tier_changed(connector.name, *changes)
         manager.events.seal()
-        return manager.events.since(next_seq, manager.cached_blocks,
-                                    {tier.name: tier.hashes() for tier in self.tiers})
-
+        held = {c.name: hashes for c in self.connectors if (hashes := c.hashes()) is not None}
+        return manager.events.since(next_seq, manager.cached_blocks, held)
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler
         prompts = sched.prompt_stats.counts()
@@ -419,10 +461,11 @@ class LLMEngine:
                            self.step_timer.num_steps, self.step_timer.breakdown(), self.num_prompt_tokens,
                            self.num_generation_tokens,
                            None if self.proposer is None else sched.spec_stats.counts(self.proposer.k),
-                           {tier.name: tier.stats() for tier in self.tiers}, sched.loads.num_waiting,
+                           tier_stats(self.connectors), sched.loads.num_waiting,
                            prompts.external_queries, prompts.external_hits, prompts.by_source)
 
     def close(self) -> None:
-        """Stop the engine's tiers' threads (the engine itself holds nothing else that needs it)."""
-        for tier in self.tiers:
-            tier.close()
+        """Shut every connector down, in order (`KVConnector.shutdown`: its threads); the engine itself
+        holds nothing else that needs it."""
+        for connector in self.connectors:
+            connector.shutdown()

@@ -4,11 +4,13 @@ An adapter is read (and checked) when a request first names it, then kept by nam
 request using it is added, reusing its slot if it still has one. A slot is taken only from adapters no
 unfinished request uses - the one used longest ago first - so a slot's weights never change under a
 request. When every slot is in use the request is refused (`NoLoRASlotError`: retry later or elsewhere).
+
+Reading an adapter touches nothing of the manager (`read`: any thread, so a service reads adapters off the
+engine's thread); everything else - keeping one (`add`), forgetting it, the slots - is the engine thread's.
 """
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Callable, Iterable
 
 from epdserve.shared.config import LoRAConfig, ModelConfig
@@ -36,22 +38,26 @@ class LoRAManager:
         self.slots: list[LoRAAdapter | None] = [None] * config.max_loras
         self._last_used = [0] * config.max_loras
         self._clock = 0
-        # `load` and `remove` may run off the engine's thread (a service reads adapters without holding
-        # up its steps); the adapters dict is what they share with it.
-        self._lock = threading.Lock()
         # Adapters other than the operator's start-up ones come only from inside these (None: from anywhere).
         self._roots = None if config.roots is None else LoRARoots(config.roots)
         self._named = set(config.modules)
 
     def load(self, lora: LoRARequest) -> LoRAAdapter:
-        """The adapter `lora` names, read from its path unless known already under that name and path;
-        raises LoRAAdapterError (a ValueError) for an adapter this base model cannot serve, and - unless it
-        is one of the start-up adapters (`modules`) - for a name that is no model name or a folder outside
-        the roots."""
-        with self._lock:
-            known = self.adapters.get(lora.lora_name)
-        if known is not None and known.path == lora.lora_path:
-            return known
+        """The adapter `lora` names, read from its path unless known already under that name and path
+        (`find`, else `add` of what `read` reads)."""
+        known = self.find(lora)
+        return known if known is not None else self.add(self.read(lora))
+
+    def find(self, lora: LoRARequest) -> LoRAAdapter | None:
+        """The adapter known under `lora`'s name, if it was read from `lora`'s path."""
+        known = self.adapters.get(lora.lora_name)
+        return known if known is not None and known.path == lora.lora_path else None
+
+    def read(self, lora: LoRARequest) -> LoRAAdapter:
+        """The adapter `lora` names, read from its path and checked, not kept (any thread); raises
+        LoRAAdapterError (a ValueError) for an adapter this base model cannot serve, and - unless it is one
+        of the start-up adapters (`modules`) - for a name that is no model name or a folder outside the
+        roots."""
         roots = None
         if self._roots is not None and (lora.lora_name, lora.lora_path) not in self._named:
             try:
@@ -59,27 +65,26 @@ class LoRAManager:
             except ValueError as exc:
                 raise LoRAAdapterError(str(exc)) from None
             roots = self._roots
-        adapter = load_lora_adapter(lora.lora_name, lora.lora_path, self.model_config, self.config.max_lora_rank,
-                                    self.config.max_bytes, roots)
-        with self._lock:
-            self.adapters[lora.lora_name] = adapter
+        return load_lora_adapter(lora.lora_name, lora.lora_path, self.model_config, self.config.max_lora_rank,
+                                 self.config.max_bytes, roots)
+
+    def add(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """Keep `adapter` (what `read` read) under its name, in place of any kept there."""
+        self.adapters[adapter.name] = adapter
         logger.info("LoRA adapter %s loaded from %s (rank %d, %d modules)", adapter.name, adapter.path,
                     adapter.rank, len(adapter.weights))
         return adapter
 
     def remove(self, name: str) -> bool:
         """Forget adapter `name` (False if unknown); its slot is reused once no request uses it."""
-        with self._lock:
-            return self.adapters.pop(name, None) is not None
+        return self.adapters.pop(name, None) is not None
 
     def names(self) -> list[str]:
-        with self._lock:
-            return list(self.adapters)
+        return list(self.adapters)
 
     def can_seat(self, name: str, slots_in_use: Iterable[int]) -> bool:
         """Whether `acquire` would find adapter `name` a slot now."""
-        with self._lock:
-            adapter = self.adapters.get(name)
+        adapter = self.adapters.get(name)
         if adapter is not None and any(held is adapter for held in self.slots):
             return True
         return len(set(slots_in_use)) < len(self.slots)

@@ -148,13 +148,13 @@ class OffloadConnector(KVConnector):
                                self._failed, self._corrupt, tuple(self._buckets), self._restore_seconds)
 
     def take_changes(self) -> tuple[list[bytes], list[bytes]]:
-        """(block hashes stored, removed) in this tier since the last call, for the engine's KV events."""
         return self.file.take_changes()
 
     def hashes(self) -> list[bytes]:
         return self.file.hashes()
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
+        """Let the worker finish the jobs queued (loads first), then close the file."""
         self._jobs.put((_SAVE + 1, next(self._seq), None))
         self._thread.join(timeout=10)
         self.file.close()

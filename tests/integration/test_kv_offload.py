@@ -68,7 +68,7 @@ def test_an_evicted_conversation_comes_back_from_the_local_tier(tiny_model_paths
     assert sources["external_kv_transfer"] == 9 * BLOCK_SIZE and sum(sources.values()) == looked_up
     stats = llm.engine.stats().kv_tiers["local"]
     assert stats.hit_blocks == 9 and stats.failed_restores == 0 and sum(stats.restore_buckets) == 1
-    assert stats.saved_blocks >= 9 and stats.restored_bytes == 9 * llm.engine.tiers[0].file.block_bytes
+    assert stats.saved_blocks >= 9 and stats.restored_bytes == 9 * llm.engine.connectors[0].file.block_bytes
     # The KV events name the tier: what the pool evicted, the local tier stored.
     events = llm.engine.kv_events(None)
     (local,) = events.tiers
@@ -86,7 +86,7 @@ def test_an_fp8_pool_keeps_its_blocks_fp8_in_the_tier(tiny_model_paths, tmp_path
     out, computed = evict_then_return(llm)
     assert out.outputs[0].token_ids == want.outputs[0].token_ids
     assert computed == len(conversation(0)) - 9 * BLOCK_SIZE
-    file = llm.engine.tiers[0].file
+    file = llm.engine.connectors[0].file
     assert file.dtype == torch.float8_e4m3fn == llm.engine.runner.kv_cache.dtype
     assert file.block_bytes == llm.engine.runner.kv_cache[:, :, 0].numel()
     llm.engine.close()
@@ -95,7 +95,7 @@ def test_an_fp8_pool_keeps_its_blocks_fp8_in_the_tier(tiny_model_paths, tmp_path
 def test_a_corrupted_tier_file_is_recomputed_not_used(tiny_model_paths, reference, tmp_path):
     llm = LLM(model=tiny_model_paths["llama"], num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
               kv_offloading_size=0.01, kv_offloading_path=str(tmp_path))
-    tier = llm.engine.tiers[0]
+    tier = llm.engine.connectors[0]
     engine = llm.engine
     llm.generate([{"prompt_token_ids": conversation(0)}], GREEDY)
     for i in range(1, 5):

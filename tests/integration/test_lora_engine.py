@@ -348,3 +348,54 @@ def test_a_request_that_finds_every_slot_taken_at_its_start_is_refused_quietly(t
     finally:
         llm.shutdown()
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+
+
+def test_async_adapters_change_only_on_the_engine_thread(tiny_model_paths, lora_paths, tokenized, monkeypatch):
+    """AsyncLLM reads an adapter off both the event loop and the engine's thread, and keeps, seats and forgets
+    it by typed commands on the engine's thread: load_lora, a request naming a new adapter, unload_lora; the
+    names it reports follow at once. A refused adapter is kept nowhere."""
+    import asyncio
+    import threading
+
+    from epdserve.shared.engine import AsyncLLM
+    from epdserve.shared.engine.llm import build_engine_config
+    from epdserve.shared.engine.lora_manager import LoRAManager
+
+    calls = []
+    for method in ("read", "add", "remove", "can_seat"):
+        original = getattr(LoRAManager, method)
+
+        def traced(self, *args, _method=method, _original=original):
+            calls.append((_method, threading.current_thread().name))
+            return _original(self, *args)
+
+        monkeypatch.setattr(LoRAManager, method, traced)
+    llm = AsyncLLM.from_config(build_engine_config(tiny_model_paths["llama"], enable_lora=True, max_loras=2,
+                                                   max_lora_rank=8, num_kv_blocks=64))
+    without = AsyncLLM.from_config(build_engine_config(tiny_model_paths["llama"], num_kv_blocks=16))
+
+    async def main() -> None:
+        await llm.load_lora(lora_request("all", lora_paths))
+        await llm.load_lora(lora_request("all", lora_paths))  # kept already: not read again
+        assert llm.lora_adapters() == ["all"]
+        request = await llm.make_request({"prompt_token_ids": tokenized[1]}, SamplingParams(max_tokens=2), "r",
+                                         lora_request=lora_request("attn", lora_paths))
+        assert request.lora_name == "attn" and llm.lora_adapters() == ["all", "attn"]
+        assert await llm.can_seat_lora("attn")
+        async for _ in llm.generate(request):
+            pass
+        with pytest.raises(ValueError, match="above this server's max_lora_rank 8"):
+            await llm.load_lora(LoRARequest("mlp-rslora", 9, lora_paths["mlp-rslora"]))
+        assert await llm.unload_lora("attn") and not await llm.unload_lora("attn")
+        assert llm.lora_adapters() == ["all"]
+        with pytest.raises(ValueError, match="serves no adapters"):
+            await without.load_lora(lora_request("all", lora_paths))
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+        without.shutdown()
+    assert [m for m, _ in calls] == ["read", "add", "read", "add", "can_seat", "read", "remove", "remove"]
+    assert all(thread == "epdserve-engine" for method, thread in calls if method != "read")
+    assert all(thread not in ("epdserve-engine", "MainThread") for method, thread in calls if method == "read")
