@@ -19,7 +19,7 @@ from epdserve.services.host.peer_kv_connector import PeerSources
 from epdserve.services.host.request_spans import RequestSpans
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.shared.engine import RequestOutput
-from epdserve.transport.protocol import DecodeRequest, Error, Handshake, Message, Role
+from epdserve.transport.channel.protocol import DecodeRequest, Error, Handshake, Message, Role
 
 if TYPE_CHECKING:
     from epdserve.shared.engine import Request
@@ -52,7 +52,7 @@ class DecodeWorker(EngineWorker):
         if isinstance(made, Error):
             return made
         request, sources = made
-        self.connector.expect(m.request_id, sources)
+        self.llm.expect(m.request_id, sources)  # the peers' connector holds prefill's blocks until it pulls them
         return self.spawn_stream(request, lambda: self._decoded(request, sources), m.reply_to, spans)
 
     async def _decoded(self, request: Request, sources: PeerSources) -> AsyncIterator[RequestOutput]:

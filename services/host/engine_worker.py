@@ -20,16 +20,16 @@ from epdserve.services.host.request_spans import RequestSpans
 from epdserve.services.host.service_metrics import ServiceMetrics
 from epdserve.services.host.stats_log import StatsLog
 from epdserve.services.host.store_kv_connector import StoreKVConnector
-from epdserve.shared.engine import (AsyncLLM, EngineStats, InputsUnavailableError, LoRARequest, NoLoRASlotError,
-                                    RequestOutput)
+from epdserve.shared.engine import AsyncLLM, InputsUnavailableError, LoRARequest, NoLoRASlotError, RequestOutput
 from epdserve.shared.config import EngineConfig, ServiceConfig
 from epdserve.shared.processing.multimodal import MultiModalPlaceholder
-from epdserve.transport.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason, GenerateRequest,
-                                      Handshake, Health, KVEvents, KVEventsRequest, KVLayout, LoadLoRA, Message,
-                                      PrefillRequest, Role, Status, TokenDelta, UnloadLoRA, WireLoRA)
+from epdserve.transport.channel.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason,
+                                                 GenerateRequest, Handshake, Health, KVEvents, KVEventsRequest,
+                                                 KVLayout, LoadLoRA, Message, PrefillRequest, Role, Status, TokenDelta,
+                                                 UnloadLoRA, WireLoRA)
 from epdserve.services.host.wire import (logprobs_to_wire, mrope_positions_from_wire, prompt_logprobs_to_wire,
                                    sampling_params_from_wire)
-from epdserve.transport.kv_client import KVTransferClient
+from epdserve.transport.kv.client import KVTransferClient
 from epdserve.transport.transports import create_client
 
 if TYPE_CHECKING:
@@ -85,8 +85,9 @@ def kv_transfer_client(service: ServiceConfig, engine_config: EngineConfig, llm:
 
 
 class EngineWorker:
-    """An engine and the streams of its requests. Owns `llm`, `kv_client`, the KV connector that loads into
-    the engine from peers, and the task that logs the engine's stats: `close()` closes them."""
+    """An engine and the streams of its requests. Owns `llm` (with the KV connectors it hands the engine: the
+    peers', and the shared store's with --kv-store, closed with it), `kv_client`, and the task that logs the
+    engine's stats: `close()` closes them."""
 
     role: Role = Role.UNIFIED
     data_addr = ""  # where peers pull from; only prefill serves data
@@ -98,30 +99,23 @@ class EngineWorker:
         self.engine_config = engine_config
         self.llm = llm
         self.kv_client = kv_client
-        self.store: StoreKVConnector | None = None  # the shared KV store's door, with --kv-store
+        # The engine's stats carry every KV tier's counters, the shared store's too (`KVConnector.stats`).
         self.metrics = ServiceMetrics(service.role, service.engine_id,
                                       service.served_model_name or Path(engine_config.model.path).name,
-                                      self._stats, rejected_frames=rejected_frames)
+                                      self.llm.stats, rejected_frames=rejected_frames)
         self.llm.on_step(self.metrics.iteration_tokens.observe)
-        self.connector = PeerKVConnector(kv_client, self.metrics, asyncio.get_running_loop(),
-                                         service.transport.transfer_timeout, engine_config.model.dtype,
-                                         control_client_kwargs(service))
-        self.llm.add_connector(self.connector)
+        self.llm.add_connector(PeerKVConnector(kv_client, self.metrics, asyncio.get_running_loop(),
+                                               service.transport.transfer_timeout, engine_config.model.dtype,
+                                               control_client_kwargs(service)))
         if service.kv_store:  # after the peers': a peer's KV handle, when it covers as much, goes first
-            self.store = StoreKVConnector(service.kv_store, llm.kv_cache, kv_layout(engine_config),
-                                          asyncio.get_running_loop(), control_client_kwargs(service),
-                                          service.kv_store_timeout)
-            self.llm.add_connector(self.store)
+            self.llm.add_connector(StoreKVConnector(service.kv_store, llm.kv_cache, kv_layout(engine_config),
+                                                    asyncio.get_running_loop(), control_client_kwargs(service),
+                                                    service.kv_store_timeout))
         self.proxies = ProxyChannels(control_client_kwargs(service), on_failure=self._proxy_unreachable)
         self._tasks: dict[str, asyncio.Task] = {}
         self._stop_reason: str | None = None  # set by stop_streams: the streams it stops tell their proxy why
         self._stats_log = None if service.log_stats_interval is None else asyncio.create_task(
             StatsLog(f"{service.role} {service.engine_id}", self.llm.stats).run(service.log_stats_interval))
-
-    def _stats(self) -> EngineStats:
-        """The engine's stats, with the shared store's door counted as a tier of its own."""
-        stats = self.llm.stats()
-        return stats if self.store is None else stats._replace(kv_tiers={**stats.kv_tiers, "store": self.store.stats()})
 
     def status(self, health: Health) -> Status:
         stats = self.llm.stats()
@@ -332,8 +326,5 @@ class EngineWorker:
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         await self.proxies.close()
-        await self.connector.close()
-        if self.store is not None:
-            await self.store.close()
+        await self.llm.close()  # the engine loop, then its KV connectors in order (the peers' uses kv_client)
         await self.kv_client.close()
-        self.llm.shutdown()

@@ -40,12 +40,12 @@ from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
 from epdserve.services.host.request_spans import RequestSpans
 from epdserve.services.host.service_metrics import ServiceMetrics
 from epdserve.shared.engine import KVConnector, KVLoad, LoadResult
-from epdserve.transport.channel import ChannelError, ErrorReply
-from epdserve.transport.kv_client import KVTransferClient
-from epdserve.transport.kv_transfer import IntegrityError, TransferError
-from epdserve.transport.peer_pool import PeerPool
-from epdserve.transport.protocol import Ack, KVHandle, LeaseRenewed, Message, Release, RenewLease
-from epdserve.transport.request_client import RequestClient
+from epdserve.transport.channel.common import ChannelError, ErrorReply
+from epdserve.transport.kv.client import KVTransferClient
+from epdserve.transport.kv.transfer import IntegrityError, TransferError
+from epdserve.transport.channel.peer_pool import PeerPool
+from epdserve.transport.channel.protocol import Ack, KVHandle, LeaseRenewed, Message, Release, RenewLease
+from epdserve.transport.channel.request_client import RequestClient
 
 if TYPE_CHECKING:
     import torch
@@ -76,9 +76,9 @@ class _Handoff:
 
     __slots__ = ("sources", "arrival", "renewal", "released", "gave_up")
 
-    def __init__(self, sources: PeerSources) -> None:
+    def __init__(self, sources: PeerSources, arrival: float) -> None:
         self.sources = sources
-        self.arrival = time.monotonic()
+        self.arrival = arrival  # when the engine was told to expect it (monotonic)
         self.renewal: asyncio.Task | None = None
         self.released = False
         self.gave_up = False  # no room here in time: the prompt is recomputed when it gets some
@@ -86,7 +86,10 @@ class _Handoff:
 
 class PeerKVConnector(KVConnector):
     """See the module docstring. Owns its control clients to prefills (RenewLease, Release), one per prefill,
-    opened on first use and closed once unused: prefills come and go."""
+    opened on first use and closed once unused: prefills come and go, and its tasks on the service's event
+    loop (`close` ends both). No tier: no stats, no KV events."""
+
+    name = "peer"
 
     def __init__(self, client: KVTransferClient, metrics: ServiceMetrics, loop: asyncio.AbstractEventLoop,
                  transfer_timeout: float, dtype: "torch.dtype", control_client_kwargs: dict) -> None:
@@ -101,12 +104,8 @@ class PeerKVConnector(KVConnector):
         self._tasks: set[asyncio.Task] = set()
 
     # -- the service's side (event loop) ------------------------------------------------------------
-    def expect(self, request_id: str, sources: PeerSources) -> None:
-        """A decode request is about to be submitted: keep prefill's lease alive until its KV is pulled, and
-        give up holding it if no room turns up here within the transfer timeout."""
-        if sources.kv_handle is None:
-            return
-        handoff = self._handoffs[request_id] = _Handoff(sources)
+    def _expect(self, request_id: str, sources: PeerSources, arrival: float) -> None:
+        handoff = self._handoffs[request_id] = _Handoff(sources, arrival)
         handoff.renewal = self._spawn(self._hold(request_id, handoff))
 
     async def close(self) -> None:
@@ -116,6 +115,14 @@ class PeerKVConnector(KVConnector):
         await self._prefills.close()
 
     # -- the engine's side (its thread) -------------------------------------------------------------
+    def expect(self, request_id: str, kv_transfer_params: object) -> None:
+        """A decode request (its sources name prefill's KV handle) is about to be added: from now, keep
+        prefill's lease alive until its KV is pulled, and give up holding it if no room turns up here within
+        the transfer timeout (on the event loop, before any load of it: the loop runs what this engine's
+        thread hands it in order)."""
+        if isinstance(kv_transfer_params, PeerSources) and kv_transfer_params.kv_handle is not None:
+            self.loop.call_soon_threadsafe(self._expect, request_id, kv_transfer_params, time.monotonic())
+
     def num_loadable_tokens(self, request, num_local_tokens: int) -> int:
         sources = request.kv_transfer_params
         handle = sources.kv_handle if isinstance(sources, PeerSources) else None

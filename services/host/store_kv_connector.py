@@ -27,11 +27,11 @@ import torch
 
 from epdserve.shared.engine import (RESTORE_SECONDS_BUCKETS, EvictedBlock, KVConnector, KVLoad, KVTierStats,
                                     LoadResult, Request)
-from epdserve.transport.channel import ChannelError, ErrorReply
-from epdserve.transport.checksum import checksum
-from epdserve.transport.protocol import (Ack, ErrorCode, KVEvents, KVEventsRequest, KVLayout, KVStoreBlocks,
-                                      KVStoreGet, KVStorePut)
-from epdserve.transport.request_client import RequestClient
+from epdserve.transport.channel.common import ChannelError, ErrorReply
+from epdserve.transport.kv.checksum import checksum
+from epdserve.transport.channel.protocol import (Ack, ErrorCode, KVEvents, KVEventsRequest, KVLayout, KVStoreBlocks,
+                                                 KVStoreGet, KVStorePut)
+from epdserve.transport.channel.request_client import RequestClient
 
 logger = logging.getLogger(__name__)
 HASH_BYTES = 16
@@ -40,7 +40,10 @@ MAX_PUT_BYTES = 32 << 20  # one put message's blocks, well under a tensor frame'
 
 
 class StoreKVConnector(KVConnector):
-    """See the module docstring. Owns its client to the store and its view of what the store holds."""
+    """See the module docstring. Owns its client to the store, its view of what the store holds and its tasks
+    on the service's event loop (`close` ends them). A tier: its counters are the engine's stats' "store"
+    tier (`stats`); it publishes no KV events of its own - what the store holds, routers follow from the
+    store's events."""
 
     name = "store"
     caches_prefixes = True
