@@ -17,6 +17,8 @@ One decode request's handoff, as its trace shows it:
 
 Prefill holds the blocks until decode releases them - after the pull, or at once when the request ends,
 gives up or never needs them (its own prefix cache held the whole prompt) - or until its lease runs out.
+The handoff's states are the transport's (`HandoffState`, transport/kv/states.py): EXPOSED while held,
+FETCHING, then FETCHED or FAILED, and RELEASED once.
 
 A fetch whose bytes landed corrupted (IntegrityError: their checksums differ from the sender's) is counted
 in `transfer_integrity_failures_total` and made once more; a second mismatch fails the load like any other
@@ -41,11 +43,12 @@ from epdserve.services.host.request_spans import RequestSpans
 from epdserve.services.host.service_metrics import ServiceMetrics
 from epdserve.shared.engine import KVConnector, KVLoad, LoadResult
 from epdserve.transport.channel.common import ChannelError, ErrorReply
-from epdserve.transport.kv.client import KVTransferClient
-from epdserve.transport.kv.transfer import IntegrityError, TransferError
 from epdserve.transport.channel.peer_pool import PeerPool
 from epdserve.transport.channel.protocol import Ack, KVHandle, LeaseRenewed, Message, Release, RenewLease
 from epdserve.transport.channel.request_client import RequestClient
+from epdserve.transport.kv.client import KVTransferClient
+from epdserve.transport.kv.states import HandoffState
+from epdserve.transport.kv.transfer import IntegrityError, TransferError
 
 if TYPE_CHECKING:
     import torch
@@ -72,16 +75,17 @@ class PeerSources:
 
 
 class _Handoff:
-    """A decode request's hold on prefill's blocks: the lease renewal, and the release, once."""
+    """A decode request's hold on prefill's blocks: the lease renewal, the pull's state (the transport's
+    names: EXPOSED while held, FETCHING, FETCHED or FAILED, then RELEASED once, whatever the reason - pulled,
+    failed, no room here in time, all cached here already, or the request ended)."""
 
-    __slots__ = ("sources", "arrival", "renewal", "released", "gave_up")
+    __slots__ = ("sources", "arrival", "renewal", "state")
 
     def __init__(self, sources: PeerSources, arrival: float) -> None:
         self.sources = sources
         self.arrival = arrival  # when the engine was told to expect it (monotonic)
         self.renewal: asyncio.Task | None = None
-        self.released = False
-        self.gave_up = False  # no room here in time: the prompt is recomputed when it gets some
+        self.state = HandoffState.EXPOSED
 
 
 class PeerKVConnector(KVConnector):
@@ -158,6 +162,8 @@ class PeerKVConnector(KVConnector):
         started = time.monotonic()
         handoff = self._handoffs.get(request_id)
         sources.spans.add("decode.queue", handoff.arrival if handoff else started, started)
+        if handoff is not None:
+            handoff.state = HandoffState.FETCHING
         handle, metrics = sources.kv_handle, self.metrics
         remote = list(handle.block_ids[load.first_block:load.first_block + len(load.block_ids)])
         metrics.local_kv_hit_blocks.inc(load.first_block)
@@ -172,6 +178,8 @@ class PeerKVConnector(KVConnector):
             metrics.transfer_failures.inc()
             sources.spans.add("kv.transfer:failed", started, time.monotonic(), 0, len(remote))
             sources.failed = (time.monotonic(), reason)
+            if handoff is not None:
+                handoff.state = HandoffState.FAILED
             self._release(request_id)
             self.finish(LoadResult(load.request_id, False, reason))
             return
@@ -185,6 +193,8 @@ class PeerKVConnector(KVConnector):
         metrics.remote_kv_blocks.inc(len(remote))
         metrics.remote_kv_requests.inc()
         sources.kv_ready = time.monotonic()
+        if handoff is not None:
+            handoff.state = HandoffState.FETCHED
         self._release(request_id)
         self.finish(LoadResult(load.request_id, True))
 
@@ -235,7 +245,6 @@ class PeerKVConnector(KVConnector):
                 self._gave_up.add(request_id)
                 handoff.sources.spans.add("decode.queue", handoff.arrival, time.monotonic())
                 handoff.sources.failed = (time.monotonic(), "no_room")
-                handoff.gave_up = True
                 self._release(request_id)
                 return
             try:
@@ -249,9 +258,9 @@ class PeerKVConnector(KVConnector):
     def _release(self, request_id: str) -> None:
         """Tell prefill to free the blocks (once), without waiting for its answer."""
         handoff = self._handoffs.get(request_id)
-        if handoff is None or handoff.released:
+        if handoff is None or handoff.state is HandoffState.RELEASED:
             return
-        handoff.released = True
+        handoff.state = HandoffState.RELEASED
         if handoff.renewal is not None and handoff.renewal is not asyncio.current_task():
             handoff.renewal.cancel()
         handle = handoff.sources.kv_handle
