@@ -41,19 +41,19 @@ class DecodeWorker(EngineWorker):
             return await self._start_decode(message)
         return await super().handle(message, peer)
 
-    async def _start_decode(self, m: DecodeRequest) -> Message:
-        if not m.prompt_token_ids or m.kv_handle.num_tokens != len(m.prompt_token_ids):
-            return bad_request(m.request_id, "the KV handle does not cover the prompt")
-        if len(m.other_first_tokens) != m.sampling_params.n - 1:
-            return bad_request(m.request_id, "a decode request needs one first token per sequence (n)")
+    async def _start_decode(self, message: DecodeRequest) -> Message:
+        if not message.prompt_token_ids or message.kv_handle.num_tokens != len(message.prompt_token_ids):
+            return bad_request(message.request_id, "the KV handle does not cover the prompt")
+        if len(message.other_first_tokens) != message.sampling_params.n - 1:
+            return bad_request(message.request_id, "a decode request needs one first token per sequence (n)")
         spans = RequestSpans(self.service.engine_id)
-        made = await self.make_request(m, spans, kv_handle=m.kv_handle,
-                                       peer_token_ids=[(m.first_token,), *((t,) for t in m.other_first_tokens)])
+        made = await self.make_request(message, spans, kv_handle=message.kv_handle,
+                                       peer_token_ids=[(message.first_token,), *((t,) for t in message.other_first_tokens)])
         if isinstance(made, Error):
             return made
         request, sources = made
-        self.llm.expect(m.request_id, sources)  # the peers' connector holds prefill's blocks until it pulls them
-        return self.spawn_stream(request, lambda: self._decoded(request, sources), m.reply_to, spans)
+        self.llm.expect(message.request_id, sources)  # the peers' connector holds prefill's blocks until it pulls them
+        return self.spawn_stream(request, lambda: self._decoded(request, sources), message.reply_to, spans)
 
     async def _decoded(self, request: Request, sources: PeerSources) -> AsyncIterator[RequestOutput]:
         """The request's outputs after prefill's first tokens; its first one records how the KV came:

@@ -54,9 +54,9 @@ def lora_request(lora: WireLoRA) -> LoRARequest:
 
 
 def kv_layout(engine: EngineConfig) -> KVLayout:
-    m = engine.model
-    return KVLayout(m.model_id, engine.kv_dtype_name, engine.cache.block_size, m.num_layers,
-                    m.num_kv_heads, m.head_size)
+    model = engine.model
+    return KVLayout(model.model_id, engine.kv_dtype_name, engine.cache.block_size, model.num_layers,
+                    model.num_kv_heads, model.head_size)
 
 
 def control_client_kwargs(service: ServiceConfig) -> dict:
@@ -143,27 +143,27 @@ class EngineWorker:
         return bad_request(getattr(message, "request_id", None),
                            f"a {self.role.value} service does not take {type(message).__name__}")
 
-    async def _kv_events(self, m: KVEventsRequest) -> KVEvents:
-        """What the prefix cache stored and evicted since batch `m.next_seq` (routers follow it)."""
-        batch = await self.llm.kv_events(m.next_seq)
+    async def _kv_events(self, request: KVEventsRequest) -> KVEvents:
+        """What the prefix cache stored and evicted since batch `request.next_seq` (routers follow it)."""
+        batch = await self.llm.kv_events(request.next_seq)
         local = next((t for t in batch.tiers if t.tier == "local"), None)
         return KVEvents(self.service.engine_id, self.engine_config.cache.block_size, batch.first_seq, batch.last_seq,
                         b"".join(batch.stored), b"".join(batch.removed), batch.snapshot,
                         b"".join(local.stored) if local else b"", b"".join(local.removed) if local else b"")
 
-    async def _lora_update(self, m: LoadLoRA | UnloadLoRA) -> Message:
+    async def _lora_update(self, request: LoadLoRA | UnloadLoRA) -> Message:
         """Read (and check) or forget an adapter; answered with Ack(name), or an Error saying why not."""
         if self.engine_config.lora is None:
             return bad_request(None, f"{self.service.engine_id} serves no LoRA adapters (start it with --enable-lora)")
-        if isinstance(m, UnloadLoRA):
-            if await self.llm.unload_lora(m.name):
-                return Ack(m.name)
-            return Error(ErrorCode.NOT_FOUND, f"no LoRA adapter {m.name!r} is loaded here")
+        if isinstance(request, UnloadLoRA):
+            if await self.llm.unload_lora(request.name):
+                return Ack(request.name)
+            return Error(ErrorCode.NOT_FOUND, f"no LoRA adapter {request.name!r} is loaded here")
         try:
-            await self.llm.load_lora(lora_request(WireLoRA(m.name, m.path)))
+            await self.llm.load_lora(lora_request(WireLoRA(request.name, request.path)))
         except ValueError as exc:
             return bad_request(None, str(exc))
-        return Ack(m.name)
+        return Ack(request.name)
 
     async def abort(self, request_id: str) -> None:
         task = self._tasks.get(request_id)
@@ -173,40 +173,40 @@ class EngineWorker:
             await self.llm.abort(request_id)
 
     # -- prompt to engine request -------------------------------------------------------------------
-    async def make_request(self, m: GenerateRequest | PrefillRequest | DecodeRequest, spans: RequestSpans,
+    async def make_request(self, message: GenerateRequest | PrefillRequest | DecodeRequest, spans: RequestSpans,
                            **kwargs) -> tuple[Request, PeerSources] | Error:
-        """The engine request for `m` (with `make_request`'s keyword arguments), and where its image embeddings
+        """The engine request for `message` (with `make_request`'s keyword arguments), and where its image embeddings
         - and `kv_handle`, a decode's prompt KV - may be had from (with `hold_for_peer`, a prefill's: its KV
         is kept for a decode once finished); or the Error to answer with (a request id in use, bad input).
         The embeddings are fetched only when a step must compute their positions."""
-        if m.request_id in self._tasks:
-            return bad_request(m.request_id, "request id already in use")
-        if m.lora is not None:
+        if message.request_id in self._tasks:
+            return bad_request(message.request_id, "request id already in use")
+        if message.lora is not None:
             if self.engine_config.lora is None:
-                return bad_request(m.request_id, f"LoRA adapter {m.lora.name!r} requested, but this engine serves "
+                return bad_request(message.request_id, f"LoRA adapter {message.lora.name!r} requested, but this engine serves "
                                                  "no adapters (start it with --enable-lora)")
-            kwargs["lora_request"] = lora_request(m.lora)
-            if m.lora.name not in self.llm.lora_adapters():  # read it off the event loop first
+            kwargs["lora_request"] = lora_request(message.lora)
+            if message.lora.name not in self.llm.lora_adapters():  # read it off the event loop first
                 try:
                     await self.llm.load_lora(kwargs["lora_request"])
                 except ValueError as exc:
-                    return bad_request(m.request_id, str(exc))
+                    return bad_request(message.request_id, str(exc))
         sources = PeerSources(spans, kv_handle=kwargs.pop("kv_handle", None),
                               hold_for_peer=kwargs.pop("hold_for_peer", False),
-                              encoder_addrs={ph.mm_hash: ph.encoder_addr for ph in m.mm_placeholders})
+                              encoder_addrs={ph.mm_hash: ph.encoder_addr for ph in message.mm_placeholders})
         try:
             request = await self.llm.make_request(
-                {"prompt_token_ids": list(m.prompt_token_ids)}, sampling_params_from_wire(m.sampling_params),
-                m.request_id, cache_salt=m.cache_salt, kv_transfer_params=sources,
-                mm_placeholders=tuple(MultiModalPlaceholder(p.offset, p.length, p.mm_hash) for p in m.mm_placeholders),
-                mrope_positions=mrope_positions_from_wire(m.mrope_positions), **kwargs)
+                {"prompt_token_ids": list(message.prompt_token_ids)}, sampling_params_from_wire(message.sampling_params),
+                message.request_id, cache_salt=message.cache_salt, kv_transfer_params=sources,
+                mm_placeholders=tuple(MultiModalPlaceholder(p.offset, p.length, p.mm_hash) for p in message.mm_placeholders),
+                mrope_positions=mrope_positions_from_wire(message.mrope_positions), **kwargs)
         except ValueError as exc:
-            return bad_request(m.request_id, str(exc))
+            return bad_request(message.request_id, str(exc))
         if request.lora_name is not None and not await self.llm.can_seat_lora(request.lora_name):
             # Every adapter slot is busy with other adapters' requests: another instance may have room.
             return no_lora_slot(NoLoRASlotError(f"no room for LoRA adapter {request.lora_name!r}: all "
                                                 f"{self.engine_config.lora.max_loras} adapter slots are in use"),
-                                m.request_id)
+                                message.request_id)
         return request, sources
 
     def refuse_if_overloaded(self, request_id: str) -> Error | None:

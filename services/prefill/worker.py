@@ -94,20 +94,20 @@ class PrefillWorker(EngineWorker):
             return Ack(message.request_id)
         return await super().handle(message, peer)
 
-    async def _prefill(self, m: PrefillRequest) -> Message:
-        rid = m.request_id
+    async def _prefill(self, message: PrefillRequest) -> Message:
+        rid = message.request_id
         if rid in self.leases or rid in self._freeing:  # its blocks are released by request id
             return bad_request(rid, "request id already in use")
         if refusal := self.refuse_if_overloaded(rid):
             return refusal
         spans = RequestSpans(self.service.engine_id)
         # This engine's part ends at each sequence's first token (n > 1: one prefill, a first token each).
-        made = await self.make_request(m, spans, hold_for_peer=True, max_output_tokens=PREFILL_OUTPUT_TOKENS)
+        made = await self.make_request(message, spans, hold_for_peer=True, max_output_tokens=PREFILL_OUTPUT_TOKENS)
         if isinstance(made, Error):
             return made
         request, _ = made
-        room = self.engine_config.model.max_model_len - len(m.prompt_token_ids)
-        wants_more = min(m.sampling_params.max_tokens or room, room) > PREFILL_OUTPUT_TOKENS
+        room = self.engine_config.model.max_model_len - len(message.prompt_token_ids)
+        wants_more = min(message.sampling_params.max_tokens or room, room) > PREFILL_OUTPUT_TOKENS
         task = asyncio.current_task()
         self._tasks[rid] = task
         try:
@@ -153,7 +153,7 @@ class PrefillWorker(EngineWorker):
         if self._lease_task is None:
             self._lease_task = asyncio.create_task(self._expire_leases())
         handle = KVHandle(self.service.engine_id, self.data_addr, tuple(block_ids), generation,
-                          len(m.prompt_token_ids), time.time() + self.service.lease_seconds, self.control_addr)
+                          len(message.prompt_token_ids), time.time() + self.service.lease_seconds, self.control_addr)
         return PrefillDone(rid, first, handle, out.num_cached_tokens, None, first_logprobs,
                            other_first_tokens=others, prompt_logprobs=prompt_logprobs, trace=spans.take())
 
