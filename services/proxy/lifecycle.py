@@ -12,7 +12,7 @@ Routing is KV-aware by default (kv_routing.py): the router's prefix index knows 
 which blocks (the engines' KV events), so prefill and decode are each chosen by the prompt blocks they
 hold weighed against their load, and a decode that already holds all but a few tokens of the prompt (a
 chat's next turn) prefills the rest itself, with nothing transferred. Every such decision is counted by
-path and reason (`routed`). `--routing-policy load` keeps the older choice: prefill by a hash of the
+path and reason (`routed`). `--routing-policy load` chooses by load alone: prefill by a hash of the
 prompt's head, decode by free blocks and load.
 
 Every call to a service (encode, prefill, start a stream) goes through one failover path
