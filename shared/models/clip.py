@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdserve.shared.models.layers.linear import Linear
-from epdserve.shared.models.vision_config import ACTIVATION_NAMES, CLIPVisionConfig, check_activation
+from epdserve.shared.processing.vision_config import ACTIVATION_NAMES, CLIPVisionConfig, check_activation
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -9,11 +9,11 @@ import numpy as np
 import torch
 
 from epdserve.shared.models.llava_encoder import LlavaEncoder
-from epdserve.shared.models.qwen_vision_config import is_qwen2_5_vl
 from epdserve.shared.models.qwen_vl_encoder import QwenVLEncoder
 from epdserve.shared.processing.image_processor import ImageProcessor
 from epdserve.shared.processing.multimodal import load_image_processor
 from epdserve.shared.processing.qwen_image_processor import QwenImageProcessor
+from epdserve.shared.processing.qwen_vision_config import is_qwen2_5_vl
 
 
 class ImageEncoder:

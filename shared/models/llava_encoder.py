@@ -16,9 +16,9 @@ from torch import nn
 
 from epdserve.shared.models.layers.linear import Linear
 from epdserve.shared.models.clip import CLIPVisionTransformer, get_activation
-from epdserve.shared.models.vision_config import LlavaEncoderConfig
 from epdserve.shared.models.weights import iterate_weights
 from epdserve.shared.models.unfilled import build_unfilled
+from epdserve.shared.processing.vision_config import LlavaEncoderConfig
 
 # Where the tower and the projector live in checkpoints of older and newer transformers versions.
 _TOWER_PREFIXES = ("vision_tower.", "model.vision_tower.")

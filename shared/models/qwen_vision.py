@@ -21,7 +21,7 @@ from torch import nn
 from epdserve.shared.models.clip import get_activation
 from epdserve.shared.models.layers.linear import Linear
 from epdserve.shared.models.layers.rms_norm import RMSNorm
-from epdserve.shared.models.qwen_vision_config import QwenVisionConfig
+from epdserve.shared.processing.qwen_vision_config import QwenVisionConfig
 
 _NORM_EPS = 1e-6  # HF's, fixed for the tower and the merger
 

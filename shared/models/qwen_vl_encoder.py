@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from epdserve.shared.models.qwen_vision import QwenVisionTransformer
-from epdserve.shared.models.qwen_vision_config import QwenVLEncoderConfig
 from epdserve.shared.models.weights import iterate_weights
 from epdserve.shared.models.unfilled import build_unfilled
+from epdserve.shared.processing.qwen_vision_config import QwenVLEncoderConfig
 
 # Where the tower lives in checkpoints saved by transformers 4 and 5.
 _TOWER_PREFIXES = ("visual.", "model.visual.")

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -19,6 +20,8 @@ import numpy as np
 from epdserve.shared.processing.image_processor import DEFAULT_MAX_IMAGE_PIXELS, ImageProcessor, ImageProcessorConfig
 from epdserve.shared.processing.qwen_image_processor import (QWEN_PROCESSORS, QwenImageProcessor,
                                                             QwenImageProcessorConfig)
+from epdserve.shared.processing.qwen_vision_config import is_qwen2_5_vl
+from epdserve.shared.processing.vision_config import LlavaEncoderConfig
 
 _HASH_DOMAIN = b"epdserve-image-v1"
 
@@ -63,11 +66,6 @@ class ImagePromptSpec:
     @staticmethod
     def from_pretrained(path: str | Path) -> ImagePromptSpec:
         """Read from a LLaVA or Qwen2.5-VL checkpoint's config.json (no weights are loaded)."""
-        import json
-
-        from epdserve.shared.models.qwen_vision_config import is_qwen2_5_vl
-        from epdserve.shared.models.vision_config import LlavaEncoderConfig
-
         config_file = Path(path) / "config.json"
         if config_file.is_file() and is_qwen2_5_vl(raw := json.loads(config_file.read_text())):
             return ImagePromptSpec(int(raw.get("image_token_id", 151655)), None)
@@ -78,8 +76,6 @@ class ImagePromptSpec:
 def load_image_processor(path: str | Path, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageProcessor:
     """The image processor a model folder's preprocessor_config.json (or the image processor inside its
     processor_config.json) names: Qwen2-VL's, or CLIP's."""
-    import json
-
     folder = Path(path)
     single, combined = folder / "preprocessor_config.json", folder / "processor_config.json"
     raw = json.loads(single.read_text()) if single.is_file() else {}

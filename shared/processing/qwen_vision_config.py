@@ -1,5 +1,6 @@
-"""What Qwen2.5-VL's vision tower is, as its checkpoint's config.json says: read by the encoder that runs it.
-No torch: only what runs the tower loads it.
+"""What Qwen2.5-VL's vision tower is, as its checkpoint's config.json says: read by the encoder that runs it
+(shared/models/qwen_vision.py), and by the proxy, which must know whether a checkpoint is Qwen2.5-VL's. No
+torch: only what runs the tower loads it.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from epdserve.shared.config import dtype_name, parse_dtype
-from epdserve.shared.models.vision_config import check_activation
+from epdserve.shared.processing.vision_config import check_activation
 
 if TYPE_CHECKING:
     import torch

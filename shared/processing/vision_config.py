@@ -1,5 +1,5 @@
 """What a vision tower and its projector are, as their checkpoint's config.json says: read by the encoder
-that runs them, and by the proxy, which must know how many tokens an image takes in a prompt. No torch:
+that runs them (shared/models/llava_encoder.py), and by the proxy, which must know how many tokens an image takes in a prompt. No torch:
 the proxy loads none.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from epdserve.shared.config import dtype_name, parse_dtype
 if TYPE_CHECKING:
     import torch
 
-# HF activation names the towers and projectors here compute (clip.py's ACTIVATIONS).
+# HF activation names the towers and projectors compute (shared/models/clip.py's ACTIVATIONS).
 ACTIVATION_NAMES = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "relu", "silu")
 
 

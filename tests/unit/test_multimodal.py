@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from epdserve.shared.processing.image_processor import ImageProcessor, ImageProcessorConfig
-from epdserve.shared.models.vision_config import LlavaEncoderConfig
+from epdserve.shared.processing.vision_config import LlavaEncoderConfig
 from epdserve.shared.processing.multimodal import ImagePromptSpec, expand_image_tokens, mm_hash
 from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 
