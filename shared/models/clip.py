@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epdserve.shared.models.layers.linear import Linear
+from epdserve.shared.models.weight_loader import load_weights
 from epdserve.shared.processing.vision_config import ACTIVATION_NAMES, CLIPVisionConfig, check_activation
 
 
@@ -48,6 +49,12 @@ class CLIPAttention(nn.Module):
         # q, k and v stacked in one matmul (rows in that order); loaded from HF's three projections.
         self.qkv_proj = Linear(config.hidden_size, 3 * config.hidden_size)
         self.out_proj = Linear(config.hidden_size, config.hidden_size)
+
+    def checkpoint_pieces(self, prefix: str) -> dict[str, tuple[str, tuple]]:
+        """HF's q/k/v projections (weights and biases) -> (our fused parameter, rows in it)."""
+        hidden = self.num_heads * self.head_size
+        return {f"{prefix}{part}.{kind}": (f"{prefix}qkv_proj.{kind}", (slice(i * hidden, (i + 1) * hidden),))
+                for i, part in enumerate(("q_proj", "k_proj", "v_proj")) for kind in ("weight", "bias")}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, seq, hidden = x.shape
@@ -128,38 +135,18 @@ class CLIPVisionTransformer(nn.Module):
         """Copy HF-named tensors (relative to the tower: `embeddings.`, `encoder.layers.N.`, ...) into our
         parameters. Layers past the ones built and the unused post-layernorm are skipped; every parameter
         must be written."""
-        params = dict(self.named_parameters())
-        pending = set(params)
-        qkv_rows = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
-        qkv_written: dict[str, set[str]] = {}  # fused parameter -> pieces written so far
-        hidden = self.config.hidden_size
-        for hf_name, tensor in weights:
-            name = hf_name.removeprefix("vision_model.").replace("encoder.layers.", "layers.")
-            if name.startswith("post_layernorm.") or name.endswith("position_ids"):
-                continue
-            layer = name.split(".")[1] if name.startswith("layers.") else ""
-            if layer.isdigit() and int(layer) >= len(self.layers):
-                continue
-            piece = name.split(".")[-2] if "." in name else ""
-            if piece in qkv_rows:
-                name = name.replace(f".{piece}.", ".qkv_proj.")
-                if name not in params or tensor.shape[0] != hidden or tensor.shape[1:] != params[name].shape[1:]:
-                    raise ValueError(f"unexpected vision tower weight {hf_name!r} of shape {tuple(tensor.shape)}")
-                row = qkv_rows[piece] * hidden
-                params[name].data[row:row + hidden].copy_(tensor)
-                qkv_written.setdefault(name, set()).add(piece)
-                if len(qkv_written[name]) == len(qkv_rows):
-                    pending.discard(name)
-                continue
-            if name not in params:
-                raise ValueError(f"unexpected vision tower weight {hf_name!r}")
-            if tensor.shape != params[name].shape:
-                raise ValueError(f"vision tower weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
-            params[name].data.copy_(tensor)
-            pending.discard(name)
-        if pending:
-            raise ValueError(f"checkpoint lacks vision tower weights: {sorted(pending)[:8]}")
+        pieces = {}
+        for i, layer in enumerate(self.layers):
+            pieces.update(layer.self_attn.checkpoint_pieces(f"layers.{i}.self_attn."))
+        load_weights(self, weights, pieces, rename=self._our_name, what="vision tower weight")
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+
+    def _our_name(self, hf_name: str) -> str | None:
+        """The name a tower tensor goes by here; None for those not loaded."""
+        name = hf_name.removeprefix("vision_model.").replace("encoder.layers.", "layers.")
+        if name.startswith("post_layernorm.") or name.endswith("position_ids"):
+            return None
+        layer = name.split(".")[1] if name.startswith("layers.") else ""
+        return None if layer.isdigit() and int(layer) >= len(self.layers) else name

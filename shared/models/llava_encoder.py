@@ -16,6 +16,7 @@ from torch import nn
 
 from epdserve.shared.models.layers.linear import Linear
 from epdserve.shared.models.clip import CLIPVisionTransformer, get_activation
+from epdserve.shared.models.weight_loader import load_weights
 from epdserve.shared.models.weights import iterate_weights
 from epdserve.shared.models.unfilled import build_unfilled
 from epdserve.shared.processing.vision_config import LlavaEncoderConfig
@@ -80,22 +81,14 @@ class LlavaEncoder(nn.Module):
         """Load the `vision_tower.*` and `multi_modal_projector.*` tensors of a LLaVA checkpoint; the rest
         (the language model) is skipped."""
         tower: list[tuple[str, torch.Tensor]] = []
-        projector = dict(self.multi_modal_projector.named_parameters())
-        pending = set(projector)
+        projector: list[tuple[str, torch.Tensor]] = []
         for name, tensor in weights:
             if name.startswith(_TOWER_PREFIXES):
                 tower.append((name.split("vision_tower.", 1)[1], tensor))
             elif name.startswith(_PROJECTOR_PREFIXES):
-                local = name.split("multi_modal_projector.", 1)[1]
-                if local not in projector:
-                    raise ValueError(f"unexpected projector weight {name!r}")
-                if tensor.shape != projector[local].shape:
-                    raise ValueError(f"projector weight {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(projector[local].shape)}")
-                projector[local].data.copy_(tensor)
-                pending.discard(local)
-        if pending:
-            raise ValueError(f"checkpoint lacks projector weights: {sorted(pending)}")
+                projector.append((name, tensor))
+        load_weights(self.multi_modal_projector, projector,
+                     rename=lambda name: name.split("multi_modal_projector.", 1)[1], what="projector weight")
         if not tower:
             raise ValueError("checkpoint has no vision_tower weights")
         self.vision_tower.load_weights(tower)

@@ -21,6 +21,7 @@ from torch import nn
 from epdserve.shared.models.clip import get_activation
 from epdserve.shared.models.layers.linear import Linear
 from epdserve.shared.models.layers.rms_norm import RMSNorm
+from epdserve.shared.models.weight_loader import load_weights
 from epdserve.shared.processing.qwen_vision_config import QwenVisionConfig
 
 _NORM_EPS = 1e-6  # HF's, fixed for the tower and the merger
@@ -174,20 +175,13 @@ class QwenVisionTransformer(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (relative to the tower: `patch_embed.proj.weight`, `blocks.N.`, `merger.`)
         into our parameters; every parameter must be written exactly once."""
-        params = dict(self.named_parameters())
-        pending = set(params)
-        for hf_name, tensor in weights:
-            name = (hf_name.replace("patch_embed.proj.", "patch_embed.")
-                    .replace("merger.mlp.0.", "merger.fc1.").replace("merger.mlp.2.", "merger.fc2."))
-            if name not in params or name not in pending:
-                raise ValueError(f"unexpected vision tower weight {hf_name!r}")
-            if tensor.shape != params[name].shape:
-                raise ValueError(f"vision tower weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
-            params[name].data.copy_(tensor)
-            pending.discard(name)
-        if pending:
-            raise ValueError(f"checkpoint lacks vision tower weights: {sorted(pending)[:8]}")
+        load_weights(self, weights, rename=_our_name, what="vision tower weight")
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+
+
+def _our_name(hf_name: str) -> str:
+    """The name a tower tensor goes by here."""
+    return (hf_name.replace("patch_embed.proj.", "patch_embed.")
+            .replace("merger.mlp.0.", "merger.fc1.").replace("merger.mlp.2.", "merger.fc2."))

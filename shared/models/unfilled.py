@@ -1,9 +1,9 @@
 """Modules built with their parameters left unfilled, for a loader that writes every one of them.
 
 nn.Linear, nn.Embedding and the norms fill their parameters with random (or constant) values when built;
-every loader here (weight_loader.load_weights and the vision towers' load_weights) writes each parameter and
-refuses a checkpoint that lacks one, so that filling is thrown away. On SmolLM2-135M it was a third of an
-engine's start (0.65 of 1.8 s). Buffers computed in __init__ (RoPE tables) are kept: only torch.nn.init's
+every model here loads through weight_loader.load_weights, which writes each parameter and refuses a
+checkpoint that lacks one, so that filling is thrown away: on SmolLM2-135M it costs a third of an engine's
+start (0.65 of 1.8 s). Buffers computed in __init__ (RoPE tables) are kept: only torch.nn.init's
 in-place fills are skipped while the module is built.
 """
 from __future__ import annotations
