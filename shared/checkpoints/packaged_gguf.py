@@ -16,12 +16,11 @@ import hashlib
 import importlib.metadata
 import logging
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from epdserve.shared.checkpoints.model_folder import building
+from epdserve.shared.checkpoints.model_folder import building, write_whole
 from epdserve.shared.models.weights import GGUF_WEIGHTS
 
 logger = logging.getLogger(__name__)
@@ -95,24 +94,21 @@ def prepare_gguf(path: Path, cache_dir: Path | None = None) -> Path:
 def _prepare(checkpoint: PackagedGGUF, folder: Path, source: Path | None = None) -> None:
     logger.info("converting %s from its packaged GGUF file into %s (once: seconds for SmolLM2, half a minute for Gemma 3 270M)", checkpoint.name,
                 folder)
-    # Build in a sibling temp folder and rename, so a killed conversion never leaves a half folder; a joined
-    # GGUF file goes to a scratch folder beside it, deleted with it.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{checkpoint.name}-", dir=folder.parent))
-    scratch = Path(tempfile.mkdtemp(prefix=f".{checkpoint.name}-gguf-", dir=folder.parent))
-    try:
-        source = source or gguf_file(checkpoint, scratch)
-        _convert(checkpoint, source, tmp)
-        # The engine serves the weights as the file ships them (quantized); HF reads the dequantized copy.
-        if checkpoint.part_distributions:
-            source.rename(tmp / GGUF_WEIGHTS)
-        else:
-            (tmp / GGUF_WEIGHTS).symlink_to(source)
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(scratch, ignore_errors=True)
+    # The folder is written whole (a killed conversion never leaves half of one); a joined GGUF file goes to a
+    # scratch folder beside it, deleted once the folder is in place.
+    with tempfile.TemporaryDirectory(prefix=f".{checkpoint.name}-gguf-", dir=folder.parent,
+                                     ignore_cleanup_errors=True) as scratch:
+
+        def build(tmp: Path) -> None:
+            gguf = source or gguf_file(checkpoint, Path(scratch))
+            _convert(checkpoint, gguf, tmp)
+            # The engine serves the weights as the file ships them (quantized); HF reads the dequantized copy.
+            if checkpoint.part_distributions:
+                gguf.rename(tmp / GGUF_WEIGHTS)
+            else:
+                (tmp / GGUF_WEIGHTS).symlink_to(gguf)
+
+        write_whole(folder, build)
 
 
 def gguf_file(checkpoint: PackagedGGUF, scratch: Path) -> Path:
