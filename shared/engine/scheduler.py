@@ -13,7 +13,7 @@ wait on it and fork from it - sharing its blocks - in the step that completes it
 Seats (`max_num_seqs`) are shared fairly: while other requests wait for one, no request's sequences hold
 more than half of them. A group's sequences beyond that are parked - their KV kept, their next token not
 computed - and take turns as the group's running ones finish; once nobody waits, parked sequences take
-the free seats again. So one request with n = 128 on a 128-seat engine no longer keeps every other request
+the free seats again. So one request with n = 128 on a 128-seat engine does not keep every other request
 out until it ends: the next request is seated in the next step.
 """
 from __future__ import annotations

@@ -4,12 +4,7 @@ Two halves. Decoding is the trust boundary of the image path and is ours: only a
 are opened, an image's pixel count is checked from its header before any pixel is decoded, and the
 result is RGB (transparency composited onto white, as HF's processors do), which `mm_hash` hashes.
 The pixel math (resize, center crop, rescale, normalize) is HF transformers' PIL-backed
-`CLIPImageProcessor` itself, so it is exact by definition. A hand copy of that math used to live
-here; measured against HF's (benchmarks/image_processor_bench.py at commit 4ba2926, one thread,
-from RGB pixels) it was bit-identical and barely faster: 0.56 vs 0.84 ms for 224x224 to 224,
-5.0 vs 5.5 ms for 640x480 to 336, 18.2 vs 19.0 ms for 1920x1080 to 336 (the PIL resize dominates),
-with peak allocations of at most 1.1 vs 5.9 MiB. Against the vision tower's own cost that buys
-nothing, so the hand copy went.
+`CLIPImageProcessor` itself, so it is exact by definition.
 
 `ImageProcessorConfig` is the part of `preprocessor_config.json` that changes pixels: it enters
 `mm_hash`, bounds the resized size, and refuses settings the vision path does not support.
