@@ -6,10 +6,10 @@
 // token: the causal prefix up to itself) and computes in float32: the scores, an exact two-pass softmax,
 // and the probability-weighted sum of V (normalised once, at the end). A decode's item reads its K and V
 // blocks from memory once. The consecutive tokens of a prefill chunk are taken TILE_TOKENS at a time in
-// one item, which reads each K and V block once for all of them while it is in L1: one item per token
-// streamed the whole prefix from L3 per token (a 4k-token prompt's K and V of one head are 2 MB, more than
-// L2), and ran at half the machine's speed. Each token's sums are added in the same order either way, so a
-// token's result does not depend on its tile, its batch or its chunk.
+// one item, which reads each K and V block once for all of them while it is in L1 (an item per token would
+// stream the whole prefix from L3 for each token - a 4k-token prompt's K and V of one head are 2 MB, more
+// than L2 - and runs at half the machine's speed). Each token's sums are added in the same order either way,
+// so a token's result does not depend on its tile, its batch or its chunk.
 //
 // The cache may be stored narrower than the query (--kv-cache-dtype): bfloat16, or FP8 (E4M3 or E5M2, scale
 // 1.0 as vLLM's default); its values are widened to float32 as they are read, so the arithmetic is the same.
@@ -17,7 +17,8 @@
 // With AVX-512 and a head size that is a multiple of 16 (float32, bfloat16 and FP8 caches), the scores of 16
 // tokens come out of one transposing reduction instead of 16 horizontal sums, the softmax runs 16 lanes
 // at a time, and the weighted sum of V keeps its accumulators in registers across the whole context.
-// Without AVX-512, AVX2 runs the same steps 8 lanes at a time (head sizes a multiple of 8); the plain
+// Without AVX-512, AVX2 runs the same steps 8 lanes at a time (head sizes a multiple of 8): the vector
+// loops are written once, over `Lanes`, the few steps whose instructions differ with the width. The plain
 // loops below serve every other case.
 // Not torch/extension.h, torch's whole C++ API: these are all a kernel uses, in half the compile time.
 #include <torch/csrc/utils/pybind.h>
@@ -133,9 +134,9 @@ inline void softmax_rows_plain(float* scores, int64_t rows, int64_t ctx, float* 
 }
 
 // q . k over d_n, in DOT_LANES partial sums (lane j takes d = j mod DOT_LANES) added up in a fixed tree:
-// independent chains the compiler turns into vector fused multiply-adds (one chain over d, as before, was
-// latency-bound: an AVX2 Zen 3 prefilled a 1k-token prompt 2.5x slower than PyTorch's attention). The
-// order is fixed, so a token's score does not depend on its batch.
+// independent chains the compiler turns into vector fused multiply-adds (a single chain over d is
+// latency-bound: with one, an AVX2 Zen 3 prefills a 1k-token prompt 2.5x slower than PyTorch's attention).
+// The order is fixed, so a token's score does not depend on its batch.
 inline float dot_plain(const float* q, const float* k, int64_t d_n) {
   float part[DOT_LANES] = {};
   int64_t d = 0;
@@ -146,9 +147,9 @@ inline float dot_plain(const float* q, const float* k, int64_t d_n) {
 }
 
 // A cache row as float32: the row itself, or its values widened into `buffer`. The plain loops then run the
-// same float32 code whatever the cache stores: loops that converted as they went compiled to other code than
-// the float32 ones and rounded differently (an E4M3 cache's results then differed from a float32 cache holding
-// the same values).
+// same float32 code whatever the cache stores: loops that convert as they go compile to other code than the
+// float32 ones and round differently (an E4M3 cache's results would differ from a float32 cache holding the
+// same values).
 template <typename T>
 inline const float* widened(const T* row, int64_t n, float* buffer) {
   if constexpr (std::is_same_v<T, float>) {
@@ -243,251 +244,217 @@ void tile_values(const HeadRows<T>& values, const Tile& tile, float* acc, Weigh 
   }
 }
 
-#ifdef __AVX512F__
-// r[i] = the sum of v[i]'s 16 lanes: a transposing tree of 15 shuffle-and-add steps.
-inline __m512 sum_lanes16(__m512 v[16]) {
-  __m512 s2[8], s4[4];
-  for (int i = 0; i < 8; ++i)  // lanes alternate v[2i], v[2i+1] in each 128-bit quarter
-    s2[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // each quarter holds partial sums of v[4i..4i+3]
-    const __m512d a = _mm512_castps_pd(s2[2 * i]), b = _mm512_castps_pd(s2[2 * i + 1]);
-    s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[0], s4[1], 0x88), _mm512_shuffle_f32x4(s4[0], s4[1], 0xdd));
-  const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2], s4[3], 0x88), _mm512_shuffle_f32x4(s4[2], s4[3], 0xdd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xdd));
-}
+// The vector path's width-specific steps: `Lanes`, the float32 lanes of one register (16 with AVX-512, 8
+// with AVX2 and FMA); the loops after it are written once against it.
+#if defined(__AVX512F__)
+#define VECTOR_PATH 1
+struct Lanes {
+  using Vec = __m512;
+  static constexpr int width = 16;
+  // Query heads per pass of the weighted sum of V: with 4 vectors of values, 16 accumulators of the 32
+  // registers.
+  static constexpr int max_heads = 4;
 
-inline void softmax_rows16(float* scores, int64_t rows, int64_t ctx, float* inv_sum) {
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec set1(float x) { return _mm512_set1_ps(x); }
+  static Vec loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static void storeu(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  // A cache row's values as float32 lanes.
+  template <typename T>
+  static Vec load(const T* p) { return load16(p); }
+
+  // r[i] = the sum of v[i]'s 16 lanes: a transposing tree of 15 shuffle-and-add steps.
+  static Vec sum_lanes(Vec v[16]) {
+    __m512 s2[8], s4[4];
+    for (int i = 0; i < 8; ++i)  // lanes alternate v[2i], v[2i+1] in each 128-bit quarter
+      s2[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {  // each quarter holds partial sums of v[4i..4i+3]
+      const __m512d a = _mm512_castps_pd(s2[2 * i]), b = _mm512_castps_pd(s2[2 * i + 1]);
+      s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[0], s4[1], 0x88), _mm512_shuffle_f32x4(s4[0], s4[1], 0xdd));
+    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2], s4[3], 0x88), _mm512_shuffle_f32x4(s4[2], s4[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xdd));
+  }
+  // dst[i] = lane i of v for i in [skip, n) (n <= 16).
+  static void store_range(float* dst, Vec v, int64_t skip, int64_t n) {
+    _mm512_mask_storeu_ps(dst, first_lanes(n) & ~first_lanes(skip), v);
+  }
+
+  // The softmax's steps on s[0, min(n, 16)): `max` and the largest of them, lane by lane;
+  static Vec max_first(Vec max, const float* s, int64_t n) {
+    return _mm512_mask_max_ps(max, first_lanes(n), max, _mm512_maskz_loadu_ps(first_lanes(n), s));
+  }
+  // s = exp(s - m) in place, returning `sum` plus those values, lane by lane.
+  static Vec exp_first(float* s, int64_t n, Vec m, Vec sum) {
+    const __mmask16 k = first_lanes(n);
+    const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s), m));
+    _mm512_mask_storeu_ps(s, k, e);
+    return _mm512_mask_add_ps(sum, k, sum, e);
+  }
+  static float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
+  static float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VECTOR_PATH 1
+struct Lanes {
+  using Vec = __m256;
+  static constexpr int width = 8;
+  // Query heads per pass of the weighted sum of V: with 4 vectors of values, 12 accumulators of the 16
+  // registers.
+  static constexpr int max_heads = 3;
+
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec set1(float x) { return _mm256_set1_ps(x); }
+  static Vec loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static void storeu(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  template <typename T>
+  static Vec load(const T* p) { return load8(p); }
+
+  // r[i] = the sum of v[i]'s 8 lanes: a transposing tree of 7 shuffle-and-add steps.
+  static Vec sum_lanes(const Vec v[8]) {
+    __m256 s2[4], s4[2];
+    for (int i = 0; i < 4; ++i)  // in each 128-bit half: lanes alternate v[2i], v[2i+1]
+      s2[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; ++i) {  // each half holds partial sums of v[4i..4i+3]
+      const __m256d a = _mm256_castps_pd(s2[2 * i]), b = _mm256_castps_pd(s2[2 * i + 1]);
+      s4[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(s4[0], s4[1], 0x20), _mm256_permute2f128_ps(s4[0], s4[1], 0x31));
+  }
+  static void store_range(float* dst, Vec v, int64_t skip, int64_t n) {
+    if (skip == 0 && n == 8) {
+      _mm256_storeu_ps(dst, v);
+    } else {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, v);
+      for (int64_t i = skip; i < n; ++i) dst[i] = lanes[i];
+    }
+  }
+
+  static Vec max_first(Vec max, const float* s, int64_t n) {
+    const __m256i k = first_lanes8(n);
+    return _mm256_max_ps(max, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), load8(s, k), _mm256_castsi256_ps(k)));
+  }
+  static Vec exp_first(float* s, int64_t n, Vec m, Vec sum) {
+    const __m256i k = first_lanes8(n);
+    const __m256 e = _mm256_and_ps(exp_approx8(_mm256_sub_ps(load8(s, k), m)), _mm256_castsi256_ps(k));
+    _mm256_maskstore_ps(s, k, e);
+    return _mm256_add_ps(sum, e);
+  }
+  static float reduce_max(Vec v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
+  }
+  static float reduce_add(Vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+  }
+};
+#endif
+
+#ifdef VECTOR_PATH
+inline void softmax_rows_vector(float* scores, int64_t rows, int64_t ctx, float* inv_sum) {
   for (int64_t g = 0; g < rows; ++g) {
     float* s = scores + g * ctx;
-    __m512 max = _mm512_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < ctx; i += 16)
-      max = _mm512_mask_max_ps(max, first_lanes(ctx - i), max, _mm512_maskz_loadu_ps(first_lanes(ctx - i), s + i));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(max));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < ctx; i += 16) {
-      const __mmask16 k = first_lanes(ctx - i);
-      const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), m));
-      _mm512_mask_storeu_ps(s + i, k, e);
-      sum = _mm512_mask_add_ps(sum, k, sum, e);
-    }
-    inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    Lanes::Vec max = Lanes::set1(-INFINITY);
+    for (int64_t i = 0; i < ctx; i += Lanes::width) max = Lanes::max_first(max, s + i, ctx - i);
+    const Lanes::Vec m = Lanes::set1(Lanes::reduce_max(max));
+    Lanes::Vec sum = Lanes::zero();
+    for (int64_t i = 0; i < ctx; i += Lanes::width) sum = Lanes::exp_first(s + i, ctx - i, m, sum);
+    inv_sum[g] = 1.0f / Lanes::reduce_add(sum);
   }
 }
 
-// dst[i] = q . K[start + i] for the chunk's tokens i in [skip, n) (n <= 16): the 16 dot products in
-// lanes, then one transposing reduction instead of 16 horizontal sums.
-// DV: the head size in vectors of 16 when known at compile time (0: dv at run time).
+// dst[i] = q . K[start + i] for the chunk's tokens i in [skip, n) (n <= Lanes::width): the dot products in
+// lanes, then one transposing reduction instead of a horizontal sum each.
+// DV: the head size in vectors when known at compile time (0: dv at run time).
 template <typename T, int DV>
-inline void score16(const T* rows, const float* qg, int64_t d_n, int64_t n, int64_t skip, float* dst) {
-  const int64_t dv = DV ? DV : d_n / 16;
-  __m512 v[16];
+inline void score_lanes(const T* rows, const float* qg, int64_t d_n, int64_t n, int64_t skip, float* dst) {
+  constexpr int W = Lanes::width, HEAD_128 = 128 / W;  // (the inner loop unrolled as far as a head of 128)
+  const int64_t dv = DV ? DV : d_n / W;
+  Lanes::Vec v[W];
 #pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) {
-    __m512 a = _mm512_setzero_ps();
+  for (int i = 0; i < W; ++i) {
+    Lanes::Vec a = Lanes::zero();
     if (i < n) {
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < dv; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), load16(rows + i * d_n + 16 * c), a);
+#pragma GCC unroll HEAD_128
+      for (int64_t c = 0; c < dv; ++c) a = Lanes::fmadd(Lanes::loadu(qg + W * c), Lanes::load(rows + i * d_n + W * c), a);
     }
     v[i] = a;
   }
-  _mm512_mask_storeu_ps(dst, first_lanes(n) & ~first_lanes(skip), sum_lanes16(v));
+  Lanes::store_range(dst, Lanes::sum_lanes(v), skip, n);
 }
 
-// acc[g][d] += sum over t in [lo, hi) of p[g][t] V[t][d] for GT query heads and VC vectors of 16 values
-// from d0, the accumulators in registers across the rows.
+// acc[g][d] += sum over t in [lo, hi) of p[g][t] V[t][d] for GT query heads and VC vectors of values from d0,
+// the accumulators in registers across the rows.
 template <typename T, int GT, int VC>
-void weighted_values16(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t lo, int64_t hi,
-                       int64_t d0, float* acc, int64_t acc_stride) {
-  __m512 a[GT][VC];
+void weighted_values(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t lo, int64_t hi,
+                     int64_t d0, float* acc, int64_t acc_stride) {
+  constexpr int W = Lanes::width;
+  Lanes::Vec a[GT][VC];
   for (int g = 0; g < GT; ++g)
-    for (int c = 0; c < VC; ++c) a[g][c] = _mm512_loadu_ps(acc + g * acc_stride + d0 + 16 * c);
+    for (int c = 0; c < VC; ++c) a[g][c] = Lanes::loadu(acc + g * acc_stride + d0 + W * c);
   const int64_t bs = values.block_size, last_block = (hi - 1) / bs;
   for (int64_t b = lo / bs; b <= last_block; ++b) {
     if (b + PREFETCH_BLOCKS <= last_block) values.prefetch_block(b + PREFETCH_BLOCKS);
     const T* block = values.block(b);
     for (int64_t t = std::max(lo, b * bs); t < std::min(hi, (b + 1) * bs); ++t) {
       const T* row = block + (t - b * bs) * values.head_size + d0;
-      __m512 x[VC];
-      for (int c = 0; c < VC; ++c) x[c] = load16(row + 16 * c);
+      Lanes::Vec x[VC];
+      for (int c = 0; c < VC; ++c) x[c] = Lanes::load(row + W * c);
       for (int g = 0; g < GT; ++g) {
-        const __m512 w = _mm512_set1_ps(p[g * ctx + (t - first)]);
-        for (int c = 0; c < VC; ++c) a[g][c] = _mm512_fmadd_ps(w, x[c], a[g][c]);
+        const Lanes::Vec w = Lanes::set1(p[g * ctx + (t - first)]);
+        for (int c = 0; c < VC; ++c) a[g][c] = Lanes::fmadd(w, x[c], a[g][c]);
       }
     }
   }
   for (int g = 0; g < GT; ++g)
-    for (int c = 0; c < VC; ++c) _mm512_storeu_ps(acc + g * acc_stride + d0 + 16 * c, a[g][c]);
+    for (int c = 0; c < VC; ++c) Lanes::storeu(acc + g * acc_stride + d0 + W * c, a[g][c]);
 }
 
+// weighted_values over the whole head, up to 4 vectors of values at a time.
 template <typename T, int GT>
-void weighted_values16_chunks(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t lo,
-                              int64_t hi, float* acc) {
+void weighted_values_chunks(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t lo,
+                            int64_t hi, float* acc) {
   const int64_t d_n = values.head_size;
-  for (int64_t d0 = 0; d0 < d_n; d0 += 64) {
-    switch (std::min<int64_t>(4, (d_n - d0) / 16)) {
-      case 4: weighted_values16<T, GT, 4>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
-      case 3: weighted_values16<T, GT, 3>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
-      case 2: weighted_values16<T, GT, 2>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
-      default: weighted_values16<T, GT, 1>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
+  for (int64_t d0 = 0; d0 < d_n; d0 += 4 * Lanes::width) {
+    switch (std::min<int64_t>(4, (d_n - d0) / Lanes::width)) {
+      case 4: weighted_values<T, GT, 4>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
+      case 3: weighted_values<T, GT, 3>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
+      case 2: weighted_values<T, GT, 2>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
+      default: weighted_values<T, GT, 1>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
     }
   }
 }
 
+// The vector path's work item (head sizes a multiple of Lanes::width).
 template <typename T>
-void attend16(const HeadRows<T>& keys, const HeadRows<T>& values, const Tile& tile, float* inv_sum, float* acc) {
+void attend_vector(const HeadRows<T>& keys, const HeadRows<T>& values, const Tile& tile, float* inv_sum, float* acc) {
+  constexpr int W = Lanes::width;
   const int64_t d_n = keys.head_size, group = tile.group;
   // (Lambdas, not function pointers: each is its own type, so the chunk's loop is inlined and unrolled.)
   switch (d_n) {  // the common head sizes with their loops unrolled
-    case 64: tile_scores(keys, tile, 16, [](auto... a) { score16<T, 4>(a...); }); break;
-    case 128: tile_scores(keys, tile, 16, [](auto... a) { score16<T, 8>(a...); }); break;
-    default: tile_scores(keys, tile, 16, [](auto... a) { score16<T, 0>(a...); }); break;
+    case 64: tile_scores(keys, tile, W, [](auto... a) { score_lanes<T, 64 / W>(a...); }); break;
+    case 128: tile_scores(keys, tile, W, [](auto... a) { score_lanes<T, 128 / W>(a...); }); break;
+    default: tile_scores(keys, tile, W, [](auto... a) { score_lanes<T, 0>(a...); }); break;
   }
   // The V blocks are read next; ask for the first ones while the softmax runs.
   values.prefetch_ahead(tile.first / keys.block_size, (tile.len(tile.tokens - 1) - 1) / keys.block_size);
-  for (int64_t j = 0; j < tile.tokens; ++j) softmax_rows16(tile.scores_of(j), group, tile.ctx(j), inv_sum + j * group);
+  for (int64_t j = 0; j < tile.tokens; ++j) softmax_rows_vector(tile.scores_of(j), group, tile.ctx(j), inv_sum + j * group);
   tile_values(values, tile, acc, [&](const float* p, int64_t ctx, int64_t lo, int64_t hi, float* out) {
-    // Query heads in tiles of up to 4 (16 accumulators of 16 values each at most).
-    for (int64_t g0 = 0; g0 < group; g0 += 4) {
-      switch (std::min<int64_t>(4, group - g0)) {
-        case 4: weighted_values16_chunks<T, 4>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
-        case 3: weighted_values16_chunks<T, 3>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
-        case 2: weighted_values16_chunks<T, 2>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
-        default: weighted_values16_chunks<T, 1>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
-      }
-    }
-  });
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-// The AVX-512 path's steps on 8 lanes, for head sizes that are a multiple of 8.
-
-// r[i] = the sum of v[i]'s 8 lanes: a transposing tree of 7 shuffle-and-add steps.
-inline __m256 sum_lanes8(const __m256 v[8]) {
-  __m256 s2[4], s4[2];
-  for (int i = 0; i < 4; ++i)  // in each 128-bit half: lanes alternate v[2i], v[2i+1]
-    s2[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 2; ++i) {  // each half holds partial sums of v[4i..4i+3]
-    const __m256d a = _mm256_castps_pd(s2[2 * i]), b = _mm256_castps_pd(s2[2 * i + 1]);
-    s4[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
-  }
-  return _mm256_add_ps(_mm256_permute2f128_ps(s4[0], s4[1], 0x20), _mm256_permute2f128_ps(s4[0], s4[1], 0x31));
-}
-
-inline float reduce_max8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
-}
-
-inline float reduce_add8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
-
-inline void softmax_rows8(float* scores, int64_t rows, int64_t ctx, float* inv_sum) {
-  const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
-  for (int64_t g = 0; g < rows; ++g) {
-    float* s = scores + g * ctx;
-    __m256 max = minus_inf;
-    for (int64_t i = 0; i < ctx; i += 8) {
-      const __m256i k = first_lanes8(ctx - i);
-      max = _mm256_max_ps(max, _mm256_blendv_ps(minus_inf, load8(s + i, k), _mm256_castsi256_ps(k)));
-    }
-    const __m256 m = _mm256_set1_ps(reduce_max8(max));
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t i = 0; i < ctx; i += 8) {
-      const __m256i k = first_lanes8(ctx - i);
-      const __m256 e = _mm256_and_ps(exp_approx8(_mm256_sub_ps(load8(s + i, k), m)), _mm256_castsi256_ps(k));
-      _mm256_maskstore_ps(s + i, k, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    inv_sum[g] = 1.0f / reduce_add8(sum);
-  }
-}
-
-// score16 on 8 tokens at a time. DV: the head size in vectors of 8 when known at compile time (0: at run time).
-template <typename T, int DV>
-inline void score8(const T* rows, const float* qg, int64_t d_n, int64_t n, int64_t skip, float* dst) {
-  const int64_t dv = DV ? DV : d_n / 8;
-  __m256 v[8];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    __m256 a = _mm256_setzero_ps();
-    if (i < n) {
-#pragma GCC unroll 16
-      for (int64_t c = 0; c < dv; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), load8(rows + i * d_n + 8 * c), a);
-    }
-    v[i] = a;
-  }
-  const __m256 sums = sum_lanes8(v);
-  if (skip == 0 && n == 8) {
-    _mm256_storeu_ps(dst, sums);
-  } else {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, sums);
-    for (int64_t i = skip; i < n; ++i) dst[i] = lanes[i];
-  }
-}
-
-// weighted_values16 on 8 lanes: GT query heads, VC vectors of 8 values from d0, accumulators in registers
-// (GT * VC of them, GT broadcast weights and one row vector: 16 registers for GT = 3, VC = 4).
-template <typename T, int GT, int VC>
-void weighted_values8(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t lo, int64_t hi,
-                      int64_t d0, float* acc, int64_t acc_stride) {
-  __m256 a[GT][VC];
-  for (int g = 0; g < GT; ++g)
-    for (int c = 0; c < VC; ++c) a[g][c] = _mm256_loadu_ps(acc + g * acc_stride + d0 + 8 * c);
-  const int64_t bs = values.block_size, last_block = (hi - 1) / bs;
-  for (int64_t b = lo / bs; b <= last_block; ++b) {
-    if (b + PREFETCH_BLOCKS <= last_block) values.prefetch_block(b + PREFETCH_BLOCKS);
-    const T* block = values.block(b);
-    for (int64_t t = std::max(lo, b * bs); t < std::min(hi, (b + 1) * bs); ++t) {
-      const T* row = block + (t - b * bs) * values.head_size + d0;
-      __m256 w[GT];
-      for (int g = 0; g < GT; ++g) w[g] = _mm256_set1_ps(p[g * ctx + (t - first)]);
-      for (int c = 0; c < VC; ++c) {
-        const __m256 x = load8(row + 8 * c);
-        for (int g = 0; g < GT; ++g) a[g][c] = _mm256_fmadd_ps(w[g], x, a[g][c]);
-      }
-    }
-  }
-  for (int g = 0; g < GT; ++g)
-    for (int c = 0; c < VC; ++c) _mm256_storeu_ps(acc + g * acc_stride + d0 + 8 * c, a[g][c]);
-}
-
-template <typename T, int GT>
-void weighted_values8_chunks(const HeadRows<T>& values, const float* p, int64_t ctx, int64_t first, int64_t lo,
-                             int64_t hi, float* acc) {
-  const int64_t d_n = values.head_size;
-  for (int64_t d0 = 0; d0 < d_n; d0 += 32) {
-    switch (std::min<int64_t>(4, (d_n - d0) / 8)) {
-      case 4: weighted_values8<T, GT, 4>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
-      case 3: weighted_values8<T, GT, 3>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
-      case 2: weighted_values8<T, GT, 2>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
-      default: weighted_values8<T, GT, 1>(values, p, ctx, first, lo, hi, d0, acc, d_n); break;
-    }
-  }
-}
-
-template <typename T>
-void attend8(const HeadRows<T>& keys, const HeadRows<T>& values, const Tile& tile, float* inv_sum, float* acc) {
-  const int64_t d_n = keys.head_size, group = tile.group;
-  switch (d_n) {  // the common head sizes with their loops unrolled
-    case 64: tile_scores(keys, tile, 8, [](auto... a) { score8<T, 8>(a...); }); break;
-    case 128: tile_scores(keys, tile, 8, [](auto... a) { score8<T, 16>(a...); }); break;
-    default: tile_scores(keys, tile, 8, [](auto... a) { score8<T, 0>(a...); }); break;
-  }
-  values.prefetch_ahead(tile.first / keys.block_size, (tile.len(tile.tokens - 1) - 1) / keys.block_size);
-  for (int64_t j = 0; j < tile.tokens; ++j) softmax_rows8(tile.scores_of(j), group, tile.ctx(j), inv_sum + j * group);
-  tile_values(values, tile, acc, [&](const float* p, int64_t ctx, int64_t lo, int64_t hi, float* out) {
-    // Query heads in tiles of up to 3 (12 accumulators of 8 values each at most).
-    for (int64_t g0 = 0; g0 < group; g0 += 3) {
-      switch (std::min<int64_t>(3, group - g0)) {
-        case 3: weighted_values8_chunks<T, 3>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
-        case 2: weighted_values8_chunks<T, 2>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
-        default: weighted_values8_chunks<T, 1>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
+    // Query heads in tiles of up to Lanes::max_heads (4 or 3; case 4 is reached only where it is 4).
+    constexpr int G4 = std::min(4, Lanes::max_heads);
+    for (int64_t g0 = 0; g0 < group; g0 += Lanes::max_heads) {
+      switch (std::min<int64_t>(Lanes::max_heads, group - g0)) {
+        case 4: weighted_values_chunks<T, G4>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
+        case 3: weighted_values_chunks<T, 3>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
+        case 2: weighted_values_chunks<T, 2>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
+        default: weighted_values_chunks<T, 1>(values, p + g0 * ctx, ctx, tile.first, lo, hi, out + g0 * d_n); break;
       }
     }
   });
@@ -501,10 +468,8 @@ void attention_impl(Q* out, const Q* query, const T* key_cache, const T* value_c
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
                     int64_t table_stride, double scale, int64_t sliding_window) {
   const int64_t group = num_heads / num_kv_heads, block_elems = num_kv_heads * block_size * head_size;
-#if defined(__AVX512F__)
-  constexpr int64_t lanes = 16;
-#elif defined(__AVX2__) && defined(__FMA__)
-  constexpr int64_t lanes = 8;
+#ifdef VECTOR_PATH
+  constexpr int64_t lanes = Lanes::width;
 #else
   constexpr int64_t lanes = 0;
 #endif
@@ -545,10 +510,8 @@ void attention_impl(Q* out, const Q* query, const T* key_cache, const T* value_c
       scores.resize(tile.score_count());
       tile.scores = scores.data();
       if constexpr (vector_type) {
-#if defined(__AVX512F__)
-        if (vectorized) attend16(keys, values, tile, inv_sum.data(), acc.data());
-#elif defined(__AVX2__) && defined(__FMA__)
-        if (vectorized) attend8(keys, values, tile, inv_sum.data(), acc.data());
+#ifdef VECTOR_PATH
+        if (vectorized) attend_vector(keys, values, tile, inv_sum.data(), acc.data());
 #endif
       }
       if (!vectorized)
