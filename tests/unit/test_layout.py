@@ -103,7 +103,8 @@ PROBES = {
     "transport imports no engine and no service": ("transport/probe.py", "import epdserve.services.runtime.network"),
     "the engine and the shared library import neither services nor transport":
         ("shared/probe.py", "import epdserve.transport.channel.protocol"),
-    "processing does not import the engine": ("shared/processing/probe.py", "import epdserve.shared.engine.scheduler"),
+    "processing imports neither the engine nor the models (the models read its image processors and configs)":
+        ("shared/processing/probe.py", "def later():\n    import epdserve.shared.models.llama"),
     "services use the engine through its door only: the names epdserve.shared.engine exports":
         ("services/host/probe.py", "import epdserve.shared.engine.scheduler"),
     "services are layered by who runs them: the command line; what it serves; what hosts an engine; every service's "
