@@ -366,3 +366,36 @@ def test_a_message_its_receiver_would_drop_for_its_size_is_refused_when_encoded(
         codec.encode(request(SamplingParams(stop_token_ids=list(range(DEFAULT_LIMITS.max_list_len + 1)))))
     at_limit = SamplingParams(structured_outputs=StructuredOutputsParams("regex", "a" * DEFAULT_LIMITS.max_str_len))
     assert codec.decode(codec.encode(request(at_limit))).sampling_params.structured_outputs.spec == "a" * (1 << 20)
+
+
+def test_a_process_that_moves_no_tensors_refuses_them_without_loading_torch():
+    """The proxy's case: the codec alone carries no tensors; a message with one is an error both ways, and torch
+    stays unloaded. Importing the KV-transfer core is what lets a process carry them."""
+    import base64
+    import subprocess
+    import sys
+
+    frames = codec.encode(p.EmbeddingsData("h", 0, torch.randn(2, 4)))
+    code = f"""
+import base64, sys
+from epdserve.transport.channel import codec, protocol as p
+frames = [base64.b64decode(f) for f in {[base64.b64encode(bytes(f)).decode() for f in frames]!r}]
+try:
+    codec.decode(frames)
+    print("decoded")
+except codec.DecodeError as exc:
+    print("refused:", exc)
+try:
+    codec.encode(p.EmbeddingsData("h", 0, object()))
+    print("encoded")
+except codec.EncodeError as exc:
+    print("refused:", exc)
+print("torch" in sys.modules)
+import epdserve.transport.kv
+print(type(codec.decode(frames)).__name__)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("refused:") and lines[1].startswith("refused:"), lines
+    assert lines[2:] == ["False", "EmbeddingsData"], lines
