@@ -67,14 +67,19 @@ def _lint_imports(package_root: Path) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def test_the_layer_contracts_hold(tmp_path):
-    """Dependencies point one way; services reach the engine through its door only; the proxy loads no torch."""
-    package = tmp_path / "epdserve"
+def _link_package(tree: Path, into: Path) -> None:
+    """`into`/epdserve: `tree`'s top-level folders under one package, as setup.py maps them."""
+    package = into / "epdserve"
     package.mkdir()
-    for source in (ROOT / "shared" / "api").glob("*.py"):
+    for source in (tree / "shared" / "api").glob("*.py"):
         (package / source.name).symlink_to(source)
     for folder in PACKAGE_FOLDERS:
-        (package / folder).symlink_to(ROOT / folder, target_is_directory=True)
+        (package / folder).symlink_to(tree / folder, target_is_directory=True)
+
+
+def test_the_layer_contracts_hold(tmp_path):
+    """Dependencies point one way; services reach the engine through its door only; the proxy loads no torch."""
+    _link_package(ROOT, tmp_path)
     result = _lint_imports(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -135,12 +140,7 @@ def test_a_probe_breaks_every_contract_and_the_cycle_check(tmp_path):
     (tree / "shared" / "probe_b.py").write_text("def later():\n    import epdserve.shared.probe_a\n")
 
     assert ["epdserve.shared.probe_a", "epdserve.shared.probe_b"] in graphs.cycles(graphs.subpackage_graph(tree))
-    package = tmp_path / "epdserve"
-    package.mkdir()
-    for source in (tree / "shared" / "api").glob("*.py"):
-        (package / source.name).symlink_to(source)
-    for folder in PACKAGE_FOLDERS:
-        (package / folder).symlink_to(tree / folder, target_is_directory=True)
+    _link_package(tree, tmp_path)
     result = _lint_imports(tmp_path)
     report = " ".join(result.stdout.split())  # import-linter wraps long names
     assert result.returncode != 0
