@@ -142,11 +142,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="seconds a request's structured output (JSON schema, regex, grammar) may take to compile "
                         "before the request is refused with a 400; compiles run off the service's event loop")
-    add_speculative_config(g, help='speculative decoding, in vLLM\'s spelling: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (prompt lookup: drafts copied from what '
-                        'followed the latest earlier occurrence of the last tokens), "draft_model" or "suffix" '
-                        '(suffix decoding); each step keeps only the drafts worth their rows unless "adaptive": '
-                        'false; outputs are those of decoding without it, token for token (default: off)')
+    add_speculative_config(g, help='speculative decoding, in vLLM\'s spelling: \'{"method": "ngram", '
+                                   '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
+                                   "(prompt lookup: drafts copied from what followed the latest earlier occurrence of "
+                                   'the last tokens), "draft_model" or "suffix" (suffix decoding); each step keeps '
+                                   'only the drafts worth their rows unless "adaptive": false; outputs are those of '
+                                   "decoding without it, token for token (default: off)")
     g.add_argument("--threads", type=int, help="compute threads of the engine (or encoder); the service's other "
                                                 "threads use one (default: one per core)")
     g.add_argument("--profile-moe", action="store_true",
@@ -248,9 +249,9 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
                        help="refuse a new request (the proxy tries another instance, else answers 503 with "
                             "Retry-After) when the prompts queued ahead of it would take longer than this to "
                             "compute at the engine's measured rate; 0 takes every request (default: %(default)s)")
-        add_drain_timeout(p, "on SIGTERM or Ctrl-C, seconds to finish requests in flight (taking no new ones, "
-                             "/ready 503, DRAINING to the proxies) before the rest are cut and the service exits "
-                             "(default: %(default)s)")
+        add_drain_timeout(p, "on SIGTERM or Ctrl-C, seconds to finish requests in flight (taking no new ones, /ready "
+                             "503, DRAINING to the proxies) before the rest are cut and the service exits (default: "
+                             "%(default)s)")
         add_engine_args(p)
         if role != "encoder":
             _add_stats_options(p)
@@ -301,12 +302,12 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                        help=f"{name} control address(es); repeat or comma-separate; DNS names are re-resolved")
     p.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts shorter than this many tokens are prefilled by decode itself")
-    add_max_prefill_queue_tokens(p, help="a prompt of at most this many tokens is prefilled by a decode while every prefill "
-                        "instance has at least this many prompt tokens queued and the decode fewer (a burst "
-                        "shared by both roles; 0: never; default: %(default)s)")
+    add_max_prefill_queue_tokens(p, help="a prompt of at most this many tokens is prefilled by a decode while every "
+                                         "prefill instance has at least this many prompt tokens queued and the decode "
+                                         "fewer (a burst shared by both roles; 0: never; default: %(default)s)")
     add_routing_policy(p, help="kv: prefill and decode chosen by the prompt blocks each caches (the engines' KV "
-                        "events) weighed against load; load: prefill by a hash of the prompt's head, "
-                        "decode by free blocks and load (default: %(default)s)")
+                               "events) weighed against load; load: prefill by a hash of the prompt's head, decode by "
+                               "free blocks and load (default: %(default)s)")
     p.add_argument("--kv-load-weight", type=float, default=0.25,
                    help="kv routing: what one queued request costs, as a fraction of recomputing the "
                         "whole prompt (default: %(default)s)")
@@ -326,15 +327,15 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                    help="seconds a whole prefill may take (long prompts on CPU take a while; "
                         "default: %(default)s)")
     p.add_argument("--poll-interval", type=float, default=1.0)
-    add_migration_limit(p, help="times one request's stream may continue on another decode after its own was lost (died, "
-                        "cut off, drained past its grace), from the tokens already sent; 0: never (default: "
-                        "%(default)s)")
+    add_migration_limit(p, help="times one request's stream may continue on another decode after its own was lost "
+                                "(died, cut off, drained past its grace), from the tokens already sent; 0: never "
+                                "(default: %(default)s)")
     p.add_argument("--token-timeout", type=float, default=600.0,
                    help="seconds allowed between two chunks of a stream; also the longest wait for a "
                         "stream's first chunk or a whole non-streamed answer")
-    add_drain_timeout(p, help="on SIGTERM or Ctrl-C, seconds requests in flight get to finish (new ones are "
-                        "refused with 503, /ready turns 503) before the rest are cut - a stream with an "
-                        "error event and [DONE]; a second signal cuts at once (default: %(default)s)")
+    add_drain_timeout(p, help="on SIGTERM or Ctrl-C, seconds requests in flight get to finish (new ones are refused "
+                              "with 503, /ready turns 503) before the rest are cut - a stream with an error event and "
+                              "[DONE]; a second signal cuts at once (default: %(default)s)")
     p.add_argument("--allowed-image-domains", action="append", metavar="DOMAIN",
                    help="fetch http(s) image URLs only from these domains and their subdomains "
                         "(repeat or comma-separate; default: any public host)")
@@ -403,9 +404,9 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
                     help="the ports the stack's other services listen on (control, data, block and metrics ports "
                          "of every engine, the proxy's inbox): free ports of this range, in order, e.g. 9100-9199 "
                          "(default: any free ports)")
-    add_served_model_name(up, help="the model's names in the API (the first in responses, every service's metrics and request "
-                         "traces; each one accepted in requests); up gives them to every service (default: the model "
-                         "folder's name)")
+    add_served_model_name(up, help="the model's names in the API (the first in responses, every service's metrics and "
+                                   "request traces; each one accepted in requests); up gives them to every service "
+                                   "(default: the model folder's name)")
     up.add_argument("--encoders", type=int, metavar="N",
                     help="encoder processes (default: 1 for a multimodal model, else 0)")
     up.add_argument("--prefills", type=int, default=1, metavar="N",
@@ -413,14 +414,15 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
     up.add_argument("--decodes", type=int, default=1, metavar="N",
                     help="decode engine processes (default: %(default)s)")
     up.add_argument("--unified", action="store_true", help="one unified engine instead of prefills and decodes")
-    add_speculative_config(up, help="speculative decoding for the decode (or unified) engines, as their --speculative-config; "
-                         "prefill samples one token and needs none (default: off)")
-    add_routing_policy(up, help="how the proxy picks instances: kv (by the prompt blocks each caches, and load) or load "
-                         "(default: %(default)s)")
-    add_migration_limit(up, help="times the proxy may continue one request's stream on another decode after its own was "
-                         "lost; 0: never (default: %(default)s)")
-    add_max_prefill_queue_tokens(up, help="prompts of at most this many tokens are prefilled by a decode while every prefill has "
-                         "as many queued and the decode fewer; 0: never (default: %(default)s)")
+    add_speculative_config(up, help="speculative decoding for the decode (or unified) engines, as their "
+                                    "--speculative-config; prefill samples one token and needs none (default: off)")
+    add_routing_policy(up, help="how the proxy picks instances: kv (by the prompt blocks each caches, and load) or "
+                                "load (default: %(default)s)")
+    add_migration_limit(up, help="times the proxy may continue one request's stream on another decode after its own "
+                                 "was lost; 0: never (default: %(default)s)")
+    add_max_prefill_queue_tokens(up, help="prompts of at most this many tokens are prefilled by a decode while every "
+                                          "prefill has as many queued and the decode fewer; 0: never (default: "
+                                          "%(default)s)")
     up.add_argument("--kv-store", type=float, nargs="?", const=1.0, metavar="GiB",
                     help="start a shared KV store (epdserve serve kvstore) of this many GiB (1 if none given) that "
                          "every engine puts the blocks it evicts or finishes to and gets missing ones from")
@@ -428,13 +430,13 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
     _add_trace_options(up)
     add_lora_engine_args(up)
     add_lora_runtime_updates_arg(up)
-    add_api_key_options(up, "Bearer token the API requires (default: $EPDSERVE_API_KEY; unset: open). A key on "
-                            "the command line shows in `ps`: prefer --api-key-file or the variable. " + _API_KEY_SCOPE,
+    add_api_key_options(up, "Bearer token the API requires (default: $EPDSERVE_API_KEY; unset: open). A key on the "
+                            "command line shows in `ps`: prefer --api-key-file or the variable. " + _API_KEY_SCOPE,
                         "read the API key from this file (default: $EPDSERVE_API_KEY_FILE)")
     up.add_argument("--threads", type=int, default=1, metavar="N",
                     help="compute threads per engine process (default: %(default)s)")
     add_drain_timeout(up, help="on Ctrl-C or SIGTERM, seconds the proxy, then each engine, gets to finish requests in "
-                         "flight; a second Ctrl-C cuts them, a third kills (default: %(default)s)")
+                               "flight; a second Ctrl-C cuts them, a third kills (default: %(default)s)")
     up.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS",
                     help="seconds to wait for every service to be ready (default: %(default)s)")
     add_log_level(up)
