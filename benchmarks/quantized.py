@@ -1,12 +1,13 @@
 """Quantized serving on CPU: one stream's time per output token and the engine's memory, for a model's weights
-as float32, as bfloat16 and as its GGUF file ships them (packed, on the quantized kernel), beside llama.cpp's
-llama-server on the same GGUF file and cores; and a roofline - the bytes a decoded token reads, and that rate
-against this machine's memory bandwidth.
+as float32, as bfloat16, quantized to int8 at load and as its GGUF file ships them (packed, on the quantized
+kernel), beside llama.cpp's llama-server on the same GGUF file and cores; and a roofline - the bytes a decoded
+token reads, and that rate against this machine's memory bandwidth.
 
 Forms of the model (each engine in a process of its own, --threads compute threads):
 
   float32    the converted folder's dequantized weights (the folder without its GGUF file)
   bfloat16   the same, in bfloat16
+  int8       the same, its dense linear layers quantized at load, one scale per output channel (--quantization int8)
   gguf       the GGUF file as it ships (SmolLM2: Q4_1 layers and a Q8_0 embedding; Gemma 3 270M: Q4_K_M)
   llama-server  llama.cpp on the same GGUF file (benchmarks/setup_llamacpp.sh builds it), when present
 
@@ -37,10 +38,11 @@ from stacks import llama_server_binary
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT = "Write a long story about a lighthouse keeper and the ships that pass his island at night."
-FORMS = ("float32", "bfloat16", "gguf")
+FORMS = ("float32", "bfloat16", "int8", "gguf")
 
 
-def measure_engine(folder: str, dtype: str, threads: int, output_len: int, repeats: int) -> dict:
+def measure_engine(folder: str, dtype: str, threads: int, output_len: int, repeats: int,
+                   quantization: str | None = None) -> dict:
     """In this process: load, warm up, then TPOT runs; memory and bytes per token."""
     import psutil
     import torch
@@ -49,7 +51,7 @@ def measure_engine(folder: str, dtype: str, threads: int, output_len: int, repea
     from epdserve import LLM, SamplingParams
     from epdserve.shared.models.layers.linear import Linear
 
-    llm = LLM(model=folder, dtype=dtype, num_kv_blocks=64, seed=0)
+    llm = LLM(model=folder, dtype=dtype, num_kv_blocks=64, seed=0, quantization=quantization)
     first = SamplingParams(temperature=0.0, max_tokens=1)
     full = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([PROMPT], full)
@@ -102,7 +104,7 @@ def run_form(folder: Path, form: str, args) -> dict:
         code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import quantized; "
                 f"print(json.dumps(quantized.measure_engine({str(served)!r}, "
                 f"{'bfloat16' if form == 'bfloat16' else 'float32'!r}, {args.threads}, {args.output_len}, "
-                f"{args.repeats})))")
+                f"{args.repeats}, {'int8' if form == 'int8' else None!r})))")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         return json.loads(out.stdout.strip().splitlines()[-1])

@@ -247,6 +247,9 @@ class ModelConfig:
     # M-RoPE (Qwen2.5-VL): the rotary frequency pairs taken from the temporal, height and width position of
     # each token, in that order; None: 1-D positions. A request's 3-D positions come with it.
     mrope_section: tuple[int, ...] | None = None
+    # How the weights are held: None as the checkpoint has them (a GGUF file's quantized tensors as they ship),
+    # "int8": the dense linear layers quantized at load, per output channel (`--quantization int8`).
+    quantization: str | None = None
 
     @staticmethod
     def from_pretrained(path: str | Path, dtype: str | torch.dtype = "float32",

@@ -178,7 +178,8 @@ def engine_config(args: argparse.Namespace, model: str):
         kv_offloading_save_finished=args.kv_offloading_save_finished,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         lora_modules=lora_modules(args), lora_roots=lora_roots(args), max_lora_bytes=args.max_lora_bytes,
-        profile_moe=args.profile_moe, kv_cache_dtype=args.kv_cache_dtype)
+        profile_moe=args.profile_moe, kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization)
     if getattr(args, "role", None) == "prefill" and config.speculative is not None:
         # A prefill's part of a request ends at its first token (handoff.py), so it never has a token to
         # speculate on: a draft model would be loaded, cache and all, for nothing. The config was still

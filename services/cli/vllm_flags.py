@@ -49,9 +49,10 @@ def add_engine_flags(g: argparse._ActionsContainer) -> None:
                         "the offload tier and the KV store move blocks as stored. Every engine of a deployment "
                         "must store the same"),
     g.add_argument("--quantization", "-q", metavar="METHOD",
-                   help="vLLM's; gguf only: a GGUF file's weights (--model FILE.gguf, or a folder holding its "
-                        "model.gguf) are served as they ship, which is the default for such a model; other methods "
-                        "are refused")
+                   help="vLLM's: gguf, a GGUF file's weights (--model FILE.gguf, or a folder holding its "
+                        "model.gguf) served as they ship, which is the default for such a model; int8, a float "
+                        "checkpoint's dense linear layers quantized at load, one scale per output channel (a "
+                        "quarter of float32's bytes; float32 compute on the int8 values); other methods are refused")
     add_shared_flags(g)
     g.add_argument("--enforce-eager", action="store_true",
                    help="vLLM's; always so here: the engine captures no graphs (accepted for vLLM command lines)")
@@ -114,13 +115,9 @@ def check_engine_flags(args: argparse.Namespace, model: str) -> None:
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported here; choose one of "
                          f"{', '.join(KV_CACHE_DTYPES)}")
-    if args.quantization not in (None, "gguf"):
-        raise ValueError(f"--quantization {args.quantization}: only gguf applies here (the weights of a GGUF "
-                         "file, served as they ship); other checkpoints are served in --dtype")
-    from epdserve.shared.models.weights import GGUF_WEIGHTS
+    from epdserve.shared.models.weights import check_quantization
 
-    if args.quantization == "gguf" and not (Path(model) / GGUF_WEIGHTS).is_file():
-        raise ValueError(f"--quantization gguf: {model} holds no GGUF file; give --model FILE.gguf")
+    check_quantization(args.quantization, model)
     if args.gpu_memory_utilization is not None and args.kv_cache_memory_fraction is not None:
         raise ValueError("--gpu-memory-utilization and --kv-cache-memory-fraction say the same here: give one")
 

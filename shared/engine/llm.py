@@ -14,6 +14,7 @@ from epdserve.shared.engine.llm_engine import LLMEngine, PromptType
 from epdserve.shared.engine.lora_request import LoRARequest
 from epdserve.shared.engine.outputs import RequestOutput
 from epdserve.shared.engine.sampling_params import RequestOutputKind, SamplingParams
+from epdserve.shared.models.weights import check_quantization
 
 
 def build_engine_config(
@@ -44,10 +45,16 @@ def build_engine_config(
     max_lora_bytes: int = 1 << 30,
     profile_moe: bool = False,
     kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
 ) -> EngineConfig:
     """`kv_offloading_size`: GiB of the local offload tier (0: none), as vLLM's `--kv-offloading-size`;
-    `kv_offloading_path`: the folder its file goes in (default: the temp folder)."""
+    `kv_offloading_path`: the folder its file goes in (default: the temp folder); `quantization`: "int8"
+    quantizes the dense linear layers of a float checkpoint at load ("gguf": the folder's GGUF file, which is
+    served as it ships anyway)."""
+    check_quantization(quantization, model)
     model_config = ModelConfig.from_pretrained(model, dtype, max_model_len)
+    if quantization == "int8":
+        model_config = replace(model_config, quantization="int8")
     speculative = SpeculativeConfig.parse(speculative_config)
     return EngineConfig(
         model=model_config,

@@ -31,7 +31,7 @@ from epdserve.shared.engine.scheduler import ScheduledRequest
 from epdserve.shared.engine.speculative import Sampled, verify_drafts
 from epdserve.shared.engine.step_timer import StepTimer
 from epdserve.shared.models.unfilled import build_unfilled
-from epdserve.shared.models.weights import checkpoint_weights
+from epdserve.shared.models.weights import checkpoint_weights, checkpoint_weights_int8
 
 logger = logging.getLogger(__name__)
 # A step that fails the same way every time logs its traceback once, then a line a minute with a count.
@@ -65,7 +65,8 @@ def load_model(config: EngineConfig) -> torch.nn.Module:
                 model_config.num_weight_bytes / 1e9, str(model_config.dtype).removeprefix("torch."))
     model = build_unfilled(lambda: model_class(model_config.architecture)(model_config), model_config.dtype,
                            config.device)
-    model.load_weights(checkpoint_weights(model_config.path))
+    load = checkpoint_weights_int8 if model_config.quantization == "int8" else checkpoint_weights
+    model.load_weights(load(model_config.path))
     return model.eval().requires_grad_(False)
 
 

@@ -44,6 +44,16 @@ class QuantizedWeight:
             offset = torch.full_like(scale, -0.0)
         return QuantizedWeight(self.q, scale, offset)
 
+    @classmethod
+    def int8_per_channel(cls, weight: torch.Tensor) -> QuantizedWeight:
+        """`weight` [N, K] quantized symmetrically, one scale per output channel: scale = max |w| / 127 over
+        the row, q = round(w / scale) (a row of zeros: scale 0, q 0). What `--quantization int8` makes of a
+        float checkpoint's linear layers at load; the model then computes with exactly `dequantize()`."""
+        w = weight.float()
+        scale = w.abs().amax(dim=1, keepdim=True) / 127
+        q = torch.round(w / torch.where(scale > 0, scale, 1.0)).clamp_(-127, 127).to(torch.int8)
+        return cls(q, scale, None)
+
     def with_zero_rows(self, n: int) -> QuantizedWeight:
         """`n` more rows of zeros (q, scale and offset 0: each dequantizes to +0.0)."""
         def grown(t: torch.Tensor | None) -> torch.Tensor | None:

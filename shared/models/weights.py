@@ -63,6 +63,42 @@ def checkpoint_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor |
     return language_model_weights(iterate_weights(folder))
 
 
+# What `--quantization` takes (vLLM's spelling): gguf, the weights a GGUF file ships (served so whenever the folder
+# holds one), and int8, a float checkpoint's dense linear layers quantized at load.
+QUANTIZATIONS = ("gguf", "int8")
+
+
+def check_quantization(quantization: str | None, folder: str | Path) -> None:
+    """Raises ValueError, naming the method and why, where `--quantization` cannot apply to the model folder."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {quantization} is not supported here; choose one of "
+                         f"{', '.join(QUANTIZATIONS)}")
+    ships_gguf = (Path(folder) / GGUF_WEIGHTS).is_file()
+    if quantization == "gguf" and not ships_gguf:
+        raise ValueError(f"--quantization gguf: {folder} holds no GGUF file; give --model FILE.gguf")
+    if quantization == "int8" and ships_gguf:
+        raise ValueError(f"--quantization int8: {folder} ships quantized weights (its GGUF file), served as they "
+                         "ship; int8 quantizes a float checkpoint")
+
+
+# The dense linear layers `--quantization int8` quantizes (the embedding, norms, router and experts stay float).
+INT8_LINEARS = tuple(f"{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                       "down_proj"))
+
+
+def checkpoint_weights_int8(folder: str | Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """The float checkpoint's weights with its dense linear layers quantized to int8 per output channel, as they
+    are read (`QuantizedWeight.int8_per_channel`)."""
+    from epdserve.shared.models.quantized_weight import QuantizedWeight
+
+    for name, tensor in checkpoint_weights(folder):
+        if name.endswith(INT8_LINEARS) and ".experts." not in name and tensor.dim() == 2:
+            tensor = QuantizedWeight.int8_per_channel(tensor)
+        yield name, tensor
+
+
 def _fitted_to_folder(weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]],
                       folder: str | Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """The GGUF file's tensors, each checked against the folder's: a folder built on the file may have added

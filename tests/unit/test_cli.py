@@ -196,6 +196,17 @@ def test_up_gives_every_engine_the_same_kv_transport(default_model_path):
     assert transport_config(parse("serve", "decode", "--kv-backend", "ucx")).kv_transport == "ucx"  # the old name
 
 
+def test_up_gives_int8_quantization_to_every_engine_and_checks_it_once(tiny_model_paths, default_model_path):
+    folder = str(tiny_model_paths["llama"])
+    commands = dict(LocalStack(stack_config(parse("up", "--quantization", "int8"), folder)).commands())
+    engines = {name: argv for name, argv in commands.items() if name != "proxy"}
+    assert set(engines) == {"prefill-0", "decode-0"}
+    assert all(argv[argv.index("--quantization") + 1] == "int8" for argv in engines.values())
+    assert "--quantization" not in commands["proxy"]
+    with pytest.raises(SystemExit, match="--quantization int8: .* ships quantized weights"):
+        stack_config(parse("up", "--quantization", "int8"), str(default_model_path))
+
+
 @pytest.mark.parametrize("extra", [["--kv-transport", "ucx"], ["--kv-backend=ucx"], ["--ucx-net-devices", "lo"],
                                    ["--served-model-name", "smol"], ["--served-model-name=smol"]])
 def test_up_refuses_after_the_double_dash_what_it_gives_every_service(default_model_path, extra):

@@ -153,10 +153,16 @@ def test_an_engine_option_out_of_range(tmp_path, servable, option, message):
     (("--tensor-parallel-size", "2"), "--tensor-parallel-size 2: an engine runs on one device here"),
     (("--kv-cache-dtype", "fp8_inc"), "--kv-cache-dtype fp8_inc is not supported here; choose one of auto, "
                                       "bfloat16, fp8, fp8_e4m3, fp8_e5m2"),
-    (("--quantization", "awq"), "--quantization awq: only gguf applies here"),
+    (("--quantization", "awq"), "--quantization awq is not supported here; choose one of gguf, int8"),
     (("--quantization", "gguf"), "holds no GGUF file; give --model FILE.gguf"),
     (("--limit-mm-per-prompt", '{"audio": 1}'), "audio: this server takes image only"),
 ])
 def test_a_flag_up_cannot_take_is_one_line_that_names_it(tmp_path, servable, given, message):
     done = epdserve("up", str(servable), "--port", "9", *given, cwd=tmp_path)
     assert_one_line_error(done, message)
+
+
+def test_int8_quantization_of_weights_that_ship_quantized_is_refused(tmp_path):
+    folder = model_folder(tmp_path, "model.safetensors", "tokenizer.json", "model.gguf")
+    done = epdserve("up", str(folder), "--port", "9", "--quantization", "int8", cwd=tmp_path)
+    assert_one_line_error(done, "--quantization int8:", "ships quantized weights (its GGUF file)")
