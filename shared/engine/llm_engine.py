@@ -47,8 +47,9 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.path)
         kv_size = size_kv_cache(config)
         num_blocks = kv_size.num_blocks
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens), %d bytes; %s", num_blocks, config.cache.block_size,
-                    num_blocks * config.cache.block_size, kv_size.num_bytes, kv_size.reason)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens) in %s, %d bytes; %s", num_blocks,
+                    config.cache.block_size, num_blocks * config.cache.block_size, config.kv_dtype_name,
+                    kv_size.num_bytes, kv_size.reason)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                           hash_key=config.cache.block_hash_key)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
@@ -78,9 +79,11 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._due: list[RequestOutput] = []  # outputs for the next step to return (sequences a peer's token ended)
-        logger.info("engine ready: %s (%s), %d KV blocks of %d tokens, attention backend %s, step budget %d (%s), "
+        logger.info("engine ready: %s (%s%s), %d KV blocks of %d tokens, attention backend %s, step budget %d (%s), "
                     "at most %d sequences of %d tokens, prefix caching %s, seed %d",
-                    config.model.model_id, config.model.dtype, num_blocks, config.cache.block_size,
+                    config.model.model_id, config.model.dtype,
+                    ", int8 linear layers" if config.model.quantization == "int8" else "", num_blocks,
+                    config.cache.block_size,
                     self.runner.attention_backend, config.scheduler.max_num_batched_tokens,
                     config.scheduler.budget_policy, config.scheduler.max_num_seqs, config.model.max_model_len,
                     "on" if config.cache.enable_prefix_caching else "off", config.seed)

@@ -91,7 +91,7 @@ def up(tiny_model_paths, tmp_path_factory):
                 "--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
                 "--block-size", "32", "--dtype", "auto", "--seed", "7", "--enable-prefix-caching",
                 "--enable-chunked-prefill", "--gpu-memory-utilization", "0.02", "--tensor-parallel-size", "1",
-                "--kv-cache-dtype", "auto", "--trust-remote-code", "--enforce-eager", "--disable-log-requests",
+                "--kv-cache-dtype", "fp8", "--trust-remote-code", "--enforce-eager", "--disable-log-requests",
                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
                 "--limit-mm-per-prompt",
                 '{"image": 0}', "--chat-template", str(template),
@@ -171,6 +171,8 @@ def test_every_vllm_flag_took_effect(up):
     # --gpu-memory-utilization: the KV pool's share of the memory available after the weights.
     sized = [line for line in up.text() if "KV cache: " in line]
     assert len(sized) == len(ENGINES) and all("auto: 0.02 x (" in line for line in sized), up.report()
+    # --kv-cache-dtype fp8: both engines store float8 e4m3, and the prefill hands its blocks to the decode as stored.
+    assert all(" tokens) in float8_e4m3fn, " in line for line in sized), up.report()
     # --max-model-len: reported by the API, and enforced.
     (card,) = client.models.list().data
     assert card.model_extra["max_model_len"] == 1024
@@ -232,3 +234,24 @@ def responses(port: int) -> dict[str, float]:
     """The proxy's http_responses_total, by status."""
     return {sample.labels["status"]: sample.value for family in text_string_to_metric_families(metrics(port))
             for sample in family.samples if sample.name == "epdserve:http_responses_total"}
+
+
+def test_an_fp8_kv_cache_crosses_from_prefill_to_decode_as_stored(up, tiny_model_paths):
+    """--kv-cache-dtype fp8 through real services: the decode pulls the prompt's blocks in float8 (a byte an
+    element), and answers as an offline engine with the same KV cache, token for token."""
+    from epdserve import LLM, SamplingParams
+    from epdserve.shared.config import ModelConfig
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key="unused", max_retries=0)
+    prompt = "Keepers walked up the stairs of the lighthouse, counting every step aloud, " * 3
+    done = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    (trace,) = done.model_extra["epdserve_trace"]
+    (transfer,) = [s for s in trace["spans"] if s["name"] == "kv.transfer"]
+    model = ModelConfig.from_pretrained(tiny_model_paths["llama"])
+    assert transfer["num_bytes"] == transfer["num_blocks"] * 2 * model.num_layers * model.num_kv_heads * \
+        model.head_size * 32 * 1 > 0  # blocks of 32 tokens, one byte an element
+    llm = LLM(model=str(tiny_model_paths["llama"]), kv_cache_dtype="fp8", block_size=32, num_kv_blocks=32)
+    offline = llm.generate([{"prompt_token_ids": llm.get_tokenizer().encode(prompt)}],
+                           SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert done.choices[0].text == offline[0].outputs[0].text

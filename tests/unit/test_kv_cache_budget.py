@@ -162,6 +162,6 @@ def test_the_engine_logs_what_it_chose_and_why(tiny_model_paths, caplog):
     assert num_blocks == 4 * 256 // 16  # the tiny model's pool is capped by what 4 sequences need
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
     block_bytes = llm.engine.model_config.kv_bytes_per_token() * 16
-    assert line.startswith(f"KV cache: {num_blocks} blocks of 16 tokens ({num_blocks * 16} tokens), "
+    assert line.startswith(f"KV cache: {num_blocks} blocks of 16 tokens ({num_blocks * 16} tokens) in float32, "
                            f"{num_blocks * block_bytes} bytes; auto: 0.05 x (")
     assert "available (" in line and line.endswith("capped at 4 sequences of 256 tokens")
