@@ -11,6 +11,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # caches only (`--kv-cache-dtype fp8`)
 
 
 @triton.jit
@@ -86,9 +87,11 @@ def kv_cache_write(
         raise ValueError(
             f"cache heads/head_size {tuple(key_cache.shape[2:])} differ from key's {(num_kv_heads, head_size)}"
         )
-    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} dtype {t.dtype} is not one of {SUPPORTED_DTYPES}")
+    for name, t, dtypes in (("key", key, SUPPORTED_DTYPES), ("value", value, SUPPORTED_DTYPES),
+                            ("key_cache", key_cache, SUPPORTED_DTYPES + FLOAT8_DTYPES),
+                            ("value_cache", value_cache, SUPPORTED_DTYPES + FLOAT8_DTYPES)):
+        if t.dtype not in dtypes:
+            raise ValueError(f"{name} dtype {t.dtype} is not one of {dtypes}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens or slot_mapping.dtype not in (
         torch.int32, torch.int64
     ):
@@ -109,6 +112,12 @@ def kv_cache_write(
         )
     if num_tokens == 0:
         return
+    # Converted as torch converts, which is what every other path stores (the interpreter would truncate to
+    # bfloat16 where torch and the GPU round to nearest); float8 then moves as bytes.
+    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
+    if key_cache.dtype in FLOAT8_DTYPES:
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
 
     _kv_cache_write_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping, num_blocks * block_size,

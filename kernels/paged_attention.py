@@ -20,6 +20,9 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The caches each query dtype reads besides its own (`--kv-cache-dtype`): every value of them is one of its own.
+NARROWER_CACHES = {torch.float32: (torch.bfloat16, *_FLOAT8), torch.bfloat16: _FLOAT8, torch.float16: _FLOAT8}
 _LOG2E = 1.4426950408889634
 
 
@@ -134,6 +137,10 @@ def _paged_attention_kernel(
             mask=k_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # [TILE_N, HEAD_PAD]
+        # A narrower cache (bfloat16 or float8 under float32 queries, float8 under 16-bit ones) is widened to the
+        # query's dtype as it is read: exact, and then everything is as with a cache in that dtype.
+        k = k.to(query_ptr.dtype.element_ty)
+        v = v.to(query_ptr.dtype.element_ty)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
 
@@ -150,8 +157,8 @@ def _paged_attention_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, TILE_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        # Probabilities are rounded to the cache dtype for the second dot, as on the GPU path.
-        p = p.to(value_cache_ptr.dtype.element_ty)
+        # Probabilities are rounded to the query's dtype for the second dot, as on the GPU path.
+        p = p.to(query_ptr.dtype.element_ty)
         if DOT_IN_FP32:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
@@ -246,9 +253,10 @@ def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_s
         raise ValueError(f"value_cache {tuple(value_cache.shape)} differs from key_cache {tuple(key_cache.shape)}")
     if query.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"query dtype {query.dtype} is not one of {SUPPORTED_DTYPES}")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in (query.dtype, *NARROWER_CACHES[query.dtype]):
         raise ValueError(
-            f"key/value cache dtype ({key_cache.dtype}, {value_cache.dtype}) must equal query dtype {query.dtype}"
+            f"key/value cache dtype ({key_cache.dtype}, {value_cache.dtype}) must be query dtype {query.dtype} or "
+            f"one of {NARROWER_CACHES[query.dtype]}"
         )
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]

@@ -84,9 +84,6 @@ class ModelRunner:
         self.model = load_model(config)
         backend = select_attention_backend(config.attention_backend, self.device)
         kv_dtype = getattr(torch, config.kv_dtype_name)
-        if kv_dtype != m.dtype and backend.name == "triton":
-            raise ValueError(f"kv_cache_dtype {config.cache.cache_dtype}: the Triton attention kernels read a cache in "
-                             f"the model's dtype only; use kv_cache_dtype auto, or the cpu or torch attention backend")
         self.kv_cache = zeroed((m.num_layers, 2, num_blocks, m.num_kv_heads, self.block_size, m.head_size),
                                kv_dtype, self.device)
         backend = backend._replace(write_kv=self.timer.timed("attention", backend.write_kv),

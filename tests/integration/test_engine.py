@@ -182,6 +182,21 @@ def test_triton_backend_matches_torch(tiny_model_paths):
     assert [o.outputs[0].token_ids for o in triton_out] == [o.outputs[0].token_ids for o in torch_out]
 
 
+def test_triton_backend_reads_an_fp8_kv_cache_as_the_cpu_kernel_does(tiny_model_paths):
+    """--kv-cache-dtype fp8 on the Triton kernels (interpreted on CPU): the same stored values as the C++ CPU
+    path, widened as they are read, so the same tokens."""
+    prompts = [{"prompt_token_ids": list(range(100, 100 + n))} for n in (1, 5, 19)]
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    kwargs = dict(num_kv_blocks=16, block_size=16, max_num_batched_tokens=16, kv_cache_dtype="fp8")
+    outs = {}
+    for backend in ("cpu", "triton"):
+        llm = LLM(model=tiny_model_paths["qwen2"], attention_backend=backend, **kwargs)
+        assert llm.engine.runner.attention_backend == backend
+        assert llm.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outs["triton"] == outs["cpu"]
+
+
 def test_async_streams_deltas_and_aborts(tiny_model_paths):
     engine = AsyncLLM.from_model(tiny_model_paths["llama"], num_kv_blocks=128)
 

@@ -80,6 +80,25 @@ def test_converts_to_cache_dtype(src_dtype, cache_dtype):
     check_write(key, value, key_cache, value_cache, slots, rtol=rtol)
 
 
+@pytest.mark.parametrize("src_dtype, cache_dtype", [(torch.float32, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2),
+                                                    (torch.bfloat16, torch.float8_e4m3fn),
+                                                    (torch.float32, torch.bfloat16)], ids=str)
+def test_a_narrower_cache_holds_what_torch_converts_to(src_dtype, cache_dtype):
+    """--kv-cache-dtype: rounded to nearest as torch rounds (float8 saturating), the values every other path
+    stores - also under the interpreter, which would truncate to bfloat16 in the kernel."""
+    gen = torch.Generator().manual_seed(2)
+    key = (torch.randn(9, 2, 64, generator=gen) * 300).to(src_dtype)  # past float8 e4m3's largest, 448, too
+    value = torch.randn(9, 2, 64, generator=gen).to(src_dtype)
+    key_cache, value_cache = torch.zeros(3, 8, 2, 64, dtype=cache_dtype), torch.zeros(3, 8, 2, 64, dtype=cache_dtype)
+    slots = random_slots(9, 24, 1, gen, dtype=torch.int32)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    torch_attention.kv_cache_write(key, value, expected_k, expected_v, slots)
+    kv_cache_write(key, value, key_cache, value_cache, slots)
+    bits = {1: torch.uint8, 2: torch.int16}[key_cache.element_size()]
+    assert torch.equal(key_cache.view(bits), expected_k.view(bits))
+    assert torch.equal(value_cache.view(bits), expected_v.view(bits))
+
+
 def test_strided_inputs_and_cache():
     """Key/value sliced from a fused QKV output; caches interleaved per layer (non-contiguous)."""
     gen = torch.Generator().manual_seed(2)

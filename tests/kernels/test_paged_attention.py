@@ -288,3 +288,17 @@ def test_matches_references_on_cuda(dtype):
     ]:
         batch = make_batch(specs, num_heads, num_kv_heads, head_size, block_size, dtype, seed=12, device="cuda")
         check_batch(batch, sliding_window=window)
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float8_e4m3fn),
+                                                (torch.float32, torch.float8_e5m2), (torch.bfloat16, torch.float8_e4m3fn)],
+                         ids=str)
+def test_a_narrower_cache_reads_as_its_values_widened(dtype, cache_dtype):
+    """--kv-cache-dtype: each value is widened to the query's dtype as it is read (exactly), so a narrower cache
+    gives bit for bit what a cache in the query's dtype holding the same values gives."""
+    b = make_batch([(1, 9), (5, 5), (3, 20), (1, 1)], 4, 2, 64, 8, dtype, seed=3)
+    narrow_k, narrow_v = b.key_cache.to(cache_dtype), b.value_cache.to(cache_dtype)
+    args = (b.block_tables, b.seq_lens, b.query_start_loc, 0.125)
+    narrow = paged_attention(b.query, narrow_k, narrow_v, *args)
+    wide = paged_attention(b.query, narrow_k.to(dtype), narrow_v.to(dtype), *args)
+    assert not narrow.isnan().any() and torch.equal(narrow, wide)
