@@ -4,6 +4,7 @@ driven by vLLM's own benchmark client.
 One server at a time, each on the same CPUs:
 
     vllm       vllm serve MODEL --dtype float32, computing on every CPU of --cpus (its front end on them too)
+    vllm-bf16  the same in bfloat16 (on a GGUF model: its dequantized folder, as vLLM's CPU backend loads no GGUF)
     unified    epdserve up --unified --threads N (N = number of --cpus), the engine and proxy on --cpus
     pd         epdserve up: prefill pinned to the first CPU, decode to the second, --threads 1 each
     llama-npN  llama.cpp's llama-server on the model folder's GGUF file (model.gguf, which epdserve serves too)
@@ -52,6 +53,7 @@ from stacks import ROOT, VLLM_PYTHON, LlamaServer, Stack, VllmServer, cpu_list, 
 
 RESULTS = ROOT / "benchmarks" / "results"
 SERVERS = ("vllm", "unified", "pd")
+OTHER_SERVERS = ("vllm-bf16",)  # not run by default
 # What each table reports: (result key, label, higher is better)
 METRICS = (("output_throughput", "out tok/s", True), ("median_ttft_ms", "TTFT p50 ms", False),
            ("median_tpot_ms", "TPOT p50 ms", False), ("p99_tpot_ms", "TPOT p99 ms", False))
@@ -65,8 +67,9 @@ def default_model() -> str:
 
 def make_server(name: str, args: argparse.Namespace, log_dir: Path):
     cpus = cpu_list(args.cpus)
-    if name == "vllm":
-        return VllmServer(args.model, args.served_name, args.cpus, log_dir)
+    if name in ("vllm", "vllm-bf16"):
+        return VllmServer(args.model, args.served_name, args.cpus, log_dir,
+                          dtype="bfloat16" if name == "vllm-bf16" else "float32", name=name)
     if name.startswith("llama-np"):
         return LlamaServer(str((Path(args.model) / "model.gguf").resolve()), args.cpus, int(name[len("llama-np"):]),
                            args.input_len + args.output_len + 64, log_dir)
@@ -326,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct, prepared offline)")
     p.add_argument("--served-name", help="the model's name in requests (default: the model folder's name)")
-    p.add_argument("--servers", default=",".join(SERVERS), help="of vllm,unified,pd,llama-npN")
+    p.add_argument("--servers", default=",".join(SERVERS), help="of vllm,vllm-bf16,unified,pd,llama-npN")
     p.add_argument("--baseline", default="vllm", help="the server the ratios are to")
     p.add_argument("--name", default="serving_vs_vllm", help="the results' file name (without suffix)")
     p.add_argument("--cpus", default="0-1", help="the CPUs every server gets (pd: prefill first, decode last)")
@@ -353,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     args.model = args.model or default_model()
     args.served_name = args.served_name or Path(args.model).name
     servers = args.servers.split(",")
-    if unknown := {s for s in servers if s not in SERVERS and not re.fullmatch(r"llama-np\d+", s)}:
+    if unknown := {s for s in servers if s not in (*SERVERS, *OTHER_SERVERS) and not re.fullmatch(r"llama-np\d+", s)}:
         raise SystemExit(f"--servers: unknown {sorted(unknown)}")
     report = {"command": "benchmarks/serving_vs_vllm.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
               "date": datetime.now().isoformat(timespec="seconds"),

@@ -219,12 +219,12 @@ class VllmServer(PeerServer):
     what = "vllm serve (pid {pid}) and its engine core"
 
     def __init__(self, model: str, served_name: str, cpus: str, log_dir: Path, dtype: str = "float32",
-                 kv_cache_gb: int = 2, extra_args: list[str] = (), log_stats: bool = False) -> None:
+                 kv_cache_gb: int = 2, extra_args: list[str] = (), log_stats: bool = False, name: str = "vllm") -> None:
         """`extra_args`: more `vllm serve` options (e.g. --speculative-config); `log_stats`: keep its stats
         (and their /metrics series, spec_decode's among them) on."""
         if not VLLM_PYTHON.exists():
             raise SystemExit(f"{VLLM_PYTHON} is missing: run benchmarks/setup_vllm_cpu.sh first")
-        self.name, self.cpus = "vllm", cpus
+        self.name, self.cpus = name, cpus
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = ["taskset", "-c", cpus, str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_cli.py"), "serve",
@@ -235,7 +235,7 @@ class VllmServer(PeerServer):
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                     "VLLM_DO_NOT_TRACK": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
                     "VLLM_CPU_OMP_THREADS_BIND": cpus, "PYTHONUNBUFFERED": "1"}
-        self.log = log_dir / "vllm.log"
+        self.log = log_dir / f"{name}.log"
         self.pinning: dict[str, str] = {}
 
 
