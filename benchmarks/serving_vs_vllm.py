@@ -244,8 +244,8 @@ def markdown(report: dict, args: argparse.Namespace) -> str:
         f"# Serving: epdserve beside {', '.join(s for s in servers if s not in ('unified', 'pd')) or 'itself'}, "
         "driven by `vllm bench serve`", "",
         f"`{report['command']}` on {report['date']}: {report['machine']}. Model `{Path(args.model).name}`, "
-        f"served by epdserve from its GGUF file where the folder has one, by llama-server from that file, by vLLM in "
-        f"float32; {args.num_prompts} random prompts of {args.input_len} tokens, {args.output_len} output tokens, "
+        f"served by epdserve from its GGUF file where the folder has one, by llama-server from that file, by vLLM "
+        f"from its safetensors in float32 (vllm-bf16: in bfloat16); {args.num_prompts} random prompts of {args.input_len} tokens, {args.output_len} output tokens, "
         f"EOS ignored; `/v1/completions`. Each cell is the median of {args.repeats} runs; ratios are to "
         f"{args.baseline} in this run (throughput: higher is better; latencies: lower is better).", "",
     ]
