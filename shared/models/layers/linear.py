@@ -1,10 +1,12 @@
 """A linear layer that runs on a prepacked weight on CPU.
 
 PyTorch's default CPU matmul (MKL) reaches ~50-90 GFLOP/s per core on this model's shapes. Our panel
-kernel (kernels/cpu_linear.py) is as fast as oneDNN's packed matmul on large batches and faster where a
-step streams its weights from memory (decodes); where the CPU lacks its instructions, oneDNN runs with
-the weight reordered once into its blocked layout. Both keep a token's result independent of what else
-is in the batch. Falls back to `F.linear` where neither applies (the weight not on the CPU).
+kernel (kernels/cpu_linear.py) is, in float32, as fast as oneDNN's packed matmul on large batches and faster
+where a step streams its weights from memory (decodes); in bfloat16 it is built for decode-sized batches, and
+on a CPU with AMX oneDNN's bfloat16 matmul is several times faster from 16 rows up, which this layer does not
+use. Where the CPU lacks the panel kernel's instructions, oneDNN runs with the weight reordered once into its
+blocked layout. Both keep a token's result independent of what else is in the batch. Falls back to
+`F.linear` where neither applies (the weight not on the CPU).
 """
 from __future__ import annotations
 
