@@ -37,6 +37,14 @@ KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "fp8": "float8_e4m3fn",
 KV_DTYPE_BYTES = {**DTYPE_BYTES, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """A model folder's `config.json`; FileNotFoundError naming the folder where there is none."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no model at {str(path)!r}: expected an HF folder with config.json")
+    return json.loads(config_file.read_text())
+
+
 def dtype_name(dtype: str | torch.dtype) -> str:
     """A supported dtype's name ("float32"...), from its name or its torch dtype; raises ValueError."""
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
@@ -255,10 +263,7 @@ class ModelConfig:
     def from_pretrained(path: str | Path, dtype: str | torch.dtype = "float32",
                         max_model_len: int | None = None) -> ModelConfig:
         folder = Path(path)
-        config_file = folder / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"no model at {str(path)!r}: expected an HF folder with config.json")
-        raw = json.loads(config_file.read_text())
+        raw = read_config_json(folder)
         if "text_config" in raw:  # multimodal (LLaVA layout): the engine runs its language model
             raw = _text_config(raw)
         elif flat := next((_FLAT_MULTIMODAL_ARCHITECTURES[a] for a in raw.get("architectures") or ()

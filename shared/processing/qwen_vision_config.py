@@ -4,12 +4,11 @@ torch: only what runs the tower loads it.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from epdserve.shared.config import dtype_name, parse_dtype
+from epdserve.shared.config import dtype_name, parse_dtype, read_config_json
 from epdserve.shared.processing.vision_config import check_activation
 
 if TYPE_CHECKING:
@@ -83,10 +82,7 @@ class QwenVLEncoderConfig:
 
     @staticmethod
     def from_pretrained(path: str | Path, dtype: str | torch.dtype = "float32") -> QwenVLEncoderConfig:
-        config_file = Path(path) / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"no model at {str(path)!r}: expected an HF folder with config.json")
-        raw = json.loads(config_file.read_text())
+        raw = read_config_json(path)
         if not is_qwen2_5_vl(raw):
             raise ValueError(f"{path} is not a Qwen2.5-VL checkpoint (model_type {raw.get('model_type')!r})")
         vision = QwenVisionConfig.from_dict(raw.get("vision_config") or {})

@@ -4,12 +4,11 @@ the proxy loads none.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from epdserve.shared.config import dtype_name, parse_dtype
+from epdserve.shared.config import dtype_name, parse_dtype, read_config_json
 
 if TYPE_CHECKING:
     import torch
@@ -97,10 +96,7 @@ class LlavaEncoderConfig:
 
     @staticmethod
     def from_pretrained(path: str | Path, dtype: str | torch.dtype = "float32") -> LlavaEncoderConfig:
-        config_file = Path(path) / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"no model at {str(path)!r}: expected an HF folder with config.json")
-        return LlavaEncoderConfig.from_dict(json.loads(config_file.read_text()), str(path), dtype)
+        return LlavaEncoderConfig.from_dict(read_config_json(path), str(path), dtype)
 
     @staticmethod
     def from_dict(raw: dict[str, Any], path: str = "", dtype: str | torch.dtype = "float32") -> LlavaEncoderConfig:
