@@ -2,8 +2,8 @@
 holds, the bytes a prompt token costs on the prefill->decode wire, the speed of one long-context stream, and
 the quality against the KV cache in the model's own dtype.
 
-For each --kv-cache-dtype (auto = the model's float32, bfloat16, fp8 = E4M3, fp8_e5m2), one engine (LLM) on the
-same model:
+For each --kv-cache-dtype (auto = the model's float32, bfloat16, fp8 = E4M3, fp8_e5m2, int8 with a scale per
+token and head), one engine (LLM) on the same model:
 
   blocks        the pool's blocks in --pool-mib MiB (the engine's own sizing, kv_cache_budget.py)
   wire bytes    bytes per prompt token of a block as stored: what the transfer moves per token (its checksums,
@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-DTYPES = ("auto", "bfloat16", "fp8", "fp8_e5m2")
+DTYPES = ("auto", "bfloat16", "fp8", "fp8_e5m2", "int8")
 TOPICS = ("assignment", "compound", "exceptions", "execmodel", "import", "typesseq", "naming", "numbers")
 
 

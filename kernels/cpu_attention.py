@@ -6,7 +6,7 @@ batched matmuls whose rows are a GQA group (3 rows for SmolLM2) for a decode, or
 scaled_dot_product_attention per prefill chunk; both run far below the machine's speed at these sizes.
 The kernel in csrc/cpu_paged_attention.cpp reads the blocks in place, one query token and KV head at a
 time (the head serves its GQA group), and computes in float32 (exact two-pass softmax), whatever the cache
-stores (the model's dtype, bfloat16 or FP8: widened as read). A prefill token
+stores (the model's dtype, bfloat16, FP8 or int8 rows with their scales: widened as read). A prefill token
 attends to its causal prefix: the kernel is told, per token, how many of its sequence's tokens it sees.
 
 The kernel is built on first use for the CPU it runs on (see cpu_build); where it cannot be built,
@@ -34,11 +34,12 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                    slot_mapping: torch.Tensor) -> None:
     """`torch_attention.kv_cache_write`'s contract, one row copy per token and head instead of an index_put; a
     cache narrower than the model (bfloat16, FP8) takes the new rows converted first (FP8 saturating, as torch
-    converts)."""
+    converts), an int8 cache each row quantized by the kernel (torch_attention.quantize_rows)."""
     key_hm, value_hm = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
     if key_hm.is_contiguous() and value_hm.is_contiguous() and value_cache.dtype == key_cache.dtype:
-        _extension().write_kv(key.to(key_cache.dtype).contiguous(), value.to(key_cache.dtype).contiguous(), key_hm,
-                              value_hm, slot_mapping.long())
+        dtype = key.dtype if key_cache.dtype == torch.int8 else key_cache.dtype
+        _extension().write_kv(key.to(dtype).contiguous(), value.to(dtype).contiguous(), key_hm, value_hm,
+                              slot_mapping.long())
     else:
         torch_attention.kv_cache_write(key, value, key_cache, value_cache, slot_mapping)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from epdserve.kernels.int8_rows import head_size_of, widened
+
 _MARGIN = 64  # tokens of room past the longest sequence, so that appends rarely force a rebuild
 
 
@@ -56,7 +58,7 @@ class DecodeMirror:
         `gather(cache)` returns [num_seqs, num_kv_heads, ctx, head_size] (a full gather, for rebuilds).
         """
         num_seqs, num_kv_heads = plan.decode_table.shape[0], plan.num_kv_heads
-        head_size = key_cache.shape[-1]
+        head_size = head_size_of(key_cache)
         max_len = plan.decode_bias.shape[-1]
         layer = self._layers.get(key_cache.data_ptr())
         if layer is not None and self.appending:
@@ -64,7 +66,7 @@ class DecodeMirror:
             seqs = torch.arange(num_seqs, device=key_cache.device)
             for buf, cache in zip(layer, (key_cache, value_cache)):
                 # The newest token of each sequence: [num_seqs, num_kv_heads, head_size] from its slot.
-                buf.view(num_seqs, num_kv_heads, self.capacity, head_size)[seqs, :, positions] = cache[blocks, offsets].float()
+                buf.view(num_seqs, num_kv_heads, self.capacity, head_size)[seqs, :, positions] = widened(cache[blocks, offsets])
         else:
             layer = []
             for cache in (key_cache, value_cache):

@@ -10,8 +10,11 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from epdserve.kernels.int8_rows import SCALE_BYTES, quantize_rows
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # caches only (`--kv-cache-dtype fp8`)
+CACHE_DTYPES = SUPPORTED_DTYPES + FLOAT8_DTYPES + (torch.int8,)  # int8: rows with their scales (int8_rows.py)
 
 
 @triton.jit
@@ -83,15 +86,16 @@ def kv_cache_write(
         )
     num_tokens, num_kv_heads, head_size = key.shape
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
-    if tuple(key_cache.shape[2:]) != (num_kv_heads, head_size):
-        raise ValueError(
-            f"cache heads/head_size {tuple(key_cache.shape[2:])} differ from key's {(num_kv_heads, head_size)}"
-        )
     for name, t, dtypes in (("key", key, SUPPORTED_DTYPES), ("value", value, SUPPORTED_DTYPES),
-                            ("key_cache", key_cache, SUPPORTED_DTYPES + FLOAT8_DTYPES),
-                            ("value_cache", value_cache, SUPPORTED_DTYPES + FLOAT8_DTYPES)):
+                            ("key_cache", key_cache, CACHE_DTYPES), ("value_cache", value_cache, CACHE_DTYPES)):
         if t.dtype not in dtypes:
             raise ValueError(f"{name} dtype {t.dtype} is not one of {dtypes}")
+    row = head_size + SCALE_BYTES if key_cache.dtype == torch.int8 else head_size
+    if tuple(key_cache.shape[2:]) != (num_kv_heads, row):
+        raise ValueError(
+            f"cache heads/row {tuple(key_cache.shape[2:])} differ from key's {(num_kv_heads, row)} (an int8 "
+            "cache's rows hold head_size values and a 2-byte scale)"
+        )
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens or slot_mapping.dtype not in (
         torch.int32, torch.int64
     ):
@@ -113,8 +117,12 @@ def kv_cache_write(
     if num_tokens == 0:
         return
     # Converted as torch converts, which is what every other path stores (the interpreter would truncate to
-    # bfloat16 where torch and the GPU round to nearest); float8 then moves as bytes.
-    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
+    # bfloat16 where torch and the GPU round to nearest), int8 rows quantized by the reference itself; float8
+    # then moves as bytes, int8 rows as rows of head_size + 2.
+    if key_cache.dtype == torch.int8:
+        key, value, head_size = quantize_rows(key), quantize_rows(value), row
+    else:
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     if key_cache.dtype in FLOAT8_DTYPES:
         key, value = key.view(torch.uint8), value.view(torch.uint8)
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)

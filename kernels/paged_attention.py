@@ -19,10 +19,14 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from epdserve.kernels.int8_rows import SCALE_BYTES
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-# The caches each query dtype reads besides its own (`--kv-cache-dtype`): every value of them is one of its own.
-NARROWER_CACHES = {torch.float32: (torch.bfloat16, *_FLOAT8), torch.bfloat16: _FLOAT8, torch.float16: _FLOAT8}
+# The caches each query dtype reads besides its own (`--kv-cache-dtype`): every value of the float ones is one of
+# its own; int8 rows (int8_rows.py) are dequantized in float32 (exactly), then rounded to the query's dtype.
+NARROWER_CACHES = {torch.float32: (torch.bfloat16, *_FLOAT8, torch.int8), torch.bfloat16: (*_FLOAT8, torch.int8),
+                   torch.float16: (*_FLOAT8, torch.int8)}
 _LOG2E = 1.4426950408889634
 
 
@@ -54,6 +58,8 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt_seq, stride_bt_blk,
+    key_scale_ptr,  # INT8_ROWS: the caches as float16 (K, V strides / 2); a row's scale at HEAD_SIZE // 2
+    value_scale_ptr,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
     BLOCK_Q: tl.constexpr,  # new tokens per query tile
@@ -64,6 +70,7 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands (the interpreter cannot multiply bfloat16)
     DOT_PRECISION: tl.constexpr,  # "ieee" keeps float32 inputs out of TF32
+    INT8_ROWS: tl.constexpr,  # the caches hold int8 rows with their scales
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,6 +144,13 @@ def _paged_attention_kernel(
             mask=k_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # [TILE_N, HEAD_PAD]
+        if INT8_ROWS:  # q * scale in float32, exact (the float16 scale sits HEAD_SIZE bytes into the row)
+            k_scale = tl.load(key_scale_ptr + kv_head * (stride_kh // 2) + (block * stride_kb + in_block * stride_ks) // 2
+                              + HEAD_SIZE // 2, mask=k_ok, other=0.0)
+            v_scale = tl.load(value_scale_ptr + kv_head * (stride_vh // 2) + (block * stride_vb + in_block * stride_vs) // 2
+                              + HEAD_SIZE // 2, mask=k_ok, other=0.0)
+            k = k.to(tl.float32) * k_scale.to(tl.float32)[None, :]
+            v = v.to(tl.float32) * v_scale.to(tl.float32)[:, None]
         # A narrower cache (bfloat16 or float8 under float32 queries, float8 under 16-bit ones) is widened to the
         # query's dtype as it is read: exact, and then everything is as with a cache in that dtype.
         k = k.to(query_ptr.dtype.element_ty)
@@ -213,6 +227,10 @@ def paged_attention(
     num_tokens, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
+    int8_rows = key_cache.dtype == torch.int8
+    # (Any tensor serves as the unused scale pointers of a float cache.)
+    key_scales, value_scales = (key_cache.view(torch.float16), value_cache.view(torch.float16)) if int8_rows \
+        else (key_cache, value_cache)
     if num_tokens == 0 or num_seqs == 0:
         return out
 
@@ -228,6 +246,7 @@ def paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         float(scale) * _LOG2E, num_seqs, 0 if sliding_window is None else int(sliding_window),
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(),
+        key_scales, value_scales,
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
@@ -238,6 +257,7 @@ def paged_attention(
         USE_WINDOW=sliding_window is not None,
         DOT_IN_FP32=INTERPRETED and query.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 or INTERPRETED else "tf32",
+        INT8_ROWS=int8_rows,
         num_warps=4 if head_pad <= 64 else 8,
     )
     return out
@@ -260,8 +280,12 @@ def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_s
         )
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
-    if key_cache.shape[3] != head_size:
-        raise ValueError(f"cache head_size {key_cache.shape[3]} differs from query head_size {head_size}")
+    if key_cache.dtype == torch.int8 and head_size % 2:
+        raise ValueError(f"an int8 cache needs an even head_size (its float16 scales), got {head_size}")
+    row = head_size + SCALE_BYTES if key_cache.dtype == torch.int8 else head_size
+    if key_cache.shape[3] != row:
+        raise ValueError(f"cache rows of {key_cache.shape[3]} differ from the query's head_size {head_size}"
+                         + (" + 2 (an int8 cache's scale)" if key_cache.dtype == torch.int8 else ""))
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     for name, t, dim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1),

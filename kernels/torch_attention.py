@@ -5,7 +5,9 @@ under the "cpu" backend), it runs on CUDA too, and it is what the Triton and C++
 
 KV-cache layout, shared by every backend (and by the transport, which moves whole blocks):
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
-A token's *slot* is `block_id * block_size + offset_in_block`.
+A token's *slot* is `block_id * block_size + offset_in_block`. An int8 cache (--kv-cache-dtype int8) holds
+each row of head_size values quantized to its own scale, the scale's float16 bytes after them: its last
+dimension is head_size + 2 (int8_rows.py).
 
 Batches are "varlen": the new tokens of all sequences are concatenated along dim 0 and described by
     query_start_loc: [num_seqs + 1] int32, cumulative query lengths (query_start_loc[0] == 0)
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from epdserve.kernels.decode_mirror import DecodeMirror
+from epdserve.kernels.int8_rows import quantize_rows, widened
 
 
 def kv_cache_write(
@@ -38,6 +41,8 @@ def kv_cache_write(
         slots, key, value = slot_mapping[valid], key[valid], value[valid]
     slots = slots.long()
     blocks, offsets = slots // block_size, slots % block_size
+    if key_cache.dtype == torch.int8:
+        key, value = quantize_rows(key), quantize_rows(value)
     key_cache[blocks, offsets] = key.to(key_cache.dtype)
     value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
@@ -189,7 +194,7 @@ def _decode(
     num_blocks = plan.decode_table.shape[1]
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
-        return gather_kv(cache, plan.decode_table, num_blocks, plan.decode_rows).float()
+        return widened(gather_kv(cache, plan.decode_table, num_blocks, plan.decode_rows))
 
     if plan.mirror is not None:
         k, v = plan.mirror.kv(key_cache, value_cache, plan, gather)  # [S * Hkv, ctx, head_size] views
@@ -215,8 +220,8 @@ def _prefill(
     q_len = query.shape[0]
     num_blocks = -(-seq_len // key_cache.shape[1])
     table = block_table.view(1, -1)
-    k = gather_kv(key_cache, table, num_blocks)[:, :, :seq_len].float()
-    v = gather_kv(value_cache, table, num_blocks)[:, :, :seq_len].float()
+    k = widened(gather_kv(key_cache, table, num_blocks)[:, :, :seq_len])
+    v = widened(gather_kv(value_cache, table, num_blocks)[:, :, :seq_len])
     q = query.float().transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_size]
     if q_len == seq_len and sliding_window is None:  # nothing cached before: plain causal attention
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)

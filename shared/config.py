@@ -32,9 +32,17 @@ _LAYERED_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # What the KV pool may store (--kv-cache-dtype, vLLM's spellings) by its dtype's name; "auto": the model's dtype.
 # FP8 is stored unscaled (scale 1.0, vLLM's default without calibrated scales), saturated at its largest value.
+# int8: each token's row of each head quantized to its own scale, the scale's float16 after the values.
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
-                   "fp8_e5m2": "float8_e5m2"}
-KV_DTYPE_BYTES = {**DTYPE_BYTES, "float8_e4m3fn": 1, "float8_e5m2": 1}
+                   "fp8_e5m2": "float8_e5m2", "int8": "int8"}
+KV_DTYPE_BYTES = {**DTYPE_BYTES, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
+# The bytes of an int8 row's scale (a float16), stored after its head_size values (kernels/int8_rows.py).
+INT8_ROW_SCALE_BYTES = 2
+
+
+def kv_row_size(head_size: int, kv_dtype_name: str) -> int:
+    """Elements of one token's row of one head in the KV pool: head_size, plus an int8 row's scale bytes."""
+    return head_size + INT8_ROW_SCALE_BYTES if kv_dtype_name == "int8" else head_size
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
@@ -333,8 +341,8 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, kv_dtype_name: str | None = None) -> int:
         """Bytes of one token's K and V in every layer, stored in `kv_dtype_name` (None: the model's dtype)."""
-        element_bytes = KV_DTYPE_BYTES[kv_dtype_name or self.dtype_name]
-        return 2 * self.num_layers * self.num_kv_heads * self.head_size * element_bytes
+        name = kv_dtype_name or self.dtype_name
+        return 2 * self.num_layers * self.num_kv_heads * kv_row_size(self.head_size, name) * KV_DTYPE_BYTES[name]
 
     @property
     def num_weight_bytes(self) -> int:
@@ -374,7 +382,7 @@ class CacheConfig:
     # The deployment's block-hash key (shared/block_hash.py deployment_key; None: unkeyed): the prefix
     # cache, the offload tier and the shared KV store all name blocks by hashes keyed with it.
     block_hash_key: bytes | None = field(default=None, repr=False)
-    # What the pool stores, in vLLM's spellings (KV_CACHE_DTYPES): the model's dtype ("auto"), bfloat16 or FP8;
+    # What the pool stores, in vLLM's spellings (KV_CACHE_DTYPES): the model's dtype ("auto"), bfloat16, FP8 or int8;
     # the prefill->decode transfer, the offload tier and the shared store move blocks as stored.
     cache_dtype: str = "auto"
 

@@ -13,6 +13,10 @@
 //
 // The cache may be stored narrower than the query (--kv-cache-dtype): bfloat16, or FP8 (E4M3 or E5M2, scale
 // 1.0 as vLLM's default); its values are widened to float32 as they are read, so the arithmetic is the same.
+// An int8 cache's row of one token and head is head_size int8 values and their float16 scale after them
+// (head_size + 2 bytes): a value is q * scale, exact in float32 (7 bits times 11), the float32 a dequantized
+// cache would hold, so the arithmetic is again that of a float32 cache. write_kv quantizes each row to its own scale (its largest
+// magnitude / 127), so what a row holds never depends on which other tokens were written with it.
 //
 // With AVX-512 and a head size that is a multiple of 16 (float32, bfloat16 and FP8 caches), the scores of 16
 // tokens come out of one transposing reduction instead of 16 horizontal sums, the softmax runs 16 lanes
@@ -31,6 +35,8 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -43,6 +49,14 @@ using namespace epdserve;
 
 using E4M3 = c10::Float8_e4m3fn;
 using E5M2 = c10::Float8_e5m2;
+using I8 = int8_t;
+
+// An int8 row's scale, the float16 after its head_size values.
+inline float row_scale(const I8* row, int64_t head_size) {
+  c10::Half scale;
+  std::memcpy(&scale, row + head_size, sizeof(scale));
+  return static_cast<float>(scale);
+}
 
 // FP8 values widened exactly through float16: an E5M2 byte is the top half of a float16; an E4M3 byte's
 // exponent and mantissa, placed at a float16's (sign kept), read as float16 times 2^8 (the exponent biases
@@ -59,6 +73,7 @@ inline __m512 fp8_lanes16(__m256i bytes16, bool e4m3) {
 }
 inline __m512 load16(const E4M3* p) { return fp8_lanes16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), true); }
 inline __m512 load16(const E5M2* p) { return fp8_lanes16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), false); }
+inline __m512 load16(const I8* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
 #elif defined(__AVX2__) && defined(__FMA__)
 using epdserve::load8;
 inline __m256 fp8_lanes8(__m128i bytes8, bool e4m3) {
@@ -69,6 +84,7 @@ inline __m256 fp8_lanes8(__m128i bytes8, bool e4m3) {
 }
 inline __m256 load8(const E4M3* p) { return fp8_lanes8(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), true); }
 inline __m256 load8(const E5M2* p) { return fp8_lanes8(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), false); }
+inline __m256 load8(const I8* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
 #endif
 
 // Asks for blocks ahead of their use: the blocks of a sequence are scattered, so the hardware prefetcher
@@ -85,18 +101,25 @@ inline void prefetch(const void* start, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
 }
 
+// The elements of one token's row of one head: head_size, and an int8 row's scale after them.
+template <typename T>
+constexpr int64_t row_elems(int64_t head_size) {
+  return std::is_same_v<T, I8> ? head_size + static_cast<int64_t>(sizeof(c10::Half)) : head_size;
+}
+
 // One work item's view of the cache: one KV head of one sequence's blocks.
 template <typename T>
 struct HeadRows {
   const T* cache;
   const int64_t* table;
   int64_t block_elems, head_offset, block_size, head_size;
+  int64_t row_stride = row_elems<T>(head_size);
 
   const T* block(int64_t b) const { return cache + table[b] * block_elems + head_offset; }
   // Row of token t (in block b = t / block_size).
-  const T* row(int64_t t) const { return block(t / block_size) + (t % block_size) * head_size; }
+  const T* row(int64_t t) const { return block(t / block_size) + (t % block_size) * row_stride; }
   void prefetch_block(int64_t b) const {
-    prefetch(block(b), block_size * head_size * static_cast<int64_t>(sizeof(T)));
+    prefetch(block(b), block_size * row_stride * static_cast<int64_t>(sizeof(T)));
   }
   // The first PREFETCH_BLOCKS of blocks [b, last].
   void prefetch_ahead(int64_t b, int64_t last) const {
@@ -154,6 +177,10 @@ template <typename T>
 inline const float* widened(const T* row, int64_t n, float* buffer) {
   if constexpr (std::is_same_v<T, float>) {
     return row;
+  } else if constexpr (std::is_same_v<T, I8>) {
+    const float scale = row_scale(row, n);
+    for (int64_t d = 0; d < n; ++d) buffer[d] = static_cast<float>(row[d]) * scale;
+    return buffer;
   } else {
     for (int64_t d = 0; d < n; ++d) buffer[d] = static_cast<float>(row[d]);
     return buffer;
@@ -196,7 +223,8 @@ struct Tile {
 
 // Walks the tile's K rows `lanes` tokens of a block at a time, each chunk read from memory for the first of
 // the tile's query rows and from L1 for the rest; score(rows, q of one head, head_size, n, skip, dst) writes
-// scores of the chunk's tokens [skip, n) at dst[skip..n) (dst: that head's row at the chunk's first token).
+// scores of the chunk's tokens [skip, n) at dst[skip..n) (dst: that head's row at the chunk's first token);
+// the rows are keys.row_stride elements apart.
 template <typename T, typename Score>
 void tile_scores(const HeadRows<T>& keys, const Tile& tile, int64_t lanes, Score score) {
   const int64_t d_n = keys.head_size, bs = keys.block_size, len_max = tile.len(tile.tokens - 1);
@@ -208,12 +236,13 @@ void tile_scores(const HeadRows<T>& keys, const Tile& tile, int64_t lanes, Score
     for (int64_t start = b * bs; start < (b + 1) * bs && start < len_max; start += lanes) {
       const int64_t in_block = std::min(lanes, (b + 1) * bs - start);
       const int64_t skip = std::max<int64_t>(0, tile.first - start);  // leading rows before the window
-      const T* rows = block + (start - b * bs) * d_n;
+      const T* rows = block + (start - b * bs) * keys.row_stride;
       for (int64_t j = 0; j < tile.tokens; ++j) {
         const int64_t n = std::min(in_block, tile.len(j) - start);
         if (skip >= n) continue;
         float* s = tile.scores_of(j) + (start - tile.first);
-        for (int64_t g = 0; g < tile.group; ++g) score(rows, tile.q + (j * tile.group + g) * d_n, d_n, n, skip, s + g * tile.ctx(j));
+        for (int64_t g = 0; g < tile.group; ++g)
+          score(rows, keys.row_stride, tile.q + (j * tile.group + g) * d_n, d_n, n, skip, s + g * tile.ctx(j));
       }
     }
   }
@@ -260,6 +289,7 @@ struct Lanes {
   static Vec loadu(const float* p) { return _mm512_loadu_ps(p); }
   static void storeu(float* p, Vec v) { _mm512_storeu_ps(p, v); }
   static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
   // A cache row's values as float32 lanes.
   template <typename T>
   static Vec load(const T* p) { return load16(p); }
@@ -310,6 +340,7 @@ struct Lanes {
   static Vec loadu(const float* p) { return _mm256_loadu_ps(p); }
   static void storeu(float* p, Vec v) { _mm256_storeu_ps(p, v); }
   static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
   template <typename T>
   static Vec load(const T* p) { return load8(p); }
 
@@ -358,6 +389,21 @@ struct Lanes {
 #endif
 
 #ifdef VECTOR_PATH
+// One cache row's values as float32 lanes, from element d: an int8 row's times its scale (see the top).
+template <typename T>
+struct RowLanes {
+  const T* row;
+  RowLanes(const T* row, int64_t /*head_size*/) : row(row) {}
+  Lanes::Vec at(int64_t d) const { return Lanes::load(row + d); }
+};
+template <>
+struct RowLanes<I8> {
+  const I8* row;
+  Lanes::Vec scale;
+  RowLanes(const I8* row, int64_t head_size) : row(row), scale(Lanes::set1(row_scale(row, head_size))) {}
+  Lanes::Vec at(int64_t d) const { return Lanes::mul(Lanes::load(row + d), scale); }
+};
+
 inline void softmax_rows_vector(float* scores, int64_t rows, int64_t ctx, float* inv_sum) {
   for (int64_t g = 0; g < rows; ++g) {
     float* s = scores + g * ctx;
@@ -370,11 +416,12 @@ inline void softmax_rows_vector(float* scores, int64_t rows, int64_t ctx, float*
   }
 }
 
-// dst[i] = q . K[start + i] for the chunk's tokens i in [skip, n) (n <= Lanes::width): the dot products in
-// lanes, then one transposing reduction instead of a horizontal sum each.
-// DV: the head size in vectors when known at compile time (0: dv at run time).
+// dst[i] = q . K[start + i] for the chunk's tokens i in [skip, n) (n <= Lanes::width), their rows `stride`
+// elements apart from `rows`: the dot products in lanes, then one transposing reduction instead of a
+// horizontal sum each. DV: the head size in vectors when known at compile time (0: dv at run time).
 template <typename T, int DV>
-inline void score_lanes(const T* rows, const float* qg, int64_t d_n, int64_t n, int64_t skip, float* dst) {
+inline void score_lanes(const T* rows, int64_t stride, const float* qg, int64_t d_n, int64_t n, int64_t skip,
+                        float* dst) {
   constexpr int W = Lanes::width, HEAD_128 = 128 / W;  // (the inner loop unrolled as far as a head of 128)
   const int64_t dv = DV ? DV : d_n / W;
   Lanes::Vec v[W];
@@ -382,8 +429,9 @@ inline void score_lanes(const T* rows, const float* qg, int64_t d_n, int64_t n, 
   for (int i = 0; i < W; ++i) {
     Lanes::Vec a = Lanes::zero();
     if (i < n) {
+      const RowLanes<T> k(rows + i * stride, d_n);
 #pragma GCC unroll HEAD_128
-      for (int64_t c = 0; c < dv; ++c) a = Lanes::fmadd(Lanes::loadu(qg + W * c), Lanes::load(rows + i * d_n + W * c), a);
+      for (int64_t c = 0; c < dv; ++c) a = Lanes::fmadd(Lanes::loadu(qg + W * c), k.at(W * c), a);
     }
     v[i] = a;
   }
@@ -404,9 +452,9 @@ void weighted_values(const HeadRows<T>& values, const float* p, int64_t ctx, int
     if (b + PREFETCH_BLOCKS <= last_block) values.prefetch_block(b + PREFETCH_BLOCKS);
     const T* block = values.block(b);
     for (int64_t t = std::max(lo, b * bs); t < std::min(hi, (b + 1) * bs); ++t) {
-      const T* row = block + (t - b * bs) * values.head_size + d0;
+      const RowLanes<T> row(block + (t - b * bs) * values.row_stride, values.head_size);
       Lanes::Vec x[VC];
-      for (int c = 0; c < VC; ++c) x[c] = Lanes::load(row + W * c);
+      for (int c = 0; c < VC; ++c) x[c] = row.at(d0 + W * c);
       for (int g = 0; g < GT; ++g) {
         const Lanes::Vec w = Lanes::set1(p[g * ctx + (t - first)]);
         for (int c = 0; c < VC; ++c) a[g][c] = Lanes::fmadd(w, x[c], a[g][c]);
@@ -467,14 +515,16 @@ void attention_impl(Q* out, const Q* query, const T* key_cache, const T* value_c
                     const int64_t* block_tables, const int64_t* table_rows, const int64_t* seq_lens, int64_t num_tokens,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
                     int64_t table_stride, double scale, int64_t sliding_window) {
-  const int64_t group = num_heads / num_kv_heads, block_elems = num_kv_heads * block_size * head_size;
+  const int64_t group = num_heads / num_kv_heads, stride = row_elems<T>(head_size);
+  const int64_t block_elems = num_kv_heads * block_size * stride;
 #ifdef VECTOR_PATH
   constexpr int64_t lanes = Lanes::width;
 #else
   constexpr int64_t lanes = 0;
 #endif
   constexpr bool vector_type = lanes > 0 && (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> ||
-                                             std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>);
+                                             std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2> ||
+                                             std::is_same_v<T, I8>);
   const bool vectorized = vector_type && head_size % lanes == 0;
   // Work items: runs of up to TILE_TOKENS consecutive tokens of one sequence (a prefill chunk's; a decode
   // is a run of one) - with a sliding window each token has its own start, and is its own run.
@@ -498,8 +548,8 @@ void attention_impl(Q* out, const Q* query, const T* key_cache, const T* value_c
       const int64_t len0 = seq_lens[i0];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len0 - sliding_window) : 0;
       const int64_t* table = block_tables + table_rows[i0] * table_stride;
-      const HeadRows<T> keys{key_cache, table, block_elems, h * block_size * head_size, block_size, head_size};
-      const HeadRows<T> values{value_cache, table, block_elems, h * block_size * head_size, block_size, head_size};
+      const HeadRows<T> keys{key_cache, table, block_elems, h * block_size * stride, block_size, head_size};
+      const HeadRows<T> values{value_cache, table, block_elems, h * block_size * stride, block_size, head_size};
       Tile tile{q.data(), nullptr, runs[r + 1] - i0, group, first, len0};
       // Each token's group of query heads h * group .. (h + 1) * group - 1.
       for (int64_t j = 0; j < tile.tokens; ++j) {
@@ -533,9 +583,9 @@ void attention_impl(Q* out, const Q* query, const T* key_cache, const T* value_c
 // out, query: [num_tokens, num_heads, head_size] contiguous; per query token i: table_rows[i], its
 // sequence's row of block_tables; seq_lens[i], how many of the sequence's tokens it attends to (those of
 // the cache up to and including its own). key_cache/value_cache:
-// [num_blocks, num_kv_heads, block_size, head_size] contiguous (the head-major storage); block_tables:
-// [num_seqs, >= blocks of the longest] int64. Indices are int64; out and query share a dtype, and the caches
-// share that one, or are bfloat16 or FP8.
+// [num_blocks, num_kv_heads, block_size, head_size] contiguous (the head-major storage; an int8 cache's rows
+// are head_size + 2 long, see the top); block_tables: [num_seqs, >= blocks of the longest] int64. Indices are
+// int64; out and query share a dtype, and the caches share that one, or are bfloat16, FP8 or int8.
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                      torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor table_rows,
                      torch::Tensor seq_lens, double scale, int64_t sliding_window) {
@@ -548,13 +598,15 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
   const auto cache_type = key_cache.scalar_type();
   TORCH_CHECK(out.scalar_type() == query.scalar_type() && value_cache.scalar_type() == cache_type &&
               (cache_type == query.scalar_type() || cache_type == torch::kBFloat16 ||
-               cache_type == torch::kFloat8_e4m3fn || cache_type == torch::kFloat8_e5m2),
-              "out and query share a dtype; the caches share it too, or are bfloat16 or float8 (e4m3fn, e5m2)");
+               cache_type == torch::kFloat8_e4m3fn || cache_type == torch::kFloat8_e5m2 || cache_type == torch::kChar),
+              "out and query share a dtype; the caches share it too, or are bfloat16, float8 (e4m3fn, e5m2) or int8");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && table_rows.scalar_type() == torch::kInt64 &&
               seq_lens.scalar_type() == torch::kInt64, "block_tables, table_rows and seq_lens must be int64");
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_size && num_heads % num_kv_heads == 0, "head sizes or GQA ratio");
+  const bool int8_rows = cache_type == torch::kChar;
+  TORCH_CHECK(key_cache.size(3) == (int8_rows ? row_elems<I8>(head_size) : head_size) && num_heads % num_kv_heads == 0,
+              "head sizes (an int8 cache's rows: head_size + 2) or GQA ratio");
   TORCH_CHECK(table_rows.size(0) == num_tokens && seq_lens.size(0) == num_tokens, "one table row and length per token");
   auto tables = block_tables.contiguous();
   auto rows = table_rows.contiguous();
@@ -579,26 +631,49 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
     } else if constexpr (std::is_same_v<Q, float> || std::is_same_v<Q, c10::BFloat16>) {  // the engines' dtypes
       if (cache_type == torch::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
       else if (cache_type == torch::kFloat8_e4m3fn) run(static_cast<E4M3*>(nullptr));
-      else run(static_cast<E5M2*>(nullptr));
+      else if (cache_type == torch::kFloat8_e5m2) run(static_cast<E5M2*>(nullptr));
+      else run(static_cast<I8*>(nullptr));
     } else {
       TORCH_CHECK(false, "a cache narrower than the query needs a float32 or bfloat16 query");
     }
   });
 }
 
+// One row quantized to int8 with its own scale (the row's largest magnitude / 127 as a float16; all-zero rows
+// get scale 0), the scale's float16 after the values: exactly what int8_rows.quantize_rows computes (IEEE
+// division, rounding half to even, the float16 rounded to nearest).
+template <typename X>
+void quantize_row(const X* x, int64_t n, I8* out) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::abs(static_cast<float>(x[d])));
+  const c10::Half half_scale(std::min(amax / 127.0f, 65504.0f));
+  const float scale = static_cast<float>(half_scale);
+  for (int64_t d = 0; d < n; ++d) {
+    const float q = scale > 0.0f ? std::nearbyint(static_cast<float>(x[d]) / scale) : 0.0f;
+    out[d] = static_cast<I8>(std::min(127.0f, std::max(-127.0f, q)));
+  }
+  std::memcpy(out + n, &half_scale, sizeof(half_scale));
+}
+
 // key_cache[slot] = key, value_cache[slot] = value for each token with a slot (slot < 0: padding, skipped).
 // key, value: [num_tokens, num_kv_heads, head_size] contiguous; caches head-major as above; slot_mapping:
-// [num_tokens] int64, slot = block * block_size + offset.
+// [num_tokens] int64, slot = block * block_size + offset. The caches share the keys' dtype, or are int8
+// (the keys float32 or bfloat16, each row quantized as it is written).
 void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
               torch::Tensor slot_mapping) {
+  const bool int8_rows = key_cache.scalar_type() == torch::kChar;
   TORCH_CHECK(key.device().is_cpu() && key_cache.device().is_cpu(), "write_kv runs on CPU tensors");
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
-              key.size(1) == key_cache.size(1) && key.size(2) == key_cache.size(3),
-              "key and value [tokens, kv_heads, head_size], caches [blocks, kv_heads, block_size, head_size]");
+              key.size(1) == key_cache.size(1) &&
+              key_cache.size(3) == (int8_rows ? row_elems<I8>(key.size(2)) : key.size(2)),
+              "key and value [tokens, kv_heads, head_size], caches [blocks, kv_heads, block_size, head_size]"
+              " (an int8 cache's rows: head_size + 2)");
   TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "key, value and the (head-major) caches must be contiguous");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
-              value_cache.scalar_type() == key_cache.scalar_type(), "key, value and caches must share a dtype");
+  TORCH_CHECK(value.scalar_type() == key.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type() &&
+              (int8_rows ? key.scalar_type() == torch::kFloat || key.scalar_type() == torch::kBFloat16
+                         : key.scalar_type() == key_cache.scalar_type()),
+              "key, value and caches must share a dtype (an int8 cache: float32 or bfloat16 keys)");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
               "slot_mapping: [tokens] int64");
   auto slots = slot_mapping.contiguous();
@@ -607,18 +682,30 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, t
   if (num_tokens == 0) return;
   TORCH_CHECK(slots.max().item<int64_t>() < num_slots, "slot out of range");
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t row_bytes = head_size * key.element_size();
+  const int64_t row_bytes = key_cache.size(3) * key_cache.element_size();
+  const int64_t src_bytes = head_size * key.element_size();
   const char* k = static_cast<const char*>(key.data_ptr());
   const char* v = static_cast<const char*>(value.data_ptr());
   char* kc = static_cast<char*>(key_cache.data_ptr());
   char* vc = static_cast<char*>(value_cache.data_ptr());
+  const auto quantize = [&](const char* src, char* dst) {
+    if (key.scalar_type() == torch::kFloat)
+      quantize_row(reinterpret_cast<const float*>(src), head_size, reinterpret_cast<I8*>(dst));
+    else
+      quantize_row(reinterpret_cast<const c10::BFloat16*>(src), head_size, reinterpret_cast<I8*>(dst));
+  };
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (slot[t] < 0) continue;
     const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
     for (int64_t h = 0; h < heads; ++h) {
-      const int64_t dst = ((block * heads + h) * block_size + offset) * row_bytes, src = (t * heads + h) * row_bytes;
-      std::memcpy(kc + dst, k + src, row_bytes);
-      std::memcpy(vc + dst, v + src, row_bytes);
+      const int64_t dst = ((block * heads + h) * block_size + offset) * row_bytes, src = (t * heads + h) * src_bytes;
+      if (int8_rows) {
+        quantize(k + src, kc + dst);
+        quantize(v + src, vc + dst);
+      } else {
+        std::memcpy(kc + dst, k + src, row_bytes);
+        std::memcpy(vc + dst, v + src, row_bytes);
+      }
     }
   }
 }

@@ -45,9 +45,9 @@ def add_engine_flags(g: argparse._ActionsContainer) -> None:
                         "weights included). On CPU each engine of a host sees the same free memory: keep it small")
     g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="vLLM's: what the KV cache stores - auto (the model's --dtype), bfloat16, fp8 (= fp8_e4m3) "
-                        "or fp8_e5m2 (unscaled, as vLLM without calibrated scales); the prefill->decode transfer, "
-                        "the offload tier and the KV store move blocks as stored. Every engine of a deployment "
-                        "must store the same"),
+                        "or fp8_e5m2 (unscaled, as vLLM without calibrated scales), or int8 (each token's row of each "
+                        "head with its own scale); the prefill->decode transfer, the offload tier and the KV store "
+                        "move blocks as stored. Every engine of a deployment must store the same"),
     g.add_argument("--quantization", "-q", metavar="METHOD",
                    help="vLLM's: gguf, a GGUF file's weights (--model FILE.gguf, or a folder holding its "
                         "model.gguf) served as they ship, which is the default for such a model; int8, a float "

@@ -21,7 +21,7 @@ from epdserve.services.host.service_metrics import ServiceMetrics
 from epdserve.services.host.stats_log import StatsLog
 from epdserve.services.host.store_kv_connector import StoreKVConnector
 from epdserve.shared.engine import AsyncLLM, InputsUnavailableError, LoRARequest, NoLoRASlotError, RequestOutput
-from epdserve.shared.config import EngineConfig, ServiceConfig
+from epdserve.shared.config import EngineConfig, ServiceConfig, kv_row_size
 from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 from epdserve.transport.channel.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason,
                                                  GenerateRequest, Handshake, Health, KVEvents, KVEventsRequest,
@@ -56,7 +56,7 @@ def lora_request(lora: WireLoRA) -> LoRARequest:
 def kv_layout(engine: EngineConfig) -> KVLayout:
     model = engine.model
     return KVLayout(model.model_id, engine.kv_dtype_name, engine.cache.block_size, model.num_layers,
-                    model.num_kv_heads, model.head_size)
+                    model.num_kv_heads, kv_row_size(model.head_size, engine.kv_dtype_name))
 
 
 def control_client_kwargs(service: ServiceConfig) -> dict:

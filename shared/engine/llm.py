@@ -84,7 +84,7 @@ class LLM:
     max_lora_rank, lora_modules, lora_roots (the folders other adapters may come from; None: any) and
     max_lora_bytes (the largest adapter weights file read), profile_moe (a mixture-of-experts model's sparse MLPs timed by part in
     `engine.stats().step_seconds`, see step_timer.py), kv_cache_dtype (vLLM's: "auto" | "bfloat16" | "fp8" |
-    "fp8_e4m3" | "fp8_e5m2", what the KV pool stores)."""
+    "fp8_e4m3" | "fp8_e5m2", and "int8" with a scale per token and head: what the KV pool stores)."""
 
     def __init__(self, model: str, **kwargs) -> None:
         use_default_logging()

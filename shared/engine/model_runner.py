@@ -2,6 +2,7 @@
 
 Owns the model weights and the KV cache, one tensor stored head-major:
     kv_cache: [num_layers, 2 (K, V), num_blocks, num_kv_heads, block_size, head_size]
+(an int8 pool's rows carry their scale: head_size + 2, kernels/int8_rows.py)
 Attention layers see per-layer K and V as transposed views with the kernels' logical shape
 [num_blocks, block_size, num_kv_heads, head_size]; head-major memory makes one head of one block a
 contiguous run, which is what lets the CPU path gather a whole decode batch with one index_select.
@@ -17,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from epdserve.kernels.backend import select_attention_backend
-from epdserve.shared.config import EngineConfig
+from epdserve.shared.config import EngineConfig, kv_row_size
 from epdserve.shared.models.layers.attention import AttentionMetadata
 from epdserve.shared.models.layers.lora import group_by_slot
 from epdserve.shared.models.layers.sparse_moe import SparseMoE
@@ -84,8 +85,8 @@ class ModelRunner:
         self.model = load_model(config)
         backend = select_attention_backend(config.attention_backend, self.device)
         kv_dtype = getattr(torch, config.kv_dtype_name)
-        self.kv_cache = zeroed((m.num_layers, 2, num_blocks, m.num_kv_heads, self.block_size, m.head_size),
-                               kv_dtype, self.device)
+        self.kv_cache = zeroed((m.num_layers, 2, num_blocks, m.num_kv_heads, self.block_size,
+                                kv_row_size(m.head_size, config.kv_dtype_name)), kv_dtype, self.device)
         backend = backend._replace(write_kv=self.timer.timed("attention", backend.write_kv),
                                    attend=self.timer.timed("attention", backend.attend))
         for i, attn in enumerate(self.model.attention_layers()):

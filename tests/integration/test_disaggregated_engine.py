@@ -68,18 +68,21 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     (False, True, GREEDY, "auto"),
     (False, True, SamplingParams(temperature=1.5, seed=5, presence_penalty=1.5, frequency_penalty=0.5,
                                  max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, ignore_eos=True), "auto"),
-    # An FP8 pool's blocks move as stored: the same tokens as one engine with an FP8 pool.
+    # An FP8 pool's blocks move as stored: the same tokens as one engine with an FP8 pool; an int8 pool's with
+    # their scales, and a recompute stores the rows the prefill stored.
     (True, False, GREEDY, "fp8"),
+    (True, False, GREEDY, "int8"),
+    (False, True, GREEDY, "int8"),
 ], ids=["pulled", "pulled-after-prefix-hits", "pulled-seeded", "recomputed", "recomputed-seeded-penalties",
-        "pulled-after-prefix-hits-fp8-kv"])
+        "pulled-after-prefix-hits-fp8-kv", "pulled-after-prefix-hits-int8-kv", "recomputed-int8-kv"])
 def test_prefill_then_decode_equals_unified(tiny_model_paths, copy_connector, prefill_held, decode_has_prefix, fail,
                                            params, kv_cache_dtype):
     path = tiny_model_paths["qwen2"]
     unified = LLM(model=path, num_kv_blocks=128, kv_cache_dtype=kv_cache_dtype).generate(
         [{"prompt_token_ids": p} for p in PROMPTS], params)
     prefill_engine, decode = engines(path, kv_cache_dtype=kv_cache_dtype)
-    assert decode.kv_cache.dtype == prefill_engine.runner.kv_cache.dtype == (
-        torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.float32)
+    assert decode.kv_cache.dtype == prefill_engine.runner.kv_cache.dtype == {
+        "fp8": torch.float8_e4m3fn, "int8": torch.int8}.get(kv_cache_dtype, torch.float32)
     connector = copy_connector(decode.kv_cache, fail=fail)
     decode.add_connector(connector)
     block_size = prefill_engine.config.cache.block_size
@@ -264,9 +267,12 @@ def test_kv_that_lands_corrupted_is_fetched_again_then_recomputed(tiny_model_pat
 
 
 @pytest.mark.parametrize("kv_cache_dtype, stored", [("auto", "float32"), ("bfloat16", "bfloat16"),
-                                                    ("fp8", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")])
+                                                    ("fp8", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2"),
+                                                    ("int8", "int8")])
 def test_the_kv_layout_peers_compare_names_what_the_pool_stores(tiny_model_paths, kv_cache_dtype, stored):
     """A prefill and a decode whose pools store different dtypes refuse each other before any block moves
     (test_kv_transfer.py): what they compare is the pool's dtype, not the model's."""
     config = build_engine_config(tiny_model_paths["qwen2"], kv_cache_dtype=kv_cache_dtype)
     assert kv_layout(config).dtype == config.kv_dtype_name == stored
+    # The rows peers move: an int8 pool's carry their scale.
+    assert kv_layout(config).head_size == config.model.head_size + (2 if stored == "int8" else 0)

@@ -182,19 +182,23 @@ def test_triton_backend_matches_torch(tiny_model_paths):
     assert [o.outputs[0].token_ids for o in triton_out] == [o.outputs[0].token_ids for o in torch_out]
 
 
-def test_triton_backend_reads_an_fp8_kv_cache_as_the_cpu_kernel_does(tiny_model_paths):
-    """--kv-cache-dtype fp8 on the Triton kernels (interpreted on CPU): the same stored values as the C++ CPU
-    path, widened as they are read, so the same tokens."""
+@pytest.mark.parametrize("kv_cache_dtype, stored", [("fp8", torch.float8_e4m3fn), ("int8", torch.int8)])
+def test_every_backend_reads_a_narrow_kv_cache_as_the_cpu_kernel_does(tiny_model_paths, kv_cache_dtype, stored):
+    """--kv-cache-dtype fp8 and int8 on the Triton kernels (interpreted on CPU) and the torch path: the same
+    stored values as the C++ CPU path (int8: the same rows and scales), widened as they are read, so the same
+    tokens."""
     prompts = [{"prompt_token_ids": list(range(100, 100 + n))} for n in (1, 5, 19)]
     params = SamplingParams(max_tokens=3, **GREEDY)
-    kwargs = dict(num_kv_blocks=16, block_size=16, max_num_batched_tokens=16, kv_cache_dtype="fp8")
-    outs = {}
-    for backend in ("cpu", "triton"):
+    kwargs = dict(num_kv_blocks=16, block_size=16, max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
+    outs, pools = {}, {}
+    for backend in ("cpu", "triton", "torch"):
         llm = LLM(model=tiny_model_paths["qwen2"], attention_backend=backend, **kwargs)
         assert llm.engine.runner.attention_backend == backend
-        assert llm.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+        assert llm.engine.runner.kv_cache.dtype == stored
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert outs["triton"] == outs["cpu"]
+        pools[backend] = llm.engine.runner.kv_cache
+    assert outs["triton"] == outs["cpu"] == outs["torch"]
+    assert torch.equal(pools["triton"], pools["cpu"]) and torch.equal(pools["torch"], pools["cpu"])
 
 
 def test_async_streams_deltas_and_aborts(tiny_model_paths):

@@ -77,17 +77,19 @@ def test_an_evicted_conversation_comes_back_from_the_local_tier(tiny_model_paths
     llm.engine.close()
 
 
-def test_an_fp8_pool_keeps_its_blocks_fp8_in_the_tier(tiny_model_paths, tmp_path):
-    """--kv-cache-dtype fp8: the tier holds blocks as the pool stores them (a quarter of float32's bytes), and what
-    comes back from it gives the tokens of an FP8 engine whose pool never evicted the conversation."""
-    fp8 = dict(model=tiny_model_paths["llama"], block_size=BLOCK_SIZE, kv_cache_dtype="fp8")
-    want = LLM(num_kv_blocks=256, **fp8).generate([{"prompt_token_ids": conversation(0)}], GREEDY)[0]
-    llm = LLM(num_kv_blocks=NUM_BLOCKS, kv_offloading_size=0.01, kv_offloading_path=str(tmp_path), **fp8)
+@pytest.mark.parametrize("kv_cache_dtype, stored", [("fp8", torch.float8_e4m3fn), ("int8", torch.int8)])
+def test_an_8_bit_pool_keeps_its_blocks_8_bit_in_the_tier(tiny_model_paths, tmp_path, kv_cache_dtype, stored):
+    """--kv-cache-dtype fp8 / int8: the tier holds blocks as the pool stores them (about a quarter of float32's
+    bytes; int8 rows with their scales), and what comes back from it gives the tokens of an engine of that pool
+    whose pool never evicted the conversation."""
+    narrow = dict(model=tiny_model_paths["llama"], block_size=BLOCK_SIZE, kv_cache_dtype=kv_cache_dtype)
+    want = LLM(num_kv_blocks=256, **narrow).generate([{"prompt_token_ids": conversation(0)}], GREEDY)[0]
+    llm = LLM(num_kv_blocks=NUM_BLOCKS, kv_offloading_size=0.01, kv_offloading_path=str(tmp_path), **narrow)
     out, computed = evict_then_return(llm)
     assert out.outputs[0].token_ids == want.outputs[0].token_ids
     assert computed == len(conversation(0)) - 9 * BLOCK_SIZE
     file = llm.engine.connectors[0].file
-    assert file.dtype == torch.float8_e4m3fn == llm.engine.runner.kv_cache.dtype
+    assert file.dtype == stored == llm.engine.runner.kv_cache.dtype
     assert file.block_bytes == llm.engine.runner.kv_cache[:, :, 0].numel()
     llm.engine.close()
 

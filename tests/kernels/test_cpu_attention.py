@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from epdserve.kernels import cpu_attention, cpu_build, cpu_levels, torch_attention
+from epdserve.kernels.int8_rows import dequantize_rows, quantize_rows
 from epdserve.kernels.backend import select_attention_backend
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the C++ kernel cannot be built here")
@@ -178,6 +179,62 @@ def test_kv_cache_write_converts_to_a_narrower_cache(cache_dtype):
     written = caches[0][0][0, 5].float()  # block 0, offset 5: token 0's key
     assert torch.equal(written, key[0].to(cache_dtype).float())
     assert torch.isfinite(written).all()
+
+
+@pytest.mark.parametrize("level", LEVELS, ids=lambda lv: lv.name)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_size", [64, 80, 36])
+def test_an_int8_cache_equals_its_rows_dequantized(level, query_dtype, head_size):
+    """--kv-cache-dtype int8: rows of int8 values and their scale give exactly what a float32 cache holding the
+    dequantized values gives (each value q * scale, one rounding, then the float32 arithmetic), on the vector
+    paths and the plain loops, decodes and a prefill; the kernel's reference path (torch) agrees closely."""
+    kernel = cpu_build.load_prebuilt("cpu_paged_attention", level)
+    q_lens, seq_lens = [1, 1, 1, 40], [1, 17, 200, 57]
+    query, key_cache, value_cache, tables, lens, qsl = make_batch(q_lens, seq_lens, 9, 3, head_size, 16,
+                                                                  torch.float32, seed=3)
+    key_cache.mul_(30)
+    key_cache[0, :, 1].zero_()  # an all-zero row: scale 0
+    plan = cpu_attention.plan_attention(tables, lens, qsl, 16, 3)
+    query = query.to(query_dtype)
+    rows = [quantize_rows(c.transpose(1, 2)).contiguous() for c in (key_cache, value_cache)]  # head-major
+    assert rows[0].shape[-1] == head_size + 2 and rows[0].dtype == torch.int8
+
+    def attend(q, caches) -> torch.Tensor:
+        out = torch.empty_like(q)
+        kernel.paged_attention(out, q, *caches, plan.table, plan.table_rows, plan.lens, 0.125, -1)
+        return out
+
+    got = attend(query, rows)
+    assert got.dtype == query_dtype and torch.isfinite(got).all()
+    # The query widened to float32 as the kernel widens it; a bfloat16 query's result is the float32 one rounded.
+    in_float32 = attend(query.float(), rows)
+    assert torch.equal(got, in_float32.to(query_dtype))
+    assert torch.equal(in_float32, attend(query.float(), [dequantize_rows(r) for r in rows]))
+    reference = torch_attention.paged_attention(query.float(), *(r.transpose(1, 2) for r in rows), tables, lens, qsl,
+                                                0.125)
+    # (Keys 30x larger make scores large: float32 sums in another order differ by more than at unit scale.)
+    torch.testing.assert_close(in_float32, reference, atol=1e-4, rtol=1e-3)
+
+
+def test_kv_cache_write_quantizes_each_row_as_the_reference():
+    """int8 rows land as int8_rows.quantize_rows writes them, byte for byte, from float32 and bfloat16 keys,
+    whichever tokens share the call: a row's bytes depend on it alone."""
+    gen = torch.Generator().manual_seed(6)
+    key, value = torch.randn(2, 7, 3, 64, generator=gen) * 300
+    key[3, 1] = 0.0
+    slots = torch.tensor([5, -1, 16, 17, 159, 80, -1])
+    for dtype in (torch.float32, torch.bfloat16):
+        storage = torch.zeros(3, 2, 10, 3, 16, 66, dtype=torch.int8)
+        caches = [(s[0].transpose(1, 2), s[1].transpose(1, 2)) for s in storage]
+        cpu_attention.kv_cache_write(key.to(dtype), value.to(dtype), *caches[0], slots)
+        torch_attention.kv_cache_write(key.to(dtype), value.to(dtype), *caches[1], slots)
+        for t in range(7):  # one token at a time
+            cpu_attention.kv_cache_write(key[t:t + 1].to(dtype), value[t:t + 1].to(dtype), *caches[2], slots[t:t + 1])
+        assert torch.equal(storage[0], storage[1]) and torch.equal(storage[0], storage[2]) and storage[0].any()
+        assert torch.equal(caches[0][0][0, 5], quantize_rows(key[0].to(dtype)))  # block 0, offset 5: token 0's key
+        assert not caches[0][0][1, 1, 1].any()  # slot 17, head 1: an all-zero row, scale 0
+        error = (dequantize_rows(caches[0][0][0, 5]) - key[0].to(dtype).float()).abs()
+        assert (error <= key[0].to(dtype).float().abs().amax(-1, keepdim=True) / 254 * 1.001).all()
 
 
 def test_a_narrower_cache_needs_a_float32_or_bfloat16_query():

@@ -182,3 +182,20 @@ def test_matches_reference_on_cuda(dtype):
     key_cache, value_cache = poisoned_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, "cuda")
     slots = random_slots(num_tokens, num_blocks * block_size, 100, gen).cuda()
     check_write(key, value, key_cache, value_cache, slots)
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_an_int8_cache_holds_the_reference_rows(src_dtype):
+    """--kv-cache-dtype int8: each row quantized to its own scale, the bytes int8_rows.quantize_rows writes
+    (which the C++ kernel and the torch path write too)."""
+    gen = torch.Generator().manual_seed(2)
+    key = (torch.randn(9, 2, 64, generator=gen) * 300).to(src_dtype)
+    value = torch.randn(9, 2, 64, generator=gen).to(src_dtype)
+    key_cache, value_cache = torch.zeros(3, 8, 2, 66, dtype=torch.int8), torch.zeros(3, 8, 2, 66, dtype=torch.int8)
+    slots = random_slots(9, 24, 1, gen, dtype=torch.int32)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    torch_attention.kv_cache_write(key, value, expected_k, expected_v, slots)
+    kv_cache_write(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v) and key_cache.any()
+    with pytest.raises(ValueError, match="2-byte scale"):
+        kv_cache_write(key, value, key_cache[..., :64], value_cache[..., :64], slots)

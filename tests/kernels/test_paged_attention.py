@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epdserve.kernels import torch_attention
+from epdserve.kernels.int8_rows import dequantize_rows, quantize_rows
 from epdserve.kernels.paged_attention import paged_attention
 
 # Per dtype (atol, rtol) against float32 references rounded to the dtype. float16/bfloat16 allow a few
@@ -302,3 +303,23 @@ def test_a_narrower_cache_reads_as_its_values_widened(dtype, cache_dtype):
     narrow = paged_attention(b.query, narrow_k, narrow_v, *args)
     wide = paged_attention(b.query, narrow_k.to(dtype), narrow_v.to(dtype), *args)
     assert not narrow.isnan().any() and torch.equal(narrow, wide)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_an_int8_cache_reads_as_its_rows_dequantized(dtype):
+    """--kv-cache-dtype int8: each value is q * scale in float32, then the query's dtype, so the rows give bit for
+    bit what a cache in the query's dtype holding those values gives (float32; bfloat16 closely under the
+    interpreter) - token-major or head-major (the engine's)."""
+    b = make_batch([(1, 9), (5, 5), (3, 20), (1, 1)], 4, 2, 64, 8, dtype, seed=3)
+    # (Wide-ranging keys for float32; under the interpreter a bfloat16 query's test keeps scores small, see below.)
+    rows_k, rows_v = quantize_rows(b.key_cache * (30 if dtype == torch.float32 else 1)), quantize_rows(b.value_cache)
+    args = (b.block_tables, b.seq_lens, b.query_start_loc, 0.125)
+    int8 = paged_attention(b.query, rows_k, rows_v, *args)
+    wide = paged_attention(b.query, dequantize_rows(rows_k).to(dtype), dequantize_rows(rows_v).to(dtype), *args)
+    assert not int8.isnan().any()
+    if dtype == torch.float32:
+        assert torch.equal(int8, wide)
+    else:  # the interpreter truncates the dequantized float32 to bfloat16 where torch (and a GPU) rounds
+        torch.testing.assert_close(int8, wide, atol=2e-2, rtol=2e-2)
+    head_major = [r.transpose(1, 2).contiguous().transpose(1, 2) for r in (rows_k, rows_v)]
+    assert torch.equal(paged_attention(b.query, *head_major, *args), int8)

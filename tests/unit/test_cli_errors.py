@@ -152,7 +152,7 @@ def test_an_engine_option_out_of_range(tmp_path, servable, option, message):
     (("--no-such-option",), "unknown option --no-such-option (see `epdserve up --help`)"),
     (("--tensor-parallel-size", "2"), "--tensor-parallel-size 2: an engine runs on one device here"),
     (("--kv-cache-dtype", "fp8_inc"), "--kv-cache-dtype fp8_inc is not supported here; choose one of auto, "
-                                      "bfloat16, fp8, fp8_e4m3, fp8_e5m2"),
+                                      "bfloat16, fp8, fp8_e4m3, fp8_e5m2, int8"),
     (("--quantization", "awq"), "--quantization awq is not supported here; choose one of gguf, int8"),
     (("--quantization", "gguf"), "holds no GGUF file; give --model FILE.gguf"),
     (("--limit-mm-per-prompt", '{"audio": 1}'), "audio: this server takes image only"),

@@ -52,18 +52,20 @@ def test_num_blocks_wins_over_bytes_and_bytes_over_auto():
         size_kv_cache(engine(CacheConfig(kv_cache_memory_bytes=1000)), limit)
 
 
+# int8: a row of 64 values takes 66 bytes (its float16 scale), 256/66 of float32's 256.
 @pytest.mark.parametrize("cache_dtype, per_float32_block", [("auto", 1), ("bfloat16", 2), ("fp8", 4),
-                                                             ("fp8_e4m3", 4), ("fp8_e5m2", 4)])
+                                                             ("fp8_e4m3", 4), ("fp8_e5m2", 4), ("int8", 256 / 66)])
 def test_a_narrower_kv_cache_holds_more_blocks_in_the_same_memory(cache_dtype, per_float32_block):
     size = size_kv_cache(engine(CacheConfig(kv_cache_memory_bytes=64 * BLOCK_BYTES, cache_dtype=cache_dtype)))
-    assert size.num_blocks == 64 * per_float32_block
-    assert size.num_bytes == 64 * BLOCK_BYTES
+    assert size.num_blocks == int(64 * per_float32_block)
+    block_bytes = BLOCK_BYTES / per_float32_block
+    assert size.num_bytes == size.num_blocks * block_bytes <= 64 * BLOCK_BYTES
 
 
-@pytest.mark.parametrize("cache_dtype", ["fp8_inc", "int4", "float32"])
+@pytest.mark.parametrize("cache_dtype", ["fp8_inc", "int4", "float32", "int8_per_tensor"])
 def test_a_kv_cache_dtype_not_supported_is_refused_naming_the_choices(cache_dtype):
     with pytest.raises(ValueError, match=f"kv_cache_dtype '{cache_dtype}' is not supported; choose one of auto, "
-                                         "bfloat16, fp8, fp8_e4m3, fp8_e5m2"):
+                                         "bfloat16, fp8, fp8_e4m3, fp8_e5m2, int8"):
         CacheConfig(cache_dtype=cache_dtype)
 
 

@@ -89,7 +89,7 @@ class KVLayout:
     block_size: int  # tokens per block
     num_layers: int
     num_kv_heads: int
-    head_size: int
+    head_size: int  # elements of one token's row of one head: an int8 pool's rows carry their scale (+2)
 
 
 @dataclass(frozen=True, slots=True)
