@@ -67,7 +67,7 @@ def measure_engine(folder: str, dtype: str, threads: int, output_len: int, repea
     read = 0
     for m in model.modules():
         if isinstance(m, Linear):
-            packed = m.quantized[0] if m.quantized is not None else m.panels if m.panels is not None else \
+            packed = m.quantized.panels if m.quantized is not None else m.panels if m.panels is not None else \
                 m.packed_weight if m.packed_weight is not None else m.weight
             read += packed.numel() * packed.element_size()
     embed = model.model.embed_tokens  # one row a token: float, or a quantized row and its scales

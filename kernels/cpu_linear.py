@@ -10,6 +10,7 @@ built or the CPU lacks the instructions (AVX-512; AVX-512 BF16 for bfloat16), an
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -45,13 +46,32 @@ def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch
     return _ops().linear(_rows(x), panels, out_features, bias).view(*x.shape[:-1], out_features)
 
 
-def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+class QuantizedPanels(NamedTuple):
+    """A quantized weight as the kernel reads it."""
+
+    panels: torch.Tensor
+    has_offset: bool
+    zero: int  # q as nibbles, each q + zero; -1: a byte per weight
+
+
+def nibble_zero(q: torch.Tensor, group: int) -> int:
+    """The zero point that fits every q in a nibble (8 for signed 4-bit values, 0 for unsigned ones), or -1."""
+    if group % 2 or q.numel() == 0:
+        return -1
+    low, high = int(q.min()), int(q.max())
+    return 0 if 0 <= low and high <= 15 else 8 if -8 <= low and high <= 7 else -1
+
+
+def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> QuantizedPanels:
     """A quantized [N, K] weight, w = scale * q (+ offset) per group of K // scale.shape[1] consecutive k (q int8,
-    scale and offset [N, groups] float32) -> the quantized kernel's panels (float32 x only)."""
-    return _ops().pack_quantized(q, scale, offset)
+    scale and offset [N, groups] float32) -> the quantized kernel's panels (float32 x only); 4-bit values (Q4_0,
+    Q4_1, Q4_K) packed two to a byte."""
+    zero = nibble_zero(q, q.shape[1] // scale.shape[1])
+    return QuantizedPanels(_ops().pack_quantized(q, scale, offset, zero), offset is not None, zero)
 
 
-def linear_quantized(x: torch.Tensor, panels: torch.Tensor, out_features: int, has_offset: bool,
+def linear_quantized(x: torch.Tensor, packed: QuantizedPanels, out_features: int,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] float32 -> [..., out_features], bit for bit `linear` on the dequantized weight."""
-    return _ops().linear_quantized(_rows(x), panels, out_features, has_offset, bias).view(*x.shape[:-1], out_features)
+    return _ops().linear_quantized(_rows(x), packed.panels, out_features, packed.has_offset, packed.zero,
+                                   bias).view(*x.shape[:-1], out_features)

@@ -123,53 +123,83 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t K
 // The quantized tile (quantized panels, below): each weight unpacked in registers as scale * q (+ offset),
 // two roundings as the reference dequantizer makes them (this file is built without contraction into fused
 // multiply-adds), then the float32 tile's own fma_step over k: y equals the float32 kernel's on the
-// dequantized weight, bit for bit.
-template <int R, bool has_offset>
-inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, int64_t G, float* y,
+// dequantized weight, bit for bit. q is a byte per weight, or (nibbles) two weights per byte, k even in the
+// low nibble and k + 1 in the high one, each q + zero (zero 8 for signed values, 0 for unsigned ones).
+template <int R, bool has_offset, bool nibbles>
+inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, int64_t G, int zero, float* y,
                   int64_t y_stride, int64_t cols) {
   __m512 acc[R][VECTORS];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_setzero_ps();
-  const int64_t floats = (has_offset ? 2 : 1) * PANEL, group_bytes = floats * 4 + G * PANEL;
+  const int64_t floats = (has_offset ? 2 : 1) * PANEL, q_bytes = (nibbles ? G / 2 : G) * PANEL;
+  const int64_t group_bytes = floats * 4 + q_bytes;
+  const __m512i low = _mm512_set1_epi32(0xF), zeros = _mm512_set1_epi32(zero);
   for (int64_t g0 = 0; g0 < K; g0 += G, panel += group_bytes) {
     const float* scale = reinterpret_cast<const float*>(panel);
-    const int8_t* q = reinterpret_cast<const int8_t*>(panel + floats * 4);
+    const uint8_t* q = panel + floats * 4;
     __m512 sc[VECTORS], off[VECTORS];
     for (int v = 0; v < VECTORS; ++v) {
       sc[v] = _mm512_loadu_ps(scale + 16 * v);
       off[v] = has_offset ? _mm512_loadu_ps(scale + PANEL + 16 * v) : _mm512_setzero_ps();
     }
-    for (int64_t k = 0; k < G; ++k, q += PANEL) {
-      // A k step reads one cache line; the hardware prefetcher alone keeps too few in flight for the unpacking
-      // to hide DRAM's latency: ask for the line PREFETCH_AHEAD steps on.
-      _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
-      __m512 wv[VECTORS];
+    const auto weights = [&](const __m512i (&qi)[VECTORS], __m512 (&wv)[VECTORS]) {
       for (int v = 0; v < VECTORS; ++v) {
-        const __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * v))));
-        wv[v] = _mm512_mul_ps(qv, sc[v]);
+        wv[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(qi[v]), sc[v]);
         if constexpr (has_offset) wv[v] = _mm512_add_ps(wv[v], off[v]);
       }
-      fma_step<R>(acc, wv, x + g0 + k, x_stride);
+    };
+    // A step reads one cache line (64 columns of one k, or of two as nibbles); the hardware prefetcher alone
+    // keeps too few in flight for the unpacking to hide DRAM's latency: ask for the line PREFETCH_AHEAD on.
+    for (int64_t k = 0; k < G; k += nibbles ? 2 : 1, q += PANEL) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
+      __m512i qi[VECTORS];
+      __m512 wv[VECTORS];
+      if constexpr (nibbles) {
+        __m512i hi[VECTORS];
+        for (int v = 0; v < VECTORS; ++v) {
+          const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * v)));
+          qi[v] = _mm512_sub_epi32(_mm512_and_si512(bytes, low), zeros);
+          hi[v] = _mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), zeros);
+        }
+        weights(qi, wv);
+        fma_step<R>(acc, wv, x + g0 + k, x_stride);
+        weights(hi, wv);
+        fma_step<R>(acc, wv, x + g0 + k + 1, x_stride);
+      } else {
+        for (int v = 0; v < VECTORS; ++v)
+          qi[v] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * v)));
+        weights(qi, wv);
+        fma_step<R>(acc, wv, x + g0 + k, x_stride);
+      }
     }
   }
   store<R>(acc, y, y_stride, cols);
 }
 
 // What a quantized panel holds: groups of G k's, each scale[64] float32, offset[64] float32 (has_offset)
-// and q[G][64] int8.
+// and q[G][64] int8, or (zero >= 0) q[G / 2][64] bytes of two nibbles, q + zero each.
 struct QuantLayout {
   int64_t G;
   bool has_offset;
+  int zero;  // -1: a byte per weight
 };
 
 template <int R>
 inline void tile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, float* y, int64_t y_stride,
                  int64_t cols, QuantLayout layout) {
   // Without offsets (Q4_0, Q8_0, Q6_K), a weight is one multiply: a loop of its own.
-  if (layout.has_offset)
-    qtile<R, true>(x, x_stride, panel, K, layout.G, y, y_stride, cols);
-  else
-    qtile<R, false>(x, x_stride, panel, K, layout.G, y, y_stride, cols);
+  const int64_t G = layout.G;
+  const int zero = layout.zero;
+  if (zero >= 0) {
+    if (layout.has_offset)
+      qtile<R, true, true>(x, x_stride, panel, K, G, zero, y, y_stride, cols);
+    else
+      qtile<R, false, true>(x, x_stride, panel, K, G, zero, y, y_stride, cols);
+  } else if (layout.has_offset) {
+    qtile<R, true, false>(x, x_stride, panel, K, G, 0, y, y_stride, cols);
+  } else {
+    qtile<R, false, false>(x, x_stride, panel, K, G, 0, y, y_stride, cols);
+  }
 }
 
 template <typename T, typename W, typename Extra>
@@ -287,8 +317,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::opti
 
 // A quantized weight [N, K] as q [N, K] int8, scale and offset [N, K / G] float32 (offset undefined where the
 // format has none) -> its panels, uint8 [ceil(N / 64), K / G, group bytes]: per group of G k's, scale[64],
-// offset[64] and q[G][64] (k-major, the columns past N zero).
-torch::Tensor pack_quantized(torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> offset) {
+// offset[64] and q[G][64] (k-major, the columns past N zero). zero >= 0 (every q + zero in [0, 16), G even):
+// q as nibbles, [G / 2][64] bytes, k even in the low nibble of a byte and k + 1 in its high one - half the
+// bytes a decode streams for 4-bit formats.
+torch::Tensor pack_quantized(torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> offset, int64_t zero) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.device().is_cpu(), "q: [N, K] int8 on CPU");
   const int64_t N = q.size(0), K = q.size(1), groups = scale.size(1);
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.scalar_type() == torch::kFloat32 && groups > 0 &&
@@ -297,6 +329,9 @@ torch::Tensor pack_quantized(torch::Tensor q, torch::Tensor scale, c10::optional
   TORCH_CHECK(!has_offset || (offset->sizes() == scale.sizes() && offset->scalar_type() == torch::kFloat32),
               "offset: as scale");
   const int64_t G = K / groups, panels = (N + PANEL - 1) / PANEL, rows = panels * PANEL;
+  TORCH_CHECK(zero < 0 || (zero <= 15 && G % 2 == 0 && (q.numel() == 0 ||
+                                                        (q.min().item<int>() + zero >= 0 && q.max().item<int>() + zero <= 15))),
+              "nibbles: every q + zero in [0, 16) and an even group");
   auto pad = [&](torch::Tensor t) {
     auto padded = torch::zeros({rows, t.size(1)}, t.options());
     padded.narrow(0, 0, N).copy_(t);
@@ -308,26 +343,32 @@ torch::Tensor pack_quantized(torch::Tensor q, torch::Tensor scale, c10::optional
   if (has_offset)
     parts.push_back(pad(*offset).view({panels, PANEL, groups}).transpose(1, 2).contiguous().view(torch::kUInt8)
                         .view({panels, groups, PANEL * 4}));
-  parts.push_back(pad(q).view({panels, PANEL, groups, G}).permute({0, 2, 3, 1}).contiguous().view(torch::kUInt8)
-                      .view({panels, groups, G * PANEL}));
+  auto q_panels = pad(q).view({panels, PANEL, groups, G}).permute({0, 2, 3, 1}).contiguous();  // [p, g, k, column]
+  if (zero >= 0) {  // the padding columns' q = 0 become nibble `zero`: unread, the store masks them
+    auto nib = (q_panels.to(torch::kInt16) + zero).to(torch::kUInt8).view({panels, groups, G / 2, 2, PANEL});
+    q_panels = nib.select(3, 0).bitwise_or(nib.select(3, 1).bitwise_left_shift(4)).contiguous();
+    parts.push_back(q_panels.view({panels, groups, G / 2 * PANEL}));
+  } else {
+    parts.push_back(q_panels.view(torch::kUInt8).view({panels, groups, G * PANEL}));
+  }
   return torch::cat(parts, 2).contiguous();
 }
 
-// x [M, K] float32 (rows contiguous), panels from pack_quantized() of an [N, K] weight -> y [M, N]; equal to
-// linear() on the dequantized weight, bit for bit.
-torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor panels, int64_t N, bool has_offset,
+// x [M, K] float32 (rows contiguous), panels from pack_quantized() of an [N, K] weight (with `zero` as packed)
+// -> y [M, N]; equal to linear() on the dequantized weight, bit for bit.
+torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor panels, int64_t N, bool has_offset, int64_t zero,
                                c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu() && x.scalar_type() == torch::kFloat32,
               "x: [M, K] float32 on CPU, rows contiguous");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), groups = panels.size(1);
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.scalar_type() == torch::kUInt8 &&
               P * PANEL >= N && (P - 1) * PANEL < N && groups > 0 && K % groups == 0 &&
-              panels.size(2) == ((has_offset ? 2 : 1) * PANEL * 4 + K / groups * PANEL),
+              panels.size(2) == ((has_offset ? 2 : 1) * PANEL * 4 + (zero >= 0 ? K / groups / 2 : K / groups) * PANEL),
               "panels: pack_quantized() of an [N, K] weight");
   auto y = torch::empty({M, N}, x.options());
 #ifdef __AVX512F__
   run(x.data_ptr<float>(), x.stride(0), panels.data_ptr<uint8_t>(), y.data_ptr<float>(), M, K, N, P,
-      groups * panels.size(2), QuantLayout{K / groups, has_offset});
+      groups * panels.size(2), QuantLayout{K / groups, has_offset, static_cast<int>(zero)});
 #else
   TORCH_CHECK(false, "this build has no quantized panel kernel (AVX-512)");
 #endif

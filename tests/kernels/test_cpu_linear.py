@@ -75,10 +75,15 @@ def test_bfloat16_equals_onednn(rows, out_features, in_features):
     assert torch.equal(got, alone)
 
 
-def quantized_weight(out_features: int, in_features: int, group: int, with_offset: bool, seed: int):
+# The q ranges of the formats: bytes (Q8_0, Q6_K's 6 bits), signed nibbles (Q4_0) and unsigned ones (Q4_1, Q4_K).
+Q_RANGES = {"int8": (-128, 128), "signed-4-bit": (-8, 8), "unsigned-4-bit": (0, 16)}
+
+
+def quantized_weight(out_features: int, in_features: int, group: int, with_offset: bool, seed: int,
+                     q_range: tuple[int, int] = Q_RANGES["int8"]):
     """(q int8, scale, offset or None) of a random quantized weight, as a GGML format holds one."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    q = torch.randint(*q_range, (out_features, in_features), generator=gen, dtype=torch.int8)
     groups = in_features // group
     scale = torch.randn(out_features, groups, generator=gen) * 0.01
     offset = torch.randn(out_features, groups, generator=gen) * 0.1 if with_offset else None
@@ -98,12 +103,26 @@ def dequantized(q, scale, offset) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 64])
 @pytest.mark.parametrize("out_features, in_features, group", [(576, 576, 32), (100, 64, 16), (130, 512, 256)])
 @pytest.mark.parametrize("with_offset", [False, True], ids=["scale", "scale-offset"])
+@pytest.mark.parametrize("q_range", Q_RANGES.values(), ids=Q_RANGES)
 def test_a_quantized_weight_gives_the_float32_kernels_result_on_its_dequantized_weight(rows, out_features,
                                                                                         in_features, group,
-                                                                                        with_offset):
-    q, scale, offset = quantized_weight(out_features, in_features, group, with_offset, rows * out_features)
+                                                                                        with_offset, q_range):
+    q, scale, offset = quantized_weight(out_features, in_features, group, with_offset, rows * out_features, q_range)
     gen = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, in_features, generator=gen), torch.randn(out_features, generator=gen)
     packed = cpu_linear.pack_quantized(q, scale, offset)
+    # 4-bit values two to a byte: half the bytes of one a byte (the scales and offsets aside).
+    assert packed.zero == {"int8": -1, "signed-4-bit": 8, "unsigned-4-bit": 0}[
+        next(name for name, r in Q_RANGES.items() if r == q_range)]
+    q_bytes = packed.panels.numel() - packed.panels.shape[0] * scale.shape[1] * 64 * 4 * (2 if with_offset else 1)
+    assert q_bytes == -(-out_features // 64) * 64 * in_features // (2 if packed.zero >= 0 else 1)
     expected = cpu_linear.linear(x, cpu_linear.pack(dequantized(q, scale, offset)), out_features, bias)
-    assert torch.equal(cpu_linear.linear_quantized(x, packed, out_features, with_offset, bias), expected)
+    assert torch.equal(cpu_linear.linear_quantized(x, packed, out_features, bias), expected)
+
+
+def test_nibbles_need_values_that_fit_them():
+    q, scale, _ = quantized_weight(64, 64, 32, False, 0, Q_RANGES["unsigned-4-bit"])
+    assert cpu_linear.nibble_zero(q, 32) == 0 and cpu_linear.nibble_zero(q - 8, 32) == 8
+    assert cpu_linear.nibble_zero(q * 2, 32) == -1 and cpu_linear.nibble_zero(q, 3) == -1  # too wide; odd group
+    with pytest.raises(RuntimeError, match="nibbles"):
+        cpu_linear._ops().pack_quantized(q - 9, scale, None, 8)

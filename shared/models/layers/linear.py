@@ -38,8 +38,8 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout
     panels: torch.Tensor | None = None  # cpu_linear's
     lora: LoRAStack | None = None  # the resident LoRA adapters' weights, on a layer they may adapt
-    # The quantized kernel's panels of a weight kept as its checkpoint ships it, and whether they hold offsets.
-    quantized: tuple[torch.Tensor, bool] | None = None
+    # The quantized kernel's panels of a weight kept as its checkpoint ships it.
+    quantized: cpu_linear.QuantizedPanels | None = None
 
     @staticmethod
     def runs_quantized(weight: torch.Tensor) -> bool:
@@ -50,7 +50,7 @@ class Linear(nn.Linear):
     def set_quantized(self, weight: QuantizedWeight) -> None:
         """Run on `weight` as shipped. Its float parameter is then never read: it gives back its memory and
         stays as zeros of its shape, dtype and device."""
-        self.quantized = (cpu_linear.pack_quantized(weight.q, weight.scale, weight.offset), weight.offset is not None)
+        self.quantized = cpu_linear.pack_quantized(weight.q, weight.scale, weight.offset)
         self.packed_weight = self.panels = None
         self.weight = nn.Parameter(torch.zeros((), dtype=self.weight.dtype, device=self.weight.device)
                                    .expand(self.weight.shape), requires_grad=False)
@@ -85,8 +85,7 @@ class Linear(nn.Linear):
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            panels, has_offset = self.quantized
-            return cpu_linear.linear_quantized(x, panels, self.out_features, has_offset, self.bias)
+            return cpu_linear.linear_quantized(x, self.quantized, self.out_features, self.bias)
         if self.panels is not None and x.dtype == self.panels.dtype:
             return cpu_linear.linear(x, self.panels, self.out_features, self.bias)
         if self.packed_weight is not None:
