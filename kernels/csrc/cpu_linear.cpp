@@ -133,7 +133,14 @@ inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_
     for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_setzero_ps();
   const int64_t floats = (has_offset ? 2 : 1) * PANEL, q_bytes = (nibbles ? G / 2 : G) * PANEL;
   const int64_t group_bytes = floats * 4 + q_bytes;
-  const __m512i low = _mm512_set1_epi32(0xF), zeros = _mm512_set1_epi32(zero);
+  // A nibble's value as a float: lane n of `values` is n - zero, picked by the nibble itself (a permute reads
+  // an index's low 4 bits only, so the low nibble needs no mask) - exactly what converting q would give.
+  __m512 values = _mm512_setzero_ps();
+  if constexpr (nibbles) {
+    alignas(64) float table[16];
+    for (int n = 0; n < 16; ++n) table[n] = static_cast<float>(n - zero);
+    values = _mm512_load_ps(table);
+  }
   for (int64_t g0 = 0; g0 < K; g0 += G, panel += group_bytes) {
     const float* scale = reinterpret_cast<const float*>(panel);
     const uint8_t* q = panel + floats * 4;
@@ -142,9 +149,9 @@ inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_
       sc[v] = _mm512_loadu_ps(scale + 16 * v);
       off[v] = has_offset ? _mm512_loadu_ps(scale + PANEL + 16 * v) : _mm512_setzero_ps();
     }
-    const auto weights = [&](const __m512i (&qi)[VECTORS], __m512 (&wv)[VECTORS]) {
+    const auto weights = [&](const __m512 (&qf)[VECTORS], __m512 (&wv)[VECTORS]) {
       for (int v = 0; v < VECTORS; ++v) {
-        wv[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(qi[v]), sc[v]);
+        wv[v] = _mm512_mul_ps(qf[v], sc[v]);
         if constexpr (has_offset) wv[v] = _mm512_add_ps(wv[v], off[v]);
       }
     };
@@ -152,23 +159,22 @@ inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_
     // keeps too few in flight for the unpacking to hide DRAM's latency: ask for the line PREFETCH_AHEAD on.
     for (int64_t k = 0; k < G; k += nibbles ? 2 : 1, q += PANEL) {
       _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
-      __m512i qi[VECTORS];
-      __m512 wv[VECTORS];
+      __m512 qf[VECTORS], wv[VECTORS];
       if constexpr (nibbles) {
-        __m512i hi[VECTORS];
+        __m512 hi[VECTORS];
         for (int v = 0; v < VECTORS; ++v) {
           const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * v)));
-          qi[v] = _mm512_sub_epi32(_mm512_and_si512(bytes, low), zeros);
-          hi[v] = _mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), zeros);
+          qf[v] = _mm512_permutexvar_ps(bytes, values);
+          hi[v] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
         }
-        weights(qi, wv);
+        weights(qf, wv);
         fma_step<R>(acc, wv, x + g0 + k, x_stride);
         weights(hi, wv);
         fma_step<R>(acc, wv, x + g0 + k + 1, x_stride);
       } else {
         for (int v = 0; v < VECTORS; ++v)
-          qi[v] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * v)));
-        weights(qi, wv);
+          qf[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * v))));
+        weights(qf, wv);
         fma_step<R>(acc, wv, x + g0 + k, x_stride);
       }
     }

@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -580,6 +581,15 @@ void attention_impl(Q* out, const Q* query, const T* key_cache, const T* value_c
 
 }  // namespace
 
+// Whether every value of a contiguous int64 tensor lies in [lo, hi]: a plain loop over what are a few to a few
+// thousand indices, checked in every layer's call (torch's min() and max() cost microseconds each to dispatch).
+static bool all_within(const torch::Tensor& t, int64_t lo, int64_t hi) {
+  const int64_t* p = t.data_ptr<int64_t>();
+  bool ok = true;
+  for (int64_t i = 0, n = t.numel(); i < n; ++i) ok &= p[i] >= lo && p[i] <= hi;
+  return ok;
+}
+
 // out, query: [num_tokens, num_heads, head_size] contiguous; per query token i: table_rows[i], its
 // sequence's row of block_tables; seq_lens[i], how many of the sequence's tokens it attends to (those of
 // the cache up to and including its own). key_cache/value_cache:
@@ -612,10 +622,10 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
   auto rows = table_rows.contiguous();
   auto lens = seq_lens.contiguous();
   if (num_tokens == 0) return;
-  TORCH_CHECK(rows.min().item<int64_t>() >= 0 && rows.max().item<int64_t>() < tables.size(0), "table_rows out of range");
-  TORCH_CHECK(lens.min().item<int64_t>() >= 1, "every token attends to at least one token");
-  TORCH_CHECK(lens.max().item<int64_t>() <= tables.size(1) * block_size, "a sequence is longer than its block table");
-  TORCH_CHECK(tables.numel() == 0 || (tables.min().item<int64_t>() >= 0 && tables.max().item<int64_t>() < key_cache.size(0)),
+  TORCH_CHECK(all_within(rows, 0, tables.size(0) - 1), "table_rows out of range");
+  TORCH_CHECK(all_within(lens, 1, tables.size(1) * block_size),
+              "every token attends to at least one token, and no sequence is longer than its block table");
+  TORCH_CHECK(all_within(tables, 0, key_cache.size(0) - 1),
               "block ids out of range");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     using Q = scalar_t;
@@ -680,7 +690,7 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, t
   const int64_t num_tokens = key.size(0), heads = key.size(1), head_size = key.size(2);
   const int64_t block_size = key_cache.size(2), num_slots = key_cache.size(0) * block_size;
   if (num_tokens == 0) return;
-  TORCH_CHECK(slots.max().item<int64_t>() < num_slots, "slot out of range");
+  TORCH_CHECK(all_within(slots, std::numeric_limits<int64_t>::min(), num_slots - 1), "slot out of range");
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t row_bytes = key_cache.size(3) * key_cache.element_size();
   const int64_t src_bytes = head_size * key.element_size();
