@@ -10,6 +10,8 @@ A block of every layer is `kv_cache[:, :, block_id]`, the unit the transport mov
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import math
 import mmap
@@ -58,6 +60,18 @@ class ModelRunnerOutput(NamedTuple):
     failed: dict[str, RequestFailure]
     # Requests with prompt_logprobs whose prompt positions this step computed (chunk by chunk).
     prompt_logprobs: dict[str, PromptScores] = {}
+
+
+def return_freed_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere). Loading reads
+    tensors that are then packed, quantized or dropped: freed, their pages stay in the process's heap, counted in
+    its resident memory though nothing uses them (SmolLM2 from its GGUF file: 729 MB resident, 441 MB after).
+    Called once the runner is built."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def load_model(config: EngineConfig) -> torch.nn.Module:
@@ -110,6 +124,7 @@ class ModelRunner:
 
             self.decode_mirror = DecodeMirror(self.kv_cache.numel() * 4)
         self.sampler = Sampler(config.seed)
+        return_freed_memory()
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], new_block_ids: list[int] = (),

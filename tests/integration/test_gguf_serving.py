@@ -1,6 +1,7 @@
 """SmolLM2 served from its GGUF file as it ships (Q4_1 linear layers, a Q8_0 embedding): every tensor is the
 converted folder's bit for bit, and the engine's output is the float32 engine's on that folder, logprobs
 included - on a CPU with the quantized kernel by construction, elsewhere by dequantizing at load."""
+import gc
 import os
 import shutil
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from epdserve import LLM, SamplingParams
+from epdserve.shared.engine.model_runner import return_freed_memory
 from epdserve.shared.models.gguf_weights import gguf_weights
 from epdserve.shared.models.layers.linear import Linear
 from epdserve.shared.models.quantized_weight import QuantizedWeight
@@ -16,6 +18,11 @@ from epdserve.shared.models.weights import GGUF_WEIGHTS, iterate_weights
 pytestmark = pytest.mark.slow  # two SmolLM2 engines
 
 KERNEL = Linear.runs_quantized(torch.empty(0))  # float32 on this CPU: the quantized kernel runs
+
+
+def resident_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colors:"]
 
 
@@ -46,12 +53,19 @@ def test_the_gguf_engine_answers_as_the_float32_one(default_model_path, float_fo
     answers = {}
     for name, folder in (("gguf", default_model_path), ("float32", float_folder)):
         llm = LLM(model=str(folder), num_kv_blocks=64)
+        # The load gave back what it freed: the tensors it read, then packed or dropped, hold no resident memory.
+        resident = resident_mb()
+        return_freed_memory()
+        assert resident - resident_mb() < 64, f"{resident - resident_mb():.0f} MB freed but resident after the load"
         quantized = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear) and m.quantized is not None]
         assert len(quantized) == (30 * 5 + 1 if name == "gguf" and KERNEL else 0)  # qkv, o, gate, up, down; lm_head
+        if quantized:  # the Q4_1 layers two weights to a byte (unsigned nibbles), the Q8_0 lm_head a byte each
+            assert sorted(m.quantized.zero for m in quantized) == [-1] + [0] * 150
         answers[name] = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()}
                                                    for step in o.outputs[0].logprobs])
                          for o in llm.generate(PROMPTS, params)]
         del llm
+        gc.collect()  # the engine's cycles: freed before the next one is built, not during its load
     assert answers["gguf"] == answers["float32"]
 
 
