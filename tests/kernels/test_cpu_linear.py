@@ -118,6 +118,7 @@ def test_a_quantized_weight_gives_the_float32_kernels_result_on_its_dequantized_
     assert q_bytes == -(-out_features // 64) * 64 * in_features // (2 if packed.zero >= 0 else 1)
     expected = cpu_linear.linear(x, cpu_linear.pack(dequantized(q, scale, offset)), out_features, bias)
     assert torch.equal(cpu_linear.linear_quantized(x, packed, out_features, bias), expected)
+    assert torch.equal(cpu_linear.linear_quantized(x[None], packed, out_features, bias), expected[None])  # [1, M, K]
 
 
 def test_nibbles_need_values_that_fit_them():
