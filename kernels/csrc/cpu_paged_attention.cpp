@@ -15,8 +15,9 @@
 // 1.0 as vLLM's default); its values are widened to float32 as they are read, so the arithmetic is the same.
 // An int8 cache's row of one token and head is head_size int8 values and their float16 scale after them
 // (head_size + 2 bytes): a value is q * scale, exact in float32 (7 bits times 11), the float32 a dequantized
-// cache would hold, so the arithmetic is again that of a float32 cache. write_kv quantizes each row to its own scale (its largest
-// magnitude / 127), so what a row holds never depends on which other tokens were written with it.
+// cache would hold, so the arithmetic is again that of a float32 cache. write_kv quantizes each row to its own
+// scale (its largest magnitude / 127), so what a row holds never depends on which other tokens were written
+// with it.
 //
 // With AVX-512 and a head size that is a multiple of 16 (float32, bfloat16 and FP8 caches), the scores of 16
 // tokens come out of one transposing reduction instead of 16 horizontal sums, the softmax runs 16 lanes
@@ -223,9 +224,9 @@ struct Tile {
 };
 
 // Walks the tile's K rows `lanes` tokens of a block at a time, each chunk read from memory for the first of
-// the tile's query rows and from L1 for the rest; score(rows, q of one head, head_size, n, skip, dst) writes
-// scores of the chunk's tokens [skip, n) at dst[skip..n) (dst: that head's row at the chunk's first token);
-// the rows are keys.row_stride elements apart.
+// the tile's query rows and from L1 for the rest; score(rows, row stride, q of one head, head_size, n, skip, dst)
+// writes scores of the chunk's tokens [skip, n) at dst[skip..n) (dst: that head's row at the chunk's first
+// token).
 template <typename T, typename Score>
 void tile_scores(const HeadRows<T>& keys, const Tile& tile, int64_t lanes, Score score) {
   const int64_t d_n = keys.head_size, bs = keys.block_size, len_max = tile.len(tile.tokens - 1);
