@@ -313,6 +313,9 @@ class LLMEngine:
         for request_id in ids:
             self.scheduler.release_kv(request_id)
         aborted = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        # Their prompts no longer wait: an engine left idle runs no step that would recount the queue, and
+        # admission control would go on refusing requests behind prompts nobody waits for.
+        self.queue_estimate.queued_tokens = self.scheduler.num_queued_prompt_tokens
         return [out for r in aborted if (out := self.output_processor.make_output(r)) is not None]
 
     # -- KV from and for elsewhere ------------------------------------------------------------------

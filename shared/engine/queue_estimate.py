@@ -1,7 +1,7 @@
 """How long a request arriving now would wait before its prompt starts: the prompt tokens queued ahead of it
 over the rate the engine computes tokens at.
 
-The engine's thread updates it after each step; a service's event loop reads it (plain attribute reads,
+The engine's thread updates it after each step and each abort; a service's event loop reads it (plain attribute reads,
 which the GIL keeps whole) to refuse a request that would only wait in silence (admission control). The
 rate is learnt from steps that computed a prefill's worth of tokens: a step of a few decodes says little
 about how fast prompts go.

@@ -5,6 +5,7 @@ tokens). Real stacks, real processes: SmolLM2 on one unified engine, and a tiny 
 decodes for a decode killed mid-traffic. (Bad lines in `run-batch`: test_run_batch.py; the API key's
 scheme and duplicate headers: tests/integration/test_proxy_http_edge.py; bodies over the edge's limits:
 test_api_fuzz.py.)"""
+import asyncio
 import json
 import signal
 import threading
@@ -149,35 +150,47 @@ def test_tokenizing_megabytes_does_not_hold_up_other_requests(unified):
 def test_a_request_that_would_wait_in_silence_gets_a_503_with_retry_after(unified):
     """12 prompts of ~1,000 tokens queue several seconds of prefill on one core: once the engine has
     measured how fast it computes them, a request behind them, which would wait past --max-queue-wait
-    (2 s), is refused at once, saying when to come back; once the queue drained it is served again."""
+    (2 s), is refused at once, saying when to come back. Their clients then hang up: the proxy aborts what
+    they asked, the queue drains, and the small request is served again."""
     engine = unified.services["unified-0"]
-    client = httpx.Client(base_url=unified.url, timeout=300)
-
-    def send_long(i: int) -> None:  # prompts of their own: no prefix-cache hit shortens the queue
-        client.post("/v1/completions", json={"model": "demo", "prompt": f"Story {i}: " + "once upon a time " * 250,
-                                             "max_tokens": 1})
-
     steps = engine.metrics()["epdserve:engine_steps_total"]
-    burst = [threading.Thread(target=send_long, args=(i,)) for i in range(12)]
-    for thread in burst:
-        thread.start()
-    try:
-        deadline = time.monotonic() + 120
-        # A step is counted as it starts: at the second, the first is over, and its rate measured.
-        while engine.metrics()["epdserve:engine_steps_total"] < steps + 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        r = small_completion(client)
-        assert r.status_code == 503 and "--max-queue-wait" in r.json()["error"]["message"], r.text
-        assert int(r.headers["Retry-After"]) >= 2
-    finally:
-        for thread in burst:
-            thread.join(300)
+    hung_up = client_disconnects(unified)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=unified.url, timeout=300) as client:
+            # Prompts of their own: no prefix-cache hit shortens the queue.
+            burst = [asyncio.create_task(client.post("/v1/completions", json={
+                "model": "demo", "prompt": f"Story {i}: " + "once upon a time " * 250, "max_tokens": 1}))
+                for i in range(12)]
+            deadline = time.monotonic() + 120
+            # A step is counted as it starts: at the second, the first is over, and its rate measured.
+            while engine.metrics()["epdserve:engine_steps_total"] < steps + 2:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            r = await client.post("/v1/completions", json={"model": "demo", "prompt": "Hello", "max_tokens": 4,
+                                                            "temperature": 0})
+            assert r.status_code == 503 and "--max-queue-wait" in r.json()["error"]["message"], r.text
+            assert int(r.headers["Retry-After"]) >= 2
+            assert not all(t.done() for t in burst)  # refused while the burst still waited
+            for task in burst:
+                task.cancel()
+            await asyncio.gather(*burst, return_exceptions=True)
+
+    asyncio.run(main())
+    client = httpx.Client(base_url=unified.url, timeout=300)
     deadline = time.monotonic() + 60
     while (r := small_completion(client)).status_code != 200:
         assert r.status_code == 503 and time.monotonic() < deadline, r.text
         time.sleep(0.5)
     assert engine.metrics()["epdserve:requests_refused_overloaded_total"] >= 1
+    assert client_disconnects(unified) > hung_up  # the proxy aborted what the burst's clients left
+
+
+def client_disconnects(stack) -> float:
+    """The proxy's count of requests aborted because their client hung up."""
+    text = httpx.get(stack.url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("epdserve:request_aborts_total{") and 'reason="client_disconnect"' in line)
 
 
 @pytest.fixture(scope="module")

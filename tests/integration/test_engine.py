@@ -280,3 +280,19 @@ def test_step_time_is_broken_down_by_phase(llm):
             assert seconds == 0.0
             continue
         assert seconds > before.step_seconds[phase], f"{phase} was not timed"
+
+
+def test_aborted_prompts_leave_the_queue_estimate_at_once(llm):
+    """Admission control (--max-queue-wait) reads how long queued prompts will take: once they are aborted
+    and nothing is left to step, it must say nothing waits - no step would come to recount it, and every
+    later request would be refused behind prompts nobody waits for."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=1, **GREEDY)
+    ids = [f"queued-{i}" for i in range(6)]
+    for i, request_id in enumerate(ids):
+        engine.add_request(request_id, {"prompt_token_ids": [100 + i] * 200}, params)
+    engine.step()  # learns the rate; the rest still wait
+    assert engine.queue_estimate.seconds > 0
+    engine.abort_request(ids)
+    assert engine.queue_estimate.seconds == 0.0
+    assert not engine.has_unfinished_requests()
