@@ -34,7 +34,7 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                    slot_mapping: torch.Tensor) -> None:
     """`torch_attention.kv_cache_write`'s contract, one row copy per token and head instead of an index_put; a
     cache narrower than the model (bfloat16, FP8) takes the new rows converted first (FP8 saturating, as torch
-    converts), an int8 cache each row quantized by the kernel (torch_attention.quantize_rows)."""
+    converts), an int8 cache each row quantized by the kernel (as int8_rows.quantize_rows)."""
     key_hm, value_hm = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
     if key_hm.is_contiguous() and value_hm.is_contiguous() and value_cache.dtype == key_cache.dtype:
         dtype = key.dtype if key_cache.dtype == torch.int8 else key_cache.dtype
