@@ -115,3 +115,21 @@ def test_the_store_exports_no_created_series():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "_total" in done.stdout and "_created" not in done.stdout, done.stdout
+
+
+def test_an_int8_pools_blocks_are_kept_with_their_scales():
+    """An int8 pool's layout names its rows' length (head_size + 2: the float16 scale after the values): the store
+    takes and gives its blocks as stored, byte for byte, and files them apart from a float pool's."""
+    from epdserve.kernels.int8_rows import quantize_rows
+    from epdserve.shared.config import kv_row_size
+
+    layout = KVLayout("m", "int8", 4, 2, 1, kv_row_size(8, "int8"))
+    worker = KVStoreWorker(ServiceConfig("kvstore", "s"), 1 << 20, lambda: 0)
+    blocks = torch.stack([quantize_rows(torch.randn(2, 2, 1, 4, 8) * (i + 1)) for i in (1, 2)])
+    message = KVStorePut(layout, h(1) + h(2), (1,) * 4 + (2,) * 4, tuple(checksum(b) for b in blocks), (blocks,))
+    assert isinstance(asyncio.run(worker.handle(message, None)), Ack)
+    got = get(worker, [1, 2], layout)
+    assert got.block_hashes == h(1) + h(2) and torch.equal(got.blocks[0], blocks)
+    assert get(worker, [1, 2]).block_hashes == b""  # a float32 pool's layout finds none of them
+    short = KVStorePut(layout, h(3), (3,) * 4, (0,), (blocks[:1, ..., :8].contiguous(),))  # rows without scales
+    assert isinstance(asyncio.run(worker.handle(short, None)), Error)
