@@ -66,7 +66,8 @@ class DecodeMirror:
             seqs = torch.arange(num_seqs, device=key_cache.device)
             for buf, cache in zip(layer, (key_cache, value_cache)):
                 # The newest token of each sequence: [num_seqs, num_kv_heads, head_size] from its slot.
-                buf.view(num_seqs, num_kv_heads, self.capacity, head_size)[seqs, :, positions] = widened(cache[blocks, offsets])
+                newest = widened(cache[blocks, offsets])
+                buf.view(num_seqs, num_kv_heads, self.capacity, head_size)[seqs, :, positions] = newest
         else:
             layer = []
             for cache in (key_cache, value_cache):

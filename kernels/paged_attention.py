@@ -145,10 +145,10 @@ def _paged_attention_kernel(
             other=0.0,
         )  # [TILE_N, HEAD_PAD]
         if INT8_ROWS:  # q * scale in float32, exact (the float16 scale sits HEAD_SIZE bytes into the row)
-            k_scale = tl.load(key_scale_ptr + kv_head * (stride_kh // 2) + (block * stride_kb + in_block * stride_ks) // 2
-                              + HEAD_SIZE // 2, mask=k_ok, other=0.0)
-            v_scale = tl.load(value_scale_ptr + kv_head * (stride_vh // 2) + (block * stride_vb + in_block * stride_vs) // 2
-                              + HEAD_SIZE // 2, mask=k_ok, other=0.0)
+            k_row = kv_head * stride_kh + block * stride_kb + in_block * stride_ks  # in bytes: halve for float16
+            v_row = kv_head * stride_vh + block * stride_vb + in_block * stride_vs
+            k_scale = tl.load(key_scale_ptr + k_row // 2 + HEAD_SIZE // 2, mask=k_ok, other=0.0)
+            v_scale = tl.load(value_scale_ptr + v_row // 2 + HEAD_SIZE // 2, mask=k_ok, other=0.0)
             k = k.to(tl.float32) * k_scale.to(tl.float32)[None, :]
             v = v.to(tl.float32) * v_scale.to(tl.float32)[:, None]
         # A narrower cache (bfloat16 or float8 under float32 queries, float8 under 16-bit ones) is widened to the
