@@ -36,20 +36,20 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return _ops().pack(weight.detach())
 
 
-def _apply(kernel, x: torch.Tensor, out_features: int, *args) -> torch.Tensor:
-    """kernel(x as [rows, K] with contiguous rows, out_features, *args), shaped [..., out_features]. The model's
-    activations are such rows already: they go straight in (a linear layer is called ~150 times a decode step,
-    and reshaping costs microseconds each time)."""
+def _apply(kernel, x: torch.Tensor, panels: torch.Tensor, out_features: int, *args) -> torch.Tensor:
+    """kernel(x as [rows, K] with contiguous rows, panels, out_features, *args), shaped [..., out_features]. The
+    model's activations are such rows already: they go straight in (a linear layer is called ~150 times a decode
+    step, and reshaping costs microseconds each time)."""
     if x.dim() == 2 and x.stride(1) == 1:
-        return kernel(x, out_features, *args)
+        return kernel(x, panels, out_features, *args)
     rows = x.reshape(-1, x.shape[-1])
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    return kernel(rows, out_features, *args).view(*x.shape[:-1], out_features)
+    return kernel(rows, panels, out_features, *args).view(*x.shape[:-1], out_features)
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] -> [..., out_features]."""
-    return _apply(lambda rows, n, b: _ops().linear(rows, panels, n, b), x, out_features, bias)
+    return _apply(_ops().linear, x, panels, out_features, bias)
 
 
 class QuantizedPanels(NamedTuple):
@@ -79,5 +79,4 @@ def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | 
 def linear_quantized(x: torch.Tensor, packed: QuantizedPanels, out_features: int,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] float32 -> [..., out_features], bit for bit `linear` on the dequantized weight."""
-    return _apply(lambda rows, n, b: _ops().linear_quantized(rows, packed.panels, n, packed.has_offset, packed.zero, b),
-                  x, out_features, bias)
+    return _apply(_ops().linear_quantized, x, packed.panels, out_features, packed.has_offset, packed.zero, bias)

@@ -35,6 +35,11 @@ def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
     return values.float() * scale.float()
 
 
+def row_size(head_size: int, cache_dtype: torch.dtype) -> int:
+    """The elements of one row of a cache of `cache_dtype`: head_size, and an int8 row's scale bytes."""
+    return head_size + SCALE_BYTES if cache_dtype == torch.int8 else head_size
+
+
 def head_size_of(cache: torch.Tensor) -> int:
     """The values in one row of a cache, whatever it stores."""
     return cache.shape[-1] - (SCALE_BYTES if cache.dtype == torch.int8 else 0)

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from epdserve.kernels.int8_rows import SCALE_BYTES, quantize_rows
+from epdserve.kernels.int8_rows import quantize_rows, row_size
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # caches only (`--kv-cache-dtype fp8`)
@@ -90,7 +90,7 @@ def kv_cache_write(
                             ("key_cache", key_cache, CACHE_DTYPES), ("value_cache", value_cache, CACHE_DTYPES)):
         if t.dtype not in dtypes:
             raise ValueError(f"{name} dtype {t.dtype} is not one of {dtypes}")
-    row = head_size + SCALE_BYTES if key_cache.dtype == torch.int8 else head_size
+    row = row_size(head_size, key_cache.dtype)
     if tuple(key_cache.shape[2:]) != (num_kv_heads, row):
         raise ValueError(
             f"cache heads/row {tuple(key_cache.shape[2:])} differ from key's {(num_kv_heads, row)} (an int8 "

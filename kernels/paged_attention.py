@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from epdserve.kernels.int8_rows import SCALE_BYTES
+from epdserve.kernels.int8_rows import row_size
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -282,8 +282,7 @@ def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_s
     num_kv_heads = key_cache.shape[2]
     if key_cache.dtype == torch.int8 and head_size % 2:
         raise ValueError(f"an int8 cache needs an even head_size (its float16 scales), got {head_size}")
-    row = head_size + SCALE_BYTES if key_cache.dtype == torch.int8 else head_size
-    if key_cache.shape[3] != row:
+    if key_cache.shape[3] != row_size(head_size, key_cache.dtype):
         raise ValueError(f"cache rows of {key_cache.shape[3]} differ from the query's head_size {head_size}"
                          + (" + 2 (an int8 cache's scale)" if key_cache.dtype == torch.int8 else ""))
     if num_kv_heads == 0 or num_heads % num_kv_heads:

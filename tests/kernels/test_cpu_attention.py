@@ -186,7 +186,7 @@ def test_kv_cache_write_converts_to_a_narrower_cache(cache_dtype):
 @pytest.mark.parametrize("head_size", [64, 80, 36])
 def test_an_int8_cache_equals_its_rows_dequantized(level, query_dtype, head_size):
     """--kv-cache-dtype int8: rows of int8 values and their scale give exactly what a float32 cache holding the
-    dequantized values gives (each value q * scale, one rounding, then the float32 arithmetic), on the vector
+    dequantized values gives (each value q * scale, exact in float32, then the float32 arithmetic), on the vector
     paths and the plain loops, decodes and a prefill; the kernel's reference path (torch) agrees closely."""
     kernel = cpu_build.load_prebuilt("cpu_paged_attention", level)
     q_lens, seq_lens = [1, 1, 1, 40], [1, 17, 200, 57]
