@@ -63,14 +63,34 @@ def is_prepared(folder: Path) -> bool:
         and os.path.lexists(folder / GGUF_WEIGHTS)
 
 
+def _relink(checkpoint: PackagedGGUF, folder: Path) -> None:
+    """Point a prepared folder's GGUF link at the installed file again when its target is gone but the package
+    is installed (another environment prepared the shared cache, or the package moved): otherwise the folder
+    would serve its dequantized copy, at four times the memory, without a word."""
+    link = folder / GGUF_WEIGHTS
+    if checkpoint.part_distributions or not link.is_symlink() or link.exists():
+        return
+    try:
+        installed = _installed_file(checkpoint, checkpoint.distribution, checkpoint.file_name)
+    except FileNotFoundError:
+        logger.warning("%s: %s links to a file that is gone and its package is not installed: serving the "
+                       "dequantized weights", checkpoint.name, link)
+        return
+    if installed.is_file():
+        fresh = link.with_name(f".{GGUF_WEIGHTS}.{os.getpid()}")
+        fresh.symlink_to(installed)
+        os.replace(fresh, link)  # atomic: a process reading the folder sees one link or the other
+        logger.info("%s: %s linked again, to %s", checkpoint.name, link, installed)
+
+
 def prepare_packaged_gguf(checkpoint: PackagedGGUF, cache_dir: Path | None = None) -> Path:
     """Convert the checkpoint into <cache>/models/<name> if not done yet; return the folder."""
     folder = (cache_dir or default_cache_dir()) / "models" / checkpoint.name
-    if is_prepared(folder):
-        return folder
-    with building(folder):
-        if not is_prepared(folder):
-            _prepare(checkpoint, folder)
+    if not is_prepared(folder):
+        with building(folder):
+            if not is_prepared(folder):
+                _prepare(checkpoint, folder)
+    _relink(checkpoint, folder)
     return folder
 
 

@@ -30,6 +30,19 @@ def test_a_prepared_folder_is_reused_without_the_package(tmp_path):
     assert prepare_packaged_gguf(missing, tmp_path) == folder
 
 
+def test_a_prepared_folder_whose_link_is_gone_is_linked_to_the_installed_file_again(tmp_path):
+    """A shared cache prepared from another environment (its venv deleted since): the folder's link points at the
+    file this environment has installed, not at nothing - else it would serve its dequantized copy."""
+    folder = tmp_path / "models" / SMOLLM2.name
+    folder.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (folder / name).write_text("{}")
+    (folder / "model.gguf").symlink_to(tmp_path / "other-venv" / "model.gguf")
+    assert prepare_packaged_gguf(SMOLLM2, tmp_path) == folder
+    assert (folder / "model.gguf").resolve() == gguf_file(SMOLLM2, tmp_path).resolve()
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []  # no link left half-made
+
+
 def test_gemma3_parts_join_into_the_listed_file(tmp_path):
     joined = gguf_file(GEMMA3_270M, tmp_path)  # raises unless the SHA-256 is the one the package lists
     assert joined.parent == tmp_path and joined.name == GEMMA3_270M.file_name
