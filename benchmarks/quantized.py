@@ -11,7 +11,8 @@ Forms of the model (each engine in a process of its own, --threads compute threa
   gguf       the GGUF file as it ships (SmolLM2: Q4_1 layers and a Q8_0 embedding; Gemma 3 270M: Q4_K_M)
   llama-server  llama.cpp on the same GGUF file (benchmarks/setup_llamacpp.sh builds it), when present
 
-TPOT: one prompt, --output-len tokens with EOS ignored, minus the time to the first token, per token after it;
+TPOT: one prompt, --output-len tokens with EOS ignored, sampled at --temperature (1.0, the API's default; every
+engine and llama-server alike, seeded), minus the time to the first token, per token after it;
 median of --repeats runs (after one untimed warm-up). Memory: the process's resident set once the model is
 loaded and warmed up. Bytes per token: what a batch-1 decode step reads of the weights (every linear layer's
 packed weight, one embedding row; the KV cache at these lengths is <1% of it). Bandwidth: a STREAM-style read
@@ -42,7 +43,7 @@ FORMS = ("float32", "bfloat16", "int8", "gguf")
 
 
 def measure_engine(folder: str, dtype: str, threads: int, output_len: int, repeats: int,
-                   quantization: str | None = None) -> dict:
+                   quantization: str | None = None, temperature: float = 1.0) -> dict:
     """In this process: load, warm up, then TPOT runs; memory and bytes per token."""
     import psutil
     import torch
@@ -52,8 +53,8 @@ def measure_engine(folder: str, dtype: str, threads: int, output_len: int, repea
     from epdserve.shared.models.layers.linear import Linear
 
     llm = LLM(model=folder, dtype=dtype, num_kv_blocks=64, seed=0, quantization=quantization)
-    first = SamplingParams(temperature=0.0, max_tokens=1)
-    full = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    first = SamplingParams(temperature=temperature, seed=0, max_tokens=1)
+    full = SamplingParams(temperature=temperature, seed=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([PROMPT], full)
     tpots = []
     for _ in range(repeats):
@@ -104,7 +105,7 @@ def run_form(folder: Path, form: str, args) -> dict:
         code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import quantized; "
                 f"print(json.dumps(quantized.measure_engine({str(served)!r}, "
                 f"{'bfloat16' if form == 'bfloat16' else 'float32'!r}, {args.threads}, {args.output_len}, "
-                f"{args.repeats}, {'int8' if form == 'int8' else None!r})))")
+                f"{args.repeats}, {'int8' if form == 'int8' else None!r}, {args.temperature})))")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -132,8 +133,9 @@ def run_llama_server(binary: str, gguf: Path, args) -> dict:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        body = {"prompt": PROMPT, "n_predict": args.output_len, "ignore_eos": True, "temperature": 0,
-                "cache_prompt": False}
+        # Plain temperature sampling, as ours: llama-server's default top-k 40, top-p 0.95 and min-p 0.05 off.
+        body = {"prompt": PROMPT, "n_predict": args.output_len, "ignore_eos": True, "temperature": args.temperature,
+                "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0, "cache_prompt": False}
         httpx.post(url + "/completion", json=body, timeout=300)
         tpots = [httpx.post(url + "/completion", json=body, timeout=300).json()["timings"]["predicted_per_token_ms"]
                  for _ in range(args.repeats)]
@@ -157,12 +159,15 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature of every engine and of llama-server (the API's default 1.0; 0: greedy)")
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args()
     bandwidth = stream_read_gbps(args.threads)
     print(f"memory read bandwidth ({args.threads} threads, STREAM-style sum): {bandwidth:.1f} GB/s")
     server = llama_server_binary()
     results = {"threads": args.threads, "output_len": args.output_len, "repeats": args.repeats,
+               "temperature": args.temperature,
                "read_bandwidth_gbps": bandwidth, "models": {}}
     for name in args.models.split(","):
         folder = model_folder(name)
