@@ -222,9 +222,10 @@ class LlamaForCausalLM(nn.Module):
         for name, parts in load_weights(self, weights, pieces, skip, quantizable).items():
             weight = QuantizedWeight.stack_rows([part for _, part in sorted(parts, key=lambda p: p[0])])
             if name == embedding:
-                self.model.embed_tokens = QuantizedEmbedding(weight)
                 if tied:
                     self.lm_head.set_quantized(weight)
+                self.model.embed_tokens = QuantizedEmbedding(self.lm_head.quantized if tied else weight,
+                                                             self.config.hidden_size)
             else:
                 linears[name].set_quantized(weight)
         for module in self.modules():

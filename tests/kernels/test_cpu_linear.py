@@ -121,6 +121,20 @@ def test_a_quantized_weight_gives_the_float32_kernels_result_on_its_dequantized_
     assert torch.equal(cpu_linear.linear_quantized(x[None], packed, out_features, bias), expected[None])  # [1, M, K]
 
 
+@pytest.mark.parametrize("out_features, in_features, group", [(576, 576, 32), (130, 512, 256)])
+@pytest.mark.parametrize("with_offset", [False, True], ids=["scale", "scale-offset"])
+@pytest.mark.parametrize("q_range", Q_RANGES.values(), ids=Q_RANGES)
+def test_rows_read_back_from_the_panels_are_the_weights_rows(out_features, in_features, group, with_offset, q_range):
+    q, scale, offset = quantized_weight(out_features, in_features, group, with_offset, out_features, q_range)
+    packed = cpu_linear.pack_quantized(q, scale, offset)
+    # Every row of the first and last panel (the last one part padding), repeats, any order.
+    rows = torch.tensor([out_features - 1, 0, 63, 64, 5, 5, out_features - 2, *range(0, out_features, 7)])
+    got_q, got_scale, got_offset = cpu_linear.quantized_rows(packed, rows, in_features)
+    assert torch.equal(got_q, q[rows]) and torch.equal(got_scale, scale[rows])
+    assert (got_offset is None) if offset is None else torch.equal(got_offset, offset[rows])
+    assert cpu_linear.quantized_rows(packed, rows[:0], in_features)[0].shape == (0, in_features)
+
+
 def test_nibbles_need_values_that_fit_them():
     q, scale, _ = quantized_weight(64, 64, 32, False, 0, Q_RANGES["unsigned-4-bit"])
     assert cpu_linear.nibble_zero(q, 32) == 0 and cpu_linear.nibble_zero(q - 8, 32) == 8

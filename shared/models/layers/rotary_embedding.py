@@ -41,15 +41,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = inverse_frequencies(head_size, theta, scaling)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_size]
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
-        # M-RoPE: which of the three positions each column of the table is read at, [head_size]; the same
-        # split for both halves (HF's recomposition of cos and sin).
+        # [max_position, head_size / 2]: a row's two halves are the same angles (HF's cat((freqs, freqs))), so
+        # the table keeps one and a lookup repeats it (Gemma 3's two 32k-position tables: 64 MB instead of 128).
+        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        # M-RoPE: which of the three positions each column of the half table is read at, [head_size / 2]
+        # (HF's recomposition of cos and sin splits both halves alike).
         streams = None
         if mrope_section is not None:
-            half = torch.repeat_interleave(torch.arange(len(mrope_section)), torch.tensor(mrope_section))
-            streams = torch.cat((half, half))
+            streams = torch.repeat_interleave(torch.arange(len(mrope_section)), torch.tensor(mrope_section))
         self.register_buffer("mrope_streams", streams, persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,10 +58,12 @@ class RotaryEmbedding(nn.Module):
         positions: [num_tokens], or with M-RoPE [3, num_tokens] (temporal, height, width); a token whose three
         positions are equal is rotated as 1-D RoPE rotates it."""
         if positions.dim() == 1:
-            return self.cos[positions], self.sin[positions]
-        # Each column of the table at its own stream's position: index[t, c] = positions[stream(c), t].
-        index = positions[self.mrope_streams].T
-        return self.cos.gather(0, index), self.sin.gather(0, index)
+            cos, sin = self.cos[positions], self.sin[positions]
+        else:
+            # Each column of the table at its own stream's position: index[t, c] = positions[stream(c), t].
+            index = positions[self.mrope_streams].T
+            cos, sin = self.cos.gather(0, index), self.sin.gather(0, index)
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
     @staticmethod
     def apply(rope: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor, key: torch.Tensor):
