@@ -14,6 +14,10 @@ expected duration is made as large as it can be, and no drafts at all is one of 
   one rejected, if any, to the misses), starting from the engine's rate over every request.
 - Positions are taken best first (the highest a^j, which keeps each request's in order) while the rate of
   tokens per second grows; `num_speculative_tokens` stays the most a request verifies.
+- Proposing costs time too (prompt lookup: ~80 us a request a step): a request whose drafts were all cut is
+  not asked again for 1 step, then 2, 4, ... up to MAX_REST_STEPS while its drafts keep being cut, and
+  from the next step on once one is kept. Its acceptance does not change while it rests (nothing is
+  verified), so a cut would most likely be made again; the rests recheck it as the batch and costs change.
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ STALE_STEPS = 256
 DECAY = 0.8
 # The weight, in verifications, of the engine's own acceptance rate in a request's estimate.
 PRIOR_WEIGHT = 2.0
+# The longest a request whose drafts keep being cut goes without proposing, in steps.
+MAX_REST_STEPS = 16
 
 
 class StepCost:
@@ -89,6 +95,14 @@ class DraftPolicy:
         self._hits = DECAY * self._hits + num_accepted
         self._misses = DECAY * self._misses + missed
 
+    @staticmethod
+    def resting(request: Request) -> bool:
+        """Whether `request` is not asked for drafts this step (counts the step)."""
+        if request.draft_rest > 0:
+            request.draft_rest -= 1
+            return True
+        return False
+
     def acceptance(self, request: Request) -> float:
         """The probability that `request`'s next draft is accepted, given those before it were."""
         prior = (self._hits + 1.0) / (self._hits + self._misses + 2.0)
@@ -117,3 +131,8 @@ class DraftPolicy:
             kept[i] += 1
         for request, n in zip(proposing, kept):
             request.spec_token_ids = request.spec_token_ids[:n]
+            if n:
+                request.draft_rest_next = 1
+            else:
+                request.draft_rest = request.draft_rest_next
+                request.draft_rest_next = min(2 * request.draft_rest_next, MAX_REST_STEPS)

@@ -425,9 +425,12 @@ class LLMEngine:
         to those worth their rows (draft_policy.py)."""
         decoding, prompt_rows = [], 0
         self.proposer.start_step()
+        # Proposals that cost no forward of their own may be skipped (a resting request: draft_policy.py).
+        rests = self.config.speculative.adaptive and self.proposer.lookup_only
         for request in self.scheduler.running:
             if request.num_computed_tokens == request.num_tokens - 1:
-                request.spec_token_ids = self.proposer.propose(request)
+                resting = rests and self.scheduler.draft_policy.resting(request)
+                request.spec_token_ids = [] if resting else self.proposer.propose(request)
                 decoding.append(request)
             else:
                 request.spec_token_ids = []

@@ -18,6 +18,8 @@ from epdserve.shared.engine.request import Request
 
 
 class NgramProposer:
+    lookup_only = True  # a proposal reads the request's tokens alone: a step may skip asking for one
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
@@ -58,10 +60,20 @@ def _lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """The up to k tokens after the latest earlier occurrence of the longest suffix of `tokens` of length in
     [min_n, max_n] that occurs earlier; [] when none does."""
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # Windows of the tokens before the last one: a match starting at i is followed by tokens[i + n].
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+    max_n = min(max_n, length - 1)
+    if max_n < min_n:
+        return []
+    # The earlier occurrences of the last token (a match's last position, never the last token itself), and
+    # how far back each one's match with the suffix reaches, up to max_n: one pass over the tokens, then a few
+    # over these candidates only (a request's proposal is asked for every step).
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    matched = np.ones(len(ends), np.int64)
+    going = np.ones(len(ends), bool)
+    for back in range(1, max_n):
+        going &= (ends >= back) & (tokens[np.maximum(ends - back, 0)] == tokens[length - 1 - back])
+        matched += going
+    for n in range(max_n, min_n - 1, -1):
+        hits = ends[matched >= n] - (n - 1)  # where each match of length n starts, in order
         if len(hits):
             # The latest occurrence followed by k tokens; else the earliest, followed by the most (in a loop
             # that has only just begun repeating, the latest is followed by the current token alone).

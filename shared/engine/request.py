@@ -127,6 +127,9 @@ class Request:
         # Its drafts' recent record, accepted and rejected (decayed; draft_policy.py).
         self.draft_hits = 0.0
         self.draft_misses = 0.0
+        # Steps it is not asked for drafts (its last ones were all cut), and the rest after the next cut.
+        self.draft_rest = 0
+        self.draft_rest_next = 1
         # Prompt tokens it did not compute when first started: found in the prefix cache, or brought by a KV
         # tier's load (-1: not started yet).
         self.num_cached_tokens = -1

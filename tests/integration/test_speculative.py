@@ -358,7 +358,12 @@ def test_the_default_adaptive_engine_answers_as_one_token_per_step(tiny, base):
         for rows in range(1, 65):
             policy.observe_step(rows, float(rows))
     drafted = adaptive.engine.scheduler.spec_stats.num_draft_tokens
+    proposer, asked = adaptive.engine.proposer, []
+    propose = proposer.propose
+    proposer.propose = lambda request: asked.append(request.request_id) or propose(request)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert_same(base.generate(PROMPTS, params), adaptive.generate(PROMPTS, params))
     assert adaptive.engine.scheduler.spec_stats.num_draft_tokens == drafted
+    # Requests whose drafts are all cut rest from proposing (1, 2, 4, 8 steps): 4 of their 15 decode steps ask.
+    assert len(asked) <= 4 * len(PROMPTS), len(asked)
     assert_clean(adaptive)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from epdserve.shared.engine.draft_policy import STALE_STEPS, CostCurve, DraftPolicy, StepCost
+from epdserve.shared.engine.draft_policy import MAX_REST_STEPS, STALE_STEPS, CostCurve, DraftPolicy, StepCost
 from epdserve.shared.engine.request import Request
 from epdserve.shared.engine.sampling_params import SamplingParams
 
@@ -79,3 +79,25 @@ def test_verifications_keep_a_recent_record_of_hits_and_misses():
     for _ in range(10):
         policy.observe_verification(r, num_drafts=4, num_accepted=0)
     assert r.draft_hits < 1.0 and policy.acceptance(r) < 0.25
+
+
+def test_a_request_whose_drafts_keep_being_cut_rests_longer_each_time_until_one_is_kept():
+    policy = policy_with({4: 0.040, 20: 0.200})  # a draft pays only if surely accepted
+    r = request("a", [5, 6], hits=2.0, misses=2.0)
+    rests = []
+    for _ in range(7):
+        r.spec_token_ids = [5, 6]
+        policy.trim([r], base_rows=4, base_tokens=4)
+        assert r.spec_token_ids == []
+        steps = 0
+        while policy.resting(r):
+            steps += 1
+        rests.append(steps)
+    assert rests == [1, 2, 4, 8, 16, MAX_REST_STEPS, MAX_REST_STEPS]
+    # Drafts that pay: kept, and the next cut rests one step again.
+    r.spec_token_ids = [5, 6]
+    policy_with({4: 0.040, 6: 0.040}).trim([r], base_rows=4, base_tokens=4)
+    assert r.spec_token_ids == [5, 6] and not policy.resting(r)
+    r.spec_token_ids = [5, 6]
+    policy.trim([r], base_rows=4, base_tokens=4)
+    assert policy.resting(r) and not policy.resting(r)

@@ -1,5 +1,6 @@
 """Prompt lookup: the longest suffix match, its latest occurrence with room for k tokens, and drafts that never
 hold a stop token nor reach max_tokens."""
+import numpy as np
 import pytest
 
 from epdserve.shared.config import SpeculativeConfig
@@ -29,6 +30,26 @@ def test_the_latest_occurrence_with_k_tokens_after_it_is_taken():
 def test_no_match_below_min_gives_nothing():
     assert proposal([1, 2, 3, 4], low=2, high=3) == []
     assert proposal([4]) == []
+
+
+def reference_proposal(tokens: list[int], k: int, low: int, high: int) -> list[int]:
+    """The rule as written: for n from high down to low, every earlier window equal to the last n tokens."""
+    for n in range(min(high, len(tokens) - 1), low - 1, -1):
+        starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]]
+        if starts:
+            full = [i for i in starts if i + n + k <= len(tokens)]
+            start = (full[-1] if full else starts[0]) + n
+            return tokens[start:start + k]
+    return []
+
+
+def test_proposals_follow_the_rule_on_random_token_runs():
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        tokens = rng.integers(0, 1 + trial % 6, size=int(rng.integers(1, 60))).tolist()
+        k, low = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        high = low + int(rng.integers(0, 4))
+        assert proposal(tokens, k=k, low=low, high=high) == reference_proposal(tokens, k, low, high), (tokens, k, low, high)
 
 
 def test_output_tokens_count_and_drafts_stop_before_stop_tokens_and_max_tokens():
