@@ -5,7 +5,8 @@ the machine's bandwidth for 1-16 rows, this kernel at 1.3-1.5x that (SmolLM2 flo
 step's linear layers: 92 -> 84 ms; a batch-1 step: 26 -> 16 ms), and as fast on prefill-sized batches.
 It is batch-invariant by construction: each output is one chain of fused multiply-adds over K, in order.
 Built on first use for the CPU it runs on (see cpu_build); `supports(dtype)` is False where it cannot be
-built or the CPU lacks the instructions (AVX-512; AVX-512 BF16 for bfloat16), and Linear keeps oneDNN.
+built or the CPU lacks the instructions (AVX-512, or AVX2 with FMA, for float32 and quantized weights, with
+the same bits on both; AVX-512 BF16 for bfloat16), and Linear keeps oneDNN.
 """
 from __future__ import annotations
 

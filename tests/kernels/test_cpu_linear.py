@@ -1,9 +1,11 @@
 """The panel kernel behind Linear on CPU: F.linear's results, batch-invariant rows."""
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from epdserve.kernels import cpu_linear
+from epdserve.kernels import cpu_build, cpu_levels, cpu_linear
 from epdserve.shared.models.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.supports(torch.float32),
@@ -133,6 +135,32 @@ def test_rows_read_back_from_the_panels_are_the_weights_rows(out_features, in_fe
     assert torch.equal(got_q, q[rows]) and torch.equal(got_scale, scale[rows])
     assert (got_offset is None) if offset is None else torch.equal(got_offset, offset[rows])
     assert cpu_linear.quantized_rows(packed, rows[:0], in_features)[0].shape == (0, in_features)
+
+
+# Every level of prebuilt kernels this CPU runs (AVX-512 and AVX2 on an AVX-512 machine).
+LEVELS = [lv for lv in cpu_levels.LEVELS if lv.machine == platform.machine() and lv.cpu_flags <= cpu_levels.cpu_flags()]
+
+
+@pytest.mark.parametrize("level", LEVELS, ids=lambda lv: lv.name)
+@pytest.mark.parametrize("rows", [1, 7])
+# 130 columns: two whole panels and a part of a third, whose last 16-column strip is a part too.
+@pytest.mark.parametrize("out_features, in_features, group", [(130, 512, 32), (100, 64, 16)])
+@pytest.mark.parametrize("with_offset", [False, True], ids=["scale", "scale-offset"])
+@pytest.mark.parametrize("q_range", Q_RANGES.values(), ids=Q_RANGES)
+def test_every_cpu_level_gives_the_same_bits(level, rows, out_features, in_features, group, with_offset, q_range):
+    """The AVX2 tiles take the AVX-512 ones' steps in the same order: float32 and quantized panels give the
+    same bits on every level, so a model's output does not depend on the CPU it runs on."""
+    ops = cpu_build.load_prebuilt("cpu_linear", level)
+    assert "float32" in ops.dtypes()
+    q, scale, offset = quantized_weight(out_features, in_features, group, with_offset, rows, q_range)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, in_features, generator=gen), torch.randn(out_features, generator=gen)
+    weight = dequantized(q, scale, offset)
+    expected = cpu_linear.linear(x, cpu_linear.pack(weight), out_features, bias)  # this CPU's best level
+    assert torch.equal(ops.linear(x, ops.pack(weight), out_features, bias), expected)
+    zero = cpu_linear.nibble_zero(q, group)
+    panels = ops.pack_quantized(q, scale, offset, zero)
+    assert torch.equal(ops.linear_quantized(x, panels, out_features, offset is not None, zero, bias), expected)
 
 
 def test_nibbles_need_values_that_fit_them():
