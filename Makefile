@@ -53,11 +53,12 @@ PORT ?= 8000
 run: $(STAMP)
 	$(VENV)/bin/epdserve up --port $(PORT) $(ARGS)
 
-# Two pytest-xdist workers, one per core (the tests run torch on one thread), each test file whole on one
-# worker so that a module's stack or engine starts once; tests/conftest.py puts the long files (whole stacks)
-# first. Ends with the 15 slowest tests. `make test PYTEST_ARGS="--suite-profile=prof.json"` also writes where
-# the time went (tests/suite_profile.py; tests/TIMINGS.md).
-WORKERS ?= 2
+# Three pytest-xdist workers on two cores (the tests run torch on one thread; a third worker fills the time the
+# others wait on a stack's start or a subprocess: 620 s against 664 s with two, back to back), each test file
+# whole on one worker so that a module's stack or engine starts once; tests/conftest.py puts the long files
+# (whole stacks) first. Ends with the 15 slowest tests. `make test PYTEST_ARGS="--suite-profile=prof.json"` also
+# writes where the time went (tests/suite_profile.py; tests/TIMINGS.md).
+WORKERS ?= 3
 PYTEST := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 test: $(STAMP) $(TOOLS_STAMP)
 	$(PYTEST) $(PYTEST_ARGS)

@@ -29,8 +29,8 @@ def pytest_configure(config):
 
 
 # The folders in the order their tests run: whole stacks first, then in-process engines, then the quick
-# ones. With pytest-xdist (`make test`: two workers, a file whole on one worker) the long files start first and
-# the many short ones fill the end, so neither worker sits idle while the other finishes a long file.
+# ones. With pytest-xdist (`make test`: three workers, a file whole on one worker) the long files start first and
+# the many short ones fill the end, so no worker sits idle while another finishes a long file.
 FOLDER_ORDER = ("e2e", "integration", "deploy", "kernels", "unit")
 
 
