@@ -90,8 +90,7 @@ def quantized_rows(packed: QuantizedPanels, rows: torch.Tensor, in_features: int
     flat = panels.view(-1)
     column = (rows % panel)[:, None, None]
     # [T, groups, 1]: where each row's group of each column's panel starts in `flat`
-    start = (((rows // panel) * groups)[:, None] + torch.arange(groups)[None, :]) * width
-    start = start[:, :, None]
+    start = ((((rows // panel) * groups)[:, None] + torch.arange(groups)) * width)[:, :, None]
 
     def floats(at: int) -> torch.Tensor:  # [T, groups] float32: each row's column of the array at byte `at`
         return flat[start + at + column * 4 + torch.arange(4)].view(torch.float32).squeeze(2)
