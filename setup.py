@@ -46,8 +46,11 @@ def kernel_build():
               "prebuilt; they are compiled at run time instead", file=sys.stderr)
         return [], {}
     levels = [level for level in cpu_levels.LEVELS if level.machine == platform.machine()]
+    # Every source and header as a dependency of each module: a build that finds its modules newer than all of
+    # them compiles nothing (the image's wheel, built after its kernels' own layer).
+    depends = sorted(str(path) for path in Path("kernels/csrc").iterdir() if path.suffix in (".cpp", ".h"))
     extensions = [CppExtension(f"epdserve.kernels.prebuilt.{cpu_levels.module_name(source, level)}",
-                               [f"kernels/csrc/{source}.cpp"],
+                               [f"kernels/csrc/{source}.cpp"], depends=depends,
                                extra_compile_args=[*cpu_levels.COMMON_CFLAGS, *level.cflags, *flags])
                   for level in levels for source, flags in cpu_levels.SOURCES.items()]
 
@@ -81,7 +84,12 @@ def kernel_build():
             for ext in self.extensions:
                 own = Path(self.build_temp, "levels", ext.name + ".cpp")
                 own.parent.mkdir(parents=True, exist_ok=True)
-                own.write_text(f'#include "{Path(ext.sources[0]).resolve()}"\n')
+                # What the module is built from and with: rewritten only when that changes, since a rewritten
+                # file is newer than the module and compiles it again.
+                text = (f"// torch {torch.__version__}, flags {ext.extra_compile_args}\n"
+                        f'#include "{Path(ext.sources[0]).resolve()}"\n')
+                if not own.exists() or own.read_text() != text:
+                    own.write_text(text)
                 ext.sources = [str(own)]
             super().build_extensions()
 

@@ -72,7 +72,8 @@ cleanup() {
       STEPS+=("passed            compose down -v: no container or volume left")
     fi
   fi
-  [ -f "$WORK/dockerd.pid" ] && step "engine stopped" $HERE/docker-engine.sh stop "$WORK"
+  # Only an engine this run started: another run may share one it found running.
+  [ "$STARTED_ENGINE" = 1 ] && step "engine stopped" $HERE/docker-engine.sh stop "$WORK"
   summary "$([ $rc = 0 ] && echo PASSED || echo FAILED)"
   rm -f "$REPORT"
   exit $rc
@@ -88,7 +89,9 @@ compose_cmd() {
 }
 
 # 1. the engine
+STARTED_ENGINE=0
 engine_out=$($HERE/docker-engine.sh start "$WORK" 2>&1); rc=$?
+[[ "${engine_out##*$'\n'}" == started* ]] && STARTED_ENGINE=1
 if [ $rc = 3 ]; then
   echo "$SUITE: SKIPPED - this environment cannot run containers (${engine_out##*$'\n'})"
   [ "${EPDSERVE_REQUIRE_DOCKER:-0}" = 1 ] && exit 1
