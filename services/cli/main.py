@@ -21,6 +21,7 @@ from pathlib import Path
 
 from epdserve.services.cli import vllm_flags
 from epdserve.services.cli.run_batch import add_run_batch_parser
+from epdserve.services.cli.plan import add_plan_parser
 from epdserve.services.bench.cli import add_bench_parser
 from epdserve.services.cli.options import (
     ROLES, SERVED_BY_DEFAULT, add_engine_args, add_model_options, add_service_options, add_up_options, log_level,
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_run_batch_parser(sub, add_engine_args)
+    add_plan_parser(sub, add_engine_args)
     return parser
 
 
