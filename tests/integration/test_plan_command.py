@@ -31,7 +31,6 @@ def test_the_profile_is_measured_on_the_engine(planned):
     assert [n for n, _ in profile["prefill"]] == [8, 32, 64]  # the traffic's own prompt length too
     assert [b for b, _ in profile["decode"]] == [1, 4]
     assert all(seconds > 0 for _, seconds in profile["prefill"] + profile["decode"])
-    assert profile["prefill"][0][1] < profile["prefill"][-1][1]  # 8 tokens are cheaper than 64
     assert profile["context_len"] == 32 and profile["threads"] == 1 and profile["encode"] is None
 
 
