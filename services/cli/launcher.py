@@ -18,17 +18,23 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from epdserve.transport.channel.peer_auth import SECRET_ENV, SECRET_FILE_ENV, new_secret
+
+if TYPE_CHECKING:
+    from epdserve.services.planner.autoscaler import PlannerConfig
 
 ENGINE_ROLES = ("prefill", "decode", "unified")
 # The ports each service of the stack listens on, besides the proxy's API: the options that give them.
@@ -159,6 +165,7 @@ class StackConfig:
     max_prefill_queue_tokens: int = 1024  # the proxy's --max-prefill-queue-tokens
     encoder_args: tuple[str, ...] = ()  # passed to every encoder (the engine options it takes)
     proxy_args: tuple[str, ...] = ()  # passed to the proxy
+    planner: PlannerConfig | None = None  # scale prefills and decodes with the load (planner_loop.py)
 
     @property
     def model_name(self) -> str:
@@ -169,6 +176,11 @@ class StackConfig:
 # within RESTART_WINDOW seconds: then it is given up on.
 RESTART_LIMIT = 5
 RESTART_WINDOW = 120.0
+# An instance the planner retires gets SIGTERM once idle, but not before the proxy has re-read its discovery file
+# and stopped routing to it (RETIRE_GRACE), and at the latest RETIRE_TIMEOUT seconds after (its drain then
+# finishes or migrates what it still streams).
+RETIRE_GRACE = 3.0
+RETIRE_TIMEOUT = 120.0
 
 
 class LocalStack:
@@ -182,6 +194,15 @@ class LocalStack:
         self._argv: dict[str, list[str]] = {}
         self._deaths: dict[str, list[float]] = {}  # name -> when it died, within the restart window
         self._given_up: set[str] = set()
+        self._taken = {config.port}  # ports handed to a service of the stack
+        # Each role's instances the proxy routes to: name -> control address.
+        self.targets: dict[str, dict[str, str]] = {"encoder": {}, "prefill": {}, "decode": {}, "unified": {}}
+        self._retiring: dict[str, float] = {}  # name -> when it was taken out of routing
+        self._told: set[str] = set()  # retiring instances sent SIGTERM
+        self._desired: dict[str, int] = {}  # what the planner last wanted (exported by the proxy)
+        self.discovery_file = None
+        if config.planner is not None:
+            self.discovery_file = Path(tempfile.mkdtemp(prefix="epdserve-up-")) / "instances.json"
         # The stack's own secret, which every handshake between its services proves (unless the caller's
         # environment names one): handed to each child in its environment, never on a command line.
         given = os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV)
@@ -193,45 +214,25 @@ class LocalStack:
     def commands(self) -> list[tuple[str, list[str]]]:
         """(name, argv) of every process, the proxy last."""
         c = self.config
-        base = [sys.executable, "-m", "epdserve.services.cli", "--log-level", c.log_level, "serve"]
-        drain = ["--drain-timeout", f"{c.drain_timeout:g}"]
-        transport = ["--kv-transport", c.kv_transport]
-        if c.kv_transport == "ucx":
-            transport += ["--ucx-net-devices", c.ucx_net_devices]
-        name = ["--served-model-name", *c.served_model_name] if c.served_model_name else []
-        procs, targets = [], {"encoder": [], "prefill": [], "decode": [], "unified": []}
         roles = [("encoder", c.encoders)]
         roles += [("unified", 1)] if c.unified else [("prefill", c.prefills), ("decode", c.decodes)]
         services = [(role, i) for role, count in roles for i in range(count)]
         store = [("kvstore", 0)] if c.kv_store_size is not None else []
-        free = iter(internal_ports(sum(len(PORT_OPTIONS[role]) for role, _ in [*store, *services, ("proxy", 0)]),
-                                   c.internal_ports, {c.port}))
-
-        def ports(role: str) -> list[str]:  # the role's listening options, each with a port of its own
-            return [arg for option in PORT_OPTIONS[role] for arg in (option, str(next(free)))]
-
-        engine_args = list(c.engine_args)
+        self._allocate(sum(len(PORT_OPTIONS[role]) for role, _ in [*store, *services, ("proxy", 0)]))
+        procs = []
+        self._engine_args = list(c.engine_args)
         if store:  # first: the engines find it up when they start
-            listen = ports("kvstore")
-            procs.append(("kvstore-0", [*base, "kvstore", "--host", "127.0.0.1", *listen, "--engine-id", "kvstore-0",
-                                        "--kv-store-size", f"{c.kv_store_size:g}", *drain]))
-            engine_args += ["--kv-store", f"127.0.0.1:{listen[listen.index('--port') + 1]}"]
+            listen = self._ports("kvstore")
+            procs.append(("kvstore-0", [*self._base(), "kvstore", "--host", "127.0.0.1", *listen, "--engine-id",
+                                        "kvstore-0", "--kv-store-size", f"{c.kv_store_size:g}", *self._drain()]))
+            self._engine_args += ["--kv-store", f"127.0.0.1:{listen[listen.index('--port') + 1]}"]
         for role, i in services:
-            listen = ports(role)
-            argv = [*base, role, "--model", c.model, "--host", "127.0.0.1", *listen, "--engine-id", f"{role}-{i}",
-                    *name, *drain, *transport]
-            if role == "encoder":
-                argv += c.encoder_args
-            else:
-                argv += ["--threads", str(c.threads), *c.lora_args, *engine_args]
-            if role in ("decode", "unified") and c.speculative_config is not None:
-                argv += ["--speculative-config", c.speculative_config]
-            procs.append((f"{role}-{i}", argv))
-            targets[role].append(f"127.0.0.1:{listen[listen.index('--port') + 1]}")
-        proxy = [*base, "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port), *ports("proxy"), *name,
-                 *drain, "--routing-policy", c.routing_policy, "--migration-limit", str(c.migration_limit),
+            procs.append(self._service(role, i))
+        proxy = [*self._base(), "proxy", "--model", c.model, "--host", c.host, "--port", str(c.port),
+                 *self._ports("proxy"), *self._names(), *self._drain(), "--routing-policy", c.routing_policy,
+                 "--migration-limit", str(c.migration_limit),
                  "--max-prefill-queue-tokens", str(c.max_prefill_queue_tokens),
-                 *engine_args[len(c.engine_args):]]  # the store, if up started one
+                 *self._engine_args[len(c.engine_args):]]  # the store, if up started one
         if c.otlp_traces_endpoint:
             proxy += ["--otlp-traces-endpoint", c.otlp_traces_endpoint]
         if c.request_trace:
@@ -241,11 +242,115 @@ class LocalStack:
         if c.enable_lora_runtime_updates:
             proxy.append("--enable-lora-runtime-updates")
         proxy += c.proxy_args
-        for role, addrs in targets.items():
+        for role, addrs in self.targets.items():
             if addrs:
-                proxy += [f"--{role}", ",".join(addrs)]
+                proxy += [f"--{role}", ",".join(addrs.values())]
+        if self.discovery_file is not None:
+            self.write_discovery()
+            proxy += ["--discovery-file", str(self.discovery_file)]
         procs.append(("proxy", proxy))
         return procs
+
+    def _base(self) -> list[str]:
+        return [sys.executable, "-m", "epdserve.services.cli", "--log-level", self.config.log_level, "serve"]
+
+    def _drain(self) -> list[str]:
+        return ["--drain-timeout", f"{self.config.drain_timeout:g}"]
+
+    def _names(self) -> list[str]:
+        return ["--served-model-name", *self.config.served_model_name] if self.config.served_model_name else []
+
+    def _allocate(self, count: int) -> None:
+        """`count` free ports for the next services to take (`_ports`), never one handed out before."""
+        ports = internal_ports(count, self.config.internal_ports, self._taken)
+        self._taken.update(ports)
+        self._free = iter(ports)
+
+    def _ports(self, role: str) -> list[str]:
+        """The role's listening options, each with a port of its own."""
+        return [arg for option in PORT_OPTIONS[role] for arg in (option, str(next(self._free)))]
+
+    def _service(self, role: str, i: int) -> tuple[str, list[str]]:
+        """(name, argv) of engine or encoder `i` of `role`, on ports of its own; its control address becomes
+        one of the proxy's targets."""
+        c = self.config
+        transport = ["--kv-transport", c.kv_transport]
+        if c.kv_transport == "ucx":
+            transport += ["--ucx-net-devices", c.ucx_net_devices]
+        listen = self._ports(role)
+        argv = [*self._base(), role, "--model", c.model, "--host", "127.0.0.1", *listen, "--engine-id", f"{role}-{i}",
+                *self._names(), *self._drain(), *transport]
+        if role == "encoder":
+            argv += c.encoder_args
+        else:
+            argv += ["--threads", str(c.threads), *c.lora_args, *self._engine_args]
+        if role in ("decode", "unified") and c.speculative_config is not None:
+            argv += ["--speculative-config", c.speculative_config]
+        self.targets[role][f"{role}-{i}"] = f"127.0.0.1:{listen[listen.index('--port') + 1]}"
+        return f"{role}-{i}", argv
+
+    # -- scaling (planner_loop.py decides) ------------------------------------------------------------------------
+    def count(self, role: str) -> int:
+        """Instances of `role` the proxy routes to (those retiring not counted)."""
+        return len(self.targets[role])
+
+    def add_instance(self, role: str) -> str:
+        """Start one more instance of `role` on free ports; the proxy routes to it once it is ready."""
+        used = [int(name.rsplit("-", 1)[1]) for name, _ in self.children if name.startswith(role + "-")]
+        self._allocate(len(PORT_OPTIONS[role]))
+        name, argv = self._service(role, max(used, default=-1) + 1)
+        self._argv[name] = argv
+        self.children.append((name, self._spawn(name)))
+        self.write_discovery()
+        return name
+
+    def retire_instance(self, role: str) -> str:
+        """Take the newest instance of `role` out of the proxy's routing; `_retire` stops it once it has no
+        request left (or its bound passed), by SIGTERM, which drains what it still holds."""
+        name = max(self.targets[role], key=lambda n: int(n.rsplit("-", 1)[1]))
+        del self.targets[role][name]
+        self.write_discovery()
+        self._retiring[name] = time.monotonic()
+        return name
+
+    def write_discovery(self, desired: dict[str, int] | None = None) -> None:
+        """The proxy's discovery file, replaced whole (the proxy never reads half of one)."""
+        if desired is not None:
+            self._desired = desired
+        data = {role: list(addrs.values()) for role, addrs in self.targets.items() if addrs}
+        data["planner"] = {"desired": self._desired}
+        staged = self.discovery_file.with_suffix(".tmp")
+        staged.write_text(json.dumps(data))
+        os.replace(staged, self.discovery_file)
+
+    def _retire(self) -> None:
+        """SIGTERM to each retiring instance once it holds no request (its metrics say) or its bound passed;
+        forget it once it exited."""
+        now = time.monotonic()
+        for name, since in list(self._retiring.items()):
+            proc = dict(self.children)[name]
+            if proc.poll() is not None:
+                del self._retiring[name]
+                self._told.discard(name)
+                self.children = [(n, p) for n, p in self.children if n != name]
+                print(f"epdserve up: planner: {name} stopped", flush=True)
+            elif name not in self._told and (now - since > RETIRE_TIMEOUT or
+                                             (now - since > RETIRE_GRACE and self._idle(name))):
+                proc.send_signal(signal.SIGTERM)
+                self._told.add(name)
+
+    def _idle(self, name: str) -> bool:
+        """No request running or waiting at `name`, by its /metrics (False when it does not answer)."""
+        argv = self._argv[name]
+        port = argv[argv.index("--http-port") + 1]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, OSError):
+            return False
+        busy = [line for line in text.splitlines() if line.startswith(("vllm:num_requests_running",
+                                                                       "vllm:num_requests_waiting"))]
+        return bool(busy) and all(float(line.rsplit(" ", 1)[1]) == 0 for line in busy)
 
     def environment(self, name: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("EPDSERVE_API_KEY", "EPDSERVE_API_KEY_FILE")}
@@ -275,9 +380,17 @@ class LocalStack:
             if not self._wait_ready(url, startup_timeout):
                 return 0
             print(f"epdserve is ready: {url}/v1 (model {self.config.model_name}); Ctrl-C stops it", flush=True)
+            planner = None
+            if self.config.planner is not None:
+                from epdserve.services.cli.planner_loop import PlannerLoop
+
+                planner = PlannerLoop(self, self.config.planner, url)
             while not self.signals:
                 if not self._restart_dead():
                     return 1
+                if planner is not None:
+                    planner.tick()
+                    self._retire()
                 time.sleep(0.2)
             return 0
         finally:
@@ -285,6 +398,8 @@ class LocalStack:
             self.stop()
             print(f"epdserve up: stopped {len(self.children)} services in {time.monotonic() - started:.1f}s",
                   flush=True)
+            if self.discovery_file is not None:
+                shutil.rmtree(self.discovery_file.parent, ignore_errors=True)
 
     def _spawn(self, name: str) -> subprocess.Popen:
         # Its own process group: a terminal's Ctrl-C is this process's to forward, once, in order.
@@ -295,7 +410,7 @@ class LocalStack:
         the stack cannot serve any more (its proxy given up on)."""
         now = time.monotonic()
         for i, (name, proc) in enumerate(self.children):
-            if proc.poll() is None or name in self._given_up:
+            if proc.poll() is None or name in self._given_up or name in self._retiring:
                 continue
             deaths = [t for t in self._deaths.get(name, []) if now - t < RESTART_WINDOW] + [now]
             self._deaths[name] = deaths

@@ -262,6 +262,7 @@ def proxy_config(args: argparse.Namespace, model: str):
         metrics_require_api_key=args.metrics_require_api_key,
         encoders=_peer_targets(args, "encoder"), prefills=_peer_targets(args, "prefill"),
         decodes=_peer_targets(args, "decode"), unified=_peer_targets(args, "unified"), poll_interval=args.poll_interval,
+        discovery_file=args.discovery_file,
         lifecycle=LifecycleConfig(local_prefill_threshold=args.local_prefill_threshold,
                                   max_prefill_queue_tokens=args.max_prefill_queue_tokens,
                                   rpc_timeout=transport.rpc_timeout, prefill_timeout=args.prefill_timeout,
@@ -446,6 +447,10 @@ def stack_config(args: argparse.Namespace, model: str):
         except ValueError as exc:
             raise SystemExit(f"epdserve: error: {exc}") from None
     encoders = args.encoders if args.encoders is not None else int(is_multimodal(model))
+    planner = planner_config(args)
+    if planner is not None:  # the stack starts within the bounds
+        args.prefills = min(max(args.prefills, planner.bounds["prefill"][0]), planner.bounds["prefill"][1])
+        args.decodes = min(max(args.decodes, planner.bounds["decode"][0]), planner.bounds["decode"][1])
     forwarding = args.forwarding
     if args.chat_template is not None:
         chat_template(args.chat_template)  # a template that is no file and no template is refused now
@@ -456,7 +461,38 @@ def stack_config(args: argparse.Namespace, model: str):
                        args.request_trace, tuple(args.served_model_name or ()), args.internal_ports,
                        args.migration_limit, args.speculative_config, args.kv_store, lora_args(args),
                        args.enable_lora_runtime_updates, args.max_prefill_queue_tokens,
-                       tuple(forwarding.encoders.argv(args)), tuple(forwarding.proxy.argv(args)))
+                       tuple(forwarding.encoders.argv(args)), tuple(forwarding.proxy.argv(args)), planner)
+
+
+def planner_config(args: argparse.Namespace):
+    """`up`'s planner options, checked (None without --planner)."""
+    from epdserve.services.planner.autoscaler import PlannerConfig, bounds_for, parse_bounds
+    from epdserve.services.planner.layout_model import SLO
+    from epdserve.services.planner.profile import EngineProfile
+
+    given = [flag for flag, value in (("--planner-bounds", args.planner_bounds), ("--ttft-slo", args.ttft_slo),
+                                      ("--tpot-slo", args.tpot_slo), ("--planner-profile", args.planner_profile))
+             if value is not None]
+    if not args.planner:
+        if given:
+            raise SystemExit(f"epdserve: error: {given[0]} needs --planner")
+        return None
+    if args.unified:
+        raise SystemExit("epdserve: error: --planner scales prefills and decodes: not with --unified")
+    for flag, value in (("--ttft-slo", args.ttft_slo), ("--tpot-slo", args.tpot_slo),
+                        ("--planner-interval", args.planner_interval)):
+        if value is None or not value > 0 or value == float("inf"):
+            raise SystemExit(f"epdserve: error: --planner needs {flag} above 0" + ("" if value is None else
+                                                                                 f", got {value:g}"))
+    try:
+        bounds = bounds_for(parse_bounds(args.planner_bounds or ""), args.prefills, args.decodes)
+        if args.planner_profile is not None:
+            EngineProfile.load(args.planner_profile)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"epdserve: error: {exc}") from None
+    if bounds["prefill"][0] < 1:
+        raise SystemExit("epdserve: error: --planner needs at least one prefill (--prefills or --planner-bounds)")
+    return PlannerConfig(bounds, SLO(args.ttft_slo, args.tpot_slo), args.planner_interval, args.planner_profile)
 
 
 def lora_args(args: argparse.Namespace) -> tuple[str, ...]:

@@ -327,6 +327,10 @@ def _add_proxy_options(p: argparse.ArgumentParser) -> None:
                    help="seconds a whole prefill may take (long prompts on CPU take a while; "
                         "default: %(default)s)")
     p.add_argument("--poll-interval", type=float, default=1.0)
+    p.add_argument("--discovery-file", metavar="FILE",
+                   help="a JSON file listing the instances of each role ({\"prefill\": [\"HOST:PORT\", ...], "
+                        "\"decode\": [...], ...}), read again whenever it changes: a role it names has exactly "
+                        "those (scaling without a restart; `epdserve up --planner` writes one)")
     add_migration_limit(p, help="times one request's stream may continue on another decode after its own was lost "
                                 "(died, cut off, drained past its grace), from the tokens already sent; 0: never "
                                 "(default: %(default)s)")
@@ -380,7 +384,7 @@ UP_SETS_FOR_ENGINES = {"--model", "--log-level", "--host", "--advertise-host", "
                        "--http-port", "--engine-id", "--served-model-name", "--drain-timeout", "--threads",
                        "--speculative-config", "--kv-transport", "--ucx-net-devices", "--kv-store", "--enable-lora",
                        "--lora-modules", "--max-loras", "--max-lora-rank"}
-UP_SETS_FOR_PROXY = {"--model", "--log-level", "--host", "--advertise-host", "--port", "--inbox-port",
+UP_SETS_FOR_PROXY = {"--model", "--log-level", "--host", "--advertise-host", "--port", "--inbox-port", "--discovery-file",
                      "--served-model-name", "--api-key", "--api-key-file", "--encoder", "--prefill", "--decode",
                      "--unified", "--kv-store", "--routing-policy", "--migration-limit", "--max-prefill-queue-tokens",
                      "--drain-timeout", "--otlp-traces-endpoint", "--request-trace", "--lora-modules",
@@ -439,6 +443,20 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
                                "flight; a second Ctrl-C cuts them, a third kills (default: %(default)s)")
     up.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS",
                     help="seconds to wait for every service to be ready (default: %(default)s)")
+    planner = up.add_argument_group("planner (prefills and decodes added and retired with the load)")
+    planner.add_argument("--planner", action="store_true",
+                         help="every --planner-interval, scale the prefills and decodes within --planner-bounds to "
+                              "meet --ttft-slo and --tpot-slo, from the proxy's measurements (and a profile, "
+                              "--planner-profile); a retired instance gets no new request and stops once idle")
+    planner.add_argument("--planner-bounds", metavar="ROLE=LOW:HIGH,...",
+                         help="e.g. decode=1:2,prefill=1:2 (a role not named keeps --prefills/--decodes)")
+    planner.add_argument("--ttft-slo", type=float, metavar="SECONDS", help="with --planner: mean time to first token")
+    planner.add_argument("--tpot-slo", type=float, metavar="SECONDS", help="with --planner: mean time per output token")
+    planner.add_argument("--planner-interval", type=float, default=10.0, metavar="SECONDS",
+                         help="seconds between the planner's decisions (default: %(default)s)")
+    planner.add_argument("--planner-profile", metavar="FILE",
+                         help="a profile `epdserve plan --save-profile` wrote: scale to what it predicts the forecast "
+                              "load needs, not only on measured SLO breaches")
     add_log_level(up)
     services = {}
     for role in ("decode", "encoder", "proxy"):

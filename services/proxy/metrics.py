@@ -164,6 +164,10 @@ class ProxyMetrics:
         """Export each instance's prompt queue as this proxy sees it (router.Instance.queued_prompt_tokens)."""
         self.registry.register(_PromptQueueCollector(self.model_name, instances))
 
+    def watch_planner(self, desired: Callable[[], dict[str, int]]) -> None:
+        """Export the replicas a planner wants of each role (a discovery file's planner.desired)."""
+        self.registry.register(_PlannerCollector(self.model_name, desired))
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
@@ -196,6 +200,18 @@ class _PromptQueueCollector:
         for instance in self.instances():
             queued.add_metric([self.model_name, instance.role.value, instance.address], instance.queued_prompt_tokens)
         yield queued
+
+
+class _PlannerCollector:
+    def __init__(self, model_name: str, desired: Callable[[], dict[str, int]]) -> None:
+        self.model_name, self.desired = model_name, desired
+
+    def collect(self):
+        family = GaugeMetricFamily("epdserve:planner_desired_replicas", "Instances the planner wants of each role.",
+                                   labels=["model_name", "role"])
+        for role, replicas in sorted(self.desired().items()):
+            family.add_metric([self.model_name, role], replicas)
+        yield family
 
 
 class _ReadAtScrape:

@@ -2,7 +2,7 @@
 
 Each role is given as targets `host:port`; a host name is re-resolved periodically, so a compose service
 name or a Kubernetes headless Service (both resolve to every replica) discovers replicas as they come
-and go. Every instance is polled for its Status over its control channel; one that reports anything but
+and go. A discovery file (discovery.py), which `epdserve up --planner` rewrites as it scales, lists them too. Every instance is polled for its Status over its control channel; one that reports anything but
 READY (starting, draining, unhealthy), misses `max_misses` polls in a row, or misses one after its
 connection dropped, is dropped from routing until it answers READY again.
 
@@ -31,6 +31,7 @@ from typing import Callable, NamedTuple, Sequence
 
 from epdserve.services.runtime.network import split_target
 from epdserve.services.proxy import kv_routing
+from epdserve.services.proxy.discovery import Discovery
 from epdserve.services.proxy.prefix_index import STORE, PrefixIndex
 from epdserve.transport.channel.protocol import Health, KVEvents, KVEventsRequest, Role, Status, StatusRequest
 from epdserve.transport.channel.common import ChannelError, ErrorReply
@@ -158,11 +159,12 @@ class RolePool:
             instance = self.instances.pop(address)
             instance.draining = True
             if instance.inflight and instance.alive:
-                logger.info("%s instance %s is gone from DNS; watching it until %d request(s) there end",
+                logger.info("%s instance %s is no longer listed (DNS, discovery file); watching it until %d "
+                            "request(s) there end",
                             self.role.value, address, instance.inflight)
                 self.retiring[address] = instance
             else:
-                logger.info("%s instance %s is gone from DNS", self.role.value, address)
+                logger.info("%s instance %s is no longer listed (DNS, discovery file)", self.role.value, address)
                 await self._close_instance(instance)
 
     async def poll(self) -> None:
@@ -291,9 +293,12 @@ class Router:
     """The pools of every role, kept fresh by one background task."""
 
     def __init__(self, pools: dict[Role, RolePool], poll_interval: float = 1.0, resolve_interval: float = 5.0,
-                 index: PrefixIndex | None = None, store: RequestClient | None = None) -> None:
-        """`store`: the shared KV store's control channel, whose KV events the index follows too."""
+                 index: PrefixIndex | None = None, store: RequestClient | None = None,
+                 discovery: Discovery | None = None) -> None:
+        """`store`: the shared KV store's control channel, whose KV events the index follows too; `discovery`:
+        a file that lists instances (discovery.py), read again whenever it changes."""
         self.pools = pools
+        self.discovery = discovery
         self.index = index  # what the engines' prefix caches hold, when routing is KV-aware
         self.store = store if index is not None and index.store is not None else None
         self.poll_interval = poll_interval
@@ -308,6 +313,7 @@ class Router:
         return not self.pools[Role.UNIFIED].configured
 
     async def refresh(self) -> None:
+        self._discover()
         for pool in self.pools.values():
             await pool.resolve()
         await asyncio.gather(*(pool.poll() for pool in self.pools.values()), self._poll_store())
@@ -338,13 +344,21 @@ class Router:
         while True:
             await asyncio.sleep(self.poll_interval)
             try:
-                if time.monotonic() - last_resolve > self.resolve_interval:
+                if self._discover() or time.monotonic() - last_resolve > self.resolve_interval:
                     for pool in self.pools.values():
                         await pool.resolve()
                     last_resolve = time.monotonic()
                 await asyncio.gather(*(pool.poll() for pool in self.pools.values()), self._poll_store())
             except Exception:  # the router must keep polling whatever one poll did
                 logger.exception("router refresh failed")
+
+    def _discover(self) -> bool:
+        """The discovery file's instances as the targets of the roles it names; True if they changed."""
+        if self.discovery is None or not self.discovery.changed():
+            return False
+        for role, targets in self.discovery.targets.items():
+            self.pools[role].targets = [split_target(t) for t in targets]
+        return True
 
     def find(self, engine_id: str) -> Instance | None:
         """The instance whose status reports `engine_id`."""

@@ -24,6 +24,7 @@ from epdserve.services.proxy.lora_modules import LoRAModules
 from epdserve.services.proxy.metrics import ProxyMetrics
 from epdserve.services.proxy.output_constraints import ConstraintLimits
 from epdserve.services.proxy.prefix_index import PrefixIndex
+from epdserve.services.proxy.discovery import Discovery
 from epdserve.services.proxy.router import RolePool, Router
 from epdserve.services.proxy.serving import OpenAIServing
 from epdserve.services.proxy.startup import Startup
@@ -58,6 +59,8 @@ class ProxyConfig:
     unified: tuple[str, ...] = ()
     poll_interval: float = 1.0
     resolve_interval: float = 5.0
+    # A file listing the instances of each role (discovery.py), which a planner rewrites as it scales them.
+    discovery_file: str | None = None
     # The shared KV store's control address (tcp://host:port; None: none): KV-aware routing follows what
     # it holds too (its events), counting those blocks at the routing config's store_weight.
     kv_store: str | None = None
@@ -132,7 +135,8 @@ async def build_proxy(config: ProxyConfig):
              for role, targets in ((Role.ENCODER, config.encoders), (Role.PREFILL, config.prefills),
                                    (Role.DECODE, config.decodes), (Role.UNIFIED, config.unified))}
     store = make_client(config.kv_store, Role.KVSTORE) if config.kv_store and index is not None else None
-    router = Router(pools, config.poll_interval, config.resolve_interval, index, store)
+    discovery = Discovery(config.discovery_file) if config.discovery_file else None
+    router = Router(pools, config.poll_interval, config.resolve_interval, index, store, discovery)
     wildcard = config.host in WILDCARD_HOSTS
     inbox = PullChannel(engine_id, host=config.host, port=config.inbox_port, allow_wildcard=wildcard,
                         curve=server_curve(config.transport), auth=peer_auth(config.transport), senders=MAY_SEND)
@@ -140,6 +144,8 @@ async def build_proxy(config: ProxyConfig):
                            max_model_len=model_config.max_model_len)
     if index is not None:
         metrics.watch_prefix_index(index)
+    if discovery is not None:
+        metrics.watch_planner(lambda: discovery.desired)
     metrics.watch_prompt_queues(lambda: [i for role in (Role.PREFILL, Role.DECODE, Role.UNIFIED)
                                          for i in tuple(pools[role].instances.values())])
     backend = ServiceBackend(router, inbox, config.lifecycle, config.host, config.advertise_host, metrics.routed,

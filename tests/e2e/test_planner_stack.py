@@ -1,0 +1,121 @@
+"""`epdserve up --planner`: a stack that adds a decode when the forecast load needs one, routes to it once it is
+ready, and retires it when the load is gone - while streams run on it, every one of them completing with the
+tokens the stack gives alone.
+
+The profile given (--planner-profile) is written here: a decode step of 150 ms plus 50 ms a request, far slower
+than the tiny model's, so that what the planner decides depends on the request rate the test sends, not on this
+machine's speed. At 2 req/s of 40-token answers one decode would hold B = 80 x (0.15 + 0.05 B) requests, which
+never settles: two are predicted; once nothing arrives the forecast halves every interval and one decode meets
+the TPOT SLO again.
+"""
+import asyncio
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from epdserve.services.cli.launcher import free_port
+from tests.e2e.test_first_start import Up
+
+pytestmark = pytest.mark.slow
+READY = "epdserve is ready: "
+PROFILE = {"model": "tiny-llama", "threads": 1, "context_len": 16, "max_num_seqs": 64,
+           "prefill": [[1, 0.001], [2048, 0.5]], "decode": [[1, 0.2], [64, 3.35]], "encode": None}
+OUTPUT_LEN = 40
+LONG = 1500  # the streams that run through the scale-in
+
+
+@pytest.fixture(scope="module")
+def up(tiny_model_paths, tmp_path_factory):
+    profile = tmp_path_factory.mktemp("planner") / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    port = free_port()
+    stack = Up([str(Path(sys.executable).with_name("epdserve")), "up", tiny_model_paths["llama"], "--port", str(port),
+                "--planner", "--planner-bounds", "decode=1:2", "--planner-interval", "0.5", "--planner-profile",
+                str(profile), "--ttft-slo", "60", "--tpot-slo", "0.35", "--", "--num-kv-blocks", "1024"])
+    stack.url = f"http://127.0.0.1:{port}"
+    stack.model = Path(tiny_model_paths["llama"]).name
+    try:
+        stack.wait_for(READY, 300)
+        yield stack
+    finally:
+        stack.stop()
+
+
+def desired(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {s.labels["role"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "epdserve:planner_desired_replicas"}
+
+
+def healthy_decodes(url: str) -> int:
+    return httpx.get(url + "/ready", timeout=10).json()["healthy_instances"]["decode"]
+
+
+def wait_until(predicate, timeout: float, what: str, report) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{report()}"
+        time.sleep(0.2)
+
+
+async def complete(client: httpx.AsyncClient, up, prompt: list[int], max_tokens: int, stream: bool):
+    url = up.url
+    body = {"model": up.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True, "stream": stream}
+    if not stream:
+        r = await client.post(url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"], time.monotonic()
+    tokens = []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                tokens += chunk["choices"][0]["logprobs"]["tokens"]
+    return tokens, time.monotonic()
+
+
+def test_a_decode_is_added_under_load_and_retired_under_running_streams(up):
+    prompts = [[5 + (17 * i + 3 * t) % 1500 for t in range(12)] for i in range(8)]
+    wait_until(lambda: desired(up.url) == {"prefill": 1, "decode": 1}, 30, "the planner's first word", up.report)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            # 2 req/s until the planner has a second decode serving.
+            sent = []
+            deadline = time.monotonic() + 60
+            while healthy_decodes(up.url) < 2:
+                assert time.monotonic() < deadline, "no second decode came:\n" + up.report()
+                sent.append(asyncio.create_task(complete(client, up, prompts[len(sent) % 8], OUTPUT_LEN, False)))
+                await asyncio.sleep(0.5)
+            await asyncio.gather(*sent)
+            # Long streams over both decodes; then nothing more arrives, and the planner retires one under them.
+            streams = [asyncio.create_task(complete(client, up, p, LONG, True)) for p in prompts]
+            retired_at = await asyncio.to_thread(retirement, up)
+            results = await asyncio.gather(*streams)
+            alone = await asyncio.gather(*(complete(client, up, p, LONG, False) for p in prompts))
+            return results, retired_at, alone
+
+    results, retired_at, alone = asyncio.run(main())
+    assert re.search(r"planner: prefill 1 -> 1, decode 1 -> 2 .*started decode-1", "\n".join(up.text())), up.report()
+    # Some of the streams were still running when decode-1 was taken out of routing: the scale-in met them.
+    assert any(ended > retired_at for _, ended in results), up.report()
+    assert [tokens for tokens, _ in results] == [tokens for tokens, _ in alone]
+    assert all(len(tokens) == LONG for tokens, _ in results)
+    wait_until(lambda: any("planner: decode-1 stopped" in line for line in up.text()), 120, "decode-1 to stop",
+               up.report)
+    assert healthy_decodes(up.url) == 1 and desired(up.url)["decode"] == 1
+
+
+def retirement(up) -> float:
+    """When the planner took decode-1 out of routing (by the clock of this process)."""
+    up.wait_for(r"planner: .*retiring decode-1", 60)
+    return time.monotonic()
