@@ -1,6 +1,8 @@
 """The command line builds the configs the services receive."""
+import json
 import logging
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -532,3 +534,30 @@ def test_services_started_from_a_folder_holding_an_epdserve_folder_run_the_insta
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "the folder epdserve ran" not in done.stdout, done.stdout + done.stderr
     assert "--reasoning-parser" in done.stdout  # the installed proxy's own help
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--ttft-slo", "1"], "--ttft-slo needs --planner"),
+    (["--planner", "--tpot-slo", "0.05"], "--planner needs --ttft-slo above 0"),
+    (["--planner", "--ttft-slo", "1", "--tpot-slo", "0"], "--planner needs --tpot-slo above 0, got 0"),
+    (["--planner", "--ttft-slo", "1", "--tpot-slo", "0.05", "--unified"], "not with --unified"),
+    (["--planner", "--ttft-slo", "1", "--tpot-slo", "0.05", "--planner-bounds", "encoder=1:2"], "scales prefill and"),
+    (["--planner", "--ttft-slo", "1", "--tpot-slo", "0.05", "--planner-profile", "/nonexistent.json"], "nonexistent"),
+])
+def test_up_checks_its_planner_options(default_model_path, argv, error):
+    with pytest.raises(SystemExit, match=error):
+        stack_config(parse("up", *argv), str(default_model_path))
+
+
+def test_up_with_a_planner_starts_within_its_bounds_and_gives_the_proxy_a_discovery_file(default_model_path):
+    config = stack_config(parse("up", "--decodes", "3", "--planner", "--planner-bounds", "decode=1:2", "--ttft-slo",
+                                "1", "--tpot-slo", "0.05"), str(default_model_path))
+    assert (config.prefills, config.decodes) == (1, 2)
+    assert config.planner.bounds == {"prefill": (1, 1), "decode": (1, 2)}
+    stack = LocalStack(config)
+    commands = dict(stack.commands())
+    proxy = proxy_config(parse(*commands["proxy"][commands["proxy"].index("serve"):]), str(default_model_path))
+    listed = json.loads(Path(proxy.discovery_file).read_text())
+    assert listed["decode"] == list(proxy.decodes) and len(listed["decode"]) == 2
+    assert listed["prefill"] == list(proxy.prefills)
+    shutil.rmtree(Path(proxy.discovery_file).parent)  # (run() removes it when the stack stops)
