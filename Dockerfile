@@ -30,10 +30,12 @@ RUN python -m venv /opt/build \
     && /opt/build/bin/pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /build
 # The kernels first, in a layer of their own: a change to the Python packages alone finds them compiled (the
-# wheel's build below sees its outputs newer than their sources and compiles nothing).
-COPY pyproject.toml setup.py README.md ./
+# wheel's build below sees its outputs newer than their sources and compiles nothing). An empty README.md stands
+# in for the real one, which only the wheel's metadata reads: editing it does not compile them again.
+COPY pyproject.toml setup.py ./
 COPY kernels ./kernels
-RUN /opt/build/bin/python setup.py -q build_ext
+RUN touch README.md && /opt/build/bin/python setup.py -q build_ext
+COPY README.md ./
 COPY shared ./shared
 COPY transport ./transport
 COPY services ./services

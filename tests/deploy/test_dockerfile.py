@@ -134,9 +134,9 @@ def test_a_change_to_the_python_sources_finds_the_kernels_and_dependencies_built
     constraints.txt."""
     steps = [(cmd, values) for cmd, _, values in stages["build"] if cmd in ("COPY", "RUN")]
     kernels = next(i for i, (cmd, v) in enumerate(steps) if cmd == "RUN" and "setup.py -q build_ext" in v[0])
-    copied = [v[0] for cmd, v in steps[:kernels] if cmd == "COPY"]
-    assert sorted(copied) == ["kernels", "pyproject.toml"]  # (pyproject.toml with setup.py and README.md)
-    assert {v[0] for cmd, v in steps[kernels:] if cmd == "COPY"} == {"shared", "transport", "services"}
+    assert [v for cmd, v in steps[:kernels] if cmd == "COPY"] == [["pyproject.toml", "setup.py", "./"],
+                                                                  ["kernels", "./kernels"]]
+    assert {v[0] for cmd, v in steps[kernels:] if cmd == "COPY"} == {"README.md", "shared", "transport", "services"}
     steps = [(cmd, flags, values) for cmd, flags, values in instructions if cmd in ("COPY", "RUN")]
     dependencies = next(i for i, (cmd, _, v) in enumerate(steps) if cmd == "RUN" and DEPENDENCIES in v[0])
     assert [(f, v) for cmd, f, v in steps[:dependencies] if cmd == "COPY"] == [
