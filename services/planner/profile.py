@@ -22,7 +22,7 @@ from typing import Sequence
 
 from epdserve.shared.engine import SamplingParams
 
-DECODE_STEPS = 16  # steps timed per decode batch (after its prompts' step)
+DECODE_STEPS = 16  # steps timed per decode batch, once every request of it is decoding
 REPEATS = 3  # each prefill length, the median taken
 
 
@@ -49,10 +49,13 @@ class EngineProfile:
     def load(cls, path: str | Path) -> EngineProfile:
         data = json.loads(Path(path).read_text())
         try:
-            return cls(**{**data, "prefill": tuple(map(tuple, data["prefill"])),
-                          "decode": tuple(map(tuple, data["decode"]))})
-        except (TypeError, KeyError) as exc:
+            points = {key: tuple(sorted((float(x), float(y)) for x, y in data[key])) for key in ("prefill", "decode")}
+            profile = cls(**{**data, **points})
+        except (TypeError, KeyError, ValueError) as exc:
             raise ValueError(f"{path} is not a profile `epdserve plan --save-profile` wrote: {exc}") from None
+        if not all(points.values()) or any(x <= 0 or y <= 0 for xy in points.values() for x, y in xy):
+            raise ValueError(f"{path}: a profile needs measured prefill and decode points, each above 0")
+        return profile
 
 
 def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:

@@ -29,6 +29,10 @@ def test_a_profile_reads_back_as_saved(tmp_path):
     (tmp_path / "bad.json").write_text('{"model": "m"}')
     with pytest.raises(ValueError, match="not a profile"):
         EngineProfile.load(tmp_path / "bad.json")
+    (tmp_path / "empty.json").write_text('{"model": "m", "threads": 1, "context_len": 1, "max_num_seqs": 1, '
+                                         '"prefill": [], "decode": [[1, 0.1]]}')
+    with pytest.raises(ValueError, match="needs measured prefill and decode points"):
+        EngineProfile.load(tmp_path / "empty.json")
 
 
 def test_disaggregated_ttft_is_mdl1_over_the_prefills_and_tpot_the_decodes_fixed_point():
