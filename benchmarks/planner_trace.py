@@ -60,8 +60,8 @@ def parse_args(argv):
     p.add_argument("--out-dir")
     args = p.parse_args(argv)
     if args.model is None:
-        from epdserve.services.cli.main import prepare_model
-        args.model = str(prepare_model("smollm2"))
+        from epdserve.shared.checkpoints.default_model import prepare_default_model
+        args.model = str(prepare_default_model())
     return args
 
 

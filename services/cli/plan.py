@@ -117,15 +117,15 @@ async def _measure(args: argparse.Namespace, threads: int):
     from epdserve.shared.engine import AsyncLLM
 
     model = model_folder(args)
-    if args.input_len + args.output_len > _max_model_len(model, args):
-        raise SystemExit(f"epdserve: error: --input-len {args.input_len} + --output-len {args.output_len} exceed "
-                         f"the model's context")
     args.enable_prefix_caching = False  # every profiled prompt computed, none found cached
     try:
         config = engine_config(args, model)
     except ValueError as exc:
         raise SystemExit(f"epdserve: error: {exc}") from None
     limit = config.model.max_model_len
+    if args.input_len + args.output_len > limit:
+        raise SystemExit(f"epdserve: error: --input-len {args.input_len} + --output-len {args.output_len} exceed "
+                         f"the model's context ({limit} tokens)")
     prompt_lens = sorted({n for n in (*args.prompt_lens, args.input_len) if n < limit})
     batches = sorted({b for b in args.batches if b <= config.scheduler.max_num_seqs})
     print(f"epdserve plan: profiling {Path(model).name} ({threads} thread(s)): prompts of {prompt_lens} tokens, "
@@ -138,12 +138,6 @@ async def _measure(args: argparse.Namespace, threads: int):
                              args.input_len, encoder, seed=args.seed)
     finally:
         llm.shutdown()
-
-
-def _max_model_len(model: str, args: argparse.Namespace) -> int:
-    config = json.loads((Path(model) / "config.json").read_text())
-    text = config.get("text_config", config)
-    return args.max_model_len or text.get("max_position_embeddings", 1 << 30)
 
 
 def _image_encoder(model: str, config):
