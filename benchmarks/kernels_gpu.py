@@ -1,9 +1,11 @@
-"""Check every Triton kernel against kernels/torch_attention.py (PyTorch) on a CUDA GPU, then time it.
+"""Check every Triton kernel against its PyTorch reference (kernels/torch_attention.py; F.linear on a dequantized
+weight) on a CUDA GPU, then time it.
 
 Attention is memory-bound in decode, so each case reports achieved bandwidth: the bytes it must move
 at least (every K/V token a query can see read once, Q read, O written, block tables) over the median
 kernel time, against the device-to-device copy bandwidth measured here (read + write of a large
-buffer). Prefill cases also report TFLOP/s. Before each timed call a 256 MiB buffer is zeroed: it
+buffer). Prefill cases also report TFLOP/s. The quantized linear cases (GGUF Q4_1 and Q8_0 weights) count the
+weight's packed bytes, its scales and offsets, x read and y written. Before each timed call a 256 MiB buffer is zeroed: it
 evicts the L2 cache and keeps the GPU busy while the next launch is queued, so launch overhead is not
 timed.
 
@@ -232,6 +234,43 @@ def bench_kv_write(model, num_tokens, dtype, block_size, args, flush, copy_gbps,
     return Result("kv_cache_write", f"{model} tokens={num_tokens}", ms, gbps, gbps / copy_gbps, None, max_err, ok)
 
 
+# (out_features, in_features) of SmolLM2's gate/up projection and of a Llama-8B one.
+LINEAR_SHAPES = {"smollm2-135m": (1536, 576), "llama-8b": (14336, 4096)}
+# GGUF layouts (kernels/quantized_linear.py): (q range, group, with offset).
+QUANT_FORMATS = {"q4_1": ((0, 16), 32, True), "q8_0": ((-127, 128), 32, False)}
+
+
+def bench_quantized_linear(model, fmt, rows, dtype, args, flush, copy_gbps, gen) -> Result:
+    """The Triton quantized linear on a random weight of `fmt`: checked against F.linear on the dequantized
+    weight (bit for bit on one-hot rows: the dequantized values themselves), its bandwidth counted on the bytes it
+    must read (q, scales, offsets, x) and write (y)."""
+    import torch.nn.functional as F
+
+    from epdserve.kernels import quantized_linear
+
+    n, k = LINEAR_SHAPES[model]
+    (low, high), group, with_offset = QUANT_FORMATS[fmt]
+    q = torch.randint(low, high, (n, k), device="cuda", dtype=torch.int8, generator=gen)
+    scale = torch.randn(n, k // group, device="cuda", generator=gen) * 0.01
+    offset = torch.randn(n, k // group, device="cuda", generator=gen) * 0.1 if with_offset else None
+    w = q.view(n, -1, group).float() * scale[:, :, None]
+    w = (w + offset[:, :, None] if with_offset else w).view(n, k)
+    tiles = quantized_linear.pack(q, scale, offset)
+    eye = torch.eye(k, device="cuda")[:min(k, 512)]
+    exact = torch.equal(quantized_linear.linear(eye, tiles), w[:, :eye.shape[0]].t())
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
+    got, want = quantized_linear.linear(x, tiles).float(), F.linear(x.float(), w.to(dtype).float())
+    max_err = (got - want).abs().max().item()
+    atol, rtol = TOLERANCES[dtype]
+    ok = exact and torch.allclose(got, want, atol=atol * k ** 0.5, rtol=rtol)
+    ms = time_cuda(lambda: quantized_linear.linear(x, tiles), args.warmup, args.iters, flush)
+    moved = sum(t.numel() * t.element_size() for t in tiles if isinstance(t, torch.Tensor)) + \
+        x.numel() * x.element_size() + rows * n * x.element_size()
+    gbps = moved / (ms * 1e-3) / 1e9
+    tflops = 2 * rows * n * k / (ms * 1e-3) / 1e12
+    return Result("quantized_linear", f"{model} {fmt} rows={rows}", ms, gbps, gbps / copy_gbps, tflops, max_err, ok)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases and iterations")
@@ -271,6 +310,10 @@ def main(argv=None) -> int:
     for model in MODELS:
         for num_tokens in (256, 16384):
             results.append(bench_kv_write(model, num_tokens, dtype, args.block_size, args, flush, copy_gbps, gen))
+    for model in LINEAR_SHAPES:
+        for fmt in QUANT_FORMATS:
+            for rows in (1, 16) if args.quick else (1, 16, 256):
+                results.append(bench_quantized_linear(model, fmt, rows, dtype, args, flush, copy_gbps, gen))
 
     report = {
         "device": torch.cuda.get_device_name(),

@@ -74,14 +74,16 @@ def return_freed_memory() -> None:
         pass
 
 
-def load_model(config: EngineConfig) -> torch.nn.Module:
+def load_model(config: EngineConfig, triton: bool = False) -> torch.nn.Module:
+    """The model with its weights; `triton`: the engine runs Triton's kernels (a quantized checkpoint's linear
+    layers then run Triton's quantized kernel)."""
     model_config = config.model
     logger.info("loading the weights of %s: %.2f GB in %s (a few seconds per GB)", model_config.model_id,
                 model_config.num_weight_bytes / 1e9, str(model_config.dtype).removeprefix("torch."))
     model = build_unfilled(lambda: model_class(model_config.architecture)(model_config), model_config.dtype,
                            config.device)
     load = checkpoint_weights_int8 if model_config.quantization == "int8" else checkpoint_weights
-    model.load_weights(load(model_config.path))
+    model.load_weights(load(model_config.path), triton=triton)
     return model.eval().requires_grad_(False)
 
 
@@ -96,8 +98,8 @@ class ModelRunner:
             # Before the weights, which the linear layers pack for their kernel; before the first request too,
             # which would otherwise wait while a ready engine compiles.
             load_cpu_kernels(m.dtype, layer_ops=True, attention=config.attention_backend in ("auto", "cpu"))
-        self.model = load_model(config)
         backend = select_attention_backend(config.attention_backend, self.device)
+        self.model = load_model(config, triton=backend.name == "triton")
         kv_dtype = getattr(torch, config.kv_dtype_name)
         self.kv_cache = zeroed((m.num_layers, 2, num_blocks, m.num_kv_heads, self.block_size,
                                 kv_row_size(m.head_size, config.kv_dtype_name)), kv_dtype, self.device)

@@ -205,29 +205,32 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our parameters (every one written exactly once), then pack them."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], triton: bool = False) -> None:
+        """Copy HF-named tensors into our parameters (every one written exactly once), then pack them. `triton`:
+        the engine runs Triton's kernels (a quantized checkpoint's linear layers then run Triton's too)."""
         pieces = {}
         for name, module in self.named_modules():
             if isinstance(module, (LlamaAttention, Experts)):
                 pieces.update(module.checkpoint_pieces(name + "."))
         tied = self.config.tie_word_embeddings
         skip = {"lm_head.weight"} if tied else set()
-        # A quantized checkpoint's linear layers and embedding run on their weights as shipped where the
+        # A quantized checkpoint's linear layers and embedding run on their weights as shipped where a
         # quantized kernel is (a tied lm_head on the embedding's).
         linears = {f"{name}.weight": module for name, module in self.named_modules()
-                   if isinstance(module, Linear) and module.runs_quantized(module.weight)}
+                   if isinstance(module, Linear) and module.runs_quantized(module.weight, triton)}
         embedding = "model.embed_tokens.weight"
         quantizable = frozenset([*linears, embedding]) if linears else frozenset()
         for name, parts in load_weights(self, weights, pieces, skip, quantizable).items():
             weight = QuantizedWeight.stack_rows([part for _, part in sorted(parts, key=lambda p: p[0])])
             if name == embedding:
                 if tied:
-                    self.lm_head.set_quantized(weight)
-                self.model.embed_tokens = QuantizedEmbedding(self.lm_head.quantized if tied else weight,
-                                                             self.config.hidden_size)
+                    self.lm_head.set_quantized(weight, triton)
+                own = QuantizedWeight(*(None if t is None else t.to(self.lm_head.weight.device)
+                                        for t in (weight.q, weight.scale, weight.offset)))
+                self.model.embed_tokens = QuantizedEmbedding(self.lm_head.quantized if tied else own,
+                                                             self.config.hidden_size, self.lm_head.weight.dtype)
             else:
-                linears[name].set_quantized(weight)
+                linears[name].set_quantized(weight, triton)
         for module in self.modules():
             if isinstance(module, (Linear, Experts)):
                 module.pack()

@@ -62,7 +62,7 @@ def test_the_gguf_engine_answers_as_the_float32_one(default_model_path, float_fo
         if quantized:  # the Q4_1 layers two weights to a byte (unsigned nibbles), the Q8_0 lm_head a byte each
             assert sorted(m.quantized.zero for m in quantized) == [-1] + [0] * 150
             model = llm.engine.runner.model  # the tied embedding's lookups read the lm_head's panels: held once
-            assert model.model.embed_tokens.panels is model.lm_head.quantized and model.model.embed_tokens.q is None
+            assert model.model.embed_tokens.packed is model.lm_head.quantized and model.model.embed_tokens.q is None
         answers[name] = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()}
                                                    for step in o.outputs[0].logprobs])
                          for o in llm.generate(PROMPTS, params)]

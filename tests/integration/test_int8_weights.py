@@ -43,18 +43,46 @@ def dequantized_folder(tiny_model_paths, tmp_path_factory):
     return folder
 
 
-def test_an_int8_engine_answers_as_float32_on_its_dequantized_weights(tiny_model_paths, dequantized_folder):
-    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2, ignore_eos=True)
-    answers = {}
-    for name, folder, quantization in (("int8", tiny_model_paths["llama"], "int8"),
-                                       ("float32", dequantized_folder, None)):
-        llm = LLM(model=str(folder), num_kv_blocks=64, quantization=quantization)
-        layers = llm.engine.runner.model.model.layers
-        quantized = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear) and m.quantized is not None]
-        # every layer's qkv (fused), o, gate, up and down projections run on int8; the embedding and lm_head not
-        assert len(quantized) == (5 * len(layers) if name == "int8" and KERNEL else 0), len(quantized)
-        answers[name] = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()}
-                                                   for step in o.outputs[0].logprobs])
-                         for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
-        del llm
-    assert answers["int8"] == answers["float32"]
+MAX_TOKENS = 16
+
+
+def answers(llm: LLM, max_tokens: int = MAX_TOKENS) -> list[tuple[list[int], list[dict[int, float]]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, ignore_eos=True)
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+            for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+
+
+def quantized_layers(llm: LLM) -> list[Linear]:
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear) and m.quantized is not None]
+
+
+@pytest.fixture(scope="module")
+def float32_answers(dequantized_folder):
+    llm = LLM(model=str(dequantized_folder), num_kv_blocks=64)
+    assert not quantized_layers(llm)
+    return answers(llm)
+
+
+def test_an_int8_engine_answers_as_float32_on_its_dequantized_weights(tiny_model_paths, float32_answers):
+    llm = LLM(model=tiny_model_paths["llama"], num_kv_blocks=64, quantization="int8")
+    # every layer's qkv (fused), o, gate, up and down projections run on int8; the embedding and lm_head not
+    assert len(quantized_layers(llm)) == (5 * len(llm.engine.runner.model.model.layers) if KERNEL else 0)
+    assert answers(llm) == float32_answers
+
+
+def test_the_triton_kernel_runs_int8_as_shipped_and_answers_as_float32(tiny_model_paths, float32_answers):
+    """Where the engine runs Triton's kernels (a GPU; here the interpreter), the int8 weights run Triton's
+    quantized kernel: the same weights, only the matmul's order of sums differs - the same tokens (the tiny
+    model's logits are spread wide), logprobs equal to float32 rounding."""
+    from epdserve.kernels.quantized_linear import QuantizedTiles
+
+    llm = LLM(model=tiny_model_paths["llama"], num_kv_blocks=64, quantization="int8", attention_backend="triton")
+    layers = quantized_layers(llm)
+    assert len(layers) == 5 * len(llm.engine.runner.model.model.layers)
+    assert all(isinstance(m.quantized, QuantizedTiles) and m.quantized.q.dtype == torch.int8 for m in layers)
+    got = answers(llm, MAX_TOKENS // 2)  # the interpreter is slow: half of the answers
+    assert [tokens for tokens, _ in got] == [tokens[:MAX_TOKENS // 2] for tokens, _ in float32_answers]
+    for (_, steps), (_, expected) in zip(got, float32_answers):
+        for step, want in zip(steps, expected):
+            assert step.keys() == want.keys()
+            assert all(abs(step[t] - want[t]) < 1e-4 for t in step), (step, want)

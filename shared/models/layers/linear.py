@@ -6,9 +6,12 @@ where a step streams its weights from memory (decodes); in bfloat16 it is built 
 on a CPU with AMX oneDNN's bfloat16 matmul is several times faster from 16 rows up, which this layer does not
 use. Where the CPU lacks the panel kernel's instructions, oneDNN runs with the weight reordered once into its
 blocked layout. Both keep a token's result independent of what else is in the batch. Falls back to
-`F.linear` where neither applies (the weight not on the CPU).
+`F.linear` where neither applies (the weight not on the CPU). A quantized checkpoint's weight is kept as it
+ships (w = scale * q (+ offset)) and run by the C++ quantized kernel on a CPU, by the Triton one on a GPU.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +20,9 @@ from torch import nn
 from epdserve.kernels import cpu_linear
 from epdserve.shared.models.layers.lora import LoRAStack
 from epdserve.shared.models.quantized_weight import QuantizedWeight
+
+if TYPE_CHECKING:
+    from epdserve.kernels.quantized_linear import QuantizedTiles
 
 _ONEDNN_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _PACK_BATCH_HINT = 64  # rows the packing is tuned for; any row count works
@@ -38,19 +44,28 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None  # oneDNN's blocked layout
     panels: torch.Tensor | None = None  # cpu_linear's
     lora: LoRAStack | None = None  # the resident LoRA adapters' weights, on a layer they may adapt
-    # The quantized kernel's panels of a weight kept as its checkpoint ships it.
-    quantized: cpu_linear.QuantizedPanels | None = None
+    # A weight kept as its checkpoint ships it: the C++ kernel's panels, or the Triton kernel's tiles.
+    quantized: cpu_linear.QuantizedPanels | QuantizedTiles | None = None
 
     @staticmethod
-    def runs_quantized(weight: torch.Tensor) -> bool:
-        """Whether a layer with this (float) weight runs a quantized one as shipped: float32 on a CPU with the
-        quantized kernel. Elsewhere a quantized checkpoint is dequantized at load (the same values)."""
+    def runs_quantized(weight: torch.Tensor, triton: bool = False) -> bool:
+        """Whether a layer with this (float) weight runs a quantized one as shipped: by the Triton kernel where
+        the engine runs Triton's (`triton`: a GPU, or the interpreter in tests), by the C++ kernel in float32 on a
+        CPU that has it. Elsewhere a quantized checkpoint is dequantized at load (the same values)."""
+        if triton:
+            return weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
         return weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_linear.supports(torch.float32)
 
-    def set_quantized(self, weight: QuantizedWeight) -> None:
-        """Run on `weight` as shipped. Its float parameter is then never read: it gives back its memory and
-        stays as zeros of its shape, dtype and device."""
-        self.quantized = cpu_linear.pack_quantized(weight.q, weight.scale, weight.offset)
+    def set_quantized(self, weight: QuantizedWeight, triton: bool = False) -> None:
+        """Run on `weight` as shipped, by the kernel runs_quantized(..., triton) chose. Its float parameter is then
+        never read: it gives back its memory and stays as zeros of its shape, dtype and device."""
+        if triton:
+            from epdserve.kernels import quantized_linear  # Triton, imported only where it runs
+
+            self.quantized = quantized_linear.pack(*(None if t is None else t.to(self.weight.device)
+                                                     for t in (weight.q, weight.scale, weight.offset)))
+        else:
+            self.quantized = cpu_linear.pack_quantized(weight.q, weight.scale, weight.offset)
         self.packed_weight = self.panels = None
         self.weight = nn.Parameter(torch.zeros((), dtype=self.weight.dtype, device=self.weight.device)
                                    .expand(self.weight.shape), requires_grad=False)
@@ -84,8 +99,12 @@ class Linear(nn.Linear):
         return y
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
+        if isinstance(self.quantized, cpu_linear.QuantizedPanels):
             return cpu_linear.linear_quantized(x, self.quantized, self.out_features, self.bias)
+        if self.quantized is not None:
+            from epdserve.kernels import quantized_linear
+
+            return quantized_linear.linear(x, self.quantized, self.bias)
         if self.panels is not None and x.dtype == self.panels.dtype:
             return cpu_linear.linear(x, self.panels, self.out_features, self.bias)
         if self.packed_weight is not None:
