@@ -1,5 +1,10 @@
-"""Where the suite's time goes: each test's seconds (setup + call + teardown), and per folder of tests/ how many
-stacks, service processes, in-process engines and model loads it started.
+"""Where the suite's time goes: each test's seconds (setup + call + teardown) and CPU-seconds, and per folder of
+tests/ how many stacks, service processes, in-process engines and model loads it started.
+
+A test's CPU-seconds are its process's (the pytest worker: in-process engines, HF references, the Triton
+interpreter, hypothesis), its subprocesses' that ended during it, and those of the stacks' services that ended
+during it (forked from the worker's fork server: a module's stack counts in the test whose teardown stopped it).
+With the machine's cores shared by several workers, CPU-seconds say what a test costs; seconds include waiting.
 
 Turned on by `pytest --suite-profile=FILE` (tests/conftest.py registers it), which writes FILE as JSON when the
 session ends (and FILE.gw0, ... from pytest-xdist's workers); `python tests/suite_profile.py FILE...` renders one
@@ -8,6 +13,8 @@ starts counts for the test whose setup started it, so a module-scoped stack coun
 """
 import collections
 import json
+import os
+import resource
 import subprocess
 import sys
 import time
@@ -25,6 +32,8 @@ class SuiteProfile:
         self.folder = "(collection)"
         self.seconds: dict[str, float] = collections.defaultdict(float)  # test node id -> seconds
         self.outcomes: dict[str, str] = {}
+        self.cpu: dict[str, float] = collections.defaultdict(float)  # test node id -> CPU-seconds (workers')
+        self._cpu_at: float | None = None
         self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.started = time.monotonic()
         self._patch()
@@ -65,9 +74,9 @@ class SuiteProfile:
         llm_engine.LLMEngine.__init__ = new_engine
         load_model = model_runner.load_model
 
-        def load(config):
+        def load(config, **kwargs):
             profile.count("model loads (engine)")
-            return load_model(config)
+            return load_model(config, **kwargs)
 
         model_runner.load_model = load
         from transformers import PreTrainedModel
@@ -100,6 +109,14 @@ class SuiteProfile:
 
     def pytest_runtest_protocol(self, item, nextitem):
         self.folder = folder_of(item.nodeid)
+        self._cpu_at = cpu_seconds()
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        if self._cpu_at is None:  # pytest-xdist's controller: its workers ran the test
+            return
+        now = cpu_seconds()
+        self.cpu[nodeid] += now - self._cpu_at
+        self._cpu_at = now
 
     def pytest_runtest_logreport(self, report):
         self.seconds[report.nodeid] += report.duration
@@ -111,8 +128,24 @@ class SuiteProfile:
         self.path.write_text(json.dumps({
             "argv": sys.argv, "worker": self.worker, "wall_seconds": round(time.monotonic() - self.started, 1),
             "tests": {k: [round(v, 3), self.outcomes.get(k, "?")] for k, v in self.seconds.items()},
+            "cpu_seconds": {k: round(v, 3) for k, v in self.cpu.items()},
             "counts": {k: dict(v) for k, v in self.counts.items()},
         }, indent=1))
+
+
+def cpu_seconds() -> float:
+    """CPU-seconds so far of this process, its ended subprocesses, and the fork server's ended services."""
+    own, ended = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + ended.ru_utime + ended.ru_stime
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):  # none started yet, or it has ended (its CPU is then in RUSAGE_CHILDREN)
+        return total
+    # utime, stime, cutime, cstime: the fork server's own and its ended children's (the services)
+    return total + sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def folder_of(nodeid: str) -> str:
@@ -132,12 +165,24 @@ def render(runs: list[dict], slowest: int = 30) -> str:
     for nodeid, (seconds, _) in tests.items():
         per_folder[folder_of(nodeid)][0] += seconds
         per_folder[folder_of(nodeid)][1] += 1
+    cpu = {k: v for run in workers for k, v in run.get("cpu_seconds", {}).items()}
     columns = sorted({what for c in counts.values() for what in c})
     out = [f"Runs: {', '.join(' '.join(Path(a).name if i == 0 else a for i, a in enumerate(r['argv'])) for r in runs)}; "
            f"wall {' + '.join(str(r['wall_seconds']) for r in runs)} s.", "",
            f"### The {slowest} slowest tests", "", "| seconds | test |", "|---:|---|"]
     for nodeid, (seconds, outcome) in sorted(tests.items(), key=lambda kv: -kv[1][0])[:slowest]:
         out.append(f"| {seconds:.1f} | `{nodeid}`{'' if outcome == 'passed' else f' ({outcome})'} |")
+    if cpu:
+        per_file: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0, 0])
+        for nodeid, (seconds, _) in tests.items():
+            row = per_file[nodeid.split("::")[0]]
+            row[0] += cpu.get(nodeid, 0.0)
+            row[1] += seconds
+            row[2] += 1
+        out += ["", f"### The {slowest} test files that cost the most CPU-seconds "
+                f"({sum(cpu.values()):,.0f} in all)", "", "| CPU-seconds | seconds | tests | file |", "|---:|---:|---:|---|"]
+        for path, (cpu_s, seconds, n) in sorted(per_file.items(), key=lambda kv: -kv[1][0])[:slowest]:
+            out.append(f"| {cpu_s:.1f} | {seconds:.1f} | {n} | `{path}` |")
     out += ["", "### Seconds per folder, and what each folder starts", "",
             "| folder | tests | seconds | " + " | ".join(columns) + " |",
             "|---|---:|---:|" + "---:|" * len(columns)]

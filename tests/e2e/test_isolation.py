@@ -113,9 +113,10 @@ def unified_tokenizer(stack):
 
 def test_a_request_on_every_seat_makes_room_for_the_next_at_once(unified):
     """n = 8 long sequences on an 8-seat engine: a 4-token request sent meanwhile is answered while they
-    still run (the group parks some sequences until it is done)."""
+    still run (the group parks some sequences until it is done). Were it to wait for them instead, it would be
+    refused after --max-queue-wait (2 s): the group's 200 steps of 8 sequences take longer than that on any CPU."""
     with httpx.stream("POST", unified.url + "/v1/completions", timeout=300, json={
-            "model": "demo", "prompt": "Once upon a time", "n": SEATS, "max_tokens": 400, "ignore_eos": True,
+            "model": "demo", "prompt": "Once upon a time", "n": SEATS, "max_tokens": 200, "ignore_eos": True,
             "stream": True}) as hog:
         events = hog.iter_lines()
         for _ in range(2 * SEATS):  # every sequence is decoding
