@@ -22,26 +22,30 @@ def available() -> bool:
     return _ops() is not None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x / rms(x)) over the last dim, in float32 then cast to x's dtype before the weight (HF)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """weight * (x / rms(x)) over the last dim, in float32 then cast to x's dtype before the weight (HF Llama);
+    `unit_offset` (Gemma): (1 + weight) * (x / rms(x)), all in float32, then cast (HF's Gemma3RMSNorm)."""
     if x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1 and weight.dtype == x.dtype and \
             (ops := _ops()) is not None:
         out = torch.empty(x.shape, dtype=x.dtype)
-        ops.rms_norm(out, x, weight, eps)
+        ops.rms_norm(out, x, weight, eps, unit_offset)
         return out
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (x32 * (1.0 + weight.float())).to(x.dtype)
     return weight * x32.to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 unit_offset: bool = False) -> torch.Tensor:
     """x += delta (the residual stream, in place), then rms_norm(x)."""
     if x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1 and delta.is_contiguous() and \
             delta.dtype == weight.dtype == x.dtype and (ops := _ops()) is not None:
         out = torch.empty(x.shape, dtype=x.dtype)
-        ops.add_rms_norm(out, x, delta, weight, eps)
+        ops.add_rms_norm(out, x, delta, weight, eps, unit_offset)
         return out
-    return rms_norm(x.add_(delta), weight, eps)
+    return rms_norm(x.add_(delta), weight, eps, unit_offset)
 
 
 def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -31,10 +31,12 @@ inline T round_to(float v) {
   return static_cast<T>(v);
 }
 
-// With `delta`, x[r] += delta[r] first (in place, rounded to T) and the sum is normalised.
+// With `delta`, x[r] += delta[r] first (in place, rounded to T) and the sum is normalised. With `unit_offset`
+// (Gemma) the weight is an offset from 1 and scales in float32 before the one rounding to T (HF's
+// Gemma3RMSNorm: (x / rms(x)) * (1 + weight), both in float32).
 template <typename T>
 void rms_norm_impl(T* out, T* x, const T* delta, const T* weight, int64_t rows, int64_t hidden, int64_t x_stride,
-                   float eps) {
+                   float eps, bool unit_offset) {
 #pragma omp parallel for schedule(static) if (rows * hidden >= 32768)
   for (int64_t r = 0; r < rows; ++r) {
     T* xr = x + r * x_stride;
@@ -50,6 +52,11 @@ void rms_norm_impl(T* out, T* x, const T* delta, const T* weight, int64_t rows, 
     }
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
     T* o = out + r * hidden;
+    if (unit_offset) {
+      for (int64_t i = 0; i < hidden; ++i)
+        o[i] = round_to<T>((static_cast<float>(xr[i]) * inv) * (1.0f + static_cast<float>(weight[i])));
+      continue;
+    }
     for (int64_t i = 0; i < hidden; ++i) {
       const T normed = round_to<T>(static_cast<float>(xr[i]) * inv);
       o[i] = round_to<T>(static_cast<float>(weight[i]) * static_cast<float>(normed));
@@ -131,20 +138,22 @@ void silu_mul_impl(T* gate, const T* up, int64_t rows, int64_t cols, int64_t gat
 }
 }  // namespace
 
-// out[r] = weight * (x[r] / rms(x[r])); x: [rows, hidden] with contiguous rows, out: [rows, hidden] contiguous.
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+// out[r] = weight * (x[r] / rms(x[r])) (unit_offset: (1 + weight) * ...); x: [rows, hidden] with contiguous rows,
+// out: [rows, hidden] contiguous.
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps, bool unit_offset) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x: [rows, hidden] on CPU, rows contiguous");
   TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
               weight.is_contiguous(), "out like x (contiguous), weight [hidden]");
   TORCH_CHECK(out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(), "one dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     rms_norm_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(),
-                            x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
+                            x.size(0), x.size(1), x.stride(0), static_cast<float>(eps), unit_offset);
   });
 }
 
 // x += delta (in place), then out = rms_norm(x); delta: [rows, hidden] contiguous, like out.
-void add_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps) {
+void add_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps,
+                  bool unit_offset) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x: [rows, hidden] on CPU, rows contiguous");
   TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && delta.sizes() == x.sizes() && delta.is_contiguous() &&
               weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
@@ -153,7 +162,8 @@ void add_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor delta, torch
               weight.scalar_type() == x.scalar_type(), "one dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     rms_norm_impl<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
-                            weight.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
+                            weight.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0), static_cast<float>(eps),
+                            unit_offset);
   });
 }
 
@@ -184,8 +194,11 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm into out (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm into out (CPU)", pybind11::arg("out"), pybind11::arg("x"),
+        pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("unit_offset") = false);
   m.def("rotary_", &rotary_, "Rotary embedding in place, rotate-half form (CPU)");
-  m.def("add_rms_norm", &add_rms_norm, "Residual add in place, then RMSNorm into out (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "Residual add in place, then RMSNorm into out (CPU)", pybind11::arg("out"),
+        pybind11::arg("x"), pybind11::arg("delta"), pybind11::arg("weight"), pybind11::arg("eps"),
+        pybind11::arg("unit_offset") = false);
   m.def("silu_mul_", &silu_mul_, "gate = silu(gate) * up in place (CPU)");
 }

@@ -32,6 +32,26 @@ def test_rms_norm(dtype, rows, hidden):
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, hidden", [(1, 640), (37, 256), (300, 64)])
+def test_gemmas_unit_offset_rms_norm_scales_in_float32(dtype, rows, hidden):
+    """(1 + weight) * x / rms(x), all in float32, rounded once to the dtype (HF's Gemma3RMSNorm); after the
+    residual add, in place."""
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    delta = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = (torch.randn(hidden, generator=gen) * 0.5).to(dtype)
+    summed = (x.float() + delta.float()).to(dtype)
+    x32 = summed.float()
+    want = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + weight.float())).to(dtype)
+    got = cpu_layer_ops.add_rms_norm(x, delta, weight, 1e-6, unit_offset=True)
+    assert torch.equal(x, summed)
+    tolerance = 4e-6 if dtype == torch.float32 else 1e-2  # the sum of squares in another order
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(cpu_layer_ops.rms_norm(summed, weight, 1e-6, unit_offset=True), want,
+                               rtol=tolerance, atol=tolerance)
+
+
 def test_rms_norm_of_a_strided_view():
     fused = torch.randn(5, 3 * 64)
     x = fused[:, 64:128]  # rows contiguous, not the tensor

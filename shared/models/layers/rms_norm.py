@@ -9,8 +9,7 @@ class RMSNorm(nn.Module):
     residual stream and what a sublayer adds to it, adds it in place first (one pass instead of two).
 
     `unit_offset` (Gemma): the weight is an offset from 1 (it loads as zeros for an identity scale), and the
-    scaling by (1 + weight) happens in float32 before the cast, as HF's Gemma3RMSNorm does. The C++ op
-    rounds before the weight, so in bfloat16 it would differ: Gemma's norm runs these few PyTorch ops."""
+    scaling by (1 + weight) happens in float32 before the cast, as HF's Gemma3RMSNorm does."""
 
     def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
@@ -19,12 +18,6 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-        if self.unit_offset:
-            if delta is not None:
-                x.add_(delta)
-            x32 = x.float()
-            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         if delta is None:
-            return cpu_layer_ops.rms_norm(x, self.weight, self.eps)
-        return cpu_layer_ops.add_rms_norm(x, delta, self.weight, self.eps)
+            return cpu_layer_ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        return cpu_layer_ops.add_rms_norm(x, delta, self.weight, self.eps, self.unit_offset)
