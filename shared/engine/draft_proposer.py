@@ -44,7 +44,7 @@ class _DraftView:
     spec_token_ids: list[int] = []
     forks: list = []
     mm_placeholders = ()
-    logit_bias = grammar = generator = None
+    logit_bias = grammar = seed = None
     stop_token_ids = frozenset()
     output_token_ids: list[int] = []
     num_output_tokens = 0

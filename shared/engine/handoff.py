@@ -4,11 +4,11 @@ or recomputed when it cannot be had). A stream whose engine was lost mid-way con
 another engine, from every token already delivered (one sequence: a group's sequences would fork from one
 prompt computation, so each continues as a request of its own, its seed that of its place in the group).
 
-The invariant that keeps this exact: a seeded request draws one vocabulary-sized row of noise per sampled
-token (`draw_seeded_noise`), whichever engine samples it. The engine that continues a request draws the rows
-of the tokens the peer sampled before it samples its own, so the seeded stream - and the tokens - are those
-of one engine doing it all. The tokens themselves count as output for penalties, limits, stop conditions and
-the structured-output matcher, and as already delivered: the peer's answer carried them to the client.
+The invariant that keeps this exact: a seeded request's noise for a token depends on its seed and the token's
+position alone (`sampler.seeded_generator`), whichever engine samples it, so the seeded stream - and the tokens
+- are those of one engine doing it all. The tokens themselves count as output for penalties, limits, stop
+conditions and the structured-output matcher, and as already delivered: the peer's answer carried them to the
+client.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from typing import Sequence
 
 from epdserve.shared.engine.parallel_sampling import group_members
 from epdserve.shared.engine.request import Request
-from epdserve.shared.engine.sampler import draw_seeded_noise
 
 # The part of the request the prefill engine runs: up to each sequence's first token.
 PREFILL_OUTPUT_TOKENS = 1
@@ -39,7 +38,5 @@ def continue_from_peer(request: Request, peer_token_ids: Sequence[Sequence[int]]
         for token_id in token_ids:
             if not 0 <= token_id < vocab_size:
                 raise ValueError(f"token {token_id} is outside the vocabulary [0, {vocab_size})")
-            if sequence.generator is not None and not sequence.sampling_params.is_greedy:
-                draw_seeded_noise(sequence.generator, vocab_size)
             sequence.append_output_token(token_id)
         sequence.num_peer_tokens = len(token_ids)

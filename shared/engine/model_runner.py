@@ -180,8 +180,8 @@ class ModelRunner:
         try:
             outs = [(requests, self.sampler(logits, requests))]
         except Exception:
-            # One request's parameters broke the batch: sample row by row so only that one fails. (A seeded
-            # request whose noise the failed attempt already drew gets new noise: a failure path only.)
+            # One request's parameters broke the batch: sample row by row so only that one fails (a seeded
+            # request draws the same noise again: it depends on its seed and position only).
             logger.exception("sampling a batch of %d failed; sampling its rows one at a time", len(requests))
             outs = []
             for i, request in enumerate(requests):

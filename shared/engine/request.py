@@ -155,11 +155,9 @@ class Request:
             sampling_params.max_tokens, limit)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids) | (
             frozenset() if sampling_params.ignore_eos else frozenset(sampling_params.eos_token_ids))
-        # Seeded requests draw from their own generator, so the same seed gives the same tokens
-        # whatever else shares the batch.
-        self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        # A seeded request's tokens are drawn from its seed and their positions (sampler.seeded_generator),
+        # so the same seed gives the same tokens whatever else shares the batch and whichever engine samples.
+        self.seed: int | None = sampling_params.seed
         self.first_scheduled_time: float | None = None
         # The structured-output matcher, fed every output token (see `structured_output`).
         self.grammar = grammar

@@ -13,13 +13,15 @@ tokens strictly more likely than it hold less than top_p of the mass, and otherw
 more likely tokens only. Each round removes the rejected token and everything below it, so the nucleus
 keeps its relative probabilities; this is exact, and one or two rounds usually suffice.
 
-Seeded requests draw from their own generator, so their tokens do not depend on the rest of the batch.
-Each sampled token of a seeded request consumes one vocabulary-sized row of float64 uniforms from it
-(`draw_seeded_noise`), however many rounds top-p takes; an engine that takes over a request whose token
-another engine sampled advances the generator the same way.
+Seeded requests draw from generators of their own, so their tokens do not depend on the rest of the batch:
+one for each output position, seeded from the request's seed and the position (`seeded_generator`), giving
+the uniforms of that token's rounds in order. A token's noise thus depends on nothing sampled before it: an
+engine that takes over a request whose first tokens another engine sampled, or samples a position again,
+draws what one engine doing it all would - and nothing is drawn for positions sampled elsewhere.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 from typing import NamedTuple
 
@@ -53,13 +55,11 @@ class SamplerOutput(NamedTuple):
     failed: dict[int, str] = {}
 
 
-def draw_seeded_noise(generator: torch.Generator, vocab_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The noise one sampled token of a seeded request consumes: `vocab_size` float64 uniforms (into `out`,
-    a float64 tensor of that size, if given).
-
-    This advances the generator exactly as `torch.empty(vocab_size).exponential_(generator=...)` does,
-    so either may stand for a token sampled elsewhere."""
-    return torch.rand(vocab_size, dtype=torch.float64, generator=generator, out=out)
+def seeded_generator(seed: int, position: int) -> torch.Generator:
+    """The generator of the uniforms a seeded request's output token at `position` (0: its first) is sampled
+    with. Seed and position are hashed together, so neighbouring seeds and positions give unrelated streams."""
+    digest = hashlib.blake2b(f"{seed}/{position}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
 
 
 class Sampler:
@@ -204,9 +204,7 @@ class Sampler:
             # Everything at least as likely as the k-th most likely token stays (ties included, as in HF).
             probs = _put(probs, k_rows, self._zero_below_(rows, _kth_largest(rows, top_k)))
 
-        seeded = [i for i, r in enumerate(requests) if r.generator is not None]
-        noise = _Uniforms(requests, seeded, self._buffer("noise", (len(seeded), vocab), torch.float64),
-                          self.generator)
+        noise = _Uniforms(requests, self.generator)
         token_ids = _inverse_cdf(probs, noise.next(range(len(requests))))
         p_rows = [i for i, sp in enumerate(params) if sp.top_p < 1.0]
         if p_rows:
@@ -278,25 +276,20 @@ def _put(t: torch.Tensor, rows: list[int], values: torch.Tensor) -> torch.Tensor
 
 
 class _Uniforms:
-    """Per-row uniforms on [0, 1): a seeded row's come from its `draw_seeded_noise` row in order, the
-    others from the sampler's generator, one call per batch of rows."""
+    """Per-row uniforms on [0, 1): a seeded row's from the generator of its position (`seeded_generator`), in
+    order, the others from the sampler's generator, one call per batch of rows."""
 
-    def __init__(self, requests: list[Request], seeded: list[int], noise: torch.Tensor,
-                 generator: torch.Generator) -> None:
-        # noise: [len(seeded), vocab] float64, filled here with one row per seeded request.
+    def __init__(self, requests: list[Request], generator: torch.Generator) -> None:
         self.generator = generator
-        self.seeded = {i: draw_seeded_noise(requests[i].generator, noise.shape[1], out=row)
-                       for i, row in zip(seeded, noise)}
-        self.used = dict.fromkeys(self.seeded, 0)
+        self.seeded = {i: seeded_generator(r.seed, r.num_output_tokens) for i, r in enumerate(requests)
+                       if r.seed is not None}
 
     def next(self, rows) -> torch.Tensor:
         rows = list(rows)
         u = torch.rand(len(rows), dtype=torch.float64, generator=self.generator)
         for j, i in enumerate(rows):
             if i in self.seeded:
-                # Rounds cannot outnumber the vocabulary (each removes a token); the modulo only guards.
-                u[j] = self.seeded[i][self.used[i] % len(self.seeded[i])]
-                self.used[i] += 1
+                u[j] = torch.rand((), dtype=torch.float64, generator=self.seeded[i])
         return u
 
 

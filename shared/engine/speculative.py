@@ -5,14 +5,14 @@ drafts: k + 1 positions through the paged cache, as a chunked prefill does. Posi
 step of its own would have had, had d1..di been sampled before it. So each position is sampled as that
 step would have sampled it - the logits processors (logit_bias, min_tokens, penalties, the grammar's
 bitmask) see the request's tokens followed by the drafts before the position, and a seeded request draws
-the next row of its own noise - and the drafts are accepted while each equals the token sampled at the
+the noise of that position (sampler.seeded_generator) - and the drafts are accepted while each equals the token sampled at the
 position before it. The first position whose token differs from its draft gives that token (or, with every
 draft accepted, the last position gives one more), and the run ends there.
 
 The tokens are then those that one token per step gives - identical for greedy and for seeded sampling,
 and from the same distribution for unseeded sampling. For a draft that is a single proposed token (a point
 mass) this is rejection sampling: a draft is kept with the probability the target gives it. Every sampled
-position draws one row of noise and yields one token, as a step of its own would.
+position draws its own noise and yields one token, as a step of its own would.
 
 A run also ends early where a step of its own would have ended the request, or failed it: where a draft
 completes the request's grammar, or where a position's sampling fails (its grammar leaves no token, its
