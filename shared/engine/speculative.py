@@ -5,9 +5,9 @@ drafts: k + 1 positions through the paged cache, as a chunked prefill does. Posi
 step of its own would have had, had d1..di been sampled before it. So each position is sampled as that
 step would have sampled it - the logits processors (logit_bias, min_tokens, penalties, the grammar's
 bitmask) see the request's tokens followed by the drafts before the position, and a seeded request draws
-the noise of that position (sampler.seeded_generator) - and the drafts are accepted while each equals the token sampled at the
-position before it. The first position whose token differs from its draft gives that token (or, with every
-draft accepted, the last position gives one more), and the run ends there.
+the noise of that position (sampler.seeded_generator) - and the drafts are accepted while each equals the
+token sampled at the position before it. The first position whose token differs from its draft gives that
+token (or, with every draft accepted, the last position gives one more), and the run ends there.
 
 The tokens are then those that one token per step gives - identical for greedy and for seeded sampling,
 and from the same distribution for unseeded sampling. For a draft that is a single proposed token (a point
