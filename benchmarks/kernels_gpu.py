@@ -247,14 +247,14 @@ def bench_quantized_linear(model, fmt, rows, dtype, args, flush, copy_gbps, gen)
     import torch.nn.functional as F
 
     from epdserve.kernels import quantized_linear
+    from epdserve.shared.models.quantized_weight import QuantizedWeight
 
     n, k = LINEAR_SHAPES[model]
     (low, high), group, with_offset = QUANT_FORMATS[fmt]
     q = torch.randint(low, high, (n, k), device="cuda", dtype=torch.int8, generator=gen)
     scale = torch.randn(n, k // group, device="cuda", generator=gen) * 0.01
     offset = torch.randn(n, k // group, device="cuda", generator=gen) * 0.1 if with_offset else None
-    w = q.view(n, -1, group).float() * scale[:, :, None]
-    w = (w + offset[:, :, None] if with_offset else w).view(n, k)
+    w = QuantizedWeight(q, scale, offset).dequantize()
     tiles = quantized_linear.pack(q, scale, offset)
     eye = torch.eye(k, device="cuda")[:min(k, 512)]
     exact = torch.equal(quantized_linear.linear(eye, tiles), w[:, :eye.shape[0]].t())

@@ -225,10 +225,8 @@ class LlamaForCausalLM(nn.Module):
             if name == embedding:
                 if tied:
                     self.lm_head.set_quantized(weight, triton)
-                own = QuantizedWeight(*(None if t is None else t.to(self.lm_head.weight.device)
-                                        for t in (weight.q, weight.scale, weight.offset)))
-                self.model.embed_tokens = QuantizedEmbedding(self.lm_head.quantized if tied else own,
-                                                             self.config.hidden_size, self.lm_head.weight.dtype)
+                own = self.lm_head.quantized if tied else weight.to(self.lm_head.weight.device)
+                self.model.embed_tokens = QuantizedEmbedding(own, self.config.hidden_size, self.lm_head.weight.dtype)
             else:
                 linears[name].set_quantized(weight, triton)
         for module in self.modules():

@@ -31,6 +31,11 @@ class QuantizedWeight:
             w = w + self.offset[:, :, None]
         return w.view(n, k)
 
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """The same weight on `device`."""
+        return QuantizedWeight(self.q.to(device), self.scale.to(device),
+                               None if self.offset is None else self.offset.to(device))
+
     def in_groups_of(self, group: int, with_offset: bool) -> QuantizedWeight:
         """The same values in groups of `group` (a divisor of this one's), with an offset where asked: a
         format without one gets -0.0, the one value whose addition changes no float (x + -0.0 == x, signed

@@ -62,8 +62,8 @@ class Linear(nn.Linear):
         if triton:
             from epdserve.kernels import quantized_linear  # Triton, imported only where it runs
 
-            self.quantized = quantized_linear.pack(*(None if t is None else t.to(self.weight.device)
-                                                     for t in (weight.q, weight.scale, weight.offset)))
+            weight = weight.to(self.weight.device)
+            self.quantized = quantized_linear.pack(weight.q, weight.scale, weight.offset)
         else:
             self.quantized = cpu_linear.pack_quantized(weight.q, weight.scale, weight.offset)
         self.packed_weight = self.panels = None
