@@ -8,9 +8,10 @@
 // silu(gate) rounded to the model dtype before the product with up. Only RMSNorm's sum of squares adds up
 // in another order than torch's reduction does, and SiLU's exp is our own (vec_math.h: within 2 ulp of
 // std::exp, as torch's vectorized one is).
-// Not torch/extension.h, torch's whole C++ API: these are all a kernel uses, in half the compile time.
+// Not torch/extension.h (torch's whole C++ API) nor torch/types.h (every ATen op's declaration): the pybind11
+// bindings of at::Tensor, whose methods are all a kernel calls, parse in a third of the time.
 #include <torch/csrc/utils/pybind.h>
-#include <torch/types.h>
+#include <ATen/Dispatch.h>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -140,7 +141,7 @@ void silu_mul_impl(T* gate, const T* up, int64_t rows, int64_t cols, int64_t gat
 
 // out[r] = weight * (x[r] / rms(x[r])) (unit_offset: (1 + weight) * ...); x: [rows, hidden] with contiguous rows,
 // out: [rows, hidden] contiguous.
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps, bool unit_offset) {
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps, bool unit_offset) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x: [rows, hidden] on CPU, rows contiguous");
   TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
               weight.is_contiguous(), "out like x (contiguous), weight [hidden]");
@@ -152,7 +153,7 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
 }
 
 // x += delta (in place), then out = rms_norm(x); delta: [rows, hidden] contiguous, like out.
-void add_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps,
+void add_rms_norm(at::Tensor out, at::Tensor x, at::Tensor delta, at::Tensor weight, double eps,
                   bool unit_offset) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x: [rows, hidden] on CPU, rows contiguous");
   TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && delta.sizes() == x.sizes() && delta.is_contiguous() &&
@@ -168,7 +169,7 @@ void add_rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor delta, torch
 }
 
 // gate = silu(gate) * up, in place; gate, up: [rows, cols], contiguous within a row.
-void silu_mul_(torch::Tensor gate, torch::Tensor up) {
+void silu_mul_(at::Tensor gate, at::Tensor up) {
   TORCH_CHECK(gate.device().is_cpu() && gate.dim() == 2 && gate.stride(1) == 1 && up.sizes() == gate.sizes() &&
               up.stride(1) == 1, "gate, up: [rows, cols] on CPU, rows contiguous");
   TORCH_CHECK(up.scalar_type() == gate.scalar_type(), "one dtype");
@@ -180,7 +181,7 @@ void silu_mul_(torch::Tensor gate, torch::Tensor up) {
 
 // x = x * cos + rotate_half(x) * sin, in place; x: [tokens, heads, head_size] (head_size contiguous);
 // cos, sin: [tokens, head_size] rows (any row stride, contiguous within a row).
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
               "x: [tokens, heads, head_size] on CPU, head_size even and contiguous");
   TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) &&

@@ -12,9 +12,9 @@
 // With AVX2 and FMA (no AVX-512), the same panels are read by 8-lane tiles, 16 columns of a panel at a time
 // (sixteen registers hold six rows' accumulators for 16 columns, not for 64): each output is the same chain
 // of fused multiply-adds over k in the same order, so the results equal the AVX-512 kernel's bit for bit.
-// Not torch/extension.h, torch's whole C++ API: these are all a kernel uses, in half the compile time.
+// Not torch/extension.h (torch's whole C++ API) nor torch/types.h (every ATen op's declaration): the pybind11
+// bindings of at::Tensor, whose methods are all a kernel calls, parse in a third of the time.
 #include <torch/csrc/utils/pybind.h>
-#include <torch/types.h>
 
 #include <omp.h>
 
@@ -381,18 +381,18 @@ std::vector<std::string> dtypes() {
 
 // weight [N, K] -> panels: float32 [ceil(N / 64), K, 64]; bfloat16 [ceil(N / 64), ceil(K / 2), 64, 2] (k
 // in pairs). The columns past N are zero.
-torch::Tensor pack(torch::Tensor weight) {
+at::Tensor pack(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() &&
-              (weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16),
+              (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
               "weight: [N, K] float32 or bfloat16 on CPU");
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + PANEL - 1) / PANEL;
-  if (weight.scalar_type() == torch::kFloat32) {
-    auto padded = torch::zeros({panels * PANEL, K}, weight.options());
+  if (weight.scalar_type() == at::kFloat) {
+    auto padded = weight.new_zeros({panels * PANEL, K});
     padded.narrow(0, 0, N).copy_(weight);
     return padded.view({panels, PANEL, K}).transpose(1, 2).contiguous();
   }
   const int64_t pairs = (K + 1) / 2;
-  auto padded = torch::zeros({panels * PANEL, pairs * 2}, weight.options());
+  auto padded = weight.new_zeros({panels * PANEL, pairs * 2});
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
   // [panel, column, pair, 2] -> [panel, pair, column, 2]
   return padded.view({panels, PANEL, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
@@ -400,19 +400,19 @@ torch::Tensor pack(torch::Tensor weight) {
 
 
 // x [M, K] (rows contiguous), panels from pack() of an [N, K] weight of x's dtype, bias [N] or None -> y [M, N].
-torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
+at::Tensor linear(at::Tensor x, at::Tensor panels, int64_t N, c10::optional<at::Tensor> bias) {
   const auto dtype = x.scalar_type();
-  const bool bf16 = dtype == torch::kBFloat16;
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu() && (dtype == torch::kFloat32 || bf16),
+  const bool bf16 = dtype == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu() && (dtype == at::kFloat || bf16),
               "x: [M, K] float32 or bfloat16 on CPU, rows contiguous");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   TORCH_CHECK(panels.is_contiguous() && panels.scalar_type() == dtype && P * PANEL >= N && (P - 1) * PANEL < N &&
               (bf16 ? panels.dim() == 4 && panels.size(1) == (K + 1) / 2 && panels.size(2) == PANEL
                     : panels.dim() == 3 && panels.size(1) == K && panels.size(2) == PANEL),
               "panels: pack() of an [N, K] weight of x's dtype");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = x.new_empty({M, N});
   const bool has_bias = bias.has_value() && bias->defined();
-  if (dtype == torch::kFloat32) {
+  if (dtype == at::kFloat) {
 #ifdef EPDSERVE_PANEL_KERNEL
     run(x.data_ptr<float>(), x.stride(0), panels.data_ptr<float>(), y.data_ptr<float>(), M, K, N, P, K * PANEL,
         static_cast<const float*>(nullptr));
@@ -424,7 +424,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::opti
   }
 #ifdef __AVX512BF16__
   // The bias joins the float32 sums before their one rounding, as oneDNN's does.
-  torch::Tensor bias32 = has_bias ? torch::zeros({P * PANEL}, x.options().dtype(torch::kFloat32)) : torch::Tensor();
+  at::Tensor bias32 = has_bias ? x.new_zeros({P * PANEL}, x.options().dtype(at::kFloat)) : at::Tensor();
   if (has_bias) bias32.narrow(0, 0, N).copy_(*bias);
   run(x.data_ptr<c10::BFloat16>(), x.stride(0), panels.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), M, K, N,
       P, panels.size(1) * 2 * PANEL, has_bias ? bias32.data_ptr<float>() : nullptr);
@@ -439,52 +439,60 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::opti
 // offset[64] and q[G][64] (k-major, the columns past N zero). zero >= 0 (every q + zero in [0, 16), G even):
 // q as nibbles, [G / 2][64] bytes, k even in the low nibble of a byte and k + 1 in its high one - half the
 // bytes a decode streams for 4-bit formats.
-torch::Tensor pack_quantized(torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> offset, int64_t zero) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.device().is_cpu(), "q: [N, K] int8 on CPU");
+at::Tensor pack_quantized(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t zero) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.device().is_cpu(), "q: [N, K] int8 on CPU");
   const int64_t N = q.size(0), K = q.size(1), groups = scale.size(1);
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.scalar_type() == torch::kFloat32 && groups > 0 &&
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.scalar_type() == at::kFloat && groups > 0 &&
               K % groups == 0, "scale: [N, K / G] float32");
   const bool has_offset = offset.has_value() && offset->defined();
-  TORCH_CHECK(!has_offset || (offset->sizes() == scale.sizes() && offset->scalar_type() == torch::kFloat32),
+  TORCH_CHECK(!has_offset || (offset->sizes() == scale.sizes() && offset->scalar_type() == at::kFloat),
               "offset: as scale");
   const int64_t G = K / groups, panels = (N + PANEL - 1) / PANEL, rows = panels * PANEL;
   TORCH_CHECK(zero < 0 || (zero <= 15 && G % 2 == 0 && (q.numel() == 0 ||
                                                         (q.min().item<int>() + zero >= 0 && q.max().item<int>() + zero <= 15))),
               "nibbles: every q + zero in [0, 16) and an even group");
-  auto pad = [&](torch::Tensor t) {
-    auto padded = torch::zeros({rows, t.size(1)}, t.options());
+  auto pad = [&](at::Tensor t) {
+    auto padded = t.new_zeros({rows, t.size(1)});
     padded.narrow(0, 0, N).copy_(t);
     return padded;
   };
   // [panel, column, group] floats -> [panel, group, column]; q [panel, column, group, G] -> [panel, group, G, column]
-  std::vector<torch::Tensor> parts{pad(scale).view({panels, PANEL, groups}).transpose(1, 2).contiguous()
-                                       .view(torch::kUInt8).view({panels, groups, PANEL * 4})};
+  std::vector<at::Tensor> parts{pad(scale).view({panels, PANEL, groups}).transpose(1, 2).contiguous()
+                                       .view(at::kByte).view({panels, groups, PANEL * 4})};
   if (has_offset)
-    parts.push_back(pad(*offset).view({panels, PANEL, groups}).transpose(1, 2).contiguous().view(torch::kUInt8)
+    parts.push_back(pad(*offset).view({panels, PANEL, groups}).transpose(1, 2).contiguous().view(at::kByte)
                         .view({panels, groups, PANEL * 4}));
   auto q_panels = pad(q).view({panels, PANEL, groups, G}).permute({0, 2, 3, 1}).contiguous();  // [p, g, k, column]
   if (zero >= 0) {  // the padding columns' q = 0 become nibble `zero`: unread, the store masks them
-    auto nib = (q_panels.to(torch::kInt16) + zero).to(torch::kUInt8).view({panels, groups, G / 2, 2, PANEL});
+    auto nib = q_panels.to(at::kShort).add(zero).to(at::kByte).view({panels, groups, G / 2, 2, PANEL});
     q_panels = nib.select(3, 0).bitwise_or(nib.select(3, 1).bitwise_left_shift(4)).contiguous();
     parts.push_back(q_panels.view({panels, groups, G / 2 * PANEL}));
   } else {
-    parts.push_back(q_panels.view(torch::kUInt8).view({panels, groups, G * PANEL}));
+    parts.push_back(q_panels.view(at::kByte).view({panels, groups, G * PANEL}));
   }
-  return torch::cat(parts, 2).contiguous();
+  int64_t bytes = 0;
+  for (const auto& part : parts) bytes += part.size(2);
+  auto packed = q.new_empty({panels, groups, bytes}, q.options().dtype(at::kByte));
+  bytes = 0;
+  for (const auto& part : parts) {
+    packed.narrow(2, bytes, part.size(2)).copy_(part);
+    bytes += part.size(2);
+  }
+  return packed;
 }
 
 // x [M, K] float32 (rows contiguous), panels from pack_quantized() of an [N, K] weight (with `zero` as packed)
 // -> y [M, N]; equal to linear() on the dequantized weight, bit for bit.
-torch::Tensor linear_quantized(torch::Tensor x, torch::Tensor panels, int64_t N, bool has_offset, int64_t zero,
-                               c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu() && x.scalar_type() == torch::kFloat32,
+at::Tensor linear_quantized(at::Tensor x, at::Tensor panels, int64_t N, bool has_offset, int64_t zero,
+                               c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu() && x.scalar_type() == at::kFloat,
               "x: [M, K] float32 on CPU, rows contiguous");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), groups = panels.size(1);
-  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.scalar_type() == torch::kUInt8 &&
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.scalar_type() == at::kByte &&
               P * PANEL >= N && (P - 1) * PANEL < N && groups > 0 && K % groups == 0 &&
               panels.size(2) == ((has_offset ? 2 : 1) * PANEL * 4 + (zero >= 0 ? K / groups / 2 : K / groups) * PANEL),
               "panels: pack_quantized() of an [N, K] weight");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = x.new_empty({M, N});
 #ifdef EPDSERVE_PANEL_KERNEL
   run(x.data_ptr<float>(), x.stride(0), panels.data_ptr<uint8_t>(), y.data_ptr<float>(), M, K, N, P,
       groups * panels.size(2), QuantLayout{K / groups, has_offset, static_cast<int>(zero)});

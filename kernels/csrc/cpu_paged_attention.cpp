@@ -25,9 +25,10 @@
 // Without AVX-512, AVX2 runs the same steps 8 lanes at a time (head sizes a multiple of 8): the vector
 // loops are written once, over `Lanes`, the few steps whose instructions differ with the width. The plain
 // loops below serve every other case.
-// Not torch/extension.h, torch's whole C++ API: these are all a kernel uses, in half the compile time.
+// Not torch/extension.h (torch's whole C++ API) nor torch/types.h (every ATen op's declaration): the pybind11
+// bindings of at::Tensor, whose methods are all a kernel calls, parse in a third of the time.
 #include <torch/csrc/utils/pybind.h>
-#include <torch/types.h>
+#include <ATen/Dispatch.h>
 
 #include <omp.h>
 #include <c10/util/BFloat16.h>
@@ -584,7 +585,7 @@ void attention_impl(Q* out, const Q* query, const T* key_cache, const T* value_c
 
 // Whether every value of a contiguous int64 tensor lies in [lo, hi]: a plain loop over what are a few to a few
 // thousand indices, checked in every layer's call (torch's min() and max() cost microseconds each to dispatch).
-static bool all_within(const torch::Tensor& t, int64_t lo, int64_t hi) {
+static bool all_within(const at::Tensor& t, int64_t lo, int64_t hi) {
   const int64_t* p = t.data_ptr<int64_t>();
   bool ok = true;
   for (int64_t i = 0, n = t.numel(); i < n; ++i) ok &= p[i] >= lo && p[i] <= hi;
@@ -597,9 +598,9 @@ static bool all_within(const torch::Tensor& t, int64_t lo, int64_t hi) {
 // [num_blocks, num_kv_heads, block_size, head_size] contiguous (the head-major storage; an int8 cache's rows
 // are head_size + 2 long, see the top); block_tables: [num_seqs, >= blocks of the longest] int64. Indices are
 // int64; out and query share a dtype, and the caches share that one, or are bfloat16, FP8 or int8.
-void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                     torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor table_rows,
-                     torch::Tensor seq_lens, double scale, int64_t sliding_window) {
+void paged_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                     at::Tensor value_cache, at::Tensor block_tables, at::Tensor table_rows,
+                     at::Tensor seq_lens, double scale, int64_t sliding_window) {
   TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "paged_attention runs on CPU tensors");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && key_cache.dim() == 4 &&
               value_cache.sizes() == key_cache.sizes(),
@@ -608,14 +609,14 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
               "out, query and the (head-major) caches must be contiguous");
   const auto cache_type = key_cache.scalar_type();
   TORCH_CHECK(out.scalar_type() == query.scalar_type() && value_cache.scalar_type() == cache_type &&
-              (cache_type == query.scalar_type() || cache_type == torch::kBFloat16 ||
-               cache_type == torch::kFloat8_e4m3fn || cache_type == torch::kFloat8_e5m2 || cache_type == torch::kChar),
+              (cache_type == query.scalar_type() || cache_type == at::kBFloat16 ||
+               cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2 || cache_type == at::kChar),
               "out and query share a dtype; the caches share it too, or are bfloat16, float8 (e4m3fn, e5m2) or int8");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && table_rows.scalar_type() == torch::kInt64 &&
-              seq_lens.scalar_type() == torch::kInt64, "block_tables, table_rows and seq_lens must be int64");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && table_rows.scalar_type() == at::kLong &&
+              seq_lens.scalar_type() == at::kLong, "block_tables, table_rows and seq_lens must be int64");
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
-  const bool int8_rows = cache_type == torch::kChar;
+  const bool int8_rows = cache_type == at::kChar;
   TORCH_CHECK(key_cache.size(3) == (int8_rows ? row_elems<I8>(head_size) : head_size) && num_heads % num_kv_heads == 0,
               "head sizes (an int8 cache's rows: head_size + 2) or GQA ratio");
   TORCH_CHECK(table_rows.size(0) == num_tokens && seq_lens.size(0) == num_tokens, "one table row and length per token");
@@ -640,9 +641,9 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
     if (cache_type == query.scalar_type()) {
       run(static_cast<Q*>(nullptr));
     } else if constexpr (std::is_same_v<Q, float> || std::is_same_v<Q, c10::BFloat16>) {  // the engines' dtypes
-      if (cache_type == torch::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
-      else if (cache_type == torch::kFloat8_e4m3fn) run(static_cast<E4M3*>(nullptr));
-      else if (cache_type == torch::kFloat8_e5m2) run(static_cast<E5M2*>(nullptr));
+      if (cache_type == at::kBFloat16) run(static_cast<c10::BFloat16*>(nullptr));
+      else if (cache_type == at::kFloat8_e4m3fn) run(static_cast<E4M3*>(nullptr));
+      else if (cache_type == at::kFloat8_e5m2) run(static_cast<E5M2*>(nullptr));
       else run(static_cast<I8*>(nullptr));
     } else {
       TORCH_CHECK(false, "a cache narrower than the query needs a float32 or bfloat16 query");
@@ -670,9 +671,9 @@ void quantize_row(const X* x, int64_t n, I8* out) {
 // key, value: [num_tokens, num_kv_heads, head_size] contiguous; caches head-major as above; slot_mapping:
 // [num_tokens] int64, slot = block * block_size + offset. The caches share the keys' dtype, or are int8
 // (the keys float32 or bfloat16, each row quantized as it is written).
-void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
-              torch::Tensor slot_mapping) {
-  const bool int8_rows = key_cache.scalar_type() == torch::kChar;
+void write_kv(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor value_cache,
+              at::Tensor slot_mapping) {
+  const bool int8_rows = key_cache.scalar_type() == at::kChar;
   TORCH_CHECK(key.device().is_cpu() && key_cache.device().is_cpu(), "write_kv runs on CPU tensors");
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
               key.size(1) == key_cache.size(1) &&
@@ -682,10 +683,10 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, t
   TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "key, value and the (head-major) caches must be contiguous");
   TORCH_CHECK(value.scalar_type() == key.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type() &&
-              (int8_rows ? key.scalar_type() == torch::kFloat || key.scalar_type() == torch::kBFloat16
+              (int8_rows ? key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16
                          : key.scalar_type() == key_cache.scalar_type()),
               "key, value and caches must share a dtype (an int8 cache: float32 or bfloat16 keys)");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
               "slot_mapping: [tokens] int64");
   auto slots = slot_mapping.contiguous();
   const int64_t num_tokens = key.size(0), heads = key.size(1), head_size = key.size(2);
@@ -700,7 +701,7 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, t
   char* kc = static_cast<char*>(key_cache.data_ptr());
   char* vc = static_cast<char*>(value_cache.data_ptr());
   const auto quantize = [&](const char* src, char* dst) {
-    if (key.scalar_type() == torch::kFloat)
+    if (key.scalar_type() == at::kFloat)
       quantize_row(reinterpret_cast<const float*>(src), head_size, reinterpret_cast<I8*>(dst));
     else
       quantize_row(reinterpret_cast<const c10::BFloat16*>(src), head_size, reinterpret_cast<I8*>(dst));
