@@ -1,7 +1,7 @@
 """The `epdserve` command.
 
     epdserve model {llava-demo,smollm2,gemma3-270m,tiny-*,bench-*}  prepare a model folder, print its path
-    epdserve serve {encoder,prefill,decode,unified,proxy} ...   run one service
+    epdserve serve {encoder,prefill,decode,unified,proxy,kvstore,planner} ...   run one service
     epdserve up [--model PATH] [--port 8000] [--encoders N --prefills N --decodes N | --unified]
     epdserve keys DIR                                            make the CURVE certificate services share
     epdserve bench serve [--base-url URL] [--dataset-name ...]   load-test an OpenAI-compatible server
@@ -356,6 +356,14 @@ def _serve_command(args: argparse.Namespace) -> int:
         config = service_config(args)
         _starting(config.engine_id, "no model")
         return asyncio.run(run_service(config, worker_builder(config, None, "")))
+    if args.role == "planner":  # no model: it reads the proxy's metrics
+        from epdserve.services.planner.service import PlannerService
+
+        config = planner_config(args, None, False)
+        _starting("planner", args.proxy_url)
+        name = args.served_model_name[0] if args.served_model_name else None
+        asyncio.run(PlannerService(config, args.proxy_url, api_key(args), name).run(args.host, args.http_port))
+        return 0
     model = model_folder(args)
     if args.role == "proxy":
         from epdserve.services.proxy.server import run_proxy
@@ -446,11 +454,17 @@ def stack_config(args: argparse.Namespace, model: str):
             check_otlp_endpoint(args.otlp_traces_endpoint)
         except ValueError as exc:
             raise SystemExit(f"epdserve: error: {exc}") from None
-    encoders = args.encoders if args.encoders is not None else int(is_multimodal(model))
-    planner = planner_config(args)
+    multimodal = is_multimodal(model)
+    encoders = args.encoders if args.encoders is not None else int(multimodal)
+    planner = planner_config(args, encoders, multimodal)
     if planner is not None:  # the stack starts within the bounds
-        args.prefills = min(max(args.prefills, planner.bounds["prefill"][0]), planner.bounds["prefill"][1])
-        args.decodes = min(max(args.decodes, planner.bounds["decode"][0]), planner.bounds["decode"][1])
+
+        def bounded(role: str, count: int) -> int:
+            low, high = planner.bounds.get(role, (count, count))
+            return min(max(count, low), high)
+
+        encoders, args.prefills, args.decodes = (bounded("encoder", encoders), bounded("prefill", args.prefills),
+                                                 bounded("decode", args.decodes))
     forwarding = args.forwarding
     if args.chat_template is not None:
         chat_template(args.chat_template)  # a template that is no file and no template is refused now
@@ -464,33 +478,45 @@ def stack_config(args: argparse.Namespace, model: str):
                        tuple(forwarding.encoders.argv(args)), tuple(forwarding.proxy.argv(args)), planner)
 
 
-def planner_config(args: argparse.Namespace):
-    """`up`'s planner options, checked (None without --planner)."""
+def planner_config(args: argparse.Namespace, encoders: int | None, multimodal: bool):
+    """The planner's options, checked: `up`'s (None without --planner; `encoders`: the stack's, `multimodal`:
+    whether the model takes images) or `serve planner`'s (`encoders` None: only the roles named are scaled)."""
     from epdserve.services.planner.autoscaler import PlannerConfig, bounds_for, parse_bounds
     from epdserve.services.planner.layout_model import SLO
     from epdserve.services.planner.profile import EngineProfile
 
+    service = encoders is None
     given = [flag for flag, value in (("--planner-bounds", args.planner_bounds), ("--ttft-slo", args.ttft_slo),
                                       ("--tpot-slo", args.tpot_slo), ("--planner-profile", args.planner_profile))
              if value is not None]
-    if not args.planner:
+    if not service and not args.planner:
         if given:
             raise SystemExit(f"epdserve: error: {given[0]} needs --planner")
         return None
-    if args.unified:
-        raise SystemExit("epdserve: error: --planner scales prefills and decodes: not with --unified")
+    needs = "epdserve serve planner needs" if service else "--planner needs"
+    if not service and args.unified:
+        raise SystemExit("epdserve: error: --planner scales encoders, prefills and decodes: not with --unified")
     for flag, value in (("--ttft-slo", args.ttft_slo), ("--tpot-slo", args.tpot_slo),
                         ("--planner-interval", args.planner_interval)):
         if value is None or not value > 0 or value == float("inf"):
-            raise SystemExit(f"epdserve: error: --planner needs {flag} above 0" + ("" if value is None else
-                                                                                 f", got {value:g}"))
+            raise SystemExit(f"epdserve: error: {needs} {flag} above 0" + ("" if value is None else
+                                                                          f", got {value:g}"))
     try:
-        bounds = bounds_for(parse_bounds(args.planner_bounds or ""), args.prefills, args.decodes)
+        given_bounds = parse_bounds(args.planner_bounds or "")
+        if service:
+            if not given_bounds:
+                raise ValueError(f"{needs} --planner-bounds: the roles it scales")
+            bounds = given_bounds
+        else:
+            if "encoder" in given_bounds and not multimodal:
+                raise ValueError("--planner-bounds encoder=...: the model takes no images, so it has no encoder to "
+                                 "scale")
+            bounds = bounds_for(given_bounds, encoders, args.prefills, args.decodes)
         if args.planner_profile is not None:
             EngineProfile.load(args.planner_profile)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"epdserve: error: {exc}") from None
-    if bounds["prefill"][0] < 1:
+    if not service and bounds["prefill"][0] < 1:
         raise SystemExit("epdserve: error: --planner needs at least one prefill (--prefills or --planner-bounds)")
     return PlannerConfig(bounds, SLO(args.ttft_slo, args.tpot_slo), args.planner_interval, args.planner_profile)
 

@@ -12,7 +12,7 @@ from epdserve.services.proxy.reasoning_parsers import REASONING_PARSERS as REASO
 from epdserve.services.proxy.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 from epdserve.shared.config import BUDGET_POLICIES
 
-ROLES = ("encoder", "prefill", "decode", "unified", "proxy", "kvstore")
+ROLES = ("encoder", "prefill", "decode", "unified", "proxy", "kvstore", "planner")
 MODELS = ("llava-demo", "smollm2", "gemma3-270m", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe",
           "tiny-mixtral", "tiny-gemma3", "tiny-qwen2.5-vl", "tiny-lora",
           "bench-qwen3-moe")
@@ -226,8 +226,9 @@ def add_transport_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
-    """`epdserve serve <role>`'s options (every role but the KV store has a `--model`; all the log level)."""
-    if role != "kvstore":  # the store holds blocks of any model
+    """`epdserve serve <role>`'s options (every role but the KV store and the planner has a `--model`; all the log
+    level)."""
+    if role not in ("kvstore", "planner"):  # the store holds blocks of any model; the planner reads metrics
         add_model_argument(p)
     add_log_level(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 exposes every interface)")
@@ -236,6 +237,8 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
         _add_proxy_options(p)
     elif role == "kvstore":
         _add_kvstore_options(p)
+    elif role == "planner":
+        _add_planner_service_options(p)
     else:
         add_service_ports(p, "control channel port", "default: <role>-<hostname>-<port>")
         p.add_argument("--data-port", type=int, default=0, help="KV / embedding transfer port (prefill, encoder)")
@@ -263,6 +266,31 @@ def add_service_options(p: argparse.ArgumentParser, role: str) -> None:
                            help="how long one call to the KV store may take; past it the store counts as down "
                                 "for a few seconds and requests compute their prompts (default: %(default)s)")
     add_transport_args(p)
+
+
+def add_planner_options(p: argparse._ActionsContainer, scaled: str) -> None:
+    """The planner's own options (`up --planner`, `serve planner`); `scaled`: what a role not in the bounds does."""
+    p.add_argument("--planner-bounds", metavar="ROLE=LOW:HIGH,...",
+                   help=f"e.g. decode=1:2,prefill=1:2,encoder=1:2 (a role not named {scaled})")
+    p.add_argument("--ttft-slo", type=float, metavar="SECONDS", help="mean time to first token")
+    p.add_argument("--tpot-slo", type=float, metavar="SECONDS", help="mean time per output token")
+    p.add_argument("--planner-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between the planner's decisions (default: %(default)s)")
+    p.add_argument("--planner-profile", metavar="FILE",
+                   help="a profile `epdserve plan --save-profile` wrote: scale to what it predicts the forecast "
+                        "load needs, not only on measured SLO breaches")
+
+
+def _add_planner_service_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--proxy-url", required=True, metavar="URL",
+                   help="the stack's proxy, whose /metrics and /ready the planner reads (e.g. http://proxy:8000)")
+    p.add_argument("--http-port", type=int, default=9000,
+                   help="port of /health, /ready and /metrics (epdserve:planner_desired_replicas) (default: "
+                        "%(default)s)")
+    add_planner_options(p, "is not scaled: no replicas are wanted of it")
+    add_api_key_options(p, "the proxy's API key, to read its /ready (default: $EPDSERVE_API_KEY)",
+                        "a file holding the proxy's API key (overrides --api-key)")
+    add_served_model_name(p, "the model_name label of the planner's metric (default: the proxy's first)")
 
 
 def _add_kvstore_options(p: argparse.ArgumentParser) -> None:
@@ -443,20 +471,12 @@ def add_up_options(up: argparse.ArgumentParser) -> None:
                                "flight; a second Ctrl-C cuts them, a third kills (default: %(default)s)")
     up.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS",
                     help="seconds to wait for every service to be ready (default: %(default)s)")
-    planner = up.add_argument_group("planner (prefills and decodes added and retired with the load)")
+    planner = up.add_argument_group("planner (encoders, prefills and decodes added and retired with the load)")
     planner.add_argument("--planner", action="store_true",
-                         help="every --planner-interval, scale the prefills and decodes within --planner-bounds to "
+                         help="every --planner-interval, scale the roles within --planner-bounds to "
                               "meet --ttft-slo and --tpot-slo, from the proxy's measurements (and a profile, "
                               "--planner-profile); a retired instance gets no new request and stops once idle")
-    planner.add_argument("--planner-bounds", metavar="ROLE=LOW:HIGH,...",
-                         help="e.g. decode=1:2,prefill=1:2 (a role not named keeps --prefills/--decodes)")
-    planner.add_argument("--ttft-slo", type=float, metavar="SECONDS", help="with --planner: mean time to first token")
-    planner.add_argument("--tpot-slo", type=float, metavar="SECONDS", help="with --planner: mean time per output token")
-    planner.add_argument("--planner-interval", type=float, default=10.0, metavar="SECONDS",
-                         help="seconds between the planner's decisions (default: %(default)s)")
-    planner.add_argument("--planner-profile", metavar="FILE",
-                         help="a profile `epdserve plan --save-profile` wrote: scale to what it predicts the forecast "
-                              "load needs, not only on measured SLO breaches")
+    add_planner_options(planner, "keeps --encoders/--prefills/--decodes")
     add_log_level(up)
     services = {}
     for role in ("decode", "encoder", "proxy"):

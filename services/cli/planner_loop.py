@@ -1,14 +1,14 @@
 """`epdserve up --planner`'s loop: every interval, the proxy's metrics scraped, the autoscaler asked
-(services/planner/autoscaler.py), and the stack's prefills and decodes added or retired to match; every decision
-printed with its reason. The proxy learns of each change from the stack's discovery file, and exports what the
-planner wants (epdserve:planner_desired_replicas{role})."""
+(services/planner/autoscaler.py), and the stack's encoders, prefills and decodes added or retired to match; every
+decision printed with its reason. The proxy learns of each change from the stack's discovery file, and exports what
+the planner wants (epdserve:planner_desired_replicas{role})."""
 from __future__ import annotations
 
 import time
 import urllib.error
 import urllib.request
 
-from epdserve.services.planner.autoscaler import SCALED_ROLES, Autoscaler, Counters, Observation, PlannerConfig
+from epdserve.services.planner.autoscaler import Autoscaler, Counters, PlannerConfig
 from epdserve.services.planner.profile import EngineProfile
 
 
@@ -18,12 +18,11 @@ class PlannerLoop:
         self.stack, self.config, self.url = stack, config, url
         profile = EngineProfile.load(config.profile) if config.profile else None
         self.autoscaler = Autoscaler(config.bounds, config.slo, profile)
-        self._last: tuple[float, Counters] | None = None
         self._next = time.monotonic()
         stack.write_discovery(desired=self._counts())
 
     def _counts(self) -> dict[str, int]:
-        return {role: self.stack.count(role) for role in SCALED_ROLES}
+        return {role: self.stack.count(role) for role in self.autoscaler.roles}
 
     def _scrape(self) -> Counters | None:
         key = self.stack.config.api_key
@@ -44,14 +43,13 @@ class PlannerLoop:
         counters = self._scrape()
         if counters is None:
             return
-        last, self._last = self._last, (now, counters)
-        if last is None:
+        observation = self.autoscaler.observe(counters, now)
+        if observation is None:
             return
-        observation = Observation.between(last[1], counters, now - last[0])
         current = self._counts()
         decided, reasons = self.autoscaler.decide(observation, current)
         changes = []
-        for role in SCALED_ROLES:
+        for role in self.autoscaler.roles:
             while self.stack.count(role) < decided[role]:
                 changes.append(f"started {self.stack.add_instance(role)}")
             while self.stack.count(role) > decided[role]:
@@ -62,6 +60,6 @@ class PlannerLoop:
             measured = (f"{observation.rate:.2f} req/s; TTFT " + (f"{observation.ttft:.3f} s" if observation.ttft
                                                                   is not None else "-") + ", TPOT " +
                         (f"{observation.tpot * 1000:.0f} ms" if observation.tpot is not None else "-"))
-            counts = ", ".join(f"{role} {current[role]} -> {decided[role]}" for role in SCALED_ROLES)
+            counts = ", ".join(f"{role} {current[role]} -> {decided[role]}" for role in self.autoscaler.roles)
             print(f"epdserve up: planner: {counts} ({measured}): {'; '.join(reasons) or 'no change'}"
                   + (f"; {', '.join(changes)}" if changes else ""), flush=True)

@@ -97,10 +97,12 @@ class EncoderWorker:
         self.data_addr = data_addr
         self.metrics = ServiceMetrics(service.role, service.engine_id, model_name,
                                       mm_cache=lambda: (self.cache.hits + self.cache.misses, self.cache.hits),
-                                      rejected_frames=rejected_frames)
+                                      rejected_frames=rejected_frames,
+                                      requests=lambda: (int(self.busy), self._waiting))
         # One image at a time through the model, on the one thread with the service's compute threads; the
         # event loop stays free meanwhile.
         self._lock = asyncio.Lock()
+        self._waiting = 0  # images waiting for it
         self._executor = ThreadPoolExecutor(1, "epdserve-encoder", initializer=set_this_thread, initargs=(service.threads,))
 
     def status(self, health: Health) -> Status:
@@ -144,9 +146,16 @@ class EncoderWorker:
             return self.encoder.embed(rgb).cpu().contiguous()
 
         queued = time.monotonic()
-        async with self._lock:
+        self._waiting += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self._waiting -= 1
+        try:
             computing = time.monotonic()
             embeddings = await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        finally:
+            self._lock.release()
         spans.add("encode.queue", queued, computing)
         spans.add("encode.compute", computing, time.monotonic(), embeddings.nbytes)
         self.cache.put(item_hash, embeddings)

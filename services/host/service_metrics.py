@@ -50,8 +50,8 @@ TRANSFER_BYTE_BUCKETS = tuple(float(1 << b) for b in range(16, 35, 2))
 
 class _EngineCollector:
     def __init__(self, labels: dict[str, str], stats: Callable[[], EngineStats] | None,
-                 extra: Callable[[], dict]) -> None:
-        self.labels, self.stats, self.extra = labels, stats, extra
+                 extra: Callable[[], dict], requests: Callable[[], tuple[int, int]] | None = None) -> None:
+        self.labels, self.stats, self.extra, self.requests = labels, stats, extra, requests
 
     def collect(self):
         names, values = list(self.labels), list(self.labels.values())
@@ -75,6 +75,10 @@ class _EngineCollector:
         for name, (doc, value) in self.extra().items():
             yield counter(name, doc, value)
         if self.stats is None:
+            if self.requests is not None:  # a service without an engine (an encoder): its own two counts
+                running, waiting = self.requests()
+                yield gauge("vllm:num_requests_running", "Requests being worked on.", running)
+                yield gauge("vllm:num_requests_waiting", "Requests waiting for their turn.", waiting)
             return
         s = self.stats()
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
@@ -178,15 +182,17 @@ _TIER_SERIES = (
 class ServiceMetrics:
     def __init__(self, role: str, engine_id: str, model_name: str, stats: Callable[[], EngineStats] | None = None,
                  mm_cache: Callable[[], tuple[int, int]] | None = None,
-                 rejected_frames: Callable[[], int] = lambda: 0) -> None:
+                 rejected_frames: Callable[[], int] = lambda: 0,
+                 requests: Callable[[], tuple[int, int]] | None = None) -> None:
         """`stats()`: the engine's state (engines); `mm_cache()`: (images looked up, images found) (encoders);
-        `rejected_frames()`: frames the service's channels dropped (malformed, oversized, unknown)."""
+        `rejected_frames()`: frames the service's channels dropped (malformed, oversized, unknown); `requests()`:
+        (running, waiting) where there is no engine's state (encoders: what tells a retiring one idle)."""
         self.registry = CollectorRegistry()
         self.labels = {"model_name": model_name, "engine": ENGINE_INDEX, "role": role, "engine_id": engine_id}
         self.role = role
         self.rejected_frames = rejected_frames
         self.mm_cache = mm_cache
-        self.registry.register(_EngineCollector(self.labels, stats, self._extra))
+        self.registry.register(_EngineCollector(self.labels, stats, self._extra, requests))
         names = list(self.labels)
 
         def counter(name: str, doc: str):

@@ -28,7 +28,7 @@ class Traffic:
     rate: float  # requests per second
     input_len: int
     output_len: int
-    images: int = 0  # per request
+    images: float = 0  # per request (a mean)
 
 
 @dataclass(frozen=True)

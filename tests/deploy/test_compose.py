@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose.yaml"
 CURVE_OVERLAY = REPO / "deploy" / "compose.curve.yaml"
 UCX_OVERLAY = REPO / "compose.ucx.yaml"
-PROFILES = [(), ("gpu",), ("monitoring",), ("gpu", "monitoring")]
+PROFILES = [(), ("gpu",), ("monitoring",), ("gpu", "monitoring"), ("planner", "monitoring")]
 ENGINE_ROLES = ("encoder", "prefill", "decode")
 
 
@@ -187,6 +187,28 @@ def test_prometheus_scrapes_every_metrics_port(compose_config, epdserve_services
         if args.role == "proxy":  # the key, for a proxy whose /metrics needs it (--metrics-require-api-key)
             credentials = job["authorization"]["credentials_file"]
             assert credentials in [s["target"] for s in prometheus["secrets"]]
+
+
+def test_the_planner_reads_the_proxy_and_is_scraped_keeping_its_role_label(compose_config, epdserve_services):
+    from epdserve.services.planner.autoscaler import parse_bounds
+
+    assert "planner" not in compose_config()["services"], "only with the planner profile"
+    project = compose_config("planner", "monitoring", EPDSERVE_PLANNER_BOUNDS="decode=1:3", EPDSERVE_API_KEY="k")
+    services = epdserve_services(project)
+    service, args = services["planner"]
+    assert args.role == "planner" and parse_bounds(args.planner_bounds) == {"decode": (1, 3)}
+    host, port = args.proxy_url.removeprefix("http://").rsplit(":", 1)
+    assert services[host][1].role == "proxy" and services[host][1].port == int(port)
+    assert service["environment"]["EPDSERVE_API_KEY"] == "k"  # to read the proxy's /ready
+    assert service["depends_on"]["proxy"]["condition"] == "service_healthy"
+    assert int(service["healthcheck"]["test"][2]) == args.http_port
+    default = compose_config("planner")["services"]["planner"]["command"]
+    assert parse_bounds(default[default.index("--planner-bounds") + 1]) == {"encoder": (1, 2), "prefill": (1, 2),
+                                                                            "decode": (1, 2)}
+    (mount,) = [v for v in project["services"]["prometheus"]["volumes"] if v["target"] == "/etc/prometheus/prometheus.yml"]
+    (job,) = [j for j in yaml.safe_load(Path(mount["source"]).read_text())["scrape_configs"]
+              if "planner" in j["dns_sd_configs"][0]["names"]]
+    assert job["dns_sd_configs"][0]["port"] == args.http_port and job["honor_labels"] is True
 
 
 def test_grafana_provisions_the_charts_dashboard_on_prometheus(compose_config):

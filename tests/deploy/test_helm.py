@@ -33,6 +33,11 @@ def selects(selector, labels):
     return all(labels.get(k) == v for k, v in selector.items())
 
 
+def serving(objects):
+    """The Deployments of the roles that serve requests (not the planner, which reads the proxy's metrics)."""
+    return [d for d in of_kind(objects, "Deployment") if d["metadata"]["labels"][ROLE_LABEL] != "planner"]
+
+
 def main_container(deployment):
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     return container
@@ -99,7 +104,7 @@ def test_bad_values_are_refused_by_the_schema(helm, values):
 
 @pytest.mark.parametrize("values", GOOD_VALUES, ids=value_id)
 def test_probes_hit_the_ports_each_process_listens_on(render, served, values):
-    for deployment in of_kind(render(values)[1], "Deployment"):
+    for deployment in serving(render(values)[1]):
         args, declared = served(deployment)
         listening = listening_ports(args)
         assert sorted(declared.items()) == sorted((port, name) for name, port in listening.items()), \
@@ -117,7 +122,7 @@ def test_probes_hit_the_ports_each_process_listens_on(render, served, values):
 @pytest.mark.parametrize("values", GOOD_VALUES, ids=value_id)
 def test_proxy_discovers_each_role_through_its_headless_service(render, served, values):
     objects = render(values)[1]
-    deployments = {d["metadata"]["labels"][ROLE_LABEL]: d for d in of_kind(objects, "Deployment")}
+    deployments = {d["metadata"]["labels"][ROLE_LABEL]: d for d in serving(objects)}
     services = by_name(objects, "Service")
     proxy, _ = served(deployments.pop("proxy"))
     targets = {"encoder": proxy.encoder, "prefill": proxy.prefill, "decode": proxy.decode}
@@ -137,7 +142,7 @@ def test_proxy_discovers_each_role_through_its_headless_service(render, served, 
 @pytest.mark.parametrize("values", GOOD_VALUES, ids=value_id)
 def test_engines_advertise_their_pod_ip(render, served, values):
     # Pod names do not resolve in cluster DNS, so the default (the hostname) would be unreachable.
-    for deployment in of_kind(render(values)[1], "Deployment"):
+    for deployment in serving(render(values)[1]):
         args, _ = served(deployment)
         assert args.host == "0.0.0.0" and args.advertise_host == "$(POD_IP)"
         env = {e["name"]: e for e in main_container(deployment)["env"]}
@@ -336,7 +341,7 @@ def test_every_pod_outlives_its_drain(render, served, values):
     """preStop sleep, then SIGTERM and the service's own --drain-timeout: the kubelet's grace covers both
     with room for the cut streams' last events, so it never SIGKILLs a pod that is still draining."""
     shutdown = chart_values(values)["shutdown"]
-    for deployment in of_kind(render(values)[1], "Deployment"):
+    for deployment in serving(render(values)[1]):
         args, _ = served(deployment)
         pod = deployment["spec"]["template"]["spec"]
         assert args.drain_timeout == shutdown["drainTimeoutSeconds"]
@@ -392,6 +397,58 @@ def test_keda_scales_engines_on_their_queue_from_prometheus(render):
     assert scaled["prefill"]["spec"]["triggers"][0]["metadata"]["threshold"] == "4"
     assert (scaled["decode"]["spec"]["minReplicaCount"], scaled["decode"]["spec"]["maxReplicaCount"]) == (2, 10)
     assert of_kind(objects, "ServiceMonitor"), "the query needs the engines scraped"
+
+
+def test_the_planner_sets_the_replicas_of_the_roles_that_scale_on_it(helm, render, parse_cli, tmp_path):
+    from epdserve.services.planner.autoscaler import parse_bounds
+    from epdserve.services.planner.profile import EngineProfile
+
+    values = VALUES / "keda-planner-autoscaling.yaml"
+    objects = render(values)[1]
+    deployments, services = deployments_by_role(objects), by_name(objects, "Service")
+    planner = deployments["planner"]
+    container = main_container(planner)
+    args = parse_cli(container["command"] + container["args"])
+    assert args.role == "planner" and parse_bounds(args.planner_bounds) == {"encoder": (1, 3), "decode": (2, 6)}
+    assert (args.ttft_slo, args.tpot_slo, args.planner_interval) == (1.5, 0.04, 5.0)
+    # It reads the proxy through the proxy's Service, with the API key.
+    host, port = args.proxy_url.removeprefix("http://").rsplit(":", 1)
+    assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]]
+    assert selects(services[host]["spec"]["selector"], deployments["proxy"]["spec"]["template"]["metadata"]["labels"])
+    (key,) = [e for e in container["env"] if e["name"] == "EPDSERVE_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "api-key", "key": "api-key"}
+    # Its profile: the values' JSON, mounted where --planner-profile points, and a profile the planner reads.
+    (config,) = [c for c in of_kind(objects, "ConfigMap") if "profile.json" in c.get("data", {})]
+    mount = next(m for m in container["volumeMounts"] if args.planner_profile.startswith(m["mountPath"] + "/"))
+    assert next(v for v in planner["spec"]["template"]["spec"]["volumes"]
+                if v["name"] == mount["name"])["configMap"]["name"] == config["metadata"]["name"]
+    profile = tmp_path / "profile.json"
+    profile.write_text(config["data"]["profile.json"])
+    assert EngineProfile.load(profile).encode == 0.1
+    # KEDA scales the planner's roles to what it exports; the prefills still on their queue.
+    scaled = {s["metadata"]["labels"][ROLE_LABEL]: s for s in of_kind(objects, "ScaledObject")}
+    for role in ("encoder", "decode"):
+        (trigger,) = scaled[role]["spec"]["triggers"]
+        assert trigger["metadata"]["query"] == f'max(epdserve:planner_desired_replicas{{namespace="llm",role="{role}"}})'
+        assert trigger["metadata"]["threshold"] == "1"
+    assert scaled["prefill"]["spec"]["triggers"][0]["metadata"]["query"].startswith("sum(vllm:num_requests_waiting")
+    # Prometheus scrapes it through a port of its own, keeping the metric's role label.
+    (monitor,) = of_kind(objects, "ServiceMonitor")
+    (endpoint,) = [e for e in monitor["spec"]["endpoints"] if e["port"] == "planner"]
+    assert endpoint["honorLabels"] is True
+    assert [p["name"] for p in services[planner["metadata"]["name"]]["spec"]["ports"]] == ["planner"]
+    # Without KEDA, an HPA reads the same metric from the external metrics API (prometheus-adapter).
+    done = helm("template", "rel", CHART, "--namespace", "llm", "-f", values, "--set", "autoscaling.keda.enabled=false")
+    assert done.returncode == 0, done.stderr
+    hpas = {h["spec"]["scaleTargetRef"]["name"].rsplit("-", 1)[1]: h for h in
+            of_kind([o for o in yaml.safe_load_all(done.stdout) if o], "HorizontalPodAutoscaler")}
+    (metric,) = hpas["decode"]["spec"]["metrics"]
+    assert metric["external"]["metric"] == {"name": "epdserve_planner_desired_replicas",
+                                            "selector": {"matchLabels": {"role": "decode"}}}
+    assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+    # A planner that no role scales on is refused, saying so.
+    done = helm("template", "rel", CHART, "--set", "planner.enabled=true")
+    assert done.returncode != 0 and "no role scales on it" in done.stderr
 
 
 def test_hub_source_downloads_into_the_chart_pvc_with_a_token_from_a_secret(render, served):
@@ -517,7 +574,7 @@ def test_every_service_proves_a_secret_the_chart_makes(render, served, values):
     made = secrets["rel-epdserve-secret"]
     assert made["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     assert len(made["data"]["secret"]) >= 64  # base64 of 64 random characters
-    workloads = of_kind(objects, "Deployment") + of_kind(objects, "StatefulSet")
+    workloads = serving(objects) + of_kind(objects, "StatefulSet")
     assert len(workloads) == len(of_kind(render(None)[1], "Deployment")) + (values is not None)
     for workload in workloads:
         container = main_container(workload)

@@ -156,7 +156,7 @@ def test_summed_over_every_service_the_running_gauge_counts_each_running_request
     running = {sample.labels.get("role"): sample.value for sample in samples
                if sample.name == "vllm:num_requests_running"}
     assert sum(running.values()) == len(streams), running
-    assert running == {"prefill": 0, "decode": len(streams)}
+    assert running == {"encoder": 0, "prefill": 0, "decode": len(streams)}  # (an encoder's: the images it encodes)
     (in_flight,) = [sample.value for sample in samples if sample.name == "epdserve:proxy_requests_in_flight"]
     assert in_flight == len(streams)
 

@@ -78,7 +78,7 @@ vllm:request_prompt_tokens_count{model_name="m"} 4.0
 
 
 @pytest.mark.parametrize("value, error", [
-    ("encoder=1:2", "scales prefill and decode"), ("decode=2:1", "1 <= LOW <= HIGH"), ("decode=0:2", "1 <= LOW"),
+    ("unified=1:2", "scales encoder, prefill, decode"), ("decode=2:1", "1 <= LOW <= HIGH"), ("decode=0:2", "1 <= LOW"),
     ("decode=1", "ROLE=LOW:HIGH"), ("decode=a:b", "ROLE=LOW:HIGH")])
 def test_bounds_are_checked(value, error):
     with pytest.raises(ValueError, match=error):
@@ -86,4 +86,85 @@ def test_bounds_are_checked(value, error):
 
 
 def test_a_role_without_bounds_keeps_the_stacks_count():
-    assert bounds_for(parse_bounds("decode=1:4"), prefills=2, decodes=1) == {"prefill": (2, 2), "decode": (1, 4)}
+    assert bounds_for(parse_bounds("decode=1:4"), encoders=1, prefills=2, decodes=1) == {
+        "encoder": (1, 1), "prefill": (2, 2), "decode": (1, 4)}
+    assert parse_bounds("encoder=1:3,prefill=1:2") == {"encoder": (1, 3), "prefill": (1, 2)}
+    # A stack without encoders (a model without images) has no encoder to scale.
+    assert bounds_for({}, encoders=0, prefills=1, decodes=1) == {"prefill": (1, 1), "decode": (1, 1)}
+
+
+# -- encoders --------------------------------------------------------------------------------------------------
+ALL_BOUNDS = {"encoder": (1, 3), "prefill": (1, 2), "decode": (1, 3)}
+ONE_EACH = {"encoder": 1, "prefill": 1, "decode": 1}
+
+
+def test_a_breached_ttft_adds_to_the_role_its_requests_spent_longer_in():
+    scaler = Autoscaler(ALL_BOUNDS, SLOS)
+    # Two images of 0.6 s each against a 0.3 s prefill: the encoder is what the first token waited for.
+    images_bound = Observation(1.0, 100, 50, ttft=1.5, tpot=0.02, images=2.0, encode=0.6, prefill=0.3)
+    decided, reasons = scaler.decide(images_bound, ONE_EACH)
+    assert decided == {"encoder": 2, "prefill": 1, "decode": 1}
+    assert any(r.startswith("encoder: measured mean 1.500 s above the SLO 1 s") for r in reasons)
+    prompt_bound = Observation(1.0, 100, 50, ttft=1.5, tpot=0.02, images=1.0, encode=0.1, prefill=1.4)
+    assert scaler.decide(prompt_bound, ONE_EACH)[0] == {"encoder": 1, "prefill": 2, "decode": 1}
+    # Without the prefill's own time measured, it is the TTFT less the images'.
+    assert Observation(1.0, 100, 50, 1.5, 0.02, images=1.0, encode=0.5).first_token_role() == "prefill"
+    assert Observation(1.0, 100, 50, 1.5, 0.02, images=2.0, encode=0.5).first_token_role() == "encoder"
+    # An encoder the planner may not scale: the prefill gets one more instead.
+    fixed = Autoscaler({"prefill": (1, 2), "decode": (1, 3)}, SLOS)
+    assert fixed.decide(images_bound, ONE_EACH)[0] == {"prefill": 2, "decode": 1}
+
+
+def test_without_a_profile_an_encoder_that_no_image_needs_is_given_back():
+    scaler = Autoscaler(ALL_BOUNDS, SLOS, patience=1)
+    text_only = Observation(2.0, 100, 50, ttft=0.7, tpot=0.03, images=0.0, encode=None, prefill=0.6)
+    decided, reasons = scaler.decide(text_only, {"encoder": 2, "prefill": 1, "decode": 1})
+    assert decided == {"encoder": 1, "prefill": 1, "decode": 1} and "encoder: no images" in reasons
+    # Nothing finished (images unknown): no change.
+    unknown = Observation(2.0, None, None, None, None)
+    assert scaler.decide(unknown, {"encoder": 2, "prefill": 1, "decode": 1})[0]["encoder"] == 2
+
+
+def test_with_a_profile_encoders_are_planned_for_the_images_forecast():
+    profile = EngineProfile(model="m", threads=1, context_len=100, max_num_seqs=64,
+                            prefill=((10, 0.01), (1000, 1.0)), decode=((1, 0.011), (64, 0.074)), encode=0.1)
+    scaler = Autoscaler(ALL_BOUNDS, SLOS, profile, patience=1)
+    # 2 images a request, 0.1 s each: at 4 req/s one encoder is loaded 0.8 and waits 0.8 x 0.2 / 0.4 = 0.4 s, a
+    # TTFT of 0.73 s with the prompt's 0.1 s and its wait - under the SLO. At 4.5 req/s it waits 0.9 s (TTFT
+    # 1.24 s); two wait 0.08 s.
+    busy = Observation(4.5, 100, 20, ttft=0.5, tpot=0.02, images=2.0, encode=0.2, prefill=0.2)
+    decided, reasons = scaler.decide(busy, ONE_EACH)
+    assert decided["encoder"] == 2, reasons
+    assert any("4.50 req/s, 100 in / 20 out tokens, 2.00 images): 2E1P" in r for r in reasons)
+    # The images stop: the forecast's images halve each interval, and the encoders follow them down to the bound.
+    text = Observation(4.5, 100, 20, ttft=0.2, tpot=0.02, images=0.0, encode=None, prefill=0.2)
+    decided, _ = scaler.decide(text, decided)
+    assert scaler.forecast.images == pytest.approx(1.0) and decided["encoder"] == 1
+
+
+def test_roles_without_bounds_are_predicted_at_the_counts_they_have():
+    # `serve planner --planner-bounds decode=1:3`: the prefills are whatever the stack has (none healthy: one).
+    scaler = Autoscaler({"decode": (1, 3)}, SLOS, PROFILE, patience=1)
+    decided, reasons = scaler.decide(seen(rate=8, ttft=0.1, tpot=0.01, output_len=200), {"prefill": 0, "decode": 1})
+    assert decided == {"decode": 2} and any("0E1P2D" in r for r in reasons)
+
+
+def test_the_stages_are_read_from_the_proxys_stage_histogram():
+    before = Counters.from_metrics("""
+# TYPE epdserve:request_stage_seconds histogram
+epdserve:request_stage_seconds_sum{model_name="m",stage="proxy.encode"} 3.0
+epdserve:request_stage_seconds_count{model_name="m",stage="proxy.encode"} 6.0
+epdserve:request_stage_seconds_sum{model_name="m",stage="proxy.prefill"} 1.0
+epdserve:request_stage_seconds_count{model_name="m",stage="proxy.prefill"} 4.0
+epdserve:request_stage_seconds_sum{model_name="m",stage="encode.compute"} 99.0
+epdserve:request_stage_seconds_count{model_name="m",stage="encode.compute"} 99.0
+# TYPE vllm:request_prompt_tokens histogram
+vllm:request_prompt_tokens_sum{model_name="m"} 400.0
+vllm:request_prompt_tokens_count{model_name="m"} 4.0
+""")
+    assert (before.encode_sum, before.encode_count, before.prefill_sum, before.prefill_count) == (3, 6, 1, 4)
+    after = Counters(prompt_tokens=800, prompt_count=8, encode_sum=7.0, encode_count=14, prefill_sum=3.0,
+                     prefill_count=8)
+    o = Observation.between(before, after, 2.0)
+    assert o.images == pytest.approx(2.0) and o.encode == pytest.approx(0.5) and o.prefill == pytest.approx(0.5)
+    assert Observation.between(before, before, 2.0).images is None  # no request finished: not known

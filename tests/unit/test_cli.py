@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from epdserve.services.cli.main import main, parse_args, proxy_config, service_config, stack_config, transport_config
+from epdserve.services.cli.main import (main, parse_args, planner_config, proxy_config, service_config, stack_config,
+                                       transport_config)
 from epdserve.services.cli import launcher
 from epdserve.services.cli.launcher import PORT_OPTIONS, LocalStack, StackConfig, exit_message, free_port
 from epdserve.services.runtime.network import say_if_unauthenticated, split_target
@@ -541,12 +542,39 @@ def test_services_started_from_a_folder_holding_an_epdserve_folder_run_the_insta
     (["--planner", "--tpot-slo", "0.05"], "--planner needs --ttft-slo above 0"),
     (["--planner", "--ttft-slo", "1", "--tpot-slo", "0"], "--planner needs --tpot-slo above 0, got 0"),
     (["--planner", "--ttft-slo", "1", "--tpot-slo", "0.05", "--unified"], "not with --unified"),
-    (["--planner", "--ttft-slo", "1", "--tpot-slo", "0.05", "--planner-bounds", "encoder=1:2"], "scales prefill and"),
+    (["--planner", "--ttft-slo", "1", "--tpot-slo", "0.05", "--planner-bounds", "unified=1:2"],
+     "scales encoder, prefill, decode"),
+    (["--planner", "--ttft-slo", "1", "--tpot-slo", "0.05", "--planner-bounds", "encoder=1:2"], "takes no images"),
     (["--planner", "--ttft-slo", "1", "--tpot-slo", "0.05", "--planner-profile", "/nonexistent.json"], "nonexistent"),
 ])
 def test_up_checks_its_planner_options(default_model_path, argv, error):
     with pytest.raises(SystemExit, match=error):
         stack_config(parse("up", *argv), str(default_model_path))
+
+
+@pytest.mark.parametrize("argv, error", [
+    ([], "serve planner needs --ttft-slo above 0"),
+    (["--ttft-slo", "1", "--tpot-slo", "0.05"], "serve planner needs --planner-bounds"),
+    (["--ttft-slo", "1", "--tpot-slo", "0.05", "--planner-bounds", "unified=1:2"], "scales encoder, prefill, decode"),
+])
+def test_serve_planner_checks_its_options(argv, error):
+    with pytest.raises(SystemExit, match=error):
+        planner_config(parse("serve", "planner", "--proxy-url", "http://proxy:8000", *argv), None, False)
+
+
+def test_serve_planner_scales_only_the_roles_it_is_given():
+    config = planner_config(parse("serve", "planner", "--proxy-url", "http://proxy:8000", "--planner-bounds",
+                                  "encoder=1:3,decode=2:4", "--ttft-slo", "1", "--tpot-slo", "0.05"), None, False)
+    assert config.bounds == {"encoder": (1, 3), "decode": (2, 4)} and config.interval == 10.0
+    with pytest.raises(SystemExit):  # it needs the proxy
+        parse("serve", "planner", "--planner-bounds", "decode=1:2")
+
+
+def test_up_with_a_planner_scales_the_encoders_of_a_model_that_takes_images(llava_demo_path):
+    config = stack_config(parse("up", "--planner", "--planner-bounds", "encoder=2:3,decode=1:2", "--ttft-slo", "1",
+                                "--tpot-slo", "0.05"), str(llava_demo_path))
+    assert config.encoders == 2  # started within the bounds
+    assert config.planner.bounds == {"encoder": (2, 3), "prefill": (1, 1), "decode": (1, 2)}
 
 
 def test_up_with_a_planner_starts_within_its_bounds_and_gives_the_proxy_a_discovery_file(default_model_path):
