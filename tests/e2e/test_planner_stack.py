@@ -156,9 +156,10 @@ def retirement(up) -> float:
     return time.monotonic()
 
 
-# An image takes 0.6 s to encode by this profile (the tiny model's tower is far faster): at 2 req/s of one image each an
-# encoder would have 1.2 s of work a second, two are predicted; once nothing arrives the forecast halves every
-# interval and one meets the TTFT SLO again. Prompts and steps cost next to nothing by it.
+# An image takes 0.6 s to encode by this profile (the tiny model's tower is far faster): at 4 req/s of one image
+# each an encoder would have 2.4 s of work a second (overloaded), and two, the most there may be, are wanted; once
+# nothing arrives the forecast halves every interval and one is enough again. Prompts and steps cost next to
+# nothing by it. The SLOs are loose: the profile decides, not the latencies measured under the suite's load.
 IMAGE_PROFILE = {"model": "tiny-qwen2.5-vl", "threads": 1, "context_len": 16, "max_num_seqs": 64,
                  "prefill": [[1, 0.001], [2048, 0.01]], "decode": [[1, 0.001], [64, 0.01]], "encode": 0.6}
 
@@ -170,7 +171,7 @@ def up_images(qwen2_5_vl_path, tmp_path_factory):
     port = free_port()
     stack = Up([str(Path(sys.executable).with_name("epdserve")), "up", str(qwen2_5_vl_path), "--port", str(port),
                 "--planner", "--planner-bounds", "encoder=1:2", "--planner-interval", "0.5", "--planner-profile",
-                str(profile), "--ttft-slo", "2", "--tpot-slo", "1"])
+                str(profile), "--ttft-slo", "30", "--tpot-slo", "30"])
     stack.url = f"http://127.0.0.1:{port}"
     stack.model = Path(qwen2_5_vl_path).name
     try:
@@ -200,10 +201,12 @@ def test_an_encoder_is_added_for_images_and_retired_once_none_come(up_images):
 
             answers = []
             deadline = time.monotonic() + 90
-            while healthy(up.url, "encoder") < 2:  # 2 req/s until a second encoder serves
+            # 4 req/s until a second encoder serves: whatever the noise of half-second intervals, the forecast stays
+            # above the 1.7 req/s one encoder can take.
+            while healthy(up.url, "encoder") < 2:
                 assert time.monotonic() < deadline, "no second encoder came:\n" + up.report()
                 answers.append(asyncio.create_task(ask(len(answers) % 4)))
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.25)
             # Four pictures again, spread over both encoders by their hashes.
             answers += [asyncio.create_task(ask(seed)) for seed in range(4)]
             return await asyncio.gather(*answers)
@@ -215,4 +218,4 @@ def test_an_encoder_is_added_for_images_and_retired_once_none_come(up_images):
     # Nothing arrives any more: the encoder is taken out of routing and, idle by its metrics, stopped.
     wait_until(lambda: any("planner: encoder-1 stopped" in line for line in up.text()), 60, "encoder-1 to stop",
                up.report)
-    assert healthy(up.url, "encoder") == 1 and desired(up.url)["encoder"] == 1
+    assert healthy(up.url, "encoder") == 1 and desired(up.url)["encoder"] == 1, up.report()
