@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from epdserve.services.cli import vllm_flags
 from epdserve.services.cli.run_batch import add_run_batch_parser
@@ -359,7 +360,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     if args.role == "planner":  # no model: it reads the proxy's metrics
         from epdserve.services.planner.service import PlannerService
 
-        config = planner_config(args, None, False)
+        config = serve_planner_config(args)
         _starting("planner", args.proxy_url)
         name = args.served_model_name[0] if args.served_model_name else None
         asyncio.run(PlannerService(config, args.proxy_url, api_key(args), name).run(args.host, args.http_port))
@@ -456,7 +457,7 @@ def stack_config(args: argparse.Namespace, model: str):
             raise SystemExit(f"epdserve: error: {exc}") from None
     multimodal = is_multimodal(model)
     encoders = args.encoders if args.encoders is not None else int(multimodal)
-    planner = planner_config(args, encoders, multimodal)
+    planner = up_planner_config(args, encoders, multimodal)
     if planner is not None:  # the stack starts within the bounds
 
         def bounded(role: str, count: int) -> int:
@@ -478,47 +479,64 @@ def stack_config(args: argparse.Namespace, model: str):
                        tuple(forwarding.encoders.argv(args)), tuple(forwarding.proxy.argv(args)), planner)
 
 
-def planner_config(args: argparse.Namespace, encoders: int | None, multimodal: bool):
-    """The planner's options, checked: `up`'s (None without --planner; `encoders`: the stack's, `multimodal`:
-    whether the model takes images) or `serve planner`'s (`encoders` None: only the roles named are scaled)."""
-    from epdserve.services.planner.autoscaler import PlannerConfig, bounds_for, parse_bounds
+Bounds = dict[str, tuple[int, int]]  # role -> (low, high) instances
+
+
+def planner_config(args: argparse.Namespace, bounds: Callable[[Bounds], Bounds], needs: str):
+    """The planner's options, checked: SLOs, interval, profile, and `bounds(--planner-bounds as given)` (raises
+    ValueError) the roles it scales; `needs` begins the errors."""
+    from epdserve.services.planner.autoscaler import PlannerConfig, parse_bounds
     from epdserve.services.planner.layout_model import SLO
     from epdserve.services.planner.profile import EngineProfile
 
-    service = encoders is None
-    given = [flag for flag, value in (("--planner-bounds", args.planner_bounds), ("--ttft-slo", args.ttft_slo),
-                                      ("--tpot-slo", args.tpot_slo), ("--planner-profile", args.planner_profile))
-             if value is not None]
-    if not service and not args.planner:
-        if given:
-            raise SystemExit(f"epdserve: error: {given[0]} needs --planner")
-        return None
-    needs = "epdserve serve planner needs" if service else "--planner needs"
-    if not service and args.unified:
-        raise SystemExit("epdserve: error: --planner scales encoders, prefills and decodes: not with --unified")
     for flag, value in (("--ttft-slo", args.ttft_slo), ("--tpot-slo", args.tpot_slo),
                         ("--planner-interval", args.planner_interval)):
         if value is None or not value > 0 or value == float("inf"):
             raise SystemExit(f"epdserve: error: {needs} {flag} above 0" + ("" if value is None else
                                                                           f", got {value:g}"))
     try:
-        given_bounds = parse_bounds(args.planner_bounds or "")
-        if service:
-            if not given_bounds:
-                raise ValueError(f"{needs} --planner-bounds: the roles it scales")
-            bounds = given_bounds
-        else:
-            if "encoder" in given_bounds and not multimodal:
-                raise ValueError("--planner-bounds encoder=...: the model takes no images, so it has no encoder to "
-                                 "scale")
-            bounds = bounds_for(given_bounds, encoders, args.prefills, args.decodes)
+        scaled = bounds(parse_bounds(args.planner_bounds or ""))
         if args.planner_profile is not None:
             EngineProfile.load(args.planner_profile)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"epdserve: error: {exc}") from None
-    if not service and bounds["prefill"][0] < 1:
+    return PlannerConfig(scaled, SLO(args.ttft_slo, args.tpot_slo), args.planner_interval, args.planner_profile)
+
+
+def up_planner_config(args: argparse.Namespace, encoders: int, multimodal: bool):
+    """`up`'s planner (None without --planner): the roles named in --planner-bounds within theirs, the others held
+    at the stack's counts; `encoders`: the stack's, `multimodal`: whether the model takes images."""
+    from epdserve.services.planner.autoscaler import bounds_for
+
+    given = [flag for flag, value in (("--planner-bounds", args.planner_bounds), ("--ttft-slo", args.ttft_slo),
+                                      ("--tpot-slo", args.tpot_slo), ("--planner-profile", args.planner_profile))
+             if value is not None]
+    if not args.planner:
+        if given:
+            raise SystemExit(f"epdserve: error: {given[0]} needs --planner")
+        return None
+    if args.unified:
+        raise SystemExit("epdserve: error: --planner scales encoders, prefills and decodes: not with --unified")
+
+    def bounds(named: Bounds) -> Bounds:
+        if "encoder" in named and not multimodal:
+            raise ValueError("--planner-bounds encoder=...: the model takes no images, so it has no encoder to scale")
+        return bounds_for(named, encoders, args.prefills, args.decodes)
+
+    config = planner_config(args, bounds, "--planner needs")
+    if config.bounds["prefill"][0] < 1:
         raise SystemExit("epdserve: error: --planner needs at least one prefill (--prefills or --planner-bounds)")
-    return PlannerConfig(bounds, SLO(args.ttft_slo, args.tpot_slo), args.planner_interval, args.planner_profile)
+    return config
+
+
+def serve_planner_config(args: argparse.Namespace):
+    """`serve planner`'s: it scales the roles named in --planner-bounds, and only those."""
+    def bounds(named: Bounds) -> Bounds:
+        if not named:
+            raise ValueError("epdserve serve planner needs --planner-bounds: the roles it scales")
+        return named
+
+    return planner_config(args, bounds, "epdserve serve planner needs")
 
 
 def lora_args(args: argparse.Namespace) -> tuple[str, ...]:

@@ -255,5 +255,5 @@ def bounds_for(bounds: dict[str, tuple[int, int]], encoders: int, prefills: int,
                decodes: int) -> dict[str, tuple[int, int]]:
     """Every role's bounds: those given, else the role held at the stack's own count (encoders only where the
     stack has some)."""
-    held = {"encoder": encoders, "prefill": prefills, "decode": decodes}
-    return {role: bounds.get(role, (n, n)) for role, n in held.items() if role in bounds or n or role != "encoder"}
+    held = {"prefill": prefills, "decode": decodes, **({"encoder": encoders} if encoders or "encoder" in bounds else {})}
+    return {role: bounds.get(role, (n, n)) for role, n in held.items()}

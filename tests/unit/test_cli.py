@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from epdserve.services.cli.main import (main, parse_args, planner_config, proxy_config, service_config, stack_config,
-                                       transport_config)
+from epdserve.services.cli.main import (main, parse_args, proxy_config, serve_planner_config, service_config,
+                                       stack_config, transport_config)
 from epdserve.services.cli import launcher
 from epdserve.services.cli.launcher import PORT_OPTIONS, LocalStack, StackConfig, exit_message, free_port
 from epdserve.services.runtime.network import say_if_unauthenticated, split_target
@@ -559,12 +559,12 @@ def test_up_checks_its_planner_options(default_model_path, argv, error):
 ])
 def test_serve_planner_checks_its_options(argv, error):
     with pytest.raises(SystemExit, match=error):
-        planner_config(parse("serve", "planner", "--proxy-url", "http://proxy:8000", *argv), None, False)
+        serve_planner_config(parse("serve", "planner", "--proxy-url", "http://proxy:8000", *argv))
 
 
 def test_serve_planner_scales_only_the_roles_it_is_given():
-    config = planner_config(parse("serve", "planner", "--proxy-url", "http://proxy:8000", "--planner-bounds",
-                                  "encoder=1:3,decode=2:4", "--ttft-slo", "1", "--tpot-slo", "0.05"), None, False)
+    config = serve_planner_config(parse("serve", "planner", "--proxy-url", "http://proxy:8000", "--planner-bounds",
+                                        "encoder=1:3,decode=2:4", "--ttft-slo", "1", "--tpot-slo", "0.05"))
     assert config.bounds == {"encoder": (1, 3), "decode": (2, 4)} and config.interval == 10.0
     with pytest.raises(SystemExit):  # it needs the proxy
         parse("serve", "planner", "--planner-bounds", "decode=1:2")
