@@ -6,12 +6,13 @@ each role that are healthy - and asks the autoscaler (autoscaler.py: the same de
 many each role should have. It starts and stops nothing: it says what it wants, as
 `epdserve:planner_desired_replicas{role}` on its own /metrics, for KEDA's Prometheus scaler (or an HPA through
 prometheus-adapter) to set each Deployment's replicas by, and logs each decision with its reason. /ready answers
-200 once it has read the proxy. SIGTERM stops it at once: it holds nothing.
+200 once it has read the proxy. SIGTERM or SIGINT stops it at once: it holds nothing.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 
 import httpx
@@ -84,12 +85,20 @@ class PlannerService:
     async def run(self, host: str, http_port: int) -> None:
         server = ManagementServer(build_management_app(self.health, lambda: self.registry), host, http_port)
         port = await server.start()
+        # Its own handlers, installed after the server's as a service's are: SIGTERM or SIGINT stops it even where
+        # it was started with SIGINT ignored (a script's background job), which the server alone would not.
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         logger.info("planner: reading %s every %g s; desired replicas on http://%s:%d/metrics", self.proxy_url,
                     self.config.interval, host, port)
         try:
             async with httpx.AsyncClient(timeout=5) as client:
-                while True:
+                while not stop.is_set():
                     await self.tick(client)
-                    await asyncio.sleep(self.config.interval)
+                    try:
+                        await asyncio.wait_for(stop.wait(), self.config.interval)
+                    except asyncio.TimeoutError:
+                        pass
         finally:
             await server.close()
