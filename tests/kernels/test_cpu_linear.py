@@ -102,6 +102,7 @@ def dequantized(q, scale, offset) -> torch.Tensor:
     return w.view(n, k)
 
 
+# More rows than a tile's 6: the panel is unpacked into float32 once, and the float32 tiles run over it.
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 64])
 @pytest.mark.parametrize("out_features, in_features, group", [(576, 576, 32), (100, 64, 16), (130, 512, 256)])
 @pytest.mark.parametrize("with_offset", [False, True], ids=["scale", "scale-offset"])
@@ -142,7 +143,8 @@ LEVELS = [lv for lv in cpu_levels.LEVELS if lv.machine == platform.machine() and
 
 
 @pytest.mark.parametrize("level", LEVELS, ids=lambda lv: lv.name)
-@pytest.mark.parametrize("rows", [1, 7])
+# 7 rows: a panel with offsets is unpacked into float32 first, one without is not; 13: both are.
+@pytest.mark.parametrize("rows", [1, 7, 13])
 # 130 columns: two whole panels and a part of a third, whose last 16-column strip is a part too.
 @pytest.mark.parametrize("out_features, in_features, group", [(130, 512, 32), (100, 64, 16)])
 @pytest.mark.parametrize("with_offset", [False, True], ids=["scale", "scale-offset"])
