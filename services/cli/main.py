@@ -500,7 +500,13 @@ def planner_config(args: argparse.Namespace, bounds: Callable[[Bounds], Bounds],
             EngineProfile.load(args.planner_profile)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"epdserve: error: {exc}") from None
-    return PlannerConfig(scaled, SLO(args.ttft_slo, args.tpot_slo), args.planner_interval, args.planner_profile)
+    least = sum(low for low, _ in scaled.values())
+    if args.planner_max_instances is not None and args.planner_max_instances < least:
+        raise SystemExit(f"epdserve: error: --planner-max-instances {args.planner_max_instances} is fewer than the "
+                         f"{least} instances the bounds keep at least ("
+                         + ",".join(f"{role}={low}:{high}" for role, (low, high) in scaled.items()) + ")")
+    return PlannerConfig(scaled, SLO(args.ttft_slo, args.tpot_slo), args.planner_interval, args.planner_profile,
+                         args.planner_max_instances)
 
 
 def up_planner_config(args: argparse.Namespace, encoders: int, multimodal: bool):
@@ -509,7 +515,8 @@ def up_planner_config(args: argparse.Namespace, encoders: int, multimodal: bool)
     from epdserve.services.planner.autoscaler import bounds_for
 
     given = [flag for flag, value in (("--planner-bounds", args.planner_bounds), ("--ttft-slo", args.ttft_slo),
-                                      ("--tpot-slo", args.tpot_slo), ("--planner-profile", args.planner_profile))
+                                      ("--tpot-slo", args.tpot_slo), ("--planner-profile", args.planner_profile),
+                                      ("--planner-max-instances", args.planner_max_instances))
              if value is not None]
     if not args.planner:
         if given:

@@ -279,6 +279,10 @@ def add_planner_options(p: argparse._ActionsContainer, scaled: str) -> None:
     p.add_argument("--planner-profile", metavar="FILE",
                    help="a profile `epdserve plan --save-profile` wrote: scale to what it predicts the forecast "
                         "load needs, not only on measured SLO breaches")
+    p.add_argument("--planner-max-instances", type=int, metavar="N",
+                   help="never more than N instances of the roles it scales together (the cores, memory or "
+                        "machines they may take: with --threads T each, N x T cores); what does not fit goes to "
+                        "the role furthest over its SLO (default: the bounds alone)")
 
 
 def _add_planner_service_options(p: argparse.ArgumentParser) -> None:

@@ -9,15 +9,13 @@ import urllib.error
 import urllib.request
 
 from epdserve.services.planner.autoscaler import Autoscaler, Counters, PlannerConfig
-from epdserve.services.planner.profile import EngineProfile
 
 
 class PlannerLoop:
     def __init__(self, stack, config: PlannerConfig, url: str) -> None:
         """`stack`: the LocalStack it scales; `url`: its proxy's."""
         self.stack, self.config, self.url = stack, config, url
-        profile = EngineProfile.load(config.profile) if config.profile else None
-        self.autoscaler = Autoscaler(config.bounds, config.slo, profile)
+        self.autoscaler = Autoscaler.from_config(config)
         self._next = time.monotonic()
         stack.write_discovery(desired=self._counts())
 

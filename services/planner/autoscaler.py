@@ -11,9 +11,16 @@ interval's traffic is forecast as a moving average of the observed ones. Then:
               images forecast and the profile's time an image; where it has none, the encoders are held);
   corrected   whatever was predicted, a role whose measured mean breaks its SLO gets one instance more than it
               has (TPOT: decode; TTFT: of the encoder and the prefill, the one its requests spent longer in) -
-              the model is a model, the measurement is what users saw;
+              the model is a model, the measurement is what users saw; and the prefills get one more while
+              the proxy gives prompts to decodes because every prefill is backed up (its burst-sharing rule,
+              --max-prefill-queue-tokens: services/proxy/prefill_queue.py), whatever the latencies - the decodes
+              are doing the prefills' work, at their streams' expense;
   held        fewer instances only after `patience` intervals in a row that all wanted fewer, one at a time
-              (a lull does not take away what the next burst needs; a scale-in drains, which takes a while).
+              (a lull does not take away what the next burst needs; a scale-in drains, which takes a while);
+  budgeted    with `max_instances` (the cores, memory or machines the stack may take, counted in instances,
+              as Dynamo's planner has a GPU budget), never more instances than that of the roles it scales
+              together: the predicted layout is the fewest within it, and more than it has room for goes to
+              the roles furthest over their SLOs first (decode by TPOT, the others by TTFT).
 
 Without a profile only the correction acts, and a role whose mean stays under half its SLO for `patience`
 intervals gives one instance back (an encoder also when no image came). Only the roles with bounds are scaled
@@ -25,6 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from epdserve.services.planner.layout_model import SLO, Layout, Traffic, predict
 from epdserve.services.planner.profile import EngineProfile
+from epdserve.services.proxy import prefill_queue
 
 SCALED_ROLES = ("encoder", "prefill", "decode")
 ENCODE_STAGE, PREFILL_STAGE = "proxy.encode", "proxy.prefill"  # the proxy's spans: per image, per prompt
@@ -53,6 +61,7 @@ class PlannerConfig:
     slo: SLO
     interval: float = 10.0  # seconds between decisions
     profile: str | None = None  # a profile `epdserve plan --save-profile` wrote (None: measured latencies only)
+    max_instances: int | None = None  # of the roles scaled, together (None: the bounds alone)
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,7 @@ class Counters:
     encode_count: float = 0.0
     prefill_sum: float = 0.0  # prompts prefilled (the proxy's wait for each), and how many
     prefill_count: float = 0.0
+    shared: float = 0.0  # prompts given to decodes because every prefill was backed up
 
     @classmethod
     def from_metrics(cls, text: str) -> Counters:
@@ -85,6 +95,8 @@ class Counters:
                 name = sample.name
                 if name.startswith("epdserve:request_stage_seconds"):
                     name += "|" + sample.labels.get("stage", "")
+                elif name == "epdserve:routing_decisions_total":
+                    name += "|" + sample.labels.get("reason", "")
                 sums[name] = sums.get(name, 0.0) + sample.value
         stage = "epdserve:request_stage_seconds"
         return cls(sums.get("vllm:request_success_total", 0.0), sums.get("epdserve:request_failure_total", 0.0),
@@ -97,14 +109,16 @@ class Counters:
                    sums.get("vllm:request_time_per_output_token_seconds_sum", 0.0),
                    sums.get("vllm:request_time_per_output_token_seconds_count", 0.0),
                    sums.get(f"{stage}_sum|{ENCODE_STAGE}", 0.0), sums.get(f"{stage}_count|{ENCODE_STAGE}", 0.0),
-                   sums.get(f"{stage}_sum|{PREFILL_STAGE}", 0.0), sums.get(f"{stage}_count|{PREFILL_STAGE}", 0.0))
+                   sums.get(f"{stage}_sum|{PREFILL_STAGE}", 0.0), sums.get(f"{stage}_count|{PREFILL_STAGE}", 0.0),
+                   sums.get(f"epdserve:routing_decisions_total|{prefill_queue.REASON}", 0.0))
 
 
 @dataclass(frozen=True)
 class Observation:
     """One interval: arrivals per second, the finished requests' mean lengths, the mean TTFT and TPOT, images per
     request, and the mean time of an image's encoding and of a prompt's prefill as the proxy waited for them (None:
-    nothing finished, encoded or prefilled to measure)."""
+    nothing finished, encoded or prefilled to measure); and how many prompts went to decodes because every
+    prefill was backed up."""
     rate: float
     input_len: float | None
     output_len: float | None
@@ -113,6 +127,7 @@ class Observation:
     images: float | None = None
     encode: float | None = None
     prefill: float | None = None
+    shared: float = 0.0
 
     @classmethod
     def between(cls, before: Counters, after: Counters, seconds: float) -> Observation:
@@ -128,7 +143,7 @@ class Observation:
         return cls(max(arrived, 0.0) / seconds, mean("prompt_tokens", "prompt_count"),
                    mean("output_tokens", "output_count"), mean("ttft_sum", "ttft_count"),
                    mean("tpot_sum", "tpot_count"), images, mean("encode_sum", "encode_count"),
-                   mean("prefill_sum", "prefill_count"))
+                   mean("prefill_sum", "prefill_count"), max(after.shared - before.shared, 0.0))
 
     def first_token_role(self) -> str:
         """Of the encoder and the prefill, the one the requests spent longer in before their first token: images
@@ -146,9 +161,15 @@ class Autoscaler:
     slo: SLO
     profile: EngineProfile | None = None
     patience: int = 2
+    max_instances: int | None = None
     forecast: Traffic | None = None
     _fewer: dict[str, int] = field(default_factory=dict)  # role -> intervals in a row that wanted fewer
     _last: tuple[float, Counters] | None = None  # the last scrape: (when, by time.monotonic(), what)
+
+    @classmethod
+    def from_config(cls, config: PlannerConfig) -> Autoscaler:
+        profile = EngineProfile.load(config.profile) if config.profile else None
+        return cls(config.bounds, config.slo, profile, max_instances=config.max_instances)
 
     @property
     def roles(self) -> list[str]:
@@ -194,6 +215,10 @@ class Autoscaler:
             if role in wanted and measured is not None and measured > limit and wanted[role] <= current[role]:
                 wanted[role] = current[role] + 1
                 reasons.append(f"{role}: measured mean {measured:.3f} s above the SLO {limit:g} s: one more")
+        if "prefill" in wanted and observation.shared > 0 and wanted["prefill"] <= current["prefill"]:
+            wanted["prefill"] = current["prefill"] + 1
+            reasons.append(f"prefill: {observation.shared:.0f} prompt(s) went to decodes, every prefill backed up: "
+                           "one more")
         decided = {}
         for role in self.roles:
             low, high = self.bounds[role]
@@ -209,7 +234,31 @@ class Autoscaler:
             else:
                 self._fewer[role] = 0
             decided[role] = target
+        if self.max_instances is not None:
+            decided = self._within_budget(decided, current, observation, reasons)
         return decided, reasons
+
+    def _within_budget(self, decided: dict[str, int], current: dict[str, int], observation: Observation,
+                       reasons: list[str]) -> dict[str, int]:
+        """`decided` with no more instances than max_instances: what is retired frees room, and the roles that grow
+        get what is left, the one furthest over its SLO first."""
+        kept = {role: min(n, current[role]) for role, n in decided.items()}
+        room = self.max_instances - sum(kept.values())
+        grown = {role: n - kept[role] for role, n in decided.items() if n > kept[role]}
+
+        def over(role: str) -> float:
+            measured, limit = ((observation.tpot, self.slo.tpot) if role == "decode" else
+                               (observation.ttft, self.slo.ttft))
+            return (measured or 0.0) / limit
+
+        for role in sorted(grown, key=over, reverse=True):
+            granted = min(grown[role], max(room, 0))
+            kept[role] += granted
+            room -= granted
+            if granted < grown[role]:
+                reasons.append(f"{role}: {decided[role]} wanted, held at {kept[role]}: the budget is "
+                               f"{self.max_instances} instances")
+        return kept
 
     def _update_forecast(self, o: Observation) -> None:
         f = self.forecast
@@ -239,11 +288,18 @@ class Autoscaler:
             traffic, encoders = replace(traffic, images=0.0), range(held, held + 1)
         layouts = sorted((Layout(encoders=e, prefills=p, decodes=d) for e in encoders for p in counts("prefill", 1)
                           for d in counts("decode", 1)), key=lambda layout: layout.instances)
+        if self.max_instances is not None:
+            layouts = [layout for layout in layouts if self._counted(layout) <= self.max_instances]
         for layout in layouts:
             prediction = predict(self.profile, traffic, layout)
             if prediction.meets(self.slo):
                 return layout
         return None
+
+    def _counted(self, layout: Layout) -> int:
+        """The instances of `layout` the budget counts: those of the roles scaled."""
+        return sum(n for role, n in (("encoder", layout.encoders), ("prefill", layout.prefills),
+                                     ("decode", layout.decodes)) if role in self.bounds)
 
     def _describe(self) -> str:
         f = self.forecast

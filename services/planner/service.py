@@ -21,7 +21,6 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from epdserve.services.planner.autoscaler import Autoscaler, Counters, PlannerConfig
-from epdserve.services.planner.profile import EngineProfile
 from epdserve.services.runtime.management import ManagementServer, build_management_app
 from epdserve.transport.channel.protocol import Health
 
@@ -33,8 +32,7 @@ class PlannerService:
         """`model_name`: its metric's label (None: the one the proxy's metrics carry)."""
         self.config, self.proxy_url, self.model_name = config, proxy_url.rstrip("/"), model_name
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        profile = EngineProfile.load(config.profile) if config.profile else None
-        self.autoscaler = Autoscaler(config.bounds, config.slo, profile)
+        self.autoscaler = Autoscaler.from_config(config)
         self.desired: dict[str, int] = {}
         self._unreachable = False
         self.registry = CollectorRegistry()

@@ -54,7 +54,7 @@ from epdserve.services.proxy import kv_routing
 from epdserve.services.proxy.generation import Chunk, GenerateInput, GenerationError
 from epdserve.services.proxy.kv_routing import KVRoutingConfig, RoutingPolicy
 from epdserve.services.proxy.migration import Progress, StreamLost
-from epdserve.services.proxy.prefill_queue import prefill_on_decode
+from epdserve.services.proxy import prefill_queue
 from epdserve.services.proxy.router import Instance, Route, Router, prefix_key
 from epdserve.transport.channel.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error,
                                                  ErrorCode, GenerateRequest, Message, MMItem, MMPlaceholder,
@@ -277,9 +277,10 @@ class ServiceBackend:
                                       route.elsewhere)
             if held and len(prompt) - held * index.block_size <= kv.local_prefill_tokens:
                 return _Plan("decode_only", "decode_holds_prefix", route, affinity)
-        if prefill_on_decode(len(prompt), (p.queued_prompt_tokens for p in prefills),
-                             (d.queued_prompt_tokens for d in decodes), self.config.max_prefill_queue_tokens):
-            return _Plan("decode_only", "prefill_queue", route, affinity)
+        if prefill_queue.prefill_on_decode(len(prompt), (p.queued_prompt_tokens for p in prefills),
+                                           (d.queued_prompt_tokens for d in decodes),
+                                           self.config.max_prefill_queue_tokens):
+            return _Plan("decode_only", prefill_queue.REASON, route, affinity)
         return _Plan("prefill_decode", reason, route, affinity)
 
     async def _encode(self, gen: GenerateInput, spans: list[TraceSpan]) -> tuple[MMPlaceholder, ...]:

@@ -14,19 +14,30 @@ prompt) when
 
 The queues are this proxy's own view (what it sent and has no first token for), updated as it sends, so a
 burst is split at once rather than one status poll later. `limit` 0 turns it off.
+
+This is also what the planner takes for too little prefill: the prompts this rule gave to decodes (counted in
+`epdserve:routing_decisions_total` under REASON) are prompts the prefill instances had no room for, so the planner
+adds a prefill while the rule fires (services/planner/autoscaler.py), one definition of a backed-up prefill for both.
 """
 from __future__ import annotations
 
 from typing import Iterable
 
 
+REASON = "prefill_queue"  # the routing decision's reason when a prompt goes to a decode by this rule
+
+
+def backed_up(prefill_queued: Iterable[int], limit: int) -> bool:
+    """Whether the prefill instances are backed up: each has at least `limit` prompt tokens queued (0: never)."""
+    return limit > 0 and min(prefill_queued, default=0) >= limit
+
+
 def prefill_on_decode(prompt_tokens: int, prefill_queued: Iterable[int], decode_queued: Iterable[int],
                       limit: int) -> bool:
     """Whether a prompt of `prompt_tokens` is better prefilled by a decode, given the prompt tokens queued at each
     healthy prefill and decode instance."""
-    if limit <= 0 or prompt_tokens > limit:
+    prefill_queued = list(prefill_queued)
+    if prompt_tokens > limit or not backed_up(prefill_queued, limit):
         return False
-    shortest_prefill = min(prefill_queued, default=0)
-    if shortest_prefill < limit:
-        return False
+    shortest_prefill = min(prefill_queued)
     return min(decode_queued, default=shortest_prefill) + prompt_tokens <= shortest_prefill

@@ -410,7 +410,7 @@ def test_the_planner_sets_the_replicas_of_the_roles_that_scale_on_it(helm, rende
     container = main_container(planner)
     args = parse_cli(container["command"] + container["args"])
     assert args.role == "planner" and parse_bounds(args.planner_bounds) == {"encoder": (1, 3), "decode": (2, 6)}
-    assert (args.ttft_slo, args.tpot_slo, args.planner_interval) == (1.5, 0.04, 5.0)
+    assert (args.ttft_slo, args.tpot_slo, args.planner_interval, args.planner_max_instances) == (1.5, 0.04, 5.0, 7)
     # It reads the proxy through the proxy's Service, with the API key.
     host, port = args.proxy_url.removeprefix("http://").rsplit(":", 1)
     assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]]

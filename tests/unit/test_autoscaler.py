@@ -168,3 +168,58 @@ vllm:request_prompt_tokens_count{model_name="m"} 4.0
     o = Observation.between(before, after, 2.0)
     assert o.images == pytest.approx(2.0) and o.encode == pytest.approx(0.5) and o.prefill == pytest.approx(0.5)
     assert Observation.between(before, before, 2.0).images is None  # no request finished: not known
+
+
+# -- the proxy's burst-sharing rule --------------------------------------------------------------------------------
+def test_prompts_the_proxy_gave_decodes_for_backed_up_prefills_add_a_prefill():
+    before = Counters.from_metrics("""
+# TYPE epdserve:routing_decisions counter
+epdserve:routing_decisions_total{model_name="m",path="decode_only",reason="prefill_queue"} 2.0
+epdserve:routing_decisions_total{model_name="m",path="decode_only",reason="short_prompt"} 40.0
+epdserve:routing_decisions_total{model_name="m",path="prefill_decode",reason="no_cached_prefix"} 9.0
+""")
+    assert before.shared == 2
+    o = Observation.between(before, Counters(shared=7.0), 1.0)
+    assert o.shared == 5
+    # Latencies within the SLOs, even under half of them: the decodes did the prefills' work meanwhile.
+    scaler = Autoscaler(BOUNDS, SLOS, patience=1)
+    busy = Observation(3.0, 100, 50, ttft=0.2, tpot=0.02, shared=5.0)
+    decided, reasons = scaler.decide(busy, {"prefill": 1, "decode": 1})
+    assert decided["prefill"] == 2
+    assert any("prefill: 5 prompt(s) went to decodes, every prefill backed up: one more" in r for r in reasons)
+    # None shared: the same latencies give a prefill back.
+    assert scaler.decide(Observation(3.0, 100, 50, ttft=0.2, tpot=0.02), {"prefill": 2, "decode": 1})[0][
+        "prefill"] == 1
+    # With a profile, too: its plan is corrected, whatever it predicted.
+    planned = Autoscaler(BOUNDS, SLOS, PROFILE, patience=1)
+    assert planned.decide(busy, {"prefill": 1, "decode": 1})[0]["prefill"] == 2
+
+
+# -- a budget of instances -------------------------------------------------------------------------------------------
+def test_what_does_not_fit_the_budget_goes_to_the_role_furthest_over_its_slo():
+    # Both over their SLOs, room for one more: the decode is twice its SLO, the prefill 1.5 times.
+    scaler = Autoscaler(BOUNDS, SLOS, max_instances=3)
+    decided, reasons = scaler.decide(seen(ttft=1.5, tpot=0.1), {"prefill": 1, "decode": 1})
+    assert decided == {"prefill": 1, "decode": 2}
+    assert "prefill: 2 wanted, held at 1: the budget is 3 instances" in reasons
+    # TTFT further over: the prefill first.
+    assert Autoscaler(BOUNDS, SLOS, max_instances=3).decide(seen(ttft=3.0, tpot=0.06), {"prefill": 1, "decode": 1})[
+        0] == {"prefill": 2, "decode": 1}
+    # What is retired makes room in the same interval.
+    idle_prefill = Autoscaler(BOUNDS, SLOS, patience=1, max_instances=3)
+    assert idle_prefill.decide(seen(ttft=0.2, tpot=0.1), {"prefill": 2, "decode": 1})[0] == {"prefill": 1, "decode": 2}
+    # Without a budget both grow.
+    assert Autoscaler(BOUNDS, SLOS).decide(seen(ttft=1.5, tpot=0.1), {"prefill": 1, "decode": 1})[0] == {
+        "prefill": 2, "decode": 2}
+
+
+def test_the_predicted_layout_is_the_fewest_within_the_budget():
+    busy = seen(rate=8, ttft=0.1, tpot=0.01, output_len=200)  # two decodes predicted (see above)
+    assert Autoscaler(BOUNDS, SLOS, PROFILE, patience=1, max_instances=3).decide(busy, {"prefill": 1, "decode": 1})[
+        0] == {"prefill": 1, "decode": 2}
+    # No layout of two instances meets the SLOs: the most of each role is wanted, and the budget holds it.
+    decided, reasons = Autoscaler(BOUNDS, SLOS, PROFILE, patience=1, max_instances=2).decide(
+        busy, {"prefill": 1, "decode": 1})
+    assert decided == {"prefill": 1, "decode": 1}
+    assert any(r.startswith("no layout within the bounds meets the SLOs") for r in reasons)
+    assert "decode: 3 wanted, held at 1: the budget is 2 instances" in reasons

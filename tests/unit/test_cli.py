@@ -546,6 +546,10 @@ def test_services_started_from_a_folder_holding_an_epdserve_folder_run_the_insta
      "scales encoder, prefill, decode"),
     (["--planner", "--ttft-slo", "1", "--tpot-slo", "0.05", "--planner-bounds", "encoder=1:2"], "takes no images"),
     (["--planner", "--ttft-slo", "1", "--tpot-slo", "0.05", "--planner-profile", "/nonexistent.json"], "nonexistent"),
+    (["--planner-max-instances", "3"], "--planner-max-instances needs --planner"),
+    # The prefill held at one, the decodes at least two: three.
+    (["--planner", "--ttft-slo", "1", "--tpot-slo", "0.05", "--planner-bounds", "decode=2:3", "--planner-max-instances",
+      "2"], r"--planner-max-instances 2 is fewer than the 3 instances the bounds keep at least \(prefill=1:1,decode=2:3\)"),
 ])
 def test_up_checks_its_planner_options(default_model_path, argv, error):
     with pytest.raises(SystemExit, match=error):
@@ -566,6 +570,10 @@ def test_serve_planner_scales_only_the_roles_it_is_given():
     config = serve_planner_config(parse("serve", "planner", "--proxy-url", "http://proxy:8000", "--planner-bounds",
                                         "encoder=1:3,decode=2:4", "--ttft-slo", "1", "--tpot-slo", "0.05"))
     assert config.bounds == {"encoder": (1, 3), "decode": (2, 4)} and config.interval == 10.0
+    assert config.max_instances is None
+    assert serve_planner_config(parse("serve", "planner", "--proxy-url", "http://proxy:8000", "--planner-bounds",
+                                      "decode=2:4", "--ttft-slo", "1", "--tpot-slo", "0.05", "--planner-max-instances",
+                                      "3")).max_instances == 3
     with pytest.raises(SystemExit):  # it needs the proxy
         parse("serve", "planner", "--planner-bounds", "decode=1:2")
 

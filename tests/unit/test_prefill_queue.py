@@ -22,6 +22,7 @@ from epdserve.transport.channel.common import ChannelError
     (128, [1024], [2000, 0], True),  # one decode is free enough
     (1025, [4096], [0], False),  # a prompt over the limit always goes to prefill
     (128, [1 << 20], [0], True),
+    (128, [], [0], False),  # no prefill instance: nothing backed up
 ])
 def test_a_prompt_is_prefilled_by_a_decode_only_when_every_prefill_is_backed_up_and_a_decode_less(
         prompt, prefills, decodes, local):
