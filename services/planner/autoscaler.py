@@ -32,10 +32,12 @@ from dataclasses import dataclass, field, replace
 
 from epdserve.services.planner.layout_model import SLO, Layout, Traffic, predict
 from epdserve.services.planner.profile import EngineProfile
-from epdserve.services.proxy import prefill_queue
 
 SCALED_ROLES = ("encoder", "prefill", "decode")
 ENCODE_STAGE, PREFILL_STAGE = "proxy.encode", "proxy.prefill"  # the proxy's spans: per image, per prompt
+# The proxy's routing reason (epdserve:routing_decisions_total) for a prompt its burst-sharing rule gave a decode
+# because every prefill was backed up (services/proxy/prefill_queue.py REASON: they meet only on the wire).
+SHARED_REASON = "prefill_queue"
 SMOOTHING = 0.5  # weight of the newest interval in the forecast
 
 
@@ -110,7 +112,7 @@ class Counters:
                    sums.get("vllm:request_time_per_output_token_seconds_count", 0.0),
                    sums.get(f"{stage}_sum|{ENCODE_STAGE}", 0.0), sums.get(f"{stage}_count|{ENCODE_STAGE}", 0.0),
                    sums.get(f"{stage}_sum|{PREFILL_STAGE}", 0.0), sums.get(f"{stage}_count|{PREFILL_STAGE}", 0.0),
-                   sums.get(f"epdserve:routing_decisions_total|{prefill_queue.REASON}", 0.0))
+                   sums.get(f"epdserve:routing_decisions_total|{SHARED_REASON}", 0.0))
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ burst is split at once rather than one status poll later. `limit` 0 turns it off
 
 This is also what the planner takes for too little prefill: the prompts this rule gave to decodes (counted in
 `epdserve:routing_decisions_total` under REASON) are prompts the prefill instances had no room for, so the planner
-adds a prefill while the rule fires (services/planner/autoscaler.py), one definition of a backed-up prefill for both.
+adds a prefill while the rule fires (services/planner/autoscaler.py reads that count): one definition of a
+backed-up prefill, this one, for both.
 """
 from __future__ import annotations
 

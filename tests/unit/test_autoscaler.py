@@ -172,6 +172,10 @@ vllm:request_prompt_tokens_count{model_name="m"} 4.0
 
 # -- the proxy's burst-sharing rule --------------------------------------------------------------------------------
 def test_prompts_the_proxy_gave_decodes_for_backed_up_prefills_add_a_prefill():
+    from epdserve.services.planner.autoscaler import SHARED_REASON
+    from epdserve.services.proxy.prefill_queue import REASON
+
+    assert SHARED_REASON == REASON  # the planner counts the proxy's rule by its routing reason
     before = Counters.from_metrics("""
 # TYPE epdserve:routing_decisions counter
 epdserve:routing_decisions_total{model_name="m",path="decode_only",reason="prefill_queue"} 2.0
