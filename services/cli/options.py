@@ -282,7 +282,8 @@ def add_planner_options(p: argparse._ActionsContainer, scaled: str) -> None:
     p.add_argument("--planner-max-instances", type=int, metavar="N",
                    help="never more than N instances of the roles it scales together (the cores, memory or "
                         "machines they may take: with --threads T each, N x T cores); what does not fit goes to "
-                        "the role furthest over its SLO (default: the bounds alone)")
+                        "the role furthest over its SLO (default: the bounds alone; serve planner: "
+                        "$EPDSERVE_PLANNER_MAX_INSTANCES)")
 
 
 def _add_planner_service_options(p: argparse.ArgumentParser) -> None:
@@ -292,6 +293,8 @@ def _add_planner_service_options(p: argparse.ArgumentParser) -> None:
                    help="port of /health, /ready and /metrics (epdserve:planner_desired_replicas) (default: "
                         "%(default)s)")
     add_planner_options(p, "is not scaled: no replicas are wanted of it")
+    # Also from the environment (compose passes it so: a command cannot leave a flag out while a variable is unset).
+    p.set_defaults(planner_max_instances=os.environ.get("EPDSERVE_PLANNER_MAX_INSTANCES") or None)
     add_api_key_options(p, "the proxy's API key, to read its /ready (default: $EPDSERVE_API_KEY)",
                         "a file holding the proxy's API key (overrides --api-key)")
     add_served_model_name(p, "the model_name label of the planner's metric (default: the proxy's first)")

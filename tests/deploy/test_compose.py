@@ -193,13 +193,15 @@ def test_the_planner_reads_the_proxy_and_is_scraped_keeping_its_role_label(compo
     from epdserve.services.planner.autoscaler import parse_bounds
 
     assert "planner" not in compose_config()["services"], "only with the planner profile"
-    project = compose_config("planner", "monitoring", EPDSERVE_PLANNER_BOUNDS="decode=1:3", EPDSERVE_API_KEY="k")
+    project = compose_config("planner", "monitoring", EPDSERVE_PLANNER_BOUNDS="decode=1:3", EPDSERVE_API_KEY="k",
+                             EPDSERVE_PLANNER_MAX_INSTANCES="4")
     services = epdserve_services(project)
     service, args = services["planner"]
     assert args.role == "planner" and parse_bounds(args.planner_bounds) == {"decode": (1, 3)}
     host, port = args.proxy_url.removeprefix("http://").rsplit(":", 1)
     assert services[host][1].role == "proxy" and services[host][1].port == int(port)
     assert service["environment"]["EPDSERVE_API_KEY"] == "k"  # to read the proxy's /ready
+    assert service["environment"]["EPDSERVE_PLANNER_MAX_INSTANCES"] == "4"  # serve planner's budget (test_cli)
     assert service["depends_on"]["proxy"]["condition"] == "service_healthy"
     assert int(service["healthcheck"]["test"][2]) == args.http_port
     default = compose_config("planner")["services"]["planner"]["command"]

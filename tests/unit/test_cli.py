@@ -574,6 +574,17 @@ def test_serve_planner_scales_only_the_roles_it_is_given():
     assert serve_planner_config(parse("serve", "planner", "--proxy-url", "http://proxy:8000", "--planner-bounds",
                                       "decode=2:4", "--ttft-slo", "1", "--tpot-slo", "0.05", "--planner-max-instances",
                                       "3")).max_instances == 3
+
+
+@pytest.mark.parametrize("value, budget", [("5", 5), ("", None)])
+def test_serve_planner_takes_its_budget_from_the_environment(monkeypatch, value, budget):
+    # compose sets the variable, empty when unset: a command cannot leave the flag out.
+    monkeypatch.setenv("EPDSERVE_PLANNER_MAX_INSTANCES", value)
+    argv = ["serve", "planner", "--proxy-url", "http://proxy:8000", "--planner-bounds", "decode=2:4", "--ttft-slo", "1",
+            "--tpot-slo", "0.05"]
+    assert serve_planner_config(parse(*argv)).max_instances == budget
+    assert serve_planner_config(parse(*argv, "--planner-max-instances", "2")).max_instances == 2  # the flag wins
+    assert parse("up").planner_max_instances is None  # up's own planner: the flag only
     with pytest.raises(SystemExit):  # it needs the proxy
         parse("serve", "planner", "--planner-bounds", "decode=1:2")
 
