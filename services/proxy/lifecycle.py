@@ -50,11 +50,10 @@ from epdserve.services.runtime.network import advertised
 from epdserve.services.proxy.choices import merge
 from epdserve.services.proxy.failover import (EmbeddingsUnavailable, Failover, InstanceDown, Liveness, service_error,
                                               watched)
-from epdserve.services.proxy import kv_routing
+from epdserve.services.proxy import kv_routing, prefill_queue
 from epdserve.services.proxy.generation import Chunk, GenerateInput, GenerationError
 from epdserve.services.proxy.kv_routing import KVRoutingConfig, RoutingPolicy
 from epdserve.services.proxy.migration import Progress, StreamLost
-from epdserve.services.proxy import prefill_queue
 from epdserve.services.proxy.router import Instance, Route, Router, prefix_key
 from epdserve.transport.channel.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error,
                                                  ErrorCode, GenerateRequest, Message, MMItem, MMPlaceholder,

@@ -28,17 +28,13 @@ from typing import Iterable
 REASON = "prefill_queue"  # the routing decision's reason when a prompt goes to a decode by this rule
 
 
-def backed_up(prefill_queued: Iterable[int], limit: int) -> bool:
-    """Whether the prefill instances are backed up: each has at least `limit` prompt tokens queued (0: never)."""
-    return limit > 0 and min(prefill_queued, default=0) >= limit
-
-
 def prefill_on_decode(prompt_tokens: int, prefill_queued: Iterable[int], decode_queued: Iterable[int],
                       limit: int) -> bool:
     """Whether a prompt of `prompt_tokens` is better prefilled by a decode, given the prompt tokens queued at each
     healthy prefill and decode instance."""
-    prefill_queued = list(prefill_queued)
-    if prompt_tokens > limit or not backed_up(prefill_queued, limit):
+    if limit <= 0 or prompt_tokens > limit:
         return False
-    shortest_prefill = min(prefill_queued)
+    shortest_prefill = min(prefill_queued, default=0)
+    if shortest_prefill < limit:  # some prefill is not backed up: it takes the prompt
+        return False
     return min(decode_queued, default=shortest_prefill) + prompt_tokens <= shortest_prefill

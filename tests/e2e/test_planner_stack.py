@@ -62,15 +62,17 @@ def planner_service(up):
                   "--ttft-slo", "60", "--tpot-slo", "0.35", "--http-port", str(port)])
     service.url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: ready(service.url), 60, "the planner service to read the proxy", service.report)
+        wait_until(lambda: answers(service.url + "/ready"), 60, "the planner service to read the proxy",
+                   service.report)
         yield service
     finally:
         service.stop()
 
 
-def ready(url: str) -> bool:
+def answers(url: str) -> bool:
+    """Whether `url` answers 200 (a service's /health once it listens, /ready once it is ready)."""
     try:
-        return httpx.get(url + "/ready", timeout=5).status_code == 200
+        return httpx.get(url, timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -232,16 +234,10 @@ def test_the_planner_service_stops_on_sigint_even_when_started_with_it_ignored()
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: alive(f"http://127.0.0.1:{port}"), 60, "the planner service to listen", lambda: "")
+        wait_until(lambda: answers(f"http://127.0.0.1:{port}/health"), 60, "the planner service to listen", lambda: "")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(15) == 0, proc.stderr.read()
     finally:
         proc.kill()
         proc.wait()
 
-
-def alive(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
