@@ -9,6 +9,7 @@ one thread per engine, each engine pinned to a core of its own (--cpus; the prox
 --num-requests streamed completions of random token ids, EOS ignored, greedy, their arrivals a Poisson process
 at the mix's rate, seeded: the same requests for every layout.
 
+Each latency is predicted as a mean and as a median (p50), each set beside the measured one of its kind.
 Goodput = rate x the share of requests meeting both SLOs; the predicted goodput is the highest rate at which the
 predicted means meet them. The plan's choice is right when the layout it recommends has the highest measured
 goodput of those weighed, or meets both SLOs at the p50 with the fewest instances.
@@ -151,10 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         for layout in layouts:
             got = measured(run_layout(args, layout, runs, work), rate, args.ttft_slo, args.tpot_slo)
             rows.append({"layout": layout["layout"], "counts": layout["counts"], "recommended": layout is layouts[0],
-                         "predicted": {"ttft": layout["ttft"], "tpot": layout["tpot"], "goodput": layout["goodput"],
-                                       "meets_slo": layout["meets_slo"]},
+                         "predicted": {key: layout[key] for key in ("ttft", "tpot", "ttft_p50", "tpot_p50",
+                                                                    "goodput", "meets_slo")},
                          "measured": got})
-            print(f"  {layout['layout']:<8} predicted TTFT {layout['ttft']:.3f} s TPOT {layout['tpot'] * 1e3:.1f} ms; "
+            print(f"  {layout['layout']:<8} predicted TTFT mean {layout['ttft']:.3f} p50 {layout['ttft_p50']:.3f} s, "
+                  f"TPOT mean {layout['tpot'] * 1e3:.1f} p50 {layout['tpot_p50'] * 1e3:.1f} ms; "
                   f"measured TTFT mean {got['ttft_mean']:.3f} p50 {got['ttft_p50']:.3f} s, TPOT mean "
                   f"{got['tpot_mean'] * 1e3:.1f} p50 {got['tpot_p50'] * 1e3:.1f} ms, goodput {got['goodput']:.2f} "
                   f"req/s ({got['failed']} failed)", flush=True)
@@ -173,35 +175,40 @@ def write(report: dict, out_dir: Path) -> None:
     lines = [f"# `epdserve plan`: predicted against measured", "",
              f"{report['date']}, {report['machine']}; {report['model']}, one thread per engine, engine options "
              f"`{report['engine_args']}`; {report['num_requests']} requests per run x {report['repeats']}; SLOs "
-             f"TTFT <= {report['slo']['ttft']} s, TPOT <= {report['slo']['tpot'] * 1e3:g} ms. Predicted: means; "
-             f"ratio = predicted / measured mean.", "",
-             "| mix (req/s, in/out) | layout | TTFT pred | TTFT mean | TTFT p50 | ratio | TPOT pred | TPOT mean | "
-             "TPOT p50 | ratio | goodput pred (max rate) | goodput measured |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"TTFT <= {report['slo']['ttft']} s, TPOT <= {report['slo']['tpot'] * 1e3:g} ms. Each cell: predicted / "
+             f"measured (their ratio); TTFT in seconds, TPOT in ms.", "",
+             "| mix (req/s, in/out) | layout | TTFT p50 | TTFT mean | TPOT p50 | TPOT mean | goodput pred (max rate) "
+             "| goodput measured |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+
+    def cell(row: dict, key: str, scale: float, digits: int) -> str:
+        measured_key = key if key.endswith("_p50") else key + "_mean"
+        predicted, measured = row["predicted"][key], row["measured"][measured_key]
+        return f"{predicted * scale:.{digits}f} / {measured * scale:.{digits}f} ({ratio(predicted, measured)})"
+
     for m in report["mixes"]:
         for row in m["layouts"]:
-            p, g = row["predicted"], row["measured"]
             name = row["layout"] + (" (recommended)" if row["recommended"] else "")
-            lines.append(f"| {m['rate']:g}, {m['input_len']}/{m['output_len']} | {name} | {p['ttft']:.3f} | "
-                         f"{g['ttft_mean']:.3f} | {g['ttft_p50']:.3f} | {ratio(p['ttft'], g['ttft_mean'])} | "
-                         f"{p['tpot'] * 1e3:.1f} | {g['tpot_mean'] * 1e3:.1f} | {g['tpot_p50'] * 1e3:.1f} | "
-                         f"{ratio(p['tpot'], g['tpot_mean'])} | {p['goodput']:.2f} | {g['goodput']:.2f} |")
+            lines.append(f"| {m['rate']:g}, {m['input_len']}/{m['output_len']} | {name} | "
+                         f"{cell(row, 'ttft_p50', 1, 3)} | {cell(row, 'ttft', 1, 3)} | {cell(row, 'tpot_p50', 1e3, 1)} | "
+                         f"{cell(row, 'tpot', 1e3, 1)} | {row['predicted']['goodput']:.2f} | "
+                         f"{row['measured']['goodput']:.2f} |")
     (out_dir / "plan_check.md").write_text("\n".join(lines) + "\n")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
     for ax, key, unit, scale in ((axes[0], "ttft", "s", 1), (axes[1], "tpot", "ms", 1e3)):
-        points = [(row["predicted"][key] * scale, row["measured"][f"{key}_mean"] * scale, row["layout"])
-                  for m in report["mixes"] for row in m["layouts"] if row["predicted"][key] != float("inf")]
+        points = [(row["predicted"][f"{key}_p50"] * scale, row["measured"][f"{key}_p50"] * scale, row["layout"])
+                  for m in report["mixes"] for row in m["layouts"] if row["predicted"][f"{key}_p50"] != float("inf")]
         for pred, meas, name in points:
             ax.scatter(meas, pred)
             ax.annotate(name, (meas, pred), fontsize=7)
         top = max([max(p, q) for p, q, _ in points] + [1e-9]) * 1.1
         ax.plot([0, top], [0, top], "k--", linewidth=0.8)
         ax.fill_between([0, top], [0, top * 0.75], [0, top * 1.25], alpha=0.1)
-        ax.set_xlabel(f"measured mean {key.upper()} ({unit})")
-        ax.set_ylabel(f"predicted {key.upper()} ({unit})")
+        ax.set_xlabel(f"measured p50 {key.upper()} ({unit})")
+        ax.set_ylabel(f"predicted p50 {key.upper()} ({unit})")
     fig.tight_layout()
     fig.savefig(out_dir / "plan_check.png", dpi=120)
 

@@ -4,8 +4,9 @@ latency SLOs on this machine, from a profile of the model measured here (service
     epdserve plan --model M --request-rate R --input-len N --output-len N [--images-per-request K] \\
         --ttft-slo SECONDS --tpot-slo SECONDS [--max-instances N] [--save-profile FILE | --profile FILE]
 
-Prints every layout it weighed, best first - predicted TTFT and TPOT (means), goodput (the highest request rate
-still within both SLOs) - and the `epdserve up` command of the best; `--output FILE` writes the same as JSON,
+Prints every layout it weighed, best first - predicted TTFT and TPOT (means, which the SLOs are held to, and
+medians), goodput (the highest request rate still within both SLOs) - and the `epdserve up` command of the best;
+`--output FILE` writes the same as JSON,
 with the profile. A profile saved with --save-profile is read back with --profile (nothing measured then).
 """
 from __future__ import annotations
@@ -106,7 +107,8 @@ def _plan_command(args: argparse.Namespace) -> int:
             "traffic": asdict(traffic), "slo": asdict(slo), "max_instances": max_instances,
             "profile": asdict(profile),
             "layouts": [{"layout": str(c.layout), "counts": asdict(c.layout), "ttft": c.prediction.ttft,
-                         "tpot": c.prediction.tpot, "decode_batch": c.prediction.batch, "load": c.prediction.load,
+                         "tpot": c.prediction.tpot, "ttft_p50": c.prediction.ttft_p50,
+                         "tpot_p50": c.prediction.tpot_p50, "decode_batch": c.prediction.batch, "load": c.prediction.load,
                          "goodput": c.goodput, "meets_slo": c.meets} for c in ranked]}, indent=1) + "\n")
     return 0
 
@@ -156,10 +158,12 @@ def _seconds(value: float) -> str:
 def _print(ranked, traffic, slo, model: str) -> None:
     print(f"traffic: {traffic.rate:g} req/s, {traffic.input_len} in / {traffic.output_len} out tokens, "
           f"{traffic.images} image(s) per request; SLOs: TTFT {_seconds(slo.ttft)}, TPOT {_seconds(slo.tpot)}")
-    print(f"{'layout':<10} {'instances':>9} {'TTFT':>12} {'TPOT':>12} {'goodput req/s':>14}  meets SLOs")
+    print(f"{'layout':<10} {'instances':>9} {'TTFT mean':>12} {'TTFT p50':>12} {'TPOT mean':>12} {'TPOT p50':>12} "
+          f"{'goodput req/s':>14}  meets SLOs")
     for c in ranked:
-        print(f"{str(c.layout):<10} {c.layout.instances:>9} {_seconds(c.prediction.ttft):>12} "
-              f"{_seconds(c.prediction.tpot):>12} {c.goodput:>14.3f}  {'yes' if c.meets else 'no'}")
+        p = c.prediction
+        print(f"{str(c.layout):<10} {c.layout.instances:>9} {_seconds(p.ttft):>12} {_seconds(p.ttft_p50):>12} "
+              f"{_seconds(p.tpot):>12} {_seconds(p.tpot_p50):>12} {c.goodput:>14.3f}  {'yes' if c.meets else 'no'}")
     best = ranked[0]
     verdict = "meets both SLOs" if best.meets else "meets no SLO pair: the closest by goodput"
     try:

@@ -39,6 +39,8 @@ def test_every_layout_is_weighed_and_the_best_printed_with_its_command(planned, 
     layouts = written["layouts"]
     assert [entry["layout"] for entry in layouts] and {"1U", "0E1P1D"} <= {entry["layout"] for entry in layouts}
     assert written["profile"] == profile and written["traffic"]["rate"] == 2
+    assert all(entry["ttft_p50"] > 0 and entry["tpot_p50"] > 0 for entry in layouts)  # medians beside the means
+    assert "TTFT p50" in done.stdout and "TPOT p50" in done.stdout
     best = layouts[0]
     assert f"recommended: {best['layout']}" in done.stdout
     assert f"epdserve up --model {tiny_model_paths['llama']}" in done.stdout

@@ -1,9 +1,12 @@
 """The planner's queueing model and ranking, on profiles written down here (no engine)."""
 import math
+import statistics
 
+import numpy as np
 import pytest
 
-from epdserve.services.planner.layout_model import SLO, Layout, Traffic, goodput, predict
+from epdserve.services.planner.layout_model import (SLO, Layout, Traffic, _median_interruptions, _median_wait,
+                                                    goodput, predict)
 from epdserve.services.planner.plan import candidates, plan
 from epdserve.services.planner.profile import EngineProfile
 
@@ -49,12 +52,64 @@ def test_disaggregated_ttft_is_mdl1_over_the_prefills_and_tpot_the_decodes_fixed
     assert two.ttft == pytest.approx(0.1 + 0.25 * 0.1 / 1.5) and two.tpot == pytest.approx(p.tpot)
 
 
-def test_unified_steps_are_stretched_by_the_share_of_time_on_prompts():
+def test_unified_steps_are_stretched_by_the_share_of_time_on_prompts_and_by_the_prompts_queued_behind():
     traffic = Traffic(rate=5, input_len=100, output_len=50)
     p = predict(PROFILE, traffic, Layout(unified=1))
     assert p.load["unified"] == pytest.approx(0.5)
-    assert p.tpot == pytest.approx(PROFILE.step_seconds(p.batch) * 2)
+    # Prompts queued behind a request at its first token (its wait 0.05 s and prefill 0.1 s) are computed during
+    # its 49 gaps too: rho (W + S_p) / ((1 - rho) 49) more a token.
+    step = PROFILE.step_seconds(p.batch)
+    assert p.tpot == pytest.approx(step * 2 + 0.5 * 0.15 * 2 / 49)
+    assert p.batch == pytest.approx(5 * 50 * p.tpot, rel=1e-4)  # Little's law
     assert p.tpot > predict(PROFILE, traffic, Layout(prefills=1, decodes=1)).tpot
+    # Its median: half of the prompts wait nowhere (rho 0.5); a request meets the prompts arriving in its prefill
+    # and its 49 steps, and those arriving during theirs.
+    assert p.ttft_p50 == pytest.approx(0.1 + step / 2)
+    assert p.tpot_p50 == pytest.approx(step + 0.1 * _median_interruptions(5 * (0.1 + 49 * step), 0.5) / 49)
+    assert p.ttft_p50 < p.ttft and p.tpot_p50 < p.tpot
+
+
+def simulated_median_wait(queues: list[tuple[float, float]], n: int = 100_000) -> float:
+    """The median of the summed waits of independent M/D/1 queues (arrivals, work), by Lindley's recursion
+    over n seeded arrivals each."""
+    rng = np.random.default_rng(0)
+    total = np.zeros(n)
+    for arrivals, work in queues:
+        gaps, wait = rng.exponential(1 / arrivals, n), 0.0
+        for i in range(n):
+            total[i] += wait
+            wait = max(0.0, wait + work - gaps[i])
+    return float(np.median(total))
+
+
+def test_median_waits_are_erlangs_m_d_1():
+    # Half the requests or more find the queue empty: no wait at the median.
+    assert _median_wait([(1.0, 0.5)]) == 0 and _median_wait([(2.0, 0.1), (1.0, 0.3)]) == 0  # 0.8 x 0.7 of none
+    # Within one work a wait is at most t with probability (1 - rho) e^(arrivals t): the median solves it = 1/2.
+    assert _median_wait([(1.2, 0.5)]) == pytest.approx(math.log(0.5 / 0.4) / 1.2, abs=0.5 / 64)
+    # Beyond one work (Erlang's later terms), and two queues one after another, against a simulation.
+    for queues in ([(1.8, 0.5)], [(2.0, 0.4)], [(1.6, 0.3), (1.0, 0.5)]):
+        assert _median_wait(queues) == pytest.approx(simulated_median_wait(queues), rel=0.03, abs=0.01), queues
+    assert math.isinf(_median_wait([(2.0, 0.5)]))
+
+
+def test_the_median_prompts_a_unified_request_meets_are_a_branching_processs():
+    rng = np.random.default_rng(0)
+
+    def simulated(expected: float, load: float, n: int = 20_000) -> float:
+        totals = []
+        for first in rng.poisson(expected, n):
+            total = pending = int(first)
+            while pending:
+                children = int(rng.poisson(load))
+                total, pending = total + children, pending - 1 + children
+            totals.append(total)
+        return statistics.median_low(totals)  # the least count with half the mass at or below it
+
+    assert _median_interruptions(0.5, 0.3) == 0  # e^-0.5 > 1/2: most meet none
+    assert _median_interruptions(3.2, 0.0) == 3  # no prefill brings more: Poisson's median
+    for expected, load in ((1.3, 0.4), (2.5, 0.6), (4.2, 0.3)):
+        assert _median_interruptions(expected, load) == simulated(expected, load), (expected, load)
 
 
 def test_an_overloaded_role_has_no_steady_state():
