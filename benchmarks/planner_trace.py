@@ -1,7 +1,7 @@
 """`epdserve up --planner` through a load that rises and falls, beside a fixed layout under the same requests.
 
-The trace: --phases RATE:SECONDS,... of Poisson arrivals (default 0.3 req/s for a minute, then 0.8, 1.6, 0.8,
-0.3), each request a streamed greedy completion of --input-len random token ids writing --output-len tokens
+The trace: --phases RATE:SECONDS,... of Poisson arrivals (default 0.5 req/s for two minutes, then 1.5, 3, 1.5,
+0.5: ten minutes, one decode overloaded at the peak), each request a streamed greedy completion of --input-len random token ids writing --output-len tokens
 (EOS ignored), seeded: the same requests, at the same times, for both runs. The planner run is `epdserve up
 --planner` within --bounds, planning from a profile measured first (`epdserve plan --save-profile`, one thread per
 engine); the fixed run is `epdserve up` with --fixed's counts. One thread per engine in both; no pinning (the
@@ -14,7 +14,7 @@ identical to the fixed layout's (greedy: a stream the planner's scale-in cut or 
 
 Writes benchmarks/results/planner_trace.{json,md,png}.
 
-    .venv/bin/python benchmarks/planner_trace.py                 # ~12 minutes on 2 cores
+    .venv/bin/python benchmarks/planner_trace.py                 # ~22 minutes on 2 cores
     .venv/bin/python benchmarks/planner_trace.py --phases 0.5:20,1.5:20,0.3:20 --profile p.json
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ WINDOW_S = 30.0
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct, prepared offline)")
-    p.add_argument("--phases", default="0.3:60,0.8:60,1.6:60,0.8:60,0.3:60",
+    p.add_argument("--phases", default="0.5:120,1.5:120,3:120,1.5:120,0.5:120",
                    type=lambda v: [(float(r), float(s)) for r, s in (x.split(":") for x in v.split(","))])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
