@@ -93,7 +93,7 @@ def test_median_waits_are_erlangs_m_d_1():
     assert math.isinf(_median_wait([(2.0, 0.5)]))
 
 
-def test_the_median_prompts_a_unified_request_meets_are_a_branching_processs():
+def test_the_prompts_a_unified_request_meets_have_a_branching_process_median():
     rng = np.random.default_rng(0)
 
     def simulated(expected: float, load: float, n: int = 20_000) -> float:
