@@ -17,10 +17,15 @@
 #include <c10/util/Half.h>
 #include <omp.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <tuple>
 #include <type_traits>
+#include <vector>
 
+#include "kernel_table.h"
 #include "vec_math.h"
 
 namespace {
@@ -194,6 +199,107 @@ void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   });
 }
 
+// A linear layer's weight as the panel kernels read it: quantized panels (cpu_linear.pack_quantized) or
+// float32/bfloat16 ones (cpu_linear.pack).
+struct PanelWeight {
+  at::Tensor panels;
+  int64_t out_features;
+  bool quantized, has_offset;
+  int64_t zero;
+  c10::optional<at::Tensor> bias;
+};
+
+// One Llama-style decoder layer (pre-norm attention and gated SiLU MLP, no per-head norms, no LoRA) over the
+// paged KV cache, its caches head-major ([blocks, kv_heads, block_size, head_size], as the attention kernels
+// take them).
+struct DecoderLayer {
+  at::Tensor input_norm, post_attention_norm;
+  PanelWeight qkv, o, gate, up, down;
+  int64_t num_heads, num_kv_heads, head_size;
+  double scale;
+  int64_t sliding_window;  // -1: the whole context
+  at::Tensor key_cache, value_cache;
+};
+
+// The model's layers in one call per step: the same kernels, in the same order, on the same tensors as the
+// Python layers call them (shared/models/llama.py), so every value is the same bit for bit - without the
+// ~100 us of Python a layer costs between them, which at batch 1 is a third of a decode step.
+class DecoderStack {
+ public:
+  DecoderStack(pybind11::capsule linear, pybind11::capsule attention, double eps, std::vector<DecoderLayer> layers)
+      : linear_(kernels<epdserve::LinearKernels>(linear, epdserve::kLinearKernels)),
+        attention_(kernels<epdserve::AttentionKernels>(attention, epdserve::kAttentionKernels)),
+        eps_(eps),
+        layers_(std::move(layers)) {}
+
+  // x: the residual stream [tokens, hidden] (updated in place); cos, sin: [tokens, head_size]; slots: each
+  // token's cache slot; table, table_rows, lens: the step's attention plan (cpu_attention.plan_attention).
+  // Returns what the last layer adds to x (the final norm adds it), and the seconds the attention kernels took
+  // (the engine's step timer counts them apart from the rest of the forward pass).
+  std::tuple<at::Tensor, double> forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor table,
+                     at::Tensor table_rows, at::Tensor lens) const {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: [tokens, hidden] contiguous");
+    // A long prefill holds no lock that the service's other threads (its event loop, transfers) wait on.
+    pybind11::gil_scoped_release released;
+    const int64_t tokens = x.size(0);
+    at::Tensor delta;
+    std::chrono::steady_clock::duration attention{};
+    for (const auto& layer : layers_) {
+      auto h = x.new_empty(x.sizes());
+      if (delta.defined())
+        add_rms_norm(h, x, delta, layer.input_norm, eps_, false);
+      else
+        rms_norm(h, x, layer.input_norm, eps_, false);
+      auto qkv = apply(layer.qkv, h);
+      const int64_t q_size = layer.num_heads * layer.head_size, kv_size = layer.num_kv_heads * layer.head_size;
+      auto q = qkv.narrow(1, 0, q_size).view({tokens, layer.num_heads, layer.head_size});
+      auto k = qkv.narrow(1, q_size, kv_size).view({tokens, layer.num_kv_heads, layer.head_size});
+      auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, layer.num_kv_heads, layer.head_size});
+      rotary_(q, cos, sin);
+      rotary_(k, cos, sin);
+      // As cpu_attention.kv_cache_write converts: to the cache's dtype, or kept for an int8 cache's rows.
+      const auto kv_dtype = layer.key_cache.scalar_type() == at::kChar ? k.scalar_type()
+                                                                       : layer.key_cache.scalar_type();
+      auto started = std::chrono::steady_clock::now();
+      attention_->write_kv(k.to(kv_dtype).contiguous(), v.to(kv_dtype).contiguous(), layer.key_cache,
+                           layer.value_cache, slots);
+      attention += std::chrono::steady_clock::now() - started;
+      auto attended = q.new_empty({tokens, layer.num_heads, layer.head_size});
+      auto query = q.contiguous();
+      started = std::chrono::steady_clock::now();
+      attention_->paged_attention(attended, query, layer.key_cache, layer.value_cache, table, table_rows, lens,
+                                  layer.scale, layer.sliding_window);
+      attention += std::chrono::steady_clock::now() - started;
+      auto attn_out = apply(layer.o, attended.view({tokens, q_size}));
+      auto h2 = x.new_empty(x.sizes());
+      add_rms_norm(h2, x, attn_out, layer.post_attention_norm, eps_, false);
+      auto gate = apply(layer.gate, h2);
+      silu_mul_(gate, apply(layer.up, h2));
+      delta = apply(layer.down, gate);
+    }
+    return {delta, std::chrono::duration<double>(attention).count()};
+  }
+
+ private:
+  template <typename Table>
+  static const Table* kernels(const pybind11::capsule& capsule, const char* name) {
+    TORCH_CHECK(capsule.name() != nullptr && std::string(capsule.name()) == name, "expected the capsule ", name);
+    return capsule.get_pointer<Table>();
+  }
+
+  at::Tensor apply(const PanelWeight& w, const at::Tensor& x) const {
+    if (w.quantized) return linear_->linear_quantized(x, w.panels, w.out_features, w.has_offset, w.zero, w.bias);
+    return linear_->linear(x, w.panels, w.out_features, w.bias);
+  }
+
+  const epdserve::LinearKernels* linear_;
+  const epdserve::AttentionKernels* attention_;
+  double eps_;
+  std::vector<DecoderLayer> layers_;
+};
+
+// Its types local to the module: every CPU level's build registers the same names, and a process may load several
+// (the kernels' tests do).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm into out (CPU)", pybind11::arg("out"), pybind11::arg("x"),
         pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("unit_offset") = false);
@@ -202,4 +308,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("delta"), pybind11::arg("weight"), pybind11::arg("eps"),
         pybind11::arg("unit_offset") = false);
   m.def("silu_mul_", &silu_mul_, "gate = silu(gate) * up in place (CPU)");
+  pybind11::class_<PanelWeight>(m, "PanelWeight", pybind11::module_local())
+      .def(pybind11::init<at::Tensor, int64_t, bool, bool, int64_t, c10::optional<at::Tensor>>(),
+           pybind11::arg("panels"), pybind11::arg("out_features"), pybind11::arg("quantized"),
+           pybind11::arg("has_offset"), pybind11::arg("zero"), pybind11::arg("bias"));
+  pybind11::class_<DecoderLayer>(m, "DecoderLayer", pybind11::module_local())
+      .def(pybind11::init<at::Tensor, at::Tensor, PanelWeight, PanelWeight, PanelWeight, PanelWeight, PanelWeight,
+                          int64_t, int64_t, int64_t, double, int64_t, at::Tensor, at::Tensor>(),
+           pybind11::arg("input_norm"), pybind11::arg("post_attention_norm"), pybind11::arg("qkv"),
+           pybind11::arg("o"), pybind11::arg("gate"), pybind11::arg("up"), pybind11::arg("down"),
+           pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("head_size"),
+           pybind11::arg("scale"), pybind11::arg("sliding_window"), pybind11::arg("key_cache"),
+           pybind11::arg("value_cache"));
+  pybind11::class_<DecoderStack>(m, "DecoderStack", pybind11::module_local())
+      .def(pybind11::init<pybind11::capsule, pybind11::capsule, double, std::vector<DecoderLayer>>(),
+           pybind11::arg("linear_kernels"), pybind11::arg("attention_kernels"), pybind11::arg("eps"),
+           pybind11::arg("layers"))
+      .def("forward", &DecoderStack::forward, "Every layer of a step; returns the last one's addition (CPU)");
 }

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "kernel_table.h"
 #include "vec_math.h"
 
 namespace {
@@ -551,7 +552,10 @@ at::Tensor linear_quantized(at::Tensor x, at::Tensor panels, int64_t N, bool has
   return y;
 }
 
+static const epdserve::LinearKernels kKernels{&linear, &linear_quantized};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("kernels") = pybind11::capsule(&kKernels, epdserve::kLinearKernels);
   m.def("dtypes", &dtypes, "The dtypes this build has a kernel for");
   m.def("pack", &pack, "Pack an [N, K] float32 weight into panels for linear (CPU)");
   m.def("linear", &linear, "x W^T + bias from packed panels (CPU, float32 or bfloat16)");

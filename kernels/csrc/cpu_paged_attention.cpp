@@ -44,6 +44,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernel_table.h"
 #include "vec_math.h"
 
 namespace {
@@ -722,7 +723,10 @@ void write_kv(at::Tensor key, at::Tensor value, at::Tensor key_cache, at::Tensor
   }
 }
 
+static const epdserve::AttentionKernels kKernels{&write_kv, &paged_attention};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("kernels") = pybind11::capsule(&kKernels, epdserve::kAttentionKernels);
   m.def("write_kv", &write_kv, "Write tokens' K and V into their slots of the head-major paged cache (CPU)");
   m.def("paged_attention", &paged_attention, "Attention of query tokens over the head-major paged KV cache (CPU)");
 }

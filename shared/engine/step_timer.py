@@ -57,6 +57,15 @@ class StepTimer:
 
         return run
 
+    def adder(self, name: str) -> Callable[[float], None]:
+        """add(seconds): time measured elsewhere (the C++ decoder stack's attention calls) added to phase `name`."""
+        seconds = self.seconds
+
+        def add(s: float) -> None:
+            seconds[name] += s
+
+        return add
+
     @property
     def times_moe(self) -> bool:
         return MOE_PHASES[0] in self.seconds

@@ -13,7 +13,7 @@ run closer to the machine's peak.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +104,28 @@ class LlamaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = norm() if config.sandwich_norms else None
         self.post_feedforward_layernorm = norm() if config.sandwich_norms else None
 
+    def fused_form(self) -> dict | None:
+        """This layer as cpu_layer_ops.decoder_stack takes it, or None where it is not of Llama's plain form (per-head
+        norms, sandwich norms, GeGLU, a sparse MLP, a second RoPE) or does not run on the CPU kernels."""
+        attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
+        if (not isinstance(mlp, LlamaMLP) or mlp.gelu or attn.q_norm is not None or self.local_rope
+                or self.pre_feedforward_layernorm is not None or norm.unit_offset):
+            return None
+        backend = attn.attn.backend
+        keys, values = attn.attn.key_cache.transpose(1, 2), attn.attn.value_cache.transpose(1, 2)
+        if backend is None or backend.name != "cpu" or not (keys.is_contiguous() and values.is_contiguous()):
+            return None
+        dtype = norm.weight.dtype
+        linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate": mlp.gate_proj, "up": mlp.up_proj,
+                   "down": mlp.down_proj}
+        weights = {name: linear.panel_weight(dtype) for name, linear in linears.items()}
+        if None in weights.values() or self.post_attention_layernorm.weight.dtype != dtype:
+            return None
+        return dict(input_norm=norm.weight, post_attention_norm=self.post_attention_layernorm.weight, **weights,
+                    num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_size=attn.head_size,
+                    scale=attn.attn.scale, sliding_window=attn.attn.sliding_window or -1, key_cache=keys,
+                    value_cache=values)
+
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, delta: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:
         """x: the residual stream, updated in place; delta: what the layer before adds to it (None for the
@@ -116,6 +138,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # Every layer in one C++ call a step (fuse_layers), and where its attention calls' seconds go.
+    decoder_stack = None
+    attention_seconds: Callable[[float], None] | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -139,12 +165,31 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         return x if self.embed_scale is None else x * self.embed_scale
 
+    def fuse_layers(self, attention_seconds: Callable[[float], None]) -> bool:
+        """Run the layers as one C++ call a step (cpu_layer_ops.decoder_stack: the kernels the Python layers call, in
+        the same order on the same tensors, so the same values bit for bit) where every layer is of Llama's plain
+        form on the CPU kernels; a decode step of a small model is then mostly its weights' reads, not Python's
+        dispatch between ops. `attention_seconds(s)` is told, each step, what its attention calls took. False
+        (the Python layers run) where a layer cannot be fused, after the KV cache is bound."""
+        forms = [layer.fused_form() for layer in self.layers]
+        if not forms or None in forms or len({n.eps for n in self.modules() if isinstance(n, RMSNorm)}) != 1:
+            return False
+        self.decoder_stack = cpu_layer_ops.decoder_stack(self.norm.eps, forms)
+        self.attention_seconds = attention_seconds
+        return self.decoder_stack is not None
+
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """positions: [num_tokens], or [3, num_tokens] with M-RoPE."""
         # The residual stream, updated in place: never the caller's tensor.
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.clone()
         rope = self.rotary.lookup(positions)
+        if self.decoder_stack is not None:
+            plan = next(iter(meta.plans.values()))  # the cpu backend's one plan serves every window
+            delta, seconds = self.decoder_stack.forward(x, *rope, meta.slot_mapping, plan.table, plan.table_rows,
+                                                        plan.lens)
+            self.attention_seconds(seconds)
+            return self.norm(x, delta)
         local_rope = rope if self.local_rotary is None else self.local_rotary.lookup(positions)
         delta = None
         for layer in self.layers:
@@ -167,6 +212,9 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(input_ids)
+
+    def fuse_layers(self, attention_seconds: Callable[[float], None]) -> bool:
+        return self.model.fuse_layers(attention_seconds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Logits in the model dtype (soft-capped there, where the config says so), then float32, as HF

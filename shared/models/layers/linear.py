@@ -92,6 +92,19 @@ class Linear(nn.Linear):
         elif onednn_supports(weight.dtype):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
 
+    def panel_weight(self, dtype: torch.dtype) -> dict | None:
+        """What the C++ decoder stack runs this layer on, for `dtype` activations (cpu_layer_ops.PANEL_WEIGHT_FIELDS):
+        the panels `_base` would run; None where it runs anything else (oneDNN, F.linear, Triton) or LoRA."""
+        if self.lora is not None:
+            return None
+        if isinstance(self.quantized, cpu_linear.QuantizedPanels) and dtype == torch.float32:
+            return dict(panels=self.quantized.panels, out_features=self.out_features, quantized=True,
+                        has_offset=self.quantized.has_offset, zero=self.quantized.zero, bias=self.bias)
+        if self.quantized is None and self.panels is not None and self.panels.dtype == dtype:
+            return dict(panels=self.panels, out_features=self.out_features, quantized=False, has_offset=False,
+                        zero=-1, bias=self.bias)
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._base(x)
         if self.lora is not None:
