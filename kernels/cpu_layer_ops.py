@@ -76,7 +76,7 @@ _LINEARS = ("qkv", "o", "gate", "up", "down")
 def decoder_stack(eps: float, layers: list[dict]):
     """The C++ DecoderStack (csrc/cpu_layer_ops.cpp) over `layers`, each DecoderLayer's keyword arguments with its
     linear layers' as dicts of PANEL_WEIGHT_FIELDS; None where a kernel it calls is not built. Its
-    `forward(x, cos, sin, slot_mapping, table, table_rows, lens)` runs every layer on the residual stream x (in
+    `forward(x, cos, sin, local_cos, local_sin, slot_mapping, table, table_rows, lens)` runs every layer on the residual stream x (in
     place) and returns what the last one adds, with the seconds its attention calls took."""
     ops, linear, attention = _ops(), cpu_build.load("cpu_linear"), cpu_build.load("cpu_paged_attention")
     if ops is None or linear is None or attention is None:

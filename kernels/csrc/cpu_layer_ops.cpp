@@ -12,6 +12,7 @@
 // bindings of at::Tensor, whose methods are all a kernel calls, parse in a third of the time.
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Dispatch.h>
+#include <ATen/ops/gelu.h>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -209,11 +210,15 @@ struct PanelWeight {
   c10::optional<at::Tensor> bias;
 };
 
-// One Llama-style decoder layer (pre-norm attention and gated SiLU MLP, no per-head norms, no LoRA) over the
-// paged KV cache, its caches head-major ([blocks, kv_heads, block_size, head_size], as the attention kernels
-// take them).
+// One decoder layer of the dense families (Llama, Qwen2, Qwen3, Gemma 3: shared/models/llama.py) over the paged
+// KV cache, its caches head-major ([blocks, kv_heads, block_size, head_size], as the attention kernels take them).
+// The optional parts are what ModelConfig turns on: per-head query/key norms (Qwen3, Gemma 3), Gemma 3's sandwich
+// norms (the attention's and the MLP's outputs normed before they join the residual stream), (1 + weight) norms,
+// a GeGLU MLP, and a second RoPE table for its sliding layers.
 struct DecoderLayer {
   at::Tensor input_norm, post_attention_norm;
+  c10::optional<at::Tensor> q_norm, k_norm, pre_feedforward_norm, post_feedforward_norm;
+  bool unit_offset, gelu, local_rope;
   PanelWeight qkv, o, gate, up, down;
   int64_t num_heads, num_kv_heads, head_size;
   double scale;
@@ -232,12 +237,14 @@ class DecoderStack {
         eps_(eps),
         layers_(std::move(layers)) {}
 
-  // x: the residual stream [tokens, hidden] (updated in place); cos, sin: [tokens, head_size]; slots: each
-  // token's cache slot; table, table_rows, lens: the step's attention plan (cpu_attention.plan_attention).
-  // Returns what the last layer adds to x (the final norm adds it), and the seconds the attention kernels took
-  // (the engine's step timer counts them apart from the rest of the forward pass).
-  std::tuple<at::Tensor, double> forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor table,
-                     at::Tensor table_rows, at::Tensor lens) const {
+  // x: the residual stream [tokens, hidden] (updated in place); rope: cos and sin [tokens, head_size], and the
+  // sliding layers' own (local_rope; the same tensors where there is one table); slots: each token's cache
+  // slot; table, table_rows, lens: the step's attention plan (cpu_attention.plan_attention). Returns what the
+  // last layer adds to x (the final norm adds it), and the seconds the attention kernels took (the engine's
+  // step timer counts them apart from the rest of the forward pass).
+  std::tuple<at::Tensor, double> forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor local_cos,
+                                         at::Tensor local_sin, at::Tensor slots, at::Tensor table,
+                                         at::Tensor table_rows, at::Tensor lens) const {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: [tokens, hidden] contiguous");
     // A long prefill holds no lock that the service's other threads (its event loop, transfers) wait on.
     pybind11::gil_scoped_release released;
@@ -245,18 +252,28 @@ class DecoderStack {
     at::Tensor delta;
     std::chrono::steady_clock::duration attention{};
     for (const auto& layer : layers_) {
-      auto h = x.new_empty(x.sizes());
-      if (delta.defined())
-        add_rms_norm(h, x, delta, layer.input_norm, eps_, false);
-      else
-        rms_norm(h, x, layer.input_norm, eps_, false);
-      auto qkv = apply(layer.qkv, h);
-      const int64_t q_size = layer.num_heads * layer.head_size, kv_size = layer.num_kv_heads * layer.head_size;
-      auto q = qkv.narrow(1, 0, q_size).view({tokens, layer.num_heads, layer.head_size});
-      auto k = qkv.narrow(1, q_size, kv_size).view({tokens, layer.num_kv_heads, layer.head_size});
-      auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, layer.num_kv_heads, layer.head_size});
-      rotary_(q, cos, sin);
-      rotary_(k, cos, sin);
+      const auto norm = [&](const at::Tensor& in, const at::Tensor& weight) {  // RMSNorm alone
+        auto out = in.new_empty(in.sizes());
+        rms_norm(out, in, weight, eps_, layer.unit_offset);
+        return out;
+      };
+      const auto add_norm = [&](const at::Tensor& add, const at::Tensor& weight) {  // x += add, then RMSNorm
+        auto out = x.new_empty(x.sizes());
+        add_rms_norm(out, x, add, weight, eps_, layer.unit_offset);
+        return out;
+      };
+      auto qkv = apply(layer.qkv, delta.defined() ? add_norm(delta, layer.input_norm) : norm(x, layer.input_norm));
+      const int64_t hs = layer.head_size, q_size = layer.num_heads * hs, kv_size = layer.num_kv_heads * hs;
+      auto q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
+      if (layer.q_norm.has_value()) {  // each head on its own: [tokens * heads, head_size]
+        q = norm(q.reshape({-1, hs}), *layer.q_norm);
+        k = norm(k.reshape({-1, hs}), *layer.k_norm);
+      }
+      q = q.view({tokens, layer.num_heads, hs});
+      k = k.view({tokens, layer.num_kv_heads, hs});
+      auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, layer.num_kv_heads, hs});
+      rotary_(q, layer.local_rope ? local_cos : cos, layer.local_rope ? local_sin : sin);
+      rotary_(k, layer.local_rope ? local_cos : cos, layer.local_rope ? local_sin : sin);
       // As cpu_attention.kv_cache_write converts: to the cache's dtype, or kept for an int8 cache's rows.
       const auto kv_dtype = layer.key_cache.scalar_type() == at::kChar ? k.scalar_type()
                                                                        : layer.key_cache.scalar_type();
@@ -264,18 +281,23 @@ class DecoderStack {
       attention_->write_kv(k.to(kv_dtype).contiguous(), v.to(kv_dtype).contiguous(), layer.key_cache,
                            layer.value_cache, slots);
       attention += std::chrono::steady_clock::now() - started;
-      auto attended = q.new_empty({tokens, layer.num_heads, layer.head_size});
+      auto attended = q.new_empty({tokens, layer.num_heads, hs});
       auto query = q.contiguous();
       started = std::chrono::steady_clock::now();
       attention_->paged_attention(attended, query, layer.key_cache, layer.value_cache, table, table_rows, lens,
                                   layer.scale, layer.sliding_window);
       attention += std::chrono::steady_clock::now() - started;
       auto attn_out = apply(layer.o, attended.view({tokens, q_size}));
-      auto h2 = x.new_empty(x.sizes());
-      add_rms_norm(h2, x, attn_out, layer.post_attention_norm, eps_, false);
-      auto gate = apply(layer.gate, h2);
-      silu_mul_(gate, apply(layer.up, h2));
+      const bool sandwich = layer.pre_feedforward_norm.has_value();
+      auto h = sandwich ? add_norm(norm(attn_out, layer.post_attention_norm), *layer.pre_feedforward_norm)
+                        : add_norm(attn_out, layer.post_attention_norm);
+      auto gate = apply(layer.gate, h);
+      if (layer.gelu)  // GeGLU: HF's act(gate) * up, in the model dtype
+        gate = at::gelu(gate, "tanh").mul_(apply(layer.up, h));
+      else
+        silu_mul_(gate, apply(layer.up, h));
       delta = apply(layer.down, gate);
+      if (sandwich) delta = norm(delta, *layer.post_feedforward_norm);
     }
     return {delta, std::chrono::duration<double>(attention).count()};
   }
@@ -313,9 +335,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("panels"), pybind11::arg("out_features"), pybind11::arg("quantized"),
            pybind11::arg("has_offset"), pybind11::arg("zero"), pybind11::arg("bias"));
   pybind11::class_<DecoderLayer>(m, "DecoderLayer", pybind11::module_local())
-      .def(pybind11::init<at::Tensor, at::Tensor, PanelWeight, PanelWeight, PanelWeight, PanelWeight, PanelWeight,
-                          int64_t, int64_t, int64_t, double, int64_t, at::Tensor, at::Tensor>(),
-           pybind11::arg("input_norm"), pybind11::arg("post_attention_norm"), pybind11::arg("qkv"),
+      .def(pybind11::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                          c10::optional<at::Tensor>, c10::optional<at::Tensor>, bool, bool, bool, PanelWeight,
+                          PanelWeight, PanelWeight, PanelWeight, PanelWeight, int64_t, int64_t, int64_t, double,
+                          int64_t, at::Tensor, at::Tensor>(),
+           pybind11::arg("input_norm"), pybind11::arg("post_attention_norm"), pybind11::arg("q_norm"),
+           pybind11::arg("k_norm"), pybind11::arg("pre_feedforward_norm"), pybind11::arg("post_feedforward_norm"),
+           pybind11::arg("unit_offset"), pybind11::arg("gelu"), pybind11::arg("local_rope"), pybind11::arg("qkv"),
            pybind11::arg("o"), pybind11::arg("gate"), pybind11::arg("up"), pybind11::arg("down"),
            pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("head_size"),
            pybind11::arg("scale"), pybind11::arg("sliding_window"), pybind11::arg("key_cache"),

@@ -105,23 +105,26 @@ class LlamaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = norm() if config.sandwich_norms else None
 
     def fused_form(self) -> dict | None:
-        """This layer as cpu_layer_ops.decoder_stack takes it, or None where it is not of Llama's plain form (per-head
-        norms, sandwich norms, GeGLU, a sparse MLP, a second RoPE) or does not run on the CPU kernels."""
-        attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
-        if (not isinstance(mlp, LlamaMLP) or mlp.gelu or attn.q_norm is not None or self.local_rope
-                or self.pre_feedforward_layernorm is not None or norm.unit_offset):
-            return None
+        """This layer as cpu_layer_ops.decoder_stack takes it, or None where it does not run on the CPU kernels (a
+        sparse MLP, LoRA, another attention backend, a linear layer off the panel kernels)."""
+        attn, mlp = self.self_attn, self.mlp
         backend = attn.attn.backend
-        keys, values = attn.attn.key_cache.transpose(1, 2), attn.attn.value_cache.transpose(1, 2)
-        if backend is None or backend.name != "cpu" or not (keys.is_contiguous() and values.is_contiguous()):
+        if not isinstance(mlp, LlamaMLP) or backend is None or backend.name != "cpu":
             return None
-        dtype = norm.weight.dtype
+        keys, values = attn.attn.key_cache.transpose(1, 2), attn.attn.value_cache.transpose(1, 2)
+        if not (keys.is_contiguous() and values.is_contiguous()):
+            return None
+        dtype = self.input_layernorm.weight.dtype
         linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate": mlp.gate_proj, "up": mlp.up_proj,
                    "down": mlp.down_proj}
         weights = {name: linear.panel_weight(dtype) for name, linear in linears.items()}
-        if None in weights.values() or self.post_attention_layernorm.weight.dtype != dtype:
+        norms = {"input_norm": self.input_layernorm, "post_attention_norm": self.post_attention_layernorm,
+                 "q_norm": attn.q_norm, "k_norm": attn.k_norm, "pre_feedforward_norm": self.pre_feedforward_layernorm,
+                 "post_feedforward_norm": self.post_feedforward_layernorm}
+        if None in weights.values() or any(n is not None and n.weight.dtype != dtype for n in norms.values()):
             return None
-        return dict(input_norm=norm.weight, post_attention_norm=self.post_attention_layernorm.weight, **weights,
+        return dict(**{k: None if n is None else n.weight for k, n in norms.items()},
+                    unit_offset=self.input_layernorm.unit_offset, gelu=mlp.gelu, local_rope=self.local_rope, **weights,
                     num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_size=attn.head_size,
                     scale=attn.attn.scale, sliding_window=attn.attn.sliding_window or -1, key_cache=keys,
                     value_cache=values)
@@ -167,8 +170,8 @@ class LlamaModel(nn.Module):
 
     def fuse_layers(self, attention_seconds: Callable[[float], None]) -> bool:
         """Run the layers as one C++ call a step (cpu_layer_ops.decoder_stack: the kernels the Python layers call, in
-        the same order on the same tensors, so the same values bit for bit) where every layer is of Llama's plain
-        form on the CPU kernels; a decode step of a small model is then mostly its weights' reads, not Python's
+        the same order on the same tensors, so the same values bit for bit) where every layer is dense and runs on
+        the CPU kernels; a decode step of a small model is then mostly its weights' reads, not Python's
         dispatch between ops. `attention_seconds(s)` is told, each step, what its attention calls took. False
         (the Python layers run) where a layer cannot be fused, after the KV cache is bound."""
         forms = [layer.fused_form() for layer in self.layers]
@@ -184,13 +187,13 @@ class LlamaModel(nn.Module):
         # The residual stream, updated in place: never the caller's tensor.
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.clone()
         rope = self.rotary.lookup(positions)
+        local_rope = rope if self.local_rotary is None else self.local_rotary.lookup(positions)
         if self.decoder_stack is not None:
             plan = next(iter(meta.plans.values()))  # the cpu backend's one plan serves every window
-            delta, seconds = self.decoder_stack.forward(x, *rope, meta.slot_mapping, plan.table, plan.table_rows,
-                                                        plan.lens)
+            delta, seconds = self.decoder_stack.forward(x, *rope, *local_rope, meta.slot_mapping, plan.table,
+                                                        plan.table_rows, plan.lens)
             self.attention_seconds(seconds)
             return self.norm(x, delta)
-        local_rope = rope if self.local_rotary is None else self.local_rotary.lookup(positions)
         delta = None
         for layer in self.layers:
             delta = layer(local_rope if layer.local_rope else rope, x, delta, meta)

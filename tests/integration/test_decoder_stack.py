@@ -41,6 +41,8 @@ def window_model(tmp_path, default_model_path) -> str:
     ("llama", {"kv_cache_dtype": "int8"}),
     ("llama", {"kv_cache_dtype": "fp8"}),
     ("qwen2-window", {}),
+    ("qwen3", {}),  # per-head q/k norms
+    ("gemma3", {}),  # (1 + weight) sandwich norms, q/k norms, GeGLU, a second RoPE for the sliding layers
     ("llama", {"dtype": "bfloat16"}),
 ])
 def test_the_fused_layers_give_the_python_layers_values_bit_for_bit(model, kwargs, tiny_model_paths,
@@ -57,9 +59,8 @@ def test_the_fused_layers_give_the_python_layers_values_bit_for_bit(model, kwarg
 
 
 @pytest.mark.parametrize("model,kwargs", [
-    ("qwen3", {}),  # per-head q/k norms
-    ("gemma3", {}),  # sandwich norms, GeGLU, a second RoPE
     ("mixtral", {}),  # sparse MLPs
+    ("qwen3-moe", {}),  # sparse MLPs in some layers
     ("llama", {"attention_backend": "torch"}),
     ("llama", {"enable_lora": True, "max_lora_rank": 8}),
 ])
