@@ -12,7 +12,7 @@
 // bindings of at::Tensor, whose methods are all a kernel calls, parse in a third of the time.
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Dispatch.h>
-#include <ATen/ops/gelu.h>
+#include <ATen/ops/gelu_ops.h>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -231,11 +231,14 @@ struct DecoderLayer {
 // ~100 us of Python a layer costs between them, which at batch 1 is a third of a decode step.
 class DecoderStack {
  public:
-  DecoderStack(pybind11::capsule linear, pybind11::capsule attention, double eps, std::vector<DecoderLayer> layers)
+  // layers: one dict a layer, DecoderLayer's fields by name, its linear layers' dicts of PanelWeight's (read here
+  // rather than bound as classes: binding two more classes made this file's compile 60% longer).
+  DecoderStack(pybind11::capsule linear, pybind11::capsule attention, double eps, pybind11::list layers)
       : linear_(kernels<epdserve::LinearKernels>(linear, epdserve::kLinearKernels)),
         attention_(kernels<epdserve::AttentionKernels>(attention, epdserve::kAttentionKernels)),
-        eps_(eps),
-        layers_(std::move(layers)) {}
+        eps_(eps) {
+    for (const auto& layer : layers) layers_.push_back(decoder_layer(layer.cast<pybind11::dict>()));
+  }
 
   // x: the residual stream [tokens, hidden] (updated in place); rope: cos and sin [tokens, head_size], and the
   // sliding layers' own (local_rope; the same tensors where there is one table); slots: each token's cache
@@ -292,8 +295,9 @@ class DecoderStack {
       auto h = sandwich ? add_norm(norm(attn_out, layer.post_attention_norm), *layer.pre_feedforward_norm)
                         : add_norm(attn_out, layer.post_attention_norm);
       auto gate = apply(layer.gate, h);
-      if (layer.gelu)  // GeGLU: HF's act(gate) * up, in the model dtype
-        gate = at::gelu(gate, "tanh").mul_(apply(layer.up, h));
+      // GeGLU: HF's act(gate) * up, in the model dtype (at::gelu's own op: its header pulls in half of ATen)
+      if (layer.gelu)
+        gate = at::_ops::gelu::call(gate, "tanh").mul_(apply(layer.up, h));
       else
         silu_mul_(gate, apply(layer.up, h));
       delta = apply(layer.down, gate);
@@ -303,6 +307,28 @@ class DecoderStack {
   }
 
  private:
+  static c10::optional<at::Tensor> optional_tensor(const pybind11::handle& value) {
+    return value.is_none() ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(value.cast<at::Tensor>());
+  }
+
+  static PanelWeight panel_weight(const pybind11::dict& w) {
+    return {w["panels"].cast<at::Tensor>(), w["out_features"].cast<int64_t>(), w["quantized"].cast<bool>(),
+            w["has_offset"].cast<bool>(), w["zero"].cast<int64_t>(), optional_tensor(w["bias"])};
+  }
+
+  static DecoderLayer decoder_layer(const pybind11::dict& d) {
+    const auto tensor = [&](const char* key) { return d[key].cast<at::Tensor>(); };
+    const auto weight = [&](const char* key) { return panel_weight(d[key].cast<pybind11::dict>()); };
+    const auto integer = [&](const char* key) { return d[key].cast<int64_t>(); };
+    const auto flag = [&](const char* key) { return d[key].cast<bool>(); };
+    return {tensor("input_norm"), tensor("post_attention_norm"), optional_tensor(d["q_norm"]),
+            optional_tensor(d["k_norm"]), optional_tensor(d["pre_feedforward_norm"]),
+            optional_tensor(d["post_feedforward_norm"]), flag("unit_offset"), flag("gelu"), flag("local_rope"),
+            weight("qkv"), weight("o"), weight("gate"), weight("up"), weight("down"), integer("num_heads"),
+            integer("num_kv_heads"), integer("head_size"), d["scale"].cast<double>(), integer("sliding_window"),
+            tensor("key_cache"), tensor("value_cache")};
+  }
+
   template <typename Table>
   static const Table* kernels(const pybind11::capsule& capsule, const char* name) {
     TORCH_CHECK(capsule.name() != nullptr && std::string(capsule.name()) == name, "expected the capsule ", name);
@@ -330,24 +356,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("delta"), pybind11::arg("weight"), pybind11::arg("eps"),
         pybind11::arg("unit_offset") = false);
   m.def("silu_mul_", &silu_mul_, "gate = silu(gate) * up in place (CPU)");
-  pybind11::class_<PanelWeight>(m, "PanelWeight", pybind11::module_local())
-      .def(pybind11::init<at::Tensor, int64_t, bool, bool, int64_t, c10::optional<at::Tensor>>(),
-           pybind11::arg("panels"), pybind11::arg("out_features"), pybind11::arg("quantized"),
-           pybind11::arg("has_offset"), pybind11::arg("zero"), pybind11::arg("bias"));
-  pybind11::class_<DecoderLayer>(m, "DecoderLayer", pybind11::module_local())
-      .def(pybind11::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                          c10::optional<at::Tensor>, c10::optional<at::Tensor>, bool, bool, bool, PanelWeight,
-                          PanelWeight, PanelWeight, PanelWeight, PanelWeight, int64_t, int64_t, int64_t, double,
-                          int64_t, at::Tensor, at::Tensor>(),
-           pybind11::arg("input_norm"), pybind11::arg("post_attention_norm"), pybind11::arg("q_norm"),
-           pybind11::arg("k_norm"), pybind11::arg("pre_feedforward_norm"), pybind11::arg("post_feedforward_norm"),
-           pybind11::arg("unit_offset"), pybind11::arg("gelu"), pybind11::arg("local_rope"), pybind11::arg("qkv"),
-           pybind11::arg("o"), pybind11::arg("gate"), pybind11::arg("up"), pybind11::arg("down"),
-           pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("head_size"),
-           pybind11::arg("scale"), pybind11::arg("sliding_window"), pybind11::arg("key_cache"),
-           pybind11::arg("value_cache"));
   pybind11::class_<DecoderStack>(m, "DecoderStack", pybind11::module_local())
-      .def(pybind11::init<pybind11::capsule, pybind11::capsule, double, std::vector<DecoderLayer>>(),
+      .def(pybind11::init<pybind11::capsule, pybind11::capsule, double, pybind11::list>(),
            pybind11::arg("linear_kernels"), pybind11::arg("attention_kernels"), pybind11::arg("eps"),
            pybind11::arg("layers"))
       .def("forward", &DecoderStack::forward, "Every layer of a step; returns the last one's addition (CPU)");

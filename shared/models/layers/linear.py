@@ -93,7 +93,7 @@ class Linear(nn.Linear):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
 
     def panel_weight(self, dtype: torch.dtype) -> dict | None:
-        """What the C++ decoder stack runs this layer on, for `dtype` activations (cpu_layer_ops.PANEL_WEIGHT_FIELDS):
+        """What the C++ decoder stack runs this layer on, for `dtype` activations (cpu_layer_ops.decoder_stack's):
         the panels `_base` would run; None where it runs anything else (oneDNN, F.linear, Triton) or LoRA."""
         if self.lora is not None:
             return None
