@@ -71,9 +71,9 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def decoder_stack(eps: float, layers: list[dict]):
     """The C++ DecoderStack (csrc/cpu_layer_ops.cpp) over `layers`, each a dict of DecoderLayer's fields, its linear
     layers' dicts of PanelWeight's (panels, out_features, quantized, has_offset, zero, bias); None where a kernel
-    it calls is not built. Its
-    `forward(x, cos, sin, local_cos, local_sin, slot_mapping, table, table_rows, lens)` runs every layer on the residual stream x (in
-    place) and returns what the last one adds, with the seconds its attention calls took."""
+    it calls is not built. Its `forward(x, cos, sin, local_cos, local_sin, slot_mapping, table, table_rows, lens)`
+    runs every layer on the residual stream x (in place) and returns what the last one adds, with the seconds
+    its attention calls took."""
     ops, linear, attention = _ops(), cpu_build.load("cpu_linear"), cpu_build.load("cpu_paged_attention")
     if ops is None or linear is None or attention is None:
         return None
