@@ -118,7 +118,7 @@ class ModelRunner:
         # LoRA by the Triton kernels where attention runs Triton's (a GPU, or the interpreter in tests).
         self.lora = None if config.lora is None else self.model.enable_lora(config.lora, backend.name == "triton")
         # The layers as one C++ call a step where they can be (the same values; SmolLM2, batch 1: 9.9 -> 7.2 ms/token).
-        self.fused_layers = backend.name == "cpu" and self.model.fuse_layers(self.timer.adder("attention"))
+        self.fused_layers = self.model.fuse_layers(self.timer.adder("attention"))
         # The sliding windows the layers use (None: the whole context), each planned once per step.
         self.attention_windows = tuple(dict.fromkeys(attn.sliding_window for attn in self.model.attention_layers()))
         # The CPU path keeps the decode batch's K/V contiguous across steps, within the pool's own size.
