@@ -260,8 +260,7 @@ class EngineWorker:
             return Error(ErrorCode.OVERLOADED, f"streams to {len(self.proxies)} proxies already", request_id, True)
         task = asyncio.create_task(self._stream(request_id, outputs(), reply_to, spans,
                                                 request.sampling_params.logprobs,
-                                                request.sampling_params.prompt_logprobs,
-                                                reports_cached=not request.num_peer_tokens))
+                                                request.sampling_params.prompt_logprobs, request.num_peer_tokens))
         self._tasks[request_id] = task
 
         def done(_) -> None:
@@ -273,19 +272,23 @@ class EngineWorker:
 
     async def _stream(self, request_id: str, outputs: AsyncIterator[RequestOutput], reply_to: str,
                       spans: RequestSpans, num_top: int | None, num_prompt_top: int | None = None,
-                      reports_cached: bool = True) -> None:
-        """`reports_cached`: the first delta says how many prompt tokens were cached - unless the request
-        continues from a peer's first tokens, whose answer said it for the engine that prefilled it."""
+                      num_peer_tokens: int = 0) -> None:
+        """`num_peer_tokens`: the tokens each sequence continues from (a peer sampled and delivered them): its
+        deltas count on from there, and the first does not say how many prompt tokens were cached - the peer's
+        answer said it for the engine that prefilled it."""
         first = True
+        offsets: dict[int, int] = {}  # sequence index -> its output tokens sent so far
         try:
             async for out in outputs:
                 completion = out.outputs[0]
                 reason = FinishReason(completion.finish_reason) if completion.finish_reason else None
+                offset = offsets.get(completion.index, num_peer_tokens)
+                offsets[completion.index] = offset + len(completion.token_ids)
                 self.proxies.send_soon(reply_to, TokenDelta(
                     request_id, tuple(completion.token_ids), logprobs_to_wire(out, num_top), reason,
-                    completion.stop_reason, out.num_cached_tokens if first and reports_cached else None,
+                    completion.stop_reason, out.num_cached_tokens if first and not num_peer_tokens else None,
                     prompt_logprobs_to_wire(out, num_prompt_top), index=completion.index,
-                    trace=spans.take() if first else ()))
+                    trace=spans.take() if first else (), offset=offset))
                 first = False
                 if out.finished:
                     self.metrics.finished(out)

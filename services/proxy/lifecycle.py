@@ -368,6 +368,10 @@ class ServiceBackend:
         every one of its sequences (n) has finished. `prompt_tokens`: what the instance prefills for it, in
         its prompt queue until the first message back."""
         rid = request.request_id
+        # Each sequence's output tokens so far: a decode continues from prefill's first token, a migrated
+        # request from those delivered. A delta that does not start there follows one that was lost.
+        received = dict.fromkeys(range(request.sampling_params.n), 1 if isinstance(request, DecodeRequest)
+                                 else len(request.output_token_ids))
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
         instance = None  # from its acceptance: counts the stream in its load, hears of an abort
@@ -381,10 +385,10 @@ class ServiceBackend:
             owner = instance.status.engine_id if instance.status is not None else None
             stale: set[str] = set()
             while not finished:
-                received = await self._next(queue, liveness)
-                if received is _CUT:
+                item = await self._next(queue, liveness)
+                if item is _CUT:
                     self._check_cut()
-                sender, message = received
+                sender, message = item
                 if owner is not None and sender != owner:
                     # An instance this call failed over from (frozen, then back) still runs the request under
                     # the same id: its tokens are not this stream's.
@@ -401,6 +405,12 @@ class ServiceBackend:
                                          "ServiceUnavailableError")
                     raise service_error(message, instance)
                 assert isinstance(message, TokenDelta)
+                if received.get(message.index) != message.offset:
+                    raise StreamLost(f"{role.value} instance {instance.address} sent tokens of sequence "
+                                     f"{message.index} from {message.offset}, having sent "
+                                     f"{received.get(message.index)}: a delta was lost on the way", "tokens_lost",
+                                     502, "BadGatewayError")
+                received[message.index] += len(message.token_ids)
                 if message.finish_reason is not None:
                     unfinished.discard(message.index)
                 finished = not unfinished

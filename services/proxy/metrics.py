@@ -92,8 +92,8 @@ class ProxyMetrics:
         self._aborts = Counter("epdserve:request_aborts", "Requests aborted before they finished, by reason.",
                                labels + ["reason"], registry=self.registry)
         self._migrations = Counter("epdserve:request_migrations", "Streams continued on another instance after "
-                                   "theirs was lost, by reason (instance_lost, drained).", labels + ["reason"],
-                                   registry=self.registry)
+                                   "theirs was lost, by reason (instance_lost, drained, tokens_lost).",
+                                   labels + ["reason"], registry=self.registry)
         self._reencodes = counter("epdserve:request_reencodes", "Requests whose images were encoded again because an "
                                   "engine could not have their embeddings from the encoder that made them "
                                   "(gone, unreachable), then sent once more.")

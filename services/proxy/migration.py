@@ -1,11 +1,12 @@
 """Requests that outlive their instance: a stream lost mid-way continues on another decode (or unified) instance.
 
 When the instance streaming a request dies, drops its connection (killed, OOM-killed, frozen past its
-heartbeats) or drains past its grace, the proxy does not end the request: each of its unfinished
-sequences goes to another instance with the prompt and every token already delivered
-(GenerateRequest.output_token_ids), routed like any request (to whichever holds most of the prompt's
-blocks); that instance recomputes their KV and the stream resumes with the next token - none repeated,
-none missing. The rest continues too, because the engine takes the delivered tokens as its own output
+heartbeats), drains past its grace, or a delta of its stream is lost on the way (pushes are at most once: a
+delta that does not start where the last one ended, `TokenDelta.offset`, follows a lost one), the proxy does
+not end the request: each of its unfinished sequences goes to another instance with the prompt and every
+token already delivered (GenerateRequest.output_token_ids), routed like any request (to whichever holds
+most of the prompt's blocks); that instance recomputes their KV and the stream resumes with the next token -
+none repeated, none missing. The rest continues too, because the engine takes the delivered tokens as its own output
 (shared/engine/handoff.py): a seeded request's random stream at its position, the structured-output
 matcher replayed over them, penalties, min_tokens and max_tokens. A sequence of n > 1 continues as a
 request of its own with the seed of its place in the group (sequence i samples from seed + i). Stop
@@ -23,8 +24,8 @@ from epdserve.services.proxy.generation import Chunk, GenerationError
 
 
 class StreamLost(GenerationError):
-    """The instance streaming a request was lost (`reason`: `instance_lost`, `drained`); the request may continue
-    elsewhere. If it cannot, the client gets this error."""
+    """The instance streaming a request was lost, or part of its stream (`reason`: `instance_lost`, `drained`,
+    `tokens_lost`); the request may continue elsewhere. If it cannot, the client gets this error."""
 
     def __init__(self, message: str, reason: str, status: int, error_type: str) -> None:
         super().__init__(message, status, error_type)

@@ -8,6 +8,10 @@ import httpx
 import openai
 import pytest
 
+from epdserve.services.cli.main import parse_args, proxy_config
+from epdserve.services.proxy.server import build_proxy
+from epdserve.transport.channel.protocol import TokenDeltas
+
 NUM_BLOCKS = 512
 LEASE = 4.0
 LONG_PREFIX = ("You are a careful assistant. Answer briefly and precisely. " * 12).strip()
@@ -98,9 +102,11 @@ def wait_for(condition, what: str, timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
-async def stream_all(stack, requests: dict, ended: set | None = None, stalls: dict | None = None) -> dict:
-    """name -> {choice index: (text, finish_reason)} for each request streamed at once; `ended` collects the
-    names whose stream has ended, `stalls[name]` is its longest wait between two chunks (seconds)."""
+async def stream_all(stack, requests: dict, ended: set | None = None, stalls: dict | None = None,
+                     http_client: httpx.AsyncClient | None = None) -> dict:
+    """name -> {choice index: (text, finish_reason)} for each request streamed at once (through the stack's
+    proxy, or `http_client`'s); `ended` collects the names whose stream has ended, `stalls[name]` is its longest
+    wait between two chunks (seconds)."""
     async def one(c, name, kwargs):
         choices: dict[int, list] = {}
         last = time.monotonic()
@@ -116,7 +122,8 @@ async def stream_all(stack, requests: dict, ended: set | None = None, stalls: di
             ended.add(name)
         return {i: tuple(v) for i, v in choices.items()}
 
-    async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+    async with openai.AsyncOpenAI(base_url=(str(http_client.base_url) if http_client else stack.url) + "/v1",
+                                  api_key="unused", max_retries=0, timeout=300, http_client=http_client) as c:
         names = list(requests)
         results = await asyncio.gather(*(one(c, name, requests[name]) for name in names))
     return dict(zip(names, results))
@@ -146,11 +153,66 @@ async def lose_decode_mid_stream(stack, lose: str, keep: str, requests: dict, ho
     return await task, running
 
 
-def test_streams_continue_on_another_decode_when_theirs_is_lost(stack, client):
+@pytest.fixture(scope="module")
+def expected(stack) -> dict:
+    """What STREAMS answer without a fault."""
+    return asyncio.run(stream_all(stack, STREAMS))
+
+
+class LosingInbox:
+    """Loses one message of token deltas (the `nth` of decodes' that end no sequence) on its way into a proxy's
+    inbox, as a dropped connection loses the pushes in flight."""
+
+    def __init__(self, inbox, nth: int) -> None:
+        self.nth, self.seen, self.lost = nth, 0, None
+        self._enqueue = inbox._enqueue
+        inbox._enqueue = self.enqueue  # before the inbox starts reading
+
+    async def enqueue(self, message, peer) -> None:
+        if isinstance(message, TokenDeltas) and all(d.offset and d.finish_reason is None for d in message.deltas):
+            self.seen += 1
+            if self.seen == self.nth:
+                self.lost = message
+                return
+        await self._enqueue(message, peer)
+
+
+def test_a_lost_delta_is_noticed_and_its_stream_continues(stack, expected):
+    """Pushes are at most once: deltas that never reach the proxy leave a gap, which the next delta's offset
+    shows; the proxy continues the stream from what it had delivered, and every stream ends exactly as
+    without the loss. A second proxy, in this process, on the stack's services, loses them."""
+    argv = stack.services["proxy"].argv[3:]  # after `python -m epdserve.services.cli`
+    config = proxy_config(parse_args(argv), stack.model)
+
+    async def main():
+        app, router, backend, _, tracer, _ = await build_proxy(config)
+        losing = LosingInbox(backend.inbox, nth=40)
+        await backend.start()
+        await router.start()
+        try:
+            while not router.readiness()[0]:
+                await asyncio.sleep(0.1)
+            def http() -> httpx.AsyncClient:
+                return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
+
+            streams = await stream_all(stack, STREAMS, http_client=http())  # closes its client
+            async with http() as metrics:
+                return streams, losing.lost, (await metrics.get("/metrics")).text
+        finally:
+            await router.close()
+            await backend.close()
+            tracer.shutdown()
+
+    streams, lost, metrics = asyncio.run(main())
+    assert lost is not None and any(d.token_ids for d in lost.deltas)
+    assert streams == expected
+    assert 'epdserve:request_migrations_total{model_name="demo",reason="tokens_lost"}' in metrics
+
+
+def test_streams_continue_on_another_decode_when_theirs_is_lost(stack, client, expected):
     """A decode SIGKILLed mid-stream, and one stopped whose drain grace runs out: every stream continues on the
     other decode from the tokens it had sent, and ends exactly as without the fault; nothing is left held."""
     proxy = stack.services["proxy"]
-    expected = asyncio.run(stream_all(stack, STREAMS))
     migrations = proxy.metrics().get("epdserve:request_migrations_total", 0.0)
 
     stalls: dict[str, float] = {}

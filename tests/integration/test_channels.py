@@ -605,6 +605,7 @@ def test_messages_before_the_handshake_are_refused():
         if corr == NO_REPLY:  # the refusal of the push, sent so that a pusher learns to handshake again
             corr, *reply = sock.recv_multipart()
         assert isinstance(codec.decode(reply), p.HandshakeAck)
+        assert server.server.rejected_by_reason["no_handshake"] == 2  # counted (and logged): a push is lost
     finally:
         sock.close()
         server.close()

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 
 
 class Role(str, enum.Enum):
@@ -375,6 +375,9 @@ class TokenDelta:
     # On a request's first delta: the engine's stages until then (queue, KV pull or local prefill,
     # first decode step).
     trace: tuple[TraceSpan, ...] = ()
+    # How many of the sequence's output tokens came before this delta's (those a peer sampled included):
+    # pushes are at most once, and this is how the proxy tells that one was lost on the way.
+    offset: int = 0
 
 
 @dataclass(frozen=True, slots=True)

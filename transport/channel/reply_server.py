@@ -159,7 +159,8 @@ class ReplyServer:
         try:
             if isinstance(message, Handshake):
                 reply = await self._accept(identity, message)
-            elif peer is None:
+            elif peer is None:  # a new connection (a reconnect) that has not said who it is: a push is lost
+                self._rejections.reject("no_handshake", f"{type(message).__name__} before a handshake")
                 reply = Error(ErrorCode.HANDSHAKE_REQUIRED, f"{self.engine_id}: handshake first")
             elif self._senders is not None and type(message) not in self._senders.get(peer.role, ()):
                 what = f"{peer.role.value} peers may not send {type(message).__name__}"
