@@ -13,7 +13,13 @@ expected duration is made as large as it can be, and no drafts at all is one of 
   accepted up to the first that differs: each verification adds its accepted drafts to the hits and the
   one rejected, if any, to the misses), starting from the engine's rate over every request.
 - Positions are taken best first (the highest a^j, which keeps each request's in order) while the rate of
-  tokens per second grows; `num_speculative_tokens` stays the most a request verifies.
+  tokens per second grows; `num_speculative_tokens` stays the most a request verifies. The drafts are kept
+  only if that rate beats the step's without any by MIN_GAIN: near break-even (a large batch, where a row
+  costs nearly what a decode yields) what the estimate leaves out decides, and it is a loss - the noise of
+  the measured costs, and that requests which run side by side to the same length gain nothing until every
+  one of them is faster (the batch lasts as long as its slowest). A request with no record yet has its
+  drafts verified once whatever the estimate says: the engine's rate before any verification is a guess
+  that could keep every draft out, and with it any record that would tell otherwise.
 - Proposing costs time too (prompt lookup: ~80 us a request a step): a request whose drafts were all cut is
   not asked again for 1 step, then 2, 4, ... up to MAX_REST_STEPS while its drafts keep being cut, and
   from the next step on once one is kept. Its acceptance does not change while it rests (nothing is
@@ -34,6 +40,8 @@ STALE_STEPS = 256
 DECAY = 0.8
 # The weight, in verifications, of the engine's own acceptance rate in a request's estimate.
 PRIOR_WEIGHT = 2.0
+# How much more tokens per second than no drafts a step's drafts must be expected to bring to be kept.
+MIN_GAIN = 0.1
 # The longest a request whose drafts keep being cut goes without proposing, in steps.
 MAX_REST_STEPS = 16
 
@@ -120,15 +128,21 @@ class DraftPolicy:
             a = self.acceptance(request)
             positions += [(a ** j, -j, i) for j in range(1, len(request.spec_token_ids) + 1)]
         positions.sort(reverse=True)
-        best, best_rate, tokens = 0, base_tokens / curve(base_rows), float(base_tokens)
+        base_rate = base_tokens / curve(base_rows)
+        best, best_rate, tokens = 0, base_rate, float(base_tokens)
         for d, (value, _, _) in enumerate(positions, 1):
             tokens += value
             rate = tokens / curve(base_rows + d)
             if rate > best_rate:
                 best, best_rate = d, rate
+        if best_rate < base_rate * (1 + MIN_GAIN):
+            best = 0
         kept = [0] * len(proposing)
         for _, _, i in positions[:best]:
             kept[i] += 1
+        for i, request in enumerate(proposing):
+            if not (request.draft_hits or request.draft_misses):  # never verified: its first record
+                kept[i] = len(request.spec_token_ids)
         for request, n in zip(proposing, kept):
             request.spec_token_ids = request.spec_token_ids[:n]
             if n:

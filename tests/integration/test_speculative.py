@@ -353,7 +353,8 @@ def test_the_default_adaptive_engine_answers_as_one_token_per_step(tiny, base):
                    SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True, logprobs=2)):
         assert_same(base.generate(PROMPTS, params), adaptive.generate(PROMPTS, params))
     # Rows priced far beyond what a draft can bring (a second a row, the moving averages made that): no draft
-    # is verified, and nothing else changes. (The steps then measured make only the row counts they have cheap.)
+    # is verified but each request's first proposal (its record starts there), and nothing else changes. (The
+    # steps then measured make only the row counts they have cheap.)
     policy = adaptive.engine.scheduler.draft_policy
     for _ in range(100):
         for rows in range(1, 65):
@@ -364,7 +365,9 @@ def test_the_default_adaptive_engine_answers_as_one_token_per_step(tiny, base):
     proposer.propose = lambda request: asked.append(request.request_id) or propose(request)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert_same(base.generate(PROMPTS, params), adaptive.generate(PROMPTS, params))
-    assert adaptive.engine.scheduler.spec_stats.num_draft_tokens == drafted
-    # Requests whose drafts are all cut rest from proposing (1, 2, 4, 8 steps): 4 of their 15 decode steps ask.
-    assert len(asked) <= 4 * len(PROMPTS), len(asked)
+    first = adaptive.engine.scheduler.spec_stats.num_draft_tokens - drafted
+    assert 0 < first <= SPEC["num_speculative_tokens"] * len(PROMPTS)
+    # Requests whose drafts are then all cut rest from proposing (1, 2, 4, 8 steps): at most 5 of their 15
+    # decode steps ask.
+    assert len(asked) <= 5 * len(PROMPTS), len(asked)
     assert_clean(adaptive)

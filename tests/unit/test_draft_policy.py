@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from epdserve.shared.engine.draft_policy import MAX_REST_STEPS, STALE_STEPS, CostCurve, DraftPolicy, StepCost
+from epdserve.shared.engine.draft_policy import (MAX_REST_STEPS, MIN_GAIN, STALE_STEPS, CostCurve, DraftPolicy,
+                                                 StepCost)
 from epdserve.shared.engine.request import Request
 from epdserve.shared.engine.sampling_params import SamplingParams
 
@@ -58,6 +59,24 @@ def test_drafts_whose_rows_cost_more_than_they_bring_are_all_dropped():
     rs = [request(str(i), [5, 6, 7, 8], hits=2.0, misses=2.0) for i in range(4)]
     policy_with({4: 0.040, 20: 0.200}).trim(rs, base_rows=4, base_tokens=4)
     assert all(r.spec_token_ids == [] for r in rs)
+
+
+def test_drafts_that_bring_less_than_the_minimum_gain_are_all_dropped():
+    # A large batch: a row costs nearly what a decode yields. Every draft raises the rate a little (all 64 by
+    # about 2%), which is less than MIN_GAIN: none is kept.
+    rs = [request(str(i), [5], hits=9.0, misses=1.0) for i in range(64)]
+    policy = policy_with({64: 0.100, 128: 0.180})
+    tokens = 64 + sum(policy.acceptance(r) for r in rs)
+    assert 1.0 < (tokens / 0.180) / (64 / 0.100) < 1 + MIN_GAIN
+    policy.trim(rs, base_rows=64, base_tokens=64)
+    assert all(r.spec_token_ids == [] for r in rs)
+
+
+def test_a_request_never_verified_has_its_drafts_verified_once():
+    policy = policy_with({64: 0.100, 128: 0.180})
+    new, known = request("new", [5, 6]), request("known", [5, 6], hits=9.0, misses=1.0)
+    policy.trim([new, known], base_rows=64, base_tokens=64)
+    assert new.spec_token_ids == [5, 6] and known.spec_token_ids == []
 
 
 def test_the_likeliest_drafts_go_first_and_each_request_keeps_a_prefix_of_its_own():
