@@ -160,8 +160,8 @@ def expected(stack) -> dict:
 
 
 class LosingInbox:
-    """Loses one message of token deltas (the `nth` of decodes' that end no sequence) on its way into a proxy's
-    inbox, as a dropped connection loses the pushes in flight."""
+    """Loses one message of token deltas on its way into a proxy's inbox, as a dropped connection loses the
+    pushes in flight: the `nth` of those that come from a decode and end no sequence."""
 
     def __init__(self, inbox, nth: int) -> None:
         self.nth, self.seen, self.lost = nth, 0, None
@@ -190,8 +190,11 @@ def test_a_lost_delta_is_noticed_and_its_stream_continues(stack, expected):
         await backend.start()
         await router.start()
         try:
+            deadline = time.monotonic() + 60
             while not router.readiness()[0]:
+                assert time.monotonic() < deadline, "the second proxy never saw the stack's services ready"
                 await asyncio.sleep(0.1)
+
             def http() -> httpx.AsyncClient:
                 return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
 
