@@ -24,29 +24,11 @@ def only_encoder_outage(fault, stream: Stream) -> bool:
             and isinstance(stream.error, openai.APIStatusError) and stream.error.status_code == 503)
 
 
-# Known bugs of the services, each recognised by what it does to a stream; the test xfails naming the bug
-# (and fails on anything else). Measured on this suite's runs; see the reason strings.
-def merged_streams(fault, stream: Stream, expected) -> bool:
-    """More tokens than max_tokens, the no-fault answer its prefix only up to a few tokens before the end: a
-    second decode's tokens for the same request id were merged into the stream."""
-    return (stream.completed and stream.finish_reason == "length"
-            and (stream.completion_tokens or 0) > len(expected.token_ids))
-
-
-MERGED_STREAMS = ("BUG (proxy): a DecodeRequest sent to a decode that froze before answering is retried on another "
-                  "decode under the same request id (failover 'failed DecodeRequest (attempt 1): connection ... "
-                  "lost'); its abort at the frozen one fails ('client ... is closed'), so once thawed it streams "
-                  "that id too, and the proxy, which routes pushed tokens by request id alone, merges both into "
-                  "one stream: {n} stream(s) got {tokens} tokens for max_tokens {max_tokens}")
-
-
 def test_fault(fault, cluster, client, catalog, reference):
     result, streams = run_fault(cluster, client, catalog, reference, fault)
     RESULTS.append(result)
     expected = [s for s in streams if only_encoder_outage(fault, s)]
-    merged = [s for s in streams if merged_streams(fault, s, reference[s.name])]
-    explained = expected + merged
-    violations = [f for f in result.failures if not any(f.startswith(f"{s.name}[{s.salt}]") for s in explained)]
+    violations = [f for f in result.failures if not any(f.startswith(f"{s.name}[{s.salt}]") for s in expected)]
     if result.leaked_blocks:
         violations.append(f"{result.leaked_blocks} KV blocks still held once idle")
     stall = max((s.longest_gap for s in streams), default=0.0)
@@ -67,9 +49,6 @@ def test_fault(fault, cluster, client, catalog, reference):
     if expected:
         xfail.append(f"{len(expected)} image request(s) arrived while the only encoder was down and got 503 (no "
                      "other encoder to fail over to); every other stream completed as without the fault")
-    if merged:
-        xfail.append(MERGED_STREAMS.format(n=len(merged), tokens=sorted({s.completion_tokens for s in merged}),
-                                           max_tokens=len(reference[merged[0].name].token_ids)))
     if violations or xfail:
         result.logs = cluster.warnings_since(result.started_at)
     result.outcome = ("FAILED: " + "; ".join(violations)) if violations else \
