@@ -6,9 +6,10 @@ rows cost up to k + 1 times one of B rows, while all a draft brings is the chanc
 before each step the proposals are cut to the ones that pay: the step's expected output tokens over its
 expected duration is made as large as it can be, and no drafts at all is one of the choices weighed.
 
-- A step's duration by its rows is measured (`StepCost`): a moving average per row count over the steps of
-  the last while, interpolated between row counts seen and, above the largest, taken flat - so the policy
-  tries larger steps once and from then on knows their cost.
+- A decode step's duration by its rows is measured (`StepCost`; steps that compute prompt tokens are left
+  out: a prompt's rows cost less than a decode's or a draft's): a moving average per row count over the
+  steps of the last while, interpolated between row counts seen and, above the largest, taken flat - so the
+  policy tries larger steps once and from then on knows their cost.
 - A request's draft j is accepted with probability a^j, a its recent acceptance rate (a run of drafts is
   accepted up to the first that differs: each verification adds its accepted drafts to the hits and the
   one rejected, if any, to the misses), starting from the engine's rate over every request.
@@ -20,6 +21,9 @@ expected duration is made as large as it can be, and no drafts at all is one of 
   one of them is faster (the batch lasts as long as its slowest). A request with no record yet has its
   drafts verified once whatever the estimate says: the engine's rate before any verification is a guess
   that could keep every draft out, and with it any record that would tell otherwise.
+- Drafts never take a step's budget from prompt tokens it could compute: those of requests mid-prompt and of
+  waiting requests with a seat to take (`room`). A draft that pushed a prompt to a later step would delay a
+  request's start to gain a guess, and the prompt's work is to be done anyway.
 - Proposing costs time too (prompt lookup: ~80 us a request a step): a request whose drafts were all cut is
   not asked again for 1 step, then 2, 4, ... up to MAX_REST_STEPS while its drafts keep being cut, and
   from the next step on once one is kept. Its acceptance does not change while it rests (nothing is
@@ -116,9 +120,14 @@ class DraftPolicy:
         prior = (self._hits + 1.0) / (self._hits + self._misses + 2.0)
         return (request.draft_hits + PRIOR_WEIGHT * prior) / (request.draft_hits + request.draft_misses + PRIOR_WEIGHT)
 
-    def trim(self, proposing: list[Request], base_rows: int, base_tokens: int) -> None:
+    def trim(self, proposing: list[Request], base_rows: int, base_tokens: int, room: int | None = None) -> None:
         """Cut the drafts (`spec_token_ids`) of the requests in `proposing` to those that pay, for a step of
-        `base_rows` rows without drafts that samples `base_tokens` tokens."""
+        `base_rows` rows without drafts that samples `base_tokens` tokens, and to `room` drafts in all (None:
+        as many as pay)."""
+        if room is not None and room <= 0:
+            for request in proposing:
+                request.spec_token_ids = []  # not a cut for want of acceptance: no rest
+            return
         curve = self.cost.curve()
         if curve(base_rows) is None or not proposing:
             return  # nothing measured yet: every draft, which measures what drafts cost
@@ -137,12 +146,16 @@ class DraftPolicy:
                 best, best_rate = d, rate
         if best_rate < base_rate * (1 + MIN_GAIN):
             best = 0
+        left = len(positions) if room is None else room
+        best = min(best, left)
         kept = [0] * len(proposing)
         for _, _, i in positions[:best]:
             kept[i] += 1
+        left -= best
         for i, request in enumerate(proposing):
             if not (request.draft_hits or request.draft_misses):  # never verified: its first record
-                kept[i] = len(request.spec_token_ids)
+                more = min(len(request.spec_token_ids) - kept[i], left)
+                kept[i], left = kept[i] + more, left - more
         for request, n in zip(proposing, kept):
             request.spec_token_ids = request.spec_token_ids[:n]
             if n:

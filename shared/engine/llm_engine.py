@@ -1,6 +1,7 @@
 """The engine core: add requests, step, abort. Everything a service or `LLM` runs sits on this."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import replace
@@ -367,6 +368,9 @@ class LLMEngine:
                 self._propose()
         with timer.phase("schedule"):
             sched = self.scheduler.schedule()
+        # The draft policy prices rows by decode steps alone: a prompt's rows cost less than a decode's or a
+        # draft's (shorter contexts, one long matrix product), and would make drafts look cheap.
+        decode_only = all(item.request.num_computed_tokens == item.request.num_tokens - 1 for item in sched.scheduled)
         if self.proposer is not None:
             with timer.phase("draft"):
                 self.proposer.fill(sched.scheduled, sched.block_copies)
@@ -402,7 +406,7 @@ class LLMEngine:
                     outputs.append(out)
         seconds = time.perf_counter() - started
         self.queue_estimate.observe_step(sched.num_batched_tokens, seconds, self.scheduler.num_queued_prompt_tokens)
-        if self.proposer is not None and sched.scheduled:
+        if self.proposer is not None and sched.scheduled and decode_only:
             self.scheduler.draft_policy.observe_step(sched.num_batched_tokens, seconds)
         return outputs
 
@@ -437,8 +441,15 @@ class LLMEngine:
                 prompt_rows += request.num_tokens - request.num_computed_tokens
         if not self.config.speculative.adaptive:
             return
-        base_rows = len(decoding) + min(prompt_rows, self.config.scheduler.max_num_batched_tokens)
-        self.scheduler.draft_policy.trim([r for r in decoding if r.spec_token_ids], base_rows, len(decoding))
+        budget = self.config.scheduler.max_num_batched_tokens
+        base_rows = len(decoding) + min(prompt_rows, budget)
+        # What the step's budget leaves once every prompt token it could compute is counted: the running
+        # requests' and those of waiting requests with a seat to take (draft_policy.py).
+        seats = self.config.scheduler.max_num_seqs - len(self.scheduler.running)
+        waiting_rows = sum(r.num_tokens - r.num_computed_tokens
+                           for r in itertools.islice(self.scheduler.waiting, max(seats, 0)))
+        room = budget - len(decoding) - prompt_rows - waiting_rows
+        self.scheduler.draft_policy.trim([r for r in decoding if r.spec_token_ids], base_rows, len(decoding), room)
 
     def _fail(self, errors: dict[str, RequestFailure]) -> list[RequestOutput]:
         """End requests that failed on their own (their blocks return to the pool); their final outputs

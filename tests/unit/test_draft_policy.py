@@ -79,6 +79,20 @@ def test_a_request_never_verified_has_its_drafts_verified_once():
     assert new.spec_token_ids == [5, 6] and known.spec_token_ids == []
 
 
+def test_drafts_take_no_more_than_the_room_prompts_leave_in_the_step():
+    likely = request("likely", [1, 2, 3, 4], hits=40.0, misses=1.0)
+    new = request("new", [5, 6])  # never verified: verified once, room permitting
+    policy = policy_with({2: 0.020, 6: 0.020})  # drafts cost nothing: all would be kept
+    policy.trim([likely, new], base_rows=2, base_tokens=2, room=3)
+    assert likely.spec_token_ids == [1, 2, 3] and new.spec_token_ids == []
+    likely.spec_token_ids, new.spec_token_ids = [1, 2], [5, 6]
+    policy.trim([likely, new], base_rows=2, base_tokens=2, room=3)
+    assert likely.spec_token_ids == [1, 2] and new.spec_token_ids == [5]
+    likely.spec_token_ids, new.spec_token_ids = [1, 2], [5, 6]
+    policy.trim([likely, new], base_rows=2, base_tokens=2, room=0)
+    assert likely.spec_token_ids == [] and new.spec_token_ids == [] and not policy.resting(likely)
+
+
 def test_the_likeliest_drafts_go_first_and_each_request_keeps_a_prefix_of_its_own():
     likely = request("likely", [1, 2, 3, 4], hits=40.0, misses=1.0)
     unlikely = request("unlikely", [5, 6, 7, 8], hits=1.0, misses=10.0)
