@@ -128,24 +128,25 @@ class DraftPolicy:
             for request in proposing:
                 request.spec_token_ids = []  # not a cut for want of acceptance: no rest
             return
-        curve = self.cost.curve()
-        if curve(base_rows) is None or not proposing:
-            return  # nothing measured yet: every draft, which measures what drafts cost
         # (value, -position, request index): a request's positions come in order, the first the most likely.
         positions = []
         for i, request in enumerate(proposing):
             a = self.acceptance(request)
             positions += [(a ** j, -j, i) for j in range(1, len(request.spec_token_ids) + 1)]
         positions.sort(reverse=True)
-        base_rate = base_tokens / curve(base_rows)
-        best, best_rate, tokens = 0, base_rate, float(base_tokens)
-        for d, (value, _, _) in enumerate(positions, 1):
-            tokens += value
-            rate = tokens / curve(base_rows + d)
-            if rate > best_rate:
-                best, best_rate = d, rate
-        if best_rate < base_rate * (1 + MIN_GAIN):
-            best = 0
+        curve = self.cost.curve()
+        if curve(base_rows) is None:
+            best = len(positions)  # nothing measured yet: every draft, which measures what drafts cost
+        else:
+            base_rate = base_tokens / curve(base_rows)
+            best, best_rate, tokens = 0, base_rate, float(base_tokens)
+            for d, (value, _, _) in enumerate(positions, 1):
+                tokens += value
+                rate = tokens / curve(base_rows + d)
+                if rate > best_rate:
+                    best, best_rate = d, rate
+            if best_rate < base_rate * (1 + MIN_GAIN):
+                best = 0
         left = len(positions) if room is None else room
         best = min(best, left)
         kept = [0] * len(proposing)

@@ -42,10 +42,12 @@ def test_a_row_count_is_a_moving_average_and_forgotten_once_stale():
     assert cost.curve().rows == [1]
 
 
-def test_before_any_step_is_measured_every_draft_is_kept():
+def test_before_any_step_is_measured_every_draft_is_kept_room_permitting():
     r = request("a", [5, 6, 7, 8])
     DraftPolicy().trim([r], base_rows=1, base_tokens=1)
     assert r.spec_token_ids == [5, 6, 7, 8]
+    DraftPolicy().trim([r], base_rows=1, base_tokens=1, room=2)
+    assert r.spec_token_ids == [5, 6]
 
 
 def test_drafts_that_cost_nothing_are_all_kept():
