@@ -370,7 +370,8 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         # The draft policy prices rows by decode steps alone: a prompt's rows cost less than a decode's or a
         # draft's (shorter contexts, one long matrix product), and would make drafts look cheap.
-        decode_only = all(item.request.num_computed_tokens == item.request.num_tokens - 1 for item in sched.scheduled)
+        decode_only = self.proposer is not None and all(
+            item.request.num_computed_tokens == item.request.num_tokens - 1 for item in sched.scheduled)
         if self.proposer is not None:
             with timer.phase("draft"):
                 self.proposer.fill(sched.scheduled, sched.block_copies)
@@ -406,7 +407,7 @@ class LLMEngine:
                     outputs.append(out)
         seconds = time.perf_counter() - started
         self.queue_estimate.observe_step(sched.num_batched_tokens, seconds, self.scheduler.num_queued_prompt_tokens)
-        if self.proposer is not None and sched.scheduled and decode_only:
+        if decode_only and sched.scheduled:
             self.scheduler.draft_policy.observe_step(sched.num_batched_tokens, seconds)
         return outputs
 
