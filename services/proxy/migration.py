@@ -6,8 +6,8 @@ delta that does not start where the last one ended, `TokenDelta.offset`, follows
 not end the request: each of its unfinished sequences goes to another instance with the prompt and every
 token already delivered (GenerateRequest.output_token_ids), routed like any request (to whichever holds
 most of the prompt's blocks); that instance recomputes their KV and the stream resumes with the next token -
-none repeated, none missing. The rest continues too, because the engine takes the delivered tokens as its own output
-(shared/engine/handoff.py): a seeded request's random stream at its position, the structured-output
+none repeated, none missing. The rest continues too, because the engine takes the delivered tokens as its own
+output (shared/engine/handoff.py): a seeded request's random stream at its position, the structured-output
 matcher replayed over them, penalties, min_tokens and max_tokens. A sequence of n > 1 continues as a
 request of its own with the seed of its place in the group (sequence i samples from seed + i). Stop
 strings, tool-call parsing, logprobs and usage live in the OpenAI layer, which sees one stream throughout.

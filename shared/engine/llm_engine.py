@@ -370,8 +370,7 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         # The draft policy prices rows by decode steps alone: a prompt's rows cost less than a decode's or a
         # draft's (shorter contexts, one long matrix product), and would make drafts look cheap.
-        decode_only = self.proposer is not None and all(
-            item.request.num_computed_tokens == item.request.num_tokens - 1 for item in sched.scheduled)
+        decode_only = self.proposer is not None and all(item.request.is_decoding for item in sched.scheduled)
         if self.proposer is not None:
             with timer.phase("draft"):
                 self.proposer.fill(sched.scheduled, sched.block_copies)
@@ -433,7 +432,7 @@ class LLMEngine:
         # Proposals that cost no forward of their own may be skipped (a resting request: draft_policy.py).
         rests = self.config.speculative.adaptive and self.proposer.lookup_only
         for request in self.scheduler.running:
-            if request.num_computed_tokens == request.num_tokens - 1:
+            if request.is_decoding:
                 resting = rests and self.scheduler.draft_policy.resting(request)
                 request.spec_token_ids = [] if resting else self.proposer.propose(request)
                 decoding.append(request)

@@ -169,6 +169,11 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def is_decoding(self) -> bool:
+        """Whether all but its last token are computed: a step computes that one (and any drafts) alone."""
+        return self.num_computed_tokens == self.num_tokens - 1
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
