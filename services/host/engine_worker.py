@@ -24,9 +24,9 @@ from epdserve.shared.engine import AsyncLLM, InputsUnavailableError, LoRARequest
 from epdserve.shared.config import EngineConfig, ServiceConfig, kv_row_size
 from epdserve.shared.processing.multimodal import MultiModalPlaceholder
 from epdserve.transport.channel.protocol import (Abort, Ack, DecodeRequest, Error, ErrorCode, FinishReason,
-                                                 GenerateRequest, Handshake, Health, KVEvents, KVEventsRequest,
-                                                 KVLayout, LoadLoRA, Message, PrefillRequest, Role, Status, TokenDelta,
-                                                 UnloadLoRA, WireLoRA)
+                                                 GenerateRequest, Handshake, Health, HoldCheck, KVEvents,
+                                                 KVEventsRequest, KVLayout, LoadLoRA, Message, PrefillRequest, Role,
+                                                 Status, TokenDelta, UnloadLoRA, WireLoRA)
 from epdserve.services.host.wire import (logprobs_to_wire, mrope_positions_from_wire, prompt_logprobs_to_wire,
                                    sampling_params_from_wire)
 from epdserve.transport.kv.client import KVTransferClient
@@ -134,6 +134,10 @@ class EngineWorker:
         if isinstance(message, Abort):
             await self.abort(message.request_id)
             return Ack(message.request_id)
+        if isinstance(message, HoldCheck):
+            if message.request_id in self._tasks:
+                return Ack(message.request_id)
+            return Error(ErrorCode.NOT_FOUND, "no stream of this request runs here", message.request_id)
         if isinstance(message, GenerateRequest):
             return await self._start_generate(message)
         if isinstance(message, KVEventsRequest):

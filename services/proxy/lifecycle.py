@@ -56,7 +56,7 @@ from epdserve.services.proxy.kv_routing import KVRoutingConfig, RoutingPolicy
 from epdserve.services.proxy.migration import Progress, StreamLost
 from epdserve.services.proxy.router import Instance, Route, Router, prefix_key
 from epdserve.transport.channel.protocol import (Abort, Ack, DecodeRequest, EncodeDone, EncodeRequest, Error,
-                                                 ErrorCode, GenerateRequest, Message, MMItem, MMPlaceholder,
+                                                 ErrorCode, GenerateRequest, HoldCheck, Message, MMItem, MMPlaceholder,
                                                  PrefillDone, PrefillRequest, Role, TokenDelta, TokenDeltas, TraceSpan)
 from epdserve.shared.block_hash import extend_block_hashes
 from epdserve.services.host.wire import mrope_positions_to_wire, sampling_params_to_wire
@@ -78,6 +78,9 @@ class LifecycleConfig:
     rpc_timeout: float = 30.0  # a control request (encode, accept a decode...)
     prefill_timeout: float = 600.0  # a whole prefill (long prompts on CPU take a while)
     token_timeout: float = 600.0  # silence allowed between two chunks of a stream
+    # Silence after which a stream asks its instance whether it still runs the request (HoldCheck): pushes are at
+    # most once, and a stream whose last delta was lost waits for nothing.
+    hold_check: float = 5.0
     liveness_check: float = 0.5  # how often a waiting call or stream checks its instance is still alive
     migration_limit: int = 3  # times one request's stream may continue on another instance (migration.py)
     kv_routing: KVRoutingConfig = field(default_factory=KVRoutingConfig)
@@ -385,7 +388,7 @@ class ServiceBackend:
             owner = instance.status.engine_id if instance.status is not None else None
             stale: set[str] = set()
             while not finished:
-                item = await self._next(queue, liveness)
+                item = await self._next(queue, liveness, rid)
                 if item is _CUT:
                     self._check_cut()
                 sender, message = item
@@ -425,18 +428,40 @@ class ServiceBackend:
                 if not finished:
                     self._abort_soon(instance, rid)
 
-    async def _next(self, queue: asyncio.Queue, liveness: Liveness):
+    async def _next(self, queue: asyncio.Queue, liveness: Liveness, request_id: str):
         if self._cut is not None:
             return _CUT
         if not queue.empty():  # the common case under load: no waiting, no task
             return queue.get_nowait()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.token_timeout
+        while True:
+            try:
+                return await watched(queue.get(), liveness, self.config.liveness_check,
+                                     min(self.config.hold_check, deadline - loop.time()))
+            except InstanceDown as exc:
+                raise StreamLost(str(exc), "instance_lost", 502, "BadGatewayError") from None
+            except TimeoutError:
+                if loop.time() >= deadline:
+                    raise GenerationError(f"no tokens from {liveness.instance.address} for "
+                                          f"{self.config.token_timeout:.0f}s", 504, "TimeoutError") from None
+            if not await self._holds(liveness.instance, request_id):
+                # Its stream ended there, and what it pushed last never came - or is still on its way.
+                try:
+                    return await asyncio.wait_for(queue.get(), self.config.liveness_check)
+                except TimeoutError:
+                    raise StreamLost(f"{liveness.instance.address} no longer runs the request, and the end of its "
+                                     "stream never came", "tokens_lost", 502, "BadGatewayError") from None
+
+    async def _holds(self, instance: Instance, request_id: str) -> bool:
+        """Whether `instance` still runs `request_id`'s stream; when it cannot say, the liveness checks decide."""
         try:
-            return await watched(queue.get(), liveness, self.config.liveness_check, self.config.token_timeout)
-        except InstanceDown as exc:
-            raise StreamLost(str(exc), "instance_lost", 502, "BadGatewayError") from None
-        except TimeoutError:
-            raise GenerationError(f"no tokens from {liveness.instance.address} for "
-                                  f"{self.config.token_timeout:.0f}s", 504, "TimeoutError") from None
+            await instance.client.request(HoldCheck(request_id), timeout=self.config.rpc_timeout, expect=Ack)
+        except ErrorReply as exc:
+            return exc.error.code is not ErrorCode.NOT_FOUND
+        except (ChannelError, TimeoutError):
+            pass
+        return True
 
     def _abort_soon(self, instance: Instance | None, request_id: str) -> None:
         """Abort in a task of its own: cleanup runs while the request's task is being cancelled (client

@@ -2,7 +2,8 @@
 
 When the instance streaming a request dies, drops its connection (killed, OOM-killed, frozen past its
 heartbeats), drains past its grace, or a delta of its stream is lost on the way (pushes are at most once: a
-delta that does not start where the last one ended, `TokenDelta.offset`, follows a lost one), the proxy does
+delta that does not start where the last one ended, `TokenDelta.offset`, follows a lost one; a stream silent
+for `hold_check` seconds whose instance no longer runs it lost its last one), the proxy does
 not end the request: each of its unfinished sequences goes to another instance with the prompt and every
 token already delivered (GenerateRequest.output_token_ids), routed like any request (to whichever holds
 most of the prompt's blocks); that instance recomputes their KV and the stream resumes with the next token -

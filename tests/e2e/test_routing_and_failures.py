@@ -161,15 +161,17 @@ def expected(stack) -> dict:
 
 class LosingInbox:
     """Loses one message of token deltas on its way into a proxy's inbox, as a dropped connection loses the
-    pushes in flight: the `nth` of those that come from a decode and end no sequence."""
+    pushes in flight: of those that come from a decode, the `nth` that ends no sequence, or (`last`) the `nth`
+    that ends one."""
 
-    def __init__(self, inbox, nth: int) -> None:
-        self.nth, self.seen, self.lost = nth, 0, None
+    def __init__(self, inbox, nth: int, last: bool) -> None:
+        self.nth, self.last, self.seen, self.lost = nth, last, 0, None
         self._enqueue = inbox._enqueue
         inbox._enqueue = self.enqueue  # before the inbox starts reading
 
     async def enqueue(self, message, peer) -> None:
-        if isinstance(message, TokenDeltas) and all(d.offset and d.finish_reason is None for d in message.deltas):
+        if isinstance(message, TokenDeltas) and all(d.offset for d in message.deltas) and \
+                any(d.finish_reason is not None for d in message.deltas) == self.last:
             self.seen += 1
             if self.seen == self.nth:
                 self.lost = message
@@ -177,16 +179,19 @@ class LosingInbox:
         await self._enqueue(message, peer)
 
 
-def test_a_lost_delta_is_noticed_and_its_stream_continues(stack, expected):
+@pytest.mark.parametrize("last", [False, True], ids=["a-middle-delta", "a-last-delta"])
+def test_a_lost_delta_is_noticed_and_its_stream_continues(stack, expected, last):
     """Pushes are at most once: deltas that never reach the proxy leave a gap, which the next delta's offset
-    shows; the proxy continues the stream from what it had delivered, and every stream ends exactly as
-    without the loss. A second proxy, in this process, on the stack's services, loses them."""
+    shows - or, when a sequence's last delta is lost, a silence, after which the proxy asks the decode whether it
+    still runs the request (HoldCheck) and hears it does not. Either way the proxy continues the stream from what
+    it had delivered, and every stream ends exactly as without the loss. A second proxy, in this process, on the
+    stack's services, loses them; its token timeout (60 s) would end a stream that waited for a lost end."""
     argv = stack.services["proxy"].argv[3:]  # after `python -m epdserve.services.cli`
-    config = proxy_config(parse_args(argv), stack.model)
+    config = proxy_config(parse_args([*argv, "--token-timeout", "60"]), stack.model)
 
     async def main():
         app, router, backend, _, tracer, _ = await build_proxy(config)
-        losing = LosingInbox(backend.inbox, nth=40)
+        losing = LosingInbox(backend.inbox, nth=1 if last else 40, last=last)
         await backend.start()
         await router.start()
         try:

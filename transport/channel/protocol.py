@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, ClassVar, Union
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 16
+PROTOCOL_VERSION = 17
 
 
 class Role(str, enum.Enum):
@@ -416,8 +416,18 @@ class Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class HoldCheck:
+    """Does the engine still run `request_id` (its stream not ended)? Ack if so, Error NOT_FOUND if not. A proxy
+    asks when a stream has been silent a while: pushes are at most once, and a stream whose last delta was lost
+    would otherwise wait out --token-timeout."""
+
+    TAG: ClassVar[str] = "hold_check"
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Ack:
-    """Reply to a message that needs no other answer (Release, Abort)."""
+    """Reply to a message that needs no other answer (Release, Abort, HoldCheck)."""
 
     TAG: ClassVar[str] = "ack"
     request_id: str
@@ -616,7 +626,7 @@ class EmbeddingsSent:
 Message = Union[
     Handshake, HandshakeAck,
     EncodeRequest, EncodeDone, PrefillRequest, PrefillDone, DecodeRequest, GenerateRequest, TokenDelta,
-    TokenDeltas, Release, RenewLease, LeaseRenewed, Abort, Ack,
+    TokenDeltas, Release, RenewLease, LeaseRenewed, Abort, HoldCheck, Ack,
     StatusRequest, Status, KVEventsRequest, KVEvents, KVStorePut, KVStoreGet, KVStoreBlocks, Error, LoadLoRA,
     UnloadLoRA,
     FetchBlocks, BlocksData, BlocksSent, FetchEmbeddings, EmbeddingsData, EmbeddingsSent,
@@ -630,7 +640,7 @@ MESSAGE_TYPES: dict[str, type] = {cls.TAG: cls for cls in Message.__args__}
 _KV_STORE_USE = (KVStorePut, KVStoreGet, KVEventsRequest, StatusRequest)
 MAY_SEND: dict[Role, frozenset[type]] = {
     Role.PROXY: frozenset({StatusRequest, KVEventsRequest, EncodeRequest, PrefillRequest, DecodeRequest,
-                           GenerateRequest, Abort, LoadLoRA, UnloadLoRA}),
+                           GenerateRequest, Abort, HoldCheck, LoadLoRA, UnloadLoRA}),
     # Engines pull embeddings and KV, hand prefill's blocks back, and push tokens to proxies.
     # Engines with a shared KV store put blocks there and get them, following what it holds by its KV events.
     Role.PREFILL: frozenset({FetchEmbeddings, TokenDelta, TokenDeltas, Error, *_KV_STORE_USE}),
