@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from epdserve.kernels.cpu_levels import cpu_flags, level_for
 from epdserve.services.cli.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,10 +156,12 @@ def shown_path(path: str | None) -> str | None:
 
 
 def machine() -> str:
-    """The CPU model and count: numbers from different machines are not comparable."""
+    """The CPU model and count, and the level of the kernels it runs: numbers from different machines are not
+    comparable (a model name such as "AMD EPYC" covers CPUs with AVX-512 and without)."""
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), "unknown CPU")
-    return f"{os.cpu_count()} x {model}"
+    level = level_for(cpu_flags(), platform.machine())
+    return f"{os.cpu_count()} x {model} ({level.description if level else 'below every kernel level'})"
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float, name: str, tail) -> None:
