@@ -435,23 +435,26 @@ class ServiceBackend:
             return queue.get_nowait()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.token_timeout
-        while True:
-            try:
-                return await watched(queue.get(), liveness, self.config.liveness_check,
-                                     min(self.config.hold_check, deadline - loop.time()))
-            except InstanceDown as exc:
-                raise StreamLost(str(exc), "instance_lost", 502, "BadGatewayError") from None
-            except TimeoutError:
-                if loop.time() >= deadline:
-                    raise GenerationError(f"no tokens from {liveness.instance.address} for "
-                                          f"{self.config.token_timeout:.0f}s", 504, "TimeoutError") from None
-            if not await self._holds(liveness.instance, request_id):
-                # Its stream ended there, and what it pushed last never came - or is still on its way.
+        interval = self.config.liveness_check
+        try:
+            while True:
                 try:
-                    return await asyncio.wait_for(queue.get(), self.config.liveness_check)
+                    return await watched(queue.get(), liveness, interval,
+                                         min(self.config.hold_check, deadline - loop.time()))
                 except TimeoutError:
-                    raise StreamLost(f"{liveness.instance.address} no longer runs the request, and the end of its "
-                                     "stream never came", "tokens_lost", 502, "BadGatewayError") from None
+                    if loop.time() >= deadline:
+                        raise GenerationError(f"no tokens from {liveness.instance.address} for "
+                                              f"{self.config.token_timeout:.0f}s", 504, "TimeoutError") from None
+                # Watched too: a frozen instance answers nothing, and its liveness says so sooner than a timeout.
+                if not await watched(self._holds(liveness.instance, request_id), liveness, interval):
+                    # Its stream ended there, and what it pushed last never came - or is still on its way.
+                    try:
+                        return await asyncio.wait_for(queue.get(), interval)
+                    except TimeoutError:
+                        raise StreamLost(f"{liveness.instance.address} no longer runs the request, and the end of "
+                                         "its stream never came", "tokens_lost", 502, "BadGatewayError") from None
+        except InstanceDown as exc:
+            raise StreamLost(str(exc), "instance_lost", 502, "BadGatewayError") from None
 
     async def _holds(self, instance: Instance, request_id: str) -> bool:
         """Whether `instance` still runs `request_id`'s stream; when it cannot say, the liveness checks decide."""
