@@ -48,6 +48,7 @@ SAMPLES = [
     p.RenewLease("r1"),
     p.LeaseRenewed("r1", 1.8e9),
     p.Abort("r1"),
+    p.HoldCheck("r1"),
     p.Ack("r1"),
     p.StatusRequest(),
     p.KVEventsRequest(),
