@@ -172,7 +172,9 @@ class EngineWorker:
     async def abort(self, request_id: str) -> None:
         task = self._tasks.get(request_id)
         if task is not None:
-            task.cancel()  # its stream's `finally` aborts the request in the engine
+            task.cancel()
+            # Answered once it has ended: a proxy that sends the request here again finds its id free.
+            await asyncio.wait({task})
         else:
             await self.llm.abort(request_id)
 

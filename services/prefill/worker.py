@@ -91,6 +91,8 @@ class PrefillWorker(EngineWorker):
             return LeaseRenewed(message.request_id, time.time() + self.service.lease_seconds)
         if isinstance(message, Abort) and message.request_id in self.leases:
             await self._release(message.request_id)
+            # Answered once its blocks are free: a proxy that sends the request here again finds its id free.
+            await asyncio.wait({self._freeing[message.request_id]})
             return Ack(message.request_id)
         return await super().handle(message, peer)
 
@@ -166,6 +168,8 @@ class PrefillWorker(EngineWorker):
         task = self._tasks.get(request_id)
         if task is not None:
             task.cancel()
+            # Answered once it has ended: a proxy that sends the request here again finds its id free.
+            await asyncio.wait({task})
         else:
             await self.llm.abort(request_id)
 

@@ -13,6 +13,12 @@ timeout. Each attempt ends in one of four outcomes:
 - failed (instance dead, connection lost, no answer in time): the instance is marked failed, the call
   aborted there (it may have been accepted with only the answer lost), and the next instance tried.
 
+A connection dropped without a dead peer (a stall past the heartbeats, on either side: every connection of a
+stalled proxy drops at once; a restarted engine) comes back within a poll or two. So when no instance is left to
+try and one was lost that way, the call waits up to `reconnect_grace` seconds for one of those to answer a
+poll again, and tries it again (within `max_attempts`), once its abort of the earlier attempt has been answered:
+the request id is free there again.
+
 A call cancelled while an instance works on it (the client went away), or given up because the proxy's
 drain grace ran out, is aborted on that instance too.
 """
@@ -21,12 +27,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from typing import Any, Awaitable, Callable, Iterator, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 from epdserve.services.proxy.generation import GenerationError
 from epdserve.services.proxy.router import Instance, NoInstanceError, Route, Router
 from epdserve.transport.channel.codec import LimitExceeded
-from epdserve.transport.channel.protocol import Error, ErrorCode, Message, Role
+from epdserve.transport.channel.protocol import Abort, Ack, Error, ErrorCode, Message, Role
 from epdserve.transport.channel.common import ChannelError, ErrorReply
 
 logger = logging.getLogger(__name__)
@@ -121,12 +127,13 @@ class Failover:
     """Runs one call of a request on the instances of a role, best first, until one answers."""
 
     def __init__(self, router: Router, abort_soon: Callable[[Instance, str], None], max_attempts: int = 3,
-                 liveness_check: float = 0.5, cut: Callable[[], None] = _never) -> None:
+                 liveness_check: float = 0.5, cut: Callable[[], None] = _never, reconnect_grace: float = 3.0) -> None:
         self.router = router
         self.cut = cut  # raises a GenerationError once the proxy stops waiting (see Liveness)
         self.abort_soon = abort_soon  # (instance, request id): abort there, without waiting
         self.max_attempts = max_attempts
         self.liveness_check = liveness_check  # seconds between two liveness checks of a waiting call
+        self.reconnect_grace = reconnect_grace  # seconds a call waits for an instance whose connection dropped
 
     async def call(self, role: Role, route: Route, message: Message, timeout: float,
                    expect: type, prompt_tokens: int = 0) -> tuple[Instance, Any]:
@@ -135,8 +142,15 @@ class Failover:
         the call asks it to prefill) in its prompt queue."""
         last: Exception | None = None
         retry_after: float | None = None  # the soonest any instance that refused for load may take it
-        for attempt, instance in self._candidates(role, route):
+        tried: list[Instance] = []  # not tried again
+        dropped: list[Instance] = []  # lost their connection during an attempt: tried again once back
+        for attempt in range(self.max_attempts):
+            instance = await self._pick(role, route, tried, dropped)
+            if instance is None:
+                break
             try:
+                if instance in dropped and instance.role != Role.ENCODER:  # the earlier attempt may run there
+                    await instance.client.request(Abort(message.request_id), timeout=timeout, expect=Ack)
                 return instance, await self._attempt(instance, message, timeout, expect, prompt_tokens)
             except LimitExceeded as exc:  # the request itself: no instance would take it
                 raise GenerationError(f"the request is too large to forward: {exc}", 400, "BadRequestError") from None
@@ -149,6 +163,11 @@ class Failover:
                     self._abort_accepted(instance, message)
                 elif exc.error.retry_after:
                     retry_after = min(retry_after or exc.error.retry_after, exc.error.retry_after)
+                if outcome is Outcome.FAILED and not isinstance(exc, TimeoutError):
+                    if instance not in dropped:
+                        dropped.append(instance)
+                else:
+                    tried.append(instance)
                 last = exc
             logger.warning("%s %s failed %s (attempt %d): %s", role.value, instance.address,
                            type(message).__name__, attempt + 1, last)
@@ -156,17 +175,28 @@ class Failover:
         raise GenerationError(what if last is None else f"{what}: {last}", 503, "ServiceUnavailableError",
                               retry_after)
 
-    def _candidates(self, role: Role, route: Route) -> Iterator[tuple[int, Instance]]:
-        """Up to max_attempts distinct healthy instances, best first."""
+    async def _pick(self, role: Role, route: Route, tried: list[Instance],
+                    dropped: list[Instance]) -> Instance | None:
+        """The best healthy instance not in `tried`; with none, and one of `dropped` not back yet (a dropped
+        instance is routed to again once it answers a poll), within the reconnect grace. None: none left."""
         pool = self.router.pool(role)
-        tried: list[Instance] = []
-        for attempt in range(self.max_attempts):
+
+        def best() -> Instance | None:
             try:
-                instance = pool.pick(route, tried)
+                return pool.pick(route, tried)
             except NoInstanceError:
-                return
-            tried.append(instance)
-            yield attempt, instance
+                return None
+
+        return await self.within_grace(best) if dropped else best()
+
+    async def within_grace(self, found: Callable[[], T | None]) -> T | None:
+        """`found()`'s first answer that is not None, asked again until the reconnect grace runs out (then None)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reconnect_grace
+        while (answer := found()) is None and loop.time() < deadline:
+            self.cut()
+            await asyncio.sleep(0.1)
+        return answer
 
     async def _attempt(self, instance: Instance, message: Message, timeout: float, expect: type,
                        prompt_tokens: int) -> Any:

@@ -82,6 +82,9 @@ class LifecycleConfig:
     # most once, and a stream whose last delta was lost waits for nothing.
     hold_check: float = 5.0
     liveness_check: float = 0.5  # how often a waiting call or stream checks its instance is still alive
+    # How long a call or a lost stream waits, with no instance left, for one whose connection dropped to answer a
+    # poll again (a few of the router's polls: a stall past the heartbeats, a restart).
+    reconnect_grace: float = 3.0
     migration_limit: int = 3  # times one request's stream may continue on another instance (migration.py)
     kv_routing: KVRoutingConfig = field(default_factory=KVRoutingConfig)
     # The deployment's block-hash key (shared/block_hash.py): engines hash their blocks with it, so must the
@@ -122,7 +125,7 @@ class ServiceBackend:
         self._aborts: set[asyncio.Task] = set()
         self._cut: GenerationError | None = None  # set once: every wait on a service ends with it
         self._failover = Failover(router, self._abort_soon, config.max_attempts, config.liveness_check,
-                                  self._check_cut)
+                                  self._check_cut, config.reconnect_grace)
 
     async def start(self) -> None:
         self.reply_to = advertised(await self.inbox.start(), self._bind_host, self._advertise_host)
@@ -201,7 +204,7 @@ class ServiceBackend:
                         return
                     role = Role.DECODE if self.router.disaggregated else Role.UNIFIED
                     if hops == self.config.migration_limit or self._cut is not None or \
-                            not self.router.pool(role).healthy():
+                            not await self._failover.within_grace(lambda: self.router.pool(role).healthy() or None):
                         raise
                     hops += 1
                     logger.warning("request %s: %s; continuing it elsewhere (migration %d of at most %d)",

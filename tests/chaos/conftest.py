@@ -96,10 +96,16 @@ def catalog():
 @pytest.fixture(scope="session")
 def reference(cluster, client, catalog):
     """The no-fault answers, from the same stack: one wave, nothing else running."""
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     wave = load.start_wave(client, catalog, "reference")
     load.join_all(wave, faults.STREAMS_TIMEOUT_S)
-    assert all(s.completed for s in wave), "the no-fault run failed: " + "; ".join(s.describe() for s in wave)
+    if not all(s.completed for s in wave):
+        # What the stack said meanwhile, and whether an engine died: the run has nothing else to go on.
+        states = [f"{c}: restarts {cluster.restart_count(c)}, " + ", ".join(
+            f"{key} {state[key]}" for key in ("Status", "ExitCode", "OOMKilled", "StartedAt"))
+            for c in cluster.engines() for state in [cluster.state(c)]]
+        pytest.fail("the no-fault run failed: " + "; ".join(s.describe() for s in wave) + "\n" +
+                    "\n".join(states + cluster.warnings_since(started_at)), pytrace=False)
     SUITE["reference_seconds"] = round(time.monotonic() - started, 1)
     SUITE["reference_longest_stall_s"] = round(max(s.longest_gap for s in wave), 1)
     return {s.name: s.answer for s in wave}

@@ -10,7 +10,8 @@ import pytest
 
 from epdserve.services.cli.main import parse_args, proxy_config
 from epdserve.services.proxy.server import build_proxy
-from epdserve.transport.channel.protocol import TokenDeltas
+from epdserve.transport.channel.common import ChannelError
+from epdserve.transport.channel.protocol import DecodeRequest, Role, TokenDeltas
 
 NUM_BLOCKS = 512
 LEASE = 4.0
@@ -179,42 +180,90 @@ class LosingInbox:
         await self._enqueue(message, peer)
 
 
+async def through_a_second_proxy(stack, requests: dict, extra_args: list[str], tamper) -> tuple[dict, str]:
+    """`requests` streamed through a second proxy, in this process, on the stack's services (`extra_args` added to
+    the stack proxy's command line; `tamper(router, backend)` before it starts): what each received, and the
+    proxy's metrics after."""
+    argv = stack.services["proxy"].argv[3:]  # after `python -m epdserve.services.cli`
+    config = proxy_config(parse_args([*argv, *extra_args]), stack.model)
+    app, router, backend, _, tracer, _ = await build_proxy(config)
+    tamper(router, backend)
+    await backend.start()
+    await router.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not router.readiness()[0]:
+            assert time.monotonic() < deadline, "the second proxy never saw the stack's services ready"
+            await asyncio.sleep(0.1)
+
+        def http() -> httpx.AsyncClient:
+            return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
+
+        streams = await stream_all(stack, requests, http_client=http())  # closes its client
+        async with http() as metrics:
+            return streams, (await metrics.get("/metrics")).text
+    finally:
+        await router.close()
+        await backend.close()
+        tracer.shutdown()
+
+
 @pytest.mark.parametrize("last", [False, True], ids=["a-middle-delta", "a-last-delta"])
 def test_a_lost_delta_is_noticed_and_its_stream_continues(stack, expected, last):
     """Pushes are at most once: deltas that never reach the proxy leave a gap, which the next delta's offset
     shows - or, when a sequence's last delta is lost, a silence, after which the proxy asks the decode whether it
     still runs the request (HoldCheck) and hears it does not. Either way the proxy continues the stream from what
-    it had delivered, and every stream ends exactly as without the loss. A second proxy, in this process, on the
-    stack's services, loses them; its token timeout (60 s) would end a stream that waited for a lost end."""
-    argv = stack.services["proxy"].argv[3:]  # after `python -m epdserve.services.cli`
-    config = proxy_config(parse_args([*argv, "--token-timeout", "60"]), stack.model)
+    it had delivered, and every stream ends exactly as without the loss. The second proxy loses them; its token
+    timeout (60 s) would end a stream that waited for a lost end."""
+    losing = []
 
-    async def main():
-        app, router, backend, _, tracer, _ = await build_proxy(config)
-        losing = LosingInbox(backend.inbox, nth=1 if last else 40, last=last)
-        await backend.start()
-        await router.start()
-        try:
-            deadline = time.monotonic() + 60
-            while not router.readiness()[0]:
-                assert time.monotonic() < deadline, "the second proxy never saw the stack's services ready"
-                await asyncio.sleep(0.1)
+    def lose(router, backend):
+        losing.append(LosingInbox(backend.inbox, nth=1 if last else 40, last=last))
 
-            def http() -> httpx.AsyncClient:
-                return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
-
-            streams = await stream_all(stack, STREAMS, http_client=http())  # closes its client
-            async with http() as metrics:
-                return streams, losing.lost, (await metrics.get("/metrics")).text
-        finally:
-            await router.close()
-            await backend.close()
-            tracer.shutdown()
-
-    streams, lost, metrics = asyncio.run(main())
-    assert lost is not None and any(d.token_ids for d in lost.deltas)
+    streams, metrics = asyncio.run(through_a_second_proxy(stack, STREAMS, ["--token-timeout", "60"], lose))
+    assert losing[0].lost is not None and any(d.token_ids for d in losing[0].lost.deltas)
     assert streams == expected
     assert 'epdserve:request_migrations_total{model_name="demo",reason="tokens_lost"}' in metrics
+
+
+def drop_after_first_decode_request(router) -> list[str]:
+    """Each decode's connection, as the second proxy sees it, drops right after the first DecodeRequest it
+    delivers (accepted there, its answer lost), as a stall past the heartbeats drops every connection at once;
+    the addresses it happened to, in order. Before the router starts: its decodes' clients are made then."""
+    dropped: list[str] = []
+    pool = router.pool(Role.DECODE)
+    make_client = pool.make_client
+
+    def dropping_client(address, role):
+        client = make_client(address, role)
+        send = client.request
+
+        async def request(message, **kwargs):
+            answer = await send(message, **kwargs)
+            if isinstance(message, DecodeRequest) and address not in dropped:
+                dropped.append(address)
+                raise ChannelError(f"connection to {address} lost")
+            return answer
+
+        client.request = request
+        return client
+
+    pool.make_client = dropping_client
+    return dropped
+
+
+def test_a_call_on_connections_that_all_dropped_is_sent_again_once_they_are_back(stack, expected):
+    """Every decode's connection drops while it accepts the stream (no decode is left to try): the proxy waits
+    for one to answer its polls again, aborts the earlier attempt there and sends the request again - the stream
+    ends exactly as without the drops, where it used to end with a 503."""
+    dropped: list[list[str]] = []
+
+    def drop(router, backend):
+        dropped.append(drop_after_first_decode_request(router))
+
+    streams, _ = asyncio.run(through_a_second_proxy(stack, {"greedy": STREAMS["greedy"]}, [], drop))
+    assert len(dropped[0]) == 2, dropped  # both decodes dropped: the request was sent again to one of them
+    assert streams == {"greedy": expected["greedy"]}
 
 
 def test_streams_continue_on_another_decode_when_theirs_is_lost(stack, client, expected):

@@ -9,7 +9,7 @@ from epdserve.services.proxy.failover import (EmbeddingsUnavailable, Failover, I
                                              watched)
 from epdserve.services.proxy.generation import GenerationError
 from epdserve.services.proxy.router import Instance, RolePool, Route, Router
-from epdserve.transport.channel.protocol import Ack, Error, ErrorCode, GenerateRequest, Role, WireSamplingParams
+from epdserve.transport.channel.protocol import Abort, Ack, Error, ErrorCode, GenerateRequest, Role, WireSamplingParams
 from epdserve.transport.channel.common import ChannelError, ErrorReply
 
 
@@ -33,14 +33,14 @@ class FakeClient:
         return answer
 
 
-def make_failover(*clients: FakeClient, max_attempts: int = 3):
+def make_failover(*clients: FakeClient, max_attempts: int = 3, reconnect_grace: float = 0.3):
     pool = RolePool(Role.DECODE, [], make_client=None)
     for i, client in enumerate(clients):
         pool.instances[f"tcp://127.0.0.1:{i + 1}"] = Instance(Role.DECODE, f"tcp://127.0.0.1:{i + 1}", client,
                                                               alive=True)
     aborted: list[tuple[str, str]] = []
     failover = Failover(Router({Role.DECODE: pool}), lambda instance, rid: aborted.append((instance.address, rid)),
-                        max_attempts, liveness_check=0.05)
+                        max_attempts, liveness_check=0.05, reconnect_grace=reconnect_grace)
     return failover, list(pool.instances.values()), aborted
 
 
@@ -146,6 +146,37 @@ def test_every_instance_failing_is_a_503_naming_the_last_failure():
     with pytest.raises(GenerationError, match="no healthy decode") as raised:
         call(make_failover()[0])
     assert raised.value.status == 503
+
+
+def test_an_instance_whose_connection_dropped_is_tried_again_once_back_after_its_abort_is_answered():
+    # A stall past the heartbeats drops every connection at once: no other instance is left to try.
+    client = FakeClient(ChannelError("connection lost"), Ack("r1"), Ack("r1"))
+    failover, (only,), aborted = make_failover(client, reconnect_grace=30)
+
+    async def main():
+        async def polled_again():
+            await asyncio.sleep(0.2)
+            only.alive = True  # it answered a poll
+        back = asyncio.create_task(polled_again())
+        answer = await failover.call(Role.DECODE, Route(), REQUEST, 5.0, Ack)
+        await back
+        return answer
+
+    instance, answer = asyncio.run(main())
+    assert instance is only and answer == Ack("r1") and aborted == [(only.address, "r1")]
+    assert client.requests == [REQUEST, Abort("r1"), REQUEST]  # sent again only once its abort was answered
+
+
+@pytest.mark.parametrize("failure, grace", [(ChannelError("connection lost"), 0.5), ("hang", 60)])
+def test_with_no_instance_back_the_call_ends_after_the_grace_and_a_hung_one_is_not_waited_for(failure, grace):
+    failover, (only,), aborted = make_failover(FakeClient(failure), reconnect_grace=grace)
+    started = time.monotonic()
+    with pytest.raises(GenerationError, match="every decode instance tried failed") as raised:
+        call(failover, timeout=0.2)
+    waited = time.monotonic() - started
+    assert raised.value.status == 503 and not only.alive and aborted == [(only.address, "r1")]
+    # A dropped connection may come back within the grace; an instance that took too long is not waited for.
+    assert waited >= grace if failure != "hang" else waited < grace / 2
 
 
 def test_a_call_cancelled_while_an_instance_works_on_it_is_aborted_there():
