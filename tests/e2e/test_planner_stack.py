@@ -197,7 +197,9 @@ def test_an_encoder_is_added_for_images_and_retired_once_none_come(up_images):
                                          {"type": "text", "text": "What is in the picture?"}]}]}
 
     async def main():
-        async with httpx.AsyncClient(timeout=120) as client:
+        # Idle connections dropped before the proxy's 5 s keep-alive ends them: reusing one the server is closing
+        # at that moment would be a ReadError (httpx's own expiry is 5 s too).
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(keepalive_expiry=2)) as client:
             async def ask(seed: int) -> tuple[int, str]:
                 r = await client.post(up.url + "/v1/chat/completions", json=body(seed))
                 assert r.status_code == 200, r.text
