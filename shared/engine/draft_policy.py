@@ -24,8 +24,8 @@ expected duration is made as large as it can be, and no drafts at all is one of 
 - Drafts never take a step's budget from prompt tokens it could compute: those of requests mid-prompt and of
   waiting requests with a seat to take (`room`). A draft that pushed a prompt to a later step would delay a
   request's start to gain a guess, and the prompt's work is to be done anyway.
-- Proposing costs time too (prompt lookup: ~80 us a request a step): a request whose drafts were all cut is
-  not asked again for 1 step, then 2, 4, ... up to MAX_REST_STEPS while its drafts keep being cut, and
+- Proposing costs time too (prompt lookup: ~80 us a request a step): a request whose drafts were all cut for
+  want of acceptance (not for want of room) is not asked again for 1 step, then 2, 4, ... up to MAX_REST_STEPS while its drafts keep being cut, and
   from the next step on once one is kept. Its acceptance does not change while it rests (nothing is
   verified), so a cut would most likely be made again; the rests recheck it as the batch and costs change.
 """
@@ -147,6 +147,9 @@ class DraftPolicy:
                     best, best_rate = d, rate
             if best_rate < base_rate * (1 + MIN_GAIN):
                 best = 0
+        wanted = [0] * len(proposing)  # drafts that pay, before the room cuts them
+        for _, _, i in positions[:best]:
+            wanted[i] += 1
         left = len(positions) if room is None else room
         best = min(best, left)
         kept = [0] * len(proposing)
@@ -157,10 +160,10 @@ class DraftPolicy:
             if not (request.draft_hits or request.draft_misses):  # never verified: its first record
                 more = min(len(request.spec_token_ids) - kept[i], left)
                 kept[i], left = kept[i] + more, left - more
-        for request, n in zip(proposing, kept):
+        for request, n, paid in zip(proposing, kept, wanted):
             request.spec_token_ids = request.spec_token_ids[:n]
             if n:
                 request.draft_rest_next = 1
-            else:
+            elif not paid:  # cut for its acceptance (drafts the room cut would have paid: asked again next step)
                 request.draft_rest = request.draft_rest_next
                 request.draft_rest_next = min(2 * request.draft_rest_next, MAX_REST_STEPS)

@@ -93,6 +93,11 @@ def test_drafts_take_no_more_than_the_room_prompts_leave_in_the_step():
     likely.spec_token_ids, new.spec_token_ids = [1, 2], [5, 6]
     policy.trim([likely, new], base_rows=2, base_tokens=2, room=0)
     assert likely.spec_token_ids == [] and new.spec_token_ids == [] and not policy.resting(likely)
+    # Room for one draft: the likeliest; the other request's drafts would have paid, so it does not rest.
+    other = request("other", [7, 8], hits=30.0, misses=1.0)
+    likely.spec_token_ids = [1, 2]
+    policy.trim([likely, other], base_rows=2, base_tokens=2, room=1)
+    assert likely.spec_token_ids == [1] and other.spec_token_ids == [] and not policy.resting(other)
 
 
 def test_the_likeliest_drafts_go_first_and_each_request_keeps_a_prefix_of_its_own():
