@@ -286,6 +286,55 @@ inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_
     store<R>(acc, y + 16 * s, y_stride, cols - 16 * s);
   }
 }
+
+// One or two rows of x on AVX2: the quantized tile over 64 / R columns of the panel at a time (R passes). A strip's
+// accumulators (two a row) would each wait out a fused multiply-add's latency before the next k; eight chains
+// keep the units busy. Each column's chain is a strip's, in the same order over k: the same results, bit for bit.
+template <int R, bool has_offset, bool nibbles>
+inline void qtile_wide(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, int64_t G, int zero_point,
+                       float* y, int64_t y_stride, int64_t cols) {
+  static_assert(R == 1 || R == 2);
+  constexpr int V = 8 / R;  // vectors of 8 columns a pass
+  const int64_t floats = (has_offset ? 2 : 1) * PANEL, q_bytes = (nibbles ? G / 2 : G) * PANEL;
+  const int64_t group_bytes = floats * 4 + q_bytes;
+  const __m256i low_bits = _mm256_set1_epi32(15), zero_v = _mm256_set1_epi32(zero_point);
+  for (int64_t c0 = 0; c0 < cols; c0 += 8 * V) {
+    __m256 acc[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+    const uint8_t* group = panel;
+    for (int64_t g0 = 0; g0 < K; g0 += G, group += group_bytes) {
+      const float* scale = reinterpret_cast<const float*>(group) + c0;
+      const uint8_t* q = group + floats * 4 + c0;
+      // A column's scale (and offset) from L1 at each use, as memory operands: the registers hold the chains.
+      const auto weight = [&](__m256 qf, int v) {
+        __m256 w = _mm256_mul_ps(qf, _mm256_loadu_ps(scale + 8 * v));
+        if constexpr (has_offset) w = _mm256_add_ps(w, _mm256_loadu_ps(scale + PANEL + 8 * v));
+        return w;
+      };
+      const auto step = [&](__m256 w, int v, int64_t k) {
+        for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[r * x_stride + k]), acc[r][v]);
+      };
+      for (int64_t k = 0; k < G; k += nibbles ? 2 : 1, q += PANEL) {
+        if (c0 == 0) _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
+        for (int v = 0; v < V; ++v) {
+          const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * v));
+          if constexpr (nibbles) {
+            const __m256i bytes = _mm256_cvtepu8_epi32(raw);
+            step(weight(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bytes, low_bits), zero_v)), v), v, g0 + k);
+            step(weight(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), zero_v)), v), v, g0 + k + 1);
+          } else {
+            step(weight(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), v), v, g0 + k);
+          }
+        }
+      }
+    }
+    for (int v = 0; v < V && c0 + 8 * v < cols; ++v) {
+      const __m256i mask = first_lanes8(cols - c0 - 8 * v);
+      for (int r = 0; r < R; ++r) _mm256_maskstore_ps(y + r * y_stride + c0 + 8 * v, mask, acc[r][v]);
+    }
+  }
+}
 #endif
 
 #ifdef EPDSERVE_PANEL_KERNEL
@@ -310,6 +359,17 @@ inline void tile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t
   // Without offsets (Q4_0, Q8_0, Q6_K), a weight is one multiply: a loop of its own.
   const int64_t G = layout.G;
   const int zero = layout.zero;
+#if !defined(__AVX512F__)
+  if constexpr (R <= 2) {
+    if (zero >= 0)
+      layout.has_offset ? qtile_wide<R, true, true>(x, x_stride, panel, K, G, zero, y, y_stride, cols)
+                        : qtile_wide<R, false, true>(x, x_stride, panel, K, G, zero, y, y_stride, cols);
+    else
+      layout.has_offset ? qtile_wide<R, true, false>(x, x_stride, panel, K, G, 0, y, y_stride, cols)
+                        : qtile_wide<R, false, false>(x, x_stride, panel, K, G, 0, y, y_stride, cols);
+    return;
+  }
+#endif
   if (zero >= 0) {
     if (layout.has_offset)
       qtile<R, true, true>(x, x_stride, panel, K, G, zero, y, y_stride, cols);

@@ -102,8 +102,9 @@ def dequantized(q, scale, offset) -> torch.Tensor:
     return w.view(n, k)
 
 
-# More rows than a tile's 6: the panel is unpacked into float32 once, and the float32 tiles run over it.
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64])
+# More rows than a tile's 6: the panel is unpacked into float32 once, and the float32 tiles run over it. One or two
+# rows: AVX2 takes 64 / rows columns at a time, not a strip's 16.
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 64])
 @pytest.mark.parametrize("out_features, in_features, group", [(576, 576, 32), (100, 64, 16), (130, 512, 256)])
 @pytest.mark.parametrize("with_offset", [False, True], ids=["scale", "scale-offset"])
 @pytest.mark.parametrize("q_range", Q_RANGES.values(), ids=Q_RANGES)
@@ -144,7 +145,7 @@ LEVELS = [lv for lv in cpu_levels.LEVELS if lv.machine == platform.machine() and
 
 @pytest.mark.parametrize("level", LEVELS, ids=lambda lv: lv.name)
 # 7 rows: a panel with offsets is unpacked into float32 first, one without is not; 13: both are.
-@pytest.mark.parametrize("rows", [1, 7, 13])
+@pytest.mark.parametrize("rows", [1, 2, 7, 13])
 # 130 columns: two whole panels and a part of a third, whose last 16-column strip is a part too.
 @pytest.mark.parametrize("out_features, in_features, group", [(130, 512, 32), (100, 64, 16)])
 @pytest.mark.parametrize("with_offset", [False, True], ids=["scale", "scale-offset"])
