@@ -214,9 +214,41 @@ inline void zero(__m256 (&acc)[R][STRIP]) {
     for (int v = 0; v < STRIP; ++v) acc[r][v] = _mm256_setzero_ps();
 }
 
+// One or two rows: 64 / R columns at a time (R passes), so that eight chains of fused multiply-adds are in flight
+// (a strip has two a row, each waiting out the latency of the last); each column's chain is the strip's.
+template <int R>
+inline void tile_wide(const float* x, int64_t x_stride, const float* panel, int64_t K, float* y, int64_t y_stride,
+                      int64_t cols) {
+  static_assert(R == 1 || R == 2);
+  constexpr int V = 8 / R;  // vectors of 8 columns a pass
+  for (int64_t c0 = 0; c0 < cols; c0 += 8 * V) {
+    __m256 acc[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      if (c0 == 0)
+        for (int64_t line = 0; line < PANEL; line += 16)
+          _mm_prefetch(reinterpret_cast<const char*>(panel + (k + PREFETCH_AHEAD) * PANEL + line), _MM_HINT_T0);
+      const float* w = panel + k * PANEL + c0;
+      for (int v = 0; v < V; ++v) {
+        const __m256 wv = _mm256_loadu_ps(w + 8 * v);
+        for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(wv, _mm256_set1_ps(x[r * x_stride + k]), acc[r][v]);
+      }
+    }
+    for (int v = 0; v < V && c0 + 8 * v < cols; ++v) {
+      const __m256i mask = first_lanes8(cols - c0 - 8 * v);
+      for (int r = 0; r < R; ++r) _mm256_maskstore_ps(y + r * y_stride + c0 + 8 * v, mask, acc[r][v]);
+    }
+  }
+}
+
 template <int R>
 inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t K, float* y, int64_t y_stride,
                  int64_t cols) {
+  if constexpr (R <= 2) {
+    tile_wide<R>(x, x_stride, panel, K, y, y_stride, cols);
+    return;
+  }
   for (int64_t s = 0; s < STRIPS && 16 * s < cols; ++s) {
     __m256 acc[R][STRIP];
     zero<R>(acc);
