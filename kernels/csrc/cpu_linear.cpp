@@ -10,8 +10,9 @@
 // is what the step waits on, and this kernel keeps it 1.1-1.5x faster than oneDNN's packed matmul
 // (measured: SmolLM2's 30 layers and lm_head, weights from DRAM).
 // With AVX2 and FMA (no AVX-512), the same panels are read by 8-lane tiles, 16 columns of a panel at a time
-// (sixteen registers hold six rows' accumulators for 16 columns, not for 64): each output is the same chain
-// of fused multiply-adds over k in the same order, so the results equal the AVX-512 kernel's bit for bit.
+// (sixteen registers hold six rows' accumulators for 16 columns, not for 64), or 64 / rows at a time for one or
+// two rows (eight chains in flight): each output is the same chain of fused multiply-adds over k in the same
+// order, so the results equal the AVX-512 kernel's bit for bit.
 // Not torch/extension.h (torch's whole C++ API) nor torch/types.h (every ATen op's declaration): the pybind11
 // bindings of at::Tensor, whose methods are all a kernel calls, parse in a third of the time.
 #include <torch/csrc/utils/pybind.h>
@@ -267,58 +268,6 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t K
   }
 }
 
-// The quantized tile on AVX2: q converted to float (q - zero for nibbles: the value the AVX-512 table gives),
-// then scale * q (+ offset) and the float32 tile's step, as there.
-template <int R, bool has_offset, bool nibbles>
-inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, int64_t G, int zero_point,
-                  float* y, int64_t y_stride, int64_t cols) {
-  const int64_t floats = (has_offset ? 2 : 1) * PANEL, q_bytes = (nibbles ? G / 2 : G) * PANEL;
-  const int64_t group_bytes = floats * 4 + q_bytes;
-  const __m256i low_bits = _mm256_set1_epi32(15), zero_v = _mm256_set1_epi32(zero_point);
-  for (int64_t s = 0; s < STRIPS && 16 * s < cols; ++s) {
-    __m256 acc[R][STRIP];
-    zero<R>(acc);
-    const uint8_t* group = panel;
-    for (int64_t g0 = 0; g0 < K; g0 += G, group += group_bytes) {
-      const float* scale = reinterpret_cast<const float*>(group) + 16 * s;
-      const uint8_t* q = group + floats * 4 + 16 * s;
-      __m256 sc[STRIP], off[STRIP];
-      for (int v = 0; v < STRIP; ++v) {
-        sc[v] = _mm256_loadu_ps(scale + 8 * v);
-        off[v] = has_offset ? _mm256_loadu_ps(scale + PANEL + 8 * v) : _mm256_setzero_ps();
-      }
-      const auto weights = [&](const __m256 (&qf)[STRIP], __m256 (&wv)[STRIP]) {
-        for (int v = 0; v < STRIP; ++v) {
-          wv[v] = _mm256_mul_ps(qf[v], sc[v]);
-          if constexpr (has_offset) wv[v] = _mm256_add_ps(wv[v], off[v]);
-        }
-      };
-      for (int64_t k = 0; k < G; k += nibbles ? 2 : 1, q += PANEL) {
-        if (s == 0) _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
-        __m256 qf[STRIP], wv[STRIP];
-        if constexpr (nibbles) {
-          __m256 hi[STRIP];
-          for (int v = 0; v < STRIP; ++v) {
-            const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * v)));
-            qf[v] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bytes, low_bits), zero_v));
-            hi[v] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), zero_v));
-          }
-          weights(qf, wv);
-          fma_step<R>(acc, wv, x + g0 + k, x_stride);
-          weights(hi, wv);
-          fma_step<R>(acc, wv, x + g0 + k + 1, x_stride);
-        } else {
-          for (int v = 0; v < STRIP; ++v)
-            qf[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * v))));
-          weights(qf, wv);
-          fma_step<R>(acc, wv, x + g0 + k, x_stride);
-        }
-      }
-    }
-    store<R>(acc, y + 16 * s, y_stride, cols - 16 * s);
-  }
-}
-
 // One or two rows of x on AVX2: the quantized tile over 64 / R columns of the panel at a time (R passes). A strip's
 // accumulators (two a row) would each wait out a fused multiply-add's latency before the next k; eight chains
 // keep the units busy. Each column's chain is a strip's, in the same order over k: the same results, bit for bit.
@@ -367,6 +316,63 @@ inline void qtile_wide(const float* x, int64_t x_stride, const uint8_t* panel, i
     }
   }
 }
+
+// The quantized tile on AVX2: q converted to float (q - zero for nibbles: the value the AVX-512 table gives),
+// then scale * q (+ offset) and the float32 tile's step, as there.
+template <int R, bool has_offset, bool nibbles>
+inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, int64_t G, int zero_point,
+                  float* y, int64_t y_stride, int64_t cols) {
+  if constexpr (R <= 2) {
+    qtile_wide<R, has_offset, nibbles>(x, x_stride, panel, K, G, zero_point, y, y_stride, cols);
+    return;
+  }
+  const int64_t floats = (has_offset ? 2 : 1) * PANEL, q_bytes = (nibbles ? G / 2 : G) * PANEL;
+  const int64_t group_bytes = floats * 4 + q_bytes;
+  const __m256i low_bits = _mm256_set1_epi32(15), zero_v = _mm256_set1_epi32(zero_point);
+  for (int64_t s = 0; s < STRIPS && 16 * s < cols; ++s) {
+    __m256 acc[R][STRIP];
+    zero<R>(acc);
+    const uint8_t* group = panel;
+    for (int64_t g0 = 0; g0 < K; g0 += G, group += group_bytes) {
+      const float* scale = reinterpret_cast<const float*>(group) + 16 * s;
+      const uint8_t* q = group + floats * 4 + 16 * s;
+      __m256 sc[STRIP], off[STRIP];
+      for (int v = 0; v < STRIP; ++v) {
+        sc[v] = _mm256_loadu_ps(scale + 8 * v);
+        off[v] = has_offset ? _mm256_loadu_ps(scale + PANEL + 8 * v) : _mm256_setzero_ps();
+      }
+      const auto weights = [&](const __m256 (&qf)[STRIP], __m256 (&wv)[STRIP]) {
+        for (int v = 0; v < STRIP; ++v) {
+          wv[v] = _mm256_mul_ps(qf[v], sc[v]);
+          if constexpr (has_offset) wv[v] = _mm256_add_ps(wv[v], off[v]);
+        }
+      };
+      for (int64_t k = 0; k < G; k += nibbles ? 2 : 1, q += PANEL) {
+        if (s == 0) _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
+        __m256 qf[STRIP], wv[STRIP];
+        if constexpr (nibbles) {
+          __m256 hi[STRIP];
+          for (int v = 0; v < STRIP; ++v) {
+            const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * v)));
+            qf[v] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bytes, low_bits), zero_v));
+            hi[v] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), zero_v));
+          }
+          weights(qf, wv);
+          fma_step<R>(acc, wv, x + g0 + k, x_stride);
+          weights(hi, wv);
+          fma_step<R>(acc, wv, x + g0 + k + 1, x_stride);
+        } else {
+          for (int v = 0; v < STRIP; ++v)
+            qf[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * v))));
+          weights(qf, wv);
+          fma_step<R>(acc, wv, x + g0 + k, x_stride);
+        }
+      }
+    }
+    store<R>(acc, y + 16 * s, y_stride, cols - 16 * s);
+  }
+}
+
 #endif
 
 #ifdef EPDSERVE_PANEL_KERNEL
@@ -391,17 +397,6 @@ inline void tile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t
   // Without offsets (Q4_0, Q8_0, Q6_K), a weight is one multiply: a loop of its own.
   const int64_t G = layout.G;
   const int zero = layout.zero;
-#if !defined(__AVX512F__)
-  if constexpr (R <= 2) {
-    if (zero >= 0)
-      layout.has_offset ? qtile_wide<R, true, true>(x, x_stride, panel, K, G, zero, y, y_stride, cols)
-                        : qtile_wide<R, false, true>(x, x_stride, panel, K, G, zero, y, y_stride, cols);
-    else
-      layout.has_offset ? qtile_wide<R, true, false>(x, x_stride, panel, K, G, 0, y, y_stride, cols)
-                        : qtile_wide<R, false, false>(x, x_stride, panel, K, G, 0, y, y_stride, cols);
-    return;
-  }
-#endif
   if (zero >= 0) {
     if (layout.has_offset)
       qtile<R, true, true>(x, x_stride, panel, K, G, zero, y, y_stride, cols);
