@@ -81,13 +81,13 @@ class PlannerService:
         self.desired = decided
 
     async def run(self, host: str, http_port: int) -> None:
-        server = ManagementServer(build_management_app(self.health, lambda: self.registry), host, http_port)
-        port = await server.start()
-        # Its own handlers, installed after the server's as a service's are: SIGTERM or SIGINT stops it even where
-        # it was started with SIGINT ignored (a script's background job), which the server alone would not.
+        # Its own handlers, before its port answers: SIGTERM or SIGINT stops it even where it was started with
+        # SIGINT ignored (a script's background job).
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        server = ManagementServer(build_management_app(self.health, lambda: self.registry), host, http_port)
+        port = await server.start()
         logger.info("planner: reading %s every %g s; desired replicas on http://%s:%d/metrics", self.proxy_url,
                     self.config.interval, host, port)
         try:

@@ -6,7 +6,6 @@ requests in flight get `drain_timeout` seconds to finish; a second signal cuts t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import signal
@@ -29,6 +28,7 @@ from epdserve.services.proxy.router import RolePool, Router
 from epdserve.services.proxy.serving import OpenAIServing
 from epdserve.services.proxy.startup import Startup
 from epdserve.services.proxy.tracing import OTelExport, Tracer, check_otlp_endpoint
+from epdserve.services.runtime.management import SignalFreeServer
 from epdserve.services.runtime.network import client_curve, peer_auth, say_if_unauthenticated, server_curve
 from epdserve.shared.config import ModelConfig, TransportConfig
 from epdserve.transport.channel.protocol import MAY_SEND, Role
@@ -184,21 +184,13 @@ async def build_proxy(config: ProxyConfig):
     return app, router, backend, drain, tracer, startup
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers: a signal starts the proxy's drain instead (run_proxy)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
 async def run_proxy(config: ProxyConfig) -> None:
     say_if_unauthenticated(config.transport, config.host)
     app, router, backend, drain, tracer, startup = await build_proxy(config)
     await backend.start()
     await router.start()
     # Requests are over when the drain ends; the shutdown's own timeout only bounds idle connections.
-    server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
+    server = SignalFreeServer(uvicorn.Config(app, host=config.host, port=config.port,
                                     log_level="info" if config.access_log else "warning",
                                     access_log=config.access_log, timeout_graceful_shutdown=2))
     draining: list[asyncio.Task] = []

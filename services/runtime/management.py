@@ -6,6 +6,7 @@ supervisor to restart it); /ready answers 200 only while it is READY (not STARTI
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Callable
 
@@ -43,11 +44,21 @@ def build_management_app(health: Callable[[], tuple[Health, dict]],
     return app
 
 
+class SignalFreeServer(uvicorn.Server):
+    """uvicorn that leaves SIGTERM and SIGINT to its service. uvicorn's own handlers would stop the server alone,
+    leave the service running without its port, and put back the handlers it found (SIG_IGN for a script's
+    background job) when it stops; a service installs its handlers before it starts one of these."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
 class ManagementServer:
     """uvicorn on the service's own event loop (no second thread, no second process)."""
 
     def __init__(self, app: FastAPI, host: str, port: int) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+        self.server = SignalFreeServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                     access_log=False, lifespan="off"))
         self._task: asyncio.Task | None = None
 

@@ -77,15 +77,16 @@ class Service:
                               allow_wildcard=config.host in WILDCARD_HOSTS, curve=server_curve(transport),
                               auth=peer_auth(transport), senders=MAY_SEND)
         self.control_addr = advertised(await control.start(), config.host, config.advertise_host)
+        # Before its port answers: a signal from then on stops the service, whatever its parent ignored.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal)
         management = ManagementServer(
             build_management_app(self._management_state,
                                  lambda: self.worker.metrics.registry if self.worker is not None else None),
             config.host, config.http_port)
         self.http_port = await management.start()
         serving = asyncio.create_task(control.serve(self.handle))  # answers STARTING until the worker is built
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal)
 
         worker = self.worker = await self._build_worker(lambda: control.num_rejected)
         count_refused_peers(worker, control, role.value, config.engine_id)

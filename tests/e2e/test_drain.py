@@ -3,7 +3,7 @@ elsewhere; a SIGTERMed proxy turns unready, refuses new requests and lets its st
 end of a short grace, ends them with an error event and `data: [DONE]`; a decode killed outright, with no
 other decode to continue its streams on, ends them with an error event and `[DONE]` within seconds, never a
 hang; `epdserve up` drains its whole
-stack when it is stopped.
+stack when it is stopped; a service started with SIGINT ignored still stops on it.
 
 Streams are read as raw server-sent events (httpx), so that `[DONE]` and error events are seen as sent;
 requests that must be refused go through the official openai client."""
@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -277,3 +278,34 @@ def test_epdserve_up_drains_its_whole_stack_when_stopped(default_model_path, tmp
             if is_running(pid):
                 os.kill(pid, signal.SIGKILL)
         up.wait()
+
+
+def listens(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize("role", ["decode", "proxy", "planner"])
+def test_a_service_started_with_sigint_ignored_stops_on_it_from_the_instant_its_port_opens(role, tiny_model_paths):
+    """As a script's background job is started (SIGINT ignored): Ctrl-C's signal must still stop each service - even
+    the instant its HTTP port opens (uvicorn's own handlers, had they been installed, would stop that port alone and
+    leave the service running)."""
+    model, port = tiny_model_paths["llama"], free_port()
+    args = {"decode": ["--model", model, "--port", str(free_port()), "--data-port", str(free_port()),
+                       "--http-port", str(port), "--threads", "1"],
+            "proxy": ["--model", model, "--port", str(port), "--decode", f"127.0.0.1:{free_port()}"],
+            "planner": ["--proxy-url", f"http://127.0.0.1:{free_port()}", "--planner-bounds", "decode=1:2",
+                        "--ttft-slo", "1", "--tpot-slo", "1", "--http-port", str(port)]}[role]
+    proc = subprocess.Popen([sys.executable, "-m", "epdserve.services.cli", "serve", role, *args],
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not listens(port):
+            assert proc.poll() is None and time.monotonic() < deadline, f"{role} never listened"
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()

@@ -12,8 +12,6 @@ import asyncio
 import base64
 import json
 import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -225,21 +223,4 @@ def test_an_encoder_is_added_for_images_and_retired_once_none_come(up_images):
     wait_until(lambda: any("planner: encoder-1 stopped" in line for line in up.text()), 60, "encoder-1 to stop",
                up.report)
     assert healthy(up.url, "encoder") == 1 and desired(up.url)["encoder"] == 1, up.report()
-
-
-def test_the_planner_service_stops_on_sigint_even_when_started_with_it_ignored():
-    """As a script's background job is started (SIGINT ignored): Ctrl-C's signal must still stop it, at once."""
-    port = free_port()
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("epdserve")), "serve", "planner", "--proxy-url",
-                             f"http://127.0.0.1:{free_port()}", "--planner-bounds", "decode=1:2", "--ttft-slo", "1",
-                             "--tpot-slo", "1", "--http-port", str(port)],
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until(lambda: answers(f"http://127.0.0.1:{port}/health"), 60, "the planner service to listen", lambda: "")
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(15) == 0, proc.stderr.read()
-    finally:
-        proc.kill()
-        proc.wait()
 
