@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
@@ -81,6 +82,10 @@ class AsyncLLM:
         the engine thread with the cores, every other thread single-threaded: see `compute_threads`."""
         self._commands: queue.Queue[Command] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
+        # Ids whose stream closed before their request ended, with how many of those aborts are still queued:
+        # until the engine has applied them, its outputs for such an id are that request's, never those of a
+        # request that took the id again meanwhile (queued after the abort, it has made none yet).
+        self._closed: dict[str, int] = {}
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         # Held while checking `_dead` and queueing, and while the dying loop drains the queue: no call
@@ -175,8 +180,11 @@ class AsyncLLM:
         with self._lock:
             self._engine.queue_estimate.submitted_tokens += request.num_prompt_tokens
         self._put(Submit(request))
-        async for out in self._drain(request.group_id, stream):
-            yield out
+        # Closed with this generator, not when the collector gets to it: the abort is queued, and the id free, by
+        # the time a caller's aclose() returns.
+        async with contextlib.aclosing(self._drain(request.group_id, stream)) as outputs:
+            async for out in outputs:
+                yield out
 
     # -- LoRA adapters ------------------------------------------------------------------------------
     async def load_lora(self, lora_request: LoRARequest) -> None:
@@ -291,9 +299,11 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            if not finished:
-                self._commands.put(Abort(request_id))
-            self._streams.pop(request_id, None)
+            with self._lock:
+                if not finished:
+                    self._closed[request_id] = self._closed.get(request_id, 0) + 1
+                    self._commands.put(Abort(request_id, to_stream=False))
+                self._streams.pop(request_id, None)
 
     # -- engine thread ------------------------------------------------------------------------------
     def _start(self, engine: LLMEngine | Callable[[], LLMEngine], num_threads: int | None,
@@ -370,8 +380,15 @@ class AsyncLLM:
                     if not isinstance(exc, (ValueError, NoLoRASlotError)):
                         logger.exception("request %s could not be added", request.group_id)
                         engine.abort_request(request.group_id)
-            case Abort(request_id=request_id):
+            case Abort(request_id=request_id, to_stream=True):
                 self._deliver(engine.abort_request(request_id))
+            case Abort(request_id=request_id):  # its stream closed: nobody hears of its end
+                engine.abort_request(request_id)
+                with self._lock:
+                    if self._closed[request_id] == 1:
+                        del self._closed[request_id]
+                    else:
+                        self._closed[request_id] -= 1
             case ReleaseKV(request_id=request_id):
                 engine.release_kv(request_id)
             case FinishLoad(result=result):
@@ -414,8 +431,10 @@ class AsyncLLM:
         """Hand a step's outputs to their streams: one wake-up of each streams' event loop per step, not one
         per request (each wake-up takes the GIL from this thread)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
+        with self._lock:
+            streams = [None if out.request_id in self._closed else self._streams.get(out.request_id)
+                       for out in outputs]
+        for out, stream in zip(outputs, streams):
             if stream is not None:
                 item = out if out.error is None else (ValueError if out.bad_input else InputsUnavailableError
                                                       if out.inputs_unavailable else RequestFailedError)(out.error)

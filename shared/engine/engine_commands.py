@@ -21,8 +21,11 @@ class Submit:
 
 @dataclass(frozen=True, slots=True)
 class Abort:
-    """Stop a request wherever it is (a group: all its sequences); held KV included."""
+    """Stop a request wherever it is (a group: all its sequences); held KV included. `to_stream`: its aborted
+    output goes to the id's open stream. False where its caller's stream has closed already: the id may be in use
+    again by then (a request sent here once more), and that request's stream must not hear of this one's end."""
     request_id: str
+    to_stream: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 import asyncio
 import json
 import shutil
+import threading
 
 import pytest
 import torch
@@ -239,6 +240,30 @@ def test_async_streams_deltas_and_aborts(tiny_model_paths):
 
         with pytest.raises(ValueError, match="empty"):
             await collect("", delta, "e")
+
+        # A stream left mid-step, its id taken again at once (a service sent the request once more): the new
+        # stream hears of its own request alone - not of the step the old one was in, nor of the old one's abort.
+        short = SamplingParams(max_tokens=5, **GREEDY)
+        reference = (await collect("Hello", short, "ref"))[-1].outputs[0]
+        entered, release = threading.Event(), threading.Event()
+
+        def hold(num_tokens: int) -> None:  # on the engine's thread, before a step's forward
+            if not release.is_set():
+                entered.set()
+                release.wait(60)
+
+        old = engine.generate("Hello", long, request_id="f")
+        await old.__anext__()
+        engine.on_step(hold)
+        assert await asyncio.to_thread(entered.wait, 60)
+        await old.aclose()  # the engine is mid-step with it
+        again = asyncio.create_task(collect("Hello", short, "f"))
+        while "f" not in engine._streams:  # the new stream is open, its submit queued behind the abort
+            await asyncio.sleep(0.01)
+        release.set()
+        outs = await again
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        assert [o.outputs[0].token_ids for o in outs][-1] == reference.token_ids
 
     try:
         asyncio.run(main())
