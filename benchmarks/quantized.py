@@ -17,7 +17,7 @@ median of --repeats runs (after one untimed warm-up). Memory: the process's resi
 loaded and warmed up. Bytes per token: what a batch-1 decode step reads of the weights (every linear layer's
 packed weight, one embedding row; the KV cache at these lengths is <1% of it). Bandwidth: a STREAM-style read
 (summing a 1 GiB float32 tensor on --threads threads), median of 5. Writes benchmarks/results/quantized.json
-and .png.
+and .png; each engine's time a step by phase (the engine's step timer) goes into the JSON, --profile prints it.
 
     .venv/bin/python benchmarks/quantized.py                      # SmolLM2, 2 threads
     .venv/bin/python benchmarks/quantized.py --models smollm2,gemma3-270m --repeats 3
@@ -56,6 +56,8 @@ def measure_engine(folder: str, dtype: str, threads: int, output_len: int, repea
     first = SamplingParams(temperature=temperature, seed=0, max_tokens=1)
     full = SamplingParams(temperature=temperature, seed=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([PROMPT], full)
+    timer = llm.engine.step_timer
+    before, steps_before = timer.breakdown(), timer.num_steps
     tpots = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -64,6 +66,9 @@ def measure_engine(folder: str, dtype: str, threads: int, output_len: int, repea
         t = time.perf_counter()
         llm.generate([PROMPT], full)
         tpots.append((time.perf_counter() - t - ttft) / (output_len - 1))
+    steps = timer.num_steps - steps_before
+    # Where a step's time goes (the first token's steps included: a prompt of a few tokens costs about a decode's).
+    profile = {phase: 1e3 * (seconds - before[phase]) / steps for phase, seconds in timer.breakdown().items()}
     model = llm.engine.runner.model
     read = 0
     for m in model.modules():
@@ -75,7 +80,7 @@ def measure_engine(folder: str, dtype: str, threads: int, output_len: int, repea
     read += sum(t[0].numel() * t.element_size() for t in embed.buffers() if t is not None and t.dim() == 2) \
         if not hasattr(embed, "weight") else embed.weight.shape[1] * embed.weight.element_size()
     return {"tpot_ms": 1e3 * statistics.median(tpots), "tpot_ms_runs": [1e3 * t for t in tpots],
-            "rss_mb": psutil.Process().memory_info().rss / 2**20, "bytes_per_token": read}
+            "rss_mb": psutil.Process().memory_info().rss / 2**20, "bytes_per_token": read, "step_ms": profile}
 
 
 def stream_read_gbps(threads: int) -> float:
@@ -162,6 +167,9 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature of every engine and of llama-server (the API's default 1.0; 0: greedy)")
     p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--forms", default=",".join(FORMS), help="comma-separated forms: " + ", ".join(FORMS))
+    p.add_argument("--no-peer", action="store_true", help="leave llama-server out")
+    p.add_argument("--profile", action="store_true", help="print where each form's steps spend their time")
     args = p.parse_args()
     bandwidth = stream_read_gbps(args.threads)
     print(f"memory read bandwidth ({args.threads} threads, STREAM-style sum): {bandwidth:.1f} GB/s")
@@ -171,16 +179,16 @@ def main() -> int:
                "read_bandwidth_gbps": bandwidth, "models": {}}
     for name in args.models.split(","):
         folder = model_folder(name)
-        cells = {form: run_form(folder, form, args) for form in FORMS}
-        if server:
+        cells = {form: run_form(folder, form, args) for form in args.forms.split(",")}
+        if server and not args.no_peer:
             try:
                 cells["llama-server"] = run_llama_server(server, (folder / "model.gguf").resolve(), args)
             except RuntimeError as exc:
                 results.setdefault("peer_errors", []).append(f"{name}: {exc}")
                 print(f"{name}: {exc}")
         results["models"][name] = cells
-        base = cells["float32"]
-        print(f"\n{name}: TPOT at batch 1, memory, roofline")
+        base = cells.get("float32", next(iter(cells.values())))
+        print(f"\n{name}: TPOT at batch 1, memory, roofline (vs: the float32 form, or the first measured)")
         print(f"{'form':13} {'TPOT ms':>8} {'vs f32':>7} {'RSS MB':>7} {'vs f32':>7} {'MB/token':>9} {'GB/s':>6} "
               f"{'of bw':>6}")
         for form, c in cells.items():
@@ -189,6 +197,11 @@ def main() -> int:
             print(f"{form:13} {c['tpot_ms']:8.2f} {base['tpot_ms'] / c['tpot_ms']:6.2f}x {c['rss_mb']:7.0f} "
                   f"{c['rss_mb'] / base['rss_mb']:6.2f}x "
                   + (f"{c['bytes_per_token'] / 1e6:9.1f} {gbps:6.1f} {100 * gbps / bandwidth:5.0f}%" if gbps else ""))
+        if args.profile:
+            print("ms a step by phase (attention: KV writes and reads; forward: the rest of the model)")
+            for form, c in cells.items():
+                if "step_ms" in c:
+                    print(f"{form:13} " + "  ".join(f"{k} {v:.2f}" for k, v in c["step_ms"].items() if v >= 0.005))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "quantized.json").write_text(json.dumps(results, indent=1))

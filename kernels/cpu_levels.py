@@ -17,8 +17,8 @@ PREBUILT = Path(__file__).parent / "prebuilt"
 MANIFEST = "manifest.json"
 
 # Each source's own flags. cpu_layer_ops rounds where PyTorch's separate ops do: a*b + c*d stays two
-# roundings, never a fused multiply-add; so does cpu_linear's unpacking of a quantized weight (scale * q +
-# offset, as the reference dequantizer rounds it).
+# roundings, never a fused multiply-add; so does cpu_linear's unpacking of a quantized weight into a buffer
+# (scale * q + offset, as the reference dequantizer rounds it; its tiles fuse only where that rounds alike).
 SOURCES = {
     "cpu_paged_attention": (),
     "cpu_linear": ("-ffp-contract=off",),

@@ -69,10 +69,24 @@ def nibble_zero(q: torch.Tensor, group: int) -> int:
     return 0 if 0 <= low and high <= 15 else 8 if -8 <= low and high <= 7 else -1
 
 
+def unpacks_exactly(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> bool:
+    """Whether the kernel's one fused multiply-add, q * scale + offset, rounds every weight as scale * q then
+    + offset does: each product exact in float32 (a scale whose significand ends in as many zero bits as |q|
+    has bits: GGUF's scales, a float16 or one times a 6-bit integer, against 4- to 6-bit q), or its offset zero."""
+    if offset is None or q.numel() == 0:
+        return True
+    bits = max(abs(int(q.min())), abs(int(q.max()))).bit_length()
+    exact = (scale.view(torch.int32) & ((1 << bits) - 1)) == 0
+    return bool((exact | (offset == 0)).all())
+
+
 def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> QuantizedPanels:
     """A quantized [N, K] weight, w = scale * q (+ offset) per group of K // scale.shape[1] consecutive k (q int8,
-    scale and offset [N, groups] float32) -> the quantized kernel's panels (float32 x only); 4-bit values (Q4_0,
-    Q4_1, Q4_K) packed two to a byte."""
+    scale and offset [N, groups] float32, `unpacks_exactly`) -> the quantized kernel's panels (float32 x only);
+    4-bit values (Q4_0, Q4_1, Q4_K) packed two to a byte."""
+    if not unpacks_exactly(q, scale, offset):
+        raise ValueError("a scale * q of this weight is not exact in float32: the kernel's fused unpacking would "
+                         "round it otherwise than the dequantized weight")
     zero = nibble_zero(q, q.shape[1] // scale.shape[1])
     return QuantizedPanels(_ops().pack_quantized(q, scale, offset, zero), offset is not None, zero)
 

@@ -122,11 +122,12 @@ inline void tile(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* 
 }
 #endif
 
-// The quantized tile (quantized panels, below): each weight unpacked in registers as scale * q (+ offset),
-// two roundings as the reference dequantizer makes them (this file is built without contraction into fused
-// multiply-adds), then the float32 tile's own fma_step over k: y equals the float32 kernel's on the
-// dequantized weight, bit for bit. q is a byte per weight, or (nibbles) two weights per byte, k even in the
-// low nibble and k + 1 in the high one, each q + zero (zero 8 for signed values, 0 for unsigned ones).
+// The quantized tile (quantized panels, below): each weight unpacked in registers as scale * q, or with an
+// offset as one fused multiply-add q * scale + offset - the value of the reference dequantizer's multiply then
+// add, since pack_quantized's caller holds every such product exact in float32 (or its offset zero) - then the
+// float32 tile's own fma_step over k: y equals the float32 kernel's on the dequantized weight, bit for bit. q is
+// a byte per weight, or (nibbles) two weights per byte, k even in the low nibble and k + 1 in the high one, each
+// q + zero (zero 8 for signed values, 0 for unsigned ones).
 template <int R, bool has_offset, bool nibbles>
 inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, int64_t G, int zero, float* y,
                   int64_t y_stride, int64_t cols) {
@@ -152,10 +153,8 @@ inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_
       off[v] = has_offset ? _mm512_loadu_ps(scale + PANEL + 16 * v) : _mm512_setzero_ps();
     }
     const auto weights = [&](const __m512 (&qf)[VECTORS], __m512 (&wv)[VECTORS]) {
-      for (int v = 0; v < VECTORS; ++v) {
-        wv[v] = _mm512_mul_ps(qf[v], sc[v]);
-        if constexpr (has_offset) wv[v] = _mm512_add_ps(wv[v], off[v]);
-      }
+      for (int v = 0; v < VECTORS; ++v)
+        wv[v] = has_offset ? _mm512_fmadd_ps(qf[v], sc[v], off[v]) : _mm512_mul_ps(qf[v], sc[v]);
     };
     // A step reads one cache line (64 columns of one k, or of two as nibbles); the hardware prefetcher alone
     // keeps too few in flight for the unpacking to hide DRAM's latency: ask for the line PREFETCH_AHEAD on.
@@ -271,7 +270,8 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t K
 // One or two rows of x on AVX2: the quantized tile over 64 / R columns of the panel at a time (R passes). A strip's
 // accumulators (two a row) would each wait out a fused multiply-add's latency before the next k; eight chains
 // keep the units busy. Each column's chain is a strip's, in the same order over k: the same results, bit for bit.
-template <int R, bool has_offset, bool nibbles>
+// Unpacking is most of the work here, so nibbles stored unsigned (zero point 0: Q4_1, Q4_K) skip the subtraction.
+template <int R, bool has_offset, bool nibbles, bool centered>
 inline void qtile_wide(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, int64_t G, int zero_point,
                        float* y, int64_t y_stride, int64_t cols) {
   static_assert(R == 1 || R == 2);
@@ -289,9 +289,12 @@ inline void qtile_wide(const float* x, int64_t x_stride, const uint8_t* panel, i
       const uint8_t* q = group + floats * 4 + c0;
       // A column's scale (and offset) from L1 at each use, as memory operands: the registers hold the chains.
       const auto weight = [&](__m256 qf, int v) {
-        __m256 w = _mm256_mul_ps(qf, _mm256_loadu_ps(scale + 8 * v));
-        if constexpr (has_offset) w = _mm256_add_ps(w, _mm256_loadu_ps(scale + PANEL + 8 * v));
-        return w;
+        const __m256 sc = _mm256_loadu_ps(scale + 8 * v);
+        if constexpr (has_offset) return _mm256_fmadd_ps(qf, sc, _mm256_loadu_ps(scale + PANEL + 8 * v));
+        return _mm256_mul_ps(qf, sc);
+      };
+      const auto value = [&](__m256i nibble) {  // q - zero as a float
+        return _mm256_cvtepi32_ps(centered ? _mm256_sub_epi32(nibble, zero_v) : nibble);
       };
       const auto step = [&](__m256 w, int v, int64_t k) {
         for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[r * x_stride + k]), acc[r][v]);
@@ -302,8 +305,8 @@ inline void qtile_wide(const float* x, int64_t x_stride, const uint8_t* panel, i
           const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * v));
           if constexpr (nibbles) {
             const __m256i bytes = _mm256_cvtepu8_epi32(raw);
-            step(weight(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bytes, low_bits), zero_v)), v), v, g0 + k);
-            step(weight(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), zero_v)), v), v, g0 + k + 1);
+            step(weight(value(_mm256_and_si256(bytes, low_bits)), v), v, g0 + k);
+            step(weight(value(_mm256_srli_epi32(bytes, 4)), v), v, g0 + k + 1);
           } else {
             step(weight(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), v), v, g0 + k);
           }
@@ -318,12 +321,15 @@ inline void qtile_wide(const float* x, int64_t x_stride, const uint8_t* panel, i
 }
 
 // The quantized tile on AVX2: q converted to float (q - zero for nibbles: the value the AVX-512 table gives),
-// then scale * q (+ offset) and the float32 tile's step, as there.
+// then scale * q (or q * scale + offset, fused) and the float32 tile's step, as there.
 template <int R, bool has_offset, bool nibbles>
 inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, int64_t G, int zero_point,
                   float* y, int64_t y_stride, int64_t cols) {
   if constexpr (R <= 2) {
-    qtile_wide<R, has_offset, nibbles>(x, x_stride, panel, K, G, zero_point, y, y_stride, cols);
+    if (nibbles && zero_point == 0)
+      qtile_wide<R, has_offset, nibbles, false>(x, x_stride, panel, K, G, zero_point, y, y_stride, cols);
+    else
+      qtile_wide<R, has_offset, nibbles, nibbles>(x, x_stride, panel, K, G, zero_point, y, y_stride, cols);
     return;
   }
   const int64_t floats = (has_offset ? 2 : 1) * PANEL, q_bytes = (nibbles ? G / 2 : G) * PANEL;
@@ -342,10 +348,8 @@ inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_
         off[v] = has_offset ? _mm256_loadu_ps(scale + PANEL + 8 * v) : _mm256_setzero_ps();
       }
       const auto weights = [&](const __m256 (&qf)[STRIP], __m256 (&wv)[STRIP]) {
-        for (int v = 0; v < STRIP; ++v) {
-          wv[v] = _mm256_mul_ps(qf[v], sc[v]);
-          if constexpr (has_offset) wv[v] = _mm256_add_ps(wv[v], off[v]);
-        }
+        for (int v = 0; v < STRIP; ++v)
+          wv[v] = has_offset ? _mm256_fmadd_ps(qf[v], sc[v], off[v]) : _mm256_mul_ps(qf[v], sc[v]);
       };
       for (int64_t k = 0; k < G; k += nibbles ? 2 : 1, q += PANEL) {
         if (s == 0) _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
@@ -427,8 +431,9 @@ void rows_times_panel(const T* x, int64_t x_stride, int64_t rows, const W* panel
 }
 
 // A quantized panel's weights as float32 [K][64], each the value the quantized tiles compute in registers: the
-// nibble or byte less its zero, converted, times its group's scale, plus its offset, each rounded (this file is
-// built without contraction into fused multiply-adds). Plain loops: the compiler vectorizes them for the level.
+// nibble or byte less its zero, converted, times its group's scale, plus its offset, each rounded as the
+// reference dequantizer does (this file is built without contraction into fused multiply-adds; the products
+// being exact, the tiles' fused form rounds alike). Plain loops: the compiler vectorizes them for the level.
 template <bool has_offset, bool nibbles>
 void dequantize_panel(const uint8_t* panel, int64_t K, int64_t G, int zero, float* out) {
   const int64_t floats = (has_offset ? 2 : 1) * PANEL, q_bytes = (nibbles ? G / 2 : G) * PANEL;
@@ -453,9 +458,9 @@ void dequantize_panel(const uint8_t* panel, int64_t K, int64_t G, int zero, floa
 // A quantized panel times more rows than one tile holds: the tiles would each unpack the whole panel again, so it
 // is unpacked once, into this thread's buffer (it stays in the core's cache while the tiles read it), and the
 // float32 tiles run over that - the same values in the same fused multiply-adds, so the same results bit for bit.
-// A tile unpacks a weight with offset in a multiply and an add, one without it in a multiply alone: unpacking
-// first pays from two tiles on (measured: 1.1-1.3x at 7-10 rows, 1.3-1.5x at 12, 1.6-2.2x from 64) with offsets,
-// from two whole tiles on without (0.95x at 9-10 rows, 1.3x at 12).
+// Unpacking first paid, when a tile unpacked a weight with offset in a multiply and an add, from two tiles on
+// (measured: 1.1-1.3x at 7-10 rows, 1.3-1.5x at 12, 1.6-2.2x from 64) with offsets, from two whole tiles on
+// without (0.95x at 9-10 rows, 1.3x at 12).
 void rows_times_panel(const float* x, int64_t x_stride, int64_t rows, const uint8_t* panel, int64_t K, float* y,
                       int64_t y_stride, int64_t cols, QuantLayout layout) {
   if (rows <= (layout.has_offset ? ROWS : 2 * ROWS - 1)) {
@@ -574,7 +579,8 @@ at::Tensor linear(at::Tensor x, at::Tensor panels, int64_t N, c10::optional<at::
 // format has none) -> its panels, uint8 [ceil(N / 64), K / G, group bytes]: per group of G k's, scale[64],
 // offset[64] and q[G][64] (k-major, the columns past N zero). zero >= 0 (every q + zero in [0, 16), G even):
 // q as nibbles, [G / 2][64] bytes, k even in the low nibble of a byte and k + 1 in its high one - half the
-// bytes a decode streams for 4-bit formats.
+// bytes a decode streams for 4-bit formats. With an offset, every scale * q must be exact in float32 where the
+// offset is not zero (kernels/cpu_linear.py checks it): the tiles unpack such a weight in one fused multiply-add.
 at::Tensor pack_quantized(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> offset, int64_t zero) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.device().is_cpu(), "q: [N, K] int8 on CPU");
   const int64_t N = q.size(0), K = q.size(1), groups = scale.size(1);

@@ -83,12 +83,12 @@ Q_RANGES = {"int8": (-128, 128), "signed-4-bit": (-8, 8), "unsigned-4-bit": (0, 
 
 def quantized_weight(out_features: int, in_features: int, group: int, with_offset: bool, seed: int,
                      q_range: tuple[int, int] = Q_RANGES["int8"]):
-    """(q int8, scale, offset or None) of a random quantized weight, as a GGML format holds one."""
+    """(q int8, scale, offset or None) of a random quantized weight, as a GGML format holds one (float16 scales)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(*q_range, (out_features, in_features), generator=gen, dtype=torch.int8)
     groups = in_features // group
-    scale = torch.randn(out_features, groups, generator=gen) * 0.01
-    offset = torch.randn(out_features, groups, generator=gen) * 0.1 if with_offset else None
+    scale = (torch.randn(out_features, groups, generator=gen) * 0.01).half().float()
+    offset = (torch.randn(out_features, groups, generator=gen) * 0.1).half().float() if with_offset else None
     return q, scale, offset
 
 
@@ -123,6 +123,22 @@ def test_a_quantized_weight_gives_the_float32_kernels_result_on_its_dequantized_
     expected = cpu_linear.linear(x, cpu_linear.pack(dequantized(q, scale, offset)), out_features, bias)
     assert torch.equal(cpu_linear.linear_quantized(x, packed, out_features, bias), expected)
     assert torch.equal(cpu_linear.linear_quantized(x[None], packed, out_features, bias), expected[None])  # [1, M, K]
+
+
+def test_a_weight_whose_fused_unpacking_would_round_otherwise_is_refused():
+    """The kernel unpacks a weight with offset as one fused multiply-add: equal to the dequantizer's multiply
+    then add only where each product is exact, as with GGUF's float16 scales - not with any float32 scale."""
+    q, scale, offset = quantized_weight(64, 64, 32, True, 0)
+    assert cpu_linear.unpacks_exactly(q, scale, offset)
+    wide = scale + scale * 2.0 ** -20  # significands no longer end in zeros
+    with pytest.raises(ValueError, match="not exact"):
+        cpu_linear.pack_quantized(q, wide, offset)
+    # Without an offset (int8 per channel), or where it is zero, nothing is fused: any scale will do.
+    for weight in ((q, wide, None), (q, wide, torch.zeros_like(offset))):
+        assert cpu_linear.unpacks_exactly(*weight)
+        x = torch.randn(3, 64)
+        assert torch.equal(cpu_linear.linear_quantized(x, cpu_linear.pack_quantized(*weight), 64, None),
+                           cpu_linear.linear(x, cpu_linear.pack(dequantized(*weight)), 64, None))
 
 
 @pytest.mark.parametrize("out_features, in_features, group", [(576, 576, 32), (130, 512, 256)])
