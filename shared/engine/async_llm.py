@@ -84,7 +84,8 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         # Ids whose stream closed before their request ended, with how many of those aborts are still queued:
         # until the engine has applied them, its outputs for such an id are that request's, never those of a
-        # request that took the id again meanwhile (queued after the abort, it has made none yet).
+        # request that took the id again meanwhile (queued after the abort, it has made none yet). Under `_lock`,
+        # with the lookup of the streams a step's outputs go to.
         self._closed: dict[str, int] = {}
         self._ids = itertools.count()
         self._dead: BaseException | None = None
