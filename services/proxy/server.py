@@ -191,8 +191,8 @@ async def run_proxy(config: ProxyConfig) -> None:
     await router.start()
     # Requests are over when the drain ends; the shutdown's own timeout only bounds idle connections.
     server = SignalFreeServer(uvicorn.Config(app, host=config.host, port=config.port,
-                                    log_level="info" if config.access_log else "warning",
-                                    access_log=config.access_log, timeout_graceful_shutdown=2))
+                                             log_level="info" if config.access_log else "warning",
+                                             access_log=config.access_log, timeout_graceful_shutdown=2))
     draining: list[asyncio.Task] = []
 
     async def drain_then_exit() -> None:

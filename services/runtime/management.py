@@ -59,7 +59,7 @@ class ManagementServer:
 
     def __init__(self, app: FastAPI, host: str, port: int) -> None:
         self.server = SignalFreeServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    access_log=False, lifespan="off"))
+                                                      access_log=False, lifespan="off"))
         self._task: asyncio.Task | None = None
 
     async def start(self) -> int:
