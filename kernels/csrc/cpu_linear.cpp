@@ -197,10 +197,10 @@ inline void fma_step(__m256 (&acc)[R][STRIP], const __m256 (&wv)[STRIP], const f
   }
 }
 
-// y[0..R)[0..cols) = acc, for a strip's columns (cols counted from the strip's first, maybe fewer than 16).
-template <int R>
-inline void store(const __m256 (&acc)[R][STRIP], float* y, int64_t y_stride, int64_t cols) {
-  for (int v = 0; v < STRIP; ++v) {
+// y[0..R)[0..cols) = acc, for V vectors' columns (cols counted from the first, maybe fewer than 8 V).
+template <int R, int V>
+inline void store(const __m256 (&acc)[R][V], float* y, int64_t y_stride, int64_t cols) {
+  for (int v = 0; v < V; ++v) {
     const int64_t left = cols - 8 * v;
     if (left <= 0) break;
     const __m256i mask = first_lanes8(left);
@@ -208,10 +208,10 @@ inline void store(const __m256 (&acc)[R][STRIP], float* y, int64_t y_stride, int
   }
 }
 
-template <int R>
-inline void zero(__m256 (&acc)[R][STRIP]) {
+template <int R, int V>
+inline void zero(__m256 (&acc)[R][V]) {
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < STRIP; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
 }
 
 // One or two rows: 64 / R columns at a time (R passes), so that eight chains of fused multiply-adds are in flight
@@ -223,8 +223,7 @@ inline void tile_wide(const float* x, int64_t x_stride, const float* panel, int6
   constexpr int V = 8 / R;  // vectors of 8 columns a pass
   for (int64_t c0 = 0; c0 < cols; c0 += 8 * V) {
     __m256 acc[R][V];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+    zero(acc);
     for (int64_t k = 0; k < K; ++k) {
       if (c0 == 0)
         for (int64_t line = 0; line < PANEL; line += 16)
@@ -235,10 +234,7 @@ inline void tile_wide(const float* x, int64_t x_stride, const float* panel, int6
         for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(wv, _mm256_set1_ps(x[r * x_stride + k]), acc[r][v]);
       }
     }
-    for (int v = 0; v < V && c0 + 8 * v < cols; ++v) {
-      const __m256i mask = first_lanes8(cols - c0 - 8 * v);
-      for (int r = 0; r < R; ++r) _mm256_maskstore_ps(y + r * y_stride + c0 + 8 * v, mask, acc[r][v]);
-    }
+    store(acc, y + c0, y_stride, cols - c0);
   }
 }
 
@@ -251,7 +247,7 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t K
   }
   for (int64_t s = 0; s < STRIPS && 16 * s < cols; ++s) {
     __m256 acc[R][STRIP];
-    zero<R>(acc);
+    zero(acc);
     for (int64_t k = 0; k < K; ++k) {
       // The first strip reads one line of each row, 256 bytes apart, which the hardware prefetcher streams
       // poorly: it fetches each row's four lines ahead, and the later strips find them in the cache.
@@ -263,7 +259,7 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t K
       for (int v = 0; v < STRIP; ++v) wv[v] = _mm256_loadu_ps(w + 8 * v);
       fma_step<R>(acc, wv, x + k, x_stride);
     }
-    store<R>(acc, y + 16 * s, y_stride, cols - 16 * s);
+    store(acc, y + 16 * s, y_stride, cols - 16 * s);
   }
 }
 
@@ -281,8 +277,7 @@ inline void qtile_wide(const float* x, int64_t x_stride, const uint8_t* panel, i
   const __m256i low_bits = _mm256_set1_epi32(15), zero_v = _mm256_set1_epi32(zero_point);
   for (int64_t c0 = 0; c0 < cols; c0 += 8 * V) {
     __m256 acc[R][V];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+    zero(acc);
     const uint8_t* group = panel;
     for (int64_t g0 = 0; g0 < K; g0 += G, group += group_bytes) {
       const float* scale = reinterpret_cast<const float*>(group) + c0;
@@ -313,10 +308,7 @@ inline void qtile_wide(const float* x, int64_t x_stride, const uint8_t* panel, i
         }
       }
     }
-    for (int v = 0; v < V && c0 + 8 * v < cols; ++v) {
-      const __m256i mask = first_lanes8(cols - c0 - 8 * v);
-      for (int r = 0; r < R; ++r) _mm256_maskstore_ps(y + r * y_stride + c0 + 8 * v, mask, acc[r][v]);
-    }
+    store(acc, y + c0, y_stride, cols - c0);
   }
 }
 
@@ -337,7 +329,7 @@ inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_
   const __m256i low_bits = _mm256_set1_epi32(15), zero_v = _mm256_set1_epi32(zero_point);
   for (int64_t s = 0; s < STRIPS && 16 * s < cols; ++s) {
     __m256 acc[R][STRIP];
-    zero<R>(acc);
+    zero(acc);
     const uint8_t* group = panel;
     for (int64_t g0 = 0; g0 < K; g0 += G, group += group_bytes) {
       const float* scale = reinterpret_cast<const float*>(group) + 16 * s;
@@ -373,7 +365,7 @@ inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_
         }
       }
     }
-    store<R>(acc, y + 16 * s, y_stride, cols - 16 * s);
+    store(acc, y + 16 * s, y_stride, cols - 16 * s);
   }
 }
 

@@ -263,7 +263,7 @@ def test_async_streams_deltas_and_aborts(tiny_model_paths):
         release.set()
         outs = await again
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
-        assert [o.outputs[0].token_ids for o in outs][-1] == reference.token_ids
+        assert outs[-1].outputs[0].token_ids == reference.token_ids
 
     try:
         asyncio.run(main())
