@@ -135,6 +135,17 @@ void silu_mul_impl(T* gate, const T* up, int64_t rows, int64_t cols, int64_t gat
       }
       continue;
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if constexpr (std::is_same_v<T, float>) {  // the AVX-512 loop's steps on 8 lanes (bfloat16: no AVX2 kernels)
+      for (int64_t i = 0; i < cols; i += 8) {
+        const __m256i k = first_lanes8(cols - i);
+        const __m256 x = load8(g + i, k);
+        const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                                           exp_approx8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        _mm256_maskstore_ps(g + i, k, _mm256_mul_ps(silu, load8(u + i, k)));
+      }
+      continue;
+    }
 #endif
     for (int64_t i = 0; i < cols; ++i) {
       const float x = static_cast<float>(g[i]);

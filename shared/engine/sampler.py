@@ -339,19 +339,22 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """For each row, the token i with cdf[i-1] <= u * total < cdf[i]: i with probability weights[i] / total.
 
     weights: [n, vocab] float32, non-negative; u: [n] float64 uniforms on [0, 1). A token of zero weight
-    is never returned. Two levels, a block then a token within it, keep the cumulative sums short."""
+    is never returned. Two levels, a block then a token within it, keep the cumulative sums short. Past the
+    block sums (one pass over the vocabulary) a row is a few hundred numbers, worked on in numpy: at batch 1
+    its dozen calls took 96 us where torch's took 130-170 (the same sums in the same order, so the same token)."""
     n, vocab = weights.shape
     blocks = _blocks(weights)
     size = blocks.shape[2]
-    block_cdf = blocks.sum(-1).double().cumsum(-1)  # [n, num_blocks]
+    rows = np.arange(n)
+    block_cdf = np.cumsum(blocks.sum(-1).numpy(), axis=1, dtype=np.float64)  # [n, num_blocks]
     # u < 1 keeps u * total below the total: rounding to nearest cannot reach it.
-    target = u.unsqueeze(1) * block_cdf[:, -1:]
-    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=blocks.shape[1] - 1)
-    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_(min=0)), 0.0)
-    within_cdf = blocks.gather(1, block.unsqueeze(-1).expand(n, 1, size)).squeeze(1).double().cumsum(-1)
-    within_total = within_cdf[:, -1:]
+    target = u.numpy() * block_cdf[:, -1]
+    # The first cumulative sum above the target (the sums never decrease): how many are at or below it.
+    block = np.minimum((block_cdf <= target[:, None]).sum(1), block_cdf.shape[1] - 1)
+    before = np.where(block > 0, block_cdf[rows, block - 1], 0.0)
+    within_cdf = np.cumsum(blocks.numpy()[rows, block], axis=1, dtype=np.float64)  # [n, size]
     # The block's float64 sum may differ from its float32 one in the last bits: stay inside it.
-    rest = torch.minimum(target - before, torch.nextafter(within_total, torch.zeros_like(within_total)))
-    offset = torch.searchsorted(within_cdf, rest, right=True).clamp_(max=size - 1)
+    rest = np.minimum(target - before, np.nextafter(within_cdf[:, -1], 0.0))
+    offset = np.minimum((within_cdf <= rest[:, None]).sum(1), size - 1)
     # Only rows of NaNs (a broken model) can land in the padding: clamp rather than fail the batch.
-    return (block * size + offset).squeeze(1).clamp_(max=vocab - 1)
+    return torch.from_numpy(np.minimum(block * size + offset, vocab - 1))
