@@ -60,12 +60,15 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
     the window in each call)."""
     if base is not None:
         return base
+    num_seqs, num_tokens = len(seq_lens), int(query_start_loc[-1])
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    num_tokens = int(query_start_loc[-1])
-    rows = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens, output_size=num_tokens)
-    # Token j of a chunk of q tokens ending at position seq_len sees seq_len - q + j + 1 tokens.
-    position_in_chunk = torch.arange(num_tokens) - query_start_loc[:-1].long()[rows]
-    lens = (seq_lens.long() - q_lens)[rows] + position_in_chunk + 1
+    if 0 < num_seqs == num_tokens and int(q_lens.min()) == 1:  # a token each (decodes): each sees its whole sequence
+        rows, lens = torch.arange(num_seqs), seq_lens.long()
+    else:
+        rows = torch.repeat_interleave(torch.arange(num_seqs), q_lens, output_size=num_tokens)
+        # Token j of a chunk of q tokens ending at position seq_len sees seq_len - q + j + 1 tokens.
+        position_in_chunk = torch.arange(num_tokens) - query_start_loc[:-1].long()[rows]
+        lens = (seq_lens.long() - q_lens)[rows] + position_in_chunk + 1
     longest = int(seq_lens.max()) if len(seq_lens) else 0
     return CpuAttentionPlan(block_tables[:, :-(-longest // block_size)].long(), rows, lens)
 

@@ -91,30 +91,11 @@ def pack_quantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | 
     return QuantizedPanels(_ops().pack_quantized(q, scale, offset, zero), offset is not None, zero)
 
 
-def quantized_rows(packed: QuantizedPanels, rows: torch.Tensor, in_features: int) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Rows `rows` [T] of the weight `packed` holds, as it was given to pack_quantized: q [T, K] int8, scale and
-    offset (or None) [T, K // G] float32. A tied embedding looks its tokens up here instead of keeping the
-    weight a second time (Gemma 3's 262k-row vocabulary: 180 MB)."""
-    panels, has_offset, zero = packed
-    groups, width = panels.shape[1], panels.shape[2]
-    group = in_features // groups
-    q_bytes = group // 2 if zero >= 0 else group  # a column's bytes per group
-    panel = width // ((2 if has_offset else 1) * 4 + q_bytes)  # columns per panel
-    flat = panels.view(-1)
-    column = (rows % panel)[:, None, None]
-    # [T, groups, 1]: where each row's group of each column's panel starts in `flat`
-    start = ((((rows // panel) * groups)[:, None] + torch.arange(groups)) * width)[:, :, None]
-
-    def floats(at: int) -> torch.Tensor:  # [T, groups] float32: each row's column of the array at byte `at`
-        return flat[start + at + column * 4 + torch.arange(4)].view(torch.float32).squeeze(2)
-
-    scale = floats(0)
-    offset = floats(panel * 4) if has_offset else None
-    q = flat[start + (2 if has_offset else 1) * panel * 4 + torch.arange(q_bytes) * panel + column]
-    if zero >= 0:  # two per byte, the even k in the low nibble
-        q = torch.stack((q & 15, q >> 4), dim=3).to(torch.int16).sub_(zero).to(torch.int8)
-    return q.view(torch.int8).view(len(rows), in_features), scale, offset
+def dequantized_rows(packed: QuantizedPanels, rows: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows `rows` [T] of the weight `packed` holds, dequantized: [T, K] float32, the values the dequantized
+    weight has. A tied embedding looks its tokens up here instead of keeping the weight a second time (Gemma 3's
+    262k-row vocabulary: 180 MB)."""
+    return _ops().dequantized_rows(packed.panels, rows.long(), in_features, packed.has_offset, packed.zero)
 
 
 def linear_quantized(x: torch.Tensor, packed: QuantizedPanels, out_features: int,

@@ -637,6 +637,43 @@ at::Tensor linear_quantized(at::Tensor x, at::Tensor panels, int64_t N, bool has
   return y;
 }
 
+// Rows `rows` [T] of the [N, K] weight that panels (pack_quantized, with `zero` as packed) hold, dequantized:
+// [T, K] float32, each weight (q - zero) * scale, then + offset, rounded as the reference dequantizer rounds it
+// (this file is built without fused multiply-adds). A tied embedding looks its tokens up here, from the
+// lm_head's panels, rather than keep the weight a second time (Gemma 3's 262k-row vocabulary: 180 MB).
+at::Tensor dequantized_rows(at::Tensor panels, at::Tensor rows, int64_t K, bool has_offset, int64_t zero) {
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.scalar_type() == at::kByte && panels.is_cpu(),
+              "panels: pack_quantized() of a weight");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_cpu(), "rows: [T] int64 on CPU");
+  const int64_t P = panels.size(0), groups = panels.size(1), width = panels.size(2);
+  TORCH_CHECK(groups > 0 && K % groups == 0, "K: a multiple of the panels' groups");
+  const int64_t G = K / groups, floats = (has_offset ? 2 : 1) * PANEL;
+  const bool nibbles = zero >= 0;
+  TORCH_CHECK(width == floats * 4 + (nibbles ? G / 2 : G) * PANEL, "panels: pack_quantized() of an [N, K] weight");
+  auto out = panels.new_empty({rows.size(0), K}, panels.options().dtype(at::kFloat));
+  const auto ids = rows.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t t = 0; t < rows.size(0); ++t, o += K) {
+    TORCH_CHECK(id[t] >= 0 && id[t] < P * PANEL, "row ", id[t], " is outside the panels");
+    const int64_t c = id[t] % PANEL;
+    const uint8_t* group = panels.data_ptr<uint8_t>() + id[t] / PANEL * groups * width;
+    for (int64_t g = 0; g < groups; ++g, group += width) {
+      const float scale = reinterpret_cast<const float*>(group)[c];
+      const float offset = has_offset ? reinterpret_cast<const float*>(group)[PANEL + c] : 0.0f;
+      const uint8_t* q = group + floats * 4 + c;
+      for (int64_t k = 0; k < G; ++k) {
+        const int v = nibbles ? ((q[k / 2 * PANEL] >> (k & 1 ? 4 : 0)) & 15) - zero
+                              : static_cast<int8_t>(q[k * PANEL]);
+        float w = static_cast<float>(v) * scale;
+        if (has_offset) w = w + offset;
+        o[g * G + k] = w;
+      }
+    }
+  }
+  return out;
+}
+
 static const epdserve::LinearKernels kKernels{&linear, &linear_quantized};
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -646,4 +683,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x W^T + bias from packed panels (CPU, float32 or bfloat16)");
   m.def("pack_quantized", &pack_quantized, "Pack a quantized [N, K] weight (q, scale, offset) into panels");
   m.def("linear_quantized", &linear_quantized, "x W^T + bias from quantized panels (CPU, float32)");
+  m.def("dequantized_rows", &dequantized_rows, "Rows of the weight quantized panels hold, dequantized (CPU)");
 }

@@ -144,15 +144,19 @@ def test_a_weight_whose_fused_unpacking_would_round_otherwise_is_refused():
 @pytest.mark.parametrize("out_features, in_features, group", [(576, 576, 32), (130, 512, 256)])
 @pytest.mark.parametrize("with_offset", [False, True], ids=["scale", "scale-offset"])
 @pytest.mark.parametrize("q_range", Q_RANGES.values(), ids=Q_RANGES)
-def test_rows_read_back_from_the_panels_are_the_weights_rows(out_features, in_features, group, with_offset, q_range):
+def test_rows_read_back_from_the_panels_are_the_dequantized_weights_rows(out_features, in_features, group,
+                                                                         with_offset, q_range):
     q, scale, offset = quantized_weight(out_features, in_features, group, with_offset, out_features, q_range)
     packed = cpu_linear.pack_quantized(q, scale, offset)
     # Every row of the first and last panel (the last one part padding), repeats, any order.
     rows = torch.tensor([out_features - 1, 0, 63, 64, 5, 5, out_features - 2, *range(0, out_features, 7)])
-    got_q, got_scale, got_offset = cpu_linear.quantized_rows(packed, rows, in_features)
-    assert torch.equal(got_q, q[rows]) and torch.equal(got_scale, scale[rows])
-    assert (got_offset is None) if offset is None else torch.equal(got_offset, offset[rows])
-    assert cpu_linear.quantized_rows(packed, rows[:0], in_features)[0].shape == (0, in_features)
+    want = dequantized(q, scale, offset)[rows]
+    assert torch.equal(cpu_linear.dequantized_rows(packed, rows, in_features).view(torch.int32),
+                       want.view(torch.int32))
+    assert cpu_linear.dequantized_rows(packed, rows[:0], in_features).shape == (0, in_features)
+    for outside in (-1, packed.panels.shape[0] * 64):
+        with pytest.raises(RuntimeError, match="outside the panels"):
+            cpu_linear.dequantized_rows(packed, torch.tensor([0, outside]), in_features)
 
 
 # Every level of prebuilt kernels this CPU runs (AVX-512 and AVX2 on an AVX-512 machine).

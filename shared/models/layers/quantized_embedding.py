@@ -30,8 +30,9 @@ class QuantizedEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
         if isinstance(self.packed, cpu_linear.QuantizedPanels):
-            rows = QuantizedWeight(*cpu_linear.quantized_rows(self.packed, ids, self.hidden_size))
-        elif self.packed is not None:
+            rows = cpu_linear.dequantized_rows(self.packed, ids, self.hidden_size)
+            return rows.to(self.dtype).view(*input_ids.shape, self.hidden_size)
+        if self.packed is not None:
             from epdserve.kernels import quantized_linear  # Triton, imported only where it runs
 
             rows = QuantizedWeight(*quantized_linear.quantized_rows(self.packed, ids))
