@@ -70,7 +70,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def decoder_stack(eps: float, layers: list[dict]):
     """The C++ DecoderStack (csrc/cpu_layer_ops.cpp) over `layers`, each a dict of DecoderLayer's fields, its linear
-    layers' dicts of PanelWeight's (panels, out_features, quantized, has_offset, zero, bias); None where a kernel
+    layers' dicts of PanelWeight's (panels, out_features, quantized, has_offset, zero, bias; up None where gate's
+    panels hold both projections, its output's columns the gate's, then the up's); None where a kernel
     it calls is not built. Its `forward(x, cos, sin, local_cos, local_sin, slot_mapping, table, table_rows, lens)`
     runs every layer on the residual stream x (in place) and returns what the last one adds, with the seconds
     its attention calls took."""

@@ -230,7 +230,9 @@ struct DecoderLayer {
   at::Tensor input_norm, post_attention_norm;
   c10::optional<at::Tensor> q_norm, k_norm, pre_feedforward_norm, post_feedforward_norm;
   bool unit_offset, gelu, local_rope;
-  PanelWeight qkv, o, gate, up, down;
+  PanelWeight qkv, o, gate;
+  c10::optional<PanelWeight> up;  // none: gate's output columns are the gate projection's, then the up one's
+  PanelWeight down;
   int64_t num_heads, num_kv_heads, head_size;
   double scale;
   int64_t sliding_window;  // -1: the whole context
@@ -305,12 +307,19 @@ class DecoderStack {
       const bool sandwich = layer.pre_feedforward_norm.has_value();
       auto h = sandwich ? add_norm(norm(attn_out, layer.post_attention_norm), *layer.pre_feedforward_norm)
                         : add_norm(attn_out, layer.post_attention_norm);
-      auto gate = apply(layer.gate, h);
+      auto gate = apply(layer.gate, h), up = gate;
+      if (layer.up.has_value()) {
+        up = apply(*layer.up, h);
+      } else {
+        const int64_t intermediate = layer.gate.out_features / 2;
+        up = gate.narrow(1, intermediate, intermediate);
+        gate = gate.narrow(1, 0, intermediate);
+      }
       // GeGLU: HF's act(gate) * up, in the model dtype (at::gelu's own op: its header pulls in half of ATen)
       if (layer.gelu)
-        gate = at::_ops::gelu::call(gate, "tanh").mul_(apply(layer.up, h));
+        gate = at::_ops::gelu::call(gate, "tanh").mul_(up);
       else
-        silu_mul_(gate, apply(layer.up, h));
+        silu_mul_(gate, up);
       delta = apply(layer.down, gate);
       if (sandwich) delta = norm(delta, *layer.post_feedforward_norm);
     }
@@ -335,7 +344,9 @@ class DecoderStack {
     return {tensor("input_norm"), tensor("post_attention_norm"), optional_tensor(d["q_norm"]),
             optional_tensor(d["k_norm"]), optional_tensor(d["pre_feedforward_norm"]),
             optional_tensor(d["post_feedforward_norm"]), flag("unit_offset"), flag("gelu"), flag("local_rope"),
-            weight("qkv"), weight("o"), weight("gate"), weight("up"), weight("down"), integer("num_heads"),
+            weight("qkv"), weight("o"), weight("gate"),
+            d["up"].is_none() ? c10::optional<PanelWeight>() : c10::optional<PanelWeight>(weight("up")), weight("down"),
+            integer("num_heads"),
             integer("num_kv_heads"), integer("head_size"), d["scale"].cast<double>(), integer("sliding_window"),
             tensor("key_cache"), tensor("value_cache")};
   }

@@ -123,6 +123,9 @@ class LlamaDecoderLayer(nn.Module):
                  "post_feedforward_norm": self.post_feedforward_layernorm}
         if None in weights.values() or any(n is not None and n.weight.dtype != dtype for n in norms.values()):
             return None
+        # The gate and up projections in one call where their panels allow it (up None: gate's output holds both).
+        if gate_up := Linear.joined_panel_weight(mlp.gate_proj, mlp.up_proj, dtype):
+            weights.update(gate=gate_up, up=None)
         return dict(**{k: None if n is None else n.weight for k, n in norms.items()},
                     unit_offset=self.input_layernorm.unit_offset, gelu=mlp.gelu, local_rope=self.local_rope, **weights,
                     num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_size=attn.head_size,

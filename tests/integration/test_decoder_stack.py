@@ -27,12 +27,28 @@ def fused_then_python(llm: LLM) -> tuple[list, list]:
     return fused, run(llm)
 
 
+def gate_and_up_joined(llm: LLM) -> bool:
+    """Whether the first layer's gate and up projections run as one panel weight (their panels then one tensor,
+    the gate's first)."""
+    mlp = llm.engine.runner.model.model.layers[0].mlp
+    gate, up = (p.quantized.panels if p.quantized is not None else p.panels for p in (mlp.gate_proj, mlp.up_proj))
+    return gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr() and \
+        up.data_ptr() == gate.data_ptr() + gate.numel() * gate.element_size()
+
+
 def window_model(tmp_path, default_model_path) -> str:
     """Tiny Qwen2 (q/k/v biases, MQA) whose second layer slides a window of 8."""
     from epdserve.shared.checkpoints.tiny_models import build_tiny_model
 
     return str(build_tiny_model("qwen2", tmp_path / "qwen2-window", default_model_path, use_sliding_window=True,
                                 sliding_window=8, max_window_layers=1))
+
+
+def unjoined_model(tmp_path, default_model_path) -> str:
+    """Tiny Llama whose MLP is 200 wide: the gate's last panel has padding columns, so gate and up stay apart."""
+    from epdserve.shared.checkpoints.tiny_models import build_tiny_model
+
+    return str(build_tiny_model("llama", tmp_path / "llama-200", default_model_path, intermediate_size=200))
 
 
 @pytest.mark.parametrize("model,kwargs", [
@@ -44,14 +60,17 @@ def window_model(tmp_path, default_model_path) -> str:
     ("qwen3", {}),  # per-head q/k norms
     ("gemma3", {}),  # (1 + weight) sandwich norms, q/k norms, GeGLU, a second RoPE for the sliding layers
     ("llama", {"dtype": "bfloat16"}),
+    ("llama-200", {}),  # gate and up in two calls
 ])
 def test_the_fused_layers_give_the_python_layers_values_bit_for_bit(model, kwargs, tiny_model_paths,
                                                                    default_model_path, tmp_path):
     if kwargs.get("dtype") == "bfloat16" and not cpu_linear.supports(torch.bfloat16):
         pytest.skip("no bfloat16 panel kernel on this CPU (AVX-512 BF16)")
-    path = {"smollm2": str(default_model_path), "qwen2-window": None}.get(model, tiny_model_paths.get(model))
-    path = path or window_model(tmp_path, default_model_path)
+    builders = {"qwen2-window": window_model, "llama-200": unjoined_model}
+    path = str(default_model_path) if model == "smollm2" else tiny_model_paths.get(model)
+    path = path or builders[model](tmp_path, default_model_path)
     llm = LLM(model=path, num_kv_blocks=64, max_num_batched_tokens=32, enable_prefix_caching=False, **kwargs)
+    assert gate_and_up_joined(llm) == (model != "llama-200")
     fused, python = fused_then_python(llm)
     assert fused == python
     # The stack times its attention calls for the step timer, as the Python layers' backend calls are timed.

@@ -105,6 +105,26 @@ class Linear(nn.Linear):
                         zero=-1, bias=self.bias)
         return None
 
+    @staticmethod
+    def joined_panel_weight(first: Linear, second: Linear, dtype: torch.dtype) -> dict | None:
+        """Two layers of the same input as one panel weight for the C++ decoder stack, whose output's columns are
+        first's, then second's (one call instead of two: the threads start and meet once, and share the panels of
+        both); None where their panels differ in form or first's last panel has padding columns. Both layers then
+        run on views of the joined panels, so the weights are still held once. Each output column is computed
+        as before: the same values bit for bit."""
+        a, b = first.panel_weight(dtype), second.panel_weight(dtype)
+        if a is None or b is None or a["bias"] is not None or b["bias"] is not None or first.out_features % 64 or \
+                any(a[k] != b[k] for k in ("quantized", "has_offset", "zero")) or \
+                a["panels"].dtype != b["panels"].dtype or a["panels"].shape[1:] != b["panels"].shape[1:]:
+            return None
+        panels = torch.cat([a["panels"], b["panels"]])
+        for layer, part in zip((first, second), panels.split([len(a["panels"]), len(b["panels"])])):
+            if a["quantized"]:
+                layer.quantized = layer.quantized._replace(panels=part)
+            else:
+                layer.panels = part
+        return dict(a, panels=panels, out_features=first.out_features + second.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._base(x)
         if self.lora is not None:
