@@ -57,6 +57,12 @@ def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate, inplace=True).mul_(up)
 
 
+def sample_by_temperature(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token a row of logits [rows, vocab] float32 (on the CPU) from softmax(logits / temperature [rows]), by
+    inverse CDF with the uniform u [rows] float64 in [0, 1) (see the source). Where `available()` only."""
+    return _ops().sample_by_temperature(logits if logits.stride(-1) == 1 else logits.contiguous(), temperature, u)
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin; x: [tokens, heads, head_size], cos/sin: [tokens, head_size].
     On CPU x is rotated in place (and returned)."""

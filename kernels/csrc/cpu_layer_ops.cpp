@@ -18,6 +18,7 @@
 #include <c10/util/Half.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -211,6 +212,157 @@ void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   });
 }
 
+// Sampling by temperature alone (no top-k, top-p or min-p), the sampler's commonest case, in one op instead of a
+// softmax and the dozen small ops of an inverse CDF: a row's token is the i with cdf(i - 1) <= u * total < cdf(i)
+// of the weights exp(logit / temperature - max), by one uniform u in [0, 1) - i with probability weight i / total.
+// Two levels keep the cumulative sums short: blocks of kSampleBlock tokens (float32 sums, their running sum in
+// float64), then the chosen block's tokens (a float64 running sum). A -inf logit (masked) weighs exactly 0 and is
+// never drawn, nor is a NaN's; weights under exp(-87) of the largest are exp(-87) (exp_approx), which no draw can
+// tell from their true values (1e-38 of the total at most, a vocabulary's worth 1e-32).
+namespace {
+constexpr int64_t kSampleBlock = 256;
+
+// The weights of logits[0, n), each exp(logit / temperature - max) (0 for -inf and NaN), into w; returns their sum
+// in float32, summed lane by lane (in a fixed order: the same for the same logits).
+inline float block_weights(const float* logits, int64_t n, float temperature, float max, float* w) {
+  float total = 0.0f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 sum = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_div_ps(_mm512_loadu_ps(logits + i), _mm512_set1_ps(temperature));
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);  // false for NaN too
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_approx16(_mm512_sub_ps(x, _mm512_set1_ps(max))));
+    _mm512_storeu_ps(w + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  for (float lane : lanes) total += lane;
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 sum = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(logits + i), _mm256_set1_ps(temperature));
+    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ);
+    const __m256 e = _mm256_and_ps(live, exp_approx8(_mm256_sub_ps(x, _mm256_set1_ps(max))));
+    _mm256_storeu_ps(w + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  for (float lane : lanes) total += lane;
+#endif
+  for (; i < n; ++i) {
+    const float x = logits[i] / temperature;
+    w[i] = x > -INFINITY ? exp_approx(x - max) : 0.0f;
+    total += w[i];
+  }
+  return total;
+}
+
+// The largest of logits[0, n) / temperature; a NaN never wins.
+inline float scaled_max(const float* logits, int64_t n, float temperature) {
+  float max = -INFINITY;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (; i + 16 <= n; i += 16)  // max_ps(x, m) is m where x is NaN
+    m = _mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(logits + i), _mm512_set1_ps(temperature)), m);
+  max = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  for (; i + 8 <= n; i += 8)
+    m = _mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(logits + i), _mm256_set1_ps(temperature)), m);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (float lane : lanes) max = std::max(max, lane);
+#endif
+  for (; i < n; ++i) max = std::max(max, logits[i] / temperature);
+  return max;
+}
+
+// One row's token; `parallel`: its blocks shared among the threads (a batch of fewer rows than threads). The
+// same token either way: a block's weights and sum are its own.
+int64_t sample_row(const float* logits, int64_t vocab, float temperature, double u, bool parallel,
+                   std::vector<float>& w, std::vector<float>& sums, std::vector<double>& cdf) {
+  const int64_t blocks = (vocab + kSampleBlock - 1) / kSampleBlock;
+  const auto size = [&](int64_t b) { return std::min(kSampleBlock, vocab - b * kSampleBlock); };
+  float max = -INFINITY;
+#pragma omp parallel for schedule(static) reduction(max : max) if (parallel)
+  for (int64_t b = 0; b < blocks; ++b)
+    max = std::max(max, scaled_max(logits + b * kSampleBlock, size(b), temperature));
+  if (max == -INFINITY) return 0;  // nothing can be drawn (a broken model): any token rather than fail the batch
+  w.resize(vocab);
+  sums.resize(blocks);
+  cdf.resize(blocks);
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t first = b * kSampleBlock;
+    if (std::isinf(max)) {  // +inf logits: they share all of the mass
+      float sum = 0.0f;
+      for (int64_t i = first; i < first + size(b); ++i) sum += (w[i] = logits[i] / temperature == max ? 1.0f : 0.0f);
+      sums[b] = sum;
+    } else {
+      sums[b] = block_weights(logits + first, size(b), temperature, max, w.data() + first);
+    }
+  }
+  double running = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) cdf[b] = running += sums[b];
+  // u < 1 keeps u * total below the total: rounding to nearest cannot reach it.
+  const double target = u * cdf[blocks - 1];
+  // The first block whose running sum passes the target: how many are at or below it (the sums never decrease).
+  const int64_t block = std::min<int64_t>(std::upper_bound(cdf.begin(), cdf.end(), target) - cdf.begin(), blocks - 1);
+  const double before = block > 0 ? cdf[block - 1] : 0.0;
+  const int64_t first = block * kSampleBlock, n = size(block);
+  double within = 0.0;
+  for (int64_t i = first; i < first + n; ++i) within += w[i];
+  // The block's float64 sum may differ from its float32 one in the last bits: stay inside it.
+  const double rest = std::min(target - before, std::nextafter(within, 0.0));
+  within = 0.0;
+  for (int64_t i = first; i < first + n; ++i) {
+    within += w[i];
+    if (within > rest) return i;
+  }
+  return first + n - 1;  // only NaN sums come here
+}
+}  // namespace
+
+// logits [rows, vocab] float32 (rows contiguous), temperature [rows] float32 (> 0), u [rows] float64 in [0, 1)
+// -> [rows] int64 tokens.
+at::Tensor sample_by_temperature(at::Tensor logits, at::Tensor temperature, at::Tensor u) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1 &&
+              logits.scalar_type() == at::kFloat, "logits: [rows, vocab] float32 on CPU, rows contiguous");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab > 0, "logits: an empty vocabulary");
+  TORCH_CHECK(temperature.dim() == 1 && temperature.size(0) == rows && temperature.scalar_type() == at::kFloat &&
+              temperature.is_contiguous(), "temperature: [rows] float32");
+  TORCH_CHECK(u.dim() == 1 && u.size(0) == rows && u.scalar_type() == at::kDouble && u.is_contiguous(),
+              "u: [rows] float64");
+  auto tokens = u.new_empty({rows}, u.options().dtype(at::kLong));
+  const float* l = logits.data_ptr<float>();
+  const float* t = temperature.data_ptr<float>();
+  const double* uu = u.data_ptr<double>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const int64_t stride = logits.stride(0);
+  pybind11::gil_scoped_release released;
+  // Rows on threads of their own; fewer rows than threads share each row's blocks instead.
+  if (rows < omp_get_max_threads()) {
+    thread_local std::vector<float> w, sums;
+    thread_local std::vector<double> cdf;
+    for (int64_t r = 0; r < rows; ++r)
+      out[r] = sample_row(l + r * stride, vocab, t[r], uu[r], vocab >= 1 << 16, w, sums, cdf);
+    return tokens;
+  }
+#pragma omp parallel if (rows * vocab >= 1 << 16)
+  {
+    thread_local std::vector<float> w, sums;
+    thread_local std::vector<double> cdf;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) out[r] = sample_row(l + r * stride, vocab, t[r], uu[r], false, w, sums, cdf);
+  }
+  return tokens;
+}
+
 // A linear layer's weight as the panel kernels read it: quantized panels (cpu_linear.pack_quantized) or
 // float32/bfloat16 ones (cpu_linear.pack).
 struct PanelWeight {
@@ -378,6 +530,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("delta"), pybind11::arg("weight"), pybind11::arg("eps"),
         pybind11::arg("unit_offset") = false);
   m.def("silu_mul_", &silu_mul_, "gate = silu(gate) * up in place (CPU)");
+  m.def("sample_by_temperature", &sample_by_temperature,
+        "One token a row from softmax(logits / temperature), by inverse CDF with one uniform a row (CPU)");
   pybind11::class_<DecoderStack>(m, "DecoderStack", pybind11::module_local())
       .def(pybind11::init<pybind11::capsule, pybind11::capsule, double, pybind11::list>(),
            pybind11::arg("linear_kernels"), pybind11::arg("attention_kernels"), pybind11::arg("eps"),

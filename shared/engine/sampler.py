@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from epdserve.kernels import cpu_layer_ops
 from epdserve.shared.engine.request import Request
 from epdserve.shared.engine.structured_output import apply_bitmask
 
@@ -184,8 +185,35 @@ class Sampler:
             apply_bitmask(logits, [requests[i].grammar], [i], bitmask)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """One token a row, each row's first uniform drawn in row order. Rows sampled by temperature alone go
+        through one C++ op where it is built (cpu_layer_ops.sample_by_temperature: the same inverse CDF, over
+        exp(logit / temperature - max), without a softmax and a dozen small ops), the others through the filters;
+        which way a row goes depends on its own parameters only, so a seeded request's tokens never depend on
+        its batch."""
         vocab = logits.shape[-1]
         params = [r.sampling_params for r in requests]
+        noise = _Uniforms(requests, self.generator)
+        u = noise.next(range(len(requests)))
+        plain = [i for i, sp in enumerate(params) if sp.min_p == 0 and not 0 < sp.top_k < vocab and sp.top_p >= 1.0] \
+            if cpu_layer_ops.available() else []
+        if plain:
+            temperature = torch.tensor([params[i].temperature for i in plain], dtype=torch.float32)
+            drawn = cpu_layer_ops.sample_by_temperature(_take(logits, plain), temperature, _take(u, plain))
+            if len(plain) == len(requests):
+                return drawn
+        plain_rows = set(plain)
+        rest = [i for i in range(len(requests)) if i not in plain_rows]
+        token_ids = torch.empty(len(requests), dtype=torch.long)
+        if plain:
+            token_ids[plain] = drawn
+        token_ids[rest] = self._filtered(_take(logits, rest), [params[i] for i in rest], rest, _take(u, rest), noise)
+        return token_ids
+
+    def _filtered(self, logits: torch.Tensor, params: list, rows: list[int], u: torch.Tensor,
+                  noise: _Uniforms) -> torch.Tensor:
+        """Tokens for `rows` (the batch's rows `logits` holds, in order; `u` their first uniforms) from softmax(logits
+        / temperature) filtered by min-p, top-k and top-p."""
+        vocab = logits.shape[-1]
         probs = self._buffer("probs", logits.shape)
         temperature = [sp.temperature for sp in params]
         if any(t != 1.0 for t in temperature):
@@ -200,17 +228,16 @@ class Sampler:
         k_rows = [i for i, sp in enumerate(params) if 0 < sp.top_k < vocab]
         if k_rows:
             top_k = torch.tensor([params[i].top_k for i in k_rows])
-            rows = _take(probs, k_rows)
+            k_probs = _take(probs, k_rows)
             # Everything at least as likely as the k-th most likely token stays (ties included, as in HF).
-            probs = _put(probs, k_rows, self._zero_below_(rows, _kth_largest(rows, top_k)))
+            probs = _put(probs, k_rows, self._zero_below_(k_probs, _kth_largest(k_probs, top_k)))
 
-        noise = _Uniforms(requests, self.generator)
-        token_ids = _inverse_cdf(probs, noise.next(range(len(requests))))
+        token_ids = _inverse_cdf(probs, u)
         p_rows = [i for i, sp in enumerate(params) if sp.top_p < 1.0]
         if p_rows:
             top_p = torch.tensor([params[i].top_p for i in p_rows], dtype=torch.float64)
             drawn = self._top_p_by_rejection(_take(probs, p_rows), _take(token_ids, p_rows), top_p,
-                                             lambda rows: noise.next([p_rows[j] for j in rows]))
+                                             lambda again: noise.next([rows[p_rows[j]] for j in again]))
             token_ids = _put(token_ids, p_rows, drawn)
         return token_ids
 

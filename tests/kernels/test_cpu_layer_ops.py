@@ -119,3 +119,64 @@ def test_silu_mul_on_halves_of_a_fused_projection():
     gate, up = fused[:, :96], fused[:, 96:]
     want = F.silu(gate) * up
     torch.testing.assert_close(cpu_layer_ops.silu_mul_(gate, up), want, rtol=2e-6, atol=2e-6)
+
+
+def weights64(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    x = logits.double() / temperature
+    return torch.where(torch.isneginf(x), 0.0, torch.exp(x - x.max()))
+
+
+@pytest.mark.parametrize("vocab", [1, 37, 256, 1000, 49152])
+def test_sampling_by_temperature_splits_the_unit_interval_by_weight(vocab):
+    """u in the middle of token j's share of [0, 1) draws j, for every token with a share worth telling apart (the
+    op's float32 weights and sums are a few units in the last place from float64's)."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(1, vocab, generator=gen) * 2
+    logits[0, :: 7] = float("-inf")  # masked tokens: no share
+    logits[0, 0] = 0.5
+    w = weights64(logits[0], 0.7)
+    cdf = w.cumsum(0) / w.sum()
+    before = torch.cat([torch.zeros(1, dtype=torch.float64), cdf[:-1]])
+    wide = ((cdf - before) > 1e-5).nonzero().flatten()[:300]
+    u = (before[wide] + cdf[wide]) / 2
+    got = cpu_layer_ops.sample_by_temperature(logits.expand(len(u), vocab), torch.full((len(u),), 0.7), u)
+    assert got.tolist() == wide.tolist()
+
+
+def test_sampling_by_temperature_draws_in_proportion_to_the_weights():
+    """Evenly spaced uniforms draw each token as many times as its share of them, to within one."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))
+    n = 20000
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    tokens = cpu_layer_ops.sample_by_temperature(logits.expand(n, 50).contiguous(), torch.full((n,), 1.3), u)
+    counts = torch.bincount(tokens, minlength=50).double()
+    w = weights64(logits[0], 1.3)
+    assert (counts - n * w / w.sum()).abs().max() <= 1.01
+
+
+def test_sampling_by_temperature_never_draws_a_masked_token_nor_fails_on_a_broken_row():
+    vocab = 3000
+    logits = torch.full((6, vocab), float("-inf"))
+    allowed = [5, 256, 2999]
+    logits[:, allowed] = torch.tensor([1.0, -80.0, 3.0])  # one of them all but impossible
+    logits[3] = float("nan")  # a broken model's row
+    logits[4, 17] = float("inf")  # +inf takes all of the mass
+    logits[5, :] = torch.linspace(-500, 0, vocab)  # far below the largest: tiny weights, still drawable
+    u = torch.tensor([0.0, 1 - 2**-53, 0.5, 0.5, 0.3, 0.999999], dtype=torch.float64)
+    got = cpu_layer_ops.sample_by_temperature(logits, torch.ones(6), u).tolist()
+    assert got[0] in allowed and got[1] in allowed and got[2] in allowed
+    assert 0 <= got[3] < vocab and got[4] == 17 and 0 <= got[5] < vocab
+
+
+@pytest.mark.parametrize("rows, vocab", [(16, 49152), (4, 262144)])
+def test_sampling_by_temperature_samples_each_row_alone(rows, vocab):
+    """A row's token is the same alone and in a batch: rows on threads of their own, or one row's blocks shared
+    among the threads (a large vocabulary alone)."""
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    temperature = torch.rand(rows, generator=gen) + 0.2
+    u = torch.rand(rows, dtype=torch.float64, generator=gen)
+    batch = cpu_layer_ops.sample_by_temperature(logits, temperature, u)
+    alone = [int(cpu_layer_ops.sample_by_temperature(logits[i:i + 1], temperature[i:i + 1], u[i:i + 1]))
+             for i in range(rows)]
+    assert batch.tolist() == alone

@@ -270,9 +270,13 @@ def test_seed_reproduces_whatever_the_batch():
 
 
 @pytest.mark.parametrize("position", [0, 3, 7])
-def test_seeded_sequence_is_independent_of_company_and_position(position):
+@pytest.mark.parametrize("params", [
     # Top-p 0.3 over a flat row needs several rejection rounds: they too come from the request's own noise.
-    params = dict(temperature=1.0, top_p=0.3, top_k=30, repetition_penalty=1.2)
+    dict(temperature=1.0, top_p=0.3, top_k=30, repetition_penalty=1.2),
+    # Temperature alone: the C++ op's path, in a batch whose other rows take the filters' path or argmax.
+    dict(temperature=0.8),
+], ids=["filtered", "temperature"])
+def test_seeded_sequence_is_independent_of_company_and_position(position, params):
     target_logits = logits_batch(1, seed=13)[0] / 3
     company_logits = logits_batch(7, seed=14)
     company_params = [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=1.0, seed=42, top_p=0.5),
