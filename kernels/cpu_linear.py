@@ -18,6 +18,9 @@ import torch
 from epdserve.kernels import cpu_build
 
 
+PANEL = 64  # a panel's output columns (csrc/cpu_linear.cpp)
+
+
 def _ops():
     return cpu_build.load("cpu_linear")
 

@@ -107,13 +107,14 @@ class Linear(nn.Linear):
 
     @staticmethod
     def joined_panel_weight(first: Linear, second: Linear, dtype: torch.dtype) -> dict | None:
-        """Two layers of the same input as one panel weight for the C++ decoder stack, whose output's columns are
-        first's, then second's (one call instead of two: the threads start and meet once, and share the panels of
-        both); None where their panels differ in form or first's last panel has padding columns. Both layers then
-        run on views of the joined panels, so the weights are still held once. Each output column is computed
+        """Two layers of one shape and input as one panel weight for the C++ decoder stack, whose output's columns
+        are first's, then second's (one call instead of two: the threads start and meet once, and share the panels
+        of both); None where their panels differ in form or first's last panel has padding columns. Both layers
+        then run on views of the joined panels, so the weights are still held once. Each output column is computed
         as before: the same values bit for bit."""
         a, b = first.panel_weight(dtype), second.panel_weight(dtype)
-        if a is None or b is None or a["bias"] is not None or b["bias"] is not None or first.out_features % 64 or \
+        if a is None or b is None or a["bias"] is not None or b["bias"] is not None or \
+                first.out_features != second.out_features or first.out_features % cpu_linear.PANEL or \
                 any(a[k] != b[k] for k in ("quantized", "has_offset", "zero")) or \
                 a["panels"].dtype != b["panels"].dtype or a["panels"].shape[1:] != b["panels"].shape[1:]:
             return None
