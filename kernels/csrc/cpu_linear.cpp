@@ -216,16 +216,16 @@ inline void zero(__m256 (&acc)[R][V]) {
 
 // One or two rows: 64 / R columns at a time (R passes), so that eight chains of fused multiply-adds are in flight
 // (a strip has two a row, each waiting out the latency of the last); each column's chain is the strip's.
-template <int R>
+// V: vectors of 8 columns a pass (half as many for half a panel: half_tile); columns [first, cols).
+template <int R, int V = 8 / R>
 inline void tile_wide(const float* x, int64_t x_stride, const float* panel, int64_t K, float* y, int64_t y_stride,
-                      int64_t cols) {
+                      int64_t cols, int64_t first = 0) {
   static_assert(R == 1 || R == 2);
-  constexpr int V = 8 / R;  // vectors of 8 columns a pass
-  for (int64_t c0 = 0; c0 < cols; c0 += 8 * V) {
+  for (int64_t c0 = first; c0 < cols; c0 += 8 * V) {
     __m256 acc[R][V];
     zero(acc);
     for (int64_t k = 0; k < K; ++k) {
-      if (c0 == 0)
+      if (c0 == first)
         for (int64_t line = 0; line < PANEL; line += 16)
           _mm_prefetch(reinterpret_cast<const char*>(panel + (k + PREFETCH_AHEAD) * PANEL + line), _MM_HINT_T0);
       const float* w = panel + k * PANEL + c0;
@@ -267,15 +267,14 @@ inline void tile(const float* x, int64_t x_stride, const float* panel, int64_t K
 // accumulators (two a row) would each wait out a fused multiply-add's latency before the next k; eight chains
 // keep the units busy. Each column's chain is a strip's, in the same order over k: the same results, bit for bit.
 // Unpacking is most of the work here, so nibbles stored unsigned (zero point 0: Q4_1, Q4_K) skip the subtraction.
-template <int R, bool has_offset, bool nibbles, bool centered>
+template <int R, bool has_offset, bool nibbles, bool centered, int V = 8 / R>  // V, first: as tile_wide's
 inline void qtile_wide(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, int64_t G, int zero_point,
-                       float* y, int64_t y_stride, int64_t cols) {
+                       float* y, int64_t y_stride, int64_t cols, int64_t first = 0) {
   static_assert(R == 1 || R == 2);
-  constexpr int V = 8 / R;  // vectors of 8 columns a pass
   const int64_t floats = (has_offset ? 2 : 1) * PANEL, q_bytes = (nibbles ? G / 2 : G) * PANEL;
   const int64_t group_bytes = floats * 4 + q_bytes;
   const __m256i low_bits = _mm256_set1_epi32(15), zero_v = _mm256_set1_epi32(zero_point);
-  for (int64_t c0 = 0; c0 < cols; c0 += 8 * V) {
+  for (int64_t c0 = first; c0 < cols; c0 += 8 * V) {
     __m256 acc[R][V];
     zero(acc);
     const uint8_t* group = panel;
@@ -295,7 +294,7 @@ inline void qtile_wide(const float* x, int64_t x_stride, const uint8_t* panel, i
         for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[r * x_stride + k]), acc[r][v]);
       };
       for (int64_t k = 0; k < G; k += nibbles ? 2 : 1, q += PANEL) {
-        if (c0 == 0) _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
+        if (c0 == first) _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
         for (int v = 0; v < V; ++v) {
           const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * v));
           if constexpr (nibbles) {
@@ -405,6 +404,52 @@ inline void tile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t
   }
 }
 
+#if !defined(__AVX512F__)
+// Half a panel, columns [32 half, 32 half + 32), for one or two rows (AVX2): a layer of an odd number of panels
+// on two threads then splits one of them instead of leaving a thread idle while the other does it (run()). Each
+// column's chain is the whole panel's: the same results, bit for bit.
+inline void half_tile(const float* x, int64_t x_stride, int64_t rows, const float* panel, int64_t K, float* y,
+                      int64_t y_stride, int64_t cols, const float*, int half) {
+  const int64_t first = 32 * half, end = std::min<int64_t>(cols, first + 32);
+  if (rows == 1)
+    tile_wide<1, 4>(x, x_stride, panel, K, y, y_stride, end, first);
+  else
+    tile_wide<2, 2>(x, x_stride, panel, K, y, y_stride, end, first);
+}
+
+template <int R>
+inline void quantized_half(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, float* y,
+                           int64_t y_stride, int64_t end, int64_t first, QuantLayout layout) {
+  constexpr int V = 4 / R;
+  const int64_t G = layout.G;
+  const int zero = layout.zero;
+  if (zero == 0) {  // unsigned nibbles: no zero to subtract (as qtile)
+    if (layout.has_offset)
+      qtile_wide<R, true, true, false, V>(x, x_stride, panel, K, G, 0, y, y_stride, end, first);
+    else
+      qtile_wide<R, false, true, false, V>(x, x_stride, panel, K, G, 0, y, y_stride, end, first);
+  } else if (zero > 0) {
+    if (layout.has_offset)
+      qtile_wide<R, true, true, true, V>(x, x_stride, panel, K, G, zero, y, y_stride, end, first);
+    else
+      qtile_wide<R, false, true, true, V>(x, x_stride, panel, K, G, zero, y, y_stride, end, first);
+  } else if (layout.has_offset) {
+    qtile_wide<R, true, false, false, V>(x, x_stride, panel, K, G, 0, y, y_stride, end, first);
+  } else {
+    qtile_wide<R, false, false, false, V>(x, x_stride, panel, K, G, 0, y, y_stride, end, first);
+  }
+}
+
+inline void half_tile(const float* x, int64_t x_stride, int64_t rows, const uint8_t* panel, int64_t K, float* y,
+                      int64_t y_stride, int64_t cols, QuantLayout layout, int half) {
+  const int64_t first = 32 * half, end = std::min<int64_t>(cols, first + 32);
+  if (rows == 1)
+    quantized_half<1>(x, x_stride, panel, K, y, y_stride, end, first, layout);
+  else
+    quantized_half<2>(x, x_stride, panel, K, y, y_stride, end, first, layout);
+}
+#endif
+
 template <typename T, typename W, typename Extra>
 void rows_times_panel(const T* x, int64_t x_stride, int64_t rows, const W* panel, int64_t K, T* y, int64_t y_stride,
                       int64_t cols, Extra extra) {
@@ -482,6 +527,28 @@ void run(const T* xp, int64_t x_stride, const W* wp, T* yp, int64_t M, int64_t K
   // cannot share evenly (9 panels on 2 threads), row chunks of each (in whole tiles); consecutive items
   // share a panel, so a thread reads its panels from memory once.
   const int64_t threads = omp_get_max_threads(), tiles = (M + ROWS - 1) / ROWS;
+#if !defined(__AVX512F__)
+  if (M <= 2 && P % threads != 0) {
+    // One or two rows on AVX2 (one tile: no row chunks to share), the threads unable to share the panels evenly:
+    // each takes an even share of half panels, whole panels where it holds both halves (half_tile).
+#pragma omp parallel
+    {
+      const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+      for (int64_t u = 2 * P * t / n, end = 2 * P * (t + 1) / n; u < end;) {
+        const int64_t p = u / 2, cols = std::min(PANEL, N - p * PANEL);
+        if (u % 2 == 0 && u + 2 <= end) {
+          rows_times_panel(xp, x_stride, M, wp + p * panel_elems, K, yp + p * PANEL, N, cols, panel_extra(extra, p));
+          u += 2;
+        } else {
+          half_tile(xp, x_stride, M, wp + p * panel_elems, K, yp + p * PANEL, N, cols, panel_extra(extra, p),
+                    static_cast<int>(u % 2));
+          u += 1;
+        }
+      }
+    }
+    return;
+  }
+#endif
   const int64_t even = threads / std::gcd(P, threads);  // chunks a multiple of this: items split evenly
   int64_t chunks = ((4 * threads + P - 1) / P + even - 1) / even * even;
   chunks = std::max<int64_t>(1, std::min(chunks, tiles));

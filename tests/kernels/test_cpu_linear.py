@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not cpu_linear.supports(torch.float32),
 needs_bf16 = pytest.mark.skipif(not cpu_linear.supports(torch.bfloat16), reason="no AVX-512 BF16 here")
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 301])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 64, 301])
 @pytest.mark.parametrize("out_features, in_features", [(576, 576), (100, 64), (10, 33), (960, 1536)])
 def test_equals_f_linear(rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows * out_features)
@@ -27,14 +27,17 @@ def test_equals_f_linear(rows, out_features, in_features):
                                rtol=1e-4, atol=1e-4 * in_features ** 0.5)
 
 
-def test_a_row_does_not_depend_on_its_batch():
+# An odd number of panels too: one or two rows then split a panel between two threads (each its half).
+@pytest.mark.parametrize("out_features", [1000, 960])
+def test_a_row_does_not_depend_on_its_batch(out_features):
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(1000, 576, generator=gen)
+    weight = torch.randn(out_features, 576, generator=gen)
     panels = cpu_linear.pack(weight)
     batch = torch.randn(67, 576, generator=gen)
-    alone = torch.cat([cpu_linear.linear(batch[i:i + 1], panels, 1000, None) for i in range(67)])
-    assert torch.equal(cpu_linear.linear(batch, panels, 1000, None), alone)
-    assert torch.equal(cpu_linear.linear(batch[5:20], panels, 1000, None), alone[5:20])
+    alone = torch.cat([cpu_linear.linear(batch[i:i + 1], panels, out_features, None) for i in range(67)])
+    assert torch.equal(cpu_linear.linear(batch, panels, out_features, None), alone)
+    assert torch.equal(cpu_linear.linear(batch[5:20], panels, out_features, None), alone[5:20])
+    assert torch.equal(cpu_linear.linear(batch[5:7], panels, out_features, None), alone[5:7])
 
 
 def test_strided_rows_and_more_dimensions():
