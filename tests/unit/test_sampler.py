@@ -97,6 +97,19 @@ def test_draws_follow_the_filtered_distribution(case, seeded):
     assert chi_square_p_value(counts, expected) > 1e-4, (counts.tolist(), (expected * 20000).tolist())
 
 
+@pytest.mark.parametrize("case", [case for case, params in CASES.items() if set(params) == {"temperature"}])
+def test_draws_by_temperature_follow_the_distribution_where_the_kernel_is_not_built(case, monkeypatch):
+    """Rows sampled by temperature alone go through the C++ op where it is built (above); elsewhere through the
+    filters' PyTorch path, with the same distribution."""
+    from epdserve.kernels import cpu_layer_ops
+
+    monkeypatch.setattr(cpu_layer_ops, "available", lambda: False)
+    params = CASES[case]
+    counts = draw_counts(SMALL, 20000, seeded=True, **params)
+    expected = reference_probs(SMALL, **params)
+    assert chi_square_p_value(counts, expected) > 1e-4, (counts.tolist(), (expected * 20000).tolist())
+
+
 def test_the_distribution_check_rejects_a_wrong_distribution():
     # The draws of a filtered row do not pass for the unfiltered or the unscaled distribution.
     counts = draw_counts(SMALL, 20000, temperature=1.0, top_p=0.9)
