@@ -24,6 +24,7 @@
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernel_table.h"
@@ -313,14 +314,15 @@ inline void qtile_wide(const float* x, int64_t x_stride, const uint8_t* panel, i
 
 // The quantized tile on AVX2: q converted to float (q - zero for nibbles: the value the AVX-512 table gives),
 // then scale * q (or q * scale + offset, fused) and the float32 tile's step, as there.
-template <int R, bool has_offset, bool nibbles>
+// V, first: qtile_wide's (one or two rows; the strips below always cover the whole panel).
+template <int R, bool has_offset, bool nibbles, int V = 8 / R>
 inline void qtile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, int64_t G, int zero_point,
-                  float* y, int64_t y_stride, int64_t cols) {
+                  float* y, int64_t y_stride, int64_t cols, int64_t first = 0) {
   if constexpr (R <= 2) {
     if (nibbles && zero_point == 0)
-      qtile_wide<R, has_offset, nibbles, false>(x, x_stride, panel, K, G, zero_point, y, y_stride, cols);
+      qtile_wide<R, has_offset, nibbles, false, V>(x, x_stride, panel, K, G, zero_point, y, y_stride, cols, first);
     else
-      qtile_wide<R, has_offset, nibbles, nibbles>(x, x_stride, panel, K, G, zero_point, y, y_stride, cols);
+      qtile_wide<R, has_offset, nibbles, nibbles, V>(x, x_stride, panel, K, G, zero_point, y, y_stride, cols, first);
     return;
   }
   const int64_t floats = (has_offset ? 2 : 1) * PANEL, q_bytes = (nibbles ? G / 2 : G) * PANEL;
@@ -386,22 +388,29 @@ struct QuantLayout {
   int zero;  // -1: a byte per weight
 };
 
+// f(has_offset, nibbles), the layout's form as std::bool_constant's: a tile of its own for each. Without offsets
+// (Q4_0, Q8_0, Q6_K), a weight is one multiply.
+template <typename F>
+inline void with_form(QuantLayout layout, F&& f) {
+  if (layout.zero >= 0) {
+    if (layout.has_offset)
+      f(std::true_type{}, std::true_type{});
+    else
+      f(std::false_type{}, std::true_type{});
+  } else if (layout.has_offset) {
+    f(std::true_type{}, std::false_type{});
+  } else {
+    f(std::false_type{}, std::false_type{});
+  }
+}
+
 template <int R>
 inline void tile(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, float* y, int64_t y_stride,
                  int64_t cols, QuantLayout layout) {
-  // Without offsets (Q4_0, Q8_0, Q6_K), a weight is one multiply: a loop of its own.
-  const int64_t G = layout.G;
-  const int zero = layout.zero;
-  if (zero >= 0) {
-    if (layout.has_offset)
-      qtile<R, true, true>(x, x_stride, panel, K, G, zero, y, y_stride, cols);
-    else
-      qtile<R, false, true>(x, x_stride, panel, K, G, zero, y, y_stride, cols);
-  } else if (layout.has_offset) {
-    qtile<R, true, false>(x, x_stride, panel, K, G, 0, y, y_stride, cols);
-  } else {
-    qtile<R, false, false>(x, x_stride, panel, K, G, 0, y, y_stride, cols);
-  }
+  with_form(layout, [&](auto has_offset, auto nibbles) {
+    constexpr bool offset = decltype(has_offset)::value, nibble = decltype(nibbles)::value;
+    qtile<R, offset, nibble>(x, x_stride, panel, K, layout.G, nibble ? layout.zero : 0, y, y_stride, cols);
+  });
 }
 
 #if !defined(__AVX512F__)
@@ -417,36 +426,17 @@ inline void half_tile(const float* x, int64_t x_stride, int64_t rows, const floa
     tile_wide<2, 2>(x, x_stride, panel, K, y, y_stride, end, first);
 }
 
-template <int R>
-inline void quantized_half(const float* x, int64_t x_stride, const uint8_t* panel, int64_t K, float* y,
-                           int64_t y_stride, int64_t end, int64_t first, QuantLayout layout) {
-  constexpr int V = 4 / R;
-  const int64_t G = layout.G;
-  const int zero = layout.zero;
-  if (zero == 0) {  // unsigned nibbles: no zero to subtract (as qtile)
-    if (layout.has_offset)
-      qtile_wide<R, true, true, false, V>(x, x_stride, panel, K, G, 0, y, y_stride, end, first);
-    else
-      qtile_wide<R, false, true, false, V>(x, x_stride, panel, K, G, 0, y, y_stride, end, first);
-  } else if (zero > 0) {
-    if (layout.has_offset)
-      qtile_wide<R, true, true, true, V>(x, x_stride, panel, K, G, zero, y, y_stride, end, first);
-    else
-      qtile_wide<R, false, true, true, V>(x, x_stride, panel, K, G, zero, y, y_stride, end, first);
-  } else if (layout.has_offset) {
-    qtile_wide<R, true, false, false, V>(x, x_stride, panel, K, G, 0, y, y_stride, end, first);
-  } else {
-    qtile_wide<R, false, false, false, V>(x, x_stride, panel, K, G, 0, y, y_stride, end, first);
-  }
-}
-
 inline void half_tile(const float* x, int64_t x_stride, int64_t rows, const uint8_t* panel, int64_t K, float* y,
                       int64_t y_stride, int64_t cols, QuantLayout layout, int half) {
   const int64_t first = 32 * half, end = std::min<int64_t>(cols, first + 32);
-  if (rows == 1)
-    quantized_half<1>(x, x_stride, panel, K, y, y_stride, end, first, layout);
-  else
-    quantized_half<2>(x, x_stride, panel, K, y, y_stride, end, first, layout);
+  with_form(layout, [&](auto has_offset, auto nibbles) {
+    constexpr bool offset = decltype(has_offset)::value, nibble = decltype(nibbles)::value;
+    const int zero = nibble ? layout.zero : 0;
+    if (rows == 1)
+      qtile<1, offset, nibble, 4>(x, x_stride, panel, K, layout.G, zero, y, y_stride, end, first);
+    else
+      qtile<2, offset, nibble, 2>(x, x_stride, panel, K, layout.G, zero, y, y_stride, end, first);
+  });
 }
 #endif
 
