@@ -4,6 +4,7 @@ the kill and the last stop take decodes away."""
 from __future__ import annotations
 
 import base64
+import collections
 import threading
 from dataclasses import dataclass, field
 
@@ -20,14 +21,18 @@ def ids_of(tokens: list[str]) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in tokens]
 
 
-def finished_requests(stack, container: str) -> float:
-    """Requests the engine in `container` finished, from its /metrics (any finish reason)."""
+def finished_requests(stack, container: str) -> collections.Counter:
+    """Requests the engine in `container` finished, by finish reason, from its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     status, body = stack.http_get(container, "/metrics")
     assert status == 200, container
-    return sum(s.value for family in text_string_to_metric_families(body) for s in family.samples
-               if s.name == "epdserve:engine_requests_finished_total")
+    counts = collections.Counter()
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            if s.name == "epdserve:engine_requests_finished_total":
+                counts[s.labels["finished_reason"]] += int(s.value)
+    return counts
 
 
 def running_requests(stack, container: str) -> float:
@@ -111,13 +116,20 @@ def test_image_chat_equals_hf_transformers(client, references, near_tie_check):
 def test_scaled_decodes_both_take_requests(stack, client):
     decodes = stack.containers("decode")
     assert len(decodes) == 2, decodes
-    before = {c: finished_requests(stack, c) for c in decodes}
-    streams = [Stream(client, 24) for _ in range(4)]
-    for stream in streams:
-        stream.join()
-        assert stream.completed, stream.error
-    served = {c: finished_requests(stack, c) - before[c] for c in decodes}
-    assert sum(served.values()) == len(streams) and all(served.values()), served
+    # A round where the proxy gave a decode up (it missed its polls or an answer's deadline on an overloaded
+    # machine: the stream was aborted there and served by the other) says nothing of how requests are spread,
+    # and is run again; a stream served to its end twice fails at once.
+    for _ in range(3):
+        before = {c: finished_requests(stack, c) for c in decodes}
+        streams = [Stream(client, 24) for _ in range(4)]
+        for stream in streams:
+            stream.join()
+            assert stream.completed, stream.error
+        served = {c: finished_requests(stack, c) - before[c] for c in decodes}
+        assert sum(counts["length"] for counts in served.values()) == len(streams), served
+        if not any(counts["abort"] for counts in served.values()):
+            break
+    assert all(set(counts) == {"length"} for counts in served.values()), served
 
 
 def test_prometheus_scrapes_every_service(stack):
