@@ -3,8 +3,14 @@
 A draft row costs what any row costs: on a CPU, or a GPU at a large batch, the linear layers are bound by
 their arithmetic, not by reading the weights, so k drafts for each of B requests make a step of B(k + 1)
 rows cost up to k + 1 times one of B rows, while all a draft brings is the chance that it is accepted. So
-before each step the proposals are cut to the ones that pay: the step's expected output tokens over its
-expected duration is made as large as it can be, and no drafts at all is one of the choices weighed.
+before each step the proposals are cut to the ones that pay, and no drafts at all is one of the choices
+weighed. What pays depends on whether requests are queued for a seat:
+
+- queued: the step's expected output tokens over its expected duration (a request that ends sooner lets a
+  waiting one in, so every token counts wherever it falls);
+- none queued: the running requests' mean time per token (the step's duration over each request's expected
+  tokens from it). Drafts that let one request of many finish sooner, with nobody to take its seat, make every
+  other one wait longer for each of its tokens: a batch of requests side by side lasts as long as its slowest.
 
 - A decode step's duration by its rows is measured (`StepCost`; steps that compute prompt tokens are left
   out: a prompt's rows cost less than a decode's or a draft's): a moving average per row count over the
@@ -12,22 +18,25 @@ expected duration is made as large as it can be, and no drafts at all is one of 
   policy tries larger steps once and from then on knows their cost.
 - A request's draft j is accepted with probability a^j, a its recent acceptance rate (a run of drafts is
   accepted up to the first that differs: each verification adds its accepted drafts to the hits and the
-  one rejected, if any, to the misses), starting from the engine's rate over every request.
-- Positions are taken best first (the highest a^j, which keeps each request's in order) while the rate of
-  tokens per second grows; `num_speculative_tokens` stays the most a request verifies. The drafts are kept
-  only if that rate beats the step's without any by MIN_GAIN: near break-even (a large batch, where a row
-  costs nearly what a decode yields) what the estimate leaves out decides, and it is a loss - the noise of
-  the measured costs, and that requests which run side by side to the same length gain nothing until every
-  one of them is faster (the batch lasts as long as its slowest). A request with no record yet has its
-  drafts verified once whatever the estimate says: the engine's rate before any verification is a guess
-  that could keep every draft out, and with it any record that would tell otherwise.
+  one rejected, if any, to the misses), starting from the engine's rate over every request's recent
+  verifications.
+- Positions are taken best first (the most expected tokens, or time per token taken off; either keeps each
+  request's positions in order) while the rate grows; `num_speculative_tokens` stays the most a request
+  verifies. The drafts are kept only if that rate beats the step's without any by MIN_GAIN: near break-even
+  (a large batch, where a row costs nearly what a decode yields) what the estimate leaves out decides, and it
+  is a loss - the noise of the measured costs above all. A request with no record yet has its drafts
+  verified once whatever the estimate says: the engine's rate before any verification is a guess that could
+  keep every draft out, and with it any record that would tell otherwise.
 - Drafts never take a step's budget from prompt tokens it could compute: those of requests mid-prompt and of
   waiting requests with a seat to take (`room`). A draft that pushed a prompt to a later step would delay a
   request's start to gain a guess, and the prompt's work is to be done anyway.
 - Proposing costs time too (prompt lookup: ~80 us a request a step): a request whose drafts were all cut for
-  want of acceptance (not for want of room) is not asked again for 1 step, then 2, 4, ... up to MAX_REST_STEPS while its drafts keep being cut, and
-  from the next step on once one is kept. Its acceptance does not change while it rests (nothing is
-  verified), so a cut would most likely be made again; the rests recheck it as the batch and costs change.
+  want of acceptance (not for want of room) is not asked again for 1 step, then 2, 4, ... up to
+  MAX_REST_STEPS while its drafts keep being cut, and from the next step on once one is kept. Its acceptance
+  changes only by verifications, so a cut would most likely be made again when its rest ends: then its first
+  draft is verified anyway (a probe: one row once a rest), so that a request whose text turned to what its
+  drafts foresee (the model starts to copy) is found out within a rest. (A draft model's proposals are made
+  every step and never rest: no probes.)
 """
 from __future__ import annotations
 
@@ -42,6 +51,12 @@ SMOOTHING = 0.2
 STALE_STEPS = 256
 # A request's hits and misses decay by this much at each of its verifications (its recent text counts).
 DECAY = 0.8
+# The engine's, over every request's verifications: the last hundred or so. It is where a request's estimate
+# starts, and what lets a request whose first verification missed (often: the first drafts of an answer
+# are the worst) be tried again while the others' drafts are accepted; with a memory as short as a request's,
+# a few such first misses in a row would keep every request's drafts out from then on, and nothing would be
+# verified that could tell otherwise.
+ENGINE_DECAY = 0.99
 # The weight, in verifications, of the engine's own acceptance rate in a request's estimate.
 PRIOR_WEIGHT = 2.0
 # How much more tokens per second than no drafts a step's drafts must be expected to bring to be kept.
@@ -93,7 +108,7 @@ class CostCurve:
 class DraftPolicy:
     def __init__(self) -> None:
         self.cost = StepCost()
-        self._hits = 0.0  # the engine's, over every request (decayed like a request's, per verification)
+        self._hits = 0.0  # the engine's, over every request (decayed by ENGINE_DECAY a verification)
         self._misses = 0.0
 
     def observe_step(self, rows: int, seconds: float) -> None:
@@ -104,8 +119,8 @@ class DraftPolicy:
         missed = 1.0 if num_accepted < num_drafts else 0.0
         request.draft_hits = DECAY * request.draft_hits + num_accepted
         request.draft_misses = DECAY * request.draft_misses + missed
-        self._hits = DECAY * self._hits + num_accepted
-        self._misses = DECAY * self._misses + missed
+        self._hits = ENGINE_DECAY * self._hits + num_accepted
+        self._misses = ENGINE_DECAY * self._misses + missed
 
     @staticmethod
     def resting(request: Request) -> bool:
@@ -120,29 +135,43 @@ class DraftPolicy:
         prior = (self._hits + 1.0) / (self._hits + self._misses + 2.0)
         return (request.draft_hits + PRIOR_WEIGHT * prior) / (request.draft_hits + request.draft_misses + PRIOR_WEIGHT)
 
-    def trim(self, proposing: list[Request], base_rows: int, base_tokens: int, room: int | None = None) -> None:
+    def trim(self, proposing: list[Request], base_rows: int, base_tokens: int, room: int | None = None,
+             queued: bool = True) -> None:
         """Cut the drafts (`spec_token_ids`) of the requests in `proposing` to those that pay, for a step of
-        `base_rows` rows without drafts that samples `base_tokens` tokens, and to `room` drafts in all (None:
-        as many as pay)."""
+        `base_rows` rows without drafts in which `base_tokens` decoding requests sample a token each, and to
+        `room` drafts in all (None: as many as pay). `queued`: whether requests wait for a seat (what counts is
+        the step's tokens per second); else the decoding requests' own time per token."""
         if room is not None and room <= 0:
             for request in proposing:
                 request.spec_token_ids = []  # not a cut for want of acceptance: no rest
             return
-        # (value, -position, request index): a request's positions come in order, the first the most likely.
+        # (gain, -position, request index): a request's positions come in order, the first the likeliest and
+        # the one that gains the most. The gain: the tokens it is expected to add, or with no queue the time
+        # per token it is expected to take off its request's (1/t before it less 1/t after it, t the
+        # request's expected tokens from the step).
         positions = []
         for i, request in enumerate(proposing):
-            a = self.acceptance(request)
-            positions += [(a ** j, -j, i) for j in range(1, len(request.spec_token_ids) + 1)]
+            a, expected = self.acceptance(request), 1.0
+            for j in range(1, len(request.spec_token_ids) + 1):
+                value = a ** j
+                positions.append((value if queued else value / (expected * (expected + value)), -j, i))
+                expected += value
         positions.sort(reverse=True)
         curve = self.cost.curve()
         if curve(base_rows) is None:
             best = len(positions)  # nothing measured yet: every draft, which measures what drafts cost
         else:
+            # Without a queue the rate is the requests' mean time per token, as tokens per second of the step:
+            # base_tokens / (duration x mean of 1/t), so that it equals the step's rate without drafts.
             base_rate = base_tokens / curve(base_rows)
-            best, best_rate, tokens = 0, base_rate, float(base_tokens)
-            for d, (value, _, _) in enumerate(positions, 1):
-                tokens += value
-                rate = tokens / curve(base_rows + d)
+            best, best_rate = 0, base_rate
+            tokens, inverses = float(base_tokens), float(base_tokens)  # sum of t, sum of 1/t
+            for d, (gain, _, _) in enumerate(positions, 1):
+                if queued:
+                    tokens += gain
+                else:
+                    inverses -= gain
+                rate = (tokens if queued else base_tokens * base_tokens / inverses) / curve(base_rows + d)
                 if rate > best_rate:
                     best, best_rate = d, rate
             if best_rate < base_rate * (1 + MIN_GAIN):
@@ -156,13 +185,17 @@ class DraftPolicy:
         for _, _, i in positions[:best]:
             kept[i] += 1
         left -= best
+        probes = set()
         for i, request in enumerate(proposing):
             if not (request.draft_hits or request.draft_misses):  # never verified: its first record
                 more = min(len(request.spec_token_ids) - kept[i], left)
                 kept[i], left = kept[i] + more, left - more
-        for request, n, paid in zip(proposing, kept, wanted):
+            elif not (kept[i] or wanted[i] or request.draft_rest) and request.draft_rest_next > 1 and left:
+                kept[i], left = 1, left - 1  # back from a rest and cut again: a probe
+                probes.add(i)
+        for i, (request, n, paid) in enumerate(zip(proposing, kept, wanted)):
             request.spec_token_ids = request.spec_token_ids[:n]
-            if n:
+            if n and i not in probes:
                 request.draft_rest_next = 1
             elif not paid:  # cut for its acceptance (drafts the room cut would have paid: asked again next step)
                 request.draft_rest = request.draft_rest_next

@@ -449,7 +449,9 @@ class LLMEngine:
         waiting_rows = sum(r.num_tokens - r.num_computed_tokens
                            for r in itertools.islice(self.scheduler.waiting, max(seats, 0)))
         room = budget - len(decoding) - prompt_rows - waiting_rows
-        self.scheduler.draft_policy.trim([r for r in decoding if r.spec_token_ids], base_rows, len(decoding), room)
+        queued = len(self.scheduler.waiting) > max(seats, 0)  # some wait on after this step's seats are taken
+        self.scheduler.draft_policy.trim([r for r in decoding if r.spec_token_ids], base_rows, len(decoding), room,
+                                         queued)
 
     def _fail(self, errors: dict[str, RequestFailure]) -> list[RequestOutput]:
         """End requests that failed on their own (their blocks return to the pool); their final outputs

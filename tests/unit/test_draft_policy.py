@@ -81,6 +81,43 @@ def test_a_request_never_verified_has_its_drafts_verified_once():
     assert new.spec_token_ids == [5, 6] and known.spec_token_ids == []
 
 
+def test_with_no_queue_drafts_that_speed_one_request_and_slow_the_others_more_are_dropped():
+    # 16 decodes, one of which copies its prompt: its 4 drafts add ~3.5 tokens a step for 4 rows. With requests
+    # queued for a seat, that is what counts (it ends sooner and lets one in): kept. With none, the other 15
+    # only wait longer for each of their tokens, more than it gains: dropped.
+    def copier():
+        return request("copier", [1, 2, 3, 4], hits=40.0, misses=1.0)
+
+    policy = policy_with({16: 0.076, 20: 0.083})
+    queued = copier()
+    policy.trim([queued], base_rows=16, base_tokens=16, queued=True)
+    assert queued.spec_token_ids == [1, 2, 3, 4]
+    alone = copier()
+    policy.trim([alone], base_rows=16, base_tokens=16, queued=False)
+    assert alone.spec_token_ids == []
+
+
+def test_with_no_queue_drafts_that_speed_every_request_are_kept():
+    rs = [request(str(i), [1, 2, 3, 4], hits=40.0, misses=1.0) for i in range(4)]
+    policy_with({4: 0.030, 20: 0.036}).trim(rs, base_rows=4, base_tokens=4, queued=False)
+    assert all(r.spec_token_ids == [1, 2, 3, 4] for r in rs)
+
+
+def test_with_no_queue_a_request_first_draft_goes_before_a_likelier_request_second():
+    # Room (by cost) for two drafts: the likeliest two tokens are the likely request's first two; what takes
+    # the most off the two requests' time per token is a first draft for each.
+    def pair():
+        return request("likely", [1, 2, 3, 4], hits=40.0, misses=1.0), request("other", [5, 6], hits=3.0, misses=1.0)
+
+    costs = {2: 0.020, 4: 0.021, 10: 0.200}
+    likely, other = pair()
+    policy_with(costs).trim([likely, other], base_rows=2, base_tokens=2, queued=True)
+    assert likely.spec_token_ids == [1, 2] and other.spec_token_ids == []
+    likely, other = pair()
+    policy_with(costs).trim([likely, other], base_rows=2, base_tokens=2, queued=False)
+    assert likely.spec_token_ids == [1] and other.spec_token_ids == [5]
+
+
 def test_drafts_take_no_more_than_the_room_prompts_leave_in_the_step():
     likely = request("likely", [1, 2, 3, 4], hits=40.0, misses=1.0)
     new = request("new", [5, 6])  # never verified: verified once, room permitting
@@ -124,20 +161,40 @@ def test_verifications_keep_a_recent_record_of_hits_and_misses():
 def test_a_request_whose_drafts_keep_being_cut_rests_longer_each_time_until_one_is_kept():
     policy = policy_with({4: 0.040, 20: 0.200})  # a draft pays only if surely accepted
     r = request("a", [5, 6], hits=2.0, misses=2.0)
-    rests = []
+    rests, kept = [], []
     for _ in range(7):
         r.spec_token_ids = [5, 6]
         policy.trim([r], base_rows=4, base_tokens=4)
-        assert r.spec_token_ids == []
+        kept.append(r.spec_token_ids)
         steps = 0
         while policy.resting(r):
             steps += 1
         rests.append(steps)
     assert rests == [1, 2, 4, 8, 16, MAX_REST_STEPS, MAX_REST_STEPS]
-    # Drafts that pay: kept, and the next cut rests one step again.
+    assert kept == [[]] + [[5]] * 6  # cut, then each time back from its rest: its first draft alone (a probe)
+    # Drafts that pay: kept, and the next cut rests one step again, with no probe after it.
     r.spec_token_ids = [5, 6]
     policy_with({4: 0.040, 6: 0.040}).trim([r], base_rows=4, base_tokens=4)
     assert r.spec_token_ids == [5, 6] and not policy.resting(r)
     r.spec_token_ids = [5, 6]
     policy.trim([r], base_rows=4, base_tokens=4)
+    assert r.spec_token_ids == [] and policy.resting(r) and not policy.resting(r)
+
+
+def test_a_request_cut_for_its_misses_is_probed_and_kept_again_once_its_probes_are_accepted():
+    # One decode; a draft row costs nearly a third of a step. Its first verifications all missed.
+    policy = policy_with({1: 0.028, 5: 0.060})
+    r = request("a", [5, 6, 7, 8], hits=0.0, misses=3.0)
+    policy.trim([r], base_rows=1, base_tokens=1)
+    assert r.spec_token_ids == []
     assert policy.resting(r) and not policy.resting(r)
+    r.spec_token_ids = [5, 6, 7, 8]
+    policy.trim([r], base_rows=1, base_tokens=1)
+    assert r.spec_token_ids == [5]  # the probe
+    for _ in range(3):  # the text turned to what the drafts foresee
+        policy.observe_verification(r, num_drafts=1, num_accepted=1)
+    while policy.resting(r):
+        pass
+    r.spec_token_ids = [5, 6, 7, 8]
+    policy.trim([r], base_rows=1, base_tokens=1)
+    assert r.spec_token_ids[:1] == [5] and not policy.resting(r)  # kept because they pay: no rest
