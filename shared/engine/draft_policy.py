@@ -191,7 +191,9 @@ class DraftPolicy:
                 more = min(len(request.spec_token_ids) - kept[i], left)
                 kept[i], left = kept[i] + more, left - more
             elif not (kept[i] or wanted[i] or request.draft_rest) and request.draft_rest_next > 1 and left:
-                kept[i], left = 1, left - 1  # back from a rest and cut again: a probe
+                # Cut again when its rest ran out (`resting` counted it down; a draft model's requests are
+                # never rested, so theirs stays set): its first draft, a probe.
+                kept[i], left = 1, left - 1
                 probes.add(i)
         for i, (request, n, paid) in enumerate(zip(proposing, kept, wanted)):
             request.spec_token_ids = request.spec_token_ids[:n]
