@@ -59,7 +59,7 @@ DECAY = 0.8
 ENGINE_DECAY = 0.99
 # The weight, in verifications, of the engine's own acceptance rate in a request's estimate.
 PRIOR_WEIGHT = 2.0
-# How much more tokens per second than no drafts a step's drafts must be expected to bring to be kept.
+# How much higher than without drafts the step's expected rate (either objective) must be for them to be kept.
 MIN_GAIN = 0.1
 # The longest a request whose drafts keep being cut goes without proposing, in steps.
 MAX_REST_STEPS = 16
