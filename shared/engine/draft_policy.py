@@ -35,8 +35,7 @@ weighed. What pays depends on whether requests are queued for a seat:
   MAX_REST_STEPS while its drafts keep being cut, and from the next step on once one is kept. Its acceptance
   changes only by verifications, so a cut would most likely be made again when its rest ends: then its first
   draft is verified anyway (a probe: one row once a rest), so that a request whose text turned to what its
-  drafts foresee (the model starts to copy) is found out within a rest. (A draft model's proposals are made
-  every step and never rest: no probes.)
+  drafts foresee (the model starts to copy) is found out within a rest.
 """
 from __future__ import annotations
 
@@ -165,13 +164,10 @@ class DraftPolicy:
             # base_tokens / (duration x mean of 1/t), so that it equals the step's rate without drafts.
             base_rate = base_tokens / curve(base_rows)
             best, best_rate = 0, base_rate
-            tokens, inverses = float(base_tokens), float(base_tokens)  # sum of t, sum of 1/t
+            total = float(base_tokens)  # over the decoding requests: the sum of t (queued), else of 1/t
             for d, (gain, _, _) in enumerate(positions, 1):
-                if queued:
-                    tokens += gain
-                else:
-                    inverses -= gain
-                rate = (tokens if queued else base_tokens * base_tokens / inverses) / curve(base_rows + d)
+                total += gain if queued else -gain
+                rate = (total if queued else base_tokens * base_tokens / total) / curve(base_rows + d)
                 if rate > best_rate:
                     best, best_rate = d, rate
             if best_rate < base_rate * (1 + MIN_GAIN):
@@ -190,10 +186,8 @@ class DraftPolicy:
             if not (request.draft_hits or request.draft_misses):  # never verified: its first record
                 more = min(len(request.spec_token_ids) - kept[i], left)
                 kept[i], left = kept[i] + more, left - more
-            elif not (kept[i] or wanted[i] or request.draft_rest) and request.draft_rest_next > 1 and left:
-                # Cut again when its rest ran out (`resting` counted it down; a draft model's requests are
-                # never rested, so theirs stays set): its first draft, a probe.
-                kept[i], left = 1, left - 1
+            elif not (kept[i] or wanted[i]) and request.draft_rest_next > 1 and left:
+                kept[i], left = 1, left - 1  # cut again when its rest ran out: its first draft, a probe
                 probes.add(i)
         for i, (request, n, paid) in enumerate(zip(proposing, kept, wanted)):
             request.spec_token_ids = request.spec_token_ids[:n]

@@ -68,9 +68,6 @@ class _DraftView:
 
 
 class DraftModelProposer:
-    # Every request is proposed for each step: the draft's cache keeps up with the target's positions.
-    lookup_only = False
-
     def __init__(self, config: EngineConfig, num_blocks: int, timer: StepTimer) -> None:
         spec = config.speculative
         self.k = spec.num_speculative_tokens

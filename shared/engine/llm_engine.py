@@ -429,8 +429,9 @@ class LLMEngine:
         to those worth their rows (draft_policy.py)."""
         decoding, prompt_rows = [], 0
         self.proposer.start_step()
-        # Proposals that cost no forward of their own may be skipped (a resting request: draft_policy.py).
-        rests = self.config.speculative.adaptive and self.proposer.lookup_only
+        # A resting request is not asked for drafts (draft_policy.py); a draft model's cache still follows its
+        # positions (`fill` computes them for every scheduled request, drafts or not).
+        rests = self.config.speculative.adaptive
         for request in self.scheduler.running:
             if request.is_decoding:
                 resting = rests and self.scheduler.draft_policy.resting(request)

@@ -18,8 +18,6 @@ from epdserve.shared.engine.request import Request
 
 
 class NgramProposer:
-    lookup_only = True  # a proposal reads the request's tokens alone: a step may skip asking for one
-
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min

@@ -134,8 +134,6 @@ def own_draft(tokens: np.ndarray, depth: int, max_tokens: int, spec_factor: floa
 
 
 class SuffixProposer:
-    lookup_only = True  # no forward of its own: a step may skip asking for a proposal (draft_policy.py)
-
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.depth = config.suffix_decoding_max_tree_depth

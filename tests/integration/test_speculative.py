@@ -346,9 +346,14 @@ def test_suffix_decoding_output_is_that_of_one_token_per_step(tiny, base):
 
 
 # -- the draft policy (adaptive, the default) ------------------------------------------------------------------
-def test_the_default_adaptive_engine_answers_as_one_token_per_step(tiny, base):
-    """Whatever drafts the policy keeps (it decides from measured step times), the output is the same."""
-    adaptive = LLM(model=tiny, num_kv_blocks=256, speculative_config={**SPEC, "adaptive": True})
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_the_default_adaptive_engine_answers_as_one_token_per_step(tiny_model_paths, tiny, base, method):
+    """Whatever drafts the policy keeps (it decides from measured step times), the output is the same; with a
+    draft model (another tiny model of the same vocabulary: few of its drafts accepted) too, whose requests
+    rest and are probed alike."""
+    config = SPEC if method == "ngram" else {"method": "draft_model", "num_speculative_tokens": 3,
+                                             "model": tiny_model_paths["qwen3"]}
+    adaptive = LLM(model=tiny, num_kv_blocks=256, speculative_config={**config, "adaptive": True})
     for params in (SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
                    SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True, logprobs=2)):
         assert_same(base.generate(PROMPTS, params), adaptive.generate(PROMPTS, params))
@@ -367,7 +372,7 @@ def test_the_default_adaptive_engine_answers_as_one_token_per_step(tiny, base):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert_same(base.generate(PROMPTS, params), adaptive.generate(PROMPTS, params))
     first = adaptive.engine.scheduler.spec_stats.num_draft_tokens - drafted
-    assert 0 < first <= (SPEC["num_speculative_tokens"] + 3) * len(PROMPTS)
+    assert 0 < first <= (config["num_speculative_tokens"] + 3) * len(PROMPTS)
     # Requests whose drafts are then all cut rest from proposing (1, 2, 4, 8 steps): at most 5 of their 15
     # decode steps ask (the first, the cut, and the probes after the first three rests).
     assert len(asked) <= 5 * len(PROMPTS), len(asked)
