@@ -115,6 +115,10 @@ def nsenter_iptables(pid: int, *rule: str) -> None:
     sh("nsenter", "-t", str(pid), "-n", "iptables", "-w", *rule)
 
 
+# What marks a line of a service's log worth showing beside a broken invariant.
+_ALARMS = (" WARNING ", " ERROR ", " CRITICAL ", "Traceback", "Assertion failed", "Segmentation fault", "Aborted")
+
+
 class Cluster:
     """The compose project under test (a tests/compose Stack), seen container by container."""
 
@@ -215,13 +219,27 @@ class Cluster:
                 return {c: n for c, n in held.items() if n != 0}
             time.sleep(1)
 
+    def roster(self) -> list[str]:
+        """Who each container of the stack is to its peers (hostname, address) and whether its process was
+        replaced (restarts, when it started, killed for memory): the services' logs name peers by hostname."""
+        lines = []
+        for container in [*self.engines(), *self.containers("proxy")]:
+            found = json.loads(docker("inspect", "--format", "{{json .}}", container).stdout)
+            state = found["State"]
+            networks = found["NetworkSettings"]["Networks"].values()
+            lines.append(f"{container}: host {found['Config']['Hostname']} "
+                         f"at {','.join(n['IPAddress'] for n in networks) or '-'}, "
+                         f"{found['RestartCount']} restarts, started {state['StartedAt']}, "
+                         f"exit {state['ExitCode']}{', killed for memory' if state['OOMKilled'] else ''}")
+        return lines
+
     def warnings_since(self, since: float, per_container: int = 12) -> list[str]:
-        """The WARNING and ERROR lines every container of the stack logged since `since` (Unix time)."""
+        """The WARNING and ERROR lines every container of the stack logged since `since` (Unix time), and the
+        marks of a process that died without logging (a traceback, a native crash)."""
         lines = []
         for container in [*self.engines(), *self.containers("proxy")]:
             done = docker("logs", "--since", f"{since:.0f}", container, check=False)
-            found = [line for line in (done.stdout + done.stderr).splitlines() if " WARNING " in line
-                     or " ERROR " in line]
+            found = [line for line in (done.stdout + done.stderr).splitlines() if any(mark in line for mark in _ALARMS)]
             lines += [f"{container}: {line[:400]}" for line in found[-per_container:]]
         return lines
 

@@ -50,7 +50,7 @@ def test_fault(fault, cluster, client, catalog, reference):
         xfail.append(f"{len(expected)} image request(s) arrived while the only encoder was down and got 503 (no "
                      "other encoder to fail over to); every other stream completed as without the fault")
     if violations or xfail:
-        result.logs = cluster.warnings_since(result.started_at)
+        result.logs = cluster.roster() + cluster.warnings_since(result.started_at)
     result.outcome = ("FAILED: " + "; ".join(violations)) if violations else \
         ("xfail: " + "; ".join(xfail)) if xfail else "passed"
     assert not violations, "\n".join([f"{fault.name} on {result.target} ({fault.description}):", *violations,
