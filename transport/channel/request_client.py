@@ -91,6 +91,7 @@ class RequestClient:
         # Loop time a connect was first refused since the last connection was made (None: connected, or
         # nothing refused): nothing listens at the address, so whatever the peer held went with it.
         self.refused_since: float | None = None
+        self._reconnect_scheduled = False  # the connection dropped; libzmq's next connect-retried event says so
         self._pending: dict[bytes, asyncio.Future] = {}
         self._corr_ids = itertools.count(1)
         self._handshake_lock: asyncio.Lock | None = None
@@ -132,7 +133,12 @@ class RequestClient:
                         self._refused.set_result(event)
                 elif event["event"] == zmq.EVENT_CONNECTED:
                     self.refused_since = None
-                elif event["event"] == zmq.EVENT_CONNECT_RETRIED:  # the connect failed; ZMQ tries again
+                    self._reconnect_scheduled = False
+                elif event["event"] == zmq.EVENT_CONNECT_RETRIED and self._reconnect_scheduled:
+                    # libzmq schedules the reconnect of a dropped connection with this event: no connect was
+                    # tried yet, so nothing was refused (a peer that missed heartbeats may well be there).
+                    self._reconnect_scheduled = False
+                elif event["event"] == zmq.EVENT_CONNECT_RETRIED:  # a connect failed; ZMQ tries again
                     if self.refused_since is None:
                         self.refused_since = asyncio.get_running_loop().time()
                     if self._connect_refused is not None and not self._connect_refused.done():
@@ -143,6 +149,7 @@ class RequestClient:
                         self._reconnected.set_result(event)
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
                     self.num_disconnects += 1
+                    self._reconnect_scheduled = True
                     self.down_since = asyncio.get_running_loop().time()
                     self.peer = None  # a new connection is a new peer to the server
                     self._fail_pending(ChannelError(f"connection to {self.address} lost"))
