@@ -3,6 +3,7 @@
 Blocks move over the server's block connections (block_stream) unless it offers none (`block_port=None`,
 as with CURVE or a device cache): then as ZMQ frames. Tests of what both paths do run on both."""
 import asyncio
+import signal
 import socket
 import subprocess
 import sys
@@ -422,7 +423,7 @@ def test_peer_dying_mid_transfer_fails_the_fetch_at_once(block_port):
                 assert local_cache[:, :, 0].any() and not fetch.done()
                 proc.kill()
                 # The dropped connection fails it: no waiting out the 60 s timeout.
-                with pytest.raises(TransferError, match="lost|closed|failed"):
+                with pytest.raises(TransferError, match="lost|closed|failed|refuse"):  # a reconnect is refused
                     await asyncio.wait_for(fetch, 10)
                 assert client.stats.num_failures == 1
 
@@ -430,6 +431,60 @@ def test_peer_dying_mid_transfer_fails_the_fetch_at_once(block_port):
     finally:
         proc.kill()
         proc.wait()
+
+
+SLOW_SERVER = """
+import asyncio, torch
+from epdserve.transport.zmq_frames.path import FrameServerPath
+from epdserve.transport.kv.server import KVTransferServer
+
+class SlowFrames(FrameServerPath):  # a fetch of one block a message lasts long enough to freeze us midway
+    async def reply_blocks(self, message, peer):
+        await asyncio.sleep(0.2)
+        return await super().reply_blocks(message, peer)
+
+async def main():
+    cache = torch.randn(3, 2, 48, 4, 2, 8, generator=torch.Generator().manual_seed(1))
+    server = KVTransferServer("prefill-frozen", [SlowFrames()], kv_cache=cache, model_id="m")
+    print(await server.start(), flush=True)
+    print(server.expose("r1", range(48)), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_a_fetch_whose_peer_missed_heartbeats_is_made_again_once_reconnected():
+    """The peer freezes mid-fetch (SIGSTOP: as one starved of CPU looks from here) past the heartbeat timeout, so
+    the connection drops with the fetch in flight; it wakes still holding the blocks. The fetch is made once more
+    over the new connection, and every block lands bit-exact - not a failure that makes the decode recompute."""
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SERVER], stdout=subprocess.PIPE, text=True)
+    remote = torch.randn(3, 2, 48, 4, 2, 8, generator=torch.Generator().manual_seed(1))
+    local_cache = torch.zeros(remote.shape)
+    try:
+        address, gen = proc.stdout.readline().strip(), int(proc.stdout.readline())
+
+        async def main():
+            async with zmq_client("decode-0", kv_cache=local_cache, model_id="m", timeout=60,
+                                   max_message_bytes=1, min_message_bytes=1, max_inflight_messages=1) as client:
+                fetch = asyncio.create_task(client.fetch_blocks(address, "r1", list(range(10)), list(range(20, 30)),
+                                                                generation=gen))
+                while not local_cache[:, :, 20].any():  # the transfer is under way
+                    assert not fetch.done(), fetch
+                    await asyncio.sleep(0.02)
+                proc.send_signal(signal.SIGSTOP)
+                while not client.stats.num_retries:  # the connection dropped and the fetch began again
+                    assert not fetch.done(), fetch
+                    await asyncio.sleep(0.05)
+                proc.send_signal(signal.SIGCONT)
+                await asyncio.wait_for(fetch, 30)
+                assert client.stats.num_failures == 0 and client.stats.num_retries == 1
+
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait()
+    assert torch.equal(local_cache[:, :, 20:30], remote[:, :, :10])
 
 
 def test_transport_factory():

@@ -56,6 +56,11 @@ class ChannelTimeout(ChannelError, TimeoutError):
     """The peer did not answer in time: it is down, unreachable, overloaded or refusing us."""
 
 
+class ConnectionLost(ChannelError):
+    """The connection dropped with the request in flight: the peer died or restarted, or it missed heartbeats
+    (frozen, or starved of CPU for a moment) and is there still."""
+
+
 class PeerUnreachable(ChannelError):
     """Nothing accepts connections at the peer's address (refused): its process is gone, or not up yet."""
 

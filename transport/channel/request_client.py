@@ -15,8 +15,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from epdserve.transport.channel import codec, security
 from epdserve.transport.channel.common import (
-    NO_REPLY, AckCheck, ChannelError, ChannelTimeout, ErrorReply, HandshakeError, PeerUnreachable, Rejections,
-    configure_socket, rejection_reason,
+    NO_REPLY, AckCheck, ChannelError, ChannelTimeout, ConnectionLost, ErrorReply, HandshakeError, PeerUnreachable,
+    Rejections, configure_socket, rejection_reason,
 )
 from epdserve.transport.channel.codec import DEFAULT_LIMITS, DecodeError, Limits, VersionMismatchError
 from epdserve.transport.channel.protocol import (
@@ -152,7 +152,7 @@ class RequestClient:
                     self._reconnect_scheduled = True
                     self.down_since = asyncio.get_running_loop().time()
                     self.peer = None  # a new connection is a new peer to the server
-                    self._fail_pending(ChannelError(f"connection to {self.address} lost"))
+                    self._fail_pending(ConnectionLost(f"connection to {self.address} lost"))
         finally:
             monitor.close(linger=0)
 

@@ -28,7 +28,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import torch
 
 from epdserve.transport.channel import codec, peer_pool
-from epdserve.transport.channel.common import ChannelError, ChannelTimeout, ErrorReply, HandshakeError, PeerUnreachable
+from epdserve.transport.channel.common import (ChannelError, ChannelTimeout, ConnectionLost, ErrorReply,
+                                                HandshakeError, PeerUnreachable)
 from epdserve.transport.channel.limits import DEFAULT_LIMITS, Limits
 from epdserve.transport.channel.peer_auth import PeerAuth
 from epdserve.transport.channel.peer_pool import PeerPool
@@ -52,6 +53,9 @@ GATHERED_MESSAGE_BYTES = 16 << 20
 # its fetch fails within this and is made good elsewhere (blocks recomputed, an image encoded again) rather
 # than waiting out the transfer timeout. A refused connection fails it at once.
 CONNECT_TIMEOUT = 5.0
+
+
+T = typing.TypeVar("T")
 
 
 class KVTransferClient:
@@ -138,19 +142,34 @@ class KVTransferClient:
         deadline = asyncio.get_running_loop().time() + (self.timeout if timeout is None else timeout)
         chunks = self._messages(pairs)
         connect_seconds = 0.0
-        try:
+
+        async def fetch() -> int:
+            nonlocal connect_seconds
             with self._controls.holding(kv_addr) as control:
                 if control.peer is None:
                     await self._connect(control, deadline)
                     connect_seconds = time.perf_counter() - started
                 if control.peer.kv_layout != self.layout:
                     raise IncompatiblePeerError(f"{kv_addr} ({control.peer.engine_id}) has no matching KV cache")
-                num_bytes = sum(await self._bounded(
+                return sum(await self._bounded(
                     [functools.partial(self._fetch_chunk, control, chunk.request(request_id, generation), chunk,
                                        deadline) for chunk in chunks]))
+
+        try:
+            num_bytes = await self._once_more_if_lost(fetch)
         except BaseException as e:
             self._fail(e, kv_addr)
         return self.stats.record(num_bytes, started, connect_seconds)
+
+    async def _once_more_if_lost(self, fetch: Callable[[], Awaitable[T]]) -> T:
+        """`fetch()`, made once more if its connection dropped meanwhile: a peer that only missed heartbeats
+        (frozen for a moment, or starved of CPU) still holds what it exposed, and is asked again once
+        reconnected; one that died refuses the reconnect at once, and one restarted knows the request no more."""
+        try:
+            return await fetch()
+        except ConnectionLost:
+            self.stats.num_retries += 1
+        return await fetch()
 
     async def _fetch_chunk(self, control: RequestClient, request: FetchBlocks, chunk: Chunk, deadline: float) -> int:
         # Handshaken again if the connection dropped since the fetch began (a restarted server has a new port).
@@ -228,10 +247,14 @@ class KVTransferClient:
         started = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + (self.timeout if timeout is None else timeout)
         path = next(path for path in self.paths if path.fetches_embeddings)
-        try:
+
+        async def fetch() -> tuple[torch.Tensor, int]:
             with self._controls.holding(encoder_addr) as control:
                 await self._connect(control, deadline)
-                tensor, sent = await path.fetch_embeddings(control, mm_hash, deadline)
+                return await path.fetch_embeddings(control, mm_hash, deadline)
+
+        try:
+            tensor, sent = await self._once_more_if_lost(fetch)
             if tensor.dim() != 2:
                 raise TransferError(f"{encoder_addr} sent embeddings of shape {tuple(tensor.shape)}, not 2-D")
             checksum.verify((sent,), (checksum.checksum(as_bytes(tensor)),),

@@ -100,6 +100,7 @@ class TransferStats:
     seconds: float = 0.0
     num_transfers: int = 0
     num_failures: int = 0
+    num_retries: int = 0  # fetches made again because their connection dropped
 
     def record(self, num_bytes: int, started: float, connect_seconds: float = 0.0) -> FetchResult:
         result = FetchResult(num_bytes, time.perf_counter() - started, connect_seconds)
