@@ -91,8 +91,9 @@ class RequestClient:
         # Loop time a connect was first refused since the last connection was made (None: connected, or
         # nothing refused): nothing listens at the address, so whatever the peer held went with it.
         self.refused_since: float | None = None
-        self._reconnect_scheduled = False  # set as the connection drops: the next connect-retried event schedules
-        # the reconnect, it reports no refused connect
+        # Set as the connection drops: the connect-retried event that follows schedules the reconnect, it reports
+        # no refused connect.
+        self._reconnect_scheduled = False
         self._pending: dict[bytes, asyncio.Future] = {}
         self._corr_ids = itertools.count(1)
         self._handshake_lock: asyncio.Lock | None = None
