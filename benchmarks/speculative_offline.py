@@ -33,7 +33,10 @@ tok/s. Ratios: to the same system without speculation. Targets: never below 1.0x
 (greedy). Suffix decoding's cache of outputs fills as requests finish, and every run repeats prompts an
 earlier run answered (the same prompts, and each batch's first ones are the smaller batches'): -suffix is
 the best case of traffic that repeats itself exactly, -suffix-own what the request's own tokens bring.
---profile prints our engines' step phases per batch.
+--profile prints our engines' step phases per batch. Every engine, ours and vLLM's, gets the same KV pool
+(--kv-cache-gb): sized by each of ours from the memory free when it is made, the pools would differ, and the
+default one (5% of the free memory) is too small for batch 64 of the copy prompts, whose preemptions would be
+measured instead of speculation (a cell counts its requests' preemptions, where there were any).
 
 Writes benchmarks/results/speculative_offline.{json,md,png} (with --temperature above 0:
 speculative_offline_sampled.*).
@@ -83,7 +86,10 @@ def worker(args: argparse.Namespace) -> int:
     pin(args.threads)
     runs, max_tokens = spec["runs"], spec["max_tokens"]
     configs: dict[str, str | None] = json.loads(args.engine_configs)
-    llms = {name: LLM(model=args.model, max_num_seqs=max(len(r) for r in runs), speculative_config=config)
+    # One KV pool size for every engine, given: sized from the memory free when each is made, the later ones'
+    # would be smaller, and a pool too small for the batch preempts (counted in each cell).
+    llms = {name: LLM(model=args.model, max_num_seqs=max(len(r) for r in runs), speculative_config=config,
+                      kv_cache_memory_bytes=int(args.kv_cache_gb * (1 << 30)))
             for name, config in configs.items()}
     params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
     for llm in llms.values():
@@ -108,7 +114,8 @@ def timed_run(llm, prompts: list[list[int]], params) -> dict:
         spec_counts = {"draft_tokens": after.spec_decode.num_draft_tokens - before.spec_decode.num_draft_tokens,
                        "accepted_tokens": after.spec_decode.num_accepted_tokens - before.spec_decode.num_accepted_tokens}
     return {"num_requests": len(prompts), "elapsed_s": elapsed, "output_tokens_per_s": sum(map(len, tokens)) / elapsed,
-            "output_token_ids": tokens, "profile": step_profile(before, after), **spec_counts}
+            "output_token_ids": tokens, "profile": step_profile(before, after),
+            "preemptions": after.num_preemptions - before.num_preemptions, **spec_counts}
 
 
 # -- driver ---------------------------------------------------------------------------------------------------
@@ -123,6 +130,7 @@ def run_engines(engines: list[str], model: str, runs: list[list[list[int]]], arg
     prompts = tmp / "prompts.json"
     prompts.write_text(json.dumps({"runs": runs, "max_tokens": args.output_len}))
     common = ["--model", model, "--prompts", str(prompts), "--threads", str(args.threads),
+              "--kv-cache-gb", str(args.kv_cache_gb),
               "--temperature", str(args.temperature)]
     ours = {e: speculative_config(e, args) for e in engines if e.startswith("ours")}
     calls = [(list(ours), [sys.executable, __file__, "--worker", "--engine-configs", json.dumps(ours)])] if ours else []
@@ -131,7 +139,7 @@ def run_engines(engines: list[str], model: str, runs: list[list[list[int]]], arg
             print(f"  {engine}: skipped (run benchmarks/setup_vllm_cpu.sh to install it)")
             continue
         config = speculative_config(engine, args)
-        calls.append(([engine], [str(VLLM_PYTHON), str(ROOT / "benchmarks" / "peer_vllm.py"), "--kv-cache-gb", "4",
+        calls.append(([engine], [str(VLLM_PYTHON), str(ROOT / "benchmarks" / "peer_vllm.py"),
                                  *(["--speculative-config", config] if config else [])]))
     timed = {}
     for names, cmd in calls:
@@ -159,6 +167,8 @@ def cells(runs: list[dict], batches: list[int], repeats: int) -> dict[int, dict]
             cell["draft_tokens_per_output_token"] = drafted / sum(len(t) for r in group for t in r["output_token_ids"])
         if "profile" in group[0]:
             cell["profile"] = group[-1]["profile"]
+        if "preemptions" in group[0]:
+            cell["preemptions"] = sum(r["preemptions"] for r in group)
         cell["output_token_ids"] = group[0]["output_token_ids"]
         out[batch] = cell
     return out
@@ -190,6 +200,8 @@ def markdown(summary: dict) -> list[str]:
                     text += f" ({cell['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x)"
                 if cell.get("acceptance") is not None:
                     text += f", {100 * cell['acceptance']:.0f}% of {cell['draft_tokens_per_output_token']:.2f}"
+                if cell.get("preemptions"):
+                    text += f", {cell['preemptions']} preempted"
                 row.append(text)
             lines.append(f"| {batch} | " + " | ".join(row) + " |")
         for engine, agreed in result.get("agreement", {}).items():
@@ -236,6 +248,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--input-len", type=int, default=256, help="the random workload's prompt length")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--kv-cache-gb", type=int, default=4, help="every engine's KV pool, ours and vLLM's (GiB)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); above: sampled, unseeded")
     p.add_argument("--spec", default=SPEC, help="the --speculative-config of the -ngram engines")
     p.add_argument("--suffix-spec", default=SUFFIX_SPEC, help="the --speculative-config of the -suffix engines")
