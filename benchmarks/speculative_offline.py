@@ -86,10 +86,8 @@ def worker(args: argparse.Namespace) -> int:
     pin(args.threads)
     runs, max_tokens = spec["runs"], spec["max_tokens"]
     configs: dict[str, str | None] = json.loads(args.engine_configs)
-    # One KV pool size for every engine, given: sized from the memory free when each is made, the later ones'
-    # would be smaller, and a pool too small for the batch preempts (counted in each cell).
     llms = {name: LLM(model=args.model, max_num_seqs=max(len(r) for r in runs), speculative_config=config,
-                      kv_cache_memory_bytes=int(args.kv_cache_gb * (1 << 30)))
+                      kv_cache_memory_bytes=args.kv_cache_gb << 30)  # one pool size for all (see above)
             for name, config in configs.items()}
     params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
     for llm in llms.values():
